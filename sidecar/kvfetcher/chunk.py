@@ -1,0 +1,58 @@
+"""chunk: the whole path for one chunk — pack, encode, wrap; and unwrap, decode, unpack.
+
+This is the seam between the pure parts (layout, container) and the codec backends; the
+fetch pipeline uses the same per-segment steps to overlap downloads with decoding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import codecs, container, layout
+from .presets import Preset, get
+
+
+def encode_chunk(kv: torch.Tensor, preset: Preset | str, fingerprint: str, meta: dict | None = None) -> bytes:
+    """KV ``[layers, 2, kv_heads, tokens, head_dim]`` -> one self-describing stored object."""
+    p = get(preset) if isinstance(preset, str) else preset
+    packed = layout.pack(kv, p.layout)
+    enc = codecs.encoder(p.codec.format)
+    n = packed.frames.shape[0]
+    step = max(1, p.segment_frames)
+    segments = [((a, min(a + step, n)), enc.encode(packed.frames[a : a + step], p.codec)) for a in range(0, n, step)]
+    fields = {
+        "fingerprint": fingerprint,
+        "dtype": layout.dtype_name(kv.dtype),
+        "shape": list(kv.shape),
+        "preset": p.name,
+        "layout": p.layout.to_dict(),
+        "codec": p.codec.to_dict(),
+        "frame_shape": list(packed.geometry.frame_shape),
+        "meta": dict(meta or {}, encoder=enc.name),
+    }
+    return container.build(fields, packed.side, segments)
+
+
+def decode_chunk(
+    obj: bytes,
+    expected_fingerprint: str | None = None,
+    device: torch.device | str = "cpu",
+    out: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """A stored object -> KV on ``device`` (or written into ``out``).
+
+    Every checksum is verified and every segment decoded before ``out`` is touched, so a bad
+    object raises a :class:`container.ContainerError` and leaves the destination unchanged.
+    """
+    h = container.parse_header(obj)
+    container.check_fingerprint(h, expected_fingerprint)
+    if len(obj) < h.total_size:
+        raise container.TruncatedError(f"object is {len(obj)} bytes, header promises {h.total_size}")
+    if len(obj) > h.total_size:
+        raise container.CorruptError(f"object has {len(obj) - h.total_size} unexpected trailing bytes")
+    side = container.side_tensor(h, container.slice_segment(obj, h, h.side)) if h.side else None
+    dec = codecs.decoder(h.codec.format, device, backend)
+    frames = [container.decode_segment(h, s, container.slice_segment(obj, h, s), dec, device) for s in h.segments]
+    allframes = frames[0] if len(frames) == 1 else torch.cat(frames)
+    return layout.unpack(allframes, side, h.shape, h.torch_dtype, h.layout, out=out)

@@ -1,0 +1,54 @@
+"""The codec interface: uint8 planes <-> one bitstream, interchangeable backends per format.
+
+A *format* is what is stored (``hevc`` or ``raw``); a *backend* is what codes it
+(``x265``/``libavcodec`` on the CPU through PyAV, ``nvdec``/``nvenc`` on the GPU through
+PyNvVideoCodec, ``raw``). Any backend of a format decodes any other's bitstream of that
+format, so a chunk encoded on a CPU node decodes on NVDEC and vice versa.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Protocol
+
+import torch
+
+
+class CodecError(RuntimeError):
+    """A bitstream could not be coded or decoded (raised instead of returning bad planes)."""
+
+
+@dataclass(frozen=True)
+class CodecParams:
+    """Encoder settings, stored in the container header so a chunk says how it was made."""
+
+    format: str = "hevc"  # "hevc" | "raw"
+    lossless: bool = True
+    qp: int | None = None  # constant QP when lossy; None with lossless
+    speed: str = "fast"  # x265 preset
+    gop: int = 0  # frames between IDRs; 0 = one IDR at the start
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CodecParams":
+        return cls(**d)
+
+
+class Encoder(Protocol):
+    name: str
+    format: str
+
+    def encode(self, frames: torch.Tensor, params: CodecParams) -> bytes:
+        """``frames``: uint8 ``[n, planes, H, W]`` (planes 1 or 3) -> one bitstream."""
+        ...
+
+
+class Decoder(Protocol):
+    name: str
+    format: str
+
+    def decode(self, data: bytes, frame_shape: tuple[int, int, int, int], device: torch.device | str = "cpu") -> torch.Tensor:
+        """One bitstream -> uint8 ``frame_shape`` on ``device``; raises :class:`CodecError`."""
+        ...

