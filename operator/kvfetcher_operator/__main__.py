@@ -1,0 +1,35 @@
+"""`kvfetcher-operator`: run the kopf operator with this package's handlers, cluster-wide.
+
+Liveness is kopf's own probe endpoint (it fails when the watch streams die); /metrics is
+served by the handlers' startup on KVFETCHER_METRICS_PORT.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+import kopf
+
+from . import handlers  # noqa: F401  (registers the handlers)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="kvfetcher-operator", description=__doc__.splitlines()[0])
+    parser.add_argument("--liveness", default="http://0.0.0.0:8081/healthz", help="kopf's liveness endpoint URL")
+    parser.add_argument("--standalone", action="store_true", help="no peering (a single replica)")
+    parser.add_argument("--peering", default="kvfetcher-operator", help="the ClusterKopfPeering name")
+    parser.add_argument("--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(kopf.operator(
+        clusterwide=True,
+        standalone=args.standalone,
+        peering_name=args.peering,
+        liveness_endpoint=args.liveness,
+    ))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Pure builders from a KVCachePool (a dict as the API returns it) to the names and objects it owns.
+
+Nothing here talks to the API or reads the clock; handlers apply what these return. Random
+values (credentials, tokens, salts) come in through a `token` function so that a builder's
+output depends only on its inputs.
+"""
+from __future__ import annotations
+
+import base64
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+from . import spec as specs
+
+MAX_NAME = 40
+S3_PORT = 9000
+
+
+def name_problems(name: str) -> list[str]:
+    """The pool's own name feeds StatefulSet and Service names, which have their own limits."""
+    return [] if len(name) <= MAX_NAME else [
+        f"metadata.name: at most {MAX_NAME} characters (its MinIO StatefulSet and Services derive from it)"]
+
+
+def secret_name(pool_name: str) -> str:
+    return f"{pool_name}-kvfetcher"
+
+
+def minio_name(pool_name: str) -> str:
+    return f"{pool_name}-minio"
+
+
+def labels(pool_name: str, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "kvfetcher",
+        "app.kubernetes.io/instance": pool_name,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/managed-by": "kvfetcher-operator",
+        "kvfetcher.io/pool": pool_name,
+    }
+
+
+def owner_reference(pool: dict[str, Any]) -> dict[str, Any]:
+    """Makes a child garbage-collected with its pool."""
+    meta = pool["metadata"]
+    return {
+        "apiVersion": f"{specs.GROUP}/{specs.VERSION}",
+        "kind": specs.KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def child_meta(pool: dict[str, Any], name: str, component: str) -> dict[str, Any]:
+    meta = pool["metadata"]
+    return {
+        "name": name,
+        "namespace": meta["namespace"],
+        "labels": labels(meta["name"], component),
+        "ownerReferences": [owner_reference(pool)],
+    }
+
+
+def storage_location(pool: dict[str, Any]) -> tuple[str, str]:
+    """(S3 endpoint URL, bucket) that the sidecars and the operator use."""
+    storage = specs.with_defaults(pool["spec"])["storage"]
+    if "managed" in storage:
+        meta = pool["metadata"]
+        return f"http://{minio_name(meta['name'])}.{meta['namespace']}.svc:{S3_PORT}", storage["managed"]["bucket"]
+    external = storage["external"]
+    return external["endpoint"].rstrip("/"), external["bucket"]
+
+
+def secret_values(
+    pool: dict[str, Any],
+    existing: dict[str, str] | None,
+    token: Callable[[int], str] = secrets.token_urlsafe,
+) -> dict[str, str]:
+    """What the pool's Secret holds: kept values stay (rotating them would strand data), missing ones are made.
+
+    Managed storage gets generated MinIO root credentials; every pool gets the sidecar's auth
+    token and a tenant salt; endpoint and bucket are here so that pods read them by reference.
+    """
+    existing = dict(existing or {})
+    endpoint, bucket = storage_location(pool)
+    wanted: dict[str, Callable[[], str]] = {
+        "authToken": lambda: token(32),
+        "tenantSalt": lambda: token(16),
+    }
+    if "managed" in pool["spec"]["storage"]:
+        wanted["accessKey"] = lambda: "kvf" + token(12).replace("-", "").replace("_", "").lower()[:13]
+        wanted["secretKey"] = lambda: token(30)
+    values = {key: existing.get(key) or make() for key, make in wanted.items()}
+    values.update(endpoint=endpoint, bucket=bucket)
+    return values
+
+
+def secret(pool: dict[str, Any], values: dict[str, str]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": child_meta(pool, secret_name(pool["metadata"]["name"]), "credentials"),
+        "type": "Opaque",
+        "data": {k: base64.b64encode(v.encode()).decode() for k, v in sorted(values.items())},
+    }
+
+
+def decode_secret_data(data: dict[str, str] | None) -> dict[str, str]:
+    return {k: base64.b64decode(v).decode() for k, v in (data or {}).items()}

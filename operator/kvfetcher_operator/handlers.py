@@ -1,0 +1,281 @@
+"""Thin kopf handlers: validate, build, apply, probe storage, write status. Every step idempotent.
+
+create, update, resume (after an operator restart) and a periodic resync all run the same
+`reconcile`, so that whatever state a pool's children or storage are in, the next pass brings
+them to the spec and the status tells the truth. Storage that is not there yet makes the
+change handlers retry; an invalid spec does not (only a new spec can fix it).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import tempfile
+from typing import Any
+
+import kopf
+
+from . import bucket, builders, conditions, injection, kube, metrics, minio, webhook
+from . import spec as specs
+from .conditions import CONFIG_VALID, INJECTION_READY, READY, STORAGE_READY
+from .config import RESYNC_SECONDS, Config
+
+POOL = (specs.GROUP, specs.VERSION, specs.PLURAL)
+WEBHOOK_ID = "inject-sidecar"  # the URL path of the webhook: /inject-sidecar
+
+
+class StorageNotReady(Exception):
+    """Storage is not usable yet; `reason` becomes the StorageReady condition's reason."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    cfg = Config.from_env()
+    # Progress and diff-base live in annotations: status holds only what the CRD declares.
+    settings.persistence.finalizer = "kvfetcher.io/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kvfetcher.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="kvfetcher.io", key="last-handled-configuration")
+    settings.posting.level = logging.INFO
+    # The chart owns the MutatingWebhookConfiguration (failurePolicy Ignore); kopf only serves.
+    settings.admission.managed = None
+    settings.admission.server = webhook.Server(
+        addr=cfg.webhook_addr, port=cfg.webhook_port, certfile=cfg.webhook_cert, pkeyfile=cfg.webhook_key)
+    memo.cfg = cfg
+    memo.kube = kube.Kube.from_environment()
+    memo.metrics_server = metrics.serve(cfg.metrics_port, cfg.metrics_addr)
+
+
+@kopf.on.login()
+def login(**_: Any) -> kopf.ConnectionInfo:
+    return kube.Kube.from_environment().connection_info()
+
+
+@kopf.on.cleanup()
+def stop_metrics(memo: kopf.Memo, **_: Any) -> None:
+    server = memo.get("metrics_server")
+    if server is not None:
+        server.shutdown()
+        server.server_close()
+
+
+@kopf.index(*POOL)
+def pools(namespace: str, name: str, spec: Any, status: Any, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    """What the webhook needs of each pool, kept in memory so that admission makes no API call."""
+    return {(namespace, name): {"metadata": {"name": name, "namespace": namespace},
+                                "spec": copy.deepcopy(dict(spec)), "status": copy.deepcopy(dict(status))}}
+
+
+@kopf.index("pods", annotations={injection.INJECTED_ANNOTATION: kopf.PRESENT})
+def injected_pods(namespace: str, name: str, annotations: Any, **_: Any) -> dict[tuple[str, str], str]:
+    return {(namespace, annotations[injection.INJECTED_ANNOTATION]): name}
+
+
+def _first(store: Any) -> Any:
+    return next(iter(store), None) if store is not None else None
+
+
+@kopf.on.mutate("pods", id=WEBHOOK_ID, operations=["CREATE"], labels={injection.INJECT_LABEL: "true"},
+                ignore_failures=True)
+def inject(body: kopf.Body, patch: kopf.Patch, pools: kopf.Index, logger: logging.Logger, **_: Any) -> None:
+    pod = {"metadata": copy.deepcopy(dict(body.metadata)), "spec": copy.deepcopy(dict(body.spec))}
+    try:
+        namespace = pod["metadata"].get("namespace") or "default"
+        pool_name = (pod["metadata"].get("annotations") or {}).get(injection.POOL_ANNOTATION, "")
+        decision = injection.mutate(pod, _first(pools.get((namespace, pool_name))))
+    except Exception as e:  # never block a pod on our own bug
+        logger.exception("injection failed")
+        decision = injection.Decision(
+            {"metadata": {"annotations": {injection.SKIPPED_ANNOTATION: f"internal error: {e}"}}}, "error", str(e))
+    patch.update(decision.patch)
+    metrics.INJECTIONS.labels(decision.outcome).inc()
+    logger.info(f"{decision.outcome}: {decision.reason}")
+
+
+def _pool(body: kopf.Body) -> dict[str, Any]:
+    return {"metadata": copy.deepcopy(dict(body.metadata)), "spec": copy.deepcopy(dict(body.spec)),
+            "status": copy.deepcopy(dict(body.status))}
+
+
+def _ca_file(pool: dict[str, Any], k: kube.Kube, ref: dict[str, Any]) -> str:
+    secret = k.get("v1", "secrets", pool["metadata"]["namespace"], ref["name"])
+    data = builders.decode_secret_data((secret or {}).get("data"))
+    if ref["key"] not in data:
+        raise StorageNotReady("CASecretMissing", f"Secret {ref['name']} with key {ref['key']} not found")
+    path = os.path.join(tempfile.gettempdir(), f"kvfetcher-ca-{pool['metadata']['uid']}.pem")
+    with open(path, "w") as f:
+        f.write(data[ref["key"]])
+    return path
+
+
+def storage_target(pool: dict[str, Any], k: kube.Kube, values: dict[str, str]) -> bucket.Target:
+    """Where the bucket is and the credentials to reach it; StorageNotReady while it cannot be reached."""
+    spec = specs.with_defaults(pool["spec"])
+    endpoint, bucket_name = builders.storage_location(pool)
+    namespace = pool["metadata"]["namespace"]
+    if "managed" in spec["storage"]:
+        sts = k.get("apps/v1", "statefulsets", namespace, builders.minio_name(pool["metadata"]["name"]))
+        ready, wanted = minio.ready_replicas(sts)
+        if wanted == 0 or ready < wanted:
+            raise StorageNotReady("MinIOStarting", f"{ready}/{wanted or spec['storage']['managed']['replicas']} "
+                                                   f"MinIO replicas ready")
+        return bucket.Target(endpoint, bucket_name, values["accessKey"], values["secretKey"])
+    external = spec["storage"]["external"]
+    ref = external["credentialsSecretRef"]
+    secret = k.get("v1", "secrets", namespace, ref["name"])
+    if secret is None:
+        raise StorageNotReady("CredentialsMissing", f"Secret {namespace}/{ref['name']} not found")
+    creds = builders.decode_secret_data(secret.get("data"))
+    missing = [key for key in (ref["accessKeyKey"], ref["secretKeyKey"]) if not creds.get(key)]
+    if missing:
+        raise StorageNotReady("CredentialsMissing", f"Secret {namespace}/{ref['name']} lacks key(s) {missing}")
+    tls = external.get("tls") or {}
+    ca = _ca_file(pool, k, tls["caSecretRef"]) if tls.get("caSecretRef") else None
+    return bucket.Target(endpoint, bucket_name, creds[ref["accessKeyKey"]], creds[ref["secretKeyKey"]],
+                         region=external.get("region"), ca_file=ca, insecure=bool(tls.get("insecureSkipVerify")))
+
+
+def _announce(body: kopf.Body, before: list[dict[str, Any]], after: list[dict[str, Any]]) -> None:
+    """One Event per condition change, not per pass."""
+    for type_ in conditions.TYPES:
+        if conditions.changed(before, after, type_):
+            found = conditions.find(after, type_)
+            if found is None:
+                continue
+            post = kopf.info if found["status"] == "True" else kopf.warn
+            post(body, reason=found["reason"], message=f"{type_}={found['status']}: {found['message']}")
+
+
+def _write(patch: kopf.Patch, pool: dict[str, Any], conds: list[dict[str, Any]], phase: str,
+           injected: int, **fields: Any) -> None:
+    meta = pool["metadata"]
+    patch.status["conditions"] = conds
+    patch.status["phase"] = phase
+    patch.status["injectedPods"] = injected
+    if meta.get("generation") is not None:
+        patch.status["observedGeneration"] = meta["generation"]
+    for key, value in fields.items():
+        patch.status[key] = value
+    metrics.POOLS.set(meta["namespace"], meta["name"], phase)
+
+
+def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, injected_pods: kopf.Index,
+              retry_until_ready: bool) -> None:
+    pool = _pool(body)
+    meta, gen = pool["metadata"], pool["metadata"].get("generation")
+    before = pool["status"].get("conditions") or []
+    conds = before
+    injected = len(list(injected_pods.get((meta["namespace"], meta["name"]), [])))
+
+    issues = builders.name_problems(meta["name"]) + specs.problems(pool["spec"])
+    if issues:
+        conds = conditions.put(conds, CONFIG_VALID, False, "InvalidSpec", "; ".join(issues), gen)
+        conds = conditions.put(conds, READY, False, "ConfigInvalid", "the spec is invalid: see ConfigValid", gen)
+        _write(patch, pool, conds, "Failed", injected)
+        _announce(body, before, conds)
+        metrics.RECONCILE_ERRORS.labels("InvalidSpec").inc()
+        return
+    conds = conditions.put(conds, CONFIG_VALID, True, "Valid", "the spec is valid", gen)
+
+    k: kube.Kube = memo.kube
+    spec = specs.with_defaults(pool["spec"])
+    endpoint, bucket_name = builders.storage_location(pool)
+    secret_name = builders.secret_name(meta["name"])
+    error: StorageNotReady | None = None
+    try:
+        existing = k.get("v1", "secrets", meta["namespace"], secret_name)
+        values = builders.secret_values(pool, builders.decode_secret_data((existing or {}).get("data")))
+        k.apply(builders.secret(pool, values))
+        if "managed" in spec["storage"]:
+            for service in minio.services(pool):
+                k.apply(service)
+            k.apply(minio.statefulset(pool), mutable_spec=minio.MUTABLE_FIELDS)
+        target = storage_target(pool, k, values)
+        try:
+            bucket.ensure(target, spec["retention"]["ttlDays"])
+        except Exception as e:
+            raise StorageNotReady("BucketUnavailable", f"bucket {bucket_name} at {endpoint}: {e}") from e
+        conds = conditions.put(conds, STORAGE_READY, True, "BucketReady",
+                               f"bucket {bucket_name} at {endpoint} is ready; objects expire after "
+                               f"{spec['retention']['ttlDays']} days", gen)
+    except StorageNotReady as e:
+        error = e
+        conds = conditions.put(conds, STORAGE_READY, False, e.reason, str(e), gen)
+    except kopf.TemporaryError:
+        raise
+    except Exception as e:  # an API call failed: say so, and let kopf retry
+        error = StorageNotReady("ApplyFailed", f"{type(e).__name__}: {e}")
+        conds = conditions.put(conds, STORAGE_READY, False, error.reason, str(error), gen)
+
+    if spec["injection"]["enabled"]:
+        conds = conditions.put(conds, INJECTION_READY, True, "WebhookConfigured",
+                               f"pods labelled {injection.INJECT_LABEL}=true and annotated "
+                               f"{injection.POOL_ANNOTATION}={meta['name']} get the sidecar", gen)
+    else:
+        conds = conditions.put(conds, INJECTION_READY, True, "Disabled",
+                               "injection is disabled; clients reach the storage on their own", gen)
+    if error is None:
+        conds = conditions.put(conds, READY, True, "Ready", "storage is ready and pods can be injected", gen)
+        phase = "Ready"
+    else:
+        conds = conditions.put(conds, READY, False, error.reason, f"storage is not ready: {error}", gen)
+        phase = "Provisioning"
+        metrics.RECONCILE_ERRORS.labels(error.reason).inc()
+    _write(patch, pool, conds, phase, injected, endpoint=endpoint, bucket=bucket_name, secretName=secret_name)
+    _announce(body, before, conds)
+    if error is not None and retry_until_ready:
+        raise kopf.TemporaryError(str(error), delay=memo.cfg.retry_seconds)
+
+
+@kopf.on.resume(*POOL)
+@kopf.on.create(*POOL)
+@kopf.on.update(*POOL, field="spec")
+def on_change(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, injected_pods: kopf.Index, **_: Any) -> None:
+    reconcile(body, patch, memo, injected_pods, retry_until_ready=True)
+
+
+@kopf.timer(*POOL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
+def resync(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, injected_pods: kopf.Index, **_: Any) -> None:
+    """Catch drift the watch does not show: storage going away, children deleted, pods injected."""
+    reconcile(body, patch, memo, injected_pods, retry_until_ready=False)
+
+
+@kopf.on.delete(*POOL)
+def finalize(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, retry: int, **_: Any) -> None:
+    """Apply the data policy; the children themselves go with the pool through their owner references.
+
+    Retain keeps the data: for managed storage the PVCs stay (the StatefulSet's retention policy)
+    and the credentials Secret is released from the pool so the volumes stay readable. Delete
+    removes the data: the PVCs go with the StatefulSet, an external bucket is emptied and removed.
+    """
+    pool = _pool(body)
+    meta = pool["metadata"]
+    metrics.POOLS.set(meta["namespace"], meta["name"], "Terminating")
+    if specs.problems(pool["spec"]):
+        metrics.POOLS.forget(meta["namespace"], meta["name"])
+        return
+    spec = specs.with_defaults(pool["spec"])
+    policy = spec["retention"]["dataPolicy"]
+    k: kube.Kube = memo.kube
+    secret_name = builders.secret_name(meta["name"])
+    if policy == "Retain" and "managed" in spec["storage"]:
+        if k.get("v1", "secrets", meta["namespace"], secret_name) is not None:
+            k.patch("v1", "secrets", meta["namespace"], secret_name, {"metadata": {"ownerReferences": None}})
+            kopf.info(body, reason="DataRetained",
+                      message=f"volumes and Secret {secret_name} are kept (dataPolicy Retain)")
+    elif policy == "Delete" and "external" in spec["storage"]:
+        secret = k.get("v1", "secrets", meta["namespace"], secret_name)
+        values = builders.decode_secret_data((secret or {}).get("data"))
+        try:
+            removed = bucket.remove(storage_target(pool, k, values))
+        except Exception as e:
+            if retry < 5:
+                raise kopf.TemporaryError(f"bucket not removed yet: {e}", delay=memo.cfg.retry_seconds)
+            kopf.warn(body, reason="DataNotDeleted", message=f"gave up removing the bucket: {e}")
+        else:
+            kopf.info(body, reason="DataDeleted", message=f"bucket removed with {removed} objects")
+    metrics.POOLS.forget(meta["namespace"], meta["name"])

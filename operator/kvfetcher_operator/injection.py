@@ -1,0 +1,207 @@
+"""The pure pod mutation behind the admission webhook: add the kvfetcher sidecar to an opted-in pod.
+
+A pod opts in with the label `kvfetcher.io/inject=true` (the webhook's objectSelector, so other
+pods never reach us) and the annotation `kvfetcher.io/pool=<pool>` naming a pool in its own
+namespace (Secrets are read by reference, and references cannot cross namespaces).
+
+What the sidecar gets, and why:
+- It is a native sidecar (an init container with restartPolicy Always, Kubernetes 1.29+): it
+  is up, socket and all, before the model container starts, and does not keep Jobs alive.
+- It shares the model container's GPU without requesting one: a second `nvidia.com/gpu`
+  request would take a second GPU. With the device plugin it sees the node's GPUs through
+  NVIDIA_VISIBLE_DEVICES=all and opens the model's device by the UUID the model registers
+  over the socket; with DRA it is given the model container's resource claims instead.
+- NVIDIA_DRIVER_CAPABILITIES includes `video`, without which the runtime mounts no NVDEC library.
+- The pod's IPC namespace is shared by its containers already; CUDA IPC also needs the peer
+  process visible, hence shareProcessNamespace. The Unix socket lives on a shared emptyDir.
+- Endpoint, bucket, credentials, token and salt come from Secret references, never literals.
+
+A pod that cannot be injected is let through unchanged but for an annotation saying why:
+a missing or not-Ready pool never blocks a pod.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, NamedTuple
+
+from . import builders, conditions
+from . import spec as specs
+
+INJECT_LABEL = "kvfetcher.io/inject"
+POOL_ANNOTATION = "kvfetcher.io/pool"
+INJECTED_ANNOTATION = "kvfetcher.io/injected"
+SKIPPED_ANNOTATION = "kvfetcher.io/injection-skipped"
+CONTAINER = "kvfetcher"
+SOCKET_VOLUME = "kvfetcher-socket"
+CA_VOLUME = "kvfetcher-s3-ca"
+SOCKET_DIR = "/run/kvfetcher"
+SOCKET = f"{SOCKET_DIR}/kvfetcher.sock"
+CA_DIR = "/etc/kvfetcher/s3-ca"
+DEFAULT_RESOURCES = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "8Gi"}}
+
+
+class Decision(NamedTuple):
+    """A merge patch for the pod (possibly empty), and what happened: injected, skipped or unchanged."""
+    patch: dict[str, Any]
+    outcome: str
+    reason: str
+
+
+def _skip(reason: str) -> Decision:
+    return Decision({"metadata": {"annotations": {SKIPPED_ANNOTATION: reason}}}, "skipped", reason)
+
+
+def _secret_env(name: str, secret: str, key: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+
+
+def _model_container(containers: list[dict[str, Any]], wanted: str | None) -> dict[str, Any] | None:
+    if wanted:
+        return next((c for c in containers if c.get("name") == wanted), None)
+    def has_gpu(c: dict[str, Any]) -> bool:
+        limits = (c.get("resources") or {}).get("limits") or {}
+        return any(k.endswith("/gpu") for k in limits) or bool((c.get("resources") or {}).get("claims"))
+    return next((c for c in containers if has_gpu(c)), containers[0] if containers else None)
+
+
+def sidecar_env(pool: dict[str, Any]) -> list[dict[str, Any]]:
+    """The sidecar's environment: everything secret by reference, the codec settings as values."""
+    spec = specs.with_defaults(pool["spec"])
+    secret = builders.secret_name(pool["metadata"]["name"])
+    storage, codec = spec["storage"], spec["codec"]
+    if "managed" in storage:
+        access, secret_key = (secret, "accessKey"), (secret, "secretKey")
+    else:
+        ref = storage["external"]["credentialsSecretRef"]
+        access, secret_key = (ref["name"], ref["accessKeyKey"]), (ref["name"], ref["secretKeyKey"])
+    env = [
+        _secret_env("KVFETCHER_S3_ENDPOINT", secret, "endpoint"),
+        _secret_env("KVFETCHER_S3_BUCKET", secret, "bucket"),
+        _secret_env("KVFETCHER_S3_ACCESS_KEY", *access),
+        _secret_env("KVFETCHER_S3_SECRET_KEY", *secret_key),
+        _secret_env("KVFETCHER_AUTH_TOKEN", secret, "authToken"),
+    ]
+    tenancy = spec["tenancy"]
+    if tenancy["saltFrom"] == "Pool":
+        env.append(_secret_env("KVFETCHER_TENANT_SALT", secret, "tenantSalt"))
+    elif tenancy["saltFrom"] == "Secret":
+        env.append(_secret_env("KVFETCHER_TENANT_SALT", tenancy["secretRef"]["name"], tenancy["secretRef"]["key"]))
+    else:
+        label = tenancy["labelKey"]
+        env.append({"name": "KVFETCHER_TENANT_SALT",
+                    "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{label}']"}}})
+    env += [
+        {"name": "KVFETCHER_POOL", "value": pool["metadata"]["name"]},
+        {"name": "KVFETCHER_PRESET", "value": codec["defaultPreset"]},
+        {"name": "KVFETCHER_ALLOWED_PRESETS", "value": ",".join(codec["allowedPresets"])},
+        {"name": "KVFETCHER_CHUNK_TOKENS", "value": str(codec["chunkTokens"])},
+        {"name": "KVFETCHER_TTL_DAYS", "value": str(spec["retention"]["ttlDays"])},
+    ]
+    if "maxSize" in spec["retention"]:
+        env.append({"name": "KVFETCHER_MAX_BYTES", "value": str(specs.quantity_bytes(spec["retention"]["maxSize"]))})
+    external = storage.get("external") or {}
+    if external.get("region"):
+        env.append({"name": "KVFETCHER_S3_REGION", "value": external["region"]})
+    tls = external.get("tls") or {}
+    if tls.get("caSecretRef"):
+        env.append({"name": "KVFETCHER_S3_CA_FILE", "value": f"{CA_DIR}/{tls['caSecretRef']['key']}"})
+    if tls.get("insecureSkipVerify"):
+        env.append({"name": "KVFETCHER_S3_INSECURE", "value": "true"})
+    env.append({"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "compute,utility,video"})
+    return env
+
+
+def sidecar_container(pool: dict[str, Any], model: dict[str, Any] | None) -> dict[str, Any]:
+    spec = specs.with_defaults(pool["spec"])
+    side = spec["sidecar"]
+    port = side["port"]
+    resources = copy.deepcopy(side.get("resources") or DEFAULT_RESOURCES)
+    for part in ("requests", "limits"):  # a GPU request here would allocate a second GPU
+        if part in resources:
+            resources[part] = {k: v for k, v in resources[part].items() if not k.endswith("/gpu")}
+    env = sidecar_env(pool)
+    claims = ((model or {}).get("resources") or {}).get("claims")
+    if claims:
+        resources["claims"] = copy.deepcopy(claims)
+    else:
+        env.append({"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"})
+    mounts = [{"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR}]
+    if ((spec["storage"].get("external") or {}).get("tls") or {}).get("caSecretRef"):
+        mounts.append({"name": CA_VOLUME, "mountPath": CA_DIR, "readOnly": True})
+    return {
+        "name": CONTAINER,
+        "image": side["image"],
+        "imagePullPolicy": side["imagePullPolicy"],
+        "restartPolicy": "Always",
+        "args": ["serve", "--port", str(port), "--socket", SOCKET],
+        "ports": [{"name": "kvfetcher", "containerPort": port, "protocol": "TCP"}],
+        "env": env,
+        "resources": resources,
+        "volumeMounts": mounts,
+        "startupProbe": {"httpGet": {"path": "/healthz", "port": port}, "periodSeconds": 2, "failureThreshold": 60},
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": port}, "periodSeconds": 5},
+        "livenessProbe": {"httpGet": {"path": "/healthz", "port": port}, "periodSeconds": 10},
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+
+
+def mutate(pod: dict[str, Any], pool: dict[str, Any] | None) -> Decision:
+    """The merge patch that injects `pool`'s sidecar into `pod` (pool None: not found in the pod's namespace)."""
+    meta = pod.get("metadata") or {}
+    annotations = meta.get("annotations") or {}
+    spec = pod.get("spec") or {}
+    containers = spec.get("containers") or []
+    inits = spec.get("initContainers") or []
+    if any(c.get("name") == CONTAINER for c in containers + inits):
+        return Decision({}, "unchanged", "already injected")
+    pool_name = annotations.get(POOL_ANNOTATION)
+    if not pool_name:
+        return _skip(f"no {POOL_ANNOTATION} annotation names a KVCachePool")
+    namespace = meta.get("namespace") or "default"
+    if pool is None:
+        return _skip(f"KVCachePool {namespace}/{pool_name} not found")
+    pool_spec = specs.with_defaults(pool.get("spec") or {})
+    if not pool_spec["injection"]["enabled"]:
+        return _skip(f"KVCachePool {namespace}/{pool_name} has injection disabled")
+    status = pool.get("status") or {}
+    if not conditions.is_true(status.get("conditions"), conditions.READY):
+        return _skip(f"KVCachePool {namespace}/{pool_name} is not Ready (phase {status.get('phase', 'Pending')})")
+    model = _model_container(containers, pool_spec["injection"].get("modelContainer"))
+    if model is None:
+        wanted = pool_spec["injection"].get("modelContainer")
+        return _skip(f"model container {wanted!r} not found in the pod")
+
+    new_containers = copy.deepcopy(containers)
+    for c in new_containers:
+        if c.get("name") == model.get("name"):
+            c.setdefault("volumeMounts", []).append({"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR})
+            c.setdefault("env", []).append({"name": "KVFETCHER_SOCKET", "value": SOCKET})
+    volumes = copy.deepcopy(spec.get("volumes") or [])
+    volumes.append({"name": SOCKET_VOLUME, "emptyDir": {}})
+    ca = ((pool_spec["storage"].get("external") or {}).get("tls") or {}).get("caSecretRef")
+    if ca:
+        volumes.append({"name": CA_VOLUME, "secret": {"secretName": ca["name"],
+                                                      "items": [{"key": ca["key"], "path": ca["key"]}]}})
+    patch = {
+        "metadata": {"annotations": {INJECTED_ANNOTATION: pool_name, SKIPPED_ANNOTATION: None}},
+        "spec": {
+            "initContainers": [sidecar_container(pool, model)] + copy.deepcopy(inits),
+            "containers": new_containers,
+            "volumes": volumes,
+            "shareProcessNamespace": True,
+        },
+    }
+    return Decision(patch, "injected", f"sidecar of KVCachePool {namespace}/{pool_name} injected")
+
+
+def apply_merge_patch(target: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    """RFC 7386 merge patch (lists replaced, None deletes): what the API server makes of `mutate`'s patch."""
+    out = copy.deepcopy(target)
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict):
+            out[key] = apply_merge_patch(out.get(key) if isinstance(out.get(key), dict) else {}, value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out

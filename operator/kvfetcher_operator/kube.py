@@ -1,0 +1,107 @@
+"""A small generic Kubernetes REST client: get, create, patch and apply plain dict manifests.
+
+The builders speak dicts, so this goes straight to the REST paths over urllib3 rather than
+through the official client's typed models (whose calling conventions change between major
+versions). The official client is used for what it is stable at: reading in-cluster or
+kubeconfig credentials.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import kopf
+import kubernetes
+import urllib3
+
+PLURALS = {"Secret": "secrets", "Service": "services", "StatefulSet": "statefulsets"}
+MERGE = "application/merge-patch+json"
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"HTTP {status}: {body[:500]}")
+        self.status = status
+
+
+class Kube:
+    def __init__(self, configuration: kubernetes.client.Configuration) -> None:
+        self.cfg = configuration
+        self.http = urllib3.PoolManager(
+            cert_reqs="CERT_REQUIRED" if configuration.verify_ssl else "CERT_NONE",
+            ca_certs=configuration.ssl_ca_cert, cert_file=configuration.cert_file,
+            key_file=configuration.key_file, timeout=urllib3.Timeout(connect=5.0, read=30.0),
+            retries=urllib3.Retry(total=2, backoff_factor=0.2, allowed_methods=None, status_forcelist=()),
+        )
+
+    @classmethod
+    def from_environment(cls) -> "Kube":
+        configuration = kubernetes.client.Configuration()
+        try:
+            kubernetes.config.load_incluster_config(client_configuration=configuration)
+        except kubernetes.config.ConfigException:
+            # The client reads $KUBECONFIG once, at import; read it now.
+            kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG"),
+                                               client_configuration=configuration)
+        return cls(configuration)
+
+    def _authorization(self) -> str | None:
+        # Calls the refresh hook first, so rotating in-cluster tokens are re-read.
+        return self.cfg.get_api_key_with_prefix("authorization") or None
+
+    def connection_info(self) -> kopf.ConnectionInfo:
+        """The same credentials for kopf's own watches, so that both clients log in one way."""
+        scheme, _, token = (self._authorization() or "").partition(" ")
+        return kopf.ConnectionInfo(
+            server=self.cfg.host, ca_path=self.cfg.ssl_ca_cert, insecure=not self.cfg.verify_ssl,
+            scheme=scheme if token else None, token=token or None,
+            certificate_path=self.cfg.cert_file, private_key_path=self.cfg.key_file,
+        )
+
+    @staticmethod
+    def path(api_version: str, plural: str, namespace: str, name: str | None = None) -> str:
+        root = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+        return f"{root}/namespaces/{namespace}/{plural}" + (f"/{name}" if name else "")
+
+    def _call(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        auth = self._authorization()
+        if auth:
+            headers["Authorization"] = auth
+        data = None if body is None else json.dumps(body).encode()
+        response = self.http.request(method, self.cfg.host.rstrip("/") + path, body=data, headers=headers)
+        text = response.data.decode()
+        if response.status >= 300:
+            raise ApiError(response.status, text)
+        return json.loads(text) if text else None
+
+    def get(self, api_version: str, plural: str, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self._call("GET", self.path(api_version, plural, namespace, name))
+        except ApiError as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def patch(self, api_version: str, plural: str, namespace: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self._call("PATCH", self.path(api_version, plural, namespace, name), body, MERGE)
+
+    def apply(self, obj: dict[str, Any], mutable_spec: tuple[str, ...] | None = None) -> dict[str, Any]:
+        """Create `obj`, or bring an existing one to it with a merge patch.
+
+        `mutable_spec` names the only spec fields an update may touch (a StatefulSet's
+        volumeClaimTemplates, for one, are immutable).
+        """
+        meta = obj["metadata"]
+        plural = PLURALS[obj["kind"]]
+        try:
+            return self._call("POST", self.path(obj["apiVersion"], plural, meta["namespace"]), obj)
+        except ApiError as e:
+            if e.status != 409:
+                raise
+        update = {k: v for k, v in obj.items() if k not in ("apiVersion", "kind", "metadata", "spec")}
+        update["metadata"] = {"labels": meta.get("labels"), "ownerReferences": meta.get("ownerReferences")}
+        if "spec" in obj:
+            update["spec"] = {k: v for k, v in obj["spec"].items() if mutable_spec is None or k in mutable_spec}
+        return self.patch(obj["apiVersion"], plural, meta["namespace"], meta["name"], update)

@@ -1,0 +1,129 @@
+"""Pure builders for a pool's managed MinIO: a StatefulSet with its volume claims and two Services.
+
+One replica runs MinIO standalone; four or more run it distributed with erasure coding, the
+peers finding each other through the headless Service. The StatefulSet's PVC retention
+policy carries the pool's data policy, so that `Delete` removes the volumes with the pool
+and `Retain` keeps them for a later pool of the same name.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from . import builders
+from . import spec as specs
+
+CONSOLE_PORT = 9001
+DATA_PATH = "/data"
+
+
+def headless_name(pool_name: str) -> str:
+    return f"{builders.minio_name(pool_name)}-hl"
+
+
+def _managed(pool: dict[str, Any]) -> dict[str, Any]:
+    return specs.with_defaults(pool["spec"])["storage"]["managed"]
+
+
+def server_args(pool: dict[str, Any]) -> list[str]:
+    meta = pool["metadata"]
+    replicas = _managed(pool)["replicas"]
+    if replicas == 1:
+        target = DATA_PATH
+    else:
+        sts, hl = builders.minio_name(meta["name"]), headless_name(meta["name"])
+        target = f"http://{sts}-{{0...{replicas - 1}}}.{hl}.{meta['namespace']}.svc.cluster.local{DATA_PATH}"
+    return ["server", target, "--address", f":{builders.S3_PORT}", "--console-address", f":{CONSOLE_PORT}"]
+
+
+def services(pool: dict[str, Any]) -> list[dict[str, Any]]:
+    """The client Service (S3 on 9000) and the headless one that gives each replica a DNS name."""
+    name = pool["metadata"]["name"]
+    selector = builders.labels(name, "minio")
+    ports = [
+        {"name": "s3", "port": builders.S3_PORT, "targetPort": "s3", "protocol": "TCP"},
+        {"name": "console", "port": CONSOLE_PORT, "targetPort": "console", "protocol": "TCP"},
+    ]
+    client = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": builders.child_meta(pool, builders.minio_name(name), "minio"),
+        "spec": {"type": "ClusterIP", "selector": selector, "ports": ports},
+    }
+    headless = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": builders.child_meta(pool, headless_name(name), "minio"),
+        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": selector, "ports": ports},
+    }
+    return [client, headless]
+
+
+def statefulset(pool: dict[str, Any]) -> dict[str, Any]:
+    meta = pool["metadata"]
+    name = meta["name"]
+    managed = _managed(pool)
+    policy = specs.with_defaults(pool["spec"])["retention"]["dataPolicy"]
+    secret = builders.secret_name(name)
+    pod_labels = builders.labels(name, "minio")
+    probe = {"httpGet": {"path": "/minio/health/ready", "port": "s3"}, "periodSeconds": 10, "failureThreshold": 3}
+    claim_spec: dict[str, Any] = {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": managed["size"]}},
+    }
+    if managed.get("storageClassName"):
+        claim_spec["storageClassName"] = managed["storageClassName"]
+    container = {
+        "name": "minio",
+        "image": managed["image"],
+        "args": server_args(pool),
+        "env": [
+            {"name": "MINIO_ROOT_USER", "valueFrom": {"secretKeyRef": {"name": secret, "key": "accessKey"}}},
+            {"name": "MINIO_ROOT_PASSWORD", "valueFrom": {"secretKeyRef": {"name": secret, "key": "secretKey"}}},
+            {"name": "MINIO_PROMETHEUS_AUTH_TYPE", "value": "public"},
+        ],
+        "ports": [
+            {"name": "s3", "containerPort": builders.S3_PORT, "protocol": "TCP"},
+            {"name": "console", "containerPort": CONSOLE_PORT, "protocol": "TCP"},
+        ],
+        "readinessProbe": probe,
+        "livenessProbe": {**probe, "httpGet": {"path": "/minio/health/live", "port": "s3"}},
+        "volumeMounts": [{"name": "data", "mountPath": DATA_PATH}],
+        "resources": managed.get("resources") or {},
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": builders.child_meta(pool, builders.minio_name(name), "minio"),
+        "spec": {
+            "serviceName": headless_name(name),
+            "replicas": managed["replicas"],
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": pod_labels},
+            "persistentVolumeClaimRetentionPolicy": {"whenDeleted": policy, "whenScaled": "Retain"},
+            "template": {
+                "metadata": {"labels": pod_labels},
+                "spec": {
+                    "securityContext": {"runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000, "runAsNonRoot": True},
+                    "containers": [container],
+                },
+            },
+            "volumeClaimTemplates": [{
+                "apiVersion": "v1",
+                "kind": "PersistentVolumeClaim",
+                "metadata": {"name": "data", "labels": pod_labels},
+                "spec": claim_spec,
+            }],
+        },
+    }
+
+
+def ready_replicas(sts: dict[str, Any] | None) -> tuple[int, int]:
+    """(ready, wanted) replicas of a StatefulSet as the API reports it."""
+    if not sts:
+        return 0, 0
+    return int((sts.get("status") or {}).get("readyReplicas") or 0), int(sts["spec"].get("replicas") or 1)
+
+
+# A StatefulSet's spec is immutable except for these fields: updates patch only them.
+MUTABLE_FIELDS = ("replicas", "template", "persistentVolumeClaimRetentionPolicy", "updateStrategy", "minReadySeconds")

@@ -1,0 +1,152 @@
+"""Defaulting and validation of a KVCachePool spec, as pure functions.
+
+The CRD's structural schema and CEL rules reject most bad specs at the API server. The
+operator checks again because not every API server enforces them (CEL needs 1.25+, and a
+pool may predate a schema change) and because a rejected pool must still say why in its
+status (ConfigValid=False) rather than fail somewhere deeper. A test keeps DEFAULTS equal
+to the CRD's own defaults.
+"""
+from __future__ import annotations
+
+import copy
+import re
+from typing import Any
+
+GROUP = "kvfetcher.io"
+VERSION = "v1alpha1"
+PLURAL = "kvcachepools"
+KIND = "KVCachePool"
+
+PRESETS = ("exact", "q8", "balanced", "compact", "raw")
+DEFAULT_PRESETS = ("auto", *PRESETS)
+
+DEFAULTS: dict[str, Any] = {
+    "codec": {"defaultPreset": "auto", "allowedPresets": list(PRESETS), "chunkTokens": 256},
+    "injection": {"enabled": True},
+    "sidecar": {
+        "image": "ghcr.io/kvfetcher/kvfetcher-sidecar:0.1.0",
+        "imagePullPolicy": "IfNotPresent",
+        "port": 8500,
+    },
+    "retention": {"ttlDays": 7, "dataPolicy": "Retain"},
+    "tenancy": {"saltFrom": "Pool"},
+}
+MANAGED_DEFAULTS: dict[str, Any] = {
+    "replicas": 1,
+    "size": "50Gi",
+    "image": "quay.io/minio/minio:RELEASE.2025-04-22T22-12-26Z",
+    "bucket": "kvcache",
+}
+SECRET_REF_DEFAULTS = {
+    "credentialsSecretRef": {"accessKeyKey": "accessKey", "secretKeyKey": "secretKey"},
+}
+
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_ENDPOINT = re.compile(r"^https?://[^/\s]+/?$")
+_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
+          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
+
+
+def _merge(defaults: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(defaults)
+    for key, value in given.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def with_defaults(spec: dict[str, Any]) -> dict[str, Any]:
+    """The spec with every default the CRD declares filled in (the input is not changed)."""
+    out = _merge(DEFAULTS, spec or {})
+    storage = out.setdefault("storage", {})
+    if isinstance(storage.get("managed"), dict):
+        storage["managed"] = _merge(MANAGED_DEFAULTS, storage["managed"])
+    if isinstance(storage.get("external"), dict):
+        external = _merge(SECRET_REF_DEFAULTS, storage["external"])
+        tls = external.get("tls")
+        if isinstance(tls, dict):
+            tls.setdefault("insecureSkipVerify", False)
+            if isinstance(tls.get("caSecretRef"), dict):
+                tls["caSecretRef"].setdefault("key", "ca.crt")
+        storage["external"] = external
+    tenancy = out["tenancy"]
+    if isinstance(tenancy.get("secretRef"), dict):
+        tenancy["secretRef"].setdefault("key", "salt")
+    return out
+
+
+def quantity_bytes(text: str) -> int:
+    """A Kubernetes quantity such as '50Gi' in bytes."""
+    match = _QUANTITY.match(text)
+    if not match:
+        raise ValueError(f"not a quantity: {text!r}")
+    number = text[: match.start(2)] if match.group(2) else text
+    return int(float(number) * _UNITS[match.group(2) or ""])
+
+
+def problems(spec: dict[str, Any]) -> list[str]:
+    """Every reason the (defaulted) spec is unusable; empty when it is valid."""
+    spec = with_defaults(spec)
+    out: list[str] = []
+    storage = spec.get("storage") or {}
+    managed, external = storage.get("managed"), storage.get("external")
+    if (managed is None) == (external is None):
+        out.append("set exactly one of storage.managed or storage.external")
+    if isinstance(managed, dict):
+        replicas = managed["replicas"]
+        if not isinstance(replicas, int) or not (replicas == 1 or 4 <= replicas <= 32):
+            out.append("storage.managed.replicas: MinIO runs standalone (1) or distributed (4 to 32)")
+        if not _QUANTITY.match(str(managed["size"])):
+            out.append(f"storage.managed.size: {managed['size']!r} is not a quantity such as 50Gi")
+        if not _BUCKET.match(str(managed["bucket"])):
+            out.append(f"storage.managed.bucket: {managed['bucket']!r} is not a valid bucket name")
+    if isinstance(external, dict):
+        if not _ENDPOINT.match(str(external.get("endpoint", ""))):
+            out.append("storage.external.endpoint: must be an http(s)://host[:port] URL")
+        if not _BUCKET.match(str(external.get("bucket", ""))):
+            out.append(f"storage.external.bucket: {external.get('bucket')!r} is not a valid bucket name")
+        if not (external.get("credentialsSecretRef") or {}).get("name"):
+            out.append("storage.external.credentialsSecretRef.name is required")
+        tls = external.get("tls")
+        if tls is not None:
+            if not str(external.get("endpoint", "")).startswith("https://"):
+                out.append("storage.external.tls needs an https:// endpoint")
+            if tls.get("caSecretRef") and tls.get("insecureSkipVerify"):
+                out.append("storage.external.tls: caSecretRef and insecureSkipVerify exclude each other")
+
+    codec = spec["codec"]
+    allowed = codec["allowedPresets"]
+    unknown = [p for p in allowed if p not in PRESETS]
+    if unknown or not allowed:
+        out.append(f"codec.allowedPresets: must be a non-empty subset of {list(PRESETS)}")
+    if codec["defaultPreset"] not in DEFAULT_PRESETS:
+        out.append(f"codec.defaultPreset: {codec['defaultPreset']!r} is not one of {list(DEFAULT_PRESETS)}")
+    elif codec["defaultPreset"] != "auto" and codec["defaultPreset"] not in allowed:
+        out.append("codec.defaultPreset must be auto or one of codec.allowedPresets")
+    chunk = codec["chunkTokens"]
+    if not isinstance(chunk, int) or not 16 <= chunk <= 8192 or chunk % 16:
+        out.append("codec.chunkTokens: must be a multiple of 16 between 16 and 8192")
+
+    port = spec["sidecar"]["port"]
+    if not isinstance(port, int) or not 1024 <= port <= 65535:
+        out.append("sidecar.port: must be between 1024 and 65535")
+
+    retention = spec["retention"]
+    if not isinstance(retention["ttlDays"], int) or not 1 <= retention["ttlDays"] <= 3650:
+        out.append("retention.ttlDays: must be between 1 and 3650")
+    if "maxSize" in retention and not _QUANTITY.match(str(retention["maxSize"])):
+        out.append(f"retention.maxSize: {retention['maxSize']!r} is not a quantity such as 500Gi")
+    if retention["dataPolicy"] not in ("Retain", "Delete"):
+        out.append("retention.dataPolicy: must be Retain or Delete")
+
+    tenancy = spec["tenancy"]
+    if tenancy["saltFrom"] not in ("Pool", "PodLabel", "Secret"):
+        out.append("tenancy.saltFrom: must be Pool, PodLabel or Secret")
+    if tenancy["saltFrom"] == "PodLabel" and not tenancy.get("labelKey"):
+        out.append("tenancy.labelKey is required when saltFrom is PodLabel")
+    if tenancy["saltFrom"] == "Secret" and not tenancy.get("secretRef"):
+        out.append("tenancy.secretRef is required when saltFrom is Secret")
+    return out

@@ -1,0 +1,149 @@
+"""Fixtures for the control-plane tests: real servers on loopback, nothing patched in.
+
+- `s3`: a moto S3 server process-thread (real HTTP, speaks the S3 API the MinIO SDK uses).
+- `kmock` (from the kmock plugin): a Kubernetes API emulator over real HTTP.
+- `operator`: the kopf operator with this repo's handlers, run cluster-wide against kmock
+  through a kubeconfig, its webhook on HTTPS with a certificate made here, its /metrics on
+  a free port.
+"""
+from __future__ import annotations
+
+import asyncio
+import datetime
+import ipaddress
+import os
+import socket
+import threading
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("KVFETCHER_RESYNC_SECONDS", "2")  # read when the handlers are imported
+
+import aiohttp
+import kmock as kmocklib
+import pytest
+import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from moto.server import ThreadedMotoServer
+from op_helpers import Api, declare_resources
+
+REPO = Path(__file__).resolve().parents[2]
+CRD_PATH = REPO / "crds" / "kvcachepools.kvfetcher.io.yaml"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def crd() -> dict[str, Any]:
+    return yaml.safe_load(CRD_PATH.read_text())
+
+
+@pytest.fixture(scope="session")
+def pool_schema(crd: dict[str, Any]) -> dict[str, Any]:
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+@pytest.fixture(scope="session")
+def s3() -> Iterator[str]:
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def tls(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A CA and a server certificate for 127.0.0.1/localhost, as a cluster's cert-manager would issue."""
+    out = tmp_path_factory.mktemp("tls")
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvfetcher-test-ca")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+          .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvfetcher-webhook")]))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([
+                x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    paths = {"ca": out / "ca.crt", "cert": out / "tls.crt", "key": out / "tls.key"}
+    paths["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths["key"].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()))
+    return paths
+
+
+@pytest.fixture()
+async def api(kmock: kmocklib.KubernetesEmulator) -> AsyncIterator[Api]:
+    declare_resources(kmock)
+    async with aiohttp.ClientSession(base_url=str(kmock.url)) as session:
+        yield Api(session, kmock)
+
+
+@pytest.fixture()
+async def operator(api: Api, kmock: kmocklib.KubernetesEmulator, tls: dict[str, Path], tmp_path: Path,
+                   monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[dict[str, Any]]:
+    """The operator, cluster-wide, against the emulator; yields where its webhook and metrics listen."""
+    import kopf
+
+    from kvfetcher_operator import handlers  # noqa: F401  (registers the handlers)
+
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
+        "clusters": [{"name": "kmock", "cluster": {"server": str(kmock.url).rstrip("/")}}],
+        "users": [{"name": "kmock", "user": {"token": "test"}}],
+        "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock"}}],
+    }))
+    ports = {"webhook": free_port(), "metrics": free_port()}
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    monkeypatch.setenv("KVFETCHER_WEBHOOK_ADDR", "127.0.0.1")
+    monkeypatch.setenv("KVFETCHER_WEBHOOK_PORT", str(ports["webhook"]))
+    monkeypatch.setenv("KVFETCHER_WEBHOOK_CERT", str(tls["cert"]))
+    monkeypatch.setenv("KVFETCHER_WEBHOOK_KEY", str(tls["key"]))
+    monkeypatch.setenv("KVFETCHER_METRICS_ADDR", "127.0.0.1")
+    monkeypatch.setenv("KVFETCHER_METRICS_PORT", str(ports["metrics"]))
+    monkeypatch.setenv("KVFETCHER_RETRY_SECONDS", "0.3")
+
+    # kopf owns its event loop (it cancels every task left in it when it stops): give it a thread.
+    stop, ready = threading.Event(), threading.Event()
+    thread = threading.Thread(target=asyncio.run, daemon=True, args=(
+        kopf.operator(clusterwide=True, standalone=True, stop_flag=stop, ready_flag=ready),))
+    thread.start()
+    assert await asyncio.to_thread(ready.wait, 20), "the operator did not start"
+    await wait_listening(ports["webhook"])
+    yield {"webhook": f"https://127.0.0.1:{ports['webhook']}", "metrics": f"http://127.0.0.1:{ports['metrics']}",
+           "ca": tls["ca"]}
+    stop.set()
+    await asyncio.to_thread(thread.join, 20)
+    assert not thread.is_alive(), "the operator did not stop"
+
+
+async def wait_listening(port: int, timeout: float = 15) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            return
+        except OSError:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+
+

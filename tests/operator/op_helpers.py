@@ -1,0 +1,97 @@
+"""Helpers shared by the operator tests (a module, not fixtures, so tests can import them)."""
+from __future__ import annotations
+
+import asyncio
+import base64
+from typing import Any
+
+import aiohttp
+import kmock as kmocklib
+
+from kvfetcher_operator import conditions
+
+POOLS = "kvfetcher.io/v1alpha1/kvcachepools"
+
+
+def declare_resources(kmock: kmocklib.KubernetesEmulator) -> None:
+    kmock.resources[POOLS] = kmocklib.ResourceInfo(
+        kind="KVCachePool", singular="kvcachepool", namespaced=True, shortnames={"kvp"},
+        verbs={"list", "watch", "get", "create", "patch", "update", "delete"}, subresources={"status"})
+    for res, kind in [("v1/pods", "Pod"), ("v1/secrets", "Secret"), ("v1/services", "Service"),
+                      ("v1/events", "Event"), ("apps/v1/statefulsets", "StatefulSet")]:
+        kmock.resources[res] = kmocklib.ResourceInfo(
+            kind=kind, namespaced=True, verbs={"list", "watch", "get", "create", "patch", "update", "delete"})
+    # kopf's observers wait for these two before they start any watch, even cluster-wide.
+    kmock.resources["v1/namespaces"] = kmocklib.ResourceInfo(kind="Namespace", namespaced=False,
+                                                             verbs={"list", "watch", "get"})
+    kmock.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = kmocklib.ResourceInfo(
+        kind="CustomResourceDefinition", namespaced=False, verbs={"list", "watch", "get"})
+
+
+class Api:
+    """A plain HTTP client for the emulator, as kubectl would talk to a cluster."""
+
+    def __init__(self, session: aiohttp.ClientSession, emulator: kmocklib.KubernetesEmulator) -> None:
+        self.session = session
+        self.emulator = emulator
+
+    @staticmethod
+    def url(resource: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
+        group_version, plural = resource.rsplit("/", 1)
+        root = "/api/v1" if group_version == "v1" else f"/apis/{group_version}"
+        return f"{root}/namespaces/{namespace}/{plural}" + (f"/{name}" if name else "") + (f"/{sub}" if sub else "")
+
+    async def create(self, resource: str, obj: dict[str, Any]) -> dict[str, Any]:
+        async with self.session.post(self.url(resource, obj["metadata"]["namespace"]), json=obj) as r:
+            assert r.status < 300, await r.text()
+            return await r.json()
+
+    async def get(self, resource: str, namespace: str, name: str) -> dict[str, Any] | None:
+        async with self.session.get(self.url(resource, namespace, name)) as r:
+            return None if r.status == 404 else await r.json()
+
+    async def patch(self, resource: str, namespace: str, name: str, body: dict[str, Any],
+                    sub: str | None = None) -> dict[str, Any]:
+        headers = {"Content-Type": "application/merge-patch+json"}
+        async with self.session.patch(self.url(resource, namespace, name, sub), json=body, headers=headers) as r:
+            assert r.status < 300, await r.text()
+            return await r.json()
+
+    async def delete(self, resource: str, namespace: str, name: str) -> None:
+        async with self.session.delete(self.url(resource, namespace, name)) as r:
+            assert r.status < 300, await r.text()
+
+    async def wait_for(self, resource: str, namespace: str, name: str, check: Any, timeout: float = 20) -> dict:
+        """Poll until `check(obj)` holds (obj may be None once deleted); fail with the last state."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        obj = None
+        while asyncio.get_running_loop().time() < deadline:
+            obj = await self.get(resource, namespace, name)
+            if check(obj):
+                return obj
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"timed out waiting on {resource} {namespace}/{name}; last state: {obj}")
+
+
+def external_pool(name: str, endpoint: str, bucket: str, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "kvfetcher.io/v1alpha1", "kind": "KVCachePool",
+        "metadata": {"name": name, "namespace": "default", "uid": f"uid-{name}", "generation": 1,
+                     "resourceVersion": "1"},
+        "spec": {"storage": {"external": {"endpoint": endpoint, "bucket": bucket,
+                                          "credentialsSecretRef": {"name": "s3-creds"}}}, **spec},
+    }
+
+
+def s3_secret(namespace: str = "default") -> dict[str, Any]:
+    enc = lambda s: base64.b64encode(s.encode()).decode()  # noqa: E731
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3-creds", "namespace": namespace},
+            "data": {"accessKey": enc("testing"), "secretKey": enc("testing")}}
+
+
+def cond(obj: dict[str, Any] | None, type_: str) -> dict[str, Any]:
+    return conditions.find(((obj or {}).get("status") or {}).get("conditions"), type_) or {}
+
+
+def is_ready(obj: dict[str, Any] | None) -> bool:
+    return cond(obj, "Ready").get("status") == "True"
