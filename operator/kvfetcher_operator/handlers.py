@@ -46,6 +46,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.admission.server = webhook.Server(
         addr=cfg.webhook_addr, port=cfg.webhook_port, certfile=cfg.webhook_cert, pkeyfile=cfg.webhook_key)
     memo.cfg = cfg
+    metrics.POOLS.by_pool.clear()  # phases are re-learnt as the pools are resumed
     memo.kube = kube.Kube.from_environment()
     memo.metrics_server = metrics.serve(cfg.metrics_port, cfg.metrics_addr)
 

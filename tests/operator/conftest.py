@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import ipaddress
 import os
@@ -95,14 +96,17 @@ async def api(kmock: kmocklib.KubernetesEmulator) -> AsyncIterator[Api]:
         yield Api(session, kmock)
 
 
-@pytest.fixture()
-async def operator(api: Api, kmock: kmocklib.KubernetesEmulator, tls: dict[str, Path], tmp_path: Path,
-                   monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[dict[str, Any]]:
+@contextlib.asynccontextmanager
+async def run_operator(request: pytest.FixtureRequest) -> AsyncIterator[dict[str, Any]]:
     """The operator, cluster-wide, against the emulator; yields where its webhook and metrics listen."""
     import kopf
 
     from kvfetcher_operator import handlers  # noqa: F401  (registers the handlers)
 
+    kmock = request.getfixturevalue("kmock")
+    tls: dict[str, Path] = request.getfixturevalue("tls")
+    tmp_path: Path = request.getfixturevalue("tmp_path")
+    monkeypatch: pytest.MonkeyPatch = request.getfixturevalue("monkeypatch")
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(yaml.safe_dump({
         "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
@@ -125,13 +129,21 @@ async def operator(api: Api, kmock: kmocklib.KubernetesEmulator, tls: dict[str, 
     thread = threading.Thread(target=asyncio.run, daemon=True, args=(
         kopf.operator(clusterwide=True, standalone=True, stop_flag=stop, ready_flag=ready),))
     thread.start()
-    assert await asyncio.to_thread(ready.wait, 20), "the operator did not start"
-    await wait_listening(ports["webhook"])
-    yield {"webhook": f"https://127.0.0.1:{ports['webhook']}", "metrics": f"http://127.0.0.1:{ports['metrics']}",
-           "ca": tls["ca"]}
-    stop.set()
-    await asyncio.to_thread(thread.join, 20)
+    try:
+        assert await asyncio.to_thread(ready.wait, 20), "the operator did not start"
+        await wait_listening(ports["webhook"])
+        yield {"webhook": f"https://127.0.0.1:{ports['webhook']}",
+               "metrics": f"http://127.0.0.1:{ports['metrics']}", "ca": tls["ca"]}
+    finally:
+        stop.set()
+        await asyncio.to_thread(thread.join, 20)
     assert not thread.is_alive(), "the operator did not stop"
+
+
+@pytest.fixture()
+async def operator(api: Api, request: pytest.FixtureRequest) -> AsyncIterator[dict[str, Any]]:
+    async with run_operator(request) as running:
+        yield running
 
 
 async def wait_listening(port: int, timeout: float = 15) -> None:
