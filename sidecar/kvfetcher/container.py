@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import layout
-from .codecs.base import CodecError, CodecParams
+from .codecs.base import FORMATS, CodecError, CodecParams
 
 MAGIC = b"KVFC"
 FORMAT_VERSION = 1
@@ -220,6 +220,8 @@ def parse_header(data: bytes) -> Header:
 
 def _check_consistent(h: Header) -> None:
     """The header must describe exactly the frames its layout implies, covered once."""
+    if h.codec.format not in FORMATS:
+        raise CorruptError(f"unknown bitstream format {h.codec.format!r}")
     try:
         geo = layout.geometry(h.shape, h.torch_dtype, h.layout)
     except ValueError as e:

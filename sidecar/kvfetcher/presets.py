@@ -6,7 +6,9 @@ shipped model); ``kvfetcher presets --json`` prints them next to the parameters.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from .codecs.base import CodecParams
 from .layout import LayoutParams
@@ -65,3 +67,15 @@ def get(name: str) -> Preset:
         return PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None
+
+
+#: Figures written by bench/codec_bench.py, shipped so ``kvfetcher presets`` can show them.
+MEASURED_FILE = Path(__file__).parent / "data" / "presets_measured.json"
+
+
+def measured(name: str) -> dict | None:
+    """The last benchmarked ratio/accuracy/throughput of a preset, or None if never measured."""
+    try:
+        return json.loads(MEASURED_FILE.read_text()).get(name)
+    except FileNotFoundError:
+        return None

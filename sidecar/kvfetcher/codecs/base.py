@@ -14,6 +14,10 @@ from typing import Protocol
 import torch
 
 
+#: Bitstream formats a container may hold.
+FORMATS = ("hevc", "raw")
+
+
 class CodecError(RuntimeError):
     """A bitstream could not be coded or decoded (raised instead of returning bad planes)."""
 

@@ -1,0 +1,99 @@
+"""kvfetcher command line: ``eval`` and ``presets`` here; ``serve`` and ``demo`` register theirs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from . import accuracy, codecs
+
+    text = Path(args.text).read_text() if args.text else None
+    report = accuracy.evaluate(args.preset, tokens=args.tokens, text=text, chunk_tokens=args.chunk_tokens)
+    s = report.summary()
+    s["codec_backend"] = _backend_name(args.preset, codecs.capabilities())
+    if not args.per_prompt:
+        s.pop("per_prompt")
+    if args.json:
+        print(json.dumps(s, indent=None if args.compact else 2))
+    else:
+        for k, v in s.items():
+            print(f"{k:>22}: {v}")
+    return 0
+
+
+def _backend_name(preset: str, caps: dict) -> str:
+    from .presets import get
+
+    fmt = get(preset).codec.format
+    if fmt == "raw":
+        return "raw"
+    enc = "nvenc" if caps.get("nvenc") else "x265"
+    dec = "libavcodec"  # eval restores on the CPU; NVDEC is measured by bench/nvdec_bench.py
+    return f"{enc}+{dec}"
+
+
+def _presets(args: argparse.Namespace) -> int:
+    from .presets import PRESETS, measured
+
+    rows = [dict(p.to_dict(), measured=measured(p.name)) for p in PRESETS.values()]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for r in rows:
+            m = r["measured"] or {}
+            print(f"{r['name']:>9}  ratio {m.get('ratio_vs_fp16', '?')}  agreement {m.get('greedy_agreement', '?')}  {r['summary']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvfetcher", description=__doc__)
+    ap.add_argument("-v", "--verbose", action="store_true")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    ev = sub.add_parser("eval", help="round-trip the real model's KV through a preset and measure it")
+    ev.add_argument("--text", help="text file to prefill (default: the shipped prompt set)")
+    ev.add_argument("--tokens", type=int, default=512)
+    ev.add_argument("--preset", default="q8")
+    ev.add_argument("--chunk-tokens", type=int, default=256)
+    ev.add_argument("--json", action="store_true")
+    ev.add_argument("--compact", action="store_true", help="one-line JSON")
+    ev.add_argument("--per-prompt", action="store_true")
+    ev.set_defaults(func=_eval)
+
+    pr = sub.add_parser("presets", help="list presets with their parameters and measured figures")
+    pr.add_argument("--json", action="store_true")
+    pr.set_defaults(func=_presets)
+
+    for register in _plugins():
+        register(sub)
+    return ap
+
+
+def _plugins():
+    """Subcommands that live beside their code: a module with ``register_cli(subparsers)``."""
+    found = []
+    for mod in ("server", "demo"):
+        try:
+            m = __import__(f"kvfetcher.{mod}", fromlist=["register_cli"])
+        except ModuleNotFoundError as e:
+            if e.name != f"kvfetcher.{mod}":
+                raise
+            continue
+        if hasattr(m, "register_cli"):
+            found.append(m.register_cli)
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

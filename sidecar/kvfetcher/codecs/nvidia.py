@@ -1,0 +1,142 @@
+"""HEVC on NVIDIA video engines through PyNvVideoCodec: NVDEC decode, NVENC encode.
+
+NVDEC is a fixed-function unit: decoding here takes no streaming multiprocessors from the
+model. Decoded frames stay in GPU memory and are copied (one device-to-device copy per frame)
+into the uint8 planes the layout unpacks; with ``OutputColorType.NATIVE`` a 4:4:4 frame comes
+back planar as ``[3*H, W]`` and a 4:2:0 frame as NV12 ``[H*3/2, W]`` whose first ``H`` rows
+are luma. The bitstream is handed to PyNvVideoCodec's demuxer from memory, so no file is
+written. NVENC is absent on A100/H100/H200; :func:`probe` finds out rather than assumes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import CodecError, CodecParams
+
+_nvc = None
+
+
+def _lib():
+    global _nvc
+    if _nvc is None:
+        import PyNvVideoCodec as nvc  # noqa: N813
+
+        _nvc = nvc
+    return _nvc
+
+
+def probe(gpu: int = 0) -> tuple[bool, bool]:
+    """(has NVDEC for HEVC, has NVENC for HEVC) on ``gpu``, by trying to open each."""
+    nvc = _lib()
+    nvdec = nvenc = False
+    try:
+        nvc.CreateDecoder(gpuid=gpu, codec=nvc.cudaVideoCodec.HEVC, cudacontext=0, cudastream=0, usedevicememory=True)
+        nvdec = True
+    except Exception:
+        nvdec = False
+    try:
+        nvc.CreateEncoder(256, 256, "YUV444", True, codec="hevc", gpu_id=gpu)
+        nvenc = True
+    except Exception:
+        nvenc = False
+    return nvdec, nvenc
+
+
+class _Feeder:
+    """Hands an in-memory bitstream to the demuxer's read callback, chunk by chunk."""
+
+    def __init__(self, data: bytes):
+        self.data = memoryview(data)
+        self.pos = 0
+
+    def __call__(self, buf) -> int:
+        n = min(len(buf), len(self.data) - self.pos)
+        if n > 0:
+            buf[:n] = self.data[self.pos : self.pos + n]
+            self.pos += n
+        return n
+
+
+class NvdecDecoder:
+    name = "nvdec"
+    format = "hevc"
+
+    def __init__(self, gpu: int = 0):
+        self.gpu = gpu
+
+    def _decoder(self, codec_id):
+        nvc = _lib()
+        stream = torch.cuda.current_stream(self.gpu).cuda_stream
+        return nvc.CreateDecoder(
+            gpuid=self.gpu,
+            codec=codec_id,
+            cudacontext=0,
+            cudastream=stream,
+            usedevicememory=True,
+            outputColorType=nvc.OutputColorType.NATIVE,
+        )
+
+    def decode(self, data: bytes, frame_shape: tuple[int, int, int, int], device: torch.device | str = "cpu") -> torch.Tensor:
+        n, planes, h, w = frame_shape
+        dev = torch.device("cuda", self.gpu)
+        out = torch.empty(frame_shape, dtype=torch.uint8, device=dev)
+        got = 0
+        try:
+            with torch.cuda.device(self.gpu):
+                dmx = _lib().CreateDemuxer(_Feeder(data))
+                dec = self._decoder(dmx.GetNvCodecId())
+                for packet in dmx:
+                    for frame in dec.Decode(packet):
+                        if got >= n:
+                            raise CodecError(f"bitstream holds more than the {n} frames announced")
+                        got += self._copy(frame, out[got], planes, h, w)
+        except CodecError:
+            raise
+        except Exception as e:  # the bindings raise plain RuntimeError/ValueError
+            raise CodecError(f"NVDEC decode failed: {type(e).__name__}: {e}") from e
+        if got != n:
+            raise CodecError(f"bitstream decoded to {got} frames, expected {n}")
+        return out if torch.device(device) == dev else out.to(device)
+
+    @staticmethod
+    def _copy(frame, dst: torch.Tensor, planes: int, h: int, w: int) -> int:
+        src = torch.from_dlpack(frame)
+        if src.dim() == 3:  # some versions add a trailing channel dim of 1
+            src = src.reshape(src.shape[0], src.shape[1])
+        need = planes * h if planes == 3 else h
+        if src.shape[0] < need or src.shape[1] < w:
+            raise CodecError(f"NVDEC frame {tuple(src.shape)} too small for {planes}x{h}x{w}")
+        dst.copy_(src[:need, :w].reshape(planes, h, w))
+        return 1
+
+
+class NvencEncoder:
+    """NVENC encode (GPUs with NVENC only: L4, L40S, RTX; none on A100/H100/H200)."""
+
+    name = "nvenc"
+    format = "hevc"
+
+    def __init__(self, gpu: int = 0):
+        self.gpu = gpu
+
+    def encode(self, frames: torch.Tensor, params: CodecParams) -> bytes:
+        n, planes, h, w = frames.shape
+        fmt = "YUV444" if planes == 3 else "NV12"
+        opts = {"codec": "hevc", "gpu_id": self.gpu, "gop": params.gop or 100000, "bf": 0}
+        if params.lossless:
+            opts["tuning_info"] = "lossless"
+        else:
+            opts.update({"rc": "constqp", "constqp": params.qp})
+        enc = _lib().CreateEncoder(w, h, fmt, True, **opts)
+        out = bytearray()
+        host = frames.to("cpu").contiguous()
+        for i in range(n):
+            if planes == 3:
+                buf = host[i].reshape(3 * h, w).numpy()
+            else:
+                chroma = torch.full((h // 2, w), 128, dtype=torch.uint8)
+                buf = torch.cat([host[i, 0], chroma]).numpy()
+            out += bytes(enc.Encode(buf))
+        out += bytes(enc.EndEncode())
+        return bytes(out)

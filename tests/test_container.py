@@ -1,0 +1,119 @@
+"""Every kind of bad stored object raises its own error and never yields (or writes) a tensor."""
+
+import json
+import struct
+import zlib
+
+import pytest
+import torch
+
+from kvtest import synthetic_kv
+from kvfetcher import container
+from kvfetcher.chunk import decode_chunk, encode_chunk
+
+FP = "test-model/fp16"
+
+
+@pytest.fixture(scope="module")
+def obj():
+    return encode_chunk(synthetic_kv(tokens=64), "q8", FP)
+
+
+def _rewrite_header(obj: bytes, edit) -> bytes:
+    h = container.parse_header(obj)
+    d = json.loads(obj[container.PREFIX_SIZE : h.header_size])
+    edit(d)
+    hb = json.dumps(d).encode()
+    prefix = struct.pack("<4sHHII", b"KVFC", 1, 0, len(hb), zlib.crc32(hb))
+    return prefix + hb + obj[h.header_size :]
+
+
+def test_round_trip_and_header(obj):
+    kv = synthetic_kv(tokens=64)
+    h = container.parse_header(obj)
+    assert h.fingerprint == FP and h.preset == "q8" and h.shape == tuple(kv.shape)
+    assert h.total_size == len(obj) and len(h.segments) >= 1
+    back = decode_chunk(obj, FP)
+    assert back.shape == kv.shape and (back.float() - kv.float()).abs().max() < 0.1
+
+
+def test_exact_preset_is_bit_exact():
+    kv = synthetic_kv(tokens=50, dtype=torch.bfloat16)
+    back = decode_chunk(encode_chunk(kv, "exact", FP), FP)
+    assert torch.equal(back.view(torch.uint8), kv.view(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    "mangle, error",
+    [
+        (lambda b: b"PK\x03\x04" + b[4:], container.ForeignObjectError),
+        (lambda b: b"", container.TruncatedError),
+        (lambda b: b[:10], container.TruncatedError),
+        (lambda b: b[:40], container.TruncatedError),
+        (lambda b: b[:-1], container.TruncatedError),
+        (lambda b: b + b"\x00", container.CorruptError),
+        (lambda b: b[:4] + struct.pack("<H", 2) + b[6:], container.FutureVersionError),
+        (lambda b: b[:4] + struct.pack("<H", 0) + b[6:], container.CorruptError),
+        (lambda b: b[:20] + bytes([b[20] ^ 1]) + b[21:], container.CorruptError),  # header byte
+        (lambda b: b[:-100] + bytes([b[-100] ^ 0x40]) + b[-99:], container.CorruptError),  # video byte
+    ],
+)
+def test_bad_objects_raise_specific_errors(obj, mangle, error):
+    with pytest.raises(error):
+        decode_chunk(mangle(obj), FP)
+
+
+def test_corrupt_side_information_is_caught(obj):
+    h = container.parse_header(obj)
+    at = h.header_size + h.side.offset + 7
+    bad = obj[:at] + bytes([obj[at] ^ 0xFF]) + obj[at + 1 :]
+    with pytest.raises(container.CorruptError):
+        decode_chunk(bad, FP)
+
+
+@pytest.mark.parametrize(
+    "edit, error",
+    [
+        (lambda d: d.update(layout_version=99), container.FutureVersionError),
+        (lambda d: d.update(dtype="int8"), container.CorruptError),
+        (lambda d: d.pop("shape"), container.CorruptError),
+        (lambda d: d.update(frame_shape=[1, 3, 144, 144]), container.CorruptError),
+        (lambda d: d["segments"].pop(), container.CorruptError),
+        (lambda d: d.update(side=None), container.CorruptError),
+        (lambda d: d["codec"].update(format="av1"), container.CorruptError),
+    ],
+)
+def test_well_checksummed_but_inconsistent_headers_are_refused(obj, edit, error):
+    with pytest.raises(error):
+        decode_chunk(_rewrite_header(obj, edit), FP)
+
+
+def test_bitstream_that_does_not_decode_is_corrupt(obj):
+    """Valid checksums over a broken bitstream (e.g. written by a buggy encoder) still fail."""
+    h = container.parse_header(obj)
+    seg = h.segments[0]
+    junk = bytes(range(256)) * (seg.length // 256 + 1)
+    junk = junk[: seg.length]
+
+    def edit(d):
+        d["segments"][0]["crc32"] = zlib.crc32(junk)
+
+    start = h.header_size + seg.offset
+    swapped = obj[:start] + junk + obj[start + seg.length :]
+    with pytest.raises(container.CorruptError):
+        decode_chunk(_rewrite_header(swapped, edit), FP)
+
+
+def test_foreign_model_is_refused(obj):
+    with pytest.raises(container.FingerprintMismatchError):
+        decode_chunk(obj, "another-model/fp16")
+
+
+def test_destination_is_untouched_when_an_object_is_bad(obj):
+    kv = synthetic_kv(tokens=64)
+    out = torch.full(kv.shape, 7.0, dtype=kv.dtype)
+    with pytest.raises(container.ContainerError):
+        decode_chunk(obj[:-5], FP, out=out)
+    assert torch.all(out == 7.0)
+    decode_chunk(obj, FP, out=out)
+    assert not torch.all(out == 7.0)

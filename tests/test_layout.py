@@ -1,0 +1,63 @@
+import pytest
+import torch
+
+from kvtest import synthetic_kv
+from kvfetcher import layout
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("planes", [1, 3])
+def test_exact_round_trip_is_bit_exact(dtype, planes):
+    kv = synthetic_kv(tokens=77, dtype=dtype)
+    kv.view(-1)[:4] = torch.tensor([0.0, -0.0, float("inf"), -1e-7]).to(dtype)  # signs, specials
+    p = layout.LayoutParams(mode="exact", planes=planes)
+    packed = layout.pack(kv, p)
+    assert packed.frames.dtype == torch.uint8 and packed.side is None
+    back = layout.unpack(packed.frames, None, kv.shape, dtype, p)
+    assert torch.equal(back.view(torch.uint8), kv.view(torch.uint8))
+
+
+@pytest.mark.parametrize("bits", [8, 6, 4])
+def test_quant_error_is_within_half_a_step(bits):
+    kv = synthetic_kv(tokens=256, dtype=torch.float32)
+    p = layout.LayoutParams(mode="quant", bits=bits)
+    packed = layout.pack(kv, p)
+    assert int(packed.frames.max()) <= (1 << bits) - 1
+    back = layout.unpack(packed.frames, packed.side, kv.shape, kv.dtype, p)
+    step = packed.side[..., 1].unsqueeze(3)  # [L, 2, H, 1, D]
+    assert torch.all((back - kv).abs() <= step * 0.5 + 1e-5)
+
+
+def test_constant_channel_is_restored_exactly():
+    kv = synthetic_kv(tokens=32, dtype=torch.float32)
+    kv[1, 0, 1, :, 5] = 2.5
+    p = layout.LayoutParams(mode="quant")
+    packed = layout.pack(kv, p)
+    back = layout.unpack(packed.frames, packed.side, kv.shape, kv.dtype, p)
+    assert torch.all(back[1, 0, 1, :, 5] == 2.5)
+
+
+def test_unpack_writes_into_a_strided_destination_view():
+    kv = synthetic_kv(tokens=40)
+    p = layout.LayoutParams(mode="exact")
+    packed = layout.pack(kv, p)
+    buffers = torch.zeros(kv.shape[0], 2, kv.shape[2], 100, kv.shape[4], dtype=kv.dtype)  # room for 100 tokens
+    view = buffers[:, :, :, 30:70]
+    layout.unpack(packed.frames, None, kv.shape, kv.dtype, p, out=view)
+    assert torch.equal(buffers[:, :, :, 30:70], kv)
+    assert buffers[:, :, :, :30].abs().sum() == 0 and buffers[:, :, :, 70:].abs().sum() == 0
+
+
+def test_frames_are_large_enough_for_nvdec_and_aligned():
+    geo = layout.geometry((2, 2, 1, 5, 16), torch.float16, layout.LayoutParams(mode="quant"))
+    n, planes, h, w = geo.frame_shape
+    assert h >= 144 and w >= 144 and h % 8 == 0 and w % 8 == 0
+
+
+def test_bad_shapes_and_dtypes_are_refused():
+    with pytest.raises(ValueError):
+        layout.pack(torch.zeros(2, 3, 1, 4, 8), layout.LayoutParams())
+    with pytest.raises(ValueError):
+        layout.pack(torch.zeros(2, 2, 1, 4, 8, dtype=torch.int32), layout.LayoutParams())
+    with pytest.raises(ValueError):
+        layout.LayoutParams(bits=9)
