@@ -1,0 +1,123 @@
+"""The KVCachePool CRD: a valid Kubernetes object, the examples pass it, bad pools fail it, and
+the operator's own validation and defaults agree with it."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from crd_check import apply_defaults, validate
+
+from kvfetcher_operator import spec as specs
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def pool(spec: dict[str, Any], name: str = "p") -> dict[str, Any]:
+    return {"apiVersion": "kvfetcher.io/v1alpha1", "kind": "KVCachePool",
+            "metadata": {"name": name, "namespace": "default"}, "spec": spec}
+
+
+MANAGED = {"storage": {"managed": {}}}
+EXTERNAL = {"storage": {"external": {"endpoint": "https://s3.example.com", "bucket": "kv-cache",
+                                     "credentialsSecretRef": {"name": "creds"}}}}
+
+
+def test_crd_is_a_valid_kubernetes_1_30_object(crd: dict[str, Any]) -> None:
+    kubernetes_validate.validate(crd, "1.30.0", strict=True)
+    version = crd["spec"]["versions"][0]
+    assert crd["spec"]["names"]["shortNames"] == ["kvp"]
+    assert version["subresources"] == {"status": {}}
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns["Ready"] == '.status.conditions[?(@.type=="Ready")].status'
+
+
+def example_pools() -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for path in sorted((REPO / "examples").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("kind") == "KVCachePool":
+                out.append((path.name, doc))
+    return out
+
+
+@pytest.mark.parametrize("name,doc", example_pools(), ids=[n for n, _ in example_pools()])
+def test_example_pools_pass_the_crd_and_the_operator(name: str, doc: dict[str, Any],
+                                                     pool_schema: dict[str, Any]) -> None:
+    assert validate(pool_schema, doc) == []
+    assert specs.problems(doc["spec"]) == []
+
+
+def test_other_examples_are_valid_kubernetes_objects() -> None:
+    docs = [d for p in sorted((REPO / "examples").glob("*.yaml"))
+            for d in yaml.safe_load_all(p.read_text()) if d and d.get("kind") != "KVCachePool"]
+    assert {d["kind"] for d in docs} == {"Secret", "Deployment"}
+    for doc in docs:
+        kubernetes_validate.validate(doc, "1.30.0", strict=True)
+
+
+@pytest.mark.parametrize("base", [MANAGED, EXTERNAL], ids=["managed", "external"])
+def test_operator_defaults_equal_the_crd_defaults(base: dict[str, Any], pool_schema: dict[str, Any]) -> None:
+    from_crd = apply_defaults(pool_schema, pool(base))["spec"]
+    assert specs.with_defaults(base) == from_crd
+
+
+def _with(base: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    spec = copy.deepcopy(base)
+    *parents, leaf = path.split(".")
+    node = spec
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = value
+    return spec
+
+
+BAD = [
+    ("both storages", {"storage": {**MANAGED["storage"], **EXTERNAL["storage"]}}, "exactly one"),
+    ("no storage kind", {"storage": {}}, "exactly one"),
+    ("2 MinIO replicas", _with(MANAGED, "storage.managed.replicas", 2), "replicas"),
+    ("bad size", _with(MANAGED, "storage.managed.size", "lots"), "size"),
+    ("bad bucket", _with(EXTERNAL, "storage.external.bucket", "Has_Caps"), "bucket"),
+    ("endpoint with path", _with(EXTERNAL, "storage.external.endpoint", "https://s3/x/y"), "endpoint"),
+    ("tls on http", _with(_with(EXTERNAL, "storage.external.endpoint", "http://s3:9000"),
+                          "storage.external.tls", {"insecureSkipVerify": True}), "https"),
+    ("ca and insecure", _with(EXTERNAL, "storage.external.tls",
+                              {"insecureSkipVerify": True, "caSecretRef": {"name": "ca"}}), "exclude"),
+    ("unknown preset", _with(MANAGED, "codec.defaultPreset", "lossy"), "defaultPreset"),
+    ("default outside allowed", _with(MANAGED, "codec", {"defaultPreset": "compact", "allowedPresets": ["q8"]}),
+     "defaultPreset"),
+    ("auto is not a preset to allow", _with(MANAGED, "codec.allowedPresets", ["auto"]), "allowedPresets"),
+    ("no presets", _with(MANAGED, "codec.allowedPresets", []), "allowedPresets"),
+    ("odd chunk", _with(MANAGED, "codec.chunkTokens", 100), "chunkTokens"),
+    ("tiny chunk", _with(MANAGED, "codec.chunkTokens", 8), "chunkTokens"),
+    ("privileged port", _with(MANAGED, "sidecar.port", 80), "port"),
+    ("zero ttl", _with(MANAGED, "retention.ttlDays", 0), "ttlDays"),
+    ("bad maxSize", _with(MANAGED, "retention.maxSize", "1 TB"), "maxSize"),
+    ("bad policy", _with(MANAGED, "retention.dataPolicy", "Archive"), "dataPolicy"),
+    ("label salt without label", _with(MANAGED, "tenancy.saltFrom", "PodLabel"), "labelKey"),
+    ("secret salt without secret", _with(MANAGED, "tenancy.saltFrom", "Secret"), "secretRef"),
+]
+
+
+@pytest.mark.parametrize("case,spec,word", BAD, ids=[c for c, _, _ in BAD])
+def test_bad_pools_are_refused_by_the_crd_and_by_the_operator(case: str, spec: dict[str, Any], word: str,
+                                                               pool_schema: dict[str, Any]) -> None:
+    crd_errors = validate(pool_schema, pool(spec))
+    assert crd_errors, f"the CRD accepted: {case}"
+    operator_errors = specs.problems(spec)
+    assert any(word in e for e in operator_errors), operator_errors
+
+
+def test_long_names_are_refused(pool_schema: dict[str, Any]) -> None:
+    assert validate(pool_schema, pool(MANAGED, name="x" * 41))
+    assert validate(pool_schema, pool(MANAGED, name="x" * 40)) == []
+
+
+def test_quantities() -> None:
+    assert specs.quantity_bytes("50Gi") == 50 * 2**30
+    assert specs.quantity_bytes("1.5T") == 1_500_000_000_000
+    with pytest.raises(ValueError):
+        specs.quantity_bytes("1 TB")
