@@ -1,0 +1,175 @@
+"""The Helm chart, rendered by a real Helm engine (helm-python-sdk, Helm v4 in a shared library):
+several value sets render, lint clean in strict mode and give only manifests that pass strict
+Kubernetes 1.30 schema validation; values.schema.json refuses bad values."""
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import Any
+
+import helm_python
+import kubernetes_validate
+import pytest
+import yaml
+from cryptography import x509
+
+from kvfetcher_operator import handlers, injection
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "kvfetcher"
+NAMESPACE = "kvfetcher-system"
+
+VALUE_SETS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "cert-manager-own-issuer": {
+        "webhook": {"port": 10443, "certificates": {"mode": "certManager",
+                                                    "certManager": {"issuerRef": {"name": "ca", "kind": "ClusterIssuer"}}},
+                    "namespaceSelector": {"matchLabels": {"gpu": "true"}}},
+        "metrics": {"port": 9090, "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
+        "grafanaDashboard": {"enabled": False},
+        "operator": {"verbose": True, "retrySeconds": 5},
+    },
+    "cert-manager-self-signed": {
+        "webhook": {"certificates": {"mode": "certManager"}},
+        "serviceAccount": {"create": False, "name": "kvf-operator"},
+        "image": {"repository": "registry.local/kvf-operator", "tag": "dev", "pullPolicy": "Always"},
+        "imagePullSecrets": [{"name": "regcred"}],
+        "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    },
+}
+# Kinds from other projects' CRDs (cert-manager, Prometheus Operator): no bundled schema to check against.
+FOREIGN = {"Certificate", "Issuer", "ServiceMonitor", "PodMonitor"}
+
+
+@pytest.fixture(scope="module")
+def chart() -> helm_python.Chart:
+    return helm_python.Chart.load(str(CHART))
+
+
+def render(chart: helm_python.Chart, values: dict[str, Any]) -> list[dict[str, Any]]:
+    out = chart.render(values, name="kvf", namespace=NAMESPACE, is_install=True)
+    return [doc for text in out.values() for doc in yaml.safe_load_all(text) if doc]
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_renders_lint_clean_and_valid_for_kubernetes_1_30(chart: helm_python.Chart, name: str) -> None:
+    values = VALUE_SETS[name]
+    report = helm_python.lint(str(CHART), values, strict=True, kube_version="v1.30.0", namespace=NAMESPACE)
+    assert report["errors"] == [] and all(m["severity"] < 2 for m in report["messages"]), report
+    docs = render(chart, values)
+    kinds = {d["kind"] for d in docs}
+    assert {"Deployment", "ClusterRole", "ClusterRoleBinding", "Service", "MutatingWebhookConfiguration"} <= kinds
+    for doc in docs:
+        if doc["kind"] in FOREIGN:
+            assert doc["apiVersion"] in ("cert-manager.io/v1", "monitoring.coreos.com/v1") and doc["spec"]
+        else:
+            kubernetes_validate.validate(doc, "1.30.0", strict=True)
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def test_webhook_points_at_the_operator_handler_and_never_blocks(chart: helm_python.Chart) -> None:
+    docs = render(chart, {})
+    (config,) = by_kind(docs, "MutatingWebhookConfiguration")
+    (hook,) = config["webhooks"]
+    assert hook["failurePolicy"] == "Ignore" and hook["sideEffects"] == "None"
+    assert hook["clientConfig"]["service"]["path"] == f"/{handlers.WEBHOOK_ID}"
+    assert hook["objectSelector"] == {"matchLabels": {injection.INJECT_LABEL: "true"}}
+    assert hook["rules"][0]["operations"] == ["CREATE"] and hook["rules"][0]["resources"] == ["pods"]
+    assert {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": [NAMESPACE]} in \
+        hook["namespaceSelector"]["matchExpressions"]
+
+    # Self-signed mode: the serving certificate is for the webhook Service and chains to the caBundle.
+    (secret,) = [s for s in by_kind(docs, "Secret") if s["type"] == "kubernetes.io/tls"]
+    ca_pem = base64.b64decode(hook["clientConfig"]["caBundle"])
+    assert ca_pem == base64.b64decode(secret["data"]["ca.crt"])
+    ca = x509.load_pem_x509_certificate(ca_pem)
+    cert = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
+    cert.verify_directly_issued_by(ca)
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    assert f"kvf-kvfetcher-webhook.{NAMESPACE}.svc" in sans
+    (service,) = [s for s in by_kind(docs, "Service") if s["metadata"]["name"] == "kvf-kvfetcher-webhook"]
+    assert service["spec"]["ports"][0]["port"] == 443
+
+
+def test_cert_manager_mode_injects_the_ca_instead(chart: helm_python.Chart) -> None:
+    docs = render(chart, VALUE_SETS["cert-manager-self-signed"])
+    (config,) = by_kind(docs, "MutatingWebhookConfiguration")
+    assert config["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == f"{NAMESPACE}/kvf-kvfetcher-webhook"
+    assert "caBundle" not in config["webhooks"][0]["clientConfig"]
+    (cert,) = by_kind(docs, "Certificate")
+    assert cert["spec"]["secretName"] == "kvf-kvfetcher-webhook-tls"
+    assert cert["spec"]["issuerRef"]["name"] == by_kind(docs, "Issuer")[0]["metadata"]["name"]
+    assert not [s for s in by_kind(docs, "Secret")]  # cert-manager writes it
+    own = render(chart, VALUE_SETS["cert-manager-own-issuer"])
+    assert not by_kind(own, "Issuer") and by_kind(own, "Certificate")[0]["spec"]["issuerRef"]["kind"] == "ClusterIssuer"
+
+
+def test_rbac_is_least_privilege(chart: helm_python.Chart) -> None:
+    (role,) = by_kind(render(chart, {}), "ClusterRole")
+    granted = {(g, r): set(rule["verbs"]) for rule in role["rules"]
+               for g in rule["apiGroups"] for r in rule["resources"]}
+    assert not any("*" in str(rule) for rule in role["rules"])
+    assert granted[("", "secrets")] == {"get", "create", "patch"}  # never list or watch every Secret
+    assert granted[("", "pods")] == {"list", "watch"}
+    assert "delete" not in set().union(*granted.values())  # children go by owner references
+
+
+def test_deployment_wires_the_operator(chart: helm_python.Chart) -> None:
+    docs = render(chart, VALUE_SETS["cert-manager-own-issuer"])
+    (deployment,) = by_kind(docs, "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["KVFETCHER_WEBHOOK_PORT"] == "10443" and env["KVFETCHER_METRICS_PORT"] == "9090"
+    assert env["KVFETCHER_RETRY_SECONDS"] == "5"
+    assert "--verbose" in container["args"] and "--standalone" in container["args"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    (monitor,) = by_kind(docs, "ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    assert by_kind(docs, "PodMonitor")[0]["spec"]["podMetricsEndpoints"][0]["port"] == "kvfetcher"
+    assert not by_kind(docs, "ConfigMap")  # dashboard off in this set
+
+
+def test_dashboard_covers_the_sidecar_metrics(chart: helm_python.Chart) -> None:
+    (configmap,) = by_kind(render(chart, {}), "ConfigMap")
+    dashboard = json.loads(configmap["data"]["kvfetcher-sidecar.json"])
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
+    for metric in ("kvfetcher_lookups_total", "kvfetcher_hit_tokens_total", "kvfetcher_fetch_seconds_bucket",
+                   "kvfetcher_store_seconds_bucket", "kvfetcher_bytes_read_total", "kvfetcher_bytes_written_total",
+                   "kvfetcher_compression_ratio", "kvfetcher_decode_bytes_per_second",
+                   "kvfetcher_preset_decisions_total", "kvfetcher_fallbacks_total", "kvfetcher_errors_total",
+                   "kvfetcher_store_queue_depth"):
+        assert metric in exprs, metric
+    assert "by (preset)" in exprs and exprs.count("by (reason)") == 2
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+
+
+def test_chart_crd_is_the_same_file_as_crds() -> None:
+    assert (CHART / "crds" / "kvcachepools.kvfetcher.io.yaml").read_bytes() == \
+        (REPO / "crds" / "kvcachepools.kvfetcher.io.yaml").read_bytes()
+    assert sorted(p.name for p in (CHART / "crds").iterdir()) == sorted(p.name for p in (REPO / "crds").iterdir())
+
+
+def test_chart_ships_the_crd(chart: helm_python.Chart) -> None:
+    crds = chart.crds
+    text = json.dumps(crds) if not isinstance(crds, str) else crds
+    assert "kvcachepools.kvfetcher.io" in text
+
+
+@pytest.mark.parametrize("values", [
+    {"webhook": {"certificates": {"mode": "manual"}}},
+    {"webhook": {"port": 443}},
+    {"metrics": {"port": "8080"}},
+    {"operator": {"retrySeconds": 0}},
+    {"replicaCount": 2},
+    {"image": {"repository": ""}},
+    {"metrics": {"serviceMonitor": {"interval": "often"}}},
+    {"webhook": {"certificates": {"mode": "certManager", "certManager": {"issuerRef": {"kind": "Vault"}}}}},
+], ids=["cert-mode", "privileged-port", "port-as-string", "zero-retry", "unknown-key", "empty-image",
+        "bad-interval", "issuer-kind"])
+def test_values_schema_refuses_bad_values(chart: helm_python.Chart, values: dict[str, Any]) -> None:
+    with pytest.raises(helm_python.HelmValuesError, match="don't meet the specifications of the schema"):
+        chart.render(values, name="kvf", namespace=NAMESPACE, is_install=True)
