@@ -1,0 +1,108 @@
+"""choice: per fetch, pick a stored representation — or recompute — with a cost model.
+
+The model is deliberately small: a fetch of ``B`` stored bytes restoring ``K`` bytes of KV
+takes ``latency + max(B / bandwidth, K / decode_rate[format])`` (download and decode are
+pipelined, so the slower stage dominates), and whatever prefix it does not restore is
+recomputed at the model's prefill rate. The option with the least total time wins; recompute
+of everything is always an option, so a fetch is never planned to be slower than recompute.
+
+``choose`` is pure; :class:`Estimator` holds the measured rates (EWMA per store endpoint and
+per bitstream format) that feed it, and is updated from every fetch's actual timings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+RECOMPUTE = "recompute"
+
+#: KV bytes restored per second by decoding, before anything is measured (CPU figures; NVDEC ~0.5 GB/s)
+DECODE_PRIOR = {"raw": 2e9, "hevc": 2.5e7}
+GPU_DECODE_PRIOR = {"raw": 2e10, "hevc": 5e8}
+
+
+@dataclass(frozen=True)
+class Rates:
+    bandwidth_Bps: float  # stored bytes per second from the store endpoint
+    latency_s: float  # first-byte latency of a request
+    decode_Bps: Mapping[str, float]  # KV bytes restored per second, by bitstream format
+    recompute_tps: float  # tokens per second the model prefills
+
+
+@dataclass(frozen=True)
+class Decision:
+    preset: str  # a preset name, or RECOMPUTE
+    chunks: int  # leading chunks to fetch
+    tokens: int  # tokens they restore
+    predicted_s: float  # predicted fetch time of those chunks (0 for recompute)
+    total_s: float  # predicted time until the whole requested prefix is in the KV buffers
+    options: dict[str, float] = field(default_factory=dict)  # total_s of every option considered
+
+
+def fetch_seconds(stored_bytes: int, kv_bytes: int, fmt: str, rates: Rates) -> float:
+    decode = rates.decode_Bps.get(fmt) or DECODE_PRIOR.get(fmt, 1e7)
+    return rates.latency_s + max(stored_bytes / rates.bandwidth_Bps, kv_bytes / decode)
+
+
+def choose(
+    stored: Sequence[Mapping[str, int]],
+    chunk_tokens: int,
+    chunk_kv_bytes: int,
+    formats: Mapping[str, str],
+    rates: Rates,
+    allowed: set[str] | None = None,
+) -> Decision:
+    """Choose for a prefix of ``len(stored)`` chunks; ``stored[i]`` maps preset -> object size.
+
+    ``formats`` maps each preset this reader can decode to its bitstream format; others are
+    ignored. A preset is usable for the leading run of chunks that all have it.
+    """
+    total_tokens = len(stored) * chunk_tokens
+    recompute_all = total_tokens / rates.recompute_tps
+    best = Decision(RECOMPUTE, 0, 0, 0.0, recompute_all)
+    options = {RECOMPUTE: recompute_all}
+    candidates = {p for reps in stored[:1] for p in reps if p in formats and (allowed is None or p in allowed)}
+    for preset in sorted(candidates):
+        n, size = 0, 0
+        while n < len(stored) and preset in stored[n]:
+            size += stored[n][preset]
+            n += 1
+        fetch = fetch_seconds(size, n * chunk_kv_bytes, formats[preset], rates)
+        total = fetch + (total_tokens - n * chunk_tokens) / rates.recompute_tps
+        options[preset] = total
+        if total < best.total_s:
+            best = Decision(preset, n, n * chunk_tokens, fetch, total)
+    return Decision(best.preset, best.chunks, best.tokens, best.predicted_s, best.total_s, options)
+
+
+class Estimator:
+    """Measured throughputs: an EWMA per store endpoint (bandwidth, latency) and per format (decode)."""
+
+    def __init__(self, alpha: float = 0.3, bandwidth_Bps: float = 1.25e8, latency_s: float = 0.005, gpu: bool = False):
+        self.alpha = alpha
+        self._prior = (bandwidth_Bps, latency_s)
+        self._bw: dict[str, float] = {}
+        self._lat: dict[str, float] = {}
+        self._decode: dict[str, float] = dict(GPU_DECODE_PRIOR if gpu else DECODE_PRIOR)
+
+    def _ewma(self, table: dict[str, float], key: str, value: float) -> None:
+        old = table.get(key)
+        table[key] = value if old is None else (1 - self.alpha) * old + self.alpha * value
+
+    def observe_read(self, endpoint: str, nbytes: int, busy_s: float) -> None:
+        if nbytes > 0 and busy_s > 0:
+            self._ewma(self._bw, endpoint, nbytes / busy_s)
+
+    def observe_latency(self, endpoint: str, seconds: float) -> None:
+        self._ewma(self._lat, endpoint, seconds)
+
+    def observe_decode(self, fmt: str, kv_bytes: int, busy_s: float) -> None:
+        if kv_bytes > 0 and busy_s > 0:
+            self._ewma(self._decode, fmt, kv_bytes / busy_s)
+
+    def bandwidth(self, endpoint: str) -> float:
+        return self._bw.get(endpoint, self._prior[0])
+
+    def rates(self, endpoint: str, recompute_tps: float) -> Rates:
+        return Rates(self.bandwidth(endpoint), self._lat.get(endpoint, self._prior[1]), dict(self._decode), recompute_tps)

@@ -1,0 +1,113 @@
+"""Hugging Face transformers with remote KV reuse: lookup -> fetch -> build the cache -> generate the rest.
+
+:class:`CachedLM` wraps a loaded causal LM and a :class:`~kvfetcher.client.KVClient`. For each
+prompt it asks the sidecar how much of the prefix is stored, has it loaded into a shared KV
+buffer, builds a ``DynamicCache`` from it, prefills only the remaining tokens, and after that
+prefill hands the prompt's KV back to the sidecar to store. The buffer is in the storage dtype
+(fp16 by default, what a GPU server's cache holds); the model may run in another dtype.
+
+The last prompt token is always computed (its logits give the first new token), so at most
+``len(prompt) - 1`` tokens are fetched.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .. import ipc
+from ..client import KVClient, LoadResult
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    ttft_s: float  # request start -> first new token (lookup + fetch + prefill of the rest)
+    loaded_tokens: int  # prompt tokens restored from the store
+    computed_tokens: int  # prompt tokens prefilled by the model
+    load: LoadResult | None  # the sidecar's answer, when a fetch was attempted
+    store: dict | None  # the sidecar's answer to the store request
+
+
+def _layer_kv(cache, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if hasattr(cache, "layers"):
+        return cache.layers[i].keys, cache.layers[i].values
+    return cache.key_cache[i], cache.value_cache[i]
+
+
+class CachedLM:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        fingerprint: str,
+        client: KVClient,
+        capacity_tokens: int = 4096,
+        kv_dtype: torch.dtype = torch.float16,
+        tp_rank: int = 0,
+        recompute_tps: float | None = None,
+    ):
+        cfg = model.config
+        heads = cfg.num_key_value_heads or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.model, self.client = model, client
+        self.layers = cfg.num_hidden_layers
+        self.capacity = capacity_tokens
+        device = next(model.parameters()).device
+        self.buffer = ipc.allocate((self.layers, 2, heads, capacity_tokens, head_dim), kv_dtype, device)
+        self.buffer_id = client.register(self.buffer.handle, fingerprint, tp_rank)
+        #: the model's prefill rate (tokens/s), told to the sidecar's cost model; measured as we go
+        self.recompute_tps = recompute_tps
+
+    def close(self) -> None:
+        try:
+            self.client.unregister(self.buffer_id)
+        finally:
+            self.buffer.close()
+
+    @torch.inference_mode()
+    def generate(self, ids: torch.Tensor, n_new: int = 32, *, store: bool = True, deadline_s: float | None = None) -> Generation:
+        """Greedy generation of ``n_new`` tokens after ``ids`` (1-D token ids), reusing stored KV."""
+        from transformers import DynamicCache
+
+        t0 = time.perf_counter()
+        prompt = [int(x) for x in ids]
+        usable = min(len(prompt) - 1, self.capacity)
+        loaded, load = 0, None
+        if usable > 0 and self.client.lookup(self.buffer_id, prompt[:usable]) > 0:
+            load = self.client.load(self.buffer_id, prompt[:usable], deadline_s=deadline_s, recompute_tokens_per_s=self.recompute_tps)
+            loaded = load.loaded_tokens
+        dtype = next(self.model.parameters()).dtype
+        cache = DynamicCache()
+        for i in range(self.layers):
+            if loaded:
+                kv = self.buffer.tensor[i, :, :, :loaded].to(dtype)
+                cache.update(kv[0].unsqueeze(0), kv[1].unsqueeze(0), i)
+        t_prefill = time.perf_counter()
+        out = self.model(ids[loaded:].unsqueeze(0), past_key_values=cache, use_cache=True)
+        tok = int(torch.argmax(out.logits[0, -1]))
+        ttft = time.perf_counter() - t0
+        computed = len(prompt) - loaded
+        rate = computed / (time.perf_counter() - t_prefill)
+        self.recompute_tps = rate if self.recompute_tps is None else 0.7 * self.recompute_tps + 0.3 * rate
+
+        stored = None
+        chunk = self.client.chunk_tokens or 1
+        n_store = min(len(prompt), self.capacity) // chunk * chunk
+        if store and n_store > loaded:  # after prefill: hand the prompt's KV to the sidecar
+            cache_kv = out.past_key_values
+            for i in range(self.layers):
+                k, v = _layer_kv(cache_kv, i)
+                self.buffer.tensor[i, 0, :, :n_store] = k[0, :, :n_store]
+                self.buffer.tensor[i, 1, :, :n_store] = v[0, :, :n_store]
+            stored = self.client.save(self.buffer_id, prompt[:n_store])
+
+        tokens = [tok]
+        cache = out.past_key_values
+        for _ in range(n_new - 1):
+            nxt = torch.tensor([[tokens[-1]]], device=ids.device)
+            cache_out = self.model(nxt, past_key_values=cache, use_cache=True)
+            cache = cache_out.past_key_values
+            tokens.append(int(torch.argmax(cache_out.logits[0, -1])))
+        return Generation(tokens, ttft, loaded, computed, load, stored)

@@ -1,0 +1,46 @@
+"""metrics: the sidecar's Prometheus metrics, one registry per sidecar instance.
+
+Names follow ``kvfetcher_<what>_<unit>`` (``_total`` for counters). A registry per instance
+lets two sidecars share a process (the embedded demo, tests) without mixing their numbers.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = self.registry = registry or CollectorRegistry()
+        self.lookups = Counter("kvfetcher_lookups_total", "Prefix lookups", registry=r)
+        self.hit_tokens = Counter("kvfetcher_hit_tokens_total", "Leading prompt tokens found stored", registry=r)
+        self.loaded_tokens = Counter("kvfetcher_loaded_tokens_total", "Tokens written into KV buffers", registry=r)
+        self.fetch_seconds = Histogram("kvfetcher_fetch_seconds", "Wall time of a fetch", buckets=_LATENCY, registry=r)
+        self.store_seconds = Histogram("kvfetcher_store_seconds", "Encode + upload time of one chunk", buckets=_LATENCY, registry=r)
+        self.bytes_read = Counter("kvfetcher_bytes_read_total", "Bytes read from the store", registry=r)
+        self.bytes_written = Counter("kvfetcher_bytes_written_total", "Bytes written to the store", registry=r)
+        self.compression_ratio = Gauge(
+            "kvfetcher_compression_ratio", "KV bytes / stored bytes of the last chunk stored, by preset", ["preset"], registry=r
+        )
+        self.decode_rate = Gauge(
+            "kvfetcher_decode_bytes_per_second", "KV bytes restored per second of decoding, last fetch, by format", ["format"], registry=r
+        )
+        self.decisions = Counter("kvfetcher_preset_decisions_total", "Fetch-time choices (a preset or recompute)", ["preset"], registry=r)
+        self.predicted_seconds = Histogram(
+            "kvfetcher_fetch_predicted_seconds", "Cost model's predicted fetch time of the chosen preset", buckets=_LATENCY, registry=r
+        )
+        self.actual_seconds = Histogram(
+            "kvfetcher_fetch_actual_seconds", "Measured fetch time of fetches that ran a preset", buckets=_LATENCY, registry=r
+        )
+        self.last_predicted = Gauge("kvfetcher_fetch_last_predicted_seconds", "Predicted time of the last fetch", ["preset"], registry=r)
+        self.last_actual = Gauge("kvfetcher_fetch_last_actual_seconds", "Actual time of the last fetch", ["preset"], registry=r)
+        self.bandwidth = Gauge("kvfetcher_store_bandwidth_bytes_per_second", "Estimated read throughput by endpoint", ["endpoint"], registry=r)
+        self.fallbacks = Counter("kvfetcher_fallbacks_total", "Tokens-to-recompute outcomes, by reason", ["reason"], registry=r)
+        self.errors = Counter("kvfetcher_errors_total", "Errors, by reason", ["reason"], registry=r)
+        self.store_queue_depth = Gauge("kvfetcher_store_queue_depth", "Chunks waiting to be encoded and uploaded", registry=r)
+        self.store_dropped = Counter("kvfetcher_store_dropped_total", "Store requests dropped because the queue was full", registry=r)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

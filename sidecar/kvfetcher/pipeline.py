@@ -1,0 +1,207 @@
+"""pipeline: fetch chunks from a store straight into KV buffers, as overlapping stages.
+
+Per chunk: one ranged GET for the prefix + header (+ side info, usually in the same bytes),
+then one ranged GET per video segment; each segment is checksummed and decoded as soon as its
+bytes arrive (decoding blocks, so it runs in a thread pool); when *every* segment of the chunk
+has verified and decoded, the chunk is unpacked into its destination slots. Up to ``window``
+chunks are in flight at once (a bounded buffer: memory stays ``window`` chunks however long the
+prefix), so a 100-chunk prefix streams — chunk 0 is being restored while chunk 3 downloads.
+
+Failure semantics: the result is the longest run of *leading* chunks that were written; the
+caller recomputes the rest. On the first failure, or at the deadline, or on cancellation, the
+chunks still in flight are abandoned — except a write already started, which is awaited, so
+nothing touches the buffers after this returns. Nothing unverified is ever written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+import torch
+
+from . import codecs, container, layout
+from .store import Store, StoreError
+
+log = logging.getLogger("kvfetcher.pipeline")
+
+HEADER_GUESS = 64 * 1024  # one GET usually covers prefix, header and side information
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    name: str  # object name in the store
+    size: int  # object size as listed (a truncated object is caught before any decoding)
+    start: int  # first token of the chunk in the prompt
+    tokens: int
+
+
+class Destination:
+    """Token ``i`` of the prompt goes to slot ``slots[i]`` of the buffer's token axis.
+
+    ``buffer`` is ``[layers, 2, kv_heads, capacity, head_dim]``. Contiguous slots are written in
+    place through a view (no copy); scattered slots (a paged cache) through ``index_copy_``.
+    """
+
+    def __init__(self, buffer: torch.Tensor, slots: Sequence[int] | None = None, offset: int = 0, tokens: int = 0):
+        if buffer.dim() != 5 or buffer.shape[1] != 2:
+            raise ValueError(f"KV buffer must be [layers, 2, kv_heads, capacity, head_dim], got {tuple(buffer.shape)}")
+        self.buffer = buffer
+        cap = buffer.shape[3]
+        self.slots = list(range(offset, offset + tokens)) if slots is None else [int(s) for s in slots]
+        if any(s < 0 or s >= cap for s in self.slots):
+            raise ValueError(f"slots out of range for a buffer of {cap} token slots")
+        if len(set(self.slots)) != len(self.slots):
+            raise ValueError("slots must be distinct")
+
+    def check(self, h: container.Header, c: ChunkRef) -> None:
+        """Refuse a chunk that does not fit: wrong geometry or dtype is a foreign chunk here."""
+        L, _, H, _, D = self.buffer.shape
+        if tuple(h.shape) != (L, 2, H, c.tokens, D) or h.torch_dtype != self.buffer.dtype:
+            raise container.FingerprintMismatchError(
+                f"chunk {tuple(h.shape)} {h.dtype} does not fit buffer {tuple(self.buffer.shape)} {self.buffer.dtype}"
+            )
+        if c.start + c.tokens > len(self.slots):
+            raise ValueError(f"no destination slots for tokens {c.start}..{c.start + c.tokens}")
+
+    def write(self, c: ChunkRef, frames: torch.Tensor, side: torch.Tensor | None, h: container.Header) -> None:
+        idx = self.slots[c.start : c.start + c.tokens]
+        if idx == list(range(idx[0], idx[0] + len(idx))):
+            view = self.buffer[:, :, :, idx[0] : idx[0] + len(idx)]
+            layout.unpack(frames.to(view.device), side, h.shape, h.torch_dtype, h.layout, out=view)
+        else:
+            kv = layout.unpack(frames.to(self.buffer.device), side, h.shape, h.torch_dtype, h.layout)
+            self.buffer.index_copy_(3, torch.tensor(idx, device=self.buffer.device), kv)
+
+
+@dataclass
+class Outcome:
+    loaded_tokens: int  # leading tokens now in the buffers
+    requested_tokens: int
+    error: str | None = None  # reason of the failure that stopped the fetch (None: all loaded)
+    detail: str | None = None
+    bytes_read: int = 0
+    kv_bytes: int = 0  # bytes of KV restored
+    seconds: float = 0.0
+    read_busy_s: float = 0.0  # time with at least one GET in flight
+    decode_busy_s: float = 0.0  # time with at least one decode in flight
+    header_latency_s: list[float] = field(default_factory=list)
+
+
+class _Busy:
+    """Union of the intervals during which a stage had work in flight (for throughput)."""
+
+    def __init__(self) -> None:
+        self.active, self.total, self._since = 0, 0.0, 0.0
+
+    def __enter__(self) -> None:
+        if self.active == 0:
+            self._since = time.perf_counter()
+        self.active += 1
+
+    def __exit__(self, *exc) -> None:
+        self.active -= 1
+        if self.active == 0:
+            self.total += time.perf_counter() - self._since
+
+
+async def fetch(
+    store: Store,
+    chunks: Sequence[ChunkRef],
+    dest: Destination,
+    *,
+    fingerprint: str,
+    io_pool: Executor,
+    decode_pool: Executor,
+    device: torch.device | str = "cpu",
+    deadline_s: float | None = None,
+    window: int = 4,
+    io_concurrency: int = 8,
+) -> Outcome:
+    """Load ``chunks`` (consecutive, from the first) into ``dest``; see the module doc for failures."""
+    loop = asyncio.get_running_loop()
+    t0 = time.perf_counter()
+    out = Outcome(0, sum(c.tokens for c in chunks))
+    reads, decodes = _Busy(), _Busy()
+    window_sem, io_sem = asyncio.Semaphore(window), asyncio.Semaphore(io_concurrency)
+    written: set[int] = set()
+    writes: list[asyncio.Future] = []
+
+    async def get(name: str, offset: int, length: int) -> bytes:
+        async with io_sem:
+            with reads:
+                data = await loop.run_in_executor(io_pool, store.get, name, offset, length)
+        out.bytes_read += len(data)
+        return data
+
+    async def decode(fn, *args):
+        with decodes:
+            return await loop.run_in_executor(decode_pool, fn, *args)
+
+    async def load(i: int, c: ChunkRef) -> None:
+        async with window_sem:
+            t = time.perf_counter()
+            head = await get(c.name, 0, min(HEADER_GUESS, c.size) if c.size else HEADER_GUESS)
+            out.header_latency_s.append(time.perf_counter() - t)
+            need = container.header_length(head[: container.PREFIX_SIZE])
+            if len(head) < need:
+                head += await get(c.name, len(head), need - len(head))
+            h = container.parse_header(head)
+            container.check_fingerprint(h, fingerprint)
+            dest.check(h, c)
+            if c.size and c.size != h.total_size:
+                raise container.TruncatedError(f"{c.name} is {c.size} bytes, its header promises {h.total_size}")
+
+            async def segment_bytes(seg: container.Segment) -> bytes:
+                a = h.header_size + seg.offset
+                data = head[a : a + seg.length] if a + seg.length <= len(head) else await get(c.name, a, seg.length)
+                return container.verify(seg, data)
+
+            dec = codecs.decoder(h.codec.format, device)
+
+            async def frames_of(seg: container.Segment) -> torch.Tensor:
+                data = await segment_bytes(seg)
+                return await decode(container.decode_segment, h, seg, data, dec, device)
+
+            side = container.side_tensor(h, await segment_bytes(h.side)) if h.side else None
+            parts = await asyncio.gather(*(frames_of(s) for s in h.segments))
+            frames = parts[0] if len(parts) == 1 else torch.cat(parts)
+            # Everything of this chunk verified and decoded: only now touch the KV buffers.
+            w = loop.run_in_executor(decode_pool, dest.write, c, frames, side, h)
+            w.add_done_callback(lambda f: written.add(i) if not f.cancelled() and f.exception() is None else None)
+            writes.append(w)
+            await asyncio.shield(w)
+            out.kv_bytes += h.shape[0] * 2 * h.shape[2] * h.shape[3] * h.shape[4] * layout.bytes_per_value(h.torch_dtype)
+
+    tasks = [asyncio.create_task(load(i, c)) for i, c in enumerate(chunks)]
+    try:
+        async with asyncio.timeout(deadline_s):
+            for t in tasks:
+                await t
+    except TimeoutError:
+        out.error, out.detail = "deadline", f"deadline of {deadline_s:.3f} s passed"
+    except (container.ContainerError, StoreError) as e:
+        out.error, out.detail = e.reason, str(e)
+    except ValueError as e:
+        out.error, out.detail = "invalid", str(e)
+    except Exception as e:  # a bug or an unforeseen backend failure: still fall back, loudly
+        log.exception("fetch failed")
+        out.error, out.detail = "internal", f"{type(e).__name__}: {e}"
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        # A write already handed to a thread cannot be stopped: wait for it, so nothing touches
+        # the buffers once we have answered. (Those chunks were fully verified.)
+        await asyncio.gather(*writes, return_exceptions=True)
+    n = 0
+    while n < len(chunks) and n in written:
+        n += 1
+    out.loaded_tokens = sum(c.tokens for c in chunks[:n])
+    out.seconds = time.perf_counter() - t0
+    out.read_busy_s, out.decode_busy_s = reads.total, decodes.total
+    return out

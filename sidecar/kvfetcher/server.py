@@ -1,0 +1,284 @@
+"""server: the sidecar's HTTP API (aiohttp), on TCP and/or a Unix socket.
+
+    POST   /v1/buffers        {"handle": {...}, "model": fp, "tp_rank": 0} -> {"buffer": id}
+    DELETE /v1/buffers/{id}
+    POST   /v1/lookup         {"buffer": id, "tokens": [...]} -> {"tokens": n, ...}
+    POST   /v1/fetch          {"buffer": id, "tokens": [...], "offset"|"slots", "deadline_s",
+                               "recompute_tokens_per_s", "presets"} -> {"loaded_tokens": n, ...}
+    POST   /v1/store          {"buffer": id, "tokens": [...], "offset"|"slots"} -> 202 {"queued_chunks": n}
+    POST   /v1/flush          waits until queued stores are written (tests, demo, shutdown)
+    GET    /healthz /readyz /metrics
+
+Authentication: ``/v1`` requests over TCP need ``Authorization: Bearer <token>``, the token
+coming from ``KVFETCHER_AUTH_TOKEN`` or the file named by ``KVFETCHER_AUTH_TOKEN_FILE`` (a
+mounted Secret). Without a token configured, TCP ``/v1`` requests are refused. Requests over
+the Unix socket are trusted: the socket file's permissions (0660) are the authentication.
+Probes and ``/metrics`` are open, as kubelet and Prometheus expect.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+from pathlib import Path
+
+from aiohttp import web
+
+from .service import RequestError, Sidecar
+
+log = logging.getLogger("kvfetcher.server")
+
+SIDECAR = web.AppKey("sidecar", Sidecar)
+TOKEN = web.AppKey("token", str)
+
+
+def token_from_env(env: dict[str, str] | None = None) -> str | None:
+    env = dict(os.environ if env is None else env)
+    if env.get("KVFETCHER_AUTH_TOKEN"):
+        return env["KVFETCHER_AUTH_TOKEN"].strip()
+    if env.get("KVFETCHER_AUTH_TOKEN_FILE"):
+        return Path(env["KVFETCHER_AUTH_TOKEN_FILE"]).read_text().strip() or None
+    return None
+
+
+def _over_unix_socket(request: web.Request) -> bool:
+    return isinstance(request.transport.get_extra_info("sockname") if request.transport else None, str)
+
+
+@web.middleware
+async def auth(request: web.Request, handler):
+    if not request.path.startswith("/v1/") or _over_unix_socket(request):
+        return await handler(request)
+    token = request.app[TOKEN]
+    given = request.headers.get("Authorization", "")
+    if not token:
+        return _error(401, "unauthenticated", "no token is configured: use the Unix socket or set KVFETCHER_AUTH_TOKEN")
+    if not given.startswith("Bearer ") or not hmac.compare_digest(given[7:].encode(), token.encode()):
+        return _error(401, "unauthenticated", "missing or wrong bearer token")
+    return await handler(request)
+
+
+def _error(status: int, reason: str, detail: str) -> web.Response:
+    return web.json_response({"error": reason, "detail": detail}, status=status)
+
+
+async def _body(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise RequestError("body must be JSON") from None
+    if not isinstance(body, dict):
+        raise RequestError("body must be a JSON object")
+    return body
+
+
+def _tokens(body: dict) -> list[int]:
+    t = body.get("tokens")
+    if not isinstance(t, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in t):
+        raise RequestError("'tokens' must be a list of integer token ids")
+    return t
+
+
+@web.middleware
+async def errors(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except (RequestError, ValueError, TypeError) as e:  # a malformed request, never a crash
+        request.app[SIDECAR].metrics.errors.labels("bad_request").inc()
+        return _error(400, "bad_request", str(e))
+
+
+async def register(request: web.Request) -> web.Response:
+    body = await _body(request)
+    if not isinstance(body.get("handle"), dict) or not isinstance(body.get("model"), str):
+        raise RequestError("need 'handle' (object) and 'model' (fingerprint string)")
+    bid = request.app[SIDECAR].register(body["handle"], body["model"], int(body.get("tp_rank", 0)))
+    return web.json_response({"buffer": bid})
+
+
+async def unregister(request: web.Request) -> web.Response:
+    request.app[SIDECAR].unregister(request.match_info["id"])
+    return web.json_response({"ok": True})
+
+
+async def lookup(request: web.Request) -> web.Response:
+    body = await _body(request)
+    return web.json_response(await request.app[SIDECAR].lookup(str(body.get("buffer")), _tokens(body)))
+
+
+async def fetch(request: web.Request) -> web.Response:
+    body = await _body(request)
+    reply = await request.app[SIDECAR].fetch(
+        str(body.get("buffer")),
+        _tokens(body),
+        slots=body.get("slots"),
+        offset=int(body.get("offset", 0)),
+        deadline_s=body.get("deadline_s"),
+        recompute_tps=body.get("recompute_tokens_per_s"),
+        presets=body.get("presets"),
+    )
+    return web.json_response(reply)
+
+
+async def store(request: web.Request) -> web.Response:
+    body = await _body(request)
+    reply = request.app[SIDECAR].store_prefix(
+        str(body.get("buffer")), _tokens(body), slots=body.get("slots"), offset=int(body.get("offset", 0))
+    )
+    return web.json_response(reply, status=202)
+
+
+async def flush(request: web.Request) -> web.Response:
+    await request.app[SIDECAR].flush()
+    return web.json_response({"ok": True})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.Response(text="ok\n")
+
+
+async def readyz(request: web.Request) -> web.Response:
+    try:
+        await request.app[SIDECAR].ready()
+    except Exception as e:
+        return web.Response(status=503, text=f"store not ready: {e}\n")
+    return web.Response(text="ready\n")
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[SIDECAR].metrics.exposition(), content_type="text/plain", charset="utf-8")
+
+
+def make_app(sidecar: Sidecar, token: str | None) -> web.Application:
+    app = web.Application(middlewares=[auth, errors], client_max_size=64 * 1024 * 1024)
+    app[SIDECAR] = sidecar
+    app[TOKEN] = token or ""
+
+    async def lifecycle(app: web.Application):
+        await sidecar.start()
+        yield
+        await sidecar.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    app.add_routes(
+        [
+            web.post("/v1/buffers", register),
+            web.delete("/v1/buffers/{id}", unregister),
+            web.post("/v1/lookup", lookup),
+            web.post("/v1/fetch", fetch),
+            web.post("/v1/store", store),
+            web.post("/v1/flush", flush),
+            web.get("/healthz", healthz),
+            web.get("/readyz", readyz),
+            web.get("/metrics", metrics),
+        ]
+    )
+    return app
+
+
+async def start(
+    app: web.Application, host: str | None = "127.0.0.1", port: int | None = 0, socket_path: str | None = None
+) -> tuple[web.AppRunner, dict]:
+    """Start serving; returns the runner and where it listens ({"port": n, "socket": path})."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    where: dict = {}
+    if port is not None:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        where["port"] = site._server.sockets[0].getsockname()[1]
+    if socket_path:
+        Path(socket_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(socket_path).unlink(missing_ok=True)
+        await web.UnixSite(runner, socket_path).start()
+        os.chmod(socket_path, 0o660)
+        where["socket"] = socket_path
+    return runner, where
+
+
+async def serve_forever(host: str, port: int | None, socket_path: str | None) -> None:
+    """``kvfetcher serve``: configuration from the environment the operator injects."""
+    import asyncio
+    import signal
+
+    from .service import Config
+    from .store import from_env
+
+    sidecar = Sidecar(from_env(), Config.from_env())
+    token = token_from_env()
+    if port is not None and not token:
+        log.warning("no KVFETCHER_AUTH_TOKEN: the TCP API refuses /v1 requests; use the Unix socket")
+    runner, where = await start(make_app(sidecar, token), host, port, socket_path)
+    log.warning("kvfetcher sidecar listening on %s (store %s)", where, sidecar.store.endpoint)
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def register_cli(sub) -> None:
+    p = sub.add_parser("serve", help="run the sidecar (store from KVFETCHER_S3_* or KVFETCHER_STORE_DIR)")
+    p.add_argument("--host", default="0.0.0.0", help="TCP address (probes and Prometheus need the pod IP)")
+    p.add_argument("--port", type=int, default=8500, help="TCP port; -1 for none")
+    p.add_argument("--socket", default=None, help="Unix socket path, e.g. /run/kvfetcher/kvfetcher.sock")
+
+    def run(args) -> int:
+        import asyncio
+
+        asyncio.run(serve_forever(args.host, None if args.port < 0 else args.port, args.socket))
+        return 0
+
+    p.set_defaults(func=run)
+
+
+class Embedded:
+    """A sidecar serving on loopback from a background thread (the demo; tests with sync clients)."""
+
+    def __init__(self, sidecar: Sidecar, token: str | None = None, socket_path: str | None = None, port: int | None = 0):
+        import asyncio
+        import threading
+
+        self.sidecar, self.token = sidecar, token
+        self.loop = asyncio.new_event_loop()
+        self._stop: asyncio.Event | None = None
+        started = threading.Event()
+        failure: list[BaseException] = []
+
+        async def main() -> None:
+            self._stop = asyncio.Event()
+            try:
+                runner, self.where = await start(make_app(sidecar, token), "127.0.0.1", port, socket_path)
+            except BaseException as e:
+                failure.append(e)
+                started.set()
+                return
+            started.set()
+            await self._stop.wait()
+            await runner.cleanup()
+
+        self._thread = threading.Thread(target=self.loop.run_until_complete, args=(main(),), daemon=True)
+        self._thread.start()
+        started.wait()
+        if failure:
+            raise failure[0]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.where['port']}"
+
+    def close(self) -> None:
+        if self._stop is not None:
+            self.loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=30)
+        self.loop.close()
+
+    def __enter__(self) -> "Embedded":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,342 @@
+"""service: what one sidecar does — lookup, fetch, store — independent of HTTP.
+
+It owns the registered KV buffers, the store, the throughput estimator, the metrics, and the
+store queue. ``server`` puts it behind aiohttp; tests and the demo may also call it directly.
+
+Store requests never block the model: the handler copies the prefix's KV out of the shared
+buffer (a memory copy) and queues it; a worker encodes and uploads in the background. When the
+queue is full the request is dropped and counted — a lost store costs a future recompute, a
+blocked model costs latency now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from . import choice, ipc, keys, layout, pipeline
+from .chunk import encode_chunk
+from .metrics import Metrics
+from .presets import PRESETS
+from .store import Store, StoreError
+
+log = logging.getLogger("kvfetcher.service")
+
+
+@dataclass
+class Config:
+    chunk_tokens: int = keys.DEFAULT_CHUNK_TOKENS
+    presets: tuple[str, ...] = ("q8",)  # representations written for each chunk
+    tenant: str = ""
+    recompute_tps: float = 5000.0  # model prefill rate when a request does not say
+    deadline_s: float = 30.0  # default fetch deadline
+    store_queue_chunks: int = 256  # bound of the store queue, in chunks
+    decode_workers: int = 2
+    io_workers: int = 32
+    window: int = 4  # chunks in flight per fetch
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> "Config":
+        env = dict(os.environ if env is None else env)
+        c = cls()
+        if env.get("KVFETCHER_CHUNK_TOKENS"):
+            c.chunk_tokens = int(env["KVFETCHER_CHUNK_TOKENS"])
+        if env.get("KVFETCHER_PRESET"):
+            c.presets = tuple(p.strip() for p in env["KVFETCHER_PRESET"].split(",") if p.strip())
+        c.tenant = env.get("KVFETCHER_TENANT", env.get("KVFETCHER_POOL", ""))
+        if env.get("KVFETCHER_RECOMPUTE_TPS"):
+            c.recompute_tps = float(env["KVFETCHER_RECOMPUTE_TPS"])
+        c.validate()
+        return c
+
+    def validate(self) -> None:
+        if self.chunk_tokens <= 0:
+            raise ValueError(f"chunk tokens must be positive, not {self.chunk_tokens}")
+        unknown = [p for p in self.presets if p not in PRESETS]
+        if unknown or not self.presets:
+            raise ValueError(f"unknown preset(s) {unknown}; known: {', '.join(PRESETS)}")
+
+
+@dataclass
+class Buffer:
+    tensor: torch.Tensor
+    ns: keys.Namespace
+    handle: dict
+
+
+@dataclass
+class _StoreJob:
+    ns: keys.Namespace
+    keys: list[str]
+    kv: torch.Tensor  # [layers, 2, heads, tokens, head_dim], a private copy
+    queued_at: float = field(default_factory=time.perf_counter)
+
+
+class RequestError(ValueError):
+    """The request itself is wrong (unknown buffer, bad slots...): the client's fault, a 400."""
+
+
+class Sidecar:
+    def __init__(self, store: Store, config: Config | None = None, metrics: Metrics | None = None):
+        self.store = store
+        self.config = config or Config()
+        self.config.validate()
+        self.metrics = metrics or Metrics()
+        self.estimator = choice.Estimator(gpu=torch.cuda.is_available())
+        self.buffers: dict[str, Buffer] = {}
+        self.io_pool = ThreadPoolExecutor(self.config.io_workers, thread_name_prefix="kvf-io")
+        self.decode_pool = ThreadPoolExecutor(self.config.decode_workers, thread_name_prefix="kvf-decode")
+        self.encode_pool = ThreadPoolExecutor(1, thread_name_prefix="kvf-encode")
+        self._queue: asyncio.Queue[_StoreJob] | None = None
+        self._pending_chunks = 0
+        self._worker: asyncio.Task | None = None
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._queue = asyncio.Queue()
+        self._worker = asyncio.create_task(self._store_worker())
+
+    async def close(self) -> None:
+        if self._worker:
+            self._worker.cancel()
+            await asyncio.gather(self._worker, return_exceptions=True)
+        for pool in (self.io_pool, self.decode_pool, self.encode_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    async def ready(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(self.io_pool, self.store.ping)
+
+    # --- buffers ---------------------------------------------------------------------------
+
+    def register(self, handle: dict, model: str, tp_rank: int = 0) -> str:
+        try:
+            t = ipc.open_handle(handle)
+        except (KeyError, TypeError) as e:
+            raise RequestError(f"malformed buffer handle: {e}") from e
+        except ValueError as e:
+            raise RequestError(str(e)) from e
+        if t.dim() != 5 or t.shape[1] != 2:
+            raise RequestError(f"KV buffer must be [layers, 2, kv_heads, capacity, head_dim], got {tuple(t.shape)}")
+        ns = keys.Namespace(model=model, dtype=layout.dtype_name(t.dtype), tp_rank=tp_rank, tenant=self.config.tenant)
+        bid = uuid.uuid4().hex
+        self.buffers[bid] = Buffer(t, ns, handle)
+        return bid
+
+    def unregister(self, bid: str) -> None:
+        self.buffers.pop(bid, None)
+
+    def _buffer(self, bid: str) -> Buffer:
+        try:
+            return self.buffers[bid]
+        except KeyError:
+            raise RequestError(f"unknown buffer {bid!r}: register it first") from None
+
+    def _chunk_kv_bytes(self, buf: Buffer) -> int:
+        L, _, H, _, D = buf.tensor.shape
+        return L * 2 * H * self.config.chunk_tokens * D * buf.tensor.element_size()
+
+    # --- lookup ----------------------------------------------------------------------------
+
+    async def _representations(self, chunk_keys: Sequence[str]) -> list[dict[str, int]]:
+        """For the leading run of stored chunks: preset -> object size (one LIST per chunk)."""
+        loop = asyncio.get_running_loop()
+        sem = asyncio.Semaphore(16)
+
+        async def one(key: str) -> dict[str, int]:
+            async with sem:
+                listing = await loop.run_in_executor(self.io_pool, self.store.list, keys.chunk_prefix(key))
+            reps = {}
+            for name, size in listing.items():
+                try:
+                    reps[keys.preset_of(name)] = size
+                except ValueError:
+                    continue
+            return reps
+
+        found = await asyncio.gather(*(one(k) for k in chunk_keys))
+        run = []
+        for reps in found:
+            if not any(p in PRESETS for p in reps):
+                break
+            run.append(reps)
+        return run
+
+    async def lookup(self, bid: str, tokens: Sequence[int]) -> dict:
+        buf = self._buffer(bid)
+        ck = keys.chunk_keys(buf.ns, tokens, self.config.chunk_tokens)
+        self.metrics.lookups.inc()
+        try:
+            reps = await self._representations(ck)
+        except StoreError as e:
+            self.metrics.errors.labels(e.reason).inc()
+            return {"tokens": 0, "chunk_tokens": self.config.chunk_tokens, "error": e.reason, "detail": str(e)}
+        hit = len(reps) * self.config.chunk_tokens
+        self.metrics.hit_tokens.inc(hit)
+        return {"tokens": hit, "chunk_tokens": self.config.chunk_tokens, "representations": [sorted(r) for r in reps]}
+
+    # --- fetch -----------------------------------------------------------------------------
+
+    async def fetch(
+        self,
+        bid: str,
+        tokens: Sequence[int],
+        *,
+        slots: Sequence[int] | None = None,
+        offset: int = 0,
+        deadline_s: float | None = None,
+        recompute_tps: float | None = None,
+        presets: Sequence[str] | None = None,
+    ) -> dict:
+        """Load as many leading tokens as pays off; the reply says how many were loaded.
+
+        ``tokens`` are the prompt tokens the caller wants loaded (whole chunks are loaded, so at
+        most ``len(tokens)`` rounded down to a chunk); the rest is the caller's to recompute.
+        """
+        t0 = time.perf_counter()
+        buf = self._buffer(bid)
+        n_req = len(tokens) // self.config.chunk_tokens * self.config.chunk_tokens
+        try:
+            dest = pipeline.Destination(buf.tensor, slots=slots[:n_req] if slots is not None else None, offset=offset, tokens=n_req)
+        except ValueError as e:
+            raise RequestError(str(e)) from e
+        if slots is not None and len(slots) < n_req:
+            raise RequestError(f"{len(slots)} slots given for {n_req} tokens")
+        reply = {"requested_tokens": n_req, "loaded_tokens": 0, "chunk_tokens": self.config.chunk_tokens}
+        ck = keys.chunk_keys(buf.ns, tokens[:n_req], self.config.chunk_tokens)
+        try:
+            reps = await self._representations(ck)
+        except StoreError as e:
+            return self._fallback(reply, e.reason, str(e), error=True)
+        rates = self.estimator.rates(self.store.endpoint, recompute_tps or self.config.recompute_tps)
+        formats = {p: PRESETS[p].codec.format for p in PRESETS}
+        d = choice.choose(reps, self.config.chunk_tokens, self._chunk_kv_bytes(buf), formats, rates, set(presets) if presets else None)
+        self.metrics.decisions.labels(d.preset).inc()
+        reply["decision"] = {"preset": d.preset, "chunks": d.chunks, "predicted_s": d.predicted_s, "options": d.options}
+        if d.preset == choice.RECOMPUTE:
+            return self._fallback(reply, "miss" if not reps else "cost_model", "recompute predicted faster" if reps else "nothing stored")
+        chunk_refs = [
+            pipeline.ChunkRef(keys.object_name(k, d.preset), reps[i][d.preset], i * self.config.chunk_tokens, self.config.chunk_tokens)
+            for i, k in enumerate(ck[: d.chunks])
+        ]
+        out = await pipeline.fetch(
+            self.store,
+            chunk_refs,
+            dest,
+            fingerprint=buf.ns.model,
+            io_pool=self.io_pool,
+            decode_pool=self.decode_pool,
+            device=buf.tensor.device,
+            deadline_s=deadline_s if deadline_s is not None else self.config.deadline_s,
+            window=self.config.window,
+        )
+        self._observe(d, out)
+        reply.update(
+            loaded_tokens=out.loaded_tokens,
+            bytes_read=out.bytes_read,
+            kv_bytes=out.kv_bytes,
+            seconds=out.seconds,
+        )
+        reply["decision"]["actual_s"] = out.seconds
+        if out.error:
+            return self._fallback(reply, out.error, out.detail, error=True)
+        self.metrics.fetch_seconds.observe(time.perf_counter() - t0)
+        return reply
+
+    def _observe(self, d: choice.Decision, out: pipeline.Outcome) -> None:
+        m, ep = self.metrics, self.store.endpoint
+        m.bytes_read.inc(out.bytes_read)
+        m.loaded_tokens.inc(out.loaded_tokens)
+        if out.error is None:
+            fmt = PRESETS[d.preset].codec.format
+            self.estimator.observe_read(ep, out.bytes_read, out.read_busy_s)
+            self.estimator.observe_decode(fmt, out.kv_bytes, out.decode_busy_s)
+            if out.header_latency_s:
+                self.estimator.observe_latency(ep, min(out.header_latency_s))
+            if out.decode_busy_s > 0:
+                m.decode_rate.labels(fmt).set(out.kv_bytes / out.decode_busy_s)
+            m.predicted_seconds.observe(d.predicted_s)
+            m.actual_seconds.observe(out.seconds)
+            m.last_predicted.labels(d.preset).set(d.predicted_s)
+            m.last_actual.labels(d.preset).set(out.seconds)
+        m.bandwidth.labels(ep).set(self.estimator.bandwidth(ep))
+
+    def _fallback(self, reply: dict, reason: str, detail: str | None, error: bool = False) -> dict:
+        self.metrics.fallbacks.labels(reason).inc()
+        if error:
+            self.metrics.errors.labels(reason).inc()
+            log.warning("fetch fell back to recompute (%s): %s", reason, detail)
+        reply.update(error=reason if error else None, reason=reason, detail=detail)
+        return reply
+
+    # --- store -----------------------------------------------------------------------------
+
+    def store_prefix(self, bid: str, tokens: Sequence[int], *, slots: Sequence[int] | None = None, offset: int = 0) -> dict:
+        """Queue the complete chunks of ``tokens`` (whose KV is in the buffer) for storing. Never waits."""
+        buf = self._buffer(bid)
+        ck = keys.chunk_keys(buf.ns, tokens, self.config.chunk_tokens)
+        n = len(ck) * self.config.chunk_tokens
+        if not ck:
+            return {"queued_chunks": 0, "dropped": False}
+        if self._pending_chunks + len(ck) > self.config.store_queue_chunks:
+            self.metrics.store_dropped.inc()
+            self.metrics.fallbacks.labels("store_queue_full").inc()
+            return {"queued_chunks": 0, "dropped": True}
+        idx = list(range(offset, offset + n)) if slots is None else [int(s) for s in slots[:n]]
+        if len(idx) < n or min(idx) < 0 or max(idx) >= buf.tensor.shape[3]:
+            raise RequestError(f"slots for {n} tokens are out of the buffer's {buf.tensor.shape[3]} slots")
+        if idx == list(range(idx[0], idx[0] + n)):
+            kv = buf.tensor[:, :, :, idx[0] : idx[0] + n].to("cpu", copy=True)
+        else:
+            kv = buf.tensor.index_select(3, torch.tensor(idx, device=buf.tensor.device)).cpu()
+        assert self._queue is not None, "Sidecar.start() was not called"
+        self._queue.put_nowait(_StoreJob(buf.ns, ck, kv))
+        self._pending_chunks += len(ck)
+        self.metrics.store_queue_depth.set(self._pending_chunks)
+        return {"queued_chunks": len(ck), "dropped": False}
+
+    async def flush(self) -> None:
+        """Wait until every queued store has been written (or has failed)."""
+        assert self._queue is not None
+        await self._queue.join()
+
+    async def _store_worker(self) -> None:
+        assert self._queue is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            job = await self._queue.get()
+            try:
+                await self._store_job(loop, job)
+            except StoreError as e:
+                self.metrics.errors.labels(e.reason).inc()
+                log.warning("store failed (%s): %s", e.reason, e)
+            except Exception:
+                self.metrics.errors.labels("internal").inc()
+                log.exception("store failed")
+            finally:
+                self._pending_chunks -= len(job.keys)
+                self.metrics.store_queue_depth.set(self._pending_chunks)
+                self._queue.task_done()
+
+    async def _store_job(self, loop: asyncio.AbstractEventLoop, job: _StoreJob) -> None:
+        N = self.config.chunk_tokens
+        for i, key in enumerate(job.keys):
+            for preset in self.config.presets:
+                name = keys.object_name(key, preset)
+                if await loop.run_in_executor(self.io_pool, self.store.exists, name):
+                    continue  # already stored (by us or another sidecar): a cheap no-op
+                t = time.perf_counter()
+                piece = job.kv[:, :, :, i * N : (i + 1) * N].contiguous()
+                obj = await loop.run_in_executor(self.encode_pool, encode_chunk, piece, preset, job.ns.model)
+                if await loop.run_in_executor(self.io_pool, self.store.put, name, obj):
+                    self.metrics.bytes_written.inc(len(obj))
+                    self.metrics.compression_ratio.labels(preset).set(piece.numel() * piece.element_size() / len(obj))
+                self.metrics.store_seconds.observe(time.perf_counter() - t)

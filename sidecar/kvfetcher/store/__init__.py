@@ -1,0 +1,74 @@
+"""store: where chunk objects live, behind one small, blocking interface.
+
+Backends: :class:`~.local.LocalStore` (a directory; the embedded default) and
+:class:`~.s3.S3Store` (any S3-compatible service through the ``minio`` SDK). Both write
+atomically (no partial object is ever visible), treat re-storing an existing object as a
+no-op, and serve byte ranges. Calls block; the fetch pipeline runs them in a thread pool.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol
+
+
+class StoreError(RuntimeError):
+    """A store operation failed; ``reason`` is the metrics label."""
+
+    reason = "store_error"
+
+
+class NotFound(StoreError):
+    reason = "missing"
+
+
+class Unavailable(StoreError):
+    """The store cannot be reached (down, refused, timed out)."""
+
+    reason = "store_down"
+
+
+class Store(Protocol):
+    #: names the endpoint for the throughput estimator (one estimate per endpoint)
+    endpoint: str
+
+    def put(self, name: str, data: bytes) -> bool:
+        """Store ``data`` atomically; False (and nothing written) if ``name`` already exists."""
+        ...
+
+    def get(self, name: str, offset: int = 0, length: int | None = None) -> bytes:
+        """Bytes ``[offset, offset + length)`` (to the end when ``length`` is None); may be short at the end."""
+        ...
+
+    def list(self, prefix: str) -> dict[str, int]:
+        """Objects under ``prefix``: name -> size."""
+        ...
+
+    def exists(self, name: str) -> bool: ...
+
+    def delete(self, name: str) -> None: ...
+
+    def ping(self) -> None:
+        """Raise :class:`Unavailable` unless the store answers (readiness)."""
+        ...
+
+
+def from_env(env: dict[str, str] | None = None) -> Store:
+    """The store the environment names: S3 when ``KVFETCHER_S3_ENDPOINT`` is set, else a directory."""
+    env = dict(os.environ if env is None else env)
+    if env.get("KVFETCHER_S3_ENDPOINT"):
+        from .s3 import S3Store
+
+        return S3Store(
+            env["KVFETCHER_S3_ENDPOINT"],
+            env.get("KVFETCHER_S3_BUCKET", "kvfetcher"),
+            env.get("KVFETCHER_S3_ACCESS_KEY", ""),
+            env.get("KVFETCHER_S3_SECRET_KEY", ""),
+        )
+    from .local import LocalStore
+
+    root = env.get("KVFETCHER_STORE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvfetcher", "store")
+    return LocalStore(root)
+
+
+__all__ = ["Store", "StoreError", "NotFound", "Unavailable", "from_env"]

@@ -1,0 +1,110 @@
+"""S3-compatible object storage through the ``minio`` SDK (MinIO in production).
+
+A PUT is atomic by nature (an object appears whole or not at all); a HEAD first makes
+re-storing an existing chunk a cheap no-op. Reads use ranged GETs. The HTTP pool is sized
+for the fetch pipeline's concurrent GETs and retries little: a store that is down should
+turn into a recompute quickly, not after a long backoff.
+"""
+
+from __future__ import annotations
+
+import io
+from urllib.parse import urlparse
+
+import urllib3
+from minio import Minio
+from minio.error import S3Error
+
+from . import NotFound, StoreError, Unavailable
+
+_MISSING = {"NoSuchKey", "NoSuchObject", "NotFound", "ResourceNotFound"}
+
+
+def _http(connect_s: float, read_s: float, pool: int) -> urllib3.PoolManager:
+    retry = urllib3.Retry(total=1, connect=0, backoff_factor=0.05, status_forcelist=[500, 502, 503, 504])
+    return urllib3.PoolManager(timeout=urllib3.Timeout(connect=connect_s, read=read_s), maxsize=pool, retries=retry)
+
+
+class S3Store:
+    def __init__(
+        self,
+        endpoint: str,
+        bucket: str,
+        access_key: str,
+        secret_key: str,
+        *,
+        region: str = "us-east-1",
+        create_bucket: bool = False,
+        connect_timeout_s: float = 2.0,
+        read_timeout_s: float = 30.0,
+        pool: int = 32,
+    ):
+        u = urlparse(endpoint if "://" in endpoint else f"http://{endpoint}")
+        self.endpoint = f"{u.scheme}://{u.netloc}/{bucket}"
+        self.bucket = bucket
+        self.client = Minio(
+            u.netloc,
+            access_key=access_key,
+            secret_key=secret_key,
+            secure=u.scheme == "https",
+            region=region,
+            http_client=_http(connect_timeout_s, read_timeout_s, pool),
+        )
+        if create_bucket:
+            self._call(lambda: self.client.bucket_exists(bucket) or self.client.make_bucket(bucket))
+
+    def _call(self, fn, name: str = ""):
+        try:
+            return fn()
+        except S3Error as e:
+            if e.code in _MISSING:
+                raise NotFound(f"no object {name!r} in bucket {self.bucket!r}") from None
+            raise StoreError(f"S3 {e.code}: {e.message}") from e
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            raise Unavailable(f"S3 endpoint {self.endpoint} unreachable: {type(e).__name__}: {e}") from e
+
+    def put(self, name: str, data: bytes) -> bool:
+        if self.exists(name):
+            return False
+        self._call(
+            lambda: self.client.put_object(
+                self.bucket, name, io.BytesIO(data), len(data), content_type="application/octet-stream"
+            ),
+            name,
+        )
+        return True
+
+    def get(self, name: str, offset: int = 0, length: int | None = None) -> bytes:
+        def read() -> bytes:
+            r = self.client.get_object(self.bucket, name, offset=offset, length=length or 0)
+            try:
+                return r.read()
+            finally:
+                r.close()
+                r.release_conn()
+
+        try:
+            return self._call(read, name)
+        except StoreError as e:
+            if "InvalidRange" in str(e):  # the range starts past the end: the object is shorter
+                return b""
+            raise
+
+    def list(self, prefix: str) -> dict[str, int]:
+        return self._call(
+            lambda: {o.object_name: o.size for o in self.client.list_objects(self.bucket, prefix=prefix, recursive=True)}
+        )
+
+    def exists(self, name: str) -> bool:
+        try:
+            self._call(lambda: self.client.stat_object(self.bucket, name), name)
+            return True
+        except NotFound:
+            return False
+
+    def delete(self, name: str) -> None:
+        self._call(lambda: self.client.remove_object(self.bucket, name), name)
+
+    def ping(self) -> None:
+        if not self._call(lambda: self.client.bucket_exists(self.bucket)):
+            raise StoreError(f"bucket {self.bucket!r} does not exist")
