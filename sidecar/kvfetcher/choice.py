@@ -84,7 +84,8 @@ class Estimator:
         self._prior = (bandwidth_Bps, latency_s)
         self._bw: dict[str, float] = {}
         self._lat: dict[str, float] = {}
-        self._decode: dict[str, float] = dict(GPU_DECODE_PRIOR if gpu else DECODE_PRIOR)
+        self._decode_prior = dict(GPU_DECODE_PRIOR if gpu else DECODE_PRIOR)
+        self._decode: dict[str, float] = {}  # a first measurement replaces the prior
 
     def _ewma(self, table: dict[str, float], key: str, value: float) -> None:
         old = table.get(key)
@@ -105,4 +106,5 @@ class Estimator:
         return self._bw.get(endpoint, self._prior[0])
 
     def rates(self, endpoint: str, recompute_tps: float) -> Rates:
-        return Rates(self.bandwidth(endpoint), self._lat.get(endpoint, self._prior[1]), dict(self._decode), recompute_tps)
+        decode = {**self._decode_prior, **self._decode}
+        return Rates(self.bandwidth(endpoint), self._lat.get(endpoint, self._prior[1]), decode, recompute_tps)

@@ -1,0 +1,58 @@
+"""The cost model is pure: the cases that matter, decided from rates alone."""
+
+import pytest
+
+from kvfetcher.choice import RECOMPUTE, Estimator, Rates, choose, fetch_seconds
+
+FORMATS = {"raw": "raw", "q8": "hevc", "exact": "hevc"}
+CHUNK_KV = 10_000_000  # bytes of KV per chunk
+STORED = [{"raw": 10_000_000, "q8": 5_000_000}] * 4  # four chunks, both representations
+
+
+def rates(bw, decode_hevc=50e6, tps=1000.0):
+    return Rates(bandwidth_Bps=bw, latency_s=0.001, decode_Bps={"raw": 5e9, "hevc": decode_hevc}, recompute_tps=tps)
+
+
+def test_fast_link_fetches_raw():
+    d = choose(STORED, 256, CHUNK_KV, FORMATS, rates(bw=5e9))
+    assert (d.preset, d.chunks, d.tokens) == ("raw", 4, 1024)
+    assert d.predicted_s == pytest.approx(0.001 + 40e6 / 5e9)
+    assert set(d.options) == {"raw", "q8", RECOMPUTE}
+
+
+def test_slow_link_fetches_the_compressed_representation():
+    d = choose(STORED, 256, CHUNK_KV, FORMATS, rates(bw=50e6, decode_hevc=200e6))
+    assert d.preset == "q8"  # 20 MB at 50 MB/s beats 40 MB at 50 MB/s; decode keeps up
+
+
+def test_very_slow_link_or_fast_model_recomputes():
+    assert choose(STORED, 256, CHUNK_KV, FORMATS, rates(bw=1e6)).preset == RECOMPUTE
+    assert choose(STORED, 256, CHUNK_KV, FORMATS, rates(bw=5e9, tps=1e9)).preset == RECOMPUTE
+
+
+def test_partial_availability_counts_the_recompute_of_the_rest():
+    stored = [{"raw": 10_000_000, "q8": 5_000_000}, {"raw": 10_000_000}, {"raw": 10_000_000}]
+    d = choose(stored, 256, CHUNK_KV, FORMATS, rates(bw=50e6, decode_hevc=200e6, tps=200))
+    # q8 covers one chunk only, the other 512 tokens would be recomputed at 200 tok/s
+    assert d.options["q8"] == pytest.approx(fetch_seconds(5_000_000, CHUNK_KV, "hevc", rates(50e6, 200e6)) + 512 / 200)
+    assert d.preset == "raw" and d.chunks == 3
+
+
+def test_allowed_and_unknown_presets():
+    stored = [{"raw": 1, "future": 1}]
+    assert choose(stored, 256, CHUNK_KV, FORMATS, rates(bw=5e9), allowed={"q8"}).preset == RECOMPUTE
+    assert "future" not in choose(stored, 256, CHUNK_KV, FORMATS, rates(bw=5e9)).options
+    assert choose([], 256, CHUNK_KV, FORMATS, rates(bw=5e9)).preset == RECOMPUTE
+
+
+def test_estimator_learns_per_endpoint():
+    e = Estimator(alpha=0.5, bandwidth_Bps=1e6)
+    assert e.rates("a", 100).bandwidth_Bps == 1e6
+    e.observe_read("a", 100_000_000, 1.0)
+    e.observe_read("a", 300_000_000, 1.0)
+    assert e.bandwidth("a") == pytest.approx(200e6)
+    assert e.bandwidth("b") == 1e6  # another endpoint is not affected
+    e.observe_decode("hevc", 30_000_000, 1.0)
+    assert e.rates("a", 100).decode_Bps["hevc"] == 30e6
+    e.observe_read("a", 0, 0.0)  # no data: no change
+    assert e.bandwidth("a") == pytest.approx(200e6)

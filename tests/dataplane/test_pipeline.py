@@ -1,0 +1,241 @@
+"""The fetch pipeline on a local store: streaming, exactness, and every way a chunk can be bad."""
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from kvfetcher import container, pipeline
+from kvfetcher.chunk import decode_chunk, encode_chunk
+from kvfetcher.store.local import LocalStore
+
+from kvtest import synthetic_kv
+
+SENTINEL = 1234.0
+
+
+class Recording(LocalStore):
+    """A local store that remembers when each GET started and can act before one (real I/O)."""
+
+    def __init__(self, root, delay_s: float = 0.0, hook=None):
+        super().__init__(root)
+        self.delay_s, self.hook, self.gets = delay_s, hook, []
+
+    def get(self, name, offset=0, length=None):
+        self.gets.append((time.perf_counter(), name, offset))
+        if self.hook:
+            self.hook(self, name, offset)
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return super().get(name, offset, length)
+
+
+class RecordingDest(pipeline.Destination):
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.writes = []
+
+    def write(self, c, frames, side, h):
+        super().write(c, frames, side, h)
+        self.writes.append((time.perf_counter(), c.start))
+
+
+def put_chunks(store, kv, chunk, preset="raw", fingerprint="fp"):
+    refs = []
+    for i in range(kv.shape[3] // chunk):
+        obj = encode_chunk(kv[:, :, :, i * chunk : (i + 1) * chunk].contiguous(), preset, fingerprint)
+        name = f"kv/{i:04d}/{preset}.kvfc"
+        store.put(name, obj)
+        refs.append(pipeline.ChunkRef(name, len(obj), i * chunk, chunk))
+    return refs
+
+
+def empty_like(kv, capacity=None):
+    L, _, H, T, D = kv.shape
+    return torch.full((L, 2, H, capacity or T, D), SENTINEL, dtype=kv.dtype)
+
+
+async def fetch(store, refs, dest, **kw):
+    with ThreadPoolExecutor(8) as io, ThreadPoolExecutor(2) as dec:
+        return await pipeline.fetch(store, refs, dest, fingerprint=kw.pop("fingerprint", "fp"), io_pool=io, decode_pool=dec, **kw)
+
+
+async def test_a_hundred_chunks_stream_through_a_bounded_window(tmp_path):
+    kv = synthetic_kv(layers=4, heads=2, tokens=800, head_dim=64)
+    store = Recording(tmp_path)
+    refs = put_chunks(store, kv, 8)
+    assert len(refs) == 100
+    buf = empty_like(kv)
+    dest = RecordingDest(buf, tokens=800)
+    out = await fetch(store, refs, dest, window=4)
+    assert out.error is None and out.loaded_tokens == 800
+    assert torch.equal(buf, kv)
+    first_get = {}
+    for t, name, _ in store.gets:
+        first_get.setdefault(name, t)
+    # streaming: chunk 0 was in the buffers long before the last chunk was even requested
+    assert dest.writes[0][0] < first_get[refs[-1].name]
+    # bounded: never more than `window` chunks between their first GET and their write
+    events = sorted([(t, +1) for t in first_get.values()] + [(t, -1) for t, _ in dest.writes])
+    open_, peak = 0, 0
+    for _, d in events:
+        open_ += d
+        peak = max(peak, open_)
+    assert peak <= 4
+    assert out.bytes_read == sum(r.size for r in refs)
+
+
+async def test_scattered_slots_and_hevc(tmp_path):
+    kv = synthetic_kv(layers=3, heads=2, tokens=64, head_dim=32)
+    store = LocalStore(tmp_path)
+    refs = put_chunks(store, kv, 32, preset="q8")
+    slots = torch.randperm(100)[:64].tolist()
+    buf = empty_like(kv, capacity=100)
+    out = await fetch(store, refs, pipeline.Destination(buf, slots=slots))
+    assert out.error is None and out.loaded_tokens == 64
+    expect = torch.cat([decode_chunk(store.get(r.name), "fp") for r in refs], dim=3)
+    assert torch.equal(buf[:, :, :, slots], expect)
+    untouched = sorted(set(range(100)) - set(slots))
+    assert bool((buf[:, :, :, untouched] == SENTINEL).all())
+
+
+def _flip(data: bytes, at: int) -> bytes:
+    b = bytearray(data)
+    b[at] ^= 0x40
+    return bytes(b)
+
+
+def corrupt_segment(store, ref):
+    obj = store.get(ref.name)
+    h = container.parse_header(obj)
+    seg = h.segments[-1]
+    store.delete(ref.name)
+    store.put(ref.name, _flip(obj, h.header_size + seg.offset + seg.length // 2))
+    return ref
+
+
+def corrupt_header(store, ref):
+    obj = store.get(ref.name)
+    store.delete(ref.name)
+    store.put(ref.name, _flip(obj, 40))
+    return ref
+
+
+def truncate(store, ref):
+    obj = store.get(ref.name)
+    store.delete(ref.name)
+    store.put(ref.name, obj[: len(obj) - 1000])
+    return pipeline.ChunkRef(ref.name, len(obj) - 1000, ref.start, ref.tokens)  # as a fresh listing says
+
+
+def truncate_after_listing(store, ref):
+    truncate(store, ref)
+    return ref  # the listing said the old size: the short segment read must be caught
+
+
+def foreign(store, ref):
+    store.delete(ref.name)
+    store.put(ref.name, b"\x89PNG\r\n\x1a\n" + bytes(ref.size - 8))
+    return ref
+
+
+def other_model(store, ref):
+    obj = store.get(ref.name)
+    h = container.parse_header(obj)
+    kv = decode_chunk(obj)
+    store.delete(ref.name)
+    store.put(ref.name, encode_chunk(kv, h.preset, "another-model"))
+    return ref
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (corrupt_segment, "corrupt"),
+        (corrupt_header, "corrupt"),
+        (truncate, "truncated"),
+        (truncate_after_listing, "truncated"),
+        (foreign, "foreign"),
+        (other_model, "fingerprint"),
+    ],
+)
+async def test_a_bad_chunk_stops_the_fetch_and_is_never_written(tmp_path, damage, reason):
+    kv = synthetic_kv(layers=2, heads=2, tokens=128, head_dim=32)
+    store = LocalStore(tmp_path)
+    refs = put_chunks(store, kv, 32)
+    refs[2] = damage(store, refs[2])
+    buf = empty_like(kv)
+    out = await fetch(store, refs, pipeline.Destination(buf, tokens=128), window=1)
+    assert out.error == reason, out.detail
+    assert out.loaded_tokens == 64
+    assert torch.equal(buf[:, :, :, :64], kv[:, :, :, :64])
+    assert bool((buf[:, :, :, 64:96] == SENTINEL).all())  # the bad chunk never reached the buffer
+
+
+async def test_object_deleted_mid_fetch(tmp_path):
+    kv = synthetic_kv(layers=2, heads=2, tokens=96, head_dim=32)
+
+    def delete_after_header(store, name, offset):
+        if name.startswith("kv/0001/") and offset > 0:  # header read, now the segments: gone
+            LocalStore.delete(store, name)
+
+    store = Recording(tmp_path)
+    refs = put_chunks(store, kv, 32, preset="q8")  # q8: side info and segments after the header
+    store.hook = delete_after_header
+    import kvfetcher.pipeline as p
+
+    old = p.HEADER_GUESS
+    p.HEADER_GUESS = 64  # make the header read stop before the segments
+    try:
+        buf = empty_like(kv)
+        out = await fetch(store, refs, pipeline.Destination(buf, tokens=96), window=1)
+    finally:
+        p.HEADER_GUESS = old
+    assert out.error == "missing"
+    assert out.loaded_tokens == 32
+    assert bool((buf[:, :, :, 32:] == SENTINEL).all())
+
+
+async def test_deadline_on_a_slow_store_and_nothing_written_after_return(tmp_path):
+    kv = synthetic_kv(layers=2, heads=2, tokens=256, head_dim=32)
+    store = Recording(tmp_path, delay_s=0.15)
+    refs = put_chunks(store, kv, 32)
+    buf = empty_like(kv)
+    t = time.perf_counter()
+    out = await fetch(store, refs, pipeline.Destination(buf, tokens=256), deadline_s=0.5, window=2)
+    assert time.perf_counter() - t < 1.5
+    assert out.error == "deadline"
+    assert 0 <= out.loaded_tokens < 256
+    n = out.loaded_tokens
+    assert torch.equal(buf[:, :, :, :n], kv[:, :, :, :n])
+    snapshot = buf.clone()
+    await asyncio.sleep(0.6)  # GETs still sleeping in threads must not lead to writes now
+    assert torch.equal(buf, snapshot)
+
+
+async def test_cancellation_leaves_no_late_writes(tmp_path):
+    kv = synthetic_kv(layers=2, heads=2, tokens=256, head_dim=32)
+    store = Recording(tmp_path, delay_s=0.1)
+    refs = put_chunks(store, kv, 32)
+    buf = empty_like(kv)
+    task = asyncio.create_task(fetch(store, refs, pipeline.Destination(buf, tokens=256), window=2))
+    await asyncio.sleep(0.35)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    snapshot = buf.clone()
+    await asyncio.sleep(0.4)
+    assert torch.equal(buf, snapshot)
+    assert not torch.equal(buf, kv)
+
+
+async def test_chunk_that_does_not_fit_the_buffer_is_refused(tmp_path):
+    kv = synthetic_kv(layers=2, heads=2, tokens=64, head_dim=32)
+    store = LocalStore(tmp_path)
+    refs = put_chunks(store, kv, 32)
+    buf = torch.full((2, 2, 4, 64, 32), SENTINEL, dtype=torch.float16)  # 4 heads, not 2
+    out = await fetch(store, refs, pipeline.Destination(buf, tokens=64))
+    assert out.error == "fingerprint" and out.loaded_tokens == 0
+    assert bool((buf == SENTINEL).all())
