@@ -18,7 +18,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="kvfetcher-operator", description=__doc__.splitlines()[0])
     parser.add_argument("--liveness", default="http://0.0.0.0:8081/healthz", help="kopf's liveness endpoint URL")
     parser.add_argument("--standalone", action="store_true", help="no peering (a single replica)")
-    parser.add_argument("--peering", default="kvfetcher-operator", help="the ClusterKopfPeering name")
+    parser.add_argument("--peering", default=None,
+                        help="a ClusterKopfPeering name: makes peering mandatory (its CRD must exist)")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -26,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     asyncio.run(kopf.operator(
         clusterwide=True,
         standalone=args.standalone,
-        peering_name=args.peering,
+        peering_name=None if args.standalone else args.peering,
         liveness_endpoint=args.liveness,
     ))
 
