@@ -13,7 +13,9 @@ What the sidecar gets, and why:
   over the socket; with DRA it is given the model container's resource claims instead.
 - NVIDIA_DRIVER_CAPABILITIES includes `video`, without which the runtime mounts no NVDEC library.
 - The pod's IPC namespace is shared by its containers already; CUDA IPC also needs the peer
-  process visible, hence shareProcessNamespace. The Unix socket lives on a shared emptyDir.
+  process visible, hence shareProcessNamespace. The Unix socket lives on a shared emptyDir, and
+  host-memory KV buffers on a memory-backed /dev/shm that both containers mount (the model's own
+  /dev/shm volume when it has one; the runtime's default 64 MiB one is far too small).
 - Endpoint, bucket, credentials, token and salt come from Secret references, never literals.
 
 A pod that cannot be injected is let through unchanged but for an annotation saying why:
@@ -34,6 +36,8 @@ SKIPPED_ANNOTATION = "kvfetcher.io/injection-skipped"
 CONTAINER = "kvfetcher"
 SOCKET_VOLUME = "kvfetcher-socket"
 CA_VOLUME = "kvfetcher-s3-ca"
+SHM_VOLUME = "kvfetcher-shm"
+SHM_DIR = "/dev/shm"
 SOCKET_DIR = "/run/kvfetcher"
 SOCKET = f"{SOCKET_DIR}/kvfetcher.sock"
 CA_DIR = "/etc/kvfetcher/s3-ca"
@@ -83,12 +87,12 @@ def sidecar_env(pool: dict[str, Any]) -> list[dict[str, Any]]:
     ]
     tenancy = spec["tenancy"]
     if tenancy["saltFrom"] == "Pool":
-        env.append(_secret_env("KVFETCHER_TENANT_SALT", secret, "tenantSalt"))
+        env.append(_secret_env("KVFETCHER_TENANT", secret, "tenantSalt"))
     elif tenancy["saltFrom"] == "Secret":
-        env.append(_secret_env("KVFETCHER_TENANT_SALT", tenancy["secretRef"]["name"], tenancy["secretRef"]["key"]))
+        env.append(_secret_env("KVFETCHER_TENANT", tenancy["secretRef"]["name"], tenancy["secretRef"]["key"]))
     else:
         label = tenancy["labelKey"]
-        env.append({"name": "KVFETCHER_TENANT_SALT",
+        env.append({"name": "KVFETCHER_TENANT",
                     "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{label}']"}}})
     env += [
         {"name": "KVFETCHER_POOL", "value": pool["metadata"]["name"]},
@@ -111,7 +115,12 @@ def sidecar_env(pool: dict[str, Any]) -> list[dict[str, Any]]:
     return env
 
 
-def sidecar_container(pool: dict[str, Any], model: dict[str, Any] | None) -> dict[str, Any]:
+def _shm_volume(model: dict[str, Any]) -> str | None:
+    """The volume the model container already mounts at /dev/shm, if any."""
+    return next((m["name"] for m in model.get("volumeMounts") or [] if m.get("mountPath") == SHM_DIR), None)
+
+
+def sidecar_container(pool: dict[str, Any], model: dict[str, Any] | None, shm_volume: str = SHM_VOLUME) -> dict[str, Any]:
     spec = specs.with_defaults(pool["spec"])
     side = spec["sidecar"]
     port = side["port"]
@@ -125,7 +134,7 @@ def sidecar_container(pool: dict[str, Any], model: dict[str, Any] | None) -> dic
         resources["claims"] = copy.deepcopy(claims)
     else:
         env.append({"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"})
-    mounts = [{"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR}]
+    mounts = [{"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR}, {"name": shm_volume, "mountPath": SHM_DIR}]
     if ((spec["storage"].get("external") or {}).get("tls") or {}).get("caSecretRef"):
         mounts.append({"name": CA_VOLUME, "mountPath": CA_DIR, "readOnly": True})
     return {
@@ -171,13 +180,19 @@ def mutate(pod: dict[str, Any], pool: dict[str, Any] | None) -> Decision:
         wanted = pool_spec["injection"].get("modelContainer")
         return _skip(f"model container {wanted!r} not found in the pod")
 
+    shm = _shm_volume(model)
     new_containers = copy.deepcopy(containers)
     for c in new_containers:
         if c.get("name") == model.get("name"):
-            c.setdefault("volumeMounts", []).append({"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR})
+            mounts = c.setdefault("volumeMounts", [])
+            mounts.append({"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR})
+            if shm is None:
+                mounts.append({"name": SHM_VOLUME, "mountPath": SHM_DIR})
             c.setdefault("env", []).append({"name": "KVFETCHER_SOCKET", "value": SOCKET})
     volumes = copy.deepcopy(spec.get("volumes") or [])
     volumes.append({"name": SOCKET_VOLUME, "emptyDir": {}})
+    if shm is None:
+        volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}})
     ca = ((pool_spec["storage"].get("external") or {}).get("tls") or {}).get("caSecretRef")
     if ca:
         volumes.append({"name": CA_VOLUME, "secret": {"secretName": ca["name"],
@@ -185,7 +200,7 @@ def mutate(pod: dict[str, Any], pool: dict[str, Any] | None) -> Decision:
     patch = {
         "metadata": {"annotations": {INJECTED_ANNOTATION: pool_name, SKIPPED_ANNOTATION: None}},
         "spec": {
-            "initContainers": [sidecar_container(pool, model)] + copy.deepcopy(inits),
+            "initContainers": [sidecar_container(pool, model, shm or SHM_VOLUME)] + copy.deepcopy(inits),
             "containers": new_containers,
             "volumes": volumes,
             "shareProcessNamespace": True,

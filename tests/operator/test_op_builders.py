@@ -84,7 +84,7 @@ def test_injection_into_a_device_plugin_pod() -> None:
     side = out["spec"]["initContainers"][0]
     env = {e["name"]: e for e in side["env"]}
     for name in ("KVFETCHER_S3_ENDPOINT", "KVFETCHER_S3_BUCKET", "KVFETCHER_S3_ACCESS_KEY",
-                 "KVFETCHER_S3_SECRET_KEY", "KVFETCHER_AUTH_TOKEN", "KVFETCHER_TENANT_SALT"):
+                 "KVFETCHER_S3_SECRET_KEY", "KVFETCHER_AUTH_TOKEN", "KVFETCHER_TENANT"):
         assert env[name]["valueFrom"]["secretKeyRef"]["name"] == "cache-kvfetcher", name
     assert env["KVFETCHER_CHUNK_TOKENS"]["value"] == "256" and env["KVFETCHER_PRESET"]["value"] == "auto"
     assert env["KVFETCHER_MAX_BYTES"]["value"] == str(2**40)
@@ -97,11 +97,15 @@ def test_injection_into_a_device_plugin_pod() -> None:
     model = out["spec"]["containers"][1]
     assert {"name": "KVFETCHER_SOCKET", "value": injection.SOCKET} in model["env"]
     assert "volumeMounts" not in out["spec"]["containers"][0]  # the GPU container, not the first one
+    assert {"name": "kvfetcher-shm", "mountPath": "/dev/shm"} in model["volumeMounts"]
+    assert {"name": "kvfetcher-shm", "mountPath": "/dev/shm"} in side["volumeMounts"]
+    assert {"name": "kvfetcher-shm", "emptyDir": {"medium": "Memory"}} in out["spec"]["volumes"]
     assert injection.mutate(out, pool(MANAGED)).outcome == "unchanged"
 
 
 def test_injection_with_dra_claims_external_storage_and_label_salt() -> None:
-    pod = gpu_pod(resources={"claims": [{"name": "gpu"}]})
+    pod = gpu_pod(resources={"claims": [{"name": "gpu"}]}, volumeMounts=[{"name": "dshm", "mountPath": "/dev/shm"}])
+    pod["spec"]["volumes"] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}]
     pod["spec"]["resourceClaims"] = [{"name": "gpu", "source": {"resourceClaimTemplateName": "one-gpu"}}]  # 1.30 shape
     out = injection.apply_merge_patch(pod, injection.mutate(pod, pool(EXTERNAL)).patch)
     valid(out)
@@ -109,9 +113,11 @@ def test_injection_with_dra_claims_external_storage_and_label_salt() -> None:
     env = {e["name"]: e for e in side["env"]}
     assert side["resources"]["claims"] == [{"name": "gpu"}] and "NVIDIA_VISIBLE_DEVICES" not in env
     assert env["KVFETCHER_S3_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "creds", "key": "id"}
-    assert env["KVFETCHER_TENANT_SALT"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['tenant']"
+    assert env["KVFETCHER_TENANT"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['tenant']"
     assert env["KVFETCHER_S3_CA_FILE"]["value"] == "/etc/kvfetcher/s3-ca/ca.crt"
     assert {"name": "kvfetcher-s3-ca", "mountPath": "/etc/kvfetcher/s3-ca", "readOnly": True} in side["volumeMounts"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in side["volumeMounts"]  # the model's own /dev/shm
+    assert [v["name"] for v in out["spec"]["volumes"]] == ["dshm", "kvfetcher-socket", "kvfetcher-s3-ca"]
 
 
 @pytest.mark.parametrize("the_pool,pod_change,reason", [
