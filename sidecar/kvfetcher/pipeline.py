@@ -40,6 +40,18 @@ class ChunkRef:
     tokens: int
 
 
+def slot_list(capacity: int, tokens: int, slots: Sequence[int] | None = None, offset: int = 0) -> list[int]:
+    """The buffer slots of ``tokens`` tokens: ``slots[:tokens]``, or ``offset, offset + 1, ...``."""
+    idx = list(range(offset, offset + tokens)) if slots is None else [int(s) for s in slots[:tokens]]
+    if len(idx) < tokens:
+        raise ValueError(f"{len(idx)} slots given for {tokens} tokens")
+    if any(s < 0 or s >= capacity for s in idx):
+        raise ValueError(f"slots out of range for a buffer of {capacity} token slots")
+    if len(set(idx)) != len(idx):
+        raise ValueError("slots must be distinct")
+    return idx
+
+
 class Destination:
     """Token ``i`` of the prompt goes to slot ``slots[i]`` of the buffer's token axis.
 
@@ -47,16 +59,15 @@ class Destination:
     place through a view (no copy); scattered slots (a paged cache) through ``index_copy_``.
     """
 
-    def __init__(self, buffer: torch.Tensor, slots: Sequence[int] | None = None, offset: int = 0, tokens: int = 0):
+    def __init__(self, buffer: torch.Tensor, slots: Sequence[int] | None = None, offset: int = 0, tokens: int | None = None):
         if buffer.dim() != 5 or buffer.shape[1] != 2:
             raise ValueError(f"KV buffer must be [layers, 2, kv_heads, capacity, head_dim], got {tuple(buffer.shape)}")
         self.buffer = buffer
-        cap = buffer.shape[3]
-        self.slots = list(range(offset, offset + tokens)) if slots is None else [int(s) for s in slots]
-        if any(s < 0 or s >= cap for s in self.slots):
-            raise ValueError(f"slots out of range for a buffer of {cap} token slots")
-        if len(set(self.slots)) != len(self.slots):
-            raise ValueError("slots must be distinct")
+        if tokens is None:
+            if slots is None:
+                raise ValueError("give the destination's slots or its number of tokens")
+            tokens = len(slots)
+        self.slots = slot_list(buffer.shape[3], tokens, slots, offset)
 
     def check(self, h: container.Header, c: ChunkRef) -> None:
         """Refuse a chunk that does not fit: wrong geometry or dtype is a foreign chunk here."""

@@ -205,11 +205,9 @@ class Sidecar:
         buf = self._buffer(bid)
         n_req = len(tokens) // self.config.chunk_tokens * self.config.chunk_tokens
         try:
-            dest = pipeline.Destination(buf.tensor, slots=slots[:n_req] if slots is not None else None, offset=offset, tokens=n_req)
+            dest = pipeline.Destination(buf.tensor, slots=slots, offset=offset, tokens=n_req)
         except ValueError as e:
             raise RequestError(str(e)) from e
-        if slots is not None and len(slots) < n_req:
-            raise RequestError(f"{len(slots)} slots given for {n_req} tokens")
         reply = {"requested_tokens": n_req, "loaded_tokens": 0, "chunk_tokens": self.config.chunk_tokens}
         ck = keys.chunk_keys(buf.ns, tokens[:n_req], self.config.chunk_tokens)
         try:
@@ -290,9 +288,10 @@ class Sidecar:
             self.metrics.store_dropped.inc()
             self.metrics.fallbacks.labels("store_queue_full").inc()
             return {"queued_chunks": 0, "dropped": True}
-        idx = list(range(offset, offset + n)) if slots is None else [int(s) for s in slots[:n]]
-        if len(idx) < n or min(idx) < 0 or max(idx) >= buf.tensor.shape[3]:
-            raise RequestError(f"slots for {n} tokens are out of the buffer's {buf.tensor.shape[3]} slots")
+        try:
+            idx = pipeline.slot_list(buf.tensor.shape[3], n, slots, offset)
+        except ValueError as e:
+            raise RequestError(str(e)) from e
         if idx == list(range(idx[0], idx[0] + n)):
             kv = buf.tensor[:, :, :, idx[0] : idx[0] + n].to("cpu", copy=True)
         else:

@@ -4,6 +4,7 @@ embedded sidecars, and the real model's KV for a short prompt (one model per ses
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import threading
 import uuid
@@ -17,6 +18,8 @@ from kvfetcher import model
 from kvfetcher.server import Embedded
 from kvfetcher.service import Config, Sidecar
 from kvfetcher.store.s3 import S3Store
+
+logging.getLogger("werkzeug").setLevel(logging.WARNING)
 
 TOKEN = "test-token-" + uuid.uuid4().hex
 PROMPT_TOKENS = 400
