@@ -18,6 +18,8 @@ class Config:
     metrics_addr: str = "0.0.0.0"
     metrics_port: int = 8080
     retry_seconds: float = 10.0
+    # The MutatingWebhookConfiguration that routes pods here (the chart sets it); unset: not checked.
+    webhook_configuration: str | None = None
 
     @classmethod
     def from_env(cls) -> "Config":
@@ -30,6 +32,7 @@ class Config:
             metrics_addr=env("KVFETCHER_METRICS_ADDR", cls.metrics_addr),
             metrics_port=int(env("KVFETCHER_METRICS_PORT", cls.metrics_port)),
             retry_seconds=_float("KVFETCHER_RETRY_SECONDS", cls.retry_seconds),
+            webhook_configuration=env("KVFETCHER_WEBHOOK_CONFIGURATION") or None,
         )
 
 

@@ -24,8 +24,8 @@ POOL = (specs.GROUP, specs.VERSION, specs.PLURAL)
 WEBHOOK_ID = "inject-sidecar"  # the URL path of the webhook: /inject-sidecar
 
 
-class StorageNotReady(Exception):
-    """Storage is not usable yet; `reason` becomes the StorageReady condition's reason."""
+class NotReady(Exception):
+    """Storage (or the webhook) is not usable yet; `reason` becomes the condition's reason."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
@@ -106,7 +106,7 @@ def _ca_file(pool: dict[str, Any], k: kube.Kube, ref: dict[str, Any]) -> str:
     secret = k.get("v1", "secrets", pool["metadata"]["namespace"], ref["name"])
     data = builders.decode_secret_data((secret or {}).get("data"))
     if ref["key"] not in data:
-        raise StorageNotReady("CASecretMissing", f"Secret {ref['name']} with key {ref['key']} not found")
+        raise NotReady("CASecretMissing", f"Secret {ref['name']} with key {ref['key']} not found")
     path = os.path.join(tempfile.gettempdir(), f"kvfetcher-ca-{pool['metadata']['uid']}.pem")
     with open(path, "w") as f:
         f.write(data[ref["key"]])
@@ -114,7 +114,7 @@ def _ca_file(pool: dict[str, Any], k: kube.Kube, ref: dict[str, Any]) -> str:
 
 
 def storage_target(pool: dict[str, Any], k: kube.Kube, values: dict[str, str]) -> bucket.Target:
-    """Where the bucket is and the credentials to reach it; StorageNotReady while it cannot be reached."""
+    """Where the bucket is and the credentials to reach it; NotReady while it cannot be reached."""
     spec = specs.with_defaults(pool["spec"])
     endpoint, bucket_name = builders.storage_location(pool)
     namespace = pool["metadata"]["namespace"]
@@ -122,22 +122,35 @@ def storage_target(pool: dict[str, Any], k: kube.Kube, values: dict[str, str]) -
         sts = k.get("apps/v1", "statefulsets", namespace, builders.minio_name(pool["metadata"]["name"]))
         ready, wanted = minio.ready_replicas(sts)
         if wanted == 0 or ready < wanted:
-            raise StorageNotReady("MinIOStarting", f"{ready}/{wanted or spec['storage']['managed']['replicas']} "
+            raise NotReady("MinIOStarting", f"{ready}/{wanted or spec['storage']['managed']['replicas']} "
                                                    f"MinIO replicas ready")
         return bucket.Target(endpoint, bucket_name, values["accessKey"], values["secretKey"])
     external = spec["storage"]["external"]
     ref = external["credentialsSecretRef"]
     secret = k.get("v1", "secrets", namespace, ref["name"])
     if secret is None:
-        raise StorageNotReady("CredentialsMissing", f"Secret {namespace}/{ref['name']} not found")
+        raise NotReady("CredentialsMissing", f"Secret {namespace}/{ref['name']} not found")
     creds = builders.decode_secret_data(secret.get("data"))
     missing = [key for key in (ref["accessKeyKey"], ref["secretKeyKey"]) if not creds.get(key)]
     if missing:
-        raise StorageNotReady("CredentialsMissing", f"Secret {namespace}/{ref['name']} lacks key(s) {missing}")
+        raise NotReady("CredentialsMissing", f"Secret {namespace}/{ref['name']} lacks key(s) {missing}")
     tls = external.get("tls") or {}
     ca = _ca_file(pool, k, tls["caSecretRef"]) if tls.get("caSecretRef") else None
     return bucket.Target(endpoint, bucket_name, creds[ref["accessKeyKey"]], creds[ref["secretKeyKey"]],
                          region=external.get("region"), ca_file=ca, insecure=bool(tls.get("insecureSkipVerify")))
+
+
+def injection_readiness(spec: dict[str, Any], cfg: Config, k: kube.Kube) -> tuple[bool, str, str]:
+    if not spec["injection"]["enabled"]:
+        return True, "Disabled", "injection is disabled; clients reach the storage on their own"
+    if cfg.webhook_configuration is None:
+        return True, "WebhookServing", "the webhook is served (its MutatingWebhookConfiguration is not checked)"
+    try:
+        config = k.get("admissionregistration.k8s.io/v1", "mutatingwebhookconfigurations", None,
+                       cfg.webhook_configuration)
+    except Exception as e:
+        return False, "WebhookCheckFailed", f"{type(e).__name__}: {e}"
+    return injection.webhook_readiness(config, cfg.webhook_configuration, f"/{WEBHOOK_ID}")
 
 
 def _announce(body: kopf.Body, before: list[dict[str, Any]], after: list[dict[str, Any]]) -> None:
@@ -186,7 +199,7 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, injected_pods
     spec = specs.with_defaults(pool["spec"])
     endpoint, bucket_name = builders.storage_location(pool)
     secret_name = builders.secret_name(meta["name"])
-    error: StorageNotReady | None = None
+    error: NotReady | None = None
     try:
         existing = k.get("v1", "secrets", meta["namespace"], secret_name)
         values = builders.secret_values(pool, builders.decode_secret_data((existing or {}).get("data")))
@@ -194,36 +207,34 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, injected_pods
         if "managed" in spec["storage"]:
             for service in minio.services(pool):
                 k.apply(service)
-            k.apply(minio.statefulset(pool), mutable_spec=minio.MUTABLE_FIELDS)
+            desired = minio.statefulset(pool)
+            applied = k.apply(desired, mutable_spec=minio.MUTABLE_FIELDS)
+            for drift in minio.volume_drift(applied, desired) if retry_until_ready else []:
+                kopf.warn(body, reason="VolumeChangeNotApplied", message=drift)
         target = storage_target(pool, k, values)
         try:
             bucket.ensure(target, spec["retention"]["ttlDays"])
         except Exception as e:
-            raise StorageNotReady("BucketUnavailable", f"bucket {bucket_name} at {endpoint}: {e}") from e
+            raise NotReady("BucketUnavailable", f"bucket {bucket_name} at {endpoint}: {e}") from e
         conds = conditions.put(conds, STORAGE_READY, True, "BucketReady",
                                f"bucket {bucket_name} at {endpoint} is ready; objects expire after "
                                f"{spec['retention']['ttlDays']} days", gen)
-    except StorageNotReady as e:
+    except NotReady as e:
         error = e
         conds = conditions.put(conds, STORAGE_READY, False, e.reason, str(e), gen)
-    except kopf.TemporaryError:
-        raise
     except Exception as e:  # an API call failed: say so, and let kopf retry
-        error = StorageNotReady("ApplyFailed", f"{type(e).__name__}: {e}")
+        error = NotReady("ApplyFailed", f"{type(e).__name__}: {e}")
         conds = conditions.put(conds, STORAGE_READY, False, error.reason, str(error), gen)
 
-    if spec["injection"]["enabled"]:
-        conds = conditions.put(conds, INJECTION_READY, True, "WebhookConfigured",
-                               f"pods labelled {injection.INJECT_LABEL}=true and annotated "
-                               f"{injection.POOL_ANNOTATION}={meta['name']} get the sidecar", gen)
-    else:
-        conds = conditions.put(conds, INJECTION_READY, True, "Disabled",
-                               "injection is disabled; clients reach the storage on their own", gen)
+    injection_ok, reason, message = injection_readiness(spec, memo.cfg, k)
+    conds = conditions.put(conds, INJECTION_READY, injection_ok, reason, message, gen)
+    if error is None and not injection_ok:
+        error = NotReady(reason, message)  # Ready needs both; the retry re-checks the webhook
     if error is None:
         conds = conditions.put(conds, READY, True, "Ready", "storage is ready and pods can be injected", gen)
         phase = "Ready"
     else:
-        conds = conditions.put(conds, READY, False, error.reason, f"storage is not ready: {error}", gen)
+        conds = conditions.put(conds, READY, False, error.reason, f"not ready: {error}", gen)
         phase = "Provisioning"
         metrics.RECONCILE_ERRORS.labels(error.reason).inc()
     _write(patch, pool, conds, phase, injected, endpoint=endpoint, bucket=bucket_name, secretName=secret_name)

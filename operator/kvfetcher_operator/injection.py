@@ -209,6 +209,20 @@ def mutate(pod: dict[str, Any], pool: dict[str, Any] | None) -> Decision:
     return Decision(patch, "injected", f"sidecar of KVCachePool {namespace}/{pool_name} injected")
 
 
+def webhook_readiness(config: dict[str, Any] | None, name: str, path: str) -> tuple[bool, str, str]:
+    """Whether the MutatingWebhookConfiguration `name` sends pods to this operator's `path` with a CA to trust."""
+    if config is None:
+        return False, "WebhookConfigurationMissing", f"MutatingWebhookConfiguration {name} not found"
+    hooks = [h for h in config.get("webhooks") or []
+             if ((h.get("clientConfig") or {}).get("service") or {}).get("path") == path]
+    if not hooks:
+        return False, "WebhookMisrouted", f"MutatingWebhookConfiguration {name} has no webhook for {path}"
+    if not all((h.get("clientConfig") or {}).get("caBundle") for h in hooks):
+        return False, "WebhookCANotInjected", f"MutatingWebhookConfiguration {name} has no caBundle yet"
+    return True, "WebhookConfigured", (f"pods labelled {INJECT_LABEL}=true and annotated {POOL_ANNOTATION}=<pool> "
+                                       f"are sent to the webhook by {name}")
+
+
 def apply_merge_patch(target: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
     """RFC 7386 merge patch (lists replaced, None deletes): what the API server makes of `mutate`'s patch."""
     out = copy.deepcopy(target)

@@ -60,9 +60,11 @@ class Kube:
         )
 
     @staticmethod
-    def path(api_version: str, plural: str, namespace: str, name: str | None = None) -> str:
+    def path(api_version: str, plural: str, namespace: str | None, name: str | None = None) -> str:
+        """The REST path; namespace None for cluster-scoped resources."""
         root = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
-        return f"{root}/namespaces/{namespace}/{plural}" + (f"/{name}" if name else "")
+        scope = f"/namespaces/{namespace}" if namespace else ""
+        return f"{root}{scope}/{plural}" + (f"/{name}" if name else "")
 
     def _call(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
         headers = {"Accept": "application/json", "Content-Type": content_type}
@@ -76,7 +78,7 @@ class Kube:
             raise ApiError(response.status, text)
         return json.loads(text) if text else None
 
-    def get(self, api_version: str, plural: str, namespace: str, name: str) -> dict[str, Any] | None:
+    def get(self, api_version: str, plural: str, namespace: str | None, name: str) -> dict[str, Any] | None:
         try:
             return self._call("GET", self.path(api_version, plural, namespace, name))
         except ApiError as e:

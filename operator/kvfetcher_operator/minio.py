@@ -125,5 +125,21 @@ def ready_replicas(sts: dict[str, Any] | None) -> tuple[int, int]:
     return int((sts.get("status") or {}).get("readyReplicas") or 0), int(sts["spec"].get("replicas") or 1)
 
 
+def volume_drift(current: dict[str, Any], desired: dict[str, Any]) -> list[str]:
+    """Volume settings the pool asks for but the existing StatefulSet cannot take (its claim templates are immutable)."""
+    def claim(sts: dict[str, Any]) -> dict[str, Any]:
+        templates = (sts.get("spec") or {}).get("volumeClaimTemplates") or [{}]
+        return templates[0].get("spec") or {}
+    now, want = claim(current), claim(desired)
+    out = []
+    size_now = ((now.get("resources") or {}).get("requests") or {}).get("storage")
+    size_want = want["resources"]["requests"]["storage"]
+    if size_now and size_now != size_want:
+        out.append(f"volume size stays {size_now} (asked: {size_want}): resize the PVCs, or recreate the pool")
+    if now.get("storageClassName") != want.get("storageClassName") and size_now:
+        out.append(f"storageClassName stays {now.get('storageClassName')!r} (asked: {want.get('storageClassName')!r})")
+    return out
+
+
 # A StatefulSet's spec is immutable except for these fields: updates patch only them.
 MUTABLE_FIELDS = ("replicas", "template", "persistentVolumeClaimRetentionPolicy", "updateStrategy", "minReadySeconds")

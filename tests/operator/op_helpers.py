@@ -21,6 +21,8 @@ def declare_resources(kmock: kmocklib.KubernetesEmulator) -> None:
                       ("v1/events", "Event"), ("apps/v1/statefulsets", "StatefulSet")]:
         kmock.resources[res] = kmocklib.ResourceInfo(
             kind=kind, namespaced=True, verbs={"list", "watch", "get", "create", "patch", "update", "delete"})
+    kmock.resources["admissionregistration.k8s.io/v1/mutatingwebhookconfigurations"] = kmocklib.ResourceInfo(
+        kind="MutatingWebhookConfiguration", namespaced=False, verbs={"get", "create", "patch", "list"})
     # kopf's observers wait for these two before they start any watch, even cluster-wide.
     kmock.resources["v1/namespaces"] = kmocklib.ResourceInfo(kind="Namespace", namespaced=False,
                                                              verbs={"list", "watch", "get"})

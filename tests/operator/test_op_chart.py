@@ -116,6 +116,8 @@ def test_rbac_is_least_privilege(chart: helm_python.Chart) -> None:
     assert granted[("", "secrets")] == {"get", "create", "patch"}  # never list or watch every Secret
     assert granted[("", "pods")] == {"list", "watch"}
     assert "delete" not in set().union(*granted.values())  # children go by owner references
+    (hooks,) = [r for r in role["rules"] if r["resources"] == ["mutatingwebhookconfigurations"]]
+    assert hooks["verbs"] == ["get"] and hooks["resourceNames"] == ["kvf-kvfetcher"]
 
 
 def test_deployment_wires_the_operator(chart: helm_python.Chart) -> None:
@@ -125,6 +127,7 @@ def test_deployment_wires_the_operator(chart: helm_python.Chart) -> None:
     env = {e["name"]: e["value"] for e in container["env"]}
     assert env["KVFETCHER_WEBHOOK_PORT"] == "10443" and env["KVFETCHER_METRICS_PORT"] == "9090"
     assert env["KVFETCHER_RETRY_SECONDS"] == "5"
+    assert env["KVFETCHER_WEBHOOK_CONFIGURATION"] == by_kind(docs, "MutatingWebhookConfiguration")[0]["metadata"]["name"]
     assert "--verbose" in container["args"] and "--standalone" in container["args"]
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     (monitor,) = by_kind(docs, "ServiceMonitor")

@@ -102,11 +102,15 @@ async def test_managed_pool_builds_minio_and_waits_for_it(operator, api: Api) ->
     assert "mgd-minio.default.svc" in cond(pool, "StorageReady")["message"]
     assert cond(pool, "Ready")["status"] == "False"
 
-    # Scaling to 4 replicas patches the StatefulSet into distributed mode, and only its mutable fields.
-    await api.patch(POOLS, "default", "mgd", {"spec": {"storage": {"managed": {"replicas": 4}}},
+    # Scaling to 4 replicas patches the StatefulSet into distributed mode, and only its mutable
+    # fields: the new volume size cannot be applied to the claim templates, and an Event says so.
+    await api.patch(POOLS, "default", "mgd", {"spec": {"storage": {"managed": {"replicas": 4, "size": "20Gi"}}},
                                               "metadata": {"generation": 2}})
     sts = await api.wait_for("apps/v1/statefulsets", "default", "mgd-minio", lambda o: o["spec"]["replicas"] == 4)
     assert "{0...3}" in sts["spec"]["template"]["spec"]["containers"][0]["args"][1]
+    assert sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "10Gi"
+    await asyncio.sleep(0.5)
+    assert any(e["reason"] == "VolumeChangeNotApplied" and "10Gi" in e["message"] for e in events(api, "mgd"))
     after = builders.decode_secret_data((await api.get("v1/secrets", "default", "mgd-kvfetcher"))["data"])
     assert after["secretKey"] == creds["secretKey"]  # credentials are never rotated under the data
 
@@ -250,6 +254,32 @@ async def test_webhook_never_blocks_a_pod_for_a_missing_or_unready_pool(operator
     response, pod = await admit(operator, model_pod(None))
     assert response["allowed"] is True and "no kvfetcher.io/pool annotation" in \
         pod["metadata"]["annotations"][injection.SKIPPED_ANNOTATION]
+
+
+async def test_injection_ready_follows_the_webhook_configuration(api: Api, s3: str, request,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from conftest import run_operator
+
+    monkeypatch.setenv("KVFETCHER_WEBHOOK_CONFIGURATION", "kvf")
+    hooks = "admissionregistration.k8s.io/v1/mutatingwebhookconfigurations"
+    await api.create("v1/secrets", s3_secret())
+    async with run_operator(request):
+        await api.create(POOLS, external_pool("hooked", s3, "hooked"))
+        pool = await api.wait_for(POOLS, "default", "hooked",
+                                  lambda o: cond(o, "InjectionReady").get("reason") == "WebhookConfigurationMissing")
+        assert cond(pool, "StorageReady")["status"] == "True" and cond(pool, "Ready")["status"] == "False"
+        config = {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
+                  "metadata": {"name": "kvf"}, "webhooks": [{"name": "inject.kvfetcher.io", "clientConfig": {
+                      "service": {"name": "kvf-webhook", "namespace": "kvf", "path": "/inject-sidecar"}}}]}
+        async with api.session.post(f"/apis/{hooks}", json=config) as r:
+            assert r.status < 300, await r.text()
+        await api.wait_for(POOLS, "default", "hooked",
+                           lambda o: cond(o, "InjectionReady").get("reason") == "WebhookCANotInjected")
+        async with api.session.patch(f"/apis/{hooks}/kvf", headers={"Content-Type": "application/merge-patch+json"},
+                                     json={"webhooks": [{**config["webhooks"][0], "clientConfig": {
+                                         **config["webhooks"][0]["clientConfig"], "caBundle": "Y2E="}}]}) as r:
+            assert r.status < 300, await r.text()
+        await api.wait_for(POOLS, "default", "hooked", is_ready)
 
 
 async def test_metrics_report_pools_by_phase_and_errors(operator, api: Api) -> None:
