@@ -3,7 +3,15 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import socket
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
+
+import pytest
+import yaml
 
 import aiohttp
 import kmock as kmocklib
@@ -97,3 +105,66 @@ def cond(obj: dict[str, Any] | None, type_: str) -> dict[str, Any]:
 
 def is_ready(obj: dict[str, Any] | None) -> bool:
     return cond(obj, "Ready").get("status") == "True"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def run_operator(request: pytest.FixtureRequest) -> AsyncIterator[dict[str, Any]]:
+    """The operator, cluster-wide, against the emulator; yields where its webhook and metrics listen."""
+    import kopf
+
+    from kvfetcher_operator import handlers  # noqa: F401  (registers the handlers)
+
+    kmock = request.getfixturevalue("kmock")
+    tls: dict[str, Path] = request.getfixturevalue("tls")
+    tmp_path: Path = request.getfixturevalue("tmp_path")
+    monkeypatch: pytest.MonkeyPatch = request.getfixturevalue("monkeypatch")
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
+        "clusters": [{"name": "kmock", "cluster": {"server": str(kmock.url).rstrip("/")}}],
+        "users": [{"name": "kmock", "user": {"token": "test"}}],
+        "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock"}}],
+    }))
+    ports = {"webhook": free_port(), "metrics": free_port()}
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    monkeypatch.setenv("KVFETCHER_WEBHOOK_ADDR", "127.0.0.1")
+    monkeypatch.setenv("KVFETCHER_WEBHOOK_PORT", str(ports["webhook"]))
+    monkeypatch.setenv("KVFETCHER_WEBHOOK_CERT", str(tls["cert"]))
+    monkeypatch.setenv("KVFETCHER_WEBHOOK_KEY", str(tls["key"]))
+    monkeypatch.setenv("KVFETCHER_METRICS_ADDR", "127.0.0.1")
+    monkeypatch.setenv("KVFETCHER_METRICS_PORT", str(ports["metrics"]))
+    monkeypatch.setenv("KVFETCHER_RETRY_SECONDS", "0.3")
+
+    # kopf owns its event loop (it cancels every task left in it when it stops): give it a thread.
+    stop, ready = threading.Event(), threading.Event()
+    thread = threading.Thread(target=asyncio.run, daemon=True, args=(
+        kopf.operator(clusterwide=True, standalone=True, stop_flag=stop, ready_flag=ready),))
+    thread.start()
+    try:
+        assert await asyncio.to_thread(ready.wait, 20), "the operator did not start"
+        await wait_listening(ports["webhook"])
+        yield {"webhook": f"https://127.0.0.1:{ports['webhook']}",
+               "metrics": f"http://127.0.0.1:{ports['metrics']}", "ca": tls["ca"]}
+    finally:
+        stop.set()
+        await asyncio.to_thread(thread.join, 20)
+    assert not thread.is_alive(), "the operator did not stop"
+
+
+async def wait_listening(port: int, timeout: float = 15) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            return
+        except OSError:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.1)

@@ -49,7 +49,14 @@ def chart() -> helm_python.Chart:
 
 def render(chart: helm_python.Chart, values: dict[str, Any]) -> list[dict[str, Any]]:
     out = chart.render(values, name="kvf", namespace=NAMESPACE, is_install=True)
-    return [doc for text in out.values() for doc in yaml.safe_load_all(text) if doc]
+    return [doc for path, text in out.items() if not path.endswith("NOTES.txt")
+            for doc in yaml.safe_load_all(text) if doc]
+
+
+def test_install_notes_tell_how_to_wait_for_a_pool(chart: helm_python.Chart) -> None:
+    out = chart.render({}, name="kvf", namespace=NAMESPACE, is_install=True)
+    (notes,) = [text for path, text in out.items() if path.endswith("NOTES.txt")]
+    assert "kubectl wait --for=condition=Ready kvcachepool/" in notes
 
 
 @pytest.mark.parametrize("name", VALUE_SETS)

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import aiohttp
 import yaml
-from conftest import free_port
-from op_helpers import POOLS, Api, cond, external_pool
+from op_helpers import POOLS, Api, cond, external_pool, free_port
 
 
 async def get_status(url: str) -> int | None:

@@ -17,7 +17,7 @@ import aiohttp
 import jsonpatch
 import kubernetes_validate
 import pytest
-from op_helpers import POOLS, Api, cond, external_pool, is_ready, s3_secret
+from op_helpers import POOLS, Api, cond, external_pool, is_ready, run_operator, s3_secret
 
 from kvfetcher_operator import bucket, builders, injection
 
@@ -154,8 +154,6 @@ async def test_missing_credentials_are_explained(operator, api: Api, s3: str) ->
 
 async def test_resume_after_restart_changes_nothing(api: Api, s3: str, request: pytest.FixtureRequest) -> None:
     """A second operator process over the same cluster state keeps credentials and readiness."""
-    from conftest import run_operator
-
     await api.create("v1/secrets", s3_secret())
     async with run_operator(request):
         await api.create(POOLS, external_pool("again", s3, "again"))
@@ -258,8 +256,6 @@ async def test_webhook_never_blocks_a_pod_for_a_missing_or_unready_pool(operator
 
 async def test_injection_ready_follows_the_webhook_configuration(api: Api, s3: str, request,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    from conftest import run_operator
-
     monkeypatch.setenv("KVFETCHER_WEBHOOK_CONFIGURATION", "kvf")
     hooks = "admissionregistration.k8s.io/v1/mutatingwebhookconfigurations"
     await api.create("v1/secrets", s3_secret())
