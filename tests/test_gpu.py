@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvtest import gpu, synthetic_kv
-from kvfetcher import codecs, layout
+from kvfetcher import codecs, container, layout
 from kvfetcher.chunk import decode_chunk, encode_chunk
 from kvfetcher.codecs.base import CodecParams
 from kvfetcher.codecs.pyav import LibavDecoder, X265Encoder
@@ -47,9 +47,12 @@ def test_restore_on_gpu_into_kv_buffer_view(preset):
         assert torch.equal(cpu, kv)
 
 
-def test_truncated_bitstream_raises_instead_of_returning_frames():
+def test_truncated_object_never_reaches_nvdec():
+    """NVDEC conceals damage ("Decode Error occurred for picture N") and still returns frames,
+    so the container's checksums are what stop a truncated object, before the decoder runs."""
     kv = synthetic_kv(layers=8, tokens=256)
-    frames = layout.pack(kv, layout.LayoutParams(mode="quant")).frames
-    data = X265Encoder().encode(frames, CodecParams())
-    with pytest.raises(codecs.CodecError):
-        codecs.decoder("hevc", "cuda").decode(data[: len(data) // 2], tuple(frames.shape), "cuda")
+    obj = encode_chunk(kv, "q8", "fp")
+    out = torch.full(kv.shape, 3.0, dtype=kv.dtype, device="cuda")
+    with pytest.raises(container.TruncatedError):
+        decode_chunk(obj[: len(obj) // 2], "fp", device="cuda", out=out)
+    assert torch.all(out == 3.0)
