@@ -30,6 +30,8 @@ from .store import Store, StoreError
 log = logging.getLogger("kvfetcher.pipeline")
 
 HEADER_GUESS = 64 * 1024  # one GET usually covers prefix, header and side information
+#: failures that mean the stored object itself is bad (not the link, not a newer writer)
+BAD_OBJECT = {"corrupt", "truncated", "foreign", "fingerprint"}
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,7 @@ class Outcome:
     read_busy_s: float = 0.0  # time with at least one GET in flight
     decode_busy_s: float = 0.0  # time with at least one decode in flight
     header_latency_s: list[float] = field(default_factory=list)
+    bad_object: str | None = None  # an object that is corrupt, truncated or foreign: drop it
 
 
 class _Busy:
@@ -154,6 +157,13 @@ async def fetch(
             return await loop.run_in_executor(decode_pool, fn, *args)
 
     async def load(i: int, c: ChunkRef) -> None:
+        try:
+            await load_verified(i, c)
+        except container.ContainerError as e:
+            e.object_name = c.name  # type: ignore[attr-defined]  # so the caller can drop a bad object
+            raise
+
+    async def load_verified(i: int, c: ChunkRef) -> None:
         async with window_sem:
             t = time.perf_counter()
             head = await get(c.name, 0, min(HEADER_GUESS, c.size) if c.size else HEADER_GUESS)
@@ -195,7 +205,11 @@ async def fetch(
                 await t
     except TimeoutError:
         out.error, out.detail = "deadline", f"deadline of {deadline_s:.3f} s passed"
-    except (container.ContainerError, StoreError) as e:
+    except container.ContainerError as e:
+        out.error, out.detail = e.reason, str(e)
+        if e.reason in BAD_OBJECT:
+            out.bad_object = getattr(e, "object_name", None)
+    except StoreError as e:
         out.error, out.detail = e.reason, str(e)
     except ValueError as e:
         out.error, out.detail = "invalid", str(e)

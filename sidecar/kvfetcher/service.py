@@ -244,10 +244,21 @@ class Sidecar:
             seconds=out.seconds,
         )
         reply["decision"]["actual_s"] = out.seconds
+        if out.bad_object:  # else it would block every later fetch, and a re-store would be a no-op
+            await self._drop(out.bad_object)
         if out.error:
             return self._fallback(reply, out.error, out.detail, error=True)
         self.metrics.fetch_seconds.observe(time.perf_counter() - t0)
         return reply
+
+    async def _drop(self, name: str) -> None:
+        """Delete an object that failed verification, so that the next store writes it anew."""
+        try:
+            await asyncio.get_running_loop().run_in_executor(self.io_pool, self.store.delete, name)
+            log.warning("deleted bad object %s", name)
+            self.metrics.errors.labels("bad_object_deleted").inc()
+        except StoreError as e:
+            self.metrics.errors.labels(e.reason).inc()
 
     def _observe(self, d: choice.Decision, out: pipeline.Outcome) -> None:
         m, ep = self.metrics, self.store.endpoint

@@ -22,7 +22,7 @@ from kvfetcher.store.s3 import S3Store
 logging.getLogger("werkzeug").setLevel(logging.WARNING)
 
 TOKEN = "test-token-" + uuid.uuid4().hex
-PROMPT_TOKENS = 400
+PROMPT_TOKENS = 300
 CHUNK = 128
 NEW = 8
 
