@@ -109,8 +109,12 @@ async def test_managed_pool_builds_minio_and_waits_for_it(operator, api: Api) ->
     sts = await api.wait_for("apps/v1/statefulsets", "default", "mgd-minio", lambda o: o["spec"]["replicas"] == 4)
     assert "{0...3}" in sts["spec"]["template"]["spec"]["containers"][0]["args"][1]
     assert sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "10Gi"
-    await asyncio.sleep(0.5)
-    assert any(e["reason"] == "VolumeChangeNotApplied" and "10Gi" in e["message"] for e in events(api, "mgd"))
+    for _ in range(50):
+        if any(e["reason"] == "VolumeChangeNotApplied" and "10Gi" in e["message"] for e in events(api, "mgd")):
+            break
+        await asyncio.sleep(0.1)
+    else:
+        raise AssertionError(f"no VolumeChangeNotApplied event: {events(api, 'mgd')}")
     after = builders.decode_secret_data((await api.get("v1/secrets", "default", "mgd-kvfetcher"))["data"])
     assert after["secretKey"] == creds["secretKey"]  # credentials are never rotated under the data
 
@@ -159,8 +163,17 @@ async def test_resume_after_restart_changes_nothing(api: Api, s3: str, request: 
         await api.create(POOLS, external_pool("again", s3, "again"))
         await api.wait_for(POOLS, "default", "again", is_ready)
         first = (await api.get("v1/secrets", "default", "again-kvfetcher"))["data"]
+    seen = len(list(api.emulator))
     async with run_operator(request):
-        await asyncio.sleep(1.0)
+        # The resumed operator reconciles (its status patch shows up in the emulator's request log)...
+        for _ in range(100):
+            if any(r.method == "PATCH" and r.resource is not None and r.resource.plural == "kvcachepools"
+                   and r.name == "again" for r in list(api.emulator)[seen:]):
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the second operator did not resume the pool")
+        # ...and leaves credentials, readiness and the finalizer as they were.
         pool = await api.wait_for(POOLS, "default", "again", is_ready)
         assert (await api.get("v1/secrets", "default", "again-kvfetcher"))["data"] == first
         assert pool["metadata"]["finalizers"] == ["kvfetcher.io/finalizer"]
@@ -207,13 +220,27 @@ async def admit(operator: dict[str, Any], pod: dict[str, Any]) -> tuple[dict[str
     return response, patched
 
 
+async def admit_until(operator: dict[str, Any], pod: dict[str, Any], check: Any,
+                      timeout: float = 10) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Admit until `check(patched pod)` holds: the webhook's pool index follows the watch stream."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        response, patched = await admit(operator, pod)
+        if check(patched) or asyncio.get_running_loop().time() > deadline:
+            return response, patched
+        await asyncio.sleep(0.1)
+
+
+def skipped(pod: dict[str, Any]) -> str:
+    return pod["metadata"].get("annotations", {}).get(injection.SKIPPED_ANNOTATION, "")
+
+
 async def test_webhook_injects_into_pods_of_a_ready_pool(operator, api: Api, s3: str) -> None:
     await api.create("v1/secrets", s3_secret())
     await api.create(POOLS, external_pool("serve", s3, "serve", codec={"defaultPreset": "q8"}))
     await api.wait_for(POOLS, "default", "serve", is_ready)
-    await asyncio.sleep(0.3)  # the index follows the watch stream
 
-    response, pod = await admit(operator, model_pod("serve"))
+    response, pod = await admit_until(operator, model_pod("serve"), lambda p: "initContainers" in p["spec"])
     assert response["allowed"] is True
     sidecar = pod["spec"]["initContainers"][0]
     assert sidecar["name"] == "kvfetcher" and sidecar["restartPolicy"] == "Always"
@@ -244,10 +271,9 @@ async def test_webhook_never_blocks_a_pod_for_a_missing_or_unready_pool(operator
 
     await api.create(POOLS, managed_pool("starting"))
     await api.wait_for(POOLS, "default", "starting", lambda o: (o or {}).get("status", {}).get("phase"))
-    await asyncio.sleep(0.3)
-    response, pod = await admit(operator, model_pod("starting"))
+    response, pod = await admit_until(operator, model_pod("starting"), lambda p: "not found" not in skipped(p))
     assert response["allowed"] is True and "initContainers" not in pod["spec"]
-    assert "is not Ready" in pod["metadata"]["annotations"][injection.SKIPPED_ANNOTATION]
+    assert skipped(pod) == "KVCachePool default/starting is not Ready (phase Provisioning)"
 
     response, pod = await admit(operator, model_pod(None))
     assert response["allowed"] is True and "no kvfetcher.io/pool annotation" in \
