@@ -83,10 +83,10 @@ class Api:
         raise AssertionError(f"timed out waiting on {resource} {namespace}/{name}; last state: {obj}")
 
 
-def external_pool(name: str, endpoint: str, bucket: str, **spec: Any) -> dict[str, Any]:
+def external_pool(name: str, endpoint: str, bucket: str, namespace: str = "default", **spec: Any) -> dict[str, Any]:
     return {
         "apiVersion": "kvfetcher.io/v1alpha1", "kind": "KVCachePool",
-        "metadata": {"name": name, "namespace": "default", "uid": f"uid-{name}", "generation": 1,
+        "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{name}", "generation": 1,
                      "resourceVersion": "1"},
         "spec": {"storage": {"external": {"endpoint": endpoint, "bucket": bucket,
                                           "credentialsSecretRef": {"name": "s3-creds"}}}, **spec},

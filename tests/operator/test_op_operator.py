@@ -205,11 +205,13 @@ def model_pod(pool: str | None) -> dict[str, Any]:
     }
 
 
-async def admit(operator: dict[str, Any], pod: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+async def admit(operator: dict[str, Any], pod: dict[str, Any],
+                namespace: str = "default") -> tuple[dict[str, Any], dict[str, Any]]:
     """POST an AdmissionReview to the webhook over HTTPS (verifying its certificate); the response and patched pod."""
     context = ssl.create_default_context(cafile=str(operator["ca"]))
     async with aiohttp.ClientSession() as session:
-        async with session.post(f"{operator['webhook']}/inject-sidecar", json=review(pod), ssl=context) as r:
+        async with session.post(f"{operator['webhook']}/inject-sidecar", json=review(pod, namespace),
+                                ssl=context) as r:
             assert r.status == 200, await r.text()
             answer = await r.json()
     response = answer["response"]
@@ -220,12 +222,12 @@ async def admit(operator: dict[str, Any], pod: dict[str, Any]) -> tuple[dict[str
     return response, patched
 
 
-async def admit_until(operator: dict[str, Any], pod: dict[str, Any], check: Any,
+async def admit_until(operator: dict[str, Any], pod: dict[str, Any], check: Any, namespace: str = "default",
                       timeout: float = 10) -> tuple[dict[str, Any], dict[str, Any]]:
     """Admit until `check(patched pod)` holds: the webhook's pool index follows the watch stream."""
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
-        response, patched = await admit(operator, pod)
+        response, patched = await admit(operator, pod, namespace)
         if check(patched) or asyncio.get_running_loop().time() > deadline:
             return response, patched
         await asyncio.sleep(0.1)
@@ -236,11 +238,12 @@ def skipped(pod: dict[str, Any]) -> str:
 
 
 async def test_webhook_injects_into_pods_of_a_ready_pool(operator, api: Api, s3: str) -> None:
-    await api.create("v1/secrets", s3_secret())
-    await api.create(POOLS, external_pool("serve", s3, "serve", codec={"defaultPreset": "q8"}))
-    await api.wait_for(POOLS, "default", "serve", is_ready)
+    # In a namespace other than "default": the pool is found through the request's namespace.
+    await api.create("v1/secrets", s3_secret("ml"))
+    await api.create(POOLS, external_pool("serve", s3, "serve", namespace="ml", codec={"defaultPreset": "q8"}))
+    await api.wait_for(POOLS, "ml", "serve", is_ready)
 
-    response, pod = await admit_until(operator, model_pod("serve"), lambda p: "initContainers" in p["spec"])
+    response, pod = await admit_until(operator, model_pod("serve"), lambda p: "initContainers" in p["spec"], "ml")
     assert response["allowed"] is True
     sidecar = pod["spec"]["initContainers"][0]
     assert sidecar["name"] == "kvfetcher" and sidecar["restartPolicy"] == "Always"
@@ -255,12 +258,12 @@ async def test_webhook_injects_into_pods_of_a_ready_pool(operator, api: Api, s3:
     kubernetes_validate.validate(pod, "1.30.0", strict=True)
 
     # The same pod again (a reinvocation): no second sidecar, no patch at all.
-    again, same = await admit(operator, pod)
+    again, same = await admit(operator, pod, "ml")
     assert again["allowed"] is True and "patch" not in again and same == pod
 
     # Injected pods are counted in the pool's status once the API has them.
-    await api.create("v1/pods", {**pod, "metadata": {**pod["metadata"], "namespace": "default"}})
-    await api.wait_for(POOLS, "default", "serve", lambda o: o["status"].get("injectedPods") == 1)
+    await api.create("v1/pods", {**pod, "metadata": {**pod["metadata"], "namespace": "ml"}})
+    await api.wait_for(POOLS, "ml", "serve", lambda o: o["status"].get("injectedPods") == 1)
 
 
 async def test_webhook_never_blocks_a_pod_for_a_missing_or_unready_pool(operator, api: Api) -> None:
