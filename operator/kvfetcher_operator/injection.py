@@ -16,7 +16,8 @@ What the sidecar gets, and why:
   process visible, hence shareProcessNamespace. The Unix socket lives on a shared emptyDir, and
   host-memory KV buffers on a memory-backed /dev/shm that both containers mount (the model's own
   /dev/shm volume when it has one; the runtime's default 64 MiB one is far too small).
-- Endpoint, bucket, credentials, token and salt come from Secret references, never literals.
+- Endpoint, bucket, credentials, token and tenant salt come from Secret references, never
+  literals (with `tenancy.saltFrom: PodLabel` the salt is the value of a pod label instead).
 
 A pod that cannot be injected is let through unchanged but for an annotation saying why:
 a missing or not-Ready pool never blocks a pod.
