@@ -18,15 +18,19 @@ Probes and ``/metrics`` are open, as kubelet and Prometheus expect.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
 import os
+import signal
+import threading
 from pathlib import Path
 
 from aiohttp import web
 
-from .service import RequestError, Sidecar
+from .service import Config, RequestError, Sidecar
+from .store import from_env
 
 log = logging.getLogger("kvfetcher.server")
 
@@ -200,12 +204,6 @@ async def start(
 
 async def serve_forever(host: str, port: int | None, socket_path: str | None) -> None:
     """``kvfetcher serve``: configuration from the environment the operator injects."""
-    import asyncio
-    import signal
-
-    from .service import Config
-    from .store import from_env
-
     sidecar = Sidecar(from_env(), Config.from_env())
     token = token_from_env()
     if port is not None and not token:
@@ -228,8 +226,6 @@ def register_cli(sub) -> None:
     p.add_argument("--socket", default=None, help="Unix socket path, e.g. /run/kvfetcher/kvfetcher.sock")
 
     def run(args) -> int:
-        import asyncio
-
         asyncio.run(serve_forever(args.host, None if args.port < 0 else args.port, args.socket))
         return 0
 
@@ -240,9 +236,6 @@ class Embedded:
     """A sidecar serving on loopback from a background thread (the demo; tests with sync clients)."""
 
     def __init__(self, sidecar: Sidecar, token: str | None = None, socket_path: str | None = None, port: int | None = 0):
-        import asyncio
-        import threading
-
         self.sidecar, self.token = sidecar, token
         self.loop = asyncio.new_event_loop()
         self._stop: asyncio.Event | None = None

@@ -244,11 +244,11 @@ class Sidecar:
             seconds=out.seconds,
         )
         reply["decision"]["actual_s"] = out.seconds
+        self.metrics.fetch_seconds.observe(time.perf_counter() - t0)
         if out.bad_object:  # else it would block every later fetch, and a re-store would be a no-op
             await self._drop(out.bad_object)
         if out.error:
             return self._fallback(reply, out.error, out.detail, error=True)
-        self.metrics.fetch_seconds.observe(time.perf_counter() - t0)
         return reply
 
     async def _drop(self, name: str) -> None:

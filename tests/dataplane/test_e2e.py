@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from kvfetcher import ipc, keys
+from kvfetcher import ipc, keys, model
 from kvfetcher.chunk import decode_chunk, encode_chunk
 from kvfetcher.client import KVClient
 from kvfetcher.integrations.transformers import CachedLM
@@ -68,6 +68,16 @@ def test_fault_store_down(lm, prompt):
         g = cached_lm(lm, sc.url, recompute_tps=SLOW_MODEL_TPS).generate(ids, NEW, store=False)
         assert g.loaded_tokens == 0 and g.tokens == reference
         assert 'kvfetcher_errors_total{reason="store_down"}' in KVClient(sc.url, token=TOKEN).metrics()
+
+
+def test_fault_sidecar_gone(lm, prompt, s3):
+    ids = prompt[0][:CHUNK + 16]  # shorter: this case needs a full prefill twice
+    reference = model.greedy(lm, ids, model.prefill(lm, ids)[0], NEW)
+    with sidecar(s3) as sc:
+        m = cached_lm(lm, sc.url, recompute_tps=SLOW_MODEL_TPS)
+    g = m.generate(ids, NEW)  # the sidecar has stopped: lookup, load and store all fail to connect
+    assert (g.loaded_tokens, g.load, g.store) == (0, None, None)
+    assert g.tokens == reference
 
 
 @pytest.mark.parametrize(

@@ -12,13 +12,16 @@ The last prompt token is always computed (its logits give the first new token), 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
 from .. import ipc
-from ..client import KVClient, LoadResult
+from ..client import KVClient, LoadResult, SidecarError
+
+log = logging.getLogger("kvfetcher.integrations.transformers")
 
 
 @dataclass
@@ -75,9 +78,12 @@ class CachedLM:
         prompt = [int(x) for x in ids]
         usable = min(len(prompt) - 1, self.capacity)
         loaded, load = 0, None
-        if usable > 0 and self.client.lookup(self.buffer_id, prompt[:usable]) > 0:
-            load = self.client.load(self.buffer_id, prompt[:usable], deadline_s=deadline_s, recompute_tokens_per_s=self.recompute_tps)
-            loaded = load.loaded_tokens
+        try:
+            if usable > 0 and self.client.lookup(self.buffer_id, prompt[:usable]) > 0:
+                load = self.client.load(self.buffer_id, prompt[:usable], deadline_s=deadline_s, recompute_tokens_per_s=self.recompute_tps)
+                loaded = load.loaded_tokens
+        except (OSError, SidecarError) as e:  # no sidecar is no reason to fail a request: recompute
+            log.warning("KV lookup/load failed, recomputing the prompt: %s", e)
         dtype = next(self.model.parameters()).dtype
         cache = DynamicCache()
         for i in range(self.layers):
@@ -101,7 +107,10 @@ class CachedLM:
                 k, v = _layer_kv(cache_kv, i)
                 self.buffer.tensor[i, 0, :, :n_store] = k[0, :, :n_store]
                 self.buffer.tensor[i, 1, :, :n_store] = v[0, :, :n_store]
-            stored = self.client.save(self.buffer_id, prompt[:n_store])
+            try:
+                stored = self.client.save(self.buffer_id, prompt[:n_store])
+            except (OSError, SidecarError) as e:
+                log.warning("KV store request failed (the answer is unaffected): %s", e)
 
         tokens = [tok]
         cache = out.past_key_values
