@@ -1,0 +1,88 @@
+"""GPU data path: the pipeline restores chunks into a CUDA KV buffer (NVDEC for HEVC presets),
+byte-identical to the CPU path. Skipped without CUDA (CI); run on the lent GPU machine."""
+
+import asyncio
+
+import pytest
+import torch
+
+from kvfetcher import codecs, pipeline
+from kvfetcher.chunk import decode_chunk
+from kvfetcher.store.local import LocalStore
+
+from kvtest import gpu, synthetic_kv
+from test_pipeline import SENTINEL, fetch, put_chunks
+
+pytestmark = gpu
+
+
+@pytest.mark.parametrize("preset", ["raw", "exact", "q8"])
+def test_fetch_into_a_cuda_buffer_matches_the_cpu_path(tmp_path, preset):
+    kv = synthetic_kv(layers=6, heads=2, tokens=256, head_dim=64)
+    store = LocalStore(tmp_path)
+    refs = put_chunks(store, kv, 128, preset=preset)
+    buf = torch.full((6, 2, 2, 300, 64), SENTINEL, dtype=torch.float16, device="cuda")
+    out = asyncio.run(fetch(store, refs, pipeline.Destination(buf, offset=20, tokens=256), device=torch.device("cuda")))
+    assert out.error is None and out.loaded_tokens == 256, out
+    expect = torch.cat([decode_chunk(store.get(r.name), "fp") for r in refs], dim=3)
+    assert torch.equal(buf[:, :, :, 20:276].cpu(), expect)
+    assert bool((buf[:, :, :, :20] == SENTINEL).all()) and bool((buf[:, :, :, 276:] == SENTINEL).all())
+    if preset != "raw":
+        assert codecs.decoder("hevc", "cuda").name.startswith("nvdec")
+
+
+def test_cuda_ipc_buffer_through_a_sidecar_process(tmp_path):
+    """The GPU protocol end to end: a sidecar process opens the model's CUDA buffer by IPC handle,
+    stores from it and restores into it (NVDEC), over HTTP."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import http.client
+    import socket
+
+    from kvfetcher import ipc
+    from kvfetcher.client import KVClient
+
+    def ready() -> bool:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        conn.request("GET", "/readyz")
+        return conn.getresponse().status == 200
+
+    with socket.socket() as s:  # a free port (the GPU image has no minio, so no conftest helpers)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, KVFETCHER_STORE_DIR=str(tmp_path / "store"), KVFETCHER_AUTH_TOKEN="t", KVFETCHER_PRESET="q8,raw", KVFETCHER_CHUNK_TOKENS="64")
+    env.pop("KVFETCHER_S3_ENDPOINT", None)
+    proc = subprocess.Popen([sys.executable, "-m", "kvfetcher.cli", "serve", "--host", "127.0.0.1", "--port", str(port)], env=env)
+    try:
+        for _ in range(300):
+            try:
+                if ready():
+                    break
+            except OSError:
+                time.sleep(0.1)
+        kv = synthetic_kv(layers=4, heads=2, tokens=192, head_dim=64)
+        buf = ipc.allocate((4, 2, 2, 256, 64), torch.float16, "cuda")
+        buf.tensor[:, :, :, :192] = kv.cuda()
+        c = KVClient(f"http://127.0.0.1:{port}", token="t")
+        bid = c.register(buf.handle, "m")
+        assert c.save(bid, list(range(192)))["queued_chunks"] == 3
+        c.flush()
+        for preset in ("q8", "raw"):
+            buf.tensor.fill_(SENTINEL)
+            torch.cuda.synchronize()
+            r = c.load(bid, list(range(192)), offset=32, presets=[preset], recompute_tokens_per_s=1.0)
+            assert (r.error, r.loaded_tokens, r.decision["preset"]) == (None, 192, preset), r
+            got = buf.tensor[:, :, :, 32:224].cpu()
+            if preset == "raw":
+                assert torch.equal(got, kv)
+            else:
+                assert (got.float() - kv.float()).abs().max() < 0.1
+            assert bool((buf.tensor[:, :, :, :32] == SENTINEL).all())
+        print("decode rate:", [l for l in c.metrics().splitlines() if l.startswith("kvfetcher_decode_bytes_per_second")])
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
