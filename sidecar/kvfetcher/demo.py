@@ -56,6 +56,7 @@ def run(prompt_tokens: int = 1800, new_tokens: int = 32, chunk_tokens: int = 256
         store_s = time.perf_counter() - t
         b = CachedLM(lm.model, lm.fingerprint, KVClient(sb.url, token=token), capacity, recompute_tps=a.recompute_tps)
         gb = b.generate(ids, new_tokens, store=False)
+        bytes_stored = sum(store.list("kv/").values())
         a.close()
         b.close()
     if tmp:
@@ -81,6 +82,7 @@ def run(prompt_tokens: int = 1800, new_tokens: int = 32, chunk_tokens: int = 256
         "bytes_fetched": bytes_fetched,
         "kv_bytes_fp16": kv_bytes,
         "compression_ratio": round(kv_bytes / bytes_fetched, 2) if bytes_fetched else None,
+        "bytes_stored": bytes_stored,
         "store_s": round(store_s, 3),
         "new_tokens": new_tokens,
         "identical_tokens": ga.tokens == gb.tokens,
@@ -95,7 +97,7 @@ def render(r: dict) -> str:
         [
             f"kvfetcher demo: {r['model']}, {r['prompt_tokens']}-token prompt, chunks of {r['chunk_tokens']}, preset {r['preset']}",
             f"  A  recompute: prefill {r['prompt_tokens']} tokens        -> first token in {r['ttft_recompute_s']:.2f} s",
-            f"     stored in the background (encode + upload) in {r['store_s']:.2f} s",
+            f"     stored {mb(r['bytes_stored'])} in the background (encode + upload) in {r['store_s']:.2f} s",
             f"  B  fetch {r['loaded_tokens']} tokens ({r['fetch_decision']}, {mb(r['bytes_fetched'])} for {mb(r['kv_bytes_fp16'])} of fp16 KV,"
             f" ratio {r['compression_ratio']}x) in {r['fetch_s']:.2f} s (predicted {r['fetch_predicted_s']:.2f} s),",
             f"     prefill the other {r['computed_tokens']} tokens   -> first token in {r['ttft_fetch_s']:.2f} s  ({r['speedup']}x)",

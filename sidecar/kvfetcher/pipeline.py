@@ -179,8 +179,10 @@ async def fetch(
 
             async def segment_bytes(seg: container.Segment) -> bytes:
                 a = h.header_size + seg.offset
-                data = head[a : a + seg.length] if a + seg.length <= len(head) else await get(c.name, a, seg.length)
-                return container.verify(seg, data)
+                have = head[a : a + seg.length]  # what the first read already brought, if anything
+                if len(have) < seg.length:
+                    have += await get(c.name, a + len(have), seg.length - len(have))
+                return container.verify(seg, have)
 
             dec = codecs.decoder(h.codec.format, device)
 

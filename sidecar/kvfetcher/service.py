@@ -202,6 +202,7 @@ class Sidecar:
         most ``len(tokens)`` rounded down to a chunk); the rest is the caller's to recompute.
         """
         t0 = time.perf_counter()
+        deadline_s = deadline_s if deadline_s is not None else self.config.deadline_s
         buf = self._buffer(bid)
         n_req = len(tokens) // self.config.chunk_tokens * self.config.chunk_tokens
         try:
@@ -211,9 +212,12 @@ class Sidecar:
         reply = {"requested_tokens": n_req, "loaded_tokens": 0, "chunk_tokens": self.config.chunk_tokens}
         ck = keys.chunk_keys(buf.ns, tokens[:n_req], self.config.chunk_tokens)
         try:
-            reps = await self._representations(ck)
+            async with asyncio.timeout(deadline_s):  # the deadline covers the listing too
+                reps = await self._representations(ck)
         except StoreError as e:
             return self._fallback(reply, e.reason, str(e), error=True)
+        except TimeoutError:
+            return self._fallback(reply, "deadline", f"listing the prefix took longer than {deadline_s} s", error=True)
         rates = self.estimator.rates(self.store.endpoint, recompute_tps or self.config.recompute_tps)
         formats = {p: PRESETS[p].codec.format for p in PRESETS}
         d = choice.choose(reps, self.config.chunk_tokens, self._chunk_kv_bytes(buf), formats, rates, set(presets) if presets else None)
@@ -233,7 +237,7 @@ class Sidecar:
             io_pool=self.io_pool,
             decode_pool=self.decode_pool,
             device=buf.tensor.device,
-            deadline_s=deadline_s if deadline_s is not None else self.config.deadline_s,
+            deadline_s=max(0.0, deadline_s - (time.perf_counter() - t0)),
             window=self.config.window,
         )
         self._observe(d, out)

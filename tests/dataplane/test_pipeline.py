@@ -174,7 +174,7 @@ async def test_a_bad_chunk_stops_the_fetch_and_is_never_written(tmp_path, damage
     assert bool((buf[:, :, :, 64:96] == SENTINEL).all())  # the bad chunk never reached the buffer
 
 
-async def test_object_deleted_mid_fetch(tmp_path):
+async def test_object_deleted_mid_fetch(tmp_path, monkeypatch):
     kv = synthetic_kv(layers=2, heads=2, tokens=96, head_dim=32)
 
     def delete_after_header(store, name, offset):
@@ -184,15 +184,9 @@ async def test_object_deleted_mid_fetch(tmp_path):
     store = Recording(tmp_path)
     refs = put_chunks(store, kv, 32, preset="q8")  # q8: side info and segments after the header
     store.hook = delete_after_header
-    import kvfetcher.pipeline as p
-
-    old = p.HEADER_GUESS
-    p.HEADER_GUESS = 64  # make the header read stop before the segments
-    try:
-        buf = empty_like(kv)
-        out = await fetch(store, refs, pipeline.Destination(buf, tokens=96), window=1)
-    finally:
-        p.HEADER_GUESS = old
+    monkeypatch.setattr(pipeline, "HEADER_GUESS", 64)  # the first read stops before the segments
+    buf = empty_like(kv)
+    out = await fetch(store, refs, pipeline.Destination(buf, tokens=96), window=1)
     assert out.error == "missing"
     assert out.loaded_tokens == 32
     assert bool((buf[:, :, :, 32:] == SENTINEL).all())
