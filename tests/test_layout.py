@@ -61,3 +61,17 @@ def test_bad_shapes_and_dtypes_are_refused():
         layout.pack(torch.zeros(2, 2, 1, 4, 8, dtype=torch.int32), layout.LayoutParams())
     with pytest.raises(ValueError):
         layout.LayoutParams(bits=9)
+
+
+def test_bits_map_sets_levels_per_layer_and_kv():
+    kv = synthetic_kv(layers=3, tokens=64, dtype=torch.float32)
+    p = layout.LayoutParams(mode="quant", bits_map=((8, 8), (4, 6), (2, 8)))
+    packed = layout.pack(kv, p)
+    tiles = layout._frames_to_tiles(packed.frames, packed.geometry, 64, kv.shape[2] * kv.shape[4]).view(3, 2, 64, -1)
+    assert int(tiles[1, 0].max()) == 15 and int(tiles[1, 1].max()) == 63 and int(tiles[2, 0].max()) == 3
+    back = layout.unpack(packed.frames, packed.side, kv.shape, kv.dtype, p)
+    step = packed.side[..., 1].unsqueeze(3)
+    assert torch.all((back - kv).abs() <= step * 0.5 + 1e-5)
+    assert layout.LayoutParams.from_dict(p.to_dict()) == p
+    with pytest.raises(ValueError):
+        layout.pack(kv, layout.LayoutParams(mode="quant", bits_map=((8, 8),)))

@@ -51,13 +51,15 @@ class LayoutParams:
     bits: int = 8  # quantisation levels = 2**bits (quant mode); samples stay 8-bit
     planes: int = 3  # colour planes per frame: 3 (4:4:4) or 1 (luma only)
     max_rows: int = 1024  # tiles are stacked until a plane is this tall
-    kv_bits: tuple[int, int] | None = None  # optional (key_bits, value_bits) override of ``bits``
+    # optional per-layer (key_bits, value_bits), overriding ``bits``: rate control by sensitivity
+    bits_map: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("exact", "quant"):
             raise ValueError(f"layout mode must be 'exact' or 'quant', not {self.mode!r}")
-        if not 1 <= self.bits <= 8:
-            raise ValueError(f"bits must be in 1..8, not {self.bits}")
+        for b in (self.bits, *(b for kv in self.bits_map or () for b in kv)):
+            if not 1 <= b <= 8:
+                raise ValueError(f"bits must be in 1..8, not {b}")
         if self.planes not in (1, 3):
             raise ValueError(f"planes must be 1 or 3, not {self.planes}")
 
@@ -67,8 +69,8 @@ class LayoutParams:
     @classmethod
     def from_dict(cls, d: dict) -> "LayoutParams":
         d = dict(d)
-        if d.get("kv_bits") is not None:
-            d["kv_bits"] = tuple(d["kv_bits"])
+        if d.get("bits_map") is not None:
+            d["bits_map"] = tuple(tuple(kv) for kv in d["bits_map"])
         return cls(**d)
 
 
@@ -153,9 +155,15 @@ class Packed:
     geometry: Geometry
 
 
-def _levels(params: LayoutParams, kv_index: int) -> int:
-    bits = params.kv_bits[kv_index] if params.kv_bits else params.bits
-    return (1 << bits) - 1
+def levels(params: LayoutParams, layers: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Highest quantisation level per (layer, k|v): ``[layers, 2]`` float32."""
+    if params.bits_map is None:
+        bits = torch.full((layers, 2), params.bits)
+    else:
+        if len(params.bits_map) != layers:
+            raise ValueError(f"bits_map has {len(params.bits_map)} layers, the chunk {layers}")
+        bits = torch.tensor(params.bits_map)
+    return ((1 << bits) - 1).to(device=device, dtype=torch.float32)
 
 
 def pack(kv: torch.Tensor, params: LayoutParams) -> Packed:
@@ -177,13 +185,13 @@ def pack(kv: torch.Tensor, params: LayoutParams) -> Packed:
     x = kv.float()
     lo = x.amin(dim=3)  # [layers, 2, heads, head_dim]
     hi = x.amax(dim=3)
-    levels = torch.tensor([_levels(params, 0), _levels(params, 1)], device=kv.device, dtype=torch.float32)
-    scale = (hi - lo) / levels.view(1, 2, 1, 1)
+    top = levels(params, layers, kv.device).view(layers, 2, 1, 1)
+    scale = (hi - lo) / top
     side = torch.stack([lo, scale], dim=-1).to(kv.dtype)  # what the reader will use
     lo_r, scale_r = side[..., 0].float(), side[..., 1].float()
     safe = torch.where(scale_r > 0, scale_r, torch.ones_like(scale_r))
     q = torch.round((x - lo_r.unsqueeze(3)) / safe.unsqueeze(3))
-    q = torch.minimum(q.clamp_(min=0), levels.view(1, 2, 1, 1, 1)).to(torch.uint8)
+    q = torch.minimum(q.clamp_(min=0), top.unsqueeze(-1)).to(torch.uint8)
     tiles = q.permute(0, 1, 3, 2, 4).reshape(layers * 2, tokens, heads * head_dim)
     return Packed(_tiles_to_frames(tiles, geo), side, geo)
 
