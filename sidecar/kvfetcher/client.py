@@ -136,7 +136,11 @@ class KVClient:
         recompute_tokens_per_s: float | None = None,
         presets: Sequence[str] | None = None,
     ) -> LoadResult:
-        """Load the stored leading chunks of ``tokens`` into the buffer at ``offset`` (or ``slots``)."""
+        """Load the stored leading chunks of ``tokens`` into the buffer at ``offset`` (or ``slots``).
+
+        When this returns, ``loaded_tokens`` leading tokens are in the buffer (on a GPU, with
+        the sidecar's writes complete) and nothing else was touched; recompute from there.
+        """
         body: dict = {"buffer": buffer, "tokens": list(map(int, tokens)), "offset": offset}
         if slots is not None:
             body["slots"] = list(map(int, slots))
@@ -153,7 +157,11 @@ class KVClient:
         )
 
     def save(self, buffer: str, tokens: Sequence[int], *, offset: int = 0, slots: Sequence[int] | None = None) -> dict:
-        """Queue the prefix whose KV is in the buffer for storing; returns at once."""
+        """Queue the prefix whose KV is in the buffer for storing; returns at once.
+
+        The KV must be in the buffer when this is called (on a GPU: written and synchronized);
+        the sidecar copies it before answering, so the buffer may be reused right after.
+        """
         body: dict = {"buffer": buffer, "tokens": list(map(int, tokens)), "offset": offset}
         if slots is not None:
             body["slots"] = list(map(int, slots))

@@ -89,6 +89,8 @@ class Destination:
         else:
             kv = layout.unpack(frames.to(self.buffer.device), side, h.shape, h.torch_dtype, h.layout)
             self.buffer.index_copy_(3, torch.tensor(idx, device=self.buffer.device), kv)
+        if self.buffer.is_cuda:  # the model (another process) reads once we answer: finish first
+            torch.cuda.current_stream(self.buffer.device).synchronize()
 
 
 @dataclass
