@@ -119,9 +119,14 @@ class KVClient:
     def unregister(self, buffer: str) -> None:
         self._request("DELETE", f"/v1/buffers/{buffer}")
 
-    def lookup(self, buffer: str, tokens: Sequence[int]) -> int:
-        """How many leading tokens of ``tokens`` are stored (a multiple of the chunk size)."""
-        r = self._request("POST", "/v1/lookup", {"buffer": buffer, "tokens": list(map(int, tokens))})
+    def lookup(self, buffer: str | None, tokens: Sequence[int], *, model: str | None = None, dtype: str = "float16", tp_rank: int = 0) -> int:
+        """How many leading tokens of ``tokens`` are stored (a multiple of the chunk size).
+
+        Name the namespace by a registered ``buffer``, or (a scheduler with no buffers) by
+        ``model``, ``dtype`` and ``tp_rank``.
+        """
+        ns = {"buffer": buffer} if buffer is not None else {"model": model, "dtype": dtype, "tp_rank": tp_rank}
+        r = self._request("POST", "/v1/lookup", {**ns, "tokens": list(map(int, tokens))})
         self.chunk_tokens = r.get("chunk_tokens", self.chunk_tokens)
         return int(r["tokens"])
 

@@ -2,7 +2,7 @@
 
     POST   /v1/buffers        {"handle": {...}, "model": fp, "tp_rank": 0} -> {"buffer": id}
     DELETE /v1/buffers/{id}
-    POST   /v1/lookup         {"buffer": id, "tokens": [...]} -> {"tokens": n, ...}
+    POST   /v1/lookup         {"buffer": id | "model": fp, "dtype": "float16", "tokens": [...]} -> {"tokens": n, ...}
     POST   /v1/fetch          {"buffer": id, "tokens": [...], "offset"|"slots", "deadline_s",
                                "recompute_tokens_per_s", "presets"} -> {"loaded_tokens": n, ...}
     POST   /v1/store          {"buffer": id, "tokens": [...], "offset"|"slots"} -> 202 {"queued_chunks": n}
@@ -109,7 +109,14 @@ async def unregister(request: web.Request) -> web.Response:
 
 async def lookup(request: web.Request) -> web.Response:
     body = await _body(request)
-    return web.json_response(await request.app[SIDECAR].lookup(str(body.get("buffer")), _tokens(body)))
+    sc = request.app[SIDECAR]
+    if "buffer" in body:
+        ns = str(body["buffer"])
+    elif isinstance(body.get("model"), str) and isinstance(body.get("dtype"), str):
+        ns = sc.namespace(body["model"], body["dtype"], int(body.get("tp_rank", 0)))
+    else:
+        raise RequestError("give 'buffer', or 'model' and 'dtype' (and 'tp_rank')")
+    return web.json_response(await sc.lookup(ns, _tokens(body)))
 
 
 async def fetch(request: web.Request) -> web.Response:

@@ -170,9 +170,16 @@ class Sidecar:
             run.append(reps)
         return run
 
-    async def lookup(self, bid: str, tokens: Sequence[int]) -> dict:
-        buf = self._buffer(bid)
-        ck = keys.chunk_keys(buf.ns, tokens, self.config.chunk_tokens)
+    def namespace(self, model: str, dtype: str, tp_rank: int = 0) -> keys.Namespace:
+        """A namespace without a registered buffer: for a scheduler that only asks (vLLM's split)."""
+        if dtype not in layout.DTYPES:
+            raise RequestError(f"unsupported dtype {dtype!r}; supported: {sorted(layout.DTYPES)}")
+        return keys.Namespace(model=model, dtype=dtype, tp_rank=tp_rank, tenant=self.config.tenant)
+
+    async def lookup(self, ns: keys.Namespace | str, tokens: Sequence[int]) -> dict:
+        """How many leading tokens are stored, for a buffer id or a namespace."""
+        ns = self._buffer(ns).ns if isinstance(ns, str) else ns
+        ck = keys.chunk_keys(ns, tokens, self.config.chunk_tokens)
         self.metrics.lookups.inc()
         try:
             reps = await self._representations(ck)

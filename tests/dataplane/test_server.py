@@ -43,6 +43,8 @@ def test_store_then_load_round_trip_and_metrics(s3, buf):
         buf.tensor.zero_()  # the sidecar copied at request time: the model may reuse its buffer at once
         c.flush()
         assert c.lookup(bid, tokens) == 192
+        assert c.lookup(None, tokens, model=FP, dtype="float16") == 192  # a scheduler without buffers
+        assert c.lookup(None, tokens, model=FP, dtype="float16", tp_rank=1) == 0  # another TP rank's namespace
         assert len(s3.list("kv/")) == 6  # two representations of three chunks
         r = c.load(bid, tokens[:240], offset=10)  # whole chunks only: 192 of 240
         assert (r.loaded_tokens, r.requested_tokens, r.error) == (192, 192, None)
@@ -58,8 +60,8 @@ def test_store_then_load_round_trip_and_metrics(s3, buf):
         assert s3.list("kv/") == written
         text = c.metrics()
     for name in [
-        "kvfetcher_lookups_total 2.0",
-        "kvfetcher_hit_tokens_total 192.0",
+        "kvfetcher_lookups_total 4.0",
+        "kvfetcher_hit_tokens_total 384.0",
         "kvfetcher_bytes_read_total",
         "kvfetcher_bytes_written_total",
         'kvfetcher_compression_ratio{preset="q8"}',
@@ -133,6 +135,8 @@ def test_no_configured_token_refuses_tcp(s3, buf):
         ("/v1/lookup", b"not json", "JSON"),
         ("/v1/lookup", b"[1, 2]", "object"),
         ("/v1/lookup", json.dumps({"buffer": "nope", "tokens": [1]}).encode(), "unknown buffer"),
+        ("/v1/lookup", json.dumps({"model": "m", "tokens": [1]}).encode(), "'dtype'"),
+        ("/v1/lookup", json.dumps({"model": "m", "dtype": "int8", "tokens": [1]}).encode(), "unsupported dtype"),
         ("/v1/fetch", json.dumps({"buffer": "nope", "tokens": ["a"]}).encode(), "integer token ids"),
         ("/v1/buffers", json.dumps({"handle": {"kind": "shm", "path": "/etc/passwd", "shape": [1], "dtype": "float16"}, "model": "m"}).encode(), "shared buffer"),
         ("/v1/buffers", json.dumps({"handle": {"kind": "shm"}, "model": "m"}).encode(), "malformed"),
