@@ -33,6 +33,10 @@ log = logging.getLogger("kvfetcher.service")
 
 @dataclass
 class Config:
+    """Sidecar settings. From the environment (:meth:`from_env`): ``KVFETCHER_CHUNK_TOKENS``,
+    ``KVFETCHER_PRESET`` (comma-separated: every listed representation is stored),
+    ``KVFETCHER_TENANT`` (key salt; defaults to ``KVFETCHER_POOL``), ``KVFETCHER_RECOMPUTE_TPS``."""
+
     chunk_tokens: int = keys.DEFAULT_CHUNK_TOKENS
     presets: tuple[str, ...] = ("q8",)  # representations written for each chunk
     tenant: str = ""
@@ -67,9 +71,8 @@ class Config:
 
 @dataclass
 class Buffer:
-    tensor: torch.Tensor
+    tensor: torch.Tensor  # [layers, 2, kv_heads, capacity, head_dim], aliasing the model's memory
     ns: keys.Namespace
-    handle: dict
 
 
 @dataclass
@@ -128,7 +131,7 @@ class Sidecar:
             raise RequestError(f"KV buffer must be [layers, 2, kv_heads, capacity, head_dim], got {tuple(t.shape)}")
         ns = keys.Namespace(model=model, dtype=layout.dtype_name(t.dtype), tp_rank=tp_rank, tenant=self.config.tenant)
         bid = uuid.uuid4().hex
-        self.buffers[bid] = Buffer(t, ns, handle)
+        self.buffers[bid] = Buffer(t, ns)
         return bid
 
     def unregister(self, bid: str) -> None:
