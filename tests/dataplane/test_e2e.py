@@ -13,7 +13,7 @@ from kvfetcher.client import KVClient
 from kvfetcher.integrations.transformers import CachedLM
 from kvfetcher.store.s3 import S3Store
 
-from conftest import CHUNK, NEW, TOKEN, closed_port, new_bucket, sidecar
+from dptest import CHUNK, NEW, TOKEN, closed_port, new_bucket, sidecar
 
 pytestmark = pytest.mark.slow
 

@@ -2,16 +2,22 @@
 byte-identical to the CPU path. Skipped without CUDA (CI); run on the lent GPU machine."""
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
-from kvfetcher import codecs, pipeline
+from kvfetcher import codecs, ipc, pipeline
 from kvfetcher.chunk import decode_chunk
+from kvfetcher.client import KVClient
 from kvfetcher.store.local import LocalStore
 
+from dptest import SENTINEL, closed_port, fetch, put_chunks, raw_request
 from kvtest import gpu, synthetic_kv
-from test_pipeline import SENTINEL, fetch, put_chunks
 
 pytestmark = gpu
 
@@ -34,33 +40,14 @@ def test_fetch_into_a_cuda_buffer_matches_the_cpu_path(tmp_path, preset):
 def test_cuda_ipc_buffer_through_a_sidecar_process(tmp_path):
     """The GPU protocol end to end: a sidecar process opens the model's CUDA buffer by IPC handle,
     stores from it and restores into it (NVDEC), over HTTP."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    import http.client
-    import socket
-
-    from kvfetcher import ipc
-    from kvfetcher.client import KVClient
-
-    def ready() -> bool:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-        conn.request("GET", "/readyz")
-        return conn.getresponse().status == 200
-
-    with socket.socket() as s:  # a free port (the GPU image has no minio, so no conftest helpers)
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = closed_port()
     env = dict(os.environ, KVFETCHER_STORE_DIR=str(tmp_path / "store"), KVFETCHER_AUTH_TOKEN="t", KVFETCHER_PRESET="q8,raw", KVFETCHER_CHUNK_TOKENS="64")
     env.pop("KVFETCHER_S3_ENDPOINT", None)
     proc = subprocess.Popen([sys.executable, "-m", "kvfetcher.cli", "serve", "--host", "127.0.0.1", "--port", str(port)], env=env)
     try:
         for _ in range(300):
             try:
-                if ready():
+                if raw_request(port, "GET", "/readyz")[0] == 200:
                     break
             except OSError:
                 time.sleep(0.1)

@@ -2,7 +2,6 @@
 
 import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -11,9 +10,9 @@ from kvfetcher import container, pipeline
 from kvfetcher.chunk import decode_chunk, encode_chunk
 from kvfetcher.store.local import LocalStore
 
+from dptest import SENTINEL, fetch, put_chunks
 from kvtest import synthetic_kv
 
-SENTINEL = 1234.0
 
 
 class Recording(LocalStore):
@@ -42,24 +41,9 @@ class RecordingDest(pipeline.Destination):
         self.writes.append((time.perf_counter(), c.start))
 
 
-def put_chunks(store, kv, chunk, preset="raw", fingerprint="fp"):
-    refs = []
-    for i in range(kv.shape[3] // chunk):
-        obj = encode_chunk(kv[:, :, :, i * chunk : (i + 1) * chunk].contiguous(), preset, fingerprint)
-        name = f"kv/{i:04d}/{preset}.kvfc"
-        store.put(name, obj)
-        refs.append(pipeline.ChunkRef(name, len(obj), i * chunk, chunk))
-    return refs
-
-
 def empty_like(kv, capacity=None):
     L, _, H, T, D = kv.shape
     return torch.full((L, 2, H, capacity or T, D), SENTINEL, dtype=kv.dtype)
-
-
-async def fetch(store, refs, dest, **kw):
-    with ThreadPoolExecutor(8) as io, ThreadPoolExecutor(2) as dec:
-        return await pipeline.fetch(store, refs, dest, fingerprint=kw.pop("fingerprint", "fp"), io_pool=io, decode_pool=dec, **kw)
 
 
 async def test_a_hundred_chunks_stream_through_a_bounded_window(tmp_path):

@@ -11,8 +11,8 @@ import torch
 from kvfetcher import ipc
 from kvfetcher.client import KVClient
 
-from conftest import closed_port, new_bucket
-from test_server import raw_request
+from dptest import closed_port, new_bucket
+from dptest import raw_request
 
 
 def test_serve_from_the_operators_environment(s3_endpoint, tmp_path):

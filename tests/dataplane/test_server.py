@@ -1,6 +1,5 @@
 """The sidecar over real HTTP (TCP and Unix socket) with a real S3 server: API, auth, back-pressure."""
 
-import http.client
 import json
 import time
 
@@ -11,17 +10,10 @@ from kvfetcher import ipc
 from kvfetcher.client import KVClient, SidecarError
 from kvfetcher.store.s3 import S3Store
 
-from conftest import TOKEN, closed_port, sidecar
+from dptest import TOKEN, closed_port, raw_request, sidecar
 from kvtest import synthetic_kv
 
 FP = "test-model"
-
-
-def raw_request(port, method, path, body=None, headers=None):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    conn.request(method, path, body=body, headers=headers or {})
-    r = conn.getresponse()
-    return r.status, r.read()
 
 
 @pytest.fixture

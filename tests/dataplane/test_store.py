@@ -9,7 +9,7 @@ from kvfetcher.store import NotFound, StoreError, Unavailable
 from kvfetcher.store.local import LocalStore
 from kvfetcher.store.s3 import S3Store
 
-from conftest import closed_port, new_bucket
+from dptest import closed_port, new_bucket
 
 
 @pytest.fixture(params=["local", "s3"])
