@@ -74,6 +74,15 @@ class KVClient:
         self._lock = threading.Lock()
         self.chunk_tokens: int | None = None  # learnt from the sidecar's replies
 
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> "KVClient":
+        """The sidecar the environment names: ``KVFETCHER_SOCKET`` (what the operator injects into
+        the model container), else ``KVFETCHER_URL`` with ``KVFETCHER_AUTH_TOKEN``."""
+        env = dict(os.environ if env is None else env)
+        if env.get("KVFETCHER_SOCKET"):
+            return cls(socket_path=env["KVFETCHER_SOCKET"], token=env.get("KVFETCHER_AUTH_TOKEN", ""))
+        return cls(env.get("KVFETCHER_URL", "http://127.0.0.1:8500"), token=env.get("KVFETCHER_AUTH_TOKEN", ""))
+
     def _request(self, method: str, path: str, body: dict | None = None) -> dict:
         data = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": "application/json"}

@@ -35,10 +35,12 @@ log = logging.getLogger("kvfetcher.service")
 class Config:
     """Sidecar settings. From the environment (:meth:`from_env`): ``KVFETCHER_CHUNK_TOKENS``,
     ``KVFETCHER_PRESET`` (comma-separated: every listed representation is stored),
-    ``KVFETCHER_TENANT`` (key salt; defaults to ``KVFETCHER_POOL``), ``KVFETCHER_RECOMPUTE_TPS``."""
+    ``KVFETCHER_ALLOWED_PRESETS`` (what a fetch may choose among), ``KVFETCHER_TENANT`` (key salt;
+    defaults to ``KVFETCHER_POOL``), ``KVFETCHER_RECOMPUTE_TPS``."""
 
     chunk_tokens: int = keys.DEFAULT_CHUNK_TOKENS
     presets: tuple[str, ...] = ("q8",)  # representations written for each chunk
+    allowed_presets: tuple[str, ...] | None = None  # representations a fetch may use (None: any known)
     tenant: str = ""
     recompute_tps: float = 5000.0  # model prefill rate when a request does not say
     deadline_s: float = 30.0  # default fetch deadline
@@ -53,8 +55,11 @@ class Config:
         c = cls()
         if env.get("KVFETCHER_CHUNK_TOKENS"):
             c.chunk_tokens = int(env["KVFETCHER_CHUNK_TOKENS"])
+        names = lambda v: tuple(p.strip() for p in v.split(",") if p.strip())  # noqa: E731
         if env.get("KVFETCHER_PRESET"):
-            c.presets = tuple(p.strip() for p in env["KVFETCHER_PRESET"].split(",") if p.strip())
+            c.presets = names(env["KVFETCHER_PRESET"])
+        if env.get("KVFETCHER_ALLOWED_PRESETS"):
+            c.allowed_presets = names(env["KVFETCHER_ALLOWED_PRESETS"])
         c.tenant = env.get("KVFETCHER_TENANT", env.get("KVFETCHER_POOL", ""))
         if env.get("KVFETCHER_RECOMPUTE_TPS"):
             c.recompute_tps = float(env["KVFETCHER_RECOMPUTE_TPS"])
@@ -64,7 +69,7 @@ class Config:
     def validate(self) -> None:
         if self.chunk_tokens <= 0:
             raise ValueError(f"chunk tokens must be positive, not {self.chunk_tokens}")
-        unknown = [p for p in self.presets if p not in PRESETS]
+        unknown = [p for p in self.presets + (self.allowed_presets or ()) if p not in PRESETS]
         if unknown or not self.presets:
             raise ValueError(f"unknown preset(s) {unknown}; known: {', '.join(PRESETS)}")
 
@@ -230,7 +235,8 @@ class Sidecar:
             return self._fallback(reply, "deadline", f"listing the prefix took longer than {deadline_s} s", error=True)
         rates = self.estimator.rates(self.store.endpoint, recompute_tps or self.config.recompute_tps)
         formats = {p: PRESETS[p].codec.format for p in PRESETS}
-        d = choice.choose(reps, self.config.chunk_tokens, self._chunk_kv_bytes(buf), formats, rates, set(presets) if presets else None)
+        allowed = set(presets or PRESETS) & set(self.config.allowed_presets or PRESETS)
+        d = choice.choose(reps, self.config.chunk_tokens, self._chunk_kv_bytes(buf), formats, rates, allowed)
         self.metrics.decisions.labels(d.preset).inc()
         reply["decision"] = {"preset": d.preset, "chunks": d.chunks, "predicted_s": d.predicted_s, "options": d.options}
         if d.preset == choice.RECOMPUTE:

@@ -84,6 +84,21 @@ def test_cost_model_can_choose_recompute(s3, buf):
         assert 'kvfetcher_fallbacks_total{reason="cost_model"} 1.0' in c.metrics()
 
 
+def test_allowed_presets_bound_the_choice(s3, buf):
+    kv = synthetic_kv(layers=2, heads=2, tokens=128, head_dim=32)
+    tokens = list(range(128))
+    with sidecar(s3, chunk_tokens=64, presets=("raw", "q8"), allowed_presets=("q8",)) as sc:
+        c = KVClient(sc.url, token=TOKEN)
+        bid = c.register(buf.handle, FP)
+        buf.tensor[:, :, :, :128] = kv
+        c.save(bid, tokens)
+        c.flush()
+        r = c.load(bid, tokens, recompute_tokens_per_s=1.0)
+        assert r.decision["preset"] == "q8" and "raw" not in r.decision["options"]
+        r = c.load(bid, tokens, recompute_tokens_per_s=1.0, presets=["raw"])  # not allowed here
+        assert r.decision["preset"] == "recompute" and r.loaded_tokens == 0
+
+
 def test_auth_tcp_token_and_unix_socket(s3, buf, tmp_path):
     sock = str(tmp_path / "run" / "kvfetcher.sock")
     with sidecar(s3) as _:

@@ -54,7 +54,9 @@ class Store(Protocol):
 
 
 def from_env(env: dict[str, str] | None = None) -> Store:
-    """The store the environment names: S3 when ``KVFETCHER_S3_ENDPOINT`` is set, else a directory."""
+    """The store the environment names: S3 when ``KVFETCHER_S3_ENDPOINT`` is set (with
+    ``_BUCKET``, ``_ACCESS_KEY``, ``_SECRET_KEY``, ``_REGION``, ``_CA_FILE``, ``_INSECURE``), else
+    the directory ``KVFETCHER_STORE_DIR``."""
     env = dict(os.environ if env is None else env)
     if env.get("KVFETCHER_S3_ENDPOINT"):
         from .s3 import S3Store
@@ -64,6 +66,9 @@ def from_env(env: dict[str, str] | None = None) -> Store:
             env.get("KVFETCHER_S3_BUCKET", "kvfetcher"),
             env.get("KVFETCHER_S3_ACCESS_KEY", ""),
             env.get("KVFETCHER_S3_SECRET_KEY", ""),
+            region=env.get("KVFETCHER_S3_REGION") or "us-east-1",
+            ca_file=env.get("KVFETCHER_S3_CA_FILE") or None,
+            verify_tls=env.get("KVFETCHER_S3_INSECURE", "").lower() not in ("1", "true", "yes"),
         )
     from .local import LocalStore
 

@@ -20,9 +20,10 @@ from . import NotFound, StoreError, Unavailable
 _MISSING = {"NoSuchKey", "NoSuchObject", "NotFound", "ResourceNotFound"}
 
 
-def _http(connect_s: float, read_s: float, pool: int) -> urllib3.PoolManager:
+def _http(connect_s: float, read_s: float, pool: int, ca_file: str | None, verify_tls: bool) -> urllib3.PoolManager:
     retry = urllib3.Retry(total=1, connect=0, backoff_factor=0.05, status_forcelist=[500, 502, 503, 504])
-    return urllib3.PoolManager(timeout=urllib3.Timeout(connect=connect_s, read=read_s), maxsize=pool, retries=retry)
+    tls = {"cert_reqs": "CERT_REQUIRED", "ca_certs": ca_file} if verify_tls else {"cert_reqs": "CERT_NONE"}
+    return urllib3.PoolManager(timeout=urllib3.Timeout(connect=connect_s, read=read_s), maxsize=pool, retries=retry, **tls)
 
 
 class S3Store:
@@ -38,6 +39,8 @@ class S3Store:
         connect_timeout_s: float = 2.0,
         read_timeout_s: float = 30.0,
         pool: int = 32,
+        ca_file: str | None = None,
+        verify_tls: bool = True,
     ):
         u = urlparse(endpoint if "://" in endpoint else f"http://{endpoint}")
         self.endpoint = f"{u.scheme}://{u.netloc}/{bucket}"
@@ -48,7 +51,7 @@ class S3Store:
             secret_key=secret_key,
             secure=u.scheme == "https",
             region=region,
-            http_client=_http(connect_timeout_s, read_timeout_s, pool),
+            http_client=_http(connect_timeout_s, read_timeout_s, pool, ca_file, verify_tls),
         )
         if create_bucket:
             self._call(lambda: self.client.bucket_exists(bucket) or self.client.make_bucket(bucket))
