@@ -197,9 +197,8 @@ async def start(
     await runner.setup()
     where: dict = {}
     if port is not None:
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-        where["port"] = site._server.sockets[0].getsockname()[1]
+        await web.TCPSite(runner, host, port).start()
+        where["port"] = runner.addresses[0][1]
     if socket_path:
         Path(socket_path).parent.mkdir(parents=True, exist_ok=True)
         Path(socket_path).unlink(missing_ok=True)

@@ -63,9 +63,8 @@ class SlowProxy:
             app.router.add_route("*", "/{tail:.*}", self.forward)
             self.runner = web.AppRunner(app, access_log=None)
             await self.runner.setup()
-            site = web.TCPSite(self.runner, "127.0.0.1", 0)
-            await site.start()
-            self.port = site._server.sockets[0].getsockname()[1]
+            await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+            self.port = self.runner.addresses[0][1]
             started.set()
 
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
