@@ -200,7 +200,18 @@ class Sidecar:
 
     # --- fetch -----------------------------------------------------------------------------
 
-    async def fetch(
+    async def fetch(self, bid: str, tokens: Sequence[int], **kw) -> dict:
+        """Load as many leading tokens as pays off; the reply says how many were loaded and
+        which requested tokens (``not_loaded``, a ``[start, end)`` range) the model must recompute.
+
+        ``tokens`` are the prompt tokens the caller wants loaded (whole chunks are loaded, so at
+        most ``len(tokens)`` rounded down to a chunk). Keywords: see :meth:`_fetch`.
+        """
+        reply = await self._fetch(bid, tokens, **kw)
+        reply["not_loaded"] = [reply["loaded_tokens"], reply["requested_tokens"]]
+        return reply
+
+    async def _fetch(
         self,
         bid: str,
         tokens: Sequence[int],
@@ -211,11 +222,6 @@ class Sidecar:
         recompute_tps: float | None = None,
         presets: Sequence[str] | None = None,
     ) -> dict:
-        """Load as many leading tokens as pays off; the reply says how many were loaded.
-
-        ``tokens`` are the prompt tokens the caller wants loaded (whole chunks are loaded, so at
-        most ``len(tokens)`` rounded down to a chunk); the rest is the caller's to recompute.
-        """
         t0 = time.perf_counter()
         deadline_s = deadline_s if deadline_s is not None else self.config.deadline_s
         buf = self._buffer(bid)

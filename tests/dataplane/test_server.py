@@ -38,6 +38,9 @@ def test_store_then_load_round_trip_and_metrics(s3, buf):
         assert c.lookup(None, tokens, model=FP, dtype="float16") == 192  # a scheduler without buffers
         assert c.lookup(None, tokens, model=FP, dtype="float16", tp_rank=1) == 0  # another TP rank's namespace
         assert len(s3.list("kv/")) == 6  # two representations of three chunks
+        raw = json.loads(raw_request(sc.where["port"], "POST", "/v1/fetch", json.dumps({"buffer": bid, "tokens": tokens, "offset": 0}),
+                                     {"Authorization": f"Bearer {TOKEN}"})[1])
+        assert (raw["loaded_tokens"], raw["not_loaded"]) == (192, [192, 256])  # chunk 4 was never stored
         r = c.load(bid, tokens[:240], offset=10)  # whole chunks only: 192 of 240
         assert (r.loaded_tokens, r.requested_tokens, r.error) == (192, 192, None)
         assert r.decision["preset"] in ("raw", "q8") and set(r.decision["options"]) == {"raw", "q8", "recompute"}
@@ -59,11 +62,11 @@ def test_store_then_load_round_trip_and_metrics(s3, buf):
         'kvfetcher_compression_ratio{preset="q8"}',
         "kvfetcher_decode_bytes_per_second",
         "kvfetcher_preset_decisions_total",
-        "kvfetcher_fetch_seconds_count 1.0",
+        "kvfetcher_fetch_seconds_count 2.0",
         "kvfetcher_store_seconds_count",
         "kvfetcher_store_queue_depth 0.0",
-        "kvfetcher_fetch_predicted_seconds_count 1.0",
-        "kvfetcher_fetch_actual_seconds_count 1.0",
+        "kvfetcher_fetch_predicted_seconds_count 2.0",
+        "kvfetcher_fetch_actual_seconds_count 2.0",
     ]:
         assert name in text, name
 
