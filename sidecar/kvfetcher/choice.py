@@ -1,7 +1,7 @@
 """choice: per fetch, pick a stored representation — or recompute — with a cost model.
 
 The model is deliberately small: a fetch of ``B`` stored bytes restoring ``K`` bytes of KV
-takes ``latency + max(B / bandwidth, K / decode_rate[format])`` (download and decode are
+takes ``latency + max(B / bandwidth, K / decode_rate)`` (download and decode are
 pipelined, so the slower stage dominates), and whatever prefix it does not restore is
 recomputed at the model's prefill rate. The option with the least total time wins; recompute
 of everything is always an option, so a fetch is never planned to be slower than recompute.
@@ -26,7 +26,7 @@ GPU_DECODE_PRIOR = {"raw": 2e10, "hevc": 5e8}
 class Rates:
     bandwidth_Bps: float  # stored bytes per second from the store endpoint
     latency_s: float  # first-byte latency of a request
-    decode_Bps: Mapping[str, float]  # KV bytes restored per second, by bitstream format
+    decode_Bps: Mapping[str, float]  # KV bytes restored per second, by preset (measured) or format (prior)
     recompute_tps: float  # tokens per second the model prefills
 
 
@@ -40,9 +40,14 @@ class Decision:
     options: dict[str, float] = field(default_factory=dict)  # total_s of every option considered
 
 
-def fetch_seconds(stored_bytes: int, kv_bytes: int, fmt: str, rates: Rates) -> float:
-    decode = rates.decode_Bps.get(fmt) or DECODE_PRIOR.get(fmt, 1e7)
-    return rates.latency_s + max(stored_bytes / rates.bandwidth_Bps, kv_bytes / decode)
+def decode_rate(preset: str, fmt: str, rates: Rates) -> float:
+    """A preset's measured decode rate, else its format's prior (``exact`` decodes two samples per
+    fp16 value where ``q8`` decodes one, so the same format restores KV at different rates)."""
+    return rates.decode_Bps.get(preset) or rates.decode_Bps.get(fmt) or DECODE_PRIOR.get(fmt, 1e7)
+
+
+def fetch_seconds(stored_bytes: int, kv_bytes: int, decode_Bps: float, rates: Rates) -> float:
+    return rates.latency_s + max(stored_bytes / rates.bandwidth_Bps, kv_bytes / decode_Bps)
 
 
 def choose(
@@ -68,7 +73,7 @@ def choose(
         while n < len(stored) and preset in stored[n]:
             size += stored[n][preset]
             n += 1
-        fetch = fetch_seconds(size, n * chunk_kv_bytes, formats[preset], rates)
+        fetch = fetch_seconds(size, n * chunk_kv_bytes, decode_rate(preset, formats[preset], rates), rates)
         total = fetch + (total_tokens - n * chunk_tokens) / rates.recompute_tps
         options[preset] = total
         if total < best.total_s:
@@ -77,7 +82,7 @@ def choose(
 
 
 class Estimator:
-    """Measured throughputs: an EWMA per store endpoint (bandwidth, latency) and per format (decode)."""
+    """Measured throughputs: an EWMA per store endpoint (bandwidth, latency) and per preset (decode)."""
 
     def __init__(self, alpha: float = 0.3, bandwidth_Bps: float = 1.25e8, latency_s: float = 0.005, gpu: bool = False):
         self.alpha = alpha
@@ -98,9 +103,9 @@ class Estimator:
     def observe_latency(self, endpoint: str, seconds: float) -> None:
         self._ewma(self._lat, endpoint, seconds)
 
-    def observe_decode(self, fmt: str, kv_bytes: int, busy_s: float) -> None:
+    def observe_decode(self, preset: str, kv_bytes: int, busy_s: float) -> None:
         if kv_bytes > 0 and busy_s > 0:
-            self._ewma(self._decode, fmt, kv_bytes / busy_s)
+            self._ewma(self._decode, preset, kv_bytes / busy_s)
 
     def bandwidth(self, endpoint: str) -> float:
         return self._bw.get(endpoint, self._prior[0])

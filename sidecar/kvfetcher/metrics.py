@@ -25,7 +25,7 @@ class Metrics:
             "kvfetcher_compression_ratio", "KV bytes / stored bytes of the last chunk stored, by preset", ["preset"], registry=r
         )
         self.decode_rate = Gauge(
-            "kvfetcher_decode_bytes_per_second", "KV bytes restored per second of decoding, last fetch, by format", ["format"], registry=r
+            "kvfetcher_decode_bytes_per_second", "KV bytes restored per second of decoding, last fetch, by preset", ["preset"], registry=r
         )
         self.decisions = Counter("kvfetcher_preset_decisions_total", "Fetch-time choices (a preset or recompute)", ["preset"], registry=r)
         self.predicted_seconds = Histogram(

@@ -291,13 +291,12 @@ class Sidecar:
         m.bytes_read.inc(out.bytes_read)
         m.loaded_tokens.inc(out.loaded_tokens)
         if out.error is None:
-            fmt = PRESETS[d.preset].codec.format
             self.estimator.observe_read(ep, out.bytes_read, out.read_busy_s)
-            self.estimator.observe_decode(fmt, out.kv_bytes, out.decode_busy_s)
+            self.estimator.observe_decode(d.preset, out.kv_bytes, out.decode_busy_s)
             if out.header_latency_s:
                 self.estimator.observe_latency(ep, min(out.header_latency_s))
             if out.decode_busy_s > 0:
-                m.decode_rate.labels(fmt).set(out.kv_bytes / out.decode_busy_s)
+                m.decode_rate.labels(d.preset).set(out.kv_bytes / out.decode_busy_s)
             m.predicted_seconds.observe(d.predicted_s)
             m.actual_seconds.observe(out.seconds)
             m.last_predicted.labels(d.preset).set(d.predicted_s)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvfetcher.choice import RECOMPUTE, Estimator, Rates, choose, fetch_seconds
+from kvfetcher.choice import RECOMPUTE, Estimator, Rates, choose, decode_rate, fetch_seconds
 
 FORMATS = {"raw": "raw", "q8": "hevc", "exact": "hevc"}
 CHUNK_KV = 10_000_000  # bytes of KV per chunk
@@ -34,8 +34,15 @@ def test_partial_availability_counts_the_recompute_of_the_rest():
     stored = [{"raw": 10_000_000, "q8": 5_000_000}, {"raw": 10_000_000}, {"raw": 10_000_000}]
     d = choose(stored, 256, CHUNK_KV, FORMATS, rates(bw=50e6, decode_hevc=200e6, tps=200))
     # q8 covers one chunk only, the other 512 tokens would be recomputed at 200 tok/s
-    assert d.options["q8"] == pytest.approx(fetch_seconds(5_000_000, CHUNK_KV, "hevc", rates(50e6, 200e6)) + 512 / 200)
+    assert d.options["q8"] == pytest.approx(fetch_seconds(5_000_000, CHUNK_KV, 200e6, rates(50e6, 200e6)) + 512 / 200)
     assert d.preset == "raw" and d.chunks == 3
+
+
+def test_a_measured_preset_rate_beats_the_format_prior():
+    r = Rates(bandwidth_Bps=1e9, latency_s=0.0, decode_Bps={"hevc": 1e8, "exact": 1e7}, recompute_tps=1e3)
+    stored = [{"exact": 5_000_000, "q8": 5_000_000}]
+    d = choose(stored, 256, CHUNK_KV, FORMATS, r)
+    assert d.preset == "q8" and d.options["exact"] == pytest.approx(CHUNK_KV / 1e7)
 
 
 def test_allowed_and_unknown_presets():
@@ -52,7 +59,9 @@ def test_estimator_learns_per_endpoint():
     e.observe_read("a", 300_000_000, 1.0)
     assert e.bandwidth("a") == pytest.approx(200e6)
     assert e.bandwidth("b") == 1e6  # another endpoint is not affected
-    e.observe_decode("hevc", 30_000_000, 1.0)
-    assert e.rates("a", 100).decode_Bps["hevc"] == 30e6
+    e.observe_decode("exact", 30_000_000, 1.0)
+    r = e.rates("a", 100)
+    assert decode_rate("exact", "hevc", r) == 30e6  # measured for that preset
+    assert decode_rate("q8", "hevc", r) == r.decode_Bps["hevc"] != 30e6  # the format's prior until measured
     e.observe_read("a", 0, 0.0)  # no data: no change
     assert e.bandwidth("a") == pytest.approx(200e6)
