@@ -113,7 +113,14 @@ class Sidecar:
         self._queue = asyncio.Queue()
         self._worker = asyncio.create_task(self._store_worker())
 
-    async def close(self) -> None:
+    async def close(self, drain_s: float = 10.0) -> None:
+        """Stop; queued stores get ``drain_s`` to finish (within a pod's termination grace)."""
+        if self._queue is not None and self._pending_chunks:
+            try:
+                async with asyncio.timeout(drain_s):
+                    await self._queue.join()
+            except TimeoutError:
+                log.warning("shutting down with %d chunks not stored", self._pending_chunks)
         if self._worker:
             self._worker.cancel()
             await asyncio.gather(self._worker, return_exceptions=True)

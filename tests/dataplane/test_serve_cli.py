@@ -54,9 +54,11 @@ def test_serve_from_the_operators_environment(s3_endpoint, tmp_path):
             assert sorted(n.rsplit("/", 1)[1] for n in bucket.list("kv/")) == ["raw.kvfc", "raw.kvfc"]  # KVFETCHER_PRESET
             t = KVClient(f"http://127.0.0.1:{port}", token="s3cret")
             assert t.lookup(t.register(buf.handle, "m"), list(range(64))) == 64
+            assert c.save(bid, list(range(100, 164)))["queued_chunks"] == 2  # queued, then SIGTERM at once
         finally:
             buf.close()
     finally:
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=30)[0]
     assert proc.returncode == 0, out
+    assert len(bucket.list("kv/")) == 4  # the queued store was drained before exiting
