@@ -86,8 +86,8 @@ class CachedLM:
             log.warning("KV lookup/load failed, recomputing the prompt: %s", e)
         dtype = next(self.model.parameters()).dtype
         cache = DynamicCache()
-        for i in range(self.layers):
-            if loaded:
+        if loaded:
+            for i in range(self.layers):
                 kv = self.buffer.tensor[i, :, :, :loaded].to(dtype)
                 cache.update(kv[0].unsqueeze(0), kv[1].unsqueeze(0), i)
         t_prefill = time.perf_counter()
@@ -95,8 +95,9 @@ class CachedLM:
         tok = int(torch.argmax(out.logits[0, -1]))
         ttft = time.perf_counter() - t0
         computed = len(prompt) - loaded
-        rate = computed / (time.perf_counter() - t_prefill)
-        self.recompute_tps = rate if self.recompute_tps is None else 0.7 * self.recompute_tps + 0.3 * rate
+        if computed >= 64:  # a few tokens measure overheads, not the prefill rate
+            rate = computed / (time.perf_counter() - t_prefill)
+            self.recompute_tps = rate if self.recompute_tps is None else 0.7 * self.recompute_tps + 0.3 * rate
 
         stored = None
         chunk = self.client.chunk_tokens or 1
@@ -107,6 +108,8 @@ class CachedLM:
                 k, v = _layer_kv(cache_kv, i)
                 self.buffer.tensor[i, 0, :, :n_store] = k[0, :, :n_store]
                 self.buffer.tensor[i, 1, :, :n_store] = v[0, :, :n_store]
+            if self.buffer.tensor.is_cuda:  # the sidecar (another process) copies it next
+                torch.cuda.synchronize(self.buffer.tensor.device)
             try:
                 stored = self.client.save(self.buffer_id, prompt[:n_store])
             except (OSError, SidecarError) as e:
