@@ -94,21 +94,28 @@ def _same(obj: bytes, out: torch.Tensor) -> bool:
     return tuple(h.shape) == tuple(out.shape)
 
 
-def throughput(objs: list[bytes], procs: int, rounds: int) -> dict:
+def run_workers(target, args: tuple, procs: int) -> tuple[list, float, dict]:
+    """Start ``procs`` spawned workers ``target(*args, start_barrier, result_queue)``, release
+    them together, and return their results, the wall time and NVDEC utilisation meanwhile."""
     ctx = mp.get_context("spawn")
     start, q = ctx.Barrier(procs + 1), ctx.Queue()
-    ps = [ctx.Process(target=_worker, args=(objs, rounds, start, q)) for _ in range(procs)]
+    ps = [ctx.Process(target=target, args=(*args, start, q)) for _ in range(procs)]
     for p in ps:
         p.start()
     start.wait()
     t = time.perf_counter()
     with NvmlSampler() as s:
-        times = [q.get(timeout=600) for _ in ps]
+        results = [q.get(timeout=600) for _ in ps]
     wall = time.perf_counter() - t
     for p in ps:
         p.join()
+    return results, wall, s.result()
+
+
+def throughput(objs: list[bytes], procs: int, rounds: int) -> dict:
+    times, wall, util = run_workers(_worker, (objs, rounds), procs)
     total = sum(_kv_bytes(o) for o in objs) * rounds * procs
-    return {"procs": procs, "wall_s": wall, "gb_s": total / wall / 1e9, "slowest_worker_s": max(times)} | s.result()
+    return {"procs": procs, "wall_s": wall, "gb_s": total / wall / 1e9, "slowest_worker_s": max(times)} | util
 
 
 def main() -> int:

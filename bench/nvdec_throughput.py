@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import multiprocessing as mp
+import math
 import sys
 import time
 from pathlib import Path
@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from kvfetcher import layout  # noqa: E402
 from kvfetcher.codecs.base import CodecParams  # noqa: E402
 from kvfetcher.codecs.pyav import X265Encoder  # noqa: E402
-from nvdec_bench import NvmlSampler  # noqa: E402
+from nvdec_bench import run_workers  # noqa: E402
 
 SHAPE = (32, 2, 8, 256, 128)
 P = layout.LayoutParams(mode="quant")
@@ -76,24 +76,10 @@ def _worker(segs, side, fshape, seg_frames, batch, seconds, start, q):
 
 
 def run(segs, side, fshape, seg_frames, batch, procs, seconds) -> dict:
-    ctx = mp.get_context("spawn")
-    start, q = ctx.Barrier(procs + 1), ctx.Queue()
-    ps = [ctx.Process(target=_worker, args=(segs, side, fshape, seg_frames, batch, seconds, start, q)) for _ in range(procs)]
-    for p in ps:
-        p.start()
-    start.wait()
-    t = time.perf_counter()
-    with NvmlSampler() as s:
-        res = [q.get(timeout=300) for _ in ps]
-    wall = time.perf_counter() - t
-    for p in ps:
-        p.join()
-    chunk_bytes = 1
-    for d in SHAPE:
-        chunk_bytes *= d
-    chunk_bytes *= 2
+    res, wall, util = run_workers(_worker, (segs, side, fshape, seg_frames, batch, seconds), procs)
+    chunk_bytes = math.prod(SHAPE) * 2
     total = sum(d for d, _ in res) * chunk_bytes
-    return {"batch": batch, "procs": procs, "gb_s": total / wall / 1e9, "wall_s": wall} | s.result()
+    return {"batch": batch, "procs": procs, "gb_s": total / wall / 1e9, "wall_s": wall} | util
 
 
 def main() -> int:
