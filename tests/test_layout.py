@@ -24,8 +24,32 @@ def test_quant_error_is_within_half_a_step(bits):
     packed = layout.pack(kv, p)
     assert int(packed.frames.max()) <= (1 << bits) - 1
     back = layout.unpack(packed.frames, packed.side, kv.shape, kv.dtype, p)
-    step = packed.side[..., 1].unsqueeze(3)  # [L, 2, H, 1, D]
+    ranges, exact = layout.split_side(packed.side, kv.shape, p)
+    step = ranges[..., 1].unsqueeze(3)  # [L, 2, H, 1, D]
     assert torch.all((back - kv).abs() <= step * 0.5 + 1e-5)
+    assert torch.equal(back[:, :, :, :1], kv[:, :, :, :1]) and torch.equal(exact, kv[:, :, :, :1])
+
+
+def test_leading_outlier_token_is_exact_and_does_not_coarsen_the_rest():
+    kv = synthetic_kv(tokens=64, dtype=torch.float32)
+    kv[:, :, :, 0] = 1000.0  # an attention-sink-like outlier at position 0
+    p = layout.LayoutParams(mode="quant")
+    packed = layout.pack(kv, p)
+    back = layout.unpack(packed.frames, packed.side, kv.shape, kv.dtype, p)
+    assert torch.all(back[:, :, :, 0] == 1000.0)
+    assert (back[:, :, :, 1:] - kv[:, :, :, 1:]).abs().max() < 0.05
+    plain = layout.LayoutParams(mode="quant", exact_tokens=0)
+    pk0 = layout.pack(kv, plain)
+    back0 = layout.unpack(pk0.frames, pk0.side, kv.shape, kv.dtype, plain)
+    assert (back0[:, :, :, 1:] - kv[:, :, :, 1:]).abs().max() > 1.0  # range blown up by the outlier
+
+
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_chunks_no_longer_than_the_exact_tokens(tokens):
+    kv = synthetic_kv(tokens=tokens, dtype=torch.float16)
+    p = layout.LayoutParams(mode="quant", exact_tokens=2)
+    packed = layout.pack(kv, p)
+    assert torch.equal(layout.unpack(packed.frames, packed.side, kv.shape, kv.dtype, p), kv)
 
 
 def test_constant_channel_is_restored_exactly():
@@ -70,7 +94,7 @@ def test_bits_map_sets_levels_per_layer_and_kv():
     tiles = layout._frames_to_tiles(packed.frames, packed.geometry, 64, kv.shape[2] * kv.shape[4]).view(3, 2, 64, -1)
     assert int(tiles[1, 0].max()) == 15 and int(tiles[1, 1].max()) == 63 and int(tiles[2, 0].max()) == 3
     back = layout.unpack(packed.frames, packed.side, kv.shape, kv.dtype, p)
-    step = packed.side[..., 1].unsqueeze(3)
+    step = layout.split_side(packed.side, kv.shape, p)[0][..., 1].unsqueeze(3)
     assert torch.all((back - kv).abs() <= step * 0.5 + 1e-5)
     assert layout.LayoutParams.from_dict(p.to_dict()) == p
     with pytest.raises(ValueError):

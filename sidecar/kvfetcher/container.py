@@ -238,8 +238,7 @@ def _check_consistent(h: Header) -> None:
     if (h.side is None) != (h.layout.mode == "exact"):
         raise CorruptError("side information present/absent contrary to the layout")
     if h.side is not None:
-        layers, _, heads, _, head_dim = h.shape
-        need = layers * 2 * heads * head_dim * 2 * layout.bytes_per_value(h.torch_dtype)
+        need = layout.side_numel(h.shape, h.layout) * layout.bytes_per_value(h.torch_dtype)
         if h.side.length != need:
             raise CorruptError(f"side information is {h.side.length} bytes, expected {need}")
 
@@ -266,9 +265,7 @@ def slice_segment(obj: bytes, h: Header, seg: Segment) -> bytes:
 def side_tensor(h: Header, data: bytes) -> torch.Tensor | None:
     if h.side is None:
         return None
-    layers, _, heads, _, head_dim = h.shape
-    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return raw.view(h.torch_dtype).view(layers, 2, heads, head_dim, 2)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(h.torch_dtype)
 
 
 def decode_segment(h: Header, seg: Segment, data: bytes, decoder, device: torch.device | str = "cpu") -> torch.Tensor:
