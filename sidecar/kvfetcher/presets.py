@@ -56,7 +56,7 @@ PRESETS: dict[str, Preset] = {
             LayoutParams(mode="quant", bits=8, planes=3),
             CodecParams(format="hevc", lossless=True),
             False,
-            "8-bit per-channel quantisation, lossless HEVC 4:4:4 over token-major tiles",
+            "8-bit per-channel quantisation (first token exact), lossless HEVC 4:4:4 over token-major tiles",
         ),
     ]
 }
