@@ -45,8 +45,9 @@ def _presets(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
     else:
         for r in rows:
-            m = r["measured"] or {}
-            print(f"{r['name']:>9}  ratio {m.get('ratio_vs_fp16', '?')}  agreement {m.get('greedy_agreement', '?')}  {r['summary']}")
+            m = r["measured"]
+            fig = f"{m['ratio_vs_fp16']:.2f}x, agreement {m['greedy_agreement']:.3f}" if m else "not measured"
+            print(f"{r['name']:>9}  {fig:<28}  {r['summary']}")
     return 0
 
 
