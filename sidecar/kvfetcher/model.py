@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,7 +64,10 @@ def load(dtype: str = "float32") -> LoadedModel:
         tmp = plain.with_name(plain.name + f".tmp{os.getpid()}")
         m.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        tmp.replace(plain) if not plain.exists() else None
+        try:  # atomic publish; a concurrent first load may have won the race
+            tmp.replace(plain)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
     tok = AutoTokenizer.from_pretrained(plain)
     m = AutoModelForCausalLM.from_pretrained(plain, torch_dtype=getattr(torch, dtype))
     m.eval()
