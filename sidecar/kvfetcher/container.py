@@ -194,6 +194,8 @@ def parse_header(data: bytes) -> Header:
         d = json.loads(hb)
         if d["layout_version"] > layout.LAYOUT_VERSION:
             raise FutureVersionError(f"layout v{d['layout_version']} is newer than this reader")
+        if d["layout_version"] < layout.LAYOUT_VERSION:  # keys are namespaced by it: never looked up
+            raise ForeignObjectError(f"layout v{d['layout_version']} objects are not read by layout v{layout.LAYOUT_VERSION}")
         if d["dtype"] not in layout.DTYPES:
             raise CorruptError(f"unknown dtype {d['dtype']!r}")
         lp = layout.LayoutParams.from_dict(d["layout"])
