@@ -57,7 +57,7 @@ def load(dtype: str = "float32") -> LoadedModel:
     if not (plain / "config.json").exists():
         src = gguf_dir()
         tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_FILE)
-        m = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_FILE, torch_dtype=torch.float32)
+        m = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_FILE, dtype=torch.float32)
         m.hf_quantizer = None
         if hasattr(m.config, "quantization_config"):
             del m.config.quantization_config
@@ -69,7 +69,7 @@ def load(dtype: str = "float32") -> LoadedModel:
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)
     tok = AutoTokenizer.from_pretrained(plain)
-    m = AutoModelForCausalLM.from_pretrained(plain, torch_dtype=getattr(torch, dtype))
+    m = AutoModelForCausalLM.from_pretrained(plain, dtype=getattr(torch, dtype))
     m.eval()
     return LoadedModel(m, tok, fingerprint=f"smollm2-135m-instruct-q4_1/{dtype}")
 
