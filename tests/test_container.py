@@ -118,3 +118,18 @@ def test_destination_is_untouched_when_an_object_is_bad(obj):
     assert torch.all(out == 7.0)
     decode_chunk(obj, FP, out=out)
     assert not torch.all(out == 7.0)
+
+
+def test_pre_rope_preset_carries_theta_and_start_in_the_header():
+    from dataclasses import replace
+
+    from kvfetcher import presets
+
+    kv = synthetic_kv(tokens=64)
+    p = replace(presets.get("q8"), name="q8r", pre_rope=True)
+    with pytest.raises(ValueError):
+        encode_chunk(kv, p, FP, start=256)  # the model's theta is required
+    obj = encode_chunk(kv, p, FP, start=256, rope_theta=10000.0)
+    h = container.parse_header(obj)
+    assert h.start == 256 and h.layout.rope_theta == 10000.0
+    assert (decode_chunk(obj, FP).float() - kv.float()).abs().max() < 0.1

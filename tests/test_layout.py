@@ -99,3 +99,39 @@ def test_bits_map_sets_levels_per_layer_and_kv():
     assert layout.LayoutParams.from_dict(p.to_dict()) == p
     with pytest.raises(ValueError):
         layout.pack(kv, layout.LayoutParams(mode="quant", bits_map=((8, 8),)))
+
+
+def test_rope_inverse_is_exact():
+    from kvfetcher import rope
+
+    k = torch.randn(3, 2, 40, 64, dtype=torch.float64).float()
+    cos, sin = rope.rotation(100, 40, 64, 10000.0)
+    assert torch.allclose(rope.apply(rope.apply(k, cos, sin, inverse=True), cos, sin), k, atol=1e-5)
+
+
+def _roped_keys_with_steady_channels(start: int) -> torch.Tensor:
+    """Keys whose pre-RoPE channels are large and steady, as real keys' outlier channels are."""
+    from kvfetcher import rope
+
+    kv = synthetic_kv(layers=2, heads=2, tokens=128, head_dim=64, dtype=torch.float32)
+    kv[:, 0] = kv[:, 0] * 0.05 + torch.linspace(-8, 8, 64)  # pre-RoPE: mean per channel, small spread
+    cos, sin = rope.rotation(start, 128, 64, 10000.0)
+    kv[:, 0] = rope.apply(kv[:, 0], cos, sin)
+    return kv.half()
+
+
+def test_pre_rope_keys_quantise_far_more_precisely_and_need_the_right_start():
+    kv = _roped_keys_with_steady_channels(start=512)
+    post, pre = layout.LayoutParams(mode="quant", bits=5), layout.LayoutParams(mode="quant", bits=5, rope_theta=10000.0)
+    err = {}
+    for name, p in (("post", post), ("pre", pre)):
+        packed = layout.pack(kv, p, start=512)
+        back = layout.unpack(packed.frames, packed.side, kv.shape, kv.dtype, p, start=512)
+        err[name] = (back[:, 0].float() - kv[:, 0].float()).abs().mean()
+        assert torch.equal(back[:, :, :, 0], kv[:, :, :, 0])  # exact first token either way
+    assert err["pre"] < err["post"] / 4
+    packed = layout.pack(kv, pre, start=512)
+    wrong = layout.unpack(packed.frames, packed.side, kv.shape, kv.dtype, pre, start=0)
+    assert (wrong[:, 0].float() - kv[:, 0].float()).abs().mean() > err["pre"] * 10
+    with pytest.raises(ValueError):
+        layout.LayoutParams(mode="exact", rope_theta=10000.0)

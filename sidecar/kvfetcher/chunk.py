@@ -6,16 +6,34 @@ fetch pipeline uses the same per-segment steps to overlap downloads with decodin
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from . import codecs, container, layout
 from .presets import Preset, get
 
 
-def encode_chunk(kv: torch.Tensor, preset: Preset | str, fingerprint: str, meta: dict | None = None) -> bytes:
-    """KV ``[layers, 2, kv_heads, tokens, head_dim]`` -> one self-describing stored object."""
+def encode_chunk(
+    kv: torch.Tensor,
+    preset: Preset | str,
+    fingerprint: str,
+    meta: dict | None = None,
+    start: int = 0,
+    rope_theta: float | None = None,
+) -> bytes:
+    """KV ``[layers, 2, kv_heads, tokens, head_dim]`` -> one self-describing stored object.
+
+    ``start`` is the chunk's first token position; ``rope_theta`` the model's RoPE base,
+    needed by presets that quantise keys before RoPE (and written into the header).
+    """
     p = get(preset) if isinstance(preset, str) else preset
-    packed = layout.pack(kv, p.layout)
+    lp = p.layout
+    if p.pre_rope:
+        if rope_theta is None:
+            raise ValueError(f"preset {p.name!r} quantises keys before RoPE: give the model's rope_theta")
+        lp = dataclasses.replace(lp, rope_theta=float(rope_theta))
+    packed = layout.pack(kv, lp, start)
     enc = codecs.encoder(p.codec.format)
     n = packed.frames.shape[0]
     step = max(1, p.segment_frames)
@@ -25,7 +43,8 @@ def encode_chunk(kv: torch.Tensor, preset: Preset | str, fingerprint: str, meta:
         "dtype": layout.dtype_name(kv.dtype),
         "shape": list(kv.shape),
         "preset": p.name,
-        "layout": p.layout.to_dict(),
+        "layout": lp.to_dict(),
+        "start": start,
         "codec": p.codec.to_dict(),
         "frame_shape": list(packed.geometry.frame_shape),
         "meta": dict(meta or {}, encoder=enc.name),
@@ -55,4 +74,4 @@ def decode_chunk(
     dec = codecs.decoder(h.codec.format, device, backend)
     frames = [container.decode_segment(h, s, container.slice_segment(obj, h, s), dec, device) for s in h.segments]
     allframes = frames[0] if len(frames) == 1 else torch.cat(frames)
-    return layout.unpack(allframes, side, h.shape, h.torch_dtype, h.layout, out=out)
+    return layout.unpack(allframes, side, h.shape, h.torch_dtype, h.layout, out=out, start=h.start)

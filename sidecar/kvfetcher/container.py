@@ -93,6 +93,7 @@ class Header:
     side: Segment | None
     segments: tuple[Segment, ...]
     meta: dict = field(default_factory=dict)
+    start: int = 0  # position of the chunk's first token (pre-RoPE keys depend on it)
     header_size: int = 0  # prefix + JSON: where segment offsets start
 
     @property
@@ -124,6 +125,7 @@ class Header:
             "side": seg(self.side) if self.side else None,
             "segments": [seg(s) for s in self.segments],
             "meta": self.meta,
+            "start": self.start,
         }
 
 
@@ -210,6 +212,7 @@ def parse_header(data: bytes) -> Header:
             side=_segment(d["side"]) if d["side"] else None,
             segments=tuple(_segment(s) for s in d["segments"]),
             meta=dict(d.get("meta") or {}),
+            start=int(d.get("start", 0)),
             header_size=size,
         )
     except ContainerError:
@@ -222,6 +225,8 @@ def parse_header(data: bytes) -> Header:
 
 def _check_consistent(h: Header) -> None:
     """The header must describe exactly the frames its layout implies, covered once."""
+    if h.start < 0:
+        raise CorruptError(f"negative start position {h.start}")
     if h.codec.format not in FORMATS:
         raise CorruptError(f"unknown bitstream format {h.codec.format!r}")
     try:

@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from . import rope
+
 LAYOUT_VERSION = 2  # 2: exact leading tokens in the side information
 
 #: dtypes a chunk may have, by name as written in container headers.
@@ -58,6 +60,7 @@ class LayoutParams:
     # optional per-layer (key_bits, value_bits), overriding ``bits``: rate control by sensitivity
     bits_map: tuple[tuple[int, int], ...] | None = None
     exact_tokens: int = 1  # leading tokens of each chunk kept exact (quant mode)
+    rope_theta: float | None = None  # quantise keys before RoPE (the model's theta; see rope.py)
 
     def __post_init__(self) -> None:
         if self.mode not in ("exact", "quant"):
@@ -65,6 +68,8 @@ class LayoutParams:
         for b in (self.bits, *(b for kv in self.bits_map or () for b in kv)):
             if not 1 <= b <= 8:
                 raise ValueError(f"bits must be in 1..8, not {b}")
+        if self.rope_theta is not None and (self.mode != "quant" or self.rope_theta <= 1):
+            raise ValueError("rope_theta (pre-RoPE keys) needs quant mode and a theta > 1")
         if self.exact_tokens < 0:
             raise ValueError("exact_tokens must be >= 0")
         if self.planes not in (1, 3):
@@ -191,8 +196,11 @@ def levels(params: LayoutParams, layers: int, device: torch.device | str = "cpu"
     return ((1 << bits) - 1).to(device=device, dtype=torch.float32)
 
 
-def pack(kv: torch.Tensor, params: LayoutParams) -> Packed:
-    """Turn one chunk into uint8 frames (and side info for quantised modes)."""
+def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
+    """Turn one chunk into uint8 frames (and side info for quantised modes).
+
+    ``start`` is the position of the chunk's first token; it matters only for pre-RoPE keys.
+    """
     if kv.dim() != 5:
         raise ValueError(f"KV chunk must have 5 dims [layers, 2, kv_heads, tokens, head_dim], got {tuple(kv.shape)}")
     dtype_name(kv.dtype)  # validates
@@ -209,6 +217,9 @@ def pack(kv: torch.Tensor, params: LayoutParams) -> Packed:
 
     e = min(params.exact_tokens, tokens)
     x = kv.float()
+    if params.rope_theta is not None:
+        cos, sin = rope.rotation(start, tokens, head_dim, params.rope_theta, kv.device)
+        x[:, 0] = rope.apply(x[:, 0], cos, sin, inverse=True)
     body = x[:, :, :, e:] if e < tokens else x
     lo = body.amin(dim=3)  # [layers, 2, heads, head_dim]
     hi = body.amax(dim=3)
@@ -233,6 +244,7 @@ def unpack(
     dtype: torch.dtype,
     params: LayoutParams,
     out: torch.Tensor | None = None,
+    start: int = 0,
 ) -> torch.Tensor:
     """Exact inverse of :func:`pack`: frames (on any device) -> KV ``shape`` in ``dtype``.
 
@@ -259,7 +271,12 @@ def unpack(
         lo = ranges[..., 0].float().reshape(layers, 2, 1, heads * head_dim)
         scale = ranges[..., 1].float().reshape(layers, 2, 1, heads * head_dim)
         t = tiles.reshape(layers, 2, tokens, heads * head_dim)
-        vals = (t.float() * scale + lo).to(dtype)
+        vals = t.float() * scale + lo
+        if params.rope_theta is not None:
+            cos, sin = rope.rotation(start, tokens, head_dim, params.rope_theta, frames.device)
+            k = vals[:, 0].view(layers, tokens, heads, head_dim).transpose(1, 2)
+            vals[:, 0] = rope.apply(k, cos, sin).transpose(1, 2).reshape(layers, tokens, heads * head_dim)
+        vals = vals.to(dtype)
         e = exact.shape[3]
         if e:
             vals[:, :, :e] = exact.permute(0, 1, 3, 2, 4).reshape(layers, 2, e, heads * head_dim)

@@ -85,9 +85,9 @@ class Destination:
         idx = self.slots[c.start : c.start + c.tokens]
         if idx == list(range(idx[0], idx[0] + len(idx))):
             view = self.buffer[:, :, :, idx[0] : idx[0] + len(idx)]
-            layout.unpack(frames.to(view.device), side, h.shape, h.torch_dtype, h.layout, out=view)
+            layout.unpack(frames.to(view.device), side, h.shape, h.torch_dtype, h.layout, out=view, start=h.start)
         else:
-            kv = layout.unpack(frames.to(self.buffer.device), side, h.shape, h.torch_dtype, h.layout)
+            kv = layout.unpack(frames.to(self.buffer.device), side, h.shape, h.torch_dtype, h.layout, start=h.start)
             self.buffer.index_copy_(3, torch.tensor(idx, device=self.buffer.device), kv)
         if self.buffer.is_cuda:  # the model (another process) reads once we answer: finish first
             torch.cuda.current_stream(self.buffer.device).synchronize()

@@ -22,6 +22,7 @@ class Preset:
     lossless: bool  # True: the restored KV is bit-identical to what was stored
     summary: str
     segment_frames: int = 4  # frames per independently decodable segment
+    pre_rope: bool = False  # keys quantised before RoPE: the encoder must know the model's theta
 
     def to_dict(self) -> dict:
         return {
@@ -31,6 +32,7 @@ class Preset:
             "layout": self.layout.to_dict(),
             "codec": self.codec.to_dict(),
             "segment_frames": self.segment_frames,
+            "pre_rope": self.pre_rope,
         }
 
 

@@ -12,6 +12,7 @@ blocked model costs latency now.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -377,7 +378,8 @@ class Sidecar:
                     continue  # already stored (by us or another sidecar): a cheap no-op
                 t = time.perf_counter()
                 piece = job.kv[:, :, :, i * N : (i + 1) * N].contiguous()
-                obj = await loop.run_in_executor(self.encode_pool, encode_chunk, piece, preset, job.ns.model)
+                encode = functools.partial(encode_chunk, piece, preset, job.ns.model, start=i * N)
+                obj = await loop.run_in_executor(self.encode_pool, encode)
                 if await loop.run_in_executor(self.io_pool, self.store.put, name, obj):
                     self.metrics.bytes_written.inc(len(obj))
                     self.metrics.compression_ratio.labels(preset).set(piece.numel() * piece.element_size() / len(obj))
