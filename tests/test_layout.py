@@ -135,3 +135,10 @@ def test_pre_rope_keys_quantise_far_more_precisely_and_need_the_right_start():
     assert (wrong[:, 0].float() - kv[:, 0].float()).abs().mean() > err["pre"] * 10
     with pytest.raises(ValueError):
         layout.LayoutParams(mode="exact", rope_theta=10000.0)
+
+
+def test_kv_bits_applies_to_every_layer():
+    kv = synthetic_kv(layers=3, tokens=64, dtype=torch.float32)
+    p = layout.LayoutParams(mode="quant", kv_bits=(5, 6))
+    assert torch.equal(layout.levels(p, 3), torch.tensor([[31.0, 63.0]] * 3))
+    assert layout.LayoutParams.from_dict(p.to_dict()) == p

@@ -44,15 +44,18 @@ class RoundTrip:
     decode_s: float
 
 
-def round_trip(kv: torch.Tensor, preset: Preset | str, fingerprint: str, chunk_tokens: int = 256) -> RoundTrip:
-    """Store ``kv`` chunk by chunk through ``preset`` and restore it, timing both directions."""
+def round_trip(
+    kv: torch.Tensor, preset: Preset | str, fingerprint: str, chunk_tokens: int = 256, rope_theta: float | None = None
+) -> RoundTrip:
+    """Store ``kv`` (a prefix from position 0) chunk by chunk through ``preset`` and restore it,
+    timing both directions."""
     p = get(preset) if isinstance(preset, str) else preset
     objs, enc, dec = [], 0.0, 0.0
     parts = []
     for start in range(0, kv.shape[3], chunk_tokens):
         piece = kv[:, :, :, start : start + chunk_tokens].contiguous()
         t = time.perf_counter()
-        obj = encode_chunk(piece, p, fingerprint)
+        obj = encode_chunk(piece, p, fingerprint, start=start, rope_theta=rope_theta)
         enc += time.perf_counter() - t
         t = time.perf_counter()
         parts.append(decode_chunk(obj, fingerprint))
@@ -140,7 +143,7 @@ def evaluate(
             ids, cont = prompt_ids(lm, src, offset, tokens)
         kv32, _ = model.prefill(lm, ids)
         kv = kv32.to(storage_dtype)
-        rt = round_trip(kv, p, lm.fingerprint, chunk_tokens)
+        rt = round_trip(kv, p, lm.fingerprint, chunk_tokens, model.rope_theta(lm))
         orig = model.greedy(lm, ids, kv, n_new)
         rest = model.greedy(lm, ids, rt.kv, n_new)
         same = [a == b for a, b in zip(orig, rest)]

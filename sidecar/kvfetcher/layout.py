@@ -57,7 +57,8 @@ class LayoutParams:
     bits: int = 8  # quantisation levels = 2**bits (quant mode); samples stay 8-bit
     planes: int = 3  # colour planes per frame: 3 (4:4:4) or 1 (luma only)
     max_rows: int = 1024  # tiles are stacked until a plane is this tall
-    # optional per-layer (key_bits, value_bits), overriding ``bits``: rate control by sensitivity
+    kv_bits: tuple[int, int] | None = None  # (key_bits, value_bits) for every layer, overriding ``bits``
+    # optional per-layer (key_bits, value_bits), overriding both: rate control by sensitivity
     bits_map: tuple[tuple[int, int], ...] | None = None
     exact_tokens: int = 1  # leading tokens of each chunk kept exact (quant mode)
     rope_theta: float | None = None  # quantise keys before RoPE (the model's theta; see rope.py)
@@ -65,7 +66,7 @@ class LayoutParams:
     def __post_init__(self) -> None:
         if self.mode not in ("exact", "quant"):
             raise ValueError(f"layout mode must be 'exact' or 'quant', not {self.mode!r}")
-        for b in (self.bits, *(b for kv in self.bits_map or () for b in kv)):
+        for b in (self.bits, *(self.kv_bits or ()), *(b for kv in self.bits_map or () for b in kv)):
             if not 1 <= b <= 8:
                 raise ValueError(f"bits must be in 1..8, not {b}")
         if self.rope_theta is not None and (self.mode != "quant" or self.rope_theta <= 1):
@@ -81,6 +82,8 @@ class LayoutParams:
     @classmethod
     def from_dict(cls, d: dict) -> "LayoutParams":
         d = dict(d)
+        if d.get("kv_bits") is not None:
+            d["kv_bits"] = tuple(d["kv_bits"])
         if d.get("bits_map") is not None:
             d["bits_map"] = tuple(tuple(kv) for kv in d["bits_map"])
         return cls(**d)
@@ -188,7 +191,7 @@ def split_side(side: torch.Tensor, shape: tuple[int, ...], params: LayoutParams)
 def levels(params: LayoutParams, layers: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Highest quantisation level per (layer, k|v): ``[layers, 2]`` float32."""
     if params.bits_map is None:
-        bits = torch.full((layers, 2), params.bits)
+        bits = torch.tensor([params.kv_bits or (params.bits, params.bits)]).expand(layers, 2)
     else:
         if len(params.bits_map) != layers:
             raise ValueError(f"bits_map has {len(params.bits_map)} layers, the chunk {layers}")

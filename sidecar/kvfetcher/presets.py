@@ -60,6 +60,14 @@ PRESETS: dict[str, Preset] = {
             False,
             "8-bit per-channel quantisation (first token exact), lossless HEVC 4:4:4 over token-major tiles",
         ),
+        Preset(
+            "lean",
+            LayoutParams(mode="quant", kv_bits=(5, 6), planes=3),
+            CodecParams(format="hevc", lossless=True),
+            False,
+            "keys 5-bit quantised before RoPE, values 6-bit (first token exact), lossless HEVC 4:4:4",
+            pre_rope=True,
+        ),
     ]
 }
 

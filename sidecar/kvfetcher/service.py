@@ -37,13 +37,14 @@ class Config:
     """Sidecar settings. From the environment (:meth:`from_env`): ``KVFETCHER_CHUNK_TOKENS``,
     ``KVFETCHER_PRESET`` (comma-separated: every listed representation is stored),
     ``KVFETCHER_ALLOWED_PRESETS`` (what a fetch may choose among), ``KVFETCHER_TENANT`` (key salt;
-    defaults to ``KVFETCHER_POOL``), ``KVFETCHER_RECOMPUTE_TPS``."""
+    defaults to ``KVFETCHER_POOL``), ``KVFETCHER_RECOMPUTE_TPS``, ``KVFETCHER_ROPE_THETA`` (for pre-RoPE presets)."""
 
     chunk_tokens: int = keys.DEFAULT_CHUNK_TOKENS
     presets: tuple[str, ...] = ("q8",)  # representations written for each chunk
     allowed_presets: tuple[str, ...] | None = None  # representations a fetch may use (None: any known)
     tenant: str = ""
     recompute_tps: float = 5000.0  # model prefill rate when a request does not say
+    rope_theta: float | None = None  # the model's RoPE base: needed to store pre-RoPE presets
     deadline_s: float = 30.0  # default fetch deadline
     store_queue_chunks: int = 256  # bound of the store queue, in chunks
     decode_workers: int = 2
@@ -64,6 +65,8 @@ class Config:
         c.tenant = env.get("KVFETCHER_TENANT", env.get("KVFETCHER_POOL", ""))
         if env.get("KVFETCHER_RECOMPUTE_TPS"):
             c.recompute_tps = float(env["KVFETCHER_RECOMPUTE_TPS"])
+        if env.get("KVFETCHER_ROPE_THETA"):
+            c.rope_theta = float(env["KVFETCHER_ROPE_THETA"])
         c.validate()
         return c
 
@@ -73,6 +76,9 @@ class Config:
         unknown = [p for p in self.presets + (self.allowed_presets or ()) if p not in PRESETS]
         if unknown or not self.presets:
             raise ValueError(f"unknown preset(s) {unknown}; known: {', '.join(PRESETS)}")
+        need_theta = [p for p in self.presets if PRESETS[p].pre_rope]
+        if need_theta and self.rope_theta is None:
+            raise ValueError(f"preset(s) {need_theta} quantise keys before RoPE: set KVFETCHER_ROPE_THETA")
 
 
 @dataclass
@@ -378,7 +384,7 @@ class Sidecar:
                     continue  # already stored (by us or another sidecar): a cheap no-op
                 t = time.perf_counter()
                 piece = job.kv[:, :, :, i * N : (i + 1) * N].contiguous()
-                encode = functools.partial(encode_chunk, piece, preset, job.ns.model, start=i * N)
+                encode = functools.partial(encode_chunk, piece, preset, job.ns.model, start=i * N, rope_theta=self.config.rope_theta)
                 obj = await loop.run_in_executor(self.encode_pool, encode)
                 if await loop.run_in_executor(self.io_pool, self.store.put, name, obj):
                     self.metrics.bytes_written.inc(len(obj))
