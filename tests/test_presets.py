@@ -22,3 +22,12 @@ def test_a_pre_rope_preset_needs_the_models_theta():
 def test_unknown_preset_is_refused():
     with pytest.raises(ValueError):
         presets.get("turbo")
+
+
+def test_the_operator_offers_exactly_the_data_planes_presets():
+    """A pool's preset names reach the sidecar as KVFETCHER_PRESET / KVFETCHER_ALLOWED_PRESETS."""
+    from kvfetcher_operator import spec
+
+    assert set(spec.PRESETS) == set(presets.PRESETS)
+    for default in spec.DEFAULT_PRESETS:  # every default a pool may carry starts a sidecar
+        Config.from_env({"KVFETCHER_PRESET": default, "KVFETCHER_ALLOWED_PRESETS": ",".join(spec.PRESETS)})

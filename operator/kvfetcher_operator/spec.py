@@ -17,8 +17,10 @@ VERSION = "v1alpha1"
 PLURAL = "kvcachepools"
 KIND = "KVCachePool"
 
-PRESETS = ("exact", "q8", "balanced", "compact", "raw")
-DEFAULT_PRESETS = ("auto", *PRESETS)
+# The data plane's presets (kvfetcher.presets); a test keeps the two lists equal.
+PRESETS = ("raw", "exact", "q8", "lean")
+# what a pool may store by default: "auto" leaves it to the sidecar; lean needs the model's RoPE theta
+DEFAULT_PRESETS = ("auto", "raw", "exact", "q8")
 
 DEFAULTS: dict[str, Any] = {
     "codec": {"defaultPreset": "auto", "allowedPresets": list(PRESETS), "chunkTokens": 256},

@@ -58,7 +58,7 @@ class Config:
         if env.get("KVFETCHER_CHUNK_TOKENS"):
             c.chunk_tokens = int(env["KVFETCHER_CHUNK_TOKENS"])
         names = lambda v: tuple(p.strip() for p in v.split(",") if p.strip())  # noqa: E731
-        if env.get("KVFETCHER_PRESET"):
+        if env.get("KVFETCHER_PRESET") and env["KVFETCHER_PRESET"] != "auto":  # auto: the default set
             c.presets = names(env["KVFETCHER_PRESET"])
         if env.get("KVFETCHER_ALLOWED_PRESETS"):
             c.allowed_presets = names(env["KVFETCHER_ALLOWED_PRESETS"])

@@ -87,7 +87,7 @@ BAD = [
     ("ca and insecure", _with(EXTERNAL, "storage.external.tls",
                               {"insecureSkipVerify": True, "caSecretRef": {"name": "ca"}}), "exclude"),
     ("unknown preset", _with(MANAGED, "codec.defaultPreset", "lossy"), "defaultPreset"),
-    ("default outside allowed", _with(MANAGED, "codec", {"defaultPreset": "compact", "allowedPresets": ["q8"]}),
+    ("default outside allowed", _with(MANAGED, "codec", {"defaultPreset": "raw", "allowedPresets": ["q8"]}),
      "defaultPreset"),
     ("auto is not a preset to allow", _with(MANAGED, "codec.allowedPresets", ["auto"]), "allowedPresets"),
     ("no presets", _with(MANAGED, "codec.allowedPresets", []), "allowedPresets"),

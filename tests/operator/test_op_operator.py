@@ -58,7 +58,7 @@ async def test_external_pool_becomes_ready_with_bucket_and_ttl(operator, api: Ap
 
 
 async def test_invalid_spec_gets_config_valid_false_with_reason(operator, api: Api) -> None:
-    bad = managed_pool("bad", codec={"defaultPreset": "compact", "allowedPresets": ["exact", "q8"],
+    bad = managed_pool("bad", codec={"defaultPreset": "raw", "allowedPresets": ["exact", "q8"],
                                      "chunkTokens": 100})
     bad["spec"]["storage"]["managed"]["replicas"] = 2
     await api.create(POOLS, bad)
