@@ -33,6 +33,8 @@ POINTS = {
     "k8v5": Preset("k8v5", LayoutParams(mode="quant", bits_map=((8, 5),) * 30), CodecParams(lossless=True), False, "keys 8-bit, values 5-bit"),
     "k8v4": Preset("k8v4", LayoutParams(mode="quant", bits_map=((8, 4),) * 30), CodecParams(lossless=True), False, "keys 8-bit, values 4-bit"),
     "k7v5": Preset("k7v5", LayoutParams(mode="quant", bits_map=((7, 5),) * 30), CodecParams(lossless=True), False, "keys 7-bit, values 5-bit"),
+    "k5v5r": Preset("k5v5r", LayoutParams(mode="quant", kv_bits=(5, 5)), CodecParams(lossless=True), False, "keys 5-bit pre-RoPE, values 5-bit", pre_rope=True),
+    "k6v6r": Preset("k6v6r", LayoutParams(mode="quant", kv_bits=(6, 6)), CodecParams(lossless=True), False, "keys 6-bit pre-RoPE, values 6-bit", pre_rope=True),
     "k6v8": Preset("k6v8", LayoutParams(mode="quant", bits_map=((6, 8),) * 30), CodecParams(lossless=True), False, "keys 6-bit, values 8-bit"),
 }
 
