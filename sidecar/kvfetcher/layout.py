@@ -209,9 +209,9 @@ def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
     dtype_name(kv.dtype)  # validates
     layers, _, heads, tokens, head_dim = kv.shape
     geo = geometry(tuple(kv.shape), kv.dtype, params)
-    # [layers, 2, tokens, heads*head_dim]: a tile per (layer, k|v)
-    tok_major = kv.permute(0, 1, 3, 2, 4).reshape(layers, 2, tokens, heads * head_dim)
     if params.mode == "exact":
+        # [layers, 2, tokens, heads*head_dim]: a tile per (layer, k|v, byte)
+        tok_major = kv.permute(0, 1, 3, 2, 4).reshape(layers, 2, tokens, heads * head_dim)
         nbytes = bytes_per_value(kv.dtype)
         ints = tok_major.contiguous().view(_INT_VIEW[kv.dtype])
         planes = [((ints >> (8 * b)) & 0xFF).to(torch.uint8) for b in reversed(range(nbytes))]
