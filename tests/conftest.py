@@ -13,3 +13,12 @@ def lm():
     from kvfetcher import model
 
     return model.load()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Collect garbage before pytest prints its summary, so that any late finaliser message
+    (e.g. an aiohttp "Unclosed client session" from a library) lands above the closing line
+    that CI reads, not after it."""
+    import gc
+
+    gc.collect()
