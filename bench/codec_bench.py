@@ -145,7 +145,9 @@ def render_md(r: dict) -> str:
     lines.append(f"| zstd -9 on q8's quantised bytes | {z['ratio_vs_fp16']:.2f}x | no | (same values as q8) | | {z['encode_mb_s']:.1f} | |")
     if "nvdec" in r:
         n = r["nvdec"]
-        lines += ["", f"## NVDEC ({n['device']}, {n['date']})", "", n.get("summary_md", "")]
+        lines += ["", f"## NVDEC ({n['device']}, {n['date']})", "", n.get("summary_md", ""), "",
+                  "Each point ran well under a second, so its utilisation samples are sparse; "
+                  "[nvdec_throughput.md](nvdec_throughput.md) has 3-second runs."]
     lines += ["", "Rerun: `.venv/bin/python bench/codec_bench.py` (CPU) and `bench/nvdec_bench.py` on a GPU machine."]
     return "\n".join(lines) + "\n"
 
