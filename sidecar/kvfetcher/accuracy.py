@@ -118,6 +118,16 @@ def prompt_ids(lm: model.LoadedModel, name: str, offset: int, tokens: int, cont:
     return ids[offset : offset + tokens], ids[offset + tokens : offset + tokens + cont]
 
 
+def _cases(lm: model.LoadedModel, tokens: int, prompts, text: str | None) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(label, prefix ids, continuation ids) for one text from its start, or the prompt set."""
+    if text is None:
+        return [(f"{n}@{o}", *prompt_ids(lm, n, o, tokens)) for n, o in (prompts or PROMPTS)]
+    ids = model.tokenize(lm, text)
+    if len(ids) < tokens:
+        raise ValueError(f"text has only {len(ids)} tokens, {tokens} asked")
+    return [("text", ids[:tokens], ids[tokens : tokens + 64])]
+
+
 def evaluate(
     preset: Preset | str,
     tokens: int = 512,
@@ -131,19 +141,11 @@ def evaluate(
     lm = model.load()
     p = get(preset) if isinstance(preset, str) else preset
     report = Report(p.name, tokens)
-    cases = [("text", text, 0)] if text is not None else [(f"{n}@{o}", n, o) for n, o in (prompts or PROMPTS)]
-    for label, src, offset in cases:
-        if text is not None:
-            ids = model.tokenize(lm, src)
-            cont = ids[tokens : tokens + 64]
-            ids = ids[:tokens]
-            if len(ids) < tokens:
-                raise ValueError(f"text has only {len(ids)} tokens, {tokens} asked")
-        else:
-            ids, cont = prompt_ids(lm, src, offset, tokens)
+    theta = model.rope_theta(lm)
+    for label, ids, cont in _cases(lm, tokens, prompts, text):
         kv32, _ = model.prefill(lm, ids)
         kv = kv32.to(storage_dtype)
-        rt = round_trip(kv, p, lm.fingerprint, chunk_tokens, model.rope_theta(lm))
+        rt = round_trip(kv, p, lm.fingerprint, chunk_tokens, theta)
         orig = model.greedy(lm, ids, kv, n_new)
         rest = model.greedy(lm, ids, rt.kv, n_new)
         same = [a == b for a, b in zip(orig, rest)]
