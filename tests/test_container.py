@@ -76,6 +76,7 @@ def test_corrupt_side_information_is_caught(obj):
     [
         (lambda d: d.update(layout_version=99), container.FutureVersionError),
         (lambda d: d.update(layout_version=1), container.ForeignObjectError),
+        (lambda d: d.update(start=-1), container.CorruptError),
         (lambda d: d.update(dtype="int8"), container.CorruptError),
         (lambda d: d.pop("shape"), container.CorruptError),
         (lambda d: d.update(frame_shape=[1, 3, 144, 144]), container.CorruptError),

@@ -85,6 +85,10 @@ def test_bad_shapes_and_dtypes_are_refused():
         layout.pack(torch.zeros(2, 2, 1, 4, 8, dtype=torch.int32), layout.LayoutParams())
     with pytest.raises(ValueError):
         layout.LayoutParams(bits=9)
+    with pytest.raises(ValueError):
+        layout.LayoutParams(kv_bits=(9, 8))
+    with pytest.raises(ValueError):
+        layout.LayoutParams(exact_tokens=-1)
 
 
 def test_bits_map_sets_levels_per_layer_and_kv():
