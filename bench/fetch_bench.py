@@ -1,9 +1,15 @@
 """Fetch pipeline throughput: N stored chunks -> KV buffer (CPU, or CUDA with NVDEC), per preset.
 
-Stores synthetic KV of a model shape in a local directory (so the link is not the limit),
-then times ``pipeline.fetch`` into a buffer on the chosen device. Prints one JSON object.
+Stores KV of a model shape in a local directory (so the link is not the limit), then times
+``pipeline.fetch`` into a buffer on the chosen device: decoding in threads (``--procs 0``) or
+in decode worker processes that write through the buffer's IPC handle (``--procs N``), with
+NVDEC utilisation sampled alongside. The KV is synthetic, or real KV (``--kv``: a saved
+``[L, 2, H, T, D]`` tensor, e.g. SmolLM2-135M's) tiled into the model shape, so that
+compression ratios and bitstream sizes are those of real KV. ``--distinct`` chunks are encoded
+and stored under every chunk's name (encoding GBs on CPU would take minutes; decoding work is
+the same). Prints and optionally writes one JSON object.
 
-    python bench/fetch_bench.py --device cuda --chunks 16 --presets raw,exact,q8
+    python bench/fetch_bench.py --device cuda --chunks 64 --shape 32,8,128 --kv real.pt --procs 0,8 --presets raw,q8,lean
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -20,17 +27,37 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kvtest import synthetic_kv  # noqa: E402
+from nvdec_bench import NvmlSampler  # noqa: E402
 
-from kvfetcher import pipeline  # noqa: E402
-from kvfetcher.chunk import encode_chunk  # noqa: E402
+from kvfetcher import ipc, pipeline  # noqa: E402
+from kvfetcher.chunk import decode_chunk, encode_chunk  # noqa: E402
+from kvfetcher.decode_workers import DecodeWorkers  # noqa: E402
 from kvfetcher.store.local import LocalStore  # noqa: E402
 
+ROPE_THETA = 500000.0  # Llama-3's; used by pre-RoPE presets
 
-async def fetch_once(store, refs, buf, device, window, decode_workers):
+
+def tile_real(real: torch.Tensor, layers: int, heads: int, tokens: int, head_dim: int) -> torch.Tensor:
+    """Real KV ``[L', 2, H', T', D']`` -> ``[layers, 2, heads, tokens, head_dim]`` by cycling its
+    layers, heads, channels and tokens (copies shifted in tokens, so no two are identical)."""
+    L, _, H, T, D = real.shape
+    li = torch.arange(layers) % L
+    hi = torch.arange(heads) % H
+    di = torch.arange(head_dim) % D
+    copy = (torch.arange(heads) // H)[:, None] * 7 + (torch.arange(head_dim) // D)[None, :] * 13  # [heads, dim]
+    ti = (torch.arange(tokens)[None, None, :] + copy[:, :, None]) % T  # [heads, dim, tokens]
+    x = real[li][:, :, hi][:, :, :, :, di]  # [layers, 2, heads, T, head_dim]
+    idx = ti.permute(0, 2, 1)[None, None].expand(layers, 2, heads, tokens, head_dim)
+    return torch.gather(x, 3, idx).contiguous()
+
+
+async def fetch_once(store, refs, buf, device, window, decode_workers, workers=None):
     with ThreadPoolExecutor(16) as io, ThreadPoolExecutor(decode_workers) as dec:
-        dest = pipeline.Destination(buf, tokens=sum(r.tokens for r in refs))
-        return await pipeline.fetch(store, refs, dest, fingerprint="bench", io_pool=io, decode_pool=dec, device=device, window=window)
+        dest = pipeline.Destination(buf.tensor, tokens=sum(r.tokens for r in refs), handle=buf.handle)
+        return await pipeline.fetch(store, refs, dest, fingerprint="bench", io_pool=io, decode_pool=dec, device=device,
+                                    window=window, workers=workers)
 
 
 def main() -> None:
@@ -41,39 +68,67 @@ def main() -> None:
     ap.add_argument("--shape", default="30,3,64", help="layers,kv_heads,head_dim (default: SmolLM2-135M)")
     ap.add_argument("--presets", default="raw,exact,q8")
     ap.add_argument("--window", type=int, default=4)
-    ap.add_argument("--decode-workers", type=int, default=2)
+    ap.add_argument("--decode-workers", type=int, default=2, help="decode threads when --procs is 0")
+    ap.add_argument("--procs", default="0", help="comma-separated decode worker process counts to compare (0: threads)")
+    ap.add_argument("--kv", help="real KV tensor (torch.save) to tile into the shape")
+    ap.add_argument("--distinct", type=int, default=0, help="encode only this many distinct chunks (0: all)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out")
     args = ap.parse_args()
     layers, heads, head_dim = (int(x) for x in args.shape.split(","))
     tokens = args.chunks * args.chunk_tokens
-    kv = synthetic_kv(layers=layers, heads=heads, tokens=tokens, head_dim=head_dim)
-    kv_bytes = kv.numel() * kv.element_size()
-    results = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "kv_bytes": kv_bytes,
-               "chunks": args.chunks, "chunk_tokens": args.chunk_tokens, "shape": [layers, heads, head_dim], "presets": {}}
+    distinct = args.distinct or args.chunks
+    if args.kv:
+        kv = tile_real(torch.load(args.kv).half(), layers, heads, distinct * args.chunk_tokens, head_dim)
+    else:
+        kv = synthetic_kv(layers=layers, heads=heads, tokens=distinct * args.chunk_tokens, head_dim=head_dim)
+    kv_bytes = layers * 2 * heads * tokens * head_dim * kv.element_size()
+    results = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "date": time.strftime("%Y-%m-%d"),
+               "kv": f"real ({args.kv}) tiled" if args.kv else "synthetic", "kv_bytes": kv_bytes, "chunks": args.chunks,
+               "distinct_chunks": distinct, "chunk_tokens": args.chunk_tokens, "shape": [layers, heads, head_dim], "presets": {}}
+    procs = [int(p) for p in args.procs.split(",")]
+    pools = {p: DecodeWorkers(p) for p in procs if p}
+    for w in pools.values():
+        w.start()
     with tempfile.TemporaryDirectory() as d:
         store = LocalStore(d)
         for preset in args.presets.split(","):
             refs, stored, t = [], 0, time.perf_counter()
+            objs = [encode_chunk(kv[:, :, :, i * args.chunk_tokens : (i + 1) * args.chunk_tokens].contiguous(), preset, "bench",
+                                 start=i * args.chunk_tokens, rope_theta=ROPE_THETA) for i in range(distinct)]
+            encode_s = time.perf_counter() - t
             for i in range(args.chunks):
-                obj = encode_chunk(kv[:, :, :, i * args.chunk_tokens : (i + 1) * args.chunk_tokens].contiguous(), preset, "bench")
+                obj = objs[i % distinct]
                 name = f"kv/{i}/{preset}.kvfc"
                 store.put(name, obj)
                 stored += len(obj)
                 refs.append(pipeline.ChunkRef(name, len(obj), i * args.chunk_tokens, args.chunk_tokens))
-            encode_s = time.perf_counter() - t
-            buf = torch.zeros((layers, 2, heads, tokens, head_dim), dtype=kv.dtype, device=args.device)
-            asyncio.run(fetch_once(store, refs[:1], buf, args.device, args.window, args.decode_workers))  # warm-up
-            out = asyncio.run(fetch_once(store, refs, buf, args.device, args.window, args.decode_workers))
-            assert out.error is None, out
-            results["presets"][preset] = {
-                "stored_bytes": stored,
-                "ratio": round(kv_bytes / stored, 3),
-                "encode_s": round(encode_s, 3),
-                "fetch_s": round(out.seconds, 4),
-                "kv_GB_per_s": round(kv_bytes / out.seconds / 1e9, 3),
-                "decode_busy_s": round(out.decode_busy_s, 4),
-                "read_busy_s": round(out.read_busy_s, 4),
-            }
+            buf = ipc.allocate((layers, 2, heads, tokens, head_dim), kv.dtype, args.device)
+            row = results["presets"][preset] = {"stored_bytes": stored, "ratio": round(kv_bytes / stored, 3),
+                                                "encode_MB_s": round(distinct * kv_bytes / args.chunks / encode_s / 1e6, 1), "runs": []}
+            for p in procs:
+                w = pools.get(p)
+                asyncio.run(fetch_once(store, refs[:2], buf, args.device, args.window, args.decode_workers, w))  # warm-up
+                secs = []
+                with NvmlSampler() as util:
+                    for _ in range(args.repeats):
+                        out = asyncio.run(fetch_once(store, refs, buf, args.device, args.window, args.decode_workers, w))
+                        assert out.error is None, out
+                        secs.append(out.seconds)
+                med = statistics.median(secs)
+                run = {"procs": p, "fetch_s": round(med, 4), "kv_GB_per_s": round(kv_bytes / med / 1e9, 3),
+                       "decode_busy_s": round(out.decode_busy_s, 4), "read_busy_s": round(out.read_busy_s, 4)} | util.result()
+                row["runs"].append(run)
+                print(preset, json.dumps(run), flush=True)
+            if args.device == "cuda":  # what was restored is what was stored
+                ref = torch.cat([decode_chunk(objs[i % distinct], "bench", "cuda") for i in range(min(args.chunks, distinct))], 3)
+                row["restored_matches_decode"] = bool(torch.equal(buf.tensor[:, :, :, : ref.shape[3]], ref))
+            buf.close()
+    for w in pools.values():
+        w.close()
     print(json.dumps(results, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

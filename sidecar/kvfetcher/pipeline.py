@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import codecs, container, layout
+from .decode_workers import DecodeWorkers, WorkerError
 from .store import Store, StoreError
 
 log = logging.getLogger("kvfetcher.pipeline")
@@ -59,12 +60,16 @@ class Destination:
 
     ``buffer`` is ``[layers, 2, kv_heads, capacity, head_dim]``. Contiguous slots are written in
     place through a view (no copy); scattered slots (a paged cache) through ``index_copy_``.
+    ``handle`` is the buffer's IPC handle (:mod:`ipc`), which decode worker processes open to
+    write into the same memory.
     """
 
-    def __init__(self, buffer: torch.Tensor, slots: Sequence[int] | None = None, offset: int = 0, tokens: int | None = None):
+    def __init__(self, buffer: torch.Tensor, slots: Sequence[int] | None = None, offset: int = 0, tokens: int | None = None,
+                 handle: dict | None = None):
         if buffer.dim() != 5 or buffer.shape[1] != 2:
             raise ValueError(f"KV buffer must be [layers, 2, kv_heads, capacity, head_dim], got {tuple(buffer.shape)}")
         self.buffer = buffer
+        self.handle = handle
         if tokens is None:
             if slots is None:
                 raise ValueError("give the destination's slots or its number of tokens")
@@ -125,6 +130,11 @@ class _Busy:
             self.total += time.perf_counter() - self._since
 
 
+async def _timed(busy: _Busy, coro):
+    with busy:
+        return await coro
+
+
 async def fetch(
     store: Store,
     chunks: Sequence[ChunkRef],
@@ -137,9 +147,18 @@ async def fetch(
     deadline_s: float | None = None,
     window: int = 4,
     io_concurrency: int = 8,
+    workers: DecodeWorkers | None = None,
 ) -> Outcome:
-    """Load ``chunks`` (consecutive, from the first) into ``dest``; see the module doc for failures."""
+    """Load ``chunks`` (consecutive, from the first) into ``dest``; see the module doc for failures.
+
+    With ``workers`` (and ``dest.handle``), each verified chunk is decoded and written by a
+    worker process instead of ``decode_pool`` threads; the window grows to keep them all busy.
+    """
     loop = asyncio.get_running_loop()
+    if workers is not None:
+        if dest.handle is None:
+            raise ValueError("decode workers need the destination buffer's IPC handle")
+        window = max(window, 2 * workers.procs)
     t0 = time.perf_counter()
     out = Outcome(0, sum(c.tokens for c in chunks))
     reads, decodes = _Busy(), _Busy()
@@ -192,6 +211,17 @@ async def fetch(
                 data = await segment_bytes(seg)
                 return await decode(container.decode_segment, h, seg, data, dec, device)
 
+            if workers is not None:  # decode + write in a worker process, all or nothing
+                seg_data = await asyncio.gather(*(segment_bytes(s) for s in h.segments))
+                side_data = await segment_bytes(h.side) if h.side else None
+                slots = dest.slots[c.start : c.start + c.tokens]
+                w = asyncio.ensure_future(_timed(decodes, workers.restore(dest.handle, head[: h.header_size], side_data, seg_data, slots)))
+                w.add_done_callback(lambda f: written.add(i) if not f.cancelled() and f.exception() is None else None)
+                writes.append(w)
+                restored = await asyncio.shield(w)  # (not `+= await`: that reads kv_bytes before awaiting)
+                out.kv_bytes += restored
+                return
+
             side = container.side_tensor(h, await segment_bytes(h.side)) if h.side else None
             parts = await asyncio.gather(*(frames_of(s) for s in h.segments))
             frames = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -215,6 +245,8 @@ async def fetch(
             out.bad_object = getattr(e, "object_name", None)
     except StoreError as e:
         out.error, out.detail = e.reason, str(e)
+    except WorkerError as e:
+        out.error, out.detail = "decoder", str(e)
     except ValueError as e:
         out.error, out.detail = "invalid", str(e)
     except Exception as e:  # a bug or an unforeseen backend failure: still fall back, loudly

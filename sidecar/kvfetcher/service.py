@@ -25,6 +25,7 @@ import torch
 
 from . import choice, ipc, keys, layout, pipeline
 from .chunk import encode_chunk
+from .decode_workers import DecodeWorkers
 from .metrics import Metrics
 from .presets import PRESETS
 from .store import Store, StoreError
@@ -48,6 +49,7 @@ class Config:
     deadline_s: float = 30.0  # default fetch deadline
     store_queue_chunks: int = 256  # bound of the store queue, in chunks
     decode_workers: int = 2
+    decode_procs: int = 8 if torch.cuda.is_available() else 0
     io_workers: int = 32
     window: int = 4  # chunks in flight per fetch
 
@@ -67,12 +69,16 @@ class Config:
             c.recompute_tps = float(env["KVFETCHER_RECOMPUTE_TPS"])
         if env.get("KVFETCHER_ROPE_THETA"):
             c.rope_theta = float(env["KVFETCHER_ROPE_THETA"])
+        if env.get("KVFETCHER_DECODE_PROCS"):
+            c.decode_procs = int(env["KVFETCHER_DECODE_PROCS"])
         c.validate()
         return c
 
     def validate(self) -> None:
         if self.chunk_tokens <= 0:
             raise ValueError(f"chunk tokens must be positive, not {self.chunk_tokens}")
+        if self.decode_procs < 0:
+            raise ValueError(f"decode processes must be >= 0, not {self.decode_procs}")
         unknown = [p for p in self.presets + (self.allowed_presets or ()) if p not in PRESETS]
         if unknown or not self.presets:
             raise ValueError(f"unknown preset(s) {unknown}; known: {', '.join(PRESETS)}")
@@ -85,6 +91,7 @@ class Config:
 class Buffer:
     tensor: torch.Tensor  # [layers, 2, kv_heads, capacity, head_dim], aliasing the model's memory
     ns: keys.Namespace
+    handle: dict | None = None  # what decode worker processes open to write into the same memory
 
 
 @dataclass
@@ -110,6 +117,7 @@ class Sidecar:
         self.io_pool = ThreadPoolExecutor(self.config.io_workers, thread_name_prefix="kvf-io")
         self.decode_pool = ThreadPoolExecutor(self.config.decode_workers, thread_name_prefix="kvf-decode")
         self.encode_pool = ThreadPoolExecutor(1, thread_name_prefix="kvf-encode")
+        self.workers = DecodeWorkers(self.config.decode_procs) if self.config.decode_procs else None
         self._queue: asyncio.Queue[_StoreJob] | None = None
         self._pending_chunks = 0
         self._worker: asyncio.Task | None = None
@@ -117,6 +125,8 @@ class Sidecar:
     # --- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
+        if self.workers is not None:  # seconds of process start-up: not on a request's path
+            await asyncio.get_running_loop().run_in_executor(None, self.workers.start)
         self._queue = asyncio.Queue()
         self._worker = asyncio.create_task(self._store_worker())
 
@@ -133,6 +143,8 @@ class Sidecar:
             await asyncio.gather(self._worker, return_exceptions=True)
         for pool in (self.io_pool, self.decode_pool, self.encode_pool):
             pool.shutdown(wait=False, cancel_futures=True)
+        if self.workers is not None:
+            self.workers.close()
 
     async def ready(self) -> None:
         await asyncio.get_running_loop().run_in_executor(self.io_pool, self.store.ping)
@@ -150,11 +162,13 @@ class Sidecar:
             raise RequestError(f"KV buffer must be [layers, 2, kv_heads, capacity, head_dim], got {tuple(t.shape)}")
         ns = keys.Namespace(model=model, dtype=layout.dtype_name(t.dtype), tp_rank=tp_rank, tenant=self.config.tenant)
         bid = uuid.uuid4().hex
-        self.buffers[bid] = Buffer(t, ns)
+        self.buffers[bid] = Buffer(t, ns, handle)
         return bid
 
     def unregister(self, bid: str) -> None:
-        self.buffers.pop(bid, None)
+        buf = self.buffers.pop(bid, None)
+        if buf is not None and self.workers is not None:
+            self.workers.forget(buf.handle)
 
     def _buffer(self, bid: str) -> Buffer:
         try:
@@ -241,7 +255,7 @@ class Sidecar:
         buf = self._buffer(bid)
         n_req = len(tokens) // self.config.chunk_tokens * self.config.chunk_tokens
         try:
-            dest = pipeline.Destination(buf.tensor, slots=slots, offset=offset, tokens=n_req)
+            dest = pipeline.Destination(buf.tensor, slots=slots, offset=offset, tokens=n_req, handle=buf.handle)
         except ValueError as e:
             raise RequestError(str(e)) from e
         reply = {"requested_tokens": n_req, "loaded_tokens": 0, "chunk_tokens": self.config.chunk_tokens}
@@ -275,6 +289,7 @@ class Sidecar:
             device=buf.tensor.device,
             deadline_s=max(0.0, deadline_s - (time.perf_counter() - t0)),
             window=self.config.window,
+            workers=self.workers,
         )
         self._observe(d, out)
         reply.update(

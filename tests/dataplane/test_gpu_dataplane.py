@@ -37,6 +37,28 @@ def test_fetch_into_a_cuda_buffer_matches_the_cpu_path(tmp_path, preset):
         assert codecs.decoder("hevc", "cuda").name.startswith("nvdec")
 
 
+@pytest.mark.parametrize("preset", ["raw", "q8"])
+def test_decode_worker_processes_write_through_cuda_ipc(tmp_path, preset):
+    """NVDEC in worker processes, each opening the buffer's CUDA IPC handle: same bytes as in-process."""
+    from kvfetcher.decode_workers import DecodeWorkers
+
+    kv = synthetic_kv(layers=6, heads=2, tokens=512, head_dim=64)
+    store = LocalStore(tmp_path)
+    refs = put_chunks(store, kv, 128, preset=preset)
+    buf = ipc.allocate((6, 2, 2, 600, 64), torch.float16, "cuda")
+    buf.tensor.fill_(SENTINEL)
+    workers = DecodeWorkers(3)
+    try:
+        dest = pipeline.Destination(buf.tensor, offset=40, tokens=512, handle=buf.handle)
+        out = asyncio.run(fetch(store, refs, dest, device=torch.device("cuda"), workers=workers))
+    finally:
+        workers.close()
+    assert out.error is None and out.loaded_tokens == 512, out
+    expect = torch.cat([decode_chunk(store.get(r.name), "fp") for r in refs], dim=3)
+    assert torch.equal(buf.tensor[:, :, :, 40:552].cpu(), expect)
+    assert bool((buf.tensor[:, :, :, :40] == SENTINEL).all()) and bool((buf.tensor[:, :, :, 552:] == SENTINEL).all())
+
+
 def test_cuda_ipc_buffer_through_a_sidecar_process(tmp_path):
     """The GPU protocol end to end: a sidecar process opens the model's CUDA buffer by IPC handle,
     stores from it and restores into it (NVDEC), over HTTP."""
