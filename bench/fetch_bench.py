@@ -90,6 +90,7 @@ def main() -> None:
     pools = {p: DecodeWorkers(p) for p in procs if p}
     for w in pools.values():
         w.start()
+    buf = ipc.allocate((layers, 2, heads, tokens, head_dim), kv.dtype, args.device)  # one buffer, as a model has
     with tempfile.TemporaryDirectory() as d:
         store = LocalStore(d)
         for preset in args.presets.split(","):
@@ -103,11 +104,12 @@ def main() -> None:
                 store.put(name, obj)
                 stored += len(obj)
                 refs.append(pipeline.ChunkRef(name, len(obj), i * args.chunk_tokens, args.chunk_tokens))
-            buf = ipc.allocate((layers, 2, heads, tokens, head_dim), kv.dtype, args.device)
             row = results["presets"][preset] = {"stored_bytes": stored, "ratio": round(kv_bytes / stored, 3),
                                                 "encode_MB_s": round(distinct * kv_bytes / args.chunks / encode_s / 1e6, 1), "runs": []}
             for p in procs:
                 w = pools.get(p)
+                if w is not None:
+                    w.stats = dict.fromkeys(w.stats, 0.0)
                 asyncio.run(fetch_once(store, refs[:2], buf, args.device, args.window, args.decode_workers, w))  # warm-up
                 secs = []
                 with NvmlSampler() as util:
@@ -118,12 +120,14 @@ def main() -> None:
                 med = statistics.median(secs)
                 run = {"procs": p, "fetch_s": round(med, 4), "kv_GB_per_s": round(kv_bytes / med / 1e9, 3),
                        "decode_busy_s": round(out.decode_busy_s, 4), "read_busy_s": round(out.read_busy_s, 4)} | util.result()
+                if w is not None:  # where the workers' time went, per chunk
+                    run["worker_ms_per_chunk"] = {k[:-2]: round(1e3 * v / w.stats["chunks"], 2) for k, v in w.stats.items() if k != "chunks"}
                 row["runs"].append(run)
                 print(preset, json.dumps(run), flush=True)
             if args.device == "cuda":  # what was restored is what was stored
                 ref = torch.cat([decode_chunk(objs[i % distinct], "bench", "cuda") for i in range(min(args.chunks, distinct))], 3)
                 row["restored_matches_decode"] = bool(torch.equal(buf.tensor[:, :, :, : ref.shape[3]], ref))
-            buf.close()
+    buf.close()
     for w in pools.values():
         w.close()
     print(json.dumps(results, indent=1))

@@ -255,12 +255,17 @@ def check_fingerprint(h: Header, expected: str | None) -> None:
         raise FingerprintMismatchError(f"chunk belongs to model {h.fingerprint!r}, not {expected!r}")
 
 
-def verify(seg: Segment, data: bytes | memoryview) -> bytes:
-    """Return the segment's bytes if they are complete and match their checksum."""
+def check(seg: Segment, data: bytes | memoryview) -> None:
+    """Raise unless the segment's bytes are complete and match their checksum (no copy)."""
     if len(data) != seg.length:
         raise TruncatedError(f"segment is {len(data)} bytes, expected {seg.length}")
     if zlib.crc32(data) != seg.crc32:
         raise CorruptError(f"segment checksum mismatch at offset {seg.offset}")
+
+
+def verify(seg: Segment, data: bytes | memoryview) -> bytes:
+    """Return the segment's bytes if they are complete and match their checksum."""
+    check(seg, data)
     return bytes(data)
 
 

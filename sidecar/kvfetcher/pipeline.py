@@ -198,12 +198,16 @@ async def fetch(
             if c.size and c.size != h.total_size:
                 raise container.TruncatedError(f"{c.name} is {c.size} bytes, its header promises {h.total_size}")
 
-            async def segment_bytes(seg: container.Segment) -> bytes:
+            async def unverified(seg: container.Segment) -> bytes:
                 a = h.header_size + seg.offset
                 have = head[a : a + seg.length]  # what the first read already brought, if anything
                 if len(have) < seg.length:
                     have += await get(c.name, a + len(have), seg.length - len(have))
-                return container.verify(seg, have)
+                return have
+
+            async def segment_bytes(seg: container.Segment) -> bytes:
+                have = await unverified(seg)  # checksums off the event loop (GB of CRC would stall it)
+                return await loop.run_in_executor(io_pool, container.verify, seg, have)
 
             dec = codecs.decoder(h.codec.format, device)
 
@@ -211,9 +215,9 @@ async def fetch(
                 data = await segment_bytes(seg)
                 return await decode(container.decode_segment, h, seg, data, dec, device)
 
-            if workers is not None:  # decode + write in a worker process, all or nothing
-                seg_data = await asyncio.gather(*(segment_bytes(s) for s in h.segments))
-                side_data = await segment_bytes(h.side) if h.side else None
+            if workers is not None:  # verify + decode + write in a worker process, all or nothing
+                seg_data = await asyncio.gather(*(unverified(s) for s in h.segments))
+                side_data = await unverified(h.side) if h.side else None
                 slots = dest.slots[c.start : c.start + c.tokens]
                 w = asyncio.ensure_future(_timed(decodes, workers.restore(dest.handle, head[: h.header_size], side_data, seg_data, slots)))
                 w.add_done_callback(lambda f: written.add(i) if not f.cancelled() and f.exception() is None else None)

@@ -17,6 +17,7 @@ from kvfetcher.store.local import LocalStore
 
 from dptest import SENTINEL, fetch, put_chunks
 from kvtest import synthetic_kv
+from test_pipeline import corrupt_segment, foreign, truncate_after_listing
 
 
 @pytest.fixture(scope="module")
@@ -113,3 +114,18 @@ async def test_workers_need_the_buffer_handle(tmp_path, workers):
     refs = put_chunks(store, kv, 32)
     with pytest.raises(ValueError, match="IPC handle"):
         await fetch(store, refs, pipeline.Destination(torch.zeros_like(kv), tokens=32), workers=workers)
+
+
+@pytest.mark.parametrize("damage, reason", [(corrupt_segment, "corrupt"), (truncate_after_listing, "truncated"), (foreign, "foreign")])
+async def test_a_damaged_chunk_is_caught_before_any_worker_writes(tmp_path, workers, shared, damage, reason):
+    """Checksums are computed in the workers on this path: still nothing unverified is written."""
+    kv = synthetic_kv(layers=2, heads=2, tokens=96, head_dim=32)
+    store = LocalStore(tmp_path)
+    refs = put_chunks(store, kv, 32, preset="q8")
+    first = expected(store, refs[:1])
+    refs[1] = damage(store, refs[1])
+    buf = shared(kv)
+    out = await fetch(store, refs, pipeline.Destination(buf.tensor, tokens=96, handle=buf.handle), window=1, workers=workers)
+    assert out.error == reason, out.detail
+    assert out.loaded_tokens == 32 and torch.equal(buf.tensor[:, :, :, :32], first)
+    assert bool((buf.tensor[:, :, :, 32:64] == SENTINEL).all())
