@@ -22,10 +22,14 @@ from __future__ import annotations
 
 import json
 import struct
-import zlib
 from dataclasses import dataclass, field
 
 import torch
+
+try:  # ISA-L's CRC-32 is zlib's checksum, ~3.5x faster here: a fetch checks GBs of segments
+    from isal.isal_zlib import crc32
+except ImportError:  # pragma: no cover - isal is a dependency; zlib gives the same numbers
+    from zlib import crc32
 
 from . import layout
 from .codecs.base import FORMATS, CodecError, CodecParams
@@ -146,17 +150,17 @@ def build(
     side_seg = None
     sb = _side_bytes(side)
     if side is not None:
-        side_seg = {"offset": 0, "length": len(sb), "crc32": zlib.crc32(sb), "frames": [0, 0]}
+        side_seg = {"offset": 0, "length": len(sb), "crc32": crc32(sb), "frames": [0, 0]}
         blobs.append(sb)
         offset = len(sb)
     index = []
     for (f0, f1), data in segments:
-        index.append({"offset": offset, "length": len(data), "crc32": zlib.crc32(data), "frames": [f0, f1]})
+        index.append({"offset": offset, "length": len(data), "crc32": crc32(data), "frames": [f0, f1]})
         blobs.append(data)
         offset += len(data)
     head = dict(header_fields, layout_version=layout.LAYOUT_VERSION, side=side_seg, segments=index)
     hb = json.dumps(head, separators=(",", ":"), sort_keys=True).encode()
-    prefix = PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(hb), zlib.crc32(hb))
+    prefix = PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(hb), crc32(hb))
     return b"".join([prefix, hb, *blobs])
 
 
@@ -190,7 +194,7 @@ def parse_header(data: bytes) -> Header:
         raise TruncatedError(f"header needs {size} bytes, got {len(data)}")
     _, _, _, hlen, crc = PREFIX.unpack_from(data)
     hb = bytes(data[PREFIX_SIZE:size])
-    if zlib.crc32(hb) != crc:
+    if crc32(hb) != crc:
         raise CorruptError("header checksum mismatch")
     try:
         d = json.loads(hb)
@@ -259,7 +263,7 @@ def check(seg: Segment, data: bytes | memoryview) -> None:
     """Raise unless the segment's bytes are complete and match their checksum (no copy)."""
     if len(data) != seg.length:
         raise TruncatedError(f"segment is {len(data)} bytes, expected {seg.length}")
-    if zlib.crc32(data) != seg.crc32:
+    if crc32(data) != seg.crc32:
         raise CorruptError(f"segment checksum mismatch at offset {seg.offset}")
 
 

@@ -115,7 +115,7 @@ def _restore(state: _WorkerState, msg: tuple) -> tuple[int, dict]:
             container.check(seg, data)
         t1 = time.perf_counter()
         dec = codecs.decoder(h.codec.format, buf.device)
-        in_place = getattr(dec, "name", "") == "nvdec"  # NVDEC reads the slab in place; others want bytes
+        in_place = getattr(dec, "name", "") in ("nvdec", "raw")  # these read the slab in place; libav wants bytes
         frames = [container.decode_segment(h, seg, d if in_place else bytes(d), dec, buf.device) for seg, d in zip(h.segments, parts)]
         side = container.side_tensor(h, bytes(side_data)) if side_data is not None else None
     finally:

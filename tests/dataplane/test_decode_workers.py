@@ -101,7 +101,9 @@ async def test_a_dead_worker_fails_the_fetch_and_is_replaced(tmp_path, shared):
         buf = shared(kv)
         dest = pipeline.Destination(buf.tensor, tokens=64, handle=buf.handle)
         out = await fetch(store, refs, dest, workers=w)
-        assert out.error == "decoder" and out.loaded_tokens == 0, out
+        # the chunk the dead worker held fails; one that reached the replacement may have landed
+        assert out.error == "decoder" and out.loaded_tokens < 64, out
+        assert torch.equal(buf.tensor[:, :, :, : out.loaded_tokens], kv[:, :, :, : out.loaded_tokens])
         out = await fetch(store, refs, dest, workers=w)  # a fresh worker took its place
         assert out.error is None and torch.equal(buf.tensor, kv)
     finally:

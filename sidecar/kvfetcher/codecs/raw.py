@@ -20,5 +20,7 @@ class RawCodec:
             n *= s
         if len(data) != n:
             raise CodecError(f"raw segment has {len(data)} bytes, expected {n}")
-        t = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(frame_shape)
-        return t.to(device)
+        writable = isinstance(data, bytearray) or (isinstance(data, memoryview) and not data.readonly)
+        t = torch.frombuffer(data if writable else bytearray(data), dtype=torch.uint8).view(frame_shape)  # no copy if we may
+        out = t.to(device)
+        return out.clone() if writable and out.data_ptr() == t.data_ptr() else out  # never alias the caller's buffer
