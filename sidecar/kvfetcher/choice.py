@@ -81,6 +81,37 @@ def choose(
     return Decision(best.preset, best.chunks, best.tokens, best.predicted_s, best.total_s, options)
 
 
+def hopeless(
+    n_chunks: int,
+    chunk_tokens: int,
+    chunk_kv_bytes: int,
+    ratios: Mapping[str, float],
+    formats: Mapping[str, str],
+    rates: Rates,
+    allowed: set[str] | None = None,
+    slack: float = 1.5,
+) -> bool:
+    """True when even the best case loses to recompute, so the store need not be asked at all.
+
+    Best case: every chunk stored in every allowed preset, ``slack`` times smaller than its
+    measured ratio says, no latency. A lookup costs a LIST per chunk, which measured 11–20% of
+    an 8B model's prefill on an H200 (docs/benchmarks/ttft_h200.md) where recompute won anyway.
+    Optimistic on purpose: a wrong "no" would skip a fetch that pays; a wrong "yes" costs a lookup.
+    """
+    if n_chunks == 0:
+        return True
+    recompute_all = n_chunks * chunk_tokens / rates.recompute_tps
+    kv = n_chunks * chunk_kv_bytes
+    for preset, fmt in formats.items():
+        if allowed is not None and preset not in allowed:
+            continue
+        stored = kv / (max(ratios.get(preset, 1.0), 1.0) * slack)
+        fetch = max(stored / rates.bandwidth_Bps, kv / decode_rate(preset, fmt, rates))
+        if fetch < recompute_all:
+            return False
+    return True
+
+
 class Estimator:
     """Measured throughputs: an EWMA per store endpoint (bandwidth, latency) and per preset (decode)."""
 

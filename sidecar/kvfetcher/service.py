@@ -27,7 +27,10 @@ from . import choice, ipc, keys, layout, pipeline
 from .chunk import encode_chunk
 from .decode_workers import DecodeWorkers
 from .metrics import Metrics
-from .presets import PRESETS
+from .presets import PRESETS, measured
+
+#: measured size ratio vs fp16 per preset (for the no-lookup shortcut; 1.0 where never measured)
+_RATIOS = {p: (measured(p) or {}).get("ratio_vs_fp16", 1.0) for p in PRESETS}
 from .store import Store, StoreError
 
 log = logging.getLogger("kvfetcher.service")
@@ -259,6 +262,14 @@ class Sidecar:
         except ValueError as e:
             raise RequestError(str(e)) from e
         reply = {"requested_tokens": n_req, "loaded_tokens": 0, "chunk_tokens": self.config.chunk_tokens}
+        rates = self.estimator.rates(self.store.endpoint, recompute_tps or self.config.recompute_tps)
+        formats = {p: PRESETS[p].codec.format for p in PRESETS}
+        allowed = set(presets or PRESETS) & set(self.config.allowed_presets or PRESETS)
+        n_chunks = n_req // self.config.chunk_tokens
+        if choice.hopeless(n_chunks, self.config.chunk_tokens, self._chunk_kv_bytes(buf), _RATIOS, formats, rates, allowed):
+            self.metrics.decisions.labels(choice.RECOMPUTE).inc()
+            reply["decision"] = {"preset": choice.RECOMPUTE, "chunks": 0, "predicted_s": 0.0, "options": {}}
+            return self._fallback(reply, "cost_model", "recompute predicted faster than any stored preset could be; store not asked")
         ck = keys.chunk_keys(buf.ns, tokens[:n_req], self.config.chunk_tokens)
         try:
             async with asyncio.timeout(deadline_s):  # the deadline covers the listing too
@@ -267,9 +278,6 @@ class Sidecar:
             return self._fallback(reply, e.reason, str(e), error=True)
         except TimeoutError:
             return self._fallback(reply, "deadline", f"listing the prefix took longer than {deadline_s} s", error=True)
-        rates = self.estimator.rates(self.store.endpoint, recompute_tps or self.config.recompute_tps)
-        formats = {p: PRESETS[p].codec.format for p in PRESETS}
-        allowed = set(presets or PRESETS) & set(self.config.allowed_presets or PRESETS)
         d = choice.choose(reps, self.config.chunk_tokens, self._chunk_kv_bytes(buf), formats, rates, allowed)
         self.metrics.decisions.labels(d.preset).inc()
         reply["decision"] = {"preset": d.preset, "chunks": d.chunks, "predicted_s": d.predicted_s, "options": d.options}

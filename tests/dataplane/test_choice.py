@@ -65,3 +65,21 @@ def test_estimator_learns_per_endpoint():
     assert decode_rate("q8", "hevc", r) == r.decode_Bps["hevc"] != 30e6  # the format's prior until measured
     e.observe_read("a", 0, 0.0)  # no data: no change
     assert e.bandwidth("a") == pytest.approx(200e6)
+
+
+def test_hopeless_only_when_even_the_best_case_loses():
+    from kvfetcher.choice import hopeless
+
+    ratios = {"raw": 1.0, "q8": 2.0}
+    # a fast model on a slow link: even q8 at 1.5x its ratio loses -> skip the lookup
+    assert hopeless(4, 256, CHUNK_KV, ratios, FORMATS, rates(bw=1e6, tps=1e5))
+    # the same case whenever choose() picks a fetch must not be called hopeless
+    for bw, tps in [(5e9, 1000.0), (50e6, 1000.0), (2e8, 2e4)]:
+        r = rates(bw=bw, decode_hevc=200e6, tps=tps)
+        if choose(STORED, 256, CHUNK_KV, FORMATS, r).preset != RECOMPUTE:
+            assert not hopeless(4, 256, CHUNK_KV, ratios, FORMATS, r)
+    # only allowed presets count
+    r = rates(bw=5e9, tps=1000.0)
+    assert not hopeless(4, 256, CHUNK_KV, ratios, FORMATS, r)
+    assert hopeless(4, 256, CHUNK_KV, ratios, FORMATS, rates(bw=1e6, tps=1000.0), allowed={"raw"})
+    assert hopeless(0, 256, CHUNK_KV, ratios, FORMATS, r)
