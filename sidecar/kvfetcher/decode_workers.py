@@ -47,6 +47,15 @@ class WorkerError(RuntimeError):
     """A worker failed for a reason that is not the object's fault (crash, CUDA error)."""
 
 
+class BufferOpenError(WorkerError):
+    """The workers cannot map this KV buffer: the caller decodes in its own process instead.
+
+    Seen on an H200 (torch 2.11): after workers had restored into one CUDA IPC buffer, opening a
+    second buffer allocated later failed in ``_new_shared_cuda`` with "invalid resource handle"
+    (the first always worked; not yet understood). A failed buffer is remembered per worker.
+    """
+
+
 def handle_key(handle: dict) -> str:
     return hashlib.sha256(json.dumps(handle, sort_keys=True).encode()).hexdigest()[:24]
 
@@ -70,17 +79,28 @@ class _Slab:
                 pass
 
 
+class _OpenFailed(Exception):
+    pass
+
+
 class _WorkerState:
     def __init__(self) -> None:
         self.buffers: OrderedDict = OrderedDict()
+        self.unopenable: dict[str, str] = {}
         self.slab: _Slab | None = None
 
     def buffer(self, key: str, handle: dict) -> torch.Tensor:
         from . import ipc
 
+        if key in self.unopenable:
+            raise _OpenFailed(self.unopenable[key])
         buf = self.buffers.get(key)
         if buf is None:
-            buf = self.buffers[key] = ipc.open_handle(handle)
+            try:
+                buf = self.buffers[key] = ipc.open_handle(handle)
+            except Exception as e:
+                self.unopenable[key] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+                raise _OpenFailed(self.unopenable[key]) from e
             while len(self.buffers) > MAX_OPEN_BUFFERS:
                 self.buffers.popitem(last=False)
         self.buffers.move_to_end(key)
@@ -147,7 +167,10 @@ def _serve(conn) -> None:
             conn.send(("ok", *_restore(state, msg[1])))
         except container.ContainerError as e:
             conn.send(("container", type(e).__name__, str(e)))
+        except _OpenFailed as e:
+            conn.send(("open", str(e)))
         except Exception as e:  # CUDA / decoder failure: not the object's fault
+            log.exception("decode worker %d failed", os.getpid())
             conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
@@ -269,6 +292,8 @@ class DecodeWorkers:
             return reply[1]
         if reply[0] == "container":
             raise _ERRORS.get(reply[1], container.ContainerError)(reply[2])
+        if reply[0] == "open":
+            raise BufferOpenError(reply[1])
         raise WorkerError(reply[1])
 
     def _replace(self, dead: _Worker) -> _Worker:

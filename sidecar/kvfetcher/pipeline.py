@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import codecs, container, layout
-from .decode_workers import DecodeWorkers, WorkerError
+from .decode_workers import BufferOpenError, DecodeWorkers, WorkerError
 from .store import Store, StoreError
 
 log = logging.getLogger("kvfetcher.pipeline")
@@ -198,11 +198,16 @@ async def fetch(
             if c.size and c.size != h.total_size:
                 raise container.TruncatedError(f"{c.name} is {c.size} bytes, its header promises {h.total_size}")
 
+            got: dict[int, bytes] = {}  # segment offset -> bytes read (a fallback reuses them)
+
             async def unverified(seg: container.Segment) -> bytes:
+                if seg.offset in got:
+                    return got[seg.offset]
                 a = h.header_size + seg.offset
                 have = head[a : a + seg.length]  # what the first read already brought, if anything
                 if len(have) < seg.length:
                     have += await get(c.name, a + len(have), seg.length - len(have))
+                got[seg.offset] = have
                 return have
 
             async def segment_bytes(seg: container.Segment) -> bytes:
@@ -222,9 +227,13 @@ async def fetch(
                 w = asyncio.ensure_future(_timed(decodes, workers.restore(dest.handle, head[: h.header_size], side_data, seg_data, slots)))
                 w.add_done_callback(lambda f: written.add(i) if not f.cancelled() and f.exception() is None else None)
                 writes.append(w)
-                restored = await asyncio.shield(w)  # (not `+= await`: that reads kv_bytes before awaiting)
-                out.kv_bytes += restored
-                return
+                try:
+                    restored = await asyncio.shield(w)  # (not `+= await`: that reads kv_bytes before awaiting)
+                except BufferOpenError as e:  # workers cannot map this buffer: decode here instead
+                    log.warning("decode workers cannot open the KV buffer (%s); decoding in this process", e)
+                else:
+                    out.kv_bytes += restored
+                    return
 
             side = container.side_tensor(h, await segment_bytes(h.side)) if h.side else None
             parts = await asyncio.gather(*(frames_of(s) for s in h.segments))

@@ -131,3 +131,17 @@ async def test_a_damaged_chunk_is_caught_before_any_worker_writes(tmp_path, work
     assert out.error == reason, out.detail
     assert out.loaded_tokens == 32 and torch.equal(buf.tensor[:, :, :, :32], first)
     assert bool((buf.tensor[:, :, :, 32:64] == SENTINEL).all())
+
+
+async def test_a_buffer_the_workers_cannot_open_is_restored_in_process(tmp_path, workers, shared):
+    """If workers cannot map the buffer (seen with a later CUDA IPC buffer on an H200), the chunk is
+    decoded in the calling process from the bytes already read: the fetch still completes."""
+    kv = synthetic_kv(layers=2, heads=2, tokens=64, head_dim=32)
+    store = LocalStore(tmp_path)
+    refs = put_chunks(store, kv, 32, preset="q8")
+    buf = shared(kv)
+    gone = dict(buf.handle, path=str(tmp_path / "no-such-shm-file"))  # a handle no worker can open
+    out = await fetch(store, refs, pipeline.Destination(buf.tensor, tokens=64, handle=gone), workers=workers)
+    assert out.error is None and out.loaded_tokens == 64, out.detail
+    assert torch.equal(buf.tensor, expected(store, refs))
+    assert out.bytes_read == sum(r.size for r in refs)  # nothing downloaded twice
