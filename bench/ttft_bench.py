@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import json
 import multiprocessing as mp
@@ -44,7 +45,7 @@ import linkserver  # noqa: E402
 import peers  # noqa: E402
 from llama8b import Llama  # noqa: E402
 
-from kvfetcher import keys, presets, service  # noqa: E402
+from kvfetcher import ipc, keys, presets, service  # noqa: E402
 from kvfetcher.chunk import encode_chunk  # noqa: E402
 from kvfetcher.store.s3 import S3Store  # noqa: E402
 
@@ -175,12 +176,19 @@ class Race:
                              decode_workers=decode_workers, io_workers=32, window=4)
         self.sidecar = service.Sidecar(self.store, cfg)
         self.bufs, self.bids = {}, {}
+        # decode worker processes (when main has them) write through the buffer's CUDA IPC handle
+        with_handle = "handle" in {f.name for f in dataclasses.fields(service.Buffer)}
         for ctx in contexts:
             buf = model.kv_buffer(ctx + 1)
             self.bufs[ctx] = buf
             bid = f"ctx{ctx}"
-            self.sidecar.buffers[bid] = service.Buffer(buf, keys.Namespace(model=FINGERPRINT, dtype="bfloat16"))
+            ns = keys.Namespace(model=FINGERPRINT, dtype="bfloat16")
+            self.sidecar.buffers[bid] = service.Buffer(buf, ns, ipc.cuda_handle(buf)) if with_handle else service.Buffer(buf, ns)
             self.bids[ctx] = bid
+        self.decode_procs = 0
+        if getattr(self.sidecar, "workers", None) is not None:
+            self.sidecar.workers.start()
+            self.decode_procs = self.sidecar.workers.procs
         self.peer_io = ThreadPoolExecutor(32)
         self.peer_dec = ThreadPoolExecutor(decode_workers * 2)
 
@@ -312,6 +320,7 @@ def main() -> int:
 
     model = Llama()
     race = Race(model, url, tokens, contexts, peer_objs, a.decode_workers)
+    res["decode_procs"] = race.decode_procs  # 0: NVDEC in the sidecar's threads
     rec_s = {}
     for ctx in contexts:
         race.recompute(ctx)  # warm-up
