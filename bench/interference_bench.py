@@ -71,13 +71,14 @@ def run(model: Llama, url: str, tokens: list[int], ctx: int, peer_objs: dict, me
     ready, stop, q = ctxm.Event(), ctxm.Event(), ctxm.Queue()
     proc = ctxm.Process(target=_decoder, args=(batch, decode_ctx, ready, stop, q), daemon=True)
     proc.start()
-    race = ttft_bench.Race(model, url, tokens, [ctx], peer_objs, decode_workers)
-    # warm each path before the decode loop starts timing
+    warm_ctx = 4096
+    race = ttft_bench.Race(model, url, tokens, [warm_ctx, ctx], peer_objs, decode_workers)
+    # warm each path (decoders, connections) before the decode loop starts timing
     for m in methods:
         if m in presets.PRESETS:
-            asyncio.run(race.kvfetcher(ctx, m, 60, 1e15))
+            asyncio.run(race.kvfetcher(warm_ctx, m, 60, 0))
         elif m in peer_objs:
-            asyncio.run(race.peer(ctx, m, 60))
+            asyncio.run(race.peer(warm_ctx, m, 60, n_chunks=1))
     if not ready.wait(600):
         raise RuntimeError("decode loop did not start")
     phases = []
@@ -99,9 +100,9 @@ def run(model: Llama, url: str, tokens: list[int], ctx: int, peer_objs: dict, me
         if m == "recompute":
             phase(m, lambda: (race.recompute(ctx), kv_bytes)[1])
         elif m in presets.PRESETS:
-            phase(m, lambda m=m: kv_bytes if asyncio.run(race.kvfetcher(ctx, m, 60, 1e15))["ttft_s"] else 0)
+            phase(m, lambda m=m: kv_bytes if asyncio.run(race.kvfetcher(ctx, m, seconds, 0))["ttft_s"] else 0)
         else:
-            phase(m, lambda m=m: kv_bytes if asyncio.run(race.peer(ctx, m, 60))["ttft_s"] else 0)
+            phase(m, lambda m=m: kv_bytes if asyncio.run(race.peer(ctx, m, seconds))["ttft_s"] else 0)
     phase("none_after", lambda: (time.sleep(0.05), 0)[1])
     stop.set()
     starts, durs = q.get(timeout=120)

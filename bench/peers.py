@@ -15,8 +15,8 @@ is between representations and decoders, not between pipelines.
 * ``cachegen``: LMCache 0.5.6's CacheGen codec (per-token quantisation with Llama-3-8B's bins,
   per-channel CDFs, GPU arithmetic coding): LMCache's own ``encode_function`` /
   ``decode_function_gpu`` / ``do_dequantize`` when they import, else the same steps over the
-  wheel's compiled kernels (``lmcache.cuda_ops``); which one ran is recorded. One part per chunk,
-  as LMCache stores a chunk.
+  kernels LMCache would use (its compiled ``lmcache.cuda_ops``, else its torch/numba
+  baseline); which one ran, and why, is recorded. One part per chunk, as LMCache stores one.
 """
 
 from __future__ import annotations
@@ -126,16 +126,22 @@ class NvComp:
             c = self._local.codec = self.nvcomp.Codec(algorithm=self.algorithm, **self.options)
         return c
 
+    @staticmethod
+    def _torch(arr) -> torch.Tensor:
+        try:
+            return torch.from_dlpack(arr).view(torch.uint8)
+        except Exception:  # older bindings: the CUDA array interface only
+            return torch.as_tensor(arr, device="cuda").view(torch.uint8)
+
     def compress(self, x: torch.Tensor) -> bytes:
         enc = self.codec().encode(self.nvcomp.as_array(x.contiguous().view(torch.uint8).flatten()))
         torch.cuda.synchronize()
-        return bytes(torch.from_dlpack(enc).view(torch.uint8).cpu().numpy().tobytes())
+        return bytes(self._torch(enc).cpu().numpy().tobytes())
 
     def decompress(self, data: bytes, device) -> torch.Tensor:
         src = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
         dec = self.codec().decode(self.nvcomp.as_array(src))
-        out = torch.from_dlpack(dec).view(torch.uint8)
-        return out
+        return self._torch(dec)
 
     def encode(self, kv: torch.Tensor) -> bytes:
         kv = kv.cuda()
@@ -191,22 +197,37 @@ class CacheGen:
     name = "cachegen"
 
     def __init__(self):
-        import lmcache  # noqa: F401  (sets up its platform layer)
+        import lmcache
 
-        self.impl = "lmcache"
+        self.notes: list[str] = []
         try:
             from lmcache.storage_backend.serde import cachegen_decoder as D
             from lmcache.storage_backend.serde import cachegen_encoder as E
             from lmcache.storage_backend.serde.cachegen_basics import CacheGenGPUBytestream
 
-            self.E, self.D, self.Bytestream = E, D, CacheGenGPUBytestream
-            self.ops = None
-        except Exception as e:  # its import chain wants packages we lack: use its kernels directly
+            self.E, self.D, self.Bytestream, self.ops = E, D, CacheGenGPUBytestream, None
+            self.impl = "lmcache encode_function/decode_function_gpu"
+        except Exception as e:  # its import chain wants packages we lack: same steps over its ops
+            self.notes.append(f"lmcache's CacheGen glue did not import: {type(e).__name__}: {e}"[:300])
+            self.E = self.D = None
+            self.ops, self.impl = self._ops()
+        # LMCache's CacheGenConfig for meta-llama/Llama-3.1-8B-Instruct
+        L = 32
+        self.key_bins = torch.tensor([32.0] * 10 + [16.0] * (L - 10), device="cuda")
+        self.value_bins = torch.tensor([32.0] * 2 + [16.0] * (L - 2), device="cuda")
+
+    def _ops(self):
+        """The kernels LMCache itself would use here: its compiled CUDA ops, else its torch/numba baseline."""
+        try:
             import lmcache.cuda_ops as ops
 
-            self.impl = f"lmcache.cuda_ops kernels (lmcache's glue did not import: {type(e).__name__}: {e})"[:300]
-            self.E = self.D = None
-            self.ops = ops
+            return ops, "lmcache.cuda_ops (CUDA kernels)"
+        except Exception as e:
+            self.notes.append(f"lmcache.cuda_ops did not load: {type(e).__name__}: {e}"[:300])
+        from lmcache.v1.platform.torch_ops import cachegen_kernels as ops
+
+        return ops, "lmcache torch_ops.cachegen_kernels (numba on CPU: LMCache's fallback when its CUDA ops do not load)"
+
         # LMCache's CacheGenConfig for meta-llama/Llama-3.1-8B-Instruct
         L = 32
         self.key_bins = torch.tensor([32.0] * 10 + [16.0] * (L - 10), device="cuda")
@@ -229,7 +250,7 @@ class CacheGen:
             mv.float().cpu().numpy().tobytes(),
         ]
         side = b"".join(arrays[1:])
-        meta = {"shape": [L, 2, H, T, D], "sizes": [len(a) for a in arrays[1:]], "cdf_shape": list(cdf.shape), "impl": self.impl}
+        meta = {"shape": [L, 2, H, T, D], "sizes": [len(a) for a in arrays[1:]], "cdf_shape": list(cdf.shape)}
         return pack_object(self.name, side, [(arrays[0], (0, L))], meta)
 
     def _encode_kernels(self, x: torch.Tensor):

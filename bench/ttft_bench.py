@@ -43,13 +43,19 @@ sys.path.insert(0, str(HERE.parent / "sidecar"))
 import kvsource  # noqa: E402
 import linkserver  # noqa: E402
 import peers  # noqa: E402
-from llama8b import Llama  # noqa: E402
+from llama8b import Config, Llama  # noqa: E402
 
 from kvfetcher import ipc, keys, presets, service  # noqa: E402
 from kvfetcher.chunk import encode_chunk  # noqa: E402
 from kvfetcher.store.s3 import S3Store  # noqa: E402
 
 FINGERPRINT = "llama-3-8b-shape/random-bf16"
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run of the harness only
+
+
+def sync() -> None:
+    if DEV == "cuda":
+        torch.cuda.synchronize()
 BUCKET = "bench"
 CHUNK = 256
 
@@ -71,14 +77,16 @@ def _encode(args) -> tuple[str, int, bytes, float]:
     return preset, i, obj, time.perf_counter() - t
 
 
-def prepare(root: Path, distinct: list[torch.Tensor], tokens: list[int], n_chunks: int, workers: int) -> dict:
+def prepare(root: Path, distinct: list[torch.Tensor], tokens: list[int], n_chunks: int, workers: int, reuse: bool = False) -> dict:
     """Encode each distinct chunk once per preset and peer; link every chunk name to one of them."""
     info: dict = {"distinct_chunks": len(distinct), "objects": {}}
     store_dir = root / BUCKET
-    shutil.rmtree(root, ignore_errors=True)
-    (store_dir / "blobs").mkdir(parents=True)
     ns = keys.Namespace(model=FINGERPRINT, dtype="bfloat16")
     ck = keys.chunk_keys(ns, tokens[: n_chunks * CHUNK], CHUNK)
+    if reuse and (root / "prepared.json").exists():  # a dry run's second go: same objects
+        return json.loads((root / "prepared.json").read_text()) | {"keys": ck}
+    shutil.rmtree(root, ignore_errors=True)
+    (store_dir / "blobs").mkdir(parents=True)
     kv_bytes = distinct[0].numel() * distinct[0].element_size()
 
     def publish(label: str, blobs: list[bytes], name_of) -> None:
@@ -103,6 +111,7 @@ def prepare(root: Path, distinct: list[torch.Tensor], tokens: list[int], n_chunk
         publish(p, blobs, lambda c, p=p: keys.object_name(ck[c], p))
         info["objects"][p]["encode_s_per_chunk_one_core"] = statistics.mean(s for q, _, _, s in done if q == p)
     log(f"kvfetcher presets encoded in {time.perf_counter() - t:.1f} s:", {p: round(info['objects'][p]['ratio_vs_bf16'], 3) for p in kv_presets()})
+    (root / "prepared.json").write_text(json.dumps(info))
     return info | {"keys": ck}
 
 
@@ -119,7 +128,7 @@ def make_peers(distinct: list[torch.Tensor], root: Path, n_chunks: int, info: di
                 info["nvcomp_trials"] = trials
             else:
                 peer = peers.CacheGen()
-            blobs = [peer.encode(kv.cuda() if name != "q8zstd" else kv.cuda()) for kv in distinct]
+            blobs = [peer.encode(kv.to(DEV)) for kv in distinct]
             store_dir = root / BUCKET
             paths = []
             for i, b in enumerate(blobs):
@@ -129,6 +138,7 @@ def make_peers(distinct: list[torch.Tensor], root: Path, n_chunks: int, info: di
             for c in range(n_chunks):
                 dst = store_dir / "peers" / name / f"{c}.obj"
                 dst.parent.mkdir(parents=True, exist_ok=True)
+                dst.unlink(missing_ok=True)
                 os.link(paths[c % len(paths)], dst)
             kvb = distinct[0].numel() * distinct[0].element_size()
             mean = statistics.mean(len(b) for b in blobs)
@@ -137,14 +147,15 @@ def make_peers(distinct: list[torch.Tensor], root: Path, n_chunks: int, info: di
                 info["objects"][name]["codec"] = peer.label
             if name == "cachegen":
                 info["objects"][name]["impl"] = peer.impl
+                info["objects"][name]["notes"] = peer.notes
             made[name] = peer
             # check the round trip once: a peer that restores garbage is not a peer
-            buf = torch.zeros(distinct[0].shape, dtype=torch.bfloat16, device="cuda")
+            buf = torch.zeros(distinct[0].shape, dtype=torch.bfloat16, device=DEV)
             h, base = peers.parse_head(blobs[0])
             side = peer.side(h, blobs[0][base : base + h["side"]], buf.device) if h["side"] else None
             for part in h["parts"]:
                 peer.decode_part(h, side, part, blobs[0][base + part["off"] : base + part["off"] + part["len"]], buf)
-            ref = distinct[0].cuda().float()
+            ref = distinct[0].to(DEV).float()
             err = (buf.float() - ref).abs().mean() / ref.abs().mean()
             info["objects"][name]["rel_mean_abs_error"] = float(err)
             log(f"peer {name}: ratio {info['objects'][name]['ratio_vs_bf16']:.3f}, rel. error {float(err):.4f}", info["objects"][name].get("codec", ""), info["objects"][name].get("impl", ""))
@@ -155,13 +166,29 @@ def make_peers(distinct: list[torch.Tensor], root: Path, n_chunks: int, info: di
     return made
 
 
+class DryModel:
+    """No GPU (a dry run of the harness on a CPU machine): the model's steps become short sleeps."""
+
+    cfg = Config()
+
+    def kv_buffer(self, capacity: int) -> torch.Tensor:
+        c = self.cfg
+        return torch.zeros((c.layers, 2, c.kv_heads, capacity, c.head_dim), dtype=torch.bfloat16)
+
+    def prefill(self, ids, kv) -> None:
+        time.sleep(1e-5 * len(ids))
+
+    def first_token(self, kv, ctx) -> None:
+        time.sleep(0.01)
+
+
 def time_gpu(fn, reps: int = 3) -> list[float]:
     out = []
     for _ in range(reps):
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         out.append(time.perf_counter() - t)
     return out
 
@@ -183,7 +210,7 @@ class Race:
             self.bufs[ctx] = buf
             bid = f"ctx{ctx}"
             ns = keys.Namespace(model=FINGERPRINT, dtype="bfloat16")
-            self.sidecar.buffers[bid] = service.Buffer(buf, ns, ipc.cuda_handle(buf)) if with_handle else service.Buffer(buf, ns)
+            self.sidecar.buffers[bid] = service.Buffer(buf, ns, ipc.cuda_handle(buf)) if with_handle and buf.is_cuda else service.Buffer(buf, ns)
             self.bids[ctx] = bid
         self.decode_procs = 0
         if getattr(self.sidecar, "workers", None) is not None:
@@ -193,25 +220,25 @@ class Race:
         self.peer_dec = ThreadPoolExecutor(decode_workers * 2)
 
     def fresh_io(self) -> None:
-        """After a time-boxed fetch, GETs still in flight finish in their threads: wait for them
-        (they would eat the next cell's link) and start a new pool."""
-        old, self.sidecar.io_pool = self.sidecar.io_pool, ThreadPoolExecutor(32)
-        old.shutdown(wait=True)
-        old, self.peer_io = self.peer_io, ThreadPoolExecutor(32)
-        old.shutdown(wait=True)
+        """After a time-boxed fetch, GETs and decodes still in flight finish in their threads:
+        wait for them (they would eat the next cell's link and GPU) and start new pools."""
+        for obj, attr in ((self.sidecar, "io_pool"), (self, "peer_io"), (self.sidecar, "decode_pool"), (self, "peer_dec")):
+            old = getattr(obj, attr)
+            setattr(obj, attr, ThreadPoolExecutor(old._max_workers))
+            old.shutdown(wait=True)
 
     def first_token(self, ctx: int) -> float:
         t = time.perf_counter()
         self.model.first_token(self.bufs[ctx], ctx)
-        torch.cuda.synchronize()
+        sync()
         return time.perf_counter() - t
 
     def recompute(self, ctx: int) -> float:
-        ids = torch.tensor(self.tokens[:ctx], device="cuda")
-        torch.cuda.synchronize()
+        ids = torch.tensor(self.tokens[:ctx], device=DEV) % self.model.cfg.vocab
+        sync()
         t = time.perf_counter()
         self.model.prefill(ids, self.bufs[ctx])
-        torch.cuda.synchronize()
+        sync()
         return time.perf_counter() - t
 
     async def kvfetcher(self, ctx: int, preset: str | None, box: float, recompute_tps: float) -> dict:
@@ -234,26 +261,33 @@ class Race:
             rec["ttft_s"] = None
         return rec
 
-    async def peer(self, ctx: int, name: str, box: float) -> dict:
-        names = [f"peers/{name}/{c}.obj" for c in range(ctx // CHUNK)]
+    async def peer(self, ctx: int, name: str, box: float, n_chunks: int | None = None) -> dict:
+        names = [f"peers/{name}/{c}.obj" for c in range(n_chunks or ctx // CHUNK)]
         t0 = time.perf_counter()
         r = await peers.fetch(self.store, names, self.peers[name], self.bufs[ctx], chunk_tokens=CHUNK,
                               io_pool=self.peer_io, decode_pool=self.peer_dec, deadline_s=box)
         rec = {"fetch_s": time.perf_counter() - t0, "bytes_read": r["bytes_read"], "error": r["error"],
                "read_busy_s": r["read_busy_s"], "decode_busy_s": r["decode_busy_s"]}
-        if r["error"] is None:
+        if r["error"] is None and n_chunks is None:
             rec["step_s"] = self.first_token(ctx)
             rec["ttft_s"] = time.perf_counter() - t0
-        else:
+        elif r["error"] is not None:
             self.fresh_io()
             rec["ttft_s"] = None
         return rec
 
+    async def warm_estimator(self, ctx: int, chunks: int = 4) -> None:
+        """A sidecar on a steady link has measured it: one small fetch (the smallest preset) at
+        each new link rate, so ``auto`` decides with this link's measured bandwidth."""
+        smallest = min(kv_presets(), key=lambda p: self.sizes.get(p, 1e18))
+        n = min(chunks, ctx // CHUNK) * CHUNK
+        await self.sidecar.fetch(self.bids[ctx], self.tokens[:n], deadline_s=60, presets=[smallest], recompute_tps=1e-9)
 
-def link_probe(url: str, rate_Bps: float, seconds: float = 0.5) -> dict:
+
+def link_probe(url: str, root: Path, rate_Bps: float, seconds: float = 0.5) -> dict:
     """What the emulated link delivers to the S3 client: parallel 8 MB ranged GETs of raw objects."""
     s = S3Store(url, BUCKET, "bench", "bench", pool=64)
-    names = sorted(p.name for p in Path(LINK_ROOT, BUCKET, "blobs").glob("raw.*"))
+    names = sorted(p.name for p in (root / BUCKET / "blobs").glob("raw.*"))
     n = int(min(256, max(8, rate_Bps * seconds / 8e6))) if rate_Bps else 128
     jobs = [(f"blobs/{names[i % len(names)]}", (i * 8_000_000) % 24_000_000, 8_000_000) for i in range(n)]
     with ThreadPoolExecutor(8) as ex:
@@ -276,14 +310,16 @@ def main() -> int:
     ap.add_argument("--kvsrc", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--contexts", default="4096,16384,32768")
-    ap.add_argument("--links", default="1,5,10,25,40,100", help="Gbit/s")
+    ap.add_argument("--links", default="100,40,25,10,5,1", help="Gbit/s, fastest first (see the skip rule)")
     ap.add_argument("--distinct", type=int, default=4)
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     ap.add_argument("--decode-workers", type=int, default=4)
-    ap.add_argument("--box-factor", type=float, default=3.0, help="time-box: this many times recompute ...")
-    ap.add_argument("--box-min", type=float, default=2.0, help="... but at least this many seconds")
-    ap.add_argument("--cheap-s", type=float, default=1.0, help="cells faster than this are run 3 times (median)")
+    ap.add_argument("--box-factor", type=float, default=2.0, help="time-box: this many times recompute ...")
+    ap.add_argument("--box-min", type=float, default=1.5, help="... but at least this many seconds")
+    ap.add_argument("--cheap-s", type=float, default=0.5, help="cells faster than this are run 3 times (median)")
     ap.add_argument("--methods", default="", help="comma list to restrict (default: all)")
+    ap.add_argument("--link-root", default=LINK_ROOT, help="where the stored objects are written")
+    ap.add_argument("--reuse-objects", action="store_true", help="keep the kvfetcher objects a previous run encoded there")
     ap.add_argument("--interference", action="store_true", help="then run interference_bench on the same store")
     ap.add_argument("--interference-ctx", type=int, default=16384)
     ap.add_argument("--interference-link", type=float, default=100.0)
@@ -297,7 +333,7 @@ def main() -> int:
 
     res: dict = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(0),
+        "device": torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu (dry run)",
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
         "model": "Llama-3-8B shape (32 layers, 32 heads, 8 KV heads, head_dim 128, hidden 4096, inter 14336, vocab 128256), random bf16 weights, SDPA",
@@ -310,16 +346,17 @@ def main() -> int:
     distinct = kvsource.chunks(src, a.distinct)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 128000, (max(contexts),), generator=g).tolist()
-    root = Path(LINK_ROOT)
-    info = prepare(root, distinct, tokens, max(contexts) // CHUNK, a.workers)
+    root = Path(a.link_root)
+    info = prepare(root, distinct, tokens, max(contexts) // CHUNK, a.workers, reuse=a.reuse_objects)
     peer_objs = make_peers(distinct, root, max(contexts) // CHUNK, info)
     info.pop("keys")
     res["setup"] = info
     url, server = linkserver.start_process(root)
     log("link server at", url)
 
-    model = Llama()
+    model = Llama() if DEV == "cuda" else DryModel()
     race = Race(model, url, tokens, contexts, peer_objs, a.decode_workers)
+    race.sizes = {k: v["bytes_per_chunk"] for k, v in info["objects"].items()}
     res["decode_procs"] = race.decode_procs  # 0: NVDEC in the sidecar's threads
     rec_s = {}
     for ctx in contexts:
@@ -341,18 +378,27 @@ def main() -> int:
         if m in presets.PRESETS:
             asyncio.run(race.kvfetcher(contexts[0], m, 60, 1e15))
         elif m in peer_objs:
-            asyncio.run(race.peer(contexts[0], m, 60))
+            asyncio.run(race.peer(contexts[0], m, 60, n_chunks=1))
     log(f"setup done at {time.perf_counter() - t_start:.0f} s")
 
+    censored: dict[str, list[tuple[float, int]]] = {m: [] for m in methods}
     for gbps in links:
         rate = gbps * 1e9 / 8
         linkserver.set_rate(url, rate)
-        probe = link_probe(url, rate)
+        probe = link_probe(url, root, rate)
         res["probes"].append(probe)
         log(f"link {gbps:g} Gbit/s delivers {probe['delivered_Gbps']:.2f} Gbit/s")
+        asyncio.run(race.warm_estimator(contexts[0]))
         for ctx in contexts:
             box = max(a.box_min, a.box_factor * rec_s[ctx])
             for m in methods:
+                # Skip rule: a method past its box at a faster link and a context no longer than
+                # this one is past it here too (fetch time grows with bytes and falls with rate).
+                if any(g >= gbps and c <= ctx for g, c in censored[m]):
+                    res["cells"].append({"link_gbps": gbps, "ctx": ctx, "method": m, "box_s": box, "ttft_s": None,
+                                         "censored": True, "skipped": True, "runs": []})
+                    log(f"  {gbps:g}G ctx {ctx} {m}: >{box:.1f}s (skipped: past its box at a faster link / shorter context)")
+                    continue
                 runs = []
                 while True:
                     if m == "recompute":
@@ -375,6 +421,8 @@ def main() -> int:
                 if m == "auto":
                     cell["chose"] = [(r.get("decision") or {}).get("preset") for r in runs]
                 res["cells"].append(cell)
+                if cell["censored"]:
+                    censored[m].append((gbps, ctx))
                 shown = f"{cell['ttft_s']:.3f}s" if cell["ttft_s"] is not None else f">{box:.1f}s"
                 log(f"  {gbps:g}G ctx {ctx} {m}: {shown}" + (f" chose {cell['chose']}" if m == "auto" else ""))
         (out / "ttft.json").write_text(json.dumps(res, indent=1, default=str))
@@ -386,7 +434,8 @@ def main() -> int:
         import interference_bench
 
         del race.bufs
-        torch.cuda.empty_cache()
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
         linkserver.set_rate(url, a.interference_link * 1e9 / 8)
         ires = interference_bench.run(model, url, tokens, a.interference_ctx, peer_objs, methods, a.decode_workers, a.interference_s)
         ires |= {k: res[k] for k in ("date", "device", "torch", "model", "kv", "link")}
