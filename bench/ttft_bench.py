@@ -226,6 +226,9 @@ class Race:
             old = getattr(obj, attr)
             setattr(obj, attr, ThreadPoolExecutor(old._max_workers))
             old.shutdown(wait=True)
+        for w in getattr(getattr(self.sidecar, "workers", None), "_workers", []):  # chunks still in decode workers
+            with w.lock:
+                pass
 
     def first_token(self, ctx: int) -> float:
         t = time.perf_counter()
@@ -248,7 +251,7 @@ class Race:
         r = await self.sidecar.fetch(self.bids[ctx], self.tokens[:ctx], deadline_s=box, **kw)
         fetch_s = time.perf_counter() - t0
         rec = {"fetch_s": fetch_s, "bytes_read": r.get("bytes_read", 0), "decision": r.get("decision"), "error": r.get("error")}
-        if r["loaded_tokens"] == ctx:
+        if r["loaded_tokens"] == ctx and not r.get("error"):
             rec["step_s"] = self.first_token(ctx)
             rec["ttft_s"] = time.perf_counter() - t0
         elif preset is None:  # auto chose recompute (or its fetch failed): the model prefills, counted
@@ -256,7 +259,7 @@ class Race:
                 self.fresh_io()
             rec["prefill_s"] = self.recompute(ctx)
             rec["ttft_s"] = time.perf_counter() - t0
-        else:
+        else:  # past the box (a deadline is checked between steps: the overrun is recorded in fetch_s)
             self.fresh_io()
             rec["ttft_s"] = None
         return rec
@@ -434,6 +437,8 @@ def main() -> int:
         import interference_bench
 
         del race.bufs
+        if getattr(race.sidecar, "workers", None) is not None:
+            race.sidecar.workers.close()
         if DEV == "cuda":
             torch.cuda.empty_cache()
         linkserver.set_rate(url, a.interference_link * 1e9 / 8)
