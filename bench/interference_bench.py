@@ -66,13 +66,13 @@ def _stats(xs: list[float]) -> dict:
 
 
 def run(model: Llama, url: str, tokens: list[int], ctx: int, peer_objs: dict, methods: list[str], decode_workers: int,
-        seconds: float = 4.0, batch: int = 16, decode_ctx: int = 2048) -> dict:
+        seconds: float = 4.0, batch: int = 16, decode_ctx: int = 2048, decode_procs: int | None = None, shared_buffer: bool = False) -> dict:
     ctxm = mp.get_context("spawn")
     ready, stop, q = ctxm.Event(), ctxm.Event(), ctxm.Queue()
     proc = ctxm.Process(target=_decoder, args=(batch, decode_ctx, ready, stop, q), daemon=True)
     proc.start()
     warm_ctx = 4096
-    race = ttft_bench.Race(model, url, tokens, [warm_ctx, ctx], peer_objs, decode_workers)
+    race = ttft_bench.Race(model, url, tokens, [warm_ctx, ctx], peer_objs, decode_workers, decode_procs, shared_buffer)
     # warm each path (decoders, connections) before the decode loop starts timing
     for m in methods:
         if m in presets.PRESETS:
@@ -107,7 +107,7 @@ def run(model: Llama, url: str, tokens: list[int], ctx: int, peer_objs: dict, me
     stop.set()
     starts, durs = q.get(timeout=120)
     proc.join(30)
-    out = {"decode_batch": batch, "decode_ctx": decode_ctx, "fetch_ctx": ctx, "phase_s": seconds, "phases": []}
+    out = {"decode_procs": race.decode_procs, "decode_batch": batch, "decode_ctx": decode_ctx, "fetch_ctx": ctx, "phase_s": seconds, "phases": []}
     base = None
     for p in phases:
         xs = [d for s, d in zip(starts, durs) if p["t0"] <= s and s + d <= p["t1"]]

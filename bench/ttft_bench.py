@@ -32,6 +32,7 @@ import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -115,10 +116,10 @@ def prepare(root: Path, distinct: list[torch.Tensor], tokens: list[int], n_chunk
     return info | {"keys": ck}
 
 
-def make_peers(distinct: list[torch.Tensor], root: Path, n_chunks: int, info: dict) -> dict:
+def make_peers(distinct: list[torch.Tensor], root: Path, n_chunks: int, info: dict, names: Sequence[str] = ("q8zstd", "nvcomp", "cachegen")) -> dict:
     """Build each peer (a broken one is reported, not faked) and store its objects."""
     made, blocked = {}, {}
-    for name in ("q8zstd", "nvcomp", "cachegen"):
+    for name in names:
         try:
             t = time.perf_counter()
             if name == "q8zstd":
@@ -196,17 +197,21 @@ def time_gpu(fn, reps: int = 3) -> list[float]:
 class Race:
     """Everything one TTFT cell needs: model, sidecar, peers, buffers, pools."""
 
-    def __init__(self, model: Llama, url: str, tokens: list[int], contexts: list[int], peer_objs: dict, decode_workers: int):
+    def __init__(self, model: Llama, url: str, tokens: list[int], contexts: list[int], peer_objs: dict, decode_workers: int,
+                 decode_procs: int | None = None, shared_buffer: bool = False):
         self.model, self.tokens, self.peers = model, tokens, peer_objs
         self.store = S3Store(url, BUCKET, "bench", "bench", pool=64, read_timeout_s=120)
         cfg = service.Config(chunk_tokens=CHUNK, presets=tuple(kv_presets()), rope_theta=kvsource.LLAMA3_THETA,
                              decode_workers=decode_workers, io_workers=32, window=4)
+        if decode_procs is not None and hasattr(cfg, "decode_procs"):
+            cfg.decode_procs = decode_procs
         self.sidecar = service.Sidecar(self.store, cfg)
         self.bufs, self.bids = {}, {}
         # decode worker processes (when main has them) write through the buffer's CUDA IPC handle
         with_handle = "handle" in {f.name for f in dataclasses.fields(service.Buffer)}
+        one = model.kv_buffer(max(contexts) + 1) if shared_buffer else None  # one registered buffer for all contexts
         for ctx in contexts:
-            buf = model.kv_buffer(ctx + 1)
+            buf = one if one is not None else model.kv_buffer(ctx + 1)
             self.bufs[ctx] = buf
             bid = f"ctx{ctx}"
             ns = keys.Namespace(model=FINGERPRINT, dtype="bfloat16")
@@ -323,6 +328,10 @@ def main() -> int:
     ap.add_argument("--methods", default="", help="comma list to restrict (default: all)")
     ap.add_argument("--link-root", default=LINK_ROOT, help="where the stored objects are written")
     ap.add_argument("--reuse-objects", action="store_true", help="keep the kvfetcher objects a previous run encoded there")
+    ap.add_argument("--decode-procs", type=int, default=None, help="sidecar decode worker processes (default: main's)")
+    ap.add_argument("--peers", default="q8zstd,nvcomp,cachegen")
+    ap.add_argument("--shared-buffer", action="store_true", help="one registered KV buffer for all contexts")
+    ap.add_argument("--check-workers", action="store_true", help="fall back to decode threads if workers fail on the largest context")
     ap.add_argument("--interference", action="store_true", help="then run interference_bench on the same store")
     ap.add_argument("--interference-ctx", type=int, default=16384)
     ap.add_argument("--interference-link", type=float, default=100.0)
@@ -351,14 +360,14 @@ def main() -> int:
     tokens = torch.randint(0, 128000, (max(contexts),), generator=g).tolist()
     root = Path(a.link_root)
     info = prepare(root, distinct, tokens, max(contexts) // CHUNK, a.workers, reuse=a.reuse_objects)
-    peer_objs = make_peers(distinct, root, max(contexts) // CHUNK, info)
+    peer_objs = make_peers(distinct, root, max(contexts) // CHUNK, info, [p for p in a.peers.split(",") if p])
     info.pop("keys")
     res["setup"] = info
     url, server = linkserver.start_process(root)
     log("link server at", url)
 
     model = Llama() if DEV == "cuda" else DryModel()
-    race = Race(model, url, tokens, contexts, peer_objs, a.decode_workers)
+    race = Race(model, url, tokens, contexts, peer_objs, a.decode_workers, a.decode_procs, a.shared_buffer)
     race.sizes = {k: v["bytes_per_chunk"] for k, v in info["objects"].items()}
     res["decode_procs"] = race.decode_procs  # 0: NVDEC in the sidecar's threads
     rec_s = {}
@@ -382,6 +391,18 @@ def main() -> int:
             asyncio.run(race.kvfetcher(contexts[0], m, 60, 1e15))
         elif m in peer_objs:
             asyncio.run(race.peer(contexts[0], m, 60, n_chunks=1))
+    if race.decode_procs and a.check_workers:  # main's decode worker processes: do they restore the largest context?
+        chk = asyncio.run(race.kvfetcher(contexts[-1], "lean", 60, 0))
+        if chk["ttft_s"] is None:
+            res["worker_path_error"] = chk.get("error")
+            log(f"decode workers failed on {contexts[-1]} tokens ({chk.get('error')}): falling back to decode threads")
+            race.sidecar.workers.close()
+            race = Race(model, url, tokens, contexts, peer_objs, a.decode_workers, 0, a.shared_buffer)
+            race.sizes = {k: v["bytes_per_chunk"] for k, v in info["objects"].items()}
+            res["decode_procs"] = 0
+            for m in methods:
+                if m in presets.PRESETS:
+                    asyncio.run(race.kvfetcher(contexts[0], m, 60, 0))
     log(f"setup done at {time.perf_counter() - t_start:.0f} s")
 
     censored: dict[str, list[tuple[float, int]]] = {m: [] for m in methods}
@@ -442,7 +463,8 @@ def main() -> int:
         if DEV == "cuda":
             torch.cuda.empty_cache()
         linkserver.set_rate(url, a.interference_link * 1e9 / 8)
-        ires = interference_bench.run(model, url, tokens, a.interference_ctx, peer_objs, methods, a.decode_workers, a.interference_s)
+        ires = interference_bench.run(model, url, tokens, a.interference_ctx, peer_objs, methods, a.decode_workers, a.interference_s,
+                                      decode_procs=res["decode_procs"], shared_buffer=a.shared_buffer)
         ires |= {k: res[k] for k in ("date", "device", "torch", "model", "kv", "link")}
         ires["link_gbps"] = a.interference_link
         (out / "interference.json").write_text(json.dumps(ires, indent=1, default=str))
