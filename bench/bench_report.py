@@ -1,6 +1,6 @@
 """bench_report: turn ttft_bench/interference_bench JSON into the committed Markdown and plot.
 
-    python bench/bench_report.py RESULTS_DIR docs/benchmarks
+    python bench/bench_report.py RESULTS_DIR docs/benchmarks [ttft=NOTES.md] [interference=NOTES.md]
 
 writes ``ttft_<device>.json/.md/.png`` and ``interference_<device>.json/.md`` (device: h200, h100...).
 """
@@ -21,24 +21,36 @@ def slug(device: str) -> str:
     return (m.group(1) if m else re.sub(r"\W+", "_", device)).lower()
 
 
-def fmt(cell: dict) -> str:
-    if cell["ttft_s"] is None:
-        return f"> {cell['box_s']:.1f}" + ("\u2020" if cell.get("skipped") else "")
-    return f"{cell['ttft_s']:.3f}"
+def failed(cell: dict) -> str | None:
+    """The error that stopped a run, unless it was the time-box (a deadline)."""
+    errs = [r.get("error") for r in cell.get("runs", []) if r.get("error") not in (None, "deadline")]
+    return errs[0] if errs else None
 
 
-def ttft_md(r: dict) -> str:
+def fmt(cell: dict, fails: set) -> str:
+    if cell["ttft_s"] is not None:
+        return f"{cell['ttft_s']:.3f}"
+    if failed(cell):
+        return f"error ({failed(cell)})"
+    if cell.get("skipped") and any(m == cell["method"] and g >= cell["link_gbps"] and c <= cell["ctx"] for m, g, c in fails):
+        return "error\u2020"
+    return f"> {cell['box_s']:.1f}" + ("\u2020" if cell.get("skipped") else "")
+
+
+def ttft_md(r: dict, notes: str = "") -> str:
     cells = r["cells"]
     methods = r["methods"]
     links = sorted({c["link_gbps"] for c in cells})
     probes = {p["set_Gbps"]: p["delivered_Gbps"] for p in r["probes"]}
     get = {(c["link_gbps"], c["ctx"], c["method"]): c for c in cells}
+    fails = {(c["method"], c["link_gbps"], c["ctx"]) for c in cells if failed(c)}
     objs = r["setup"]["objects"]
     out = [
         f"# Time to first token: recompute vs fetch ({r['device']}, {r['date'][:10]})",
         "",
         "Produced by `bench/ttft_bench.py` (see README, Benchmarks); raw numbers in the JSON beside this file.",
         "",
+        notes,
         "**What is real and what is emulated.**",
         f"* Model: {r['model']} — random weights, so timings only; prefill is the real computation of that shape.",
         f"* KV: {r['kv']}. {r['setup']['distinct_chunks']} distinct 256-token chunks were encoded per method and stored "
@@ -55,6 +67,7 @@ def ttft_md(r: dict) -> str:
         "Before each link rate's cells one small fetch lets the sidecar's estimator measure the link (as a sidecar on a steady link would have).",
         "* Time-box: a cell is stopped at max(1.5 s, 2 x recompute) and shown as `> box`; `\u2020` = not run, because the same method "
         "was already past its box at a faster link and a context no longer (fetch time only grows with bytes and falls with rate). "
+        "`error` = the fetch failed (reason in brackets), `error\u2020` = not run after that failure. "
         "Cells under 0.5 s are medians of 3 runs, others one run.",
         "",
         "## Setup",
@@ -68,7 +81,8 @@ def ttft_md(r: dict) -> str:
             note += f" mean abs error {v['rel_mean_abs_error']:.4f} of mean |KV|"
         out.append(f"| {k} | {v['bytes_per_chunk'] / 1e6:.2f} MB | {v['ratio_vs_bf16']:.2f}x | {note.strip()} |")
     for k, v in r["setup"].get("blocked", {}).items():
-        out.append(f"| {k} | — | — | **blocked**: {v} |")
+        msg = " ".join(v.split())[:240].replace("|", "/")
+        out.append(f"| {k} | — | — | **blocked**: {msg} |")
     out += ["", "| set link (Gbit/s) | delivered to the S3 client (Gbit/s) |", "|---|---|"]
     out += [f"| {g:g} | {probes.get(g, float('nan')):.1f} |" for g in sorted(probes)]
     out += ["", "| context | recompute (prefill) s | one decode step after a fetch s |", "|---|---|---|"]
@@ -85,7 +99,7 @@ def ttft_md(r: dict) -> str:
             best = min(done)[1] if done else "—"
             auto = get.get((g, ctx, "auto"))
             chose = ",".join(sorted(set(auto.get("chose", [])))) if auto else ""
-            out.append(f"| {g:g} | " + " | ".join(fmt(c) if c else "" for c in row) + f" | {best} | {chose} |")
+            out.append(f"| {g:g} | " + " | ".join(fmt(c, fails) if c else "" for c in row) + f" | {best} | {chose} |")
             if auto and auto["ttft_s"] is not None:
                 base = [get[(g, ctx, m)]["ttft_s"] for m in ("raw", "recompute") if get.get((g, ctx, m)) and get[(g, ctx, m)]["ttft_s"] is not None]
                 peer = [get[(g, ctx, m)] for m in PEERS if get.get((g, ctx, m))]
@@ -111,11 +125,12 @@ def plot(r: dict, path: Path) -> None:
 
     ctxs = r["contexts"]
     fig, axes = plt.subplots(1, len(ctxs), figsize=(5.2 * len(ctxs), 4.2), squeeze=False)
+    color = {m: plt.get_cmap("tab10")(i) for i, m in enumerate(r["methods"])}  # one colour per method in every panel
     for ax, ctx in zip(axes[0], ctxs):
         for m in r["methods"]:
             pts = sorted((c["link_gbps"], c["ttft_s"]) for c in r["cells"] if c["ctx"] == ctx and c["method"] == m and c["ttft_s"] is not None)
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", lw=2.5 if m == "auto" else 1.2, label=m)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", lw=2.5 if m == "auto" else 1.2, label=m, color=color[m])
         box = max(c["box_s"] for c in r["cells"] if c["ctx"] == ctx)
         ax.axhline(box, color="grey", ls=":", lw=1)
         ax.set_xscale("log")
@@ -124,13 +139,14 @@ def plot(r: dict, path: Path) -> None:
         ax.set_ylabel("TTFT (s)")
         ax.set_title(f"{ctx // 1024}K tokens (dotted: time-box)")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize=8)
+    handles = [plt.Line2D([], [], color=color[m], marker="o", label=m) for m in r["methods"]]
+    axes[0][0].legend(handles=handles, fontsize=8)
     fig.suptitle(f"TTFT, Llama-3-8B shape, {r['device']}, {r['date'][:10]}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
-def interference_md(r: dict) -> str:
+def interference_md(r: dict, notes: str = "") -> str:
     out = [
         f"# Interference: decode TPOT while fetching ({r['device']}, {r['date'][:10]})",
         "",
@@ -142,6 +158,7 @@ def interference_md(r: dict) -> str:
         "Two processes share the GPU by time-slicing (no MPS), as a model server and a sidecar container would. "
         "Produced by `bench/ttft_bench.py --interference` (`bench/interference_bench.py`).",
         "",
+        notes,
         "| method | TPOT median ms | TPOT p90 ms | slowdown median | slowdown p90 | fetches in the phase | KV restored GB/s |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -149,22 +166,25 @@ def interference_md(r: dict) -> str:
         if not p.get("steps"):
             out.append(f"| {p['method']} | no steps | | | | {p['fetches']} | |")
             continue
-        out.append(f"| {p['method']} | {p['median_ms']:.2f} | {p['p90_ms']:.2f} | {p.get('slowdown_median_pct', 0):+.1f}% | "
+        bad = p["method"] not in ("none", "none_after") and p["fetch_GBps"] == 0
+        tag = " (no fetch completed: not a measurement)" if bad else ""
+        out.append(f"| {p['method']}{tag} | {p['median_ms']:.2f} | {p['p90_ms']:.2f} | {p.get('slowdown_median_pct', 0):+.1f}% | "
                    f"{p.get('slowdown_p90_pct', 0):+.1f}% | {p['fetches']} | {p['fetch_GBps']:.2f} |")
     return "\n".join(out) + "\n"
 
 
 def main() -> int:
     src, dst = Path(sys.argv[1]), Path(sys.argv[2])
+    notes = {k: Path(v).read_text() for k, v in (a.split("=", 1) for a in sys.argv[3:])}  # ttft=FILE interference=FILE
     r = json.loads((src / "ttft.json").read_text())
     s = slug(r["device"])
     shutil.copy(src / "ttft.json", dst / f"ttft_{s}.json")
-    (dst / f"ttft_{s}.md").write_text(ttft_md(r))
+    (dst / f"ttft_{s}.md").write_text(ttft_md(r, notes.get("ttft", "")))
     plot(r, dst / f"ttft_{s}.png")
     if (src / "interference.json").exists():
         i = json.loads((src / "interference.json").read_text())
         shutil.copy(src / "interference.json", dst / f"interference_{s}.json")
-        (dst / f"interference_{s}.md").write_text(interference_md(i))
+        (dst / f"interference_{s}.md").write_text(interference_md(i, notes.get("interference", "")))
     print(f"wrote {dst}/ttft_{s}.* and interference_{s}.*")
     return 0
 
