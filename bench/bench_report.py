@@ -56,8 +56,8 @@ def ttft_md(r: dict, notes: str = "") -> str:
         f"* KV: {r['kv']}. {r['setup']['distinct_chunks']} distinct 256-token chunks were encoded per method and stored "
         "under the name of every chunk of the context: sizes and decode work per chunk are those of distinct chunks.",
         f"* Link: {r['link']}. The set rate is the token bucket's; what it delivered to the S3 client "
-        "(8 parallel 8 MB ranged GETs, `link_probe`) is in the table below — above ~20 Gbit/s this machine's loopback "
-        "and Python S3 client, not the bucket, set the rate, so the 25/40/100 Gbit/s rows are really the delivered rate.",
+        "(8 parallel 8 MB ranged GETs, `link_probe`) is in the table below; where it falls short of the set rate, this "
+        "machine's loopback and Python S3 client, not the bucket, set the rate, and those rows are really the delivered rate.",
         "* kvfetcher goes through the real sidecar (`Sidecar.fetch`: one LIST per chunk, the cost model, `pipeline.fetch` "
         f"over `S3Store`), NVDEC decoding in {r.get('decode_workers')} threads"
         + (f" and {r['decode_procs']} decode worker processes" if r.get("decode_procs") else " (no decode worker processes on main at run time)")
