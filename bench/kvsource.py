@@ -1,0 +1,84 @@
+"""kvsource: Llama-3-8B-shaped KV chunks built from a real model's KV (not random numbers).
+
+Random-weight KV compresses nothing like real KV, so compression ratios measured on it would
+mean nothing. Here real KV of the shipped SmolLM2-135M (30 layers, 3 KV heads, head_dim 64)
+is tiled into the 8B shape (32 layers, 8 KV heads, head_dim 128): each 8B head takes the
+channels of two Smol heads side by side; a Smol head used again is mixed with itself by random
+channel-pair rotations, so nothing repeats byte for byte (see :func:`chunks`). Keys are taken back to the
+pre-RoPE frame with Smol's RoPE base and rotated again with Llama-3's (500000) over head_dim
+128, channel pairs kept together, so the keys have the RoPE structure of the 8B shape (which
+the pre-RoPE presets rely on). The statistics are real Smol channels; the 8B model's own KV
+would differ, which the results say.
+
+Step 1 (where the small model is, once): ``python bench/kvsource.py --out kvsrc.pt`` saves
+the Smol KV (pre-RoPE keys, values; bf16). Step 2 (anywhere): :func:`chunks` tiles it.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from kvfetcher import rope
+
+SHAPE = (32, 2, 8, 256, 128)  # layers, K/V, kv_heads, tokens, head_dim of one chunk
+LLAMA3_THETA = 500000.0
+TEXTS = ("license.txt", "code.txt")
+
+
+def save_source(out: str, tokens: int = 256) -> None:
+    """Real Smol KV of ``tokens`` tokens of each shipped text -> ``out`` (keys un-rotated)."""
+    from kvfetcher import model
+
+    lm = model.load()
+    theta = model.rope_theta(lm)
+    parts = []
+    for name in TEXTS:
+        ids = model.tokenize(lm, model.sample_text(name), tokens)
+        kv = model.prefill(lm, ids)[0].clone()  # [30, 2, 3, T, 64] float32, keys after RoPE
+        cos, sin = rope.rotation(0, tokens, kv.shape[-1], theta)
+        kv[:, 0] = rope.apply(kv[:, 0], cos, sin, inverse=True)
+        parts.append(kv.to(torch.bfloat16))
+    torch.save({"kv": torch.stack(parts), "texts": TEXTS, "source_theta": theta, "model": lm.fingerprint}, out)
+
+
+def chunks(src: dict, n: int, dtype: torch.dtype = torch.bfloat16, start: int = 0) -> list[torch.Tensor]:
+    """``n`` distinct 8B-shaped chunks ``SHAPE`` (post-RoPE keys at positions ``start..``).
+
+    An 8B chunk has 512 half-heads of 64 channels per K and V; one Smol text gives 90 real
+    ones (30 layers x 3 heads). The first use of each is the real channels; later uses mix
+    every channel with a random partner channel of the same Smol head by a random rotation
+    (a different linear view of the same real head, as another projection would give),
+    so no two tiles repeat bytes — a compressor must not find the tiling's copies.
+    """
+    kv_all = src["kv"].float()  # [texts, 30, 2, 3, T, 64], keys before RoPE
+    texts, sl, _, sh, T, sd = kv_all.shape
+    L, _, H, CT, D = SHAPE
+    assert T >= CT and 2 * sd == D
+    cos, sin = rope.rotation(start, CT, D, LLAMA3_THETA)
+    out = []
+    for v in range(n):
+        pool = kv_all[v % texts, :, :, :, :CT].permute(0, 2, 1, 3, 4).reshape(sl * sh, 2, CT, sd)  # [90, K|V, T, 64]
+        g = torch.Generator().manual_seed(1000 + v)
+        k = torch.arange(L * H * 2)
+        halves = pool[(k + 37 * v) % pool.shape[0]].clone()  # [512, 2, T, 64]
+        re = halves[pool.shape[0] :]  # reuses: rotate each channel with a partner channel
+        perm = torch.rand(re.shape[0], sd, generator=g).argsort(-1).view(-1, 1, 1, sd).expand_as(re)
+        ang = (0.3 + 0.9 * torch.rand(re.shape[0], 1, 1, sd, generator=g))
+        halves[pool.shape[0] :] = ang.cos() * re + ang.sin() * re.gather(-1, perm)
+        a, b = halves.view(L, H, 2, 2, CT, sd).unbind(2)  # the two halves of each 8B head
+        half = sd // 2
+        keys = torch.cat([a[:, :, 0, :, :half], b[:, :, 0, :, :half], a[:, :, 0, :, half:], b[:, :, 0, :, half:]], -1)
+        vals = torch.cat([a[:, :, 1], b[:, :, 1]], -1)
+        c = torch.stack([rope.apply(keys, cos, sin), vals], 1)  # [L, 2, H, T, D]
+        out.append(c.to(dtype).contiguous())
+    return out
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tokens", type=int, default=256)
+    a = ap.parse_args()
+    save_source(a.out, a.tokens)

@@ -1,0 +1,78 @@
+"""The benchmark's link server: S3 subset through the real S3Store, ranges, and the shared rate."""
+
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+pytest.importorskip("minio")
+
+import linkserver  # noqa: E402
+from kvfetcher.store import NotFound  # noqa: E402
+from kvfetcher.store.s3 import S3Store  # noqa: E402
+
+
+@pytest.fixture
+def server(tmp_path):
+    (tmp_path / "bench" / "kv" / "ab").mkdir(parents=True)
+    srv = linkserver.start_thread(tmp_path)
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def store(srv) -> S3Store:
+    return S3Store(srv.url, "bench", "k", "s")
+
+
+def test_parse_range():
+    assert linkserver.parse_range(None, 10) is None
+    assert linkserver.parse_range("bytes=2-4", 10) == (2, 5)
+    assert linkserver.parse_range("bytes=2-", 10) == (2, 10)
+    assert linkserver.parse_range("bytes=5-99", 10) == (5, 10)
+    assert linkserver.parse_range("bytes=-3", 10) == (7, 10)
+    assert linkserver.parse_range("items=1-2", 10) is None
+    with pytest.raises(ValueError):
+        linkserver.parse_range("bytes=10-", 10)
+
+
+def test_s3store_reads_ranges_lists_and_writes(server, tmp_path):
+    data = bytes(range(256)) * 4096  # 1 MiB
+    (tmp_path / "bench" / "kv" / "ab" / "q8.kvfc").write_bytes(data)
+    s = store(server)
+    s.ping()
+    assert s.get("kv/ab/q8.kvfc") == data
+    assert s.get("kv/ab/q8.kvfc", 1000, 5000) == data[1000:6000]
+    assert s.get("kv/ab/q8.kvfc", len(data) - 10, 100) == data[-10:]  # short at the end
+    assert s.get("kv/ab/q8.kvfc", len(data) + 5, 10) == b""  # InvalidRange: past the end
+    assert s.list("kv/ab/") == {"kv/ab/q8.kvfc": len(data)}
+    assert s.exists("kv/ab/q8.kvfc") and not s.exists("kv/ab/raw.kvfc")
+    with pytest.raises(NotFound):
+        s.get("kv/ab/raw.kvfc")
+    assert s.put("kv/cd/raw.kvfc", b"hello") and not s.put("kv/cd/raw.kvfc", b"hello")
+    assert s.get("kv/cd/raw.kvfc", 1, 3) == b"ell"
+    s.delete("kv/cd/raw.kvfc")
+    assert not s.exists("kv/cd/raw.kvfc")
+
+
+def test_rate_is_shared_by_all_connections(server, tmp_path):
+    size, rate = 2 * 1024 * 1024, 20e6  # 2 MiB objects at 20 MB/s
+    for i in range(2):
+        (tmp_path / "bench" / f"o{i}").write_bytes(b"x" * size)
+    s = store(server)
+    s.get("o0", 0, 10)  # connect outside the timed part
+    linkserver.set_rate(server.url, rate)
+    t = time.perf_counter()
+    assert len(s.get("o0")) == size
+    one = time.perf_counter() - t
+    t = time.perf_counter()
+    with ThreadPoolExecutor(2) as ex:
+        assert [len(b) for b in ex.map(s.get, ["o0", "o1"])] == [size, size]
+    two = time.perf_counter() - t
+    assert 0.85 * size / rate < one < 2.0 * size / rate
+    assert 0.85 * 2 * size / rate < two < 2.0 * 2 * size / rate  # two GETs share one link
+    linkserver.set_rate(server.url, 0)
+    assert linkserver.stats(server.url)["bytes_sent"] >= 3 * size
