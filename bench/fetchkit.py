@@ -56,10 +56,13 @@ def put_prefix(store, tag: str, objects: Sequence[bytes], chunks: int, chunk_tok
     return refs
 
 
-async def fetch_kvfetcher(store, refs, buffer: torch.Tensor, offset: int, io_pool: Executor, decode_pool: Executor, window: int = 8) -> pipeline.Outcome:
-    dest = pipeline.Destination(buffer, offset=offset, tokens=sum(r.tokens for r in refs))
+async def fetch_kvfetcher(store, refs, buffer: torch.Tensor, offset: int, io_pool: Executor, decode_pool: Executor, window: int = 8,
+                          workers=None, handle: dict | None = None) -> pipeline.Outcome:
+    """``pipeline.fetch`` into ``buffer``; with ``workers`` (``decode_workers.DecodeWorkers``) and the
+    buffer's IPC ``handle``, chunks are decoded and restored in worker processes (main's NVDEC path)."""
+    dest = pipeline.Destination(buffer, offset=offset, tokens=sum(r.tokens for r in refs), handle=handle)
     return await pipeline.fetch(store, refs, dest, fingerprint=FINGERPRINT, io_pool=io_pool, decode_pool=decode_pool,
-                                device=buffer.device, window=window)
+                                device=buffer.device, window=window, workers=workers if handle is not None else None)
 
 
 # -- CacheGen (LMCache) -------------------------------------------------------------------------

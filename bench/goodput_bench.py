@@ -47,7 +47,8 @@ import fetchkit  # noqa: E402
 import linkstore  # noqa: E402
 from llama_shape import LlamaShape  # noqa: E402
 
-from kvfetcher import choice, costmodel  # noqa: E402
+from kvfetcher import choice, costmodel, ipc  # noqa: E402
+from kvfetcher.decode_workers import DecodeWorkers  # noqa: E402
 
 CHUNK = 256
 AUTO_SET = ("raw", "q8")
@@ -56,9 +57,10 @@ AUTO_SET = ("raw", "q8")
 # -- the sidecar process ------------------------------------------------------------------------
 
 
-def sidecar_main(pool: torch.Tensor, shape_name: str, prefix: int, methods: list[str], requests: mp.Queue, replies: mp.Queue,
-                 decode_workers: int, window: int) -> None:
-    """Holds the stored prefix per method and fetches it into ``pool[slot]`` on request."""
+def sidecar_main(pool: torch.Tensor, handles: list[dict] | None, shape_name: str, prefix: int, methods: list[str], requests: mp.Queue,
+                 replies: mp.Queue, decode_workers: int, window: int, procs: int) -> None:
+    """Holds the stored prefix per method and fetches it into ``pool[slot]`` on request; kvfetcher's
+    fetches decode in ``procs`` worker processes that open ``handles[slot]`` (main's NVDEC path)."""
     torch.set_num_threads(4)
     shape = costmodel.SHAPES[shape_name]
     dev = pool.device
@@ -77,6 +79,9 @@ def sidecar_main(pool: torch.Tensor, shape_name: str, prefix: int, methods: list
         else:
             objs = fetchkit.encode_objects(shape, m, CHUNK, distinct=4, workers=8)
         refs[m] = fetchkit.put_prefix(store, m, objs, chunks)
+    workers = DecodeWorkers(procs) if procs and handles else None
+    if workers:
+        workers.start()
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     io, dec, cg_pool = ThreadPoolExecutor(32), ThreadPoolExecutor(decode_workers), ThreadPoolExecutor(4)
@@ -85,7 +90,8 @@ def sidecar_main(pool: torch.Tensor, shape_name: str, prefix: int, methods: list
     def fetch(method: str, slot: int) -> float:
         if method == "cachegen":
             return fetchkit.fetch_cachegen(store, refs[method], pool[slot], 0, codec, io, window)
-        o = asyncio.run_coroutine_threadsafe(fetchkit.fetch_kvfetcher(store, refs[method], pool[slot], 0, io, dec, window), loop).result()
+        h = handles[slot] if workers else None
+        o = asyncio.run_coroutine_threadsafe(fetchkit.fetch_kvfetcher(store, refs[method], pool[slot], 0, io, dec, window, workers, h), loop).result()
         if o.error:
             raise RuntimeError(f"{o.error}: {o.detail}")
         return o.seconds
@@ -107,16 +113,18 @@ def sidecar_main(pool: torch.Tensor, shape_name: str, prefix: int, methods: list
         except Exception as e:  # the model recomputes
             replies.put(("done", rid, time.perf_counter() - t, f"{type(e).__name__}: {e}"))
 
-    workers = ThreadPoolExecutor(64)
+    fetchers = ThreadPoolExecutor(64)
     while True:
         msg = requests.get()
         if msg[0] == "link":
             store.link = linkstore.Link(msg[1], latency_s=0.002) if msg[1] else None
             replies.put(("link-set",))
         elif msg[0] == "fetch":
-            workers.submit(serve, *msg[1:])
+            fetchers.submit(serve, *msg[1:])
         elif msg[0] == "stop":
             break
+    if workers:
+        workers.close()
 
 
 # -- the serving loop ---------------------------------------------------------------------------
@@ -209,6 +217,7 @@ class Server:
                 nxt += 1
             while waiting and free:
                 r = waiting.pop(0)
+                free.sort()  # lowest slot first: the decode step's span of slots stays compact
                 r.slot, r.start = free.pop(0), now
                 queued = sum(1 for q in prefill_q if q.method == "recompute")
                 r.method = self.decide(method, len(fetching), queued)
@@ -304,7 +313,9 @@ def measure(args) -> None:
     ctx = mp.get_context("spawn")
     requests, replies = ctx.Queue(), ctx.Queue()
     methods = [m for m in ("raw", "q8", "cachegen") if m in set(args.stored.split(","))]
-    side = ctx.Process(target=sidecar_main, args=(pool, args.shape, args.prefix, methods, requests, replies, args.decode_workers, args.window))
+    handles = [ipc.cuda_handle(pool[i]) for i in range(slots)] if dev.type == "cuda" else None
+    side = ctx.Process(target=sidecar_main, args=(pool, handles, args.shape, args.prefix, methods, requests, replies,
+                                                  args.decode_workers, args.window, args.procs))
     side.start()
     t0 = time.perf_counter()
     errors = {}
@@ -344,7 +355,7 @@ def measure(args) -> None:
             r = server.run(method, rate, seed=i)
             res["runs"].append(r)
             print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
-            if r["slo_attainment"] < 0.5:  # saturated: higher rates only fail more
+            if r["slo_attainment"] < 0.8:  # saturated: higher rates only fail more
                 break
         Path(args.out).write_text(json.dumps(res, indent=1))
     requests.put(("stop",))
@@ -377,7 +388,7 @@ def report(args) -> None:
          "the fetch methods load the prefix in a sidecar process (kvfetcher `pipeline.fetch`; CacheGen through LMCache's GPU "
          "decoder) over an emulated link (shared FIFO pipe + 2 ms latency; synthetic objects, timing only), then prefill the suffix. "
          f"Goodput = requests with TTFT <= {c['ttft_slo']} s and TPOT <= {c['tpot_slo']} s per second of a {c['duration']} s arrival window; "
-         "each method's best over the arrival rates tried (a rate series stops once under half the requests meet the SLOs).", "",
+         "each method's best over the arrival rates tried (a rate series stops once under 80% of the requests meet the SLOs).", "",
          f"Prefill of the whole prompt on the idle GPU: {res['prefill_s']:.3f} s; suffix after a fetch: {res['suffix_prefill_s']:.4f} s. "
          "Sidecar restore rates (downloads free): " + ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in res["restore_Bps"].items()) +
          "; stored prefix: " + ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in res["stored_bytes"].items()) + ".", ""]
@@ -447,7 +458,8 @@ def main() -> None:
     m.add_argument("--stored", default="raw,q8,cachegen")
     m.add_argument("--ttft-slo", type=float, default=2.0)
     m.add_argument("--tpot-slo", type=float, default=0.1)
-    m.add_argument("--decode-workers", type=int, default=4)
+    m.add_argument("--decode-workers", type=int, default=4, help="decode threads (used without CUDA)")
+    m.add_argument("--procs", type=int, default=8, help="decode worker processes of the sidecar (CUDA)")
     m.add_argument("--window", type=int, default=8)
     m.add_argument("--budget-s", type=float, default=330.0, help="stop starting runs after this long")
     m.add_argument("--cpu", action="store_true")

@@ -34,7 +34,8 @@ import fetchkit  # noqa: E402
 import linkstore  # noqa: E402
 from llama_shape import LlamaShape, subset  # noqa: E402
 
-from kvfetcher import costmodel  # noqa: E402
+from kvfetcher import costmodel, ipc  # noqa: E402
+from kvfetcher.decode_workers import DecodeWorkers  # noqa: E402
 from kvfetcher.costmodel import LLAMA3_8B, LLAMA3_70B, SHAPES  # noqa: E402
 
 CONTEXTS = [4096, 8192, 16384, 32768, 65536, 131072]
@@ -94,27 +95,39 @@ def full_depth(shape, sweep: dict) -> dict:
     return out
 
 
-def measure_fetch(shape, device: str, presets: list[str], chunks: int, decode_workers: int, window: int, cachegen: bool) -> dict:
-    """Restore rate (KV bytes / s) of each path, downloads free (8B chunks)."""
-    out: dict = {"chunks": chunks, "shape": shape.name, "decode_workers": decode_workers, "window": window, "paths": {}}
-    buf = torch.zeros((shape.layers, 2, shape.kv_heads, chunks * CHUNK, shape.head_dim), dtype=torch.bfloat16, device=device)
+def measure_fetch(shape, device: str, presets: list[str], chunks: int, decode_workers: int, window: int, cachegen: bool, procs: int) -> dict:
+    """Restore rate (KV bytes / s) of each path, downloads free (8B chunks): kvfetcher presets with
+    decode worker processes (``procs``; main's NVDEC path) and, for comparison, with decode threads."""
+    out: dict = {"chunks": chunks, "shape": shape.name, "decode_threads": decode_workers, "decode_procs": procs, "window": window, "paths": {}, "threads": {}}
+    shared = ipc.allocate((shape.layers, 2, shape.kv_heads, chunks * CHUNK, shape.head_dim), torch.bfloat16, device)
+    buf = shared.tensor
     kv_bytes = buf.numel() * 2
     store = linkstore.LinkStore()
+    workers = DecodeWorkers(procs) if procs else None
+    if workers:
+        workers.start()
+    out["_workers"], out["_shared"] = workers, shared
     with ThreadPoolExecutor(16) as io, ThreadPoolExecutor(decode_workers) as dec:
         for p in presets:
             t = time.perf_counter()
             objs = fetchkit.encode_objects(shape, p, CHUNK, distinct=4, workers=8)
             enc_s = time.perf_counter() - t
             refs = fetchkit.put_prefix(store, p, objs, chunks)
-            fetchkit.run(fetchkit.fetch_kvfetcher(store, refs[:4], buf, 0, io, dec, window))  # decoders, threads
-            runs = []
-            for _ in range(2):
-                o = fetchkit.run(fetchkit.fetch_kvfetcher(store, refs, buf, 0, io, dec, window))
-                assert o.error is None, o
-                runs.append(o.seconds)
             stored = sum(len(objs[i % len(objs)]) for i in range(chunks))
-            out["paths"][p] = {"kv_Bps": kv_bytes / min(runs), "seconds": runs, "synthetic_ratio": kv_bytes / stored, "encode_s_4_chunks": enc_s}
-            print(f"fetch {p}: {kv_bytes / min(runs) / 1e9:.2f} GB/s KV", flush=True)
+            for label, w, h in (("paths", workers, shared.handle), ("threads", None, None)):
+                if label == "paths" and workers is None:
+                    continue
+                fetchkit.run(fetchkit.fetch_kvfetcher(store, refs[:4], buf, 0, io, dec, window, w, h))  # decoders, processes
+                runs = []
+                for _ in range(2):
+                    o = fetchkit.run(fetchkit.fetch_kvfetcher(store, refs, buf, 0, io, dec, window, w, h))
+                    assert o.error is None, o
+                    runs.append(o.seconds)
+                row = {"kv_Bps": kv_bytes / min(runs), "seconds": runs, "synthetic_ratio": kv_bytes / stored, "encode_s_4_chunks": enc_s}
+                out[label][p] = row
+                if workers is None:
+                    out["paths"][p] = row
+                print(f"fetch {p} ({label}): {kv_bytes / min(runs) / 1e9:.2f} GB/s KV", flush=True)
         if cachegen:
             try:
                 codec = fetchkit.CacheGen(shape, device)
@@ -137,7 +150,8 @@ def link_checks(shape, fetch: dict, device: str, points: list[tuple[str, float]]
     """Fetches over an emulated link: measured seconds vs ``max(bytes/link, kv/restore rate)``."""
     chunks = fetch["chunks"]
     src: linkstore.LinkStore = fetch["_store"]
-    buf = torch.zeros((shape.layers, 2, shape.kv_heads, chunks * CHUNK, shape.head_dim), dtype=torch.bfloat16, device=device)
+    workers, shared = fetch["_workers"], fetch["_shared"]
+    buf = shared.tensor
     res = []
     with ThreadPoolExecutor(16) as io, ThreadPoolExecutor(decode_workers) as dec:
         for preset, gbps in points:
@@ -151,7 +165,7 @@ def link_checks(shape, fetch: dict, device: str, points: list[tuple[str, float]]
                 codec = fetchkit.CacheGen(shape, device)
                 secs = fetchkit.fetch_cachegen(store, refs, buf, 0, codec, io, window)
             else:
-                o = fetchkit.run(fetchkit.fetch_kvfetcher(store, refs, buf, 0, io, dec, window))
+                o = fetchkit.run(fetchkit.fetch_kvfetcher(store, refs, buf, 0, io, dec, window, workers, shared.handle if workers else None))
                 secs = o.seconds
             predicted = 0.002 + max(stored / (gbps * 1e9 / 8), fetch["kv_bytes"] / fetch["paths"][preset]["kv_Bps"])
             res.append({"preset": preset, "gbps": gbps, "stored_bytes": stored, "measured_s": secs, "predicted_s": predicted})
@@ -175,10 +189,14 @@ def measure(args) -> None:
     res["prefill"]["llama3-70b"] = {str(T): s for T, s in full_depth(LLAMA3_70B, w70).items()}
     res["prefill_70b_subset"] = {str(k): {str(T): s for T, s in v.items()} for k, v in w70.items()}
     print(f"prefill sweeps {time.perf_counter() - t0:.0f} s", flush=True)
-    f = measure_fetch(s8, dev, args.presets.split(","), args.fetch_chunks, args.decode_workers, args.window, not args.no_cachegen)
+    f = measure_fetch(s8, dev, args.presets.split(","), args.fetch_chunks, args.decode_workers, args.window, not args.no_cachegen,
+                      args.procs if dev == "cuda" else 0)
     pts = [("raw", 10), ("raw", 40), ("q8", 2), ("q8", 10), ("lean", 5), ("cachegen", 5), ("cachegen", 25)]
     res["link_checks"] = link_checks(s8, f, dev, pts, args.decode_workers, args.window)
     f.pop("_store")
+    if f["_workers"]:
+        f["_workers"].close()
+    f.pop("_workers"), f.pop("_shared").close()
     res["fetch"] = f
     Path(args.out).write_text(json.dumps(res, indent=1))
     print(f"wrote {args.out} after {time.perf_counter() - t0:.0f} s", flush=True)
@@ -229,7 +247,10 @@ def report(args) -> None:
     tag = Path(args.json).stem
     out_md, out_png = Path(args.json).with_suffix(".md"), Path(args.json).with_suffix(".png")
     pts = [(SHAPES[s], int(T), sec) for s, d in res["prefill"].items() for T, sec in d.items()]
-    eff = costmodel.fit_efficiency(pts, args.peak_tflops)
+    try:
+        eff = costmodel.fit_efficiency(pts, args.peak_tflops)
+    except ValueError:  # (e.g. a CPU smoke run's tiny shapes)
+        eff = (1.0, 1.0)
     gpu = costmodel.Gpu(dev, args.peak_tflops, *eff)
     L = [f"# Recompute vs fetch at scale ({dev}, {res['date']})", "",
          f"`bench/scale_bench.py`, {res['device']}, torch {res['torch']}. Measured: prefill of a Llama-3-8B shape "
@@ -313,7 +334,8 @@ def main() -> None:
     m.add_argument("--layers-70b", type=int, default=8)
     m.add_argument("--presets", default="raw,q8,lean")
     m.add_argument("--fetch-chunks", type=int, default=32)
-    m.add_argument("--decode-workers", type=int, default=4)
+    m.add_argument("--decode-workers", type=int, default=4, help="decode threads (the thread path, for comparison)")
+    m.add_argument("--procs", type=int, default=8, help="decode worker processes (main's NVDEC path)")
     m.add_argument("--window", type=int, default=8)
     m.add_argument("--no-cachegen", action="store_true")
     m.add_argument("--tiny", action="store_true", help="tiny shapes in place of 8B/70B (a CPU smoke run)")
