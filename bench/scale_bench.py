@@ -189,6 +189,7 @@ def measure(args) -> None:
     res["prefill"]["llama3-70b"] = {str(T): s for T, s in full_depth(LLAMA3_70B, w70).items()}
     res["prefill_70b_subset"] = {str(k): {str(T): s for T, s in v.items()} for k, v in w70.items()}
     print(f"prefill sweeps {time.perf_counter() - t0:.0f} s", flush=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))  # what is measured so far survives a time limit
     f = measure_fetch(s8, dev, args.presets.split(","), args.fetch_chunks, args.decode_workers, args.window, not args.no_cachegen,
                       args.procs if dev == "cuda" else 0)
     pts = [("raw", 10), ("raw", 40), ("q8", 2), ("q8", 10), ("lean", 5), ("cachegen", 5), ("cachegen", 25)]
