@@ -65,6 +65,37 @@ async def fetch_kvfetcher(store, refs, buffer: torch.Tensor, offset: int, io_poo
                                 device=buffer.device, window=window, workers=workers if handle is not None else None)
 
 
+# -- raw baseline: bytes straight into the KV buffer ----------------------------------------------
+
+
+def raw_objects(shape: ModelShape, chunk_tokens: int = 256, distinct: int = 4) -> list[bytes]:
+    """A chunk's KV bytes as they are ([layers, 2, H, T, D] bf16, no container): the raw-fetch baseline."""
+    return [synthetic_kv(shape.layers, shape.kv_heads, chunk_tokens, shape.head_dim, torch.bfloat16, s).view(torch.uint8).numpy().tobytes()
+            for s in range(distinct)]
+
+
+def fetch_raw_direct(store, refs, buffer: torch.Tensor, offset: int, io_pool: ThreadPoolExecutor, window: int = 8) -> float:
+    """The plain way to fetch raw KV: ranged GETs ``window`` chunks ahead, each copied host-to-device
+    into its slots as it arrives (in the download threads); returns seconds."""
+    L, _, H, _, D = buffer.shape
+
+    def one(r) -> None:
+        data = store.get(r.name)
+        src = torch.frombuffer(bytearray(data), dtype=buffer.dtype).view(L, 2, H, r.tokens, D)
+        a = offset + r.start
+        buffer[:, :, :, a : a + r.tokens].copy_(src)
+        if buffer.is_cuda:
+            torch.cuda.current_stream(buffer.device).synchronize()
+
+    t0 = time.perf_counter()
+    futs = [io_pool.submit(one, r) for r in refs[:window]]
+    for i in range(len(refs)):
+        futs[i].result()
+        if i + window < len(refs):
+            futs.append(io_pool.submit(one, refs[i + window]))
+    return time.perf_counter() - t0
+
+
 # -- CacheGen (LMCache) -------------------------------------------------------------------------
 
 

@@ -109,7 +109,8 @@ class LlamaShape(torch.nn.Module):
             k = self._rope(k.view(T, s.kv_heads, s.head_dim).transpose(0, 1), pos)
             kv[i, 0, :, start:end] = k
             kv[i, 1, :, start:end] = v.view(T, s.kv_heads, s.head_dim).transpose(0, 1)
-            keys, vals = kv[i, 0, :, :end].unsqueeze(0), kv[i, 1, :, :end].unsqueeze(0)
+            # contiguous K/V: a view of a larger cache made SDPA leave its fused kernels (2.4x slower on an H200)
+            keys, vals = kv[i, 0, :, :end].contiguous().unsqueeze(0), kv[i, 1, :, :end].contiguous().unsqueeze(0)
             o = F.scaled_dot_product_attention(q.unsqueeze(0), keys, vals, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
             x = x + o[0].transpose(0, 1).reshape(T, -1) @ L["o"].T
             x = self._mlp(x, L)

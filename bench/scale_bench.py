@@ -95,7 +95,8 @@ def full_depth(shape, sweep: dict) -> dict:
     return out
 
 
-def measure_fetch(shape, device: str, presets: list[str], chunks: int, decode_workers: int, window: int, cachegen: bool, procs: int) -> dict:
+def measure_fetch(shape, device: str, presets: list[str], chunks: int, decode_workers: int, window: int, cachegen: bool, procs: int,
+                  threads: bool = True, direct: bool = True) -> dict:
     """Restore rate (KV bytes / s) of each path, downloads free (8B chunks): kvfetcher presets with
     decode worker processes (``procs``; main's NVDEC path) and, for comparison, with decode threads."""
     out: dict = {"chunks": chunks, "shape": shape.name, "decode_threads": decode_workers, "decode_procs": procs, "window": window, "paths": {}, "threads": {}}
@@ -115,7 +116,7 @@ def measure_fetch(shape, device: str, presets: list[str], chunks: int, decode_wo
             refs = fetchkit.put_prefix(store, p, objs, chunks)
             stored = sum(len(objs[i % len(objs)]) for i in range(chunks))
             for label, w, h in (("paths", workers, shared.handle), ("threads", None, None)):
-                if label == "paths" and workers is None:
+                if (label == "paths" and workers is None) or (label == "threads" and workers is not None and not threads):
                     continue
                 fetchkit.run(fetchkit.fetch_kvfetcher(store, refs[:4], buf, 0, io, dec, window, w, h))  # decoders, processes
                 runs = []
@@ -128,6 +129,13 @@ def measure_fetch(shape, device: str, presets: list[str], chunks: int, decode_wo
                 if workers is None:
                     out["paths"][p] = row
                 print(f"fetch {p} ({label}): {kv_bytes / min(runs) / 1e9:.2f} GB/s KV", flush=True)
+        if direct:  # the raw baseline: bytes straight to the GPU, no container, no decode step
+            objs = fetchkit.raw_objects(shape, CHUNK)
+            refs = fetchkit.put_prefix(store, "raw-direct", objs, chunks)
+            fetchkit.fetch_raw_direct(store, refs[:4], buf, 0, io, window)
+            runs = [fetchkit.fetch_raw_direct(store, refs, buf, 0, io, window) for _ in range(2)]
+            out["paths"]["raw-direct"] = {"kv_Bps": kv_bytes / min(runs), "seconds": runs, "synthetic_ratio": 1.0}
+            print(f"fetch raw-direct: {kv_bytes / min(runs) / 1e9:.2f} GB/s KV", flush=True)
         if cachegen:
             try:
                 codec = fetchkit.CacheGen(shape, device)
@@ -164,6 +172,8 @@ def link_checks(shape, fetch: dict, device: str, points: list[tuple[str, float]]
             if preset == "cachegen":
                 codec = fetchkit.CacheGen(shape, device)
                 secs = fetchkit.fetch_cachegen(store, refs, buf, 0, codec, io, window)
+            elif preset == "raw-direct":
+                secs = fetchkit.fetch_raw_direct(store, refs, buf, 0, io, window)
             else:
                 o = fetchkit.run(fetchkit.fetch_kvfetcher(store, refs, buf, 0, io, dec, window, workers, shared.handle if workers else None))
                 secs = o.seconds
@@ -183,16 +193,14 @@ def measure(args) -> None:
         "contexts": args.contexts,
     }
     t0 = time.perf_counter()
-    w8 = sweep_prefill(s8, [s8.layers], args.contexts, dev)
-    res["prefill"] = {"llama3-8b": {str(T): s for T, s in w8[s8.layers].items() if s is not None}}
-    w70 = sweep_prefill(s70, [args.layers_70b // 2, args.layers_70b], args.contexts, dev)
-    res["prefill"]["llama3-70b"] = {str(T): s for T, s in full_depth(LLAMA3_70B, w70).items()}
-    res["prefill_70b_subset"] = {str(k): {str(T): s for T, s in v.items()} for k, v in w70.items()}
-    print(f"prefill sweeps {time.perf_counter() - t0:.0f} s", flush=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))  # what is measured so far survives a time limit
+    if not args.skip_prefill:
+        prefill_sweeps(args, res, s8, s70, dev)
+        print(f"prefill sweeps {time.perf_counter() - t0:.0f} s", flush=True)
+        Path(args.out).write_text(json.dumps(res, indent=1))  # what is measured so far survives a time limit
     f = measure_fetch(s8, dev, args.presets.split(","), args.fetch_chunks, args.decode_workers, args.window, not args.no_cachegen,
-                      args.procs if dev == "cuda" else 0)
-    pts = [("raw", 10), ("raw", 40), ("q8", 2), ("q8", 10), ("lean", 5), ("cachegen", 5), ("cachegen", 25)]
+                      args.procs if dev == "cuda" else 0, threads=not args.no_threads)
+    pts = [("raw-direct", 10), ("raw-direct", 40), ("raw-direct", 100), ("raw", 10), ("raw", 40), ("q8", 2), ("q8", 10), ("lean", 5),
+           ("cachegen", 5), ("cachegen", 25)]
     res["link_checks"] = link_checks(s8, f, dev, pts, args.decode_workers, args.window)
     f.pop("_store")
     if f["_workers"]:
@@ -201,6 +209,14 @@ def measure(args) -> None:
     res["fetch"] = f
     Path(args.out).write_text(json.dumps(res, indent=1))
     print(f"wrote {args.out} after {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def prefill_sweeps(args, res: dict, s8, s70, dev: str) -> None:
+    w8 = sweep_prefill(s8, [s8.layers], args.contexts, dev)
+    res["prefill"] = {"llama3-8b": {str(T): s for T, s in w8[s8.layers].items() if s is not None}}
+    w70 = sweep_prefill(s70, [args.layers_70b // 2, args.layers_70b], args.contexts, dev)
+    res["prefill"]["llama3-70b"] = {str(T): s for T, s in full_depth(LLAMA3_70B, w70).items()}
+    res["prefill_70b_subset"] = {str(k): {str(T): s for T, s in v.items()} for k, v in w70.items()}
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -213,7 +229,7 @@ def representations(res: dict) -> dict[str, costmodel.Representation]:
     reps = {}
     for name, p in res["fetch"]["paths"].items():
         ratio = measured[name]["ratio_vs_fp16"] if name in measured else p["synthetic_ratio"]
-        reps[name] = costmodel.Representation(ratio, p["kv_Bps"], "raw" if name == "raw" else "hevc")
+        reps[name] = costmodel.Representation(ratio, p["kv_Bps"], "raw" if name.startswith("raw") else "hevc")
     return reps
 
 
@@ -339,6 +355,8 @@ def main() -> None:
     m.add_argument("--procs", type=int, default=8, help="decode worker processes (main's NVDEC path)")
     m.add_argument("--window", type=int, default=8)
     m.add_argument("--no-cachegen", action="store_true")
+    m.add_argument("--skip-prefill", action="store_true", help="fetch measurements only")
+    m.add_argument("--no-threads", action="store_true", help="skip the decode-thread comparison")
     m.add_argument("--tiny", action="store_true", help="tiny shapes in place of 8B/70B (a CPU smoke run)")
     r = sub.add_parser("report")
     r.add_argument("json")
