@@ -199,8 +199,8 @@ def measure(args) -> None:
         Path(args.out).write_text(json.dumps(res, indent=1))  # what is measured so far survives a time limit
     f = measure_fetch(s8, dev, args.presets.split(","), args.fetch_chunks, args.decode_workers, args.window, not args.no_cachegen,
                       args.procs if dev == "cuda" else 0, threads=not args.no_threads)
-    pts = [("raw-direct", 10), ("raw-direct", 40), ("raw-direct", 100), ("raw", 10), ("raw", 40), ("q8", 2), ("q8", 10), ("lean", 5),
-           ("cachegen", 5), ("cachegen", 25)]
+    pts = [("raw-direct", 10), ("raw-direct", 40), ("raw-direct", 100), ("raw", 40), ("q8", 5), ("q8", 10), ("q8", 25), ("lean", 10),
+           ("cachegen", 10)]
     res["link_checks"] = link_checks(s8, f, dev, pts, args.decode_workers, args.window)
     f.pop("_store")
     if f["_workers"]:
@@ -221,9 +221,14 @@ def prefill_sweeps(args, res: dict, s8, s70, dev: str) -> None:
 
 # -- report ------------------------------------------------------------------------------------
 
+#: kvfetcher's automatic choice: recompute or any stored preset whose greedy agreement is 1.000
+AUTO_SET = ("raw", "q8")
+#: GPUs for the cost-model table: dense bf16 peak TFLOP/s (vendor data sheets)
+GPUS = {"H100/H200": 989.0, "A100": 312.0, "L4": 121.0}
+
 
 def representations(res: dict) -> dict[str, costmodel.Representation]:
-    """Stored forms with real-KV ratios (presets_measured.json; CacheGen's from its own objects)
+    """Stored forms with real-KV ratios (presets_measured.json; others: the ratio of their objects)
     and the restore rates measured on the device."""
     measured = json.loads((ROOT / "sidecar/kvfetcher/data/presets_measured.json").read_text())
     reps = {}
@@ -233,27 +238,45 @@ def representations(res: dict) -> dict[str, costmodel.Representation]:
     return reps
 
 
-#: kvfetcher's automatic choice: recompute or any stored preset whose greedy agreement is 1.000
-AUTO_SET = ("raw", "q8")
+def verdict(shape, tokens: int, gbps: float, recompute_s: float, reps: dict) -> dict:
+    """Every option's time; ``auto`` = ``choice.choose`` over recompute and AUTO_SET; the raw
+    baseline is the plain raw fetch (bytes straight to the GPU) where measured."""
+    v = costmodel.compare(shape, tokens, gbps * 1e9 / 8, recompute_s, reps)
+    kf = {k: t for k, t in v.seconds.items() if k in AUTO_SET or k == costmodel.choice.RECOMPUTE}
+    auto = min(kf, key=kf.get)
+    raw = v.seconds.get("raw-direct", v.seconds["raw"])
+    rec = v.seconds[costmodel.choice.RECOMPUTE]
+    return {"shape": shape.name, "tokens": tokens, "gbps": gbps, "recompute_s": rec, "raw_s": raw, "seconds": v.seconds,
+            "auto": auto, "auto_s": kf[auto], "vs_recompute": rec / kf[auto], "vs_raw": raw / kf[auto],
+            "best_other": min(rec, raw)}
 
 
-def table(res: dict, reps: dict, auto_set: tuple[str, ...] = AUTO_SET) -> list[dict]:
-    rows = []
-    for shape_name, pts in res["prefill"].items():
-        shape = SHAPES[shape_name]
-        for T_s, rec_s in sorted(pts.items(), key=lambda kv: int(kv[0])):
-            T = int(T_s)
-            for gbps in LINKS_GBPS:
-                v = costmodel.compare(shape, T, gbps * 1e9 / 8, rec_s, reps)
-                kf = {k: s for k, s in v.seconds.items() if k in auto_set or k == costmodel.choice.RECOMPUTE}
-                auto = min(kf, key=kf.get)  # = choice.choose with allowed=auto_set
-                rows.append({
-                    "shape": shape_name, "tokens": T, "gbps": gbps, "kv_GB": costmodel.kv_bytes(shape, T) / 1e9,
-                    "recompute_s": rec_s, "seconds": v.seconds, "auto": auto, "auto_s": kf[auto],
-                    "gain_vs_recompute": rec_s / kf[auto], "gain_vs_raw": v.seconds["raw"] / kf[auto],
-                    "gain_vs_cachegen": (v.seconds["cachegen"] / kf[auto]) if "cachegen" in v.seconds else None,
-                })
-    return rows
+def table(res: dict, reps: dict) -> list[dict]:
+    return [verdict(SHAPES[name], int(T), g, sec, reps)
+            for name, pts in res["prefill"].items() for T, sec in sorted(pts.items(), key=lambda kv: int(kv[0])) for g in LINKS_GBPS]
+
+
+def gpu_table(res: dict, reps: dict, peak: float) -> list[str]:
+    """Winner and margin for other GPUs: the measured H100/H200 prefill scaled by peak bf16 ratio
+    (same efficiency), the restore rates as measured (NVDEC engines differ per GPU: a lead only)."""
+    L = ["| GPU (bf16 TFLOP/s) | shape | context | " + " | ".join(f"{g} Gbit/s" for g in LINKS_GBPS) + " |",
+         "|---|---|---|" + "---|" * len(LINKS_GBPS)]
+    for gpu, tf in GPUS.items():
+        for name in ("llama3-8b", "llama3-70b"):
+            for T in (4096, 32768, 131072):
+                sec = res["prefill"].get(name, {}).get(str(T))
+                if sec is None:
+                    continue
+                cells = []
+                for g in LINKS_GBPS:
+                    r = verdict(SHAPES[name], T, g, sec * peak / tf, reps)
+                    others = {"recompute": r["recompute_s"], "raw": r["raw_s"]}
+                    if r["auto"] == costmodel.choice.RECOMPUTE:
+                        cells.append(f"recompute ({r['raw_s'] / r['recompute_s']:.1f}x over raw)")
+                    else:
+                        cells.append(f"**{r['auto']}** {min(others.values()) / r['auto_s']:.2f}x")
+                L.append(f"| {gpu} ({tf:.0f}) | {name} | {T // 1024}K | " + " | ".join(cells) + " |")
+    return L
 
 
 def report(args) -> None:
@@ -261,7 +284,6 @@ def report(args) -> None:
     reps = representations(res)
     rows = table(res, reps)
     dev = res["device"]
-    tag = Path(args.json).stem
     out_md, out_png = Path(args.json).with_suffix(".md"), Path(args.json).with_suffix(".png")
     pts = [(SHAPES[s], int(T), sec) for s, d in res["prefill"].items() for T, sec in d.items()]
     try:
@@ -269,51 +291,70 @@ def report(args) -> None:
     except ValueError:  # (e.g. a CPU smoke run's tiny shapes)
         eff = (1.0, 1.0)
     gpu = costmodel.Gpu(dev, args.peak_tflops, *eff)
+    f = res["fetch"]
     L = [f"# Recompute vs fetch at scale ({dev}, {res['date']})", "",
-         f"`bench/scale_bench.py`, {res['device']}, torch {res['torch']}. Measured: prefill of a Llama-3-8B shape "
-         "(random bf16 weights, SDPA) and of a Llama-3-70B shape's layer subset "
-         f"({', '.join(res['prefill_70b_subset'])} layers, scaled to 80: fixed part + 80 x per-layer time, KV by layer count); "
-         "the restore rate of each fetch path. Modelled: the fetch time at each link speed, "
-         "`latency + max(stored bytes / link, KV bytes / restore rate)` (the sidecar's own cost model, `choice.choose`), "
-         "with real-KV compression ratios from `presets_measured.json` (CacheGen: ratio of its objects on synthetic KV).", ""]
-    L += ["## Measured prefill (recompute)", "", "| context | 8B s | 8B KV GB | 70B s (scaled) | 70B KV GB | model 8B s | model 70B s |", "|---|---|---|---|---|---|---|"]
+         f"`bench/scale_bench.py` on an {dev} (torch {res['torch']}), {res['date']}.", "",
+         "* **Measured**: prefill of a Llama-3-8B shape (random bf16 weights, SDPA flash attention, one pass) and of a "
+         f"Llama-3-70B shape, of which only {' and '.join(res['prefill_70b_subset'])} contiguous layers fit beside their activations: "
+         "70B prefill = fixed part + 80 x the per-layer time from those two depths (embedding and head counted once), "
+         "KV bytes exactly by layer count. The restore rate of each fetch path: "
+         f"{f['chunks']} chunks of 256 tokens of the 8B shape ({f['kv_bytes'] / 1e9:.2f} GB of KV) into a GPU KV buffer, downloads free; "
+         f"kvfetcher's presets through `pipeline.fetch` with main's decode worker processes ({f['decode_procs']}; NVDEC), "
+         "the raw baseline as ranged GETs copied straight to the GPU. A few fetches over an emulated link check the fetch model.",
+         "* **Modelled**: the fetch time at each link speed, `latency + max(stored bytes / link, KV bytes / restore rate)` — "
+         "the sidecar's own cost model (`choice.choose`, via `costmodel.compare`) — with real-KV compression ratios from "
+         "`presets_measured.json` (q8 1.76x, lean 2.78x; the synthetic timing objects compress differently) and the measured rates.",
+         "* `auto` = kvfetcher's automatic choice among recompute and the stored presets that keep greedy agreement 1.000 "
+         f"({', '.join(AUTO_SET)}); `lean` (2.78x, agreement 0.91) is listed, not chosen. "
+         "`raw fetch` = the plain baseline: the KV's bytes over the link, straight into the buffer.", ""]
+    if f.get("cachegen_error"):
+        L += [f"LMCache's CacheGen (the peer codec) could not run on the device: `{f['cachegen_error']}`; its compiled CUDA ops do not "
+              "load against the device's torch 2.11 either (LMCache then falls back to numba on the CPU, which is not on the device). "
+              "So no CacheGen figures here.", ""]
+    L += ["## Prefill (recompute), measured, and the cost model's fit", "",
+          "| context | 8B s | 8B KV GB | 70B s (scaled) | 70B KV GB | model 8B s | model 70B s |", "|---|---|---|---|---|---|---|"]
     for T in sorted({int(t) for d in res["prefill"].values() for t in d}):
-        a = res["prefill"]["llama3-8b"].get(str(T))
-        b = res["prefill"]["llama3-70b"].get(str(T))
+        a, b = res["prefill"]["llama3-8b"].get(str(T)), res["prefill"]["llama3-70b"].get(str(T))
         fmt = lambda x: f"{x:.3f}" if x is not None else "—"  # noqa: E731
         L.append(f"| {T // 1024}K | {fmt(a)} | {costmodel.kv_bytes(LLAMA3_8B, T) / 1e9:.2f} | {fmt(b)} | "
                  f"{costmodel.kv_bytes(LLAMA3_70B, T) / 1e9:.2f} | {gpu.prefill_seconds(LLAMA3_8B, T):.3f} | {gpu.prefill_seconds(LLAMA3_70B, T):.3f} |")
-    L += ["", f"Cost-model fit (peak {args.peak_tflops:.0f} bf16 TFLOP/s): matmul efficiency {eff[0]:.2f}, attention efficiency {eff[1]:.2f}.", ""]
-    L += ["## Measured restore rate per path (downloads free, into a GPU KV buffer)", "",
-          "| path | GB/s of KV | ratio used (real KV) | ratio of synthetic objects |", "|---|---|---|---|"]
-    for name, p in res["fetch"]["paths"].items():
-        L.append(f"| {name} | {p['kv_Bps'] / 1e9:.2f} | {reps[name].ratio:.2f} | {p['synthetic_ratio']:.2f} |")
-    if res["fetch"].get("cachegen_error"):
-        L.append(f"\nCacheGen did not run: `{res['fetch']['cachegen_error']}`")
-    L += ["", "## Model vs measured fetches over an emulated link (8B chunks)", "", "| path | Gbit/s | measured s | predicted s | error |", "|---|---|---|---|---|"]
+    L += ["", f"Fit over these 12 points (peak {args.peak_tflops:.0f} dense bf16 TFLOP/s): matmuls at {eff[0]:.0%} of peak, "
+          f"attention at {eff[1]:.0%}. Prefill grows faster than KV: 8B 4K -> 128K is 32x the KV and "
+          f"{res['prefill']['llama3-8b']['131072'] / res['prefill']['llama3-8b']['4096']:.0f}x the time.", ""]
+    L += ["## Restore rate per path (downloads free)", "", "| path | GB/s of KV | ratio used | runs (s) |", "|---|---|---|---|"]
+    for name, p in f["paths"].items():
+        L.append(f"| {name}{' (worker processes)' if name in f.get('threads', {}) else ''} | {p['kv_Bps'] / 1e9:.2f} | {reps[name].ratio:.2f} | "
+                 + ", ".join(f"{x:.3f}" for x in p["seconds"]) + " |")
+    for name, p in f.get("threads", {}).items():
+        L.append(f"| {name} (decode threads, for comparison) | {p['kv_Bps'] / 1e9:.2f} | | " + ", ".join(f"{x:.3f}" for x in p["seconds"]) + " |")
+    L += ["", "## The fetch model against measured fetches over the emulated link (8B, "
+          f"{f['kv_bytes'] / 1e9:.2f} GB of KV)", "", "| path | Gbit/s | stored GB | measured s | predicted s | error |", "|---|---|---|---|---|---|"]
     for c in res.get("link_checks", []):
-        L.append(f"| {c['preset']} | {c['gbps']} | {c['measured_s']:.3f} | {c['predicted_s']:.3f} | {100 * (c['predicted_s'] / c['measured_s'] - 1):+.0f}% |")
-    L += ["", "## Who wins, per shape, context and link", "",
-          "Time until the prefix's KV is in the buffers. `auto` = kvfetcher's automatic choice among recompute and the stored presets "
-          f"that keep greedy agreement 1.000 ({', '.join(AUTO_SET)}); `lean` (2.78x, agreement 0.91) and CacheGen (lossy) are listed, not chosen.", "",
-          "| shape | context | Gbit/s | recompute s | raw s | q8 s | lean s | cachegen s | auto picks | auto s | vs recompute | vs raw |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        L.append(f"| {c['preset']} | {c['gbps']} | {c['stored_bytes'] / 1e9:.2f} | {c['measured_s']:.3f} | {c['predicted_s']:.3f} | "
+                 f"{100 * (c['predicted_s'] / c['measured_s'] - 1):+.0f}% |")
+    L += ["", "## Where kvfetcher's automatic choice beats both recompute and the raw fetch", ""]
+    for name in res["prefill"]:
+        for T in sorted({r["tokens"] for r in rows if r["shape"] == name}):
+            sel = [r for r in rows if r["shape"] == name and r["tokens"] == T]
+            beats = [r for r in sel if r["vs_recompute"] > 1.005 and r["vs_raw"] > 1.005]
+            desc = ", ".join(f"{r['gbps']} Gbit/s ({r['auto']}: {r['vs_recompute']:.2f}x recompute, {r['vs_raw']:.2f}x raw)" for r in beats)
+            rest = ", ".join(f"{r['gbps']}: {'raw fetch' if r['raw_s'] < min(r['auto_s'], r['recompute_s']) else r['auto']}"
+                             for r in sel if r not in beats)
+            L.append(f"* **{name} {T // 1024}K**: " + (desc if beats else "nowhere") + (f"; elsewhere {rest}" if rest else ""))
+    L += ["", "## Every point (seconds until the prefix's KV is in the buffers)", "",
+          "| shape | context | Gbit/s | recompute | raw fetch | kvf raw | q8 | lean | auto picks | auto | vs recompute | vs raw fetch |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        opt = lambda k: "—" if r["seconds"].get(k) is None else f"{r['seconds'][k]:.3f}"  # noqa: E731
-        L.append(f"| {r['shape']} | {r['tokens'] // 1024}K | {r['gbps']} | {r['recompute_s']:.3f} | {opt('raw')} | {opt('q8')} | "
-                 f"{opt('lean')} | {opt('cachegen')} | {r['auto']} | {r['auto_s']:.3f} | {r['gain_vs_recompute']:.2f}x | {r['gain_vs_raw']:.2f}x |")
-    L += ["", "## Where auto beats both recompute and raw", ""]
-    for shape_name in res["prefill"]:
-        for T in sorted({r["tokens"] for r in rows if r["shape"] == shape_name}):
-            sel = [r for r in rows if r["shape"] == shape_name and r["tokens"] == T]
-            beats = [r for r in sel if r["gain_vs_recompute"] > 1.0001 and r["gain_vs_raw"] > 1.0001]
-            if beats:
-                L.append(f"* {shape_name} {T // 1024}K: " + ", ".join(f"{r['gbps']} Gbit/s ({r['auto']}: {r['gain_vs_recompute']:.2f}x vs recompute, {r['gain_vs_raw']:.2f}x vs raw)" for r in beats))
-            else:
-                L.append(f"* {shape_name} {T // 1024}K: nowhere (" + ", ".join(f"{r['gbps']}: {r['auto']}" for r in sel) + ")")
+        o = lambda k: "—" if r["seconds"].get(k) is None else f"{r['seconds'][k]:.3f}"  # noqa: E731
+        L.append(f"| {r['shape']} | {r['tokens'] // 1024}K | {r['gbps']} | {r['recompute_s']:.3f} | {r['raw_s']:.3f} | {o('raw')} | {o('q8')} | "
+                 f"{o('lean')} | {r['auto']} | {r['auto_s']:.3f} | {r['vs_recompute']:.2f}x | {r['vs_raw']:.2f}x |")
+    L += ["", "## Cost model for other GPUs", "",
+          "Winner by the cost model and its margin over the better of recompute and the raw fetch; prefill scaled from the "
+          "measured H200 points by dense bf16 peak (same efficiency), restore rates as measured on the H200 (other GPUs have "
+          "other NVDEC counts: a lead, not a measurement).", ""] + gpu_table(res, reps, args.peak_tflops)
     out_md.write_text("\n".join(L) + "\n")
     plot(rows, out_png, dev, res["date"])
     print(out_md.read_text())
-    _ = tag
 
 
 def plot(rows: list[dict], path: Path, dev: str, date: str) -> None:
@@ -322,24 +363,33 @@ def plot(rows: list[dict], path: Path, dev: str, date: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shapes = sorted({r["shape"] for r in rows})
-    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.5), sharey=True)
-    for ax, s in zip(axes if len(shapes) > 1 else [axes], shapes):
+    shapes = sorted({r["shape"] for r in rows}, key=lambda s: SHAPES[s].layers)
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6.5 * len(shapes), 4.8), sharey=True, squeeze=False)
+    for ax, s in zip(axes[0], shapes):
         for T in sorted({r["tokens"] for r in rows if r["shape"] == s}):
             sel = [r for r in rows if r["shape"] == s and r["tokens"] == T]
-            ax.plot([r["gbps"] for r in sel], [r["recompute_s"] / r["auto_s"] for r in sel], marker="o", label=f"{T // 1024}K auto")
-            ax.plot([r["gbps"] for r in sel], [r["recompute_s"] / r["seconds"]["raw"] for r in sel], ls=":", color=ax.lines[-1].get_color())
+            (line,) = ax.plot([r["gbps"] for r in sel], [r["vs_recompute"] for r in sel], marker="o", label=f"{T // 1024}K auto")
+            ax.plot([r["gbps"] for r in sel], [r["recompute_s"] / r["raw_s"] for r in sel], ls=":", color=line.get_color())
         ax.axhline(1, color="k", lw=0.8)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("link Gbit/s")
-        ax.set_title(f"{s}: speed-up over recompute (solid auto, dotted raw)")
+        ax.set_title(f"{s}: speed-up over recompute (solid: auto, dotted: raw fetch)", fontsize=9)
         ax.legend(fontsize=7)
-    axes_0 = axes[0] if len(shapes) > 1 else axes
-    axes_0.set_ylabel("recompute time / fetch time")
+    axes[0][0].set_ylabel("recompute time / time to KV in buffers")
     fig.suptitle(f"{dev}, {date}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def merge(args) -> None:
+    """Fold a fetch-only run (``--skip-prefill``) into a full run: its paths and link checks win."""
+    a, b = json.loads(Path(args.base).read_text()), json.loads(Path(args.extra).read_text())
+    a["fetch"]["paths"].update(b["fetch"]["paths"])
+    keys = {(c["preset"], c["gbps"]) for c in b["link_checks"]}
+    a["link_checks"] = [c for c in a["link_checks"] if (c["preset"], c["gbps"]) not in keys] + b["link_checks"]
+    a.setdefault("runs", []).append({"fetch_only": b["date"], "paths": sorted(b["fetch"]["paths"])})
+    Path(args.out).write_text(json.dumps(a, indent=1))
 
 
 def main() -> None:
@@ -361,8 +411,12 @@ def main() -> None:
     r = sub.add_parser("report")
     r.add_argument("json")
     r.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the measured GPU (H100/H200 SXM: 989)")
+    g = sub.add_parser("merge")
+    g.add_argument("base")
+    g.add_argument("extra")
+    g.add_argument("--out", required=True)
     args = ap.parse_args()
-    measure(args) if args.cmd == "measure" else report(args)
+    {"measure": measure, "report": report, "merge": merge}[args.cmd](args)
 
 
 if __name__ == "__main__":
