@@ -318,9 +318,11 @@ def report(args) -> None:
         fmt = lambda x: f"{x:.3f}" if x is not None else "—"  # noqa: E731
         L.append(f"| {T // 1024}K | {fmt(a)} | {costmodel.kv_bytes(LLAMA3_8B, T) / 1e9:.2f} | {fmt(b)} | "
                  f"{costmodel.kv_bytes(LLAMA3_70B, T) / 1e9:.2f} | {gpu.prefill_seconds(LLAMA3_8B, T):.3f} | {gpu.prefill_seconds(LLAMA3_70B, T):.3f} |")
-    L += ["", f"Fit over these 12 points (peak {args.peak_tflops:.0f} dense bf16 TFLOP/s): matmuls at {eff[0]:.0%} of peak, "
-          f"attention at {eff[1]:.0%}. Prefill grows faster than KV: 8B 4K -> 128K is 32x the KV and "
-          f"{res['prefill']['llama3-8b']['131072'] / res['prefill']['llama3-8b']['4096']:.0f}x the time.", ""]
+    p8 = sorted(res["prefill"]["llama3-8b"].items(), key=lambda kv: int(kv[0]))
+    (t_lo, s_lo), (t_hi, s_hi) = p8[0], p8[-1]
+    L += ["", f"Fit over these {len(pts)} points (peak {args.peak_tflops:.0f} dense bf16 TFLOP/s): matmuls at {eff[0]:.0%} of peak, "
+          f"attention at {eff[1]:.0%}. Prefill grows faster than KV: 8B from {int(t_lo) // 1024}K to {int(t_hi) // 1024}K tokens is "
+          f"{int(t_hi) // int(t_lo)}x the KV and {s_hi / s_lo:.0f}x the time.", ""]
     L += ["## Restore rate per path (downloads free)", "", "| path | GB/s of KV | ratio used | runs (s) |", "|---|---|---|---|"]
     for name, p in f["paths"].items():
         L.append(f"| {name}{' (worker processes)' if name in f.get('threads', {}) else ''} | {p['kv_Bps'] / 1e9:.2f} | {reps[name].ratio:.2f} | "
