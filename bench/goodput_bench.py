@@ -109,13 +109,13 @@ def sidecar_main(pool: torch.Tensor, handles: list[dict] | None, shape_name: str
     sizes = {m: sum(r.size for r in refs[m]) for m in refs}
     replies.put(("ready", rates, sizes))
 
-    def serve(rid: int, method: str, slot: int) -> None:
+    def serve(run: int, rid: int, method: str, slot: int) -> None:
         t = time.perf_counter()
         try:
             fetch(method, slot)
-            replies.put(("done", rid, time.perf_counter() - t, None))
+            replies.put(("done", run, rid, time.perf_counter() - t, None))
         except Exception as e:  # the model recomputes
-            replies.put(("done", rid, time.perf_counter() - t, f"{type(e).__name__}: {e}"))
+            replies.put(("done", run, rid, time.perf_counter() - t, f"{type(e).__name__}: {e}"))
 
     fetchers = ThreadPoolExecutor(64)
     while True:
@@ -158,6 +158,7 @@ class Server:
         self.restore_Bps, self.sizes = rates, sizes
         self.dev = model.device
         self.prefill_s = 1.0  # of the whole prefix on an idle GPU: measured at warm-up
+        self.run_id = 0  # tags fetch requests, so a late reply from an earlier run is not taken for this one's
 
     def sync(self) -> None:
         if self.dev.type == "cuda":
@@ -192,6 +193,7 @@ class Server:
 
     def run(self, method: str, rate: float, seed: int) -> dict:
         a = self.args
+        self.run_id += 1
         rng = np.random.default_rng(seed)
         arrivals = np.cumsum(rng.exponential(1.0 / rate, size=int(rate * a.duration * 3) + 10))
         arrivals = arrivals[arrivals < a.duration]
@@ -229,16 +231,16 @@ class Server:
                     prefill_q.append(r)
                 else:
                     fetching[r.rid] = r
-                    self.requests.put(("fetch", r.rid, r.method, r.slot))
+                    self.requests.put(("fetch", self.run_id, r.rid, r.method, r.slot))
             while True:
                 try:
                     msg = self.replies.get_nowait()
                 except queue.Empty:
                     break
-                if msg[0] == "done":
-                    r = fetching.pop(msg[1])
-                    r.fetch_s, r.fetched = msg[2], time.perf_counter() - t0
-                    if msg[3]:
+                if msg[0] == "done" and msg[1] == self.run_id and msg[2] in fetching:
+                    r = fetching.pop(msg[2])
+                    r.fetch_s, r.fetched = msg[3], time.perf_counter() - t0
+                    if msg[4]:
                         r.fallback, r.method = True, "recompute"
                     prefill_q.append(r)
             if prefill_q:  # one prefill, then a decode step: the batch waits for it
@@ -281,7 +283,27 @@ class Server:
             if finished or now > a.duration + a.drain:
                 break
         unfinished = len(news) - len(done)
+        self.settle(len(fetching))
         return self.summarise(method, rate, news, done, bg, unfinished, steps, stalls)
+
+    def settle(self, outstanding: int) -> None:
+        """Let fetches still in flight at the end of a run finish (link unthrottled) before the next
+        run, so they neither share its link nor answer into it."""
+        if not outstanding:
+            return
+        link = self.args.link_gbps * 1e9 / 8 if self.args.link_gbps else None
+        self.requests.put(("link", None))
+        end = time.perf_counter() + 120
+        while outstanding and time.perf_counter() < end:
+            try:
+                msg = self.replies.get(timeout=1)
+            except queue.Empty:
+                continue
+            if msg[0] == "done" and msg[1] == self.run_id:
+                outstanding -= 1
+        self.requests.put(("link", link))
+        while self.replies.get()[0] != "link-set":
+            pass
 
     def summarise(self, method, rate, news, done, bg, unfinished, steps, stalls) -> dict:
         a = self.args
