@@ -418,13 +418,15 @@ def report(args) -> None:
          f"`bench/goodput_bench.py`: one GPU serves a {c['shape']} shape (random bf16 weights); {c['background']} requests decode "
          f"throughout; new requests arrive (Poisson) with a {c['prefix']}-token prefix shared by all (no local prefix cache) plus "
          f"{c['suffix']} unique tokens, and generate {c['output']} tokens. Recompute prefills prefix + suffix between decode steps; "
-         "the fetch methods load the prefix in a sidecar process (kvfetcher `pipeline.fetch`; CacheGen through LMCache's GPU "
-         "decoder) over an emulated link (shared FIFO pipe + 2 ms latency; synthetic objects, timing only), then prefill the suffix. "
+         "the fetch methods load the prefix in a sidecar process (kvfetcher: `pipeline.fetch` with decode worker processes; "
+         "`raw-direct`: the KV's bytes straight to the GPU; CacheGen through LMCache's GPU decoder where it runs) over an emulated link (shared FIFO pipe + 2 ms latency; synthetic objects, timing only), then prefill the suffix. "
          f"Goodput = requests with TTFT <= {c['ttft_slo']} s and TPOT <= {c['tpot_slo']} s per second of a {c['duration']} s arrival window; "
          "each method's best over the arrival rates tried (a rate series stops once under 80% of the requests meet the SLOs).", "",
          f"Prefill of the whole prompt on the idle GPU: {res['prefill_s']:.3f} s; suffix after a fetch: {res['suffix_prefill_s']:.4f} s. "
          "Sidecar restore rates (downloads free): " + ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in res["restore_Bps"].items()) +
          "; stored prefix: " + ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in res["stored_bytes"].items()) + ".", ""]
+    if res.get("status"):
+        L.append(f"**Status: {res['status']}**\n")
     if res.get("sidecar_errors"):
         L.append(f"Sidecar errors: {res['sidecar_errors']}\n")
     L += ["## Best goodput per method and link", "",
@@ -432,13 +434,15 @@ def report(args) -> None:
           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (m, g), r in sorted(best.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         gain = r["goodput_rps"] / rec["goodput_rps"] if rec and rec["goodput_rps"] > 0 else None
-        L.append(f"| {m} | {g or '—'} | {r['rate']} | {r['goodput_rps']:.2f} | {f(gain, 2)}{'x' if gain else ''} | {f(r['ttft_p50'])} | {f(r['ttft_p99'])} | "
+        L.append(f"| {m} | {g or '—'} | {r['rate']} | {r['goodput_rps']:.2f} | {f(gain, 2)}{'' if gain is None else 'x'} | {f(r['ttft_p50'])} | {f(r['ttft_p99'])} | "
                  f"{f(r['tpot_p50'], 4)} | {f(r['tpot_p99'], 4)} | {f(r['bg_tpot_p99'], 4)} | {r['picks'] if m == 'auto' else ''} |")
     L += ["", "## Every run", "", "| method | link | rate | arrived | finished | SLO met | goodput | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | fetch p50 s |",
           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         L.append(f"| {r['method']} | {r['link_gbps'] or '—'} | {r['rate']} | {r['arrived']} | {r['finished']} | {100 * r['slo_attainment']:.0f}% | "
                  f"{r['goodput_rps']:.2f} | {f(r['ttft_p50'])} | {f(r['ttft_p99'])} | {f(r['tpot_p50'], 4)} | {f(r['tpot_p99'], 4)} | {f(r['fetch_s_p50'])} |")
+    for note in res.get("notes", []):
+        L += ["", note]
     out_md.write_text("\n".join(L) + "\n")
     plot(best, out_png, res)
     print(out_md.read_text())
