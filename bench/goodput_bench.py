@@ -86,7 +86,7 @@ def sidecar_main(pool: torch.Tensor, handles: list[dict] | None, shape_name: str
         workers.start()
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
-    io, dec, cg_pool = ThreadPoolExecutor(32), ThreadPoolExecutor(decode_workers), ThreadPoolExecutor(4)
+    io, dec = ThreadPoolExecutor(32), ThreadPoolExecutor(decode_workers)
     kv_bytes = costmodel.kv_bytes(shape, chunks * CHUNK)
 
     def fetch(method: str, slot: int) -> float:
@@ -321,7 +321,7 @@ class Server:
             "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "tpot_p50": pct(tpot, 50), "tpot_p99": pct(tpot, 99),
             "bg_tpot_p50": pct(bg_gaps, 50), "bg_tpot_p99": pct(bg_gaps, 99),
             "fetch_s_p50": pct([r.fetch_s for r in done if r.fetch_s], 50), "picks": picks,
-            "fallbacks": sum(r.fallback for r in done), "decode_steps": steps,
+            "fallbacks": sum(r.fallback for r in done), "decode_steps": steps, "step_gap_max": max(stalls) if stalls else None,
         }
 
 
