@@ -282,6 +282,20 @@ def gpu_table(res: dict, reps: dict, peak: float) -> list[str]:
     return L
 
 
+def wins(rows: list[dict], res: dict) -> list[str]:
+    """Per shape and context: the links where auto beats both, by how much; what wins elsewhere."""
+    L = []
+    for name in res["prefill"]:
+        for T in sorted({r["tokens"] for r in rows if r["shape"] == name}):
+            sel = [r for r in rows if r["shape"] == name and r["tokens"] == T]
+            beats = [r for r in sel if r["vs_recompute"] > 1.005 and r["vs_raw"] > 1.005]
+            desc = ", ".join(f"{r['gbps']} Gbit/s ({r['auto']}: {r['vs_recompute']:.2f}x recompute, {r['vs_raw']:.2f}x raw)" for r in beats)
+            rest = ", ".join(f"{r['gbps']}: {'raw fetch' if r['raw_s'] < min(r['auto_s'], r['recompute_s']) else r['auto']}"
+                             for r in sel if r not in beats)
+            L.append(f"* **{name} {T // 1024}K**: " + (desc if beats else "nowhere") + (f"; elsewhere {rest}" if rest else ""))
+    return L
+
+
 def report(args) -> None:
     res = json.loads(Path(args.json).read_text())
     reps = representations(res, args.raw_link_gbytes * 1e9)
@@ -339,15 +353,15 @@ def report(args) -> None:
     for c in res.get("link_checks", []):
         L.append(f"| {c['preset']} | {c['gbps']} | {c['stored_bytes'] / 1e9:.2f} | {c['measured_s']:.3f} | {c['predicted_s']:.3f} | "
                  f"{100 * (c['predicted_s'] / c['measured_s'] - 1):+.0f}% |")
-    L += ["", "## Where kvfetcher's automatic choice beats both recompute and the raw fetch", ""]
-    for name in res["prefill"]:
-        for T in sorted({r["tokens"] for r in rows if r["shape"] == name}):
-            sel = [r for r in rows if r["shape"] == name and r["tokens"] == T]
-            beats = [r for r in sel if r["vs_recompute"] > 1.005 and r["vs_raw"] > 1.005]
-            desc = ", ".join(f"{r['gbps']} Gbit/s ({r['auto']}: {r['vs_recompute']:.2f}x recompute, {r['vs_raw']:.2f}x raw)" for r in beats)
-            rest = ", ".join(f"{r['gbps']}: {'raw fetch' if r['raw_s'] < min(r['auto_s'], r['recompute_s']) else r['auto']}"
-                             for r in sel if r not in beats)
-            L.append(f"* **{name} {T // 1024}K**: " + (desc if beats else "nowhere") + (f"; elsewhere {rest}" if rest else ""))
+    L += ["", "## Where kvfetcher's automatic choice beats both recompute and the raw fetch", ""] + wins(rows, res)
+    if args.alt_rates:
+        alt = dict(reps)
+        for item in args.alt_rates.split(","):
+            k, v = item.split("=")
+            alt[k] = costmodel.Representation(alt[k].ratio, float(v) * 1e9, alt[k].fmt)
+        L += ["", f"### The same with {args.alt_label}", "",
+              "Restore rates " + ", ".join(f"{k} {alt[k].decode_Bps / 1e9:.2f} GB/s" for k in sorted(alt) if k != "raw-link") + ":", ""]
+        L += wins(table(res, alt), res)
     L += ["", "## Every point (seconds until the prefix's KV is in the buffers)", "",
           "| shape | context | Gbit/s | recompute | raw fetch | kvf raw | q8 | lean | auto picks | auto | vs recompute | vs raw fetch |",
           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -359,6 +373,8 @@ def report(args) -> None:
           "The fastest of recompute, the raw fetch and kvfetcher's choice (bold where that is a kvfetcher preset) and its margin "
           "over the runner-up; prefill scaled from the measured H200 points by dense bf16 peak (same efficiency), restore rates "
           "as measured on the H200 (other GPUs have other NVDEC counts: a lead, not a measurement).", ""] + gpu_table(res, reps, args.peak_tflops)
+    L += ["", "Measured with `scale_bench.py measure` (and a fetch-only run folded in with `merge`); this page by `scale_bench.py report "
+          + " ".join(sys.argv[2:]).replace("|", "/") + "`."]
     out_md.write_text("\n".join(L) + "\n")
     plot(rows, out_png, dev, res["date"])
     print(out_md.read_text())
@@ -418,6 +434,8 @@ def main() -> None:
     r = sub.add_parser("report")
     r.add_argument("json")
     r.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the measured GPU (H100/H200 SXM: 989)")
+    r.add_argument("--alt-rates", default="", help="name=GB/s,...: a second 'where auto wins' with these restore rates")
+    r.add_argument("--alt-label", default="other restore rates")
     r.add_argument("--raw-link-gbytes", type=float, default=55.0, help="restore rate of the ideal raw fetch, GB/s (pinned H2D copy)")
     g = sub.add_parser("merge")
     g.add_argument("base")
