@@ -311,11 +311,12 @@ def report(args) -> None:
     f = res["fetch"]
     L = [f"# Recompute vs fetch at scale ({dev}, {res['date']})", "",
          f"`bench/scale_bench.py` on an {dev} (torch {res['torch']}), {res['date']}.", "",
-         "* **Measured**: prefill of a Llama-3-8B shape (random bf16 weights, SDPA flash attention, one pass) and of a "
-         f"Llama-3-70B shape, of which only {' and '.join(res['prefill_70b_subset'])} contiguous layers fit beside their activations: "
+         "* **Measured**: prefill of a Llama-3-8B shape (random bf16 weights, SDPA, one pass per context) and of a "
+         f"Llama-3-70B shape through a contiguous subset of {' and '.join(res['prefill_70b_subset'])} of its 80 layers (all 80 are 140 GB in bf16): "
          "70B prefill = fixed part + 80 x the per-layer time from those two depths (embedding and head counted once), "
          "KV bytes exactly by layer count. The restore rate of each fetch path: "
-         f"{f['chunks']} chunks of 256 tokens of the 8B shape ({f['kv_bytes'] / 1e9:.2f} GB of KV) into a GPU KV buffer, downloads free; "
+         f"{f['chunks']} chunks of 256 tokens of the 8B shape ({f['kv_bytes'] / 1e9:.2f} GB of KV) into a GPU KV buffer, downloads free "
+         "(q8 and the raw baseline again over 96 chunks, 3.2 GB, in a second fetch-only run whose figures are used); "
          f"kvfetcher's presets through `pipeline.fetch` with main's decode worker processes ({f['decode_procs']}; NVDEC), "
          "the raw baseline as ranged GETs copied straight to the GPU. A few fetches over an emulated link check the fetch model.",
          "* **Modelled**: the fetch time at each link speed, `latency + max(stored bytes / link, KV bytes / restore rate)` — "
@@ -327,9 +328,9 @@ def report(args) -> None:
          f"({args.raw_link_gbytes:.0f} GB/s, FACTS.md), so the link is its only limit. (This benchmark's own plain raw fetch, `raw-direct` below — "
          "ranged GETs into Python buffers, pageable copies — reached less; kvfetcher's `raw` preset path less still.)", ""]
     if f.get("cachegen_error"):
-        L += [f"LMCache's CacheGen (the peer codec) could not run on the device: `{f['cachegen_error']}`; its compiled CUDA ops do not "
-              "load against the device's torch 2.11 either (LMCache then falls back to numba on the CPU, which is not on the device). "
-              "So no CacheGen figures here.", ""]
+        L += [f"LMCache's CacheGen (the peer codec) could not run on the device: `{f['cachegen_error']}` (a dependency of its import "
+              "chain the device lacks). LMCache also logged its compiled CUDA ops as not found, so it would have run its baseline ops "
+              "(numba, on the CPU), which would not stand for CacheGen's GPU decoder. So no CacheGen figures here.", ""]
     L += ["## Prefill (recompute), measured, and the cost model's fit", "",
           "| context | 8B s | 8B KV GB | 70B s (scaled) | 70B KV GB | model 8B s | model 70B s |", "|---|---|---|---|---|---|---|"]
     for T in sorted({int(t) for d in res["prefill"].values() for t in d}):
