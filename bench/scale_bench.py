@@ -311,7 +311,7 @@ def report(args) -> None:
     f = res["fetch"]
     L = [f"# Recompute vs fetch at scale ({dev}, {res['date']})", "",
          f"`bench/scale_bench.py` on an {dev} (torch {res['torch']}), {res['date']}.", "",
-         "* **Measured**: prefill of a Llama-3-8B shape (random bf16 weights, SDPA, one pass per context) and of a "
+         "* **Measured**: prefill of a Llama-3-8B shape (random bf16 weights, SDPA; best of 2 passes up to 32K, one above) and of a "
          f"Llama-3-70B shape through a contiguous subset of {' and '.join(res['prefill_70b_subset'])} of its 80 layers (all 80 are 140 GB in bf16): "
          "70B prefill = fixed part + 80 x the per-layer time from those two depths (embedding and head counted once), "
          "KV bytes exactly by layer count. The restore rate of each fetch path: "
