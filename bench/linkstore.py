@@ -1,0 +1,71 @@
+"""linkstore: an in-memory object store behind an emulated network link.
+
+Stands in for S3 over a link of a set speed when no real one is at hand: every ranged GET
+waits a first-byte latency and then queues for the one shared link, which delivers bytes at
+``link_Bps`` to one request after another (FIFO). Concurrent fetches therefore share the
+bandwidth, as they would on a NIC. Emulation, not a network: no TCP, no packet loss.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from kvfetcher.store import NotFound
+
+
+class Link:
+    """A FIFO pipe of ``Bps`` bytes per second; ``send(n)`` blocks until ``n`` bytes are through."""
+
+    def __init__(self, Bps: float, latency_s: float = 0.0):
+        self.Bps, self.latency_s = Bps, latency_s
+        self._lock = threading.Lock()
+        self._free_at = 0.0
+        self.bytes = 0
+
+    def send(self, n: int) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            start = max(now + self.latency_s, self._free_at)
+            self._free_at = start + n / self.Bps
+            done = self._free_at
+            self.bytes += n
+        delay = done - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+
+
+class LinkStore:
+    """:class:`kvfetcher.store.Store` over a dict, each GET paced by a :class:`Link` (or none)."""
+
+    def __init__(self, link: Link | None = None, endpoint: str = "emulated-link"):
+        self.link, self.endpoint = link, endpoint
+        self.objects: dict[str, bytes] = {}
+
+    def put(self, name: str, data: bytes) -> bool:
+        if name in self.objects:
+            return False
+        self.objects[name] = bytes(data)
+        return True
+
+    def get(self, name: str, offset: int = 0, length: int | None = None) -> bytes:
+        try:
+            obj = self.objects[name]
+        except KeyError:
+            raise NotFound(name) from None
+        data = obj[offset:] if length is None else obj[offset : offset + length]
+        if self.link is not None:
+            self.link.send(len(data))
+        return data
+
+    def list(self, prefix: str) -> dict[str, int]:
+        return {k: len(v) for k, v in self.objects.items() if k.startswith(prefix)}
+
+    def exists(self, name: str) -> bool:
+        return name in self.objects
+
+    def delete(self, name: str) -> None:
+        self.objects.pop(name, None)
+
+    def ping(self) -> None:
+        return None

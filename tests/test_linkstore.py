@@ -1,0 +1,39 @@
+"""linkstore (bench): the emulated link paces bytes and is shared by concurrent GETs."""
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from linkstore import Link, LinkStore  # noqa: E402
+
+from kvfetcher.store import NotFound  # noqa: E402
+
+
+def test_ranged_get_and_missing():
+    s = LinkStore()
+    assert s.put("a", b"0123456789") and not s.put("a", b"x")
+    assert s.get("a", 2, 3) == b"234" and s.get("a", 8) == b"89"
+    assert s.list("a") == {"a": 10}
+    with pytest.raises(NotFound):
+        s.get("b")
+
+
+def test_link_paces_and_is_shared():
+    s = LinkStore(Link(2e6))  # 2 MB/s
+    s.put("x", bytes(100_000))  # 50 ms alone
+    t = time.perf_counter()
+    s.get("x")
+    alone = time.perf_counter() - t
+    assert 0.045 < alone < 0.2
+    t = time.perf_counter()
+    threads = [threading.Thread(target=s.get, args=("x",)) for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    shared = time.perf_counter() - t
+    assert shared > 0.19  # four GETs share one pipe: 4 x 50 ms, not 50 ms
