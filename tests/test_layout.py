@@ -146,3 +146,60 @@ def test_kv_bits_applies_to_every_layer():
     p = layout.LayoutParams(mode="quant", kv_bits=(5, 6))
     assert torch.equal(layout.levels(p, 3), torch.tensor([[31.0, 63.0]] * 3))
     assert layout.LayoutParams.from_dict(p.to_dict()) == p
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_sigma_steps_error_is_within_half_a_step_and_centred(dtype):
+    kv = synthetic_kv(tokens=256, dtype=dtype)
+    kv[0, 0, 0, 50, 3] = 40.0  # an outlier widens its channel's step instead of clipping
+    p = layout.LayoutParams(mode="quant", sigma_steps=((0.05, 0.5),))
+    packed = layout.pack(kv, p)
+    back = layout.unpack(packed.frames, packed.side, kv.shape, kv.dtype, p)
+    ranges, _ = layout.split_side(packed.side, kv.shape, p)
+    step = ranges[..., 1].float().unsqueeze(3)
+    ulp = kv.float().abs() * (1e-3 if dtype == torch.float16 else 1e-6)  # the result rounded to the dtype
+    assert torch.all((back.float() - kv.float()).abs() <= step * 0.5 * 1.01 + ulp + 1e-6)
+    assert torch.equal(back[:, :, :, :1], kv[:, :, :, :1])
+    body = kv[:, :, :, 1:].float()
+    sd = body.std(dim=3, correction=0).unsqueeze(3)
+    ratio = (step / sd)[:, :, :, 0]
+    plain = torch.ones_like(ratio, dtype=torch.bool)
+    plain[0, 0, 0, 3] = False
+    assert torch.allclose(ratio[:, 0][plain[:, 0]], torch.tensor(0.05), rtol=2e-3)  # keys: 0.05 sigma
+    assert torch.allclose(ratio[:, 1], torch.tensor(0.5), rtol=2e-3)  # values: 0.5 sigma
+    assert ratio[0, 0, 0, 3] > 0.06  # the outlier's channel: widened to fit in 8 bits
+    tiles = layout._frames_to_tiles(packed.frames, packed.geometry, kv.shape[3], kv.shape[2] * kv.shape[4])
+    assert abs(float(tiles.float().mean()) - 128) < 2  # channels centred on level 128
+
+
+def test_sigma_profile_stretches_over_depth():
+    p = layout.LayoutParams(mode="quant", sigma_steps=((0.1, 0.2), (0.3, 0.4)))
+    prof = layout.sigma_profile(p, 4)
+    assert torch.allclose(
+        prof, torch.tensor([[0.1, 0.2], [0.1, 0.2], [0.3, 0.4], [0.3, 0.4]]))
+    assert torch.allclose(layout.sigma_profile(p, 1), torch.tensor([[0.1, 0.2]]))
+
+
+def test_coarser_sigma_steps_give_fewer_distinct_levels():
+    kv = synthetic_kv(tokens=256, dtype=torch.float32)
+    fine = layout.pack(kv, layout.LayoutParams(mode="quant", sigma_steps=((0.1, 0.1),))).frames
+    coarse = layout.pack(kv, layout.LayoutParams(mode="quant", sigma_steps=((1.0, 1.0),))).frames
+    assert len(torch.unique(coarse)) < len(torch.unique(fine)) / 4
+
+
+@pytest.mark.parametrize("bad", [
+    dict(sigma_steps=((0.0, 0.5),)),
+    dict(sigma_steps=((0.2, 17.0),)),
+    dict(sigma_steps=()),
+    dict(sigma_steps=((0.2,),)),
+    dict(sigma_steps=((0.2, 0.2),), kv_bits=(5, 6)),
+    dict(sigma_steps=((0.2, 0.2),), mode="exact"),
+])
+def test_bad_sigma_steps_are_refused(bad):
+    with pytest.raises(ValueError):
+        layout.LayoutParams(**{"mode": "quant", **bad})
+
+
+def test_sigma_steps_survive_the_header_round_trip():
+    p = layout.LayoutParams(mode="quant", sigma_steps=((0.2, 0.5), (0.3, 0.6)), rope_theta=10000.0)
+    assert layout.LayoutParams.from_dict(p.to_dict()) == p

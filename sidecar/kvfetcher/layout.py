@@ -17,6 +17,13 @@ neighbours, so the layout decides what sits next to what:
   the ranges: at position 0 that is the attention sink, whose outlier values would otherwise
   coarsen every step and whose own error changed greedy output (measured: with it exact, q8
   restored 32/32 greedy tokens on the prompt where plain q8 diverged at token 28).
+* ``sigma_steps`` (rate control) replaces the ``2**bits`` levels over each channel's range by
+  a step of ``s`` standard deviations of the channel, centred on its mean (level 128), with
+  ``s`` chosen per layer and per keys/values. The lossless codec then spends roughly the
+  entropy of the symbols, which a fixed step in sigma units sets directly, and the error
+  lands where the model tolerates it: measured sensitivity differs by more than 10x between
+  layers (docs/benchmarks/compression.md). Side information keeps its form (offset, step
+  per channel), so ``unpack`` is the same for both.
 
 Pure torch, no I/O: the same code runs on CPU and on the GPU, and ``unpack`` can write straight
 into a destination view of the model's KV buffers.
@@ -31,7 +38,7 @@ import torch
 
 from . import rope
 
-LAYOUT_VERSION = 2  # 2: exact leading tokens in the side information
+LAYOUT_VERSION = 3  # 2: exact leading tokens in the side information; 3: sigma_steps in the header
 
 #: dtypes a chunk may have, by name as written in container headers.
 DTYPES: dict[str, torch.dtype] = {
@@ -62,6 +69,9 @@ class LayoutParams:
     bits_map: tuple[tuple[int, int], ...] | None = None
     exact_tokens: int = 1  # leading tokens of each chunk kept exact (quant mode)
     rope_theta: float | None = None  # quantise keys before RoPE (the model's theta; see rope.py)
+    # per-layer (key_step, value_step) in standard deviations of each channel, replacing the
+    # range-based levels; a profile of N entries is stretched over the chunk's layers by depth
+    sigma_steps: tuple[tuple[float, float], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("exact", "quant"):
@@ -75,6 +85,13 @@ class LayoutParams:
             raise ValueError("exact_tokens must be >= 0")
         if self.planes not in (1, 3):
             raise ValueError(f"planes must be 1 or 3, not {self.planes}")
+        if self.sigma_steps is not None:
+            if self.mode != "quant" or self.kv_bits is not None or self.bits_map is not None:
+                raise ValueError("sigma_steps needs quant mode and excludes kv_bits and bits_map")
+            if not self.sigma_steps or any(len(kv) != 2 for kv in self.sigma_steps):
+                raise ValueError("sigma_steps must be a non-empty sequence of (key_step, value_step)")
+            if not all(0.01 <= st <= 16 for kv in self.sigma_steps for st in kv):
+                raise ValueError("sigma steps must be in [0.01, 16] standard deviations")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -84,8 +101,9 @@ class LayoutParams:
         d = dict(d)
         if d.get("kv_bits") is not None:
             d["kv_bits"] = tuple(d["kv_bits"])
-        if d.get("bits_map") is not None:
-            d["bits_map"] = tuple(tuple(kv) for kv in d["bits_map"])
+        for f in ("bits_map", "sigma_steps"):
+            if d.get(f) is not None:
+                d[f] = tuple(tuple(kv) for kv in d[f])
         return cls(**d)
 
 
@@ -199,6 +217,30 @@ def levels(params: LayoutParams, layers: int, device: torch.device | str = "cpu"
     return ((1 << bits) - 1).to(device=device, dtype=torch.float32)
 
 
+def sigma_profile(params: LayoutParams, layers: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Step in channel standard deviations per (layer, k|v): ``[layers, 2]`` float32.
+
+    Entry ``i * N // layers`` of an N-entry profile serves layer ``i``: a profile measured on one
+    model keeps its shape (sensitive first layers, tolerant middle) on a deeper or shallower one.
+    """
+    if params.sigma_steps is None:
+        raise ValueError("layout has no sigma_steps")
+    prof = torch.tensor(params.sigma_steps, dtype=torch.float32, device=device)
+    idx = torch.arange(layers, device=device) * len(params.sigma_steps) // layers
+    return prof[idx]
+
+
+def _sigma_ranges(body: torch.Tensor, params: LayoutParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """(offset, step) per channel: mean at level 128, step ``s * std`` widened so no value clips."""
+    layers = body.shape[0]
+    mu = body.mean(dim=3)
+    sd = body.std(dim=3, correction=0) if body.shape[3] > 1 else torch.zeros_like(mu)
+    steps = sigma_profile(params, layers, body.device).view(layers, 2, 1, 1)
+    reach = torch.maximum(body.amax(dim=3) - mu, mu - body.amin(dim=3))
+    step = torch.maximum(sd * steps, reach / 126)  # 126: headroom for the stored step's rounding
+    return mu - 128 * step, step
+
+
 def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
     """Turn one chunk into uint8 frames (and side info for quantised modes).
 
@@ -224,10 +266,14 @@ def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
         cos, sin = rope.rotation(start, tokens, head_dim, params.rope_theta, kv.device)
         x[:, 0] = rope.apply(x[:, 0], cos, sin, inverse=True)
     body = x[:, :, :, e:] if e < tokens else x
-    lo = body.amin(dim=3)  # [layers, 2, heads, head_dim]
-    hi = body.amax(dim=3)
-    top = levels(params, layers, kv.device).view(layers, 2, 1, 1)
-    scale = (hi - lo) / top
+    if params.sigma_steps is not None:
+        lo, scale = _sigma_ranges(body, params)
+        top = torch.full((layers, 2, 1, 1), 255.0, device=kv.device)
+    else:
+        lo = body.amin(dim=3)  # [layers, 2, heads, head_dim]
+        hi = body.amax(dim=3)
+        top = levels(params, layers, kv.device).view(layers, 2, 1, 1)
+        scale = (hi - lo) / top
     ranges = torch.stack([lo, scale], dim=-1).to(kv.dtype)  # what the reader will use
     lo_r, scale_r = ranges[..., 0].float(), ranges[..., 1].float()
     safe = torch.where(scale_r > 0, scale_r, torch.ones_like(scale_r))
