@@ -34,14 +34,14 @@ def test_nvdec_and_cpu_decode_identical_bytes(planes, lossless, qp):
         assert torch.equal(cpu, frames)
 
 
-@pytest.mark.parametrize("preset", ["exact", "q8", "lean"])
+@pytest.mark.parametrize("preset", ["exact", "q8", "lean", "balanced"])
 def test_restore_on_gpu_into_kv_buffer_view(preset):
     kv = synthetic_kv(layers=6, tokens=256, dtype=torch.float16)
     obj = encode_chunk(kv, preset, "fp", start=256, rope_theta=10000.0)  # lean re-rotates keys on the GPU
     buffers = torch.zeros(6, 2, kv.shape[2], 1024, kv.shape[4], dtype=kv.dtype, device="cuda")
     decode_chunk(obj, "fp", device="cuda", out=buffers[:, :, :, 256:512])
     cpu = decode_chunk(obj, "fp")
-    if preset == "lean":  # float rotation on two devices: equal to rounding
+    if preset in ("lean", "balanced"):  # float rotation on two devices: equal to rounding
         assert (buffers[:, :, :, 256:512].cpu().float() - cpu.float()).abs().max() < 1e-2
     else:
         assert torch.equal(buffers[:, :, :, 256:512].cpu(), cpu)

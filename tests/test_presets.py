@@ -31,3 +31,37 @@ def test_the_operator_offers_exactly_the_data_planes_presets():
     assert set(spec.PRESETS) == set(presets.PRESETS)
     for default in spec.DEFAULT_PRESETS:  # every default a pool may carry starts a sidecar
         Config.from_env({"KVFETCHER_PRESET": default, "KVFETCHER_ALLOWED_PRESETS": ",".join(spec.PRESETS)})
+
+
+def test_balanced_and_compact_are_sensitivity_profiles_with_compact_coarser():
+    b, c = presets.get("balanced"), presets.get("compact")
+    assert b.pre_rope and c.pre_rope and not b.lossless and not c.lossless
+    assert len(b.layout.sigma_steps) == len(c.layout.sigma_steps) == len(presets.SENSITIVITY)
+    pairs = [(x, y) for kb, kc in zip(b.layout.sigma_steps, c.layout.sigma_steps) for x, y in zip(kb, kc)]
+    assert all(y >= x for x, y in pairs) and sum(y > x for x, y in pairs) > len(pairs) // 2
+    # the more sensitive a layer, the finer its step
+    sens = [w for kv in presets.SENSITIVITY for w in kv]
+    steps = [s for kv in b.layout.sigma_steps for s in kv]
+    most, least = sens.index(max(sens)), sens.index(min(sens))
+    assert steps[most] < steps[least]
+
+
+def test_sigma_steps_respect_their_bounds():
+    steps = [s for kv in presets.sigma_steps(0.01, lo=0.1, hi=0.5) for s in kv]
+    assert min(steps) >= 0.1 and max(steps) <= 0.5
+
+
+def test_every_preset_lists_measured_figures(capsys):
+    """What `kvfetcher presets --json` prints: parameters plus measured ratio and accuracy."""
+    import json
+
+    from kvfetcher import cli
+
+    assert cli.main(["presets", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert set(rows) == set(presets.PRESETS)
+    for name in ("balanced", "compact"):
+        m = rows[name]["measured"]
+        assert m is not None, f"{name} has no measured figures"
+        assert {"ratio_vs_fp16", "greedy_agreement", "nll_increase"} <= set(m)
+        assert rows[name]["layout"]["sigma_steps"]

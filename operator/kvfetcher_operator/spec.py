@@ -18,8 +18,8 @@ PLURAL = "kvcachepools"
 KIND = "KVCachePool"
 
 # The data plane's presets (kvfetcher.presets); a test keeps the two lists equal.
-PRESETS = ("raw", "exact", "q8", "lean")
-# what a pool may store by default: "auto" leaves it to the sidecar; lean needs the model's RoPE theta
+PRESETS = ("raw", "exact", "q8", "lean", "balanced", "compact")
+# what a pool may store by default: "auto" leaves it to the sidecar; lean, balanced and compact need the model's RoPE theta
 DEFAULT_PRESETS = ("auto", "raw", "exact", "q8")
 
 DEFAULTS: dict[str, Any] = {
