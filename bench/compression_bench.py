@@ -49,9 +49,9 @@ CHUNK = 256
 
 
 def sigma_point(name: str, scale: float, profile=None) -> Preset:
-    """A curve point: ``balanced``'s per-layer profile (or a flat one) times ``scale``."""
-    prof = profile or presets.get("balanced").layout.sigma_steps
-    steps = tuple((round(k * scale, 4), round(v * scale, 4)) for k, v in prof)
+    """A curve point: the base per-layer profile (or a flat one) times ``scale``; ``balanced`` is
+    x0.7, ``compact`` (with a wider cap) about x4.7."""
+    steps = presets.scaled(profile or presets.BASE_PROFILE, scale)
     return Preset(name, layout.LayoutParams(mode="quant", sigma_steps=steps), CodecParams(lossless=True), False,
                   f"sigma steps x{scale}", pre_rope=True)
 
@@ -65,7 +65,7 @@ POINTS = {
     "flat0.2": lambda: flat(0.2),
     "flat0.3": lambda: flat(0.3),
     "flat0.45": lambda: flat(0.45),
-    **{f"profile x{s}": (lambda s=s: sigma_point(f"profile x{s}", s)) for s in (0.7, 1.4, 2, 3)},
+    **{f"profile x{s}": (lambda s=s: sigma_point(f"profile x{s}", s)) for s in (0.7, 1, 1.4, 2, 3)},
 }
 
 
@@ -217,7 +217,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--points", default="balanced,compact,lean,q8,profile x0.7,profile x1.4,profile x2,profile x3,flat0.2,flat0.3,flat0.45,zstd q8,zstd q6,zstd q5,zstd q4,cachegen")
     ap.add_argument("--kv-cache", help="cache the prefilled prompts here (reused when present)")
-    ap.add_argument("--no-measured", action="store_true", help="do not update presets_measured.json")
+    ap.add_argument("--measured", default="balanced,compact",
+                    help="presets whose figures go to presets_measured.json (q8/lean/exact/raw: bench/codec_bench.py)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     lm = model.load()
@@ -253,19 +254,18 @@ def main() -> int:
               f"nll {100 * r['nll_increase']:+.3f}% kl {r['kl']:.4f} ({r['wall_s']:.0f} s)", flush=True)
         path.write_text(json.dumps(res, indent=2))
     render(res)
-    if not args.no_measured:
-        write_measured(res)
+    write_measured(res, [n for n in args.measured.split(",") if n])
     return 0
 
 
-def write_measured(res: dict) -> None:
+def write_measured(res: dict, names: list[str]) -> None:
     """Shipped presets' figures for ``kvfetcher presets`` (merged with the codec bench's)."""
     try:
         measured = json.loads(presets.MEASURED_FILE.read_text())
     except FileNotFoundError:
         measured = {}
     for name, r in res["points"].items():
-        if name in presets.PRESETS:
+        if name in presets.PRESETS and name in names:
             measured[name] = {f: r[f] for f in ("ratio_vs_fp16", "greedy_agreement", "nll_increase", "encode_mb_s", "decode_mb_s")} | {
                 "min_first_divergence": r["min_first_divergence"], "kl": r["kl"], "date": r["date"],
                 "source": "bench/compression_bench.py"}
@@ -285,7 +285,7 @@ def render(res: dict) -> None:
         label = f"**{name}** (preset)" if r.get("preset") else name
         per = " ".join(f"{p['greedy_agreement']:.2f}" for p in r["per_prompt"])
         rows.append(f"| {label} | {r['kind']} | {r['ratio_vs_fp16']:.2f}x | {r['greedy_agreement']:.3f} | {r['min_first_divergence']} | "
-                    f"{100 * r['nll_increase']:+.3f}% | {r['kl']:.4f} | {per} |")
+                    f"{100 * r['nll_increase']:+.3f}% | {r['kl']:.2g} | {per} |")
     if "cachegen" in res["points"]:
         cg = res["points"]["cachegen"]
         rows += ["", f"CacheGen's size is an estimate (see above); its symbols alone, at their entropy, would be "
@@ -307,11 +307,13 @@ def plot(res: dict) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     groups = {
         "kvfetcher presets": lambda n, r: r.get("preset"),
-        "kvfetcher sigma_steps curve": lambda n, r: not r.get("preset") and r["kind"] == "kvfetcher",
+        "kvfetcher per-layer profile x0.7 .. x2 (curve)": lambda n, r: n.startswith("profile x") and "," not in n,
+        "kvfetcher, other (flat = one step for all layers)": lambda n, r: not r.get("preset") and r["kind"] == "kvfetcher"
+        and not (n.startswith("profile x") and "," not in n),
         "quantisation + zstd": lambda n, r: n.startswith("zstd"),
         "CacheGen (LMCache 0.5.6, size estimated)": lambda n, r: n == "cachegen",
     }
-    for (label, pick), marker in zip(groups.items(), "o^sD"):
+    for (label, pick), marker in zip(groups.items(), "o^vsD"):
         sel = sorted(((n, r) for n, r in res["points"].items() if pick(n, r)), key=lambda x: x[1]["ratio_vs_fp16"])
         if not sel:
             continue
@@ -319,7 +321,7 @@ def plot(res: dict) -> None:
         for ax, key in zip(axes, ("greedy_agreement", "kl")):
             ax.plot(xs, [r[key] for _, r in sel], marker=marker, linestyle="-" if "curve" in label else "none", label=label)
             for (n, r), x in zip(sel, xs):
-                if r.get("preset") or n.startswith("zstd") or n == "cachegen":
+                if not (n.startswith("profile x") and "," not in n):
                     ax.annotate(n, (x, r[key]), textcoords="offset points", xytext=(4, 4), fontsize=7)
     axes[0].axhline(0.9, color="grey", linewidth=0.5, linestyle="--")
     axes[0].set_ylabel("greedy agreement, 32 tokens (8 prompts)")
@@ -329,7 +331,7 @@ def plot(res: dict) -> None:
         ax.axvline(4, color="grey", linewidth=0.5, linestyle="--")
         ax.set_xlabel("size ratio vs fp16 (headers and side information counted)")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7, loc="lower left")
+    axes[0].legend(fontsize=7, loc="upper right")
     fig.suptitle(f"{res['model']}: size vs accuracy ({res['device']}, {res['date']})", fontsize=9)
     fig.tight_layout()
     fig.savefig(OUT / "compression.png", dpi=120)

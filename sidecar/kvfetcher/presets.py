@@ -36,6 +36,15 @@ def sigma_steps(scale: float, lo: float = 0.08, hi: float = 0.7) -> tuple[tuple[
     return tuple(tuple(round(min(hi, max(lo, scale * w**-0.5)), 3) for w in kv) for kv in SENSITIVITY)
 
 
+def scaled(profile: tuple[tuple[float, float], ...], factor: float) -> tuple[tuple[float, float], ...]:
+    """A profile with every step times ``factor`` (the size-accuracy curve moves along this)."""
+    return tuple((round(k * factor, 4), round(v * factor, 4)) for k, v in profile)
+
+
+#: The measured curve's base profile (docs/benchmarks/compression.md): steps 0.08-0.7 sigma.
+BASE_PROFILE = sigma_steps(0.003)
+
+
 @dataclass(frozen=True)
 class Preset:
     name: str
@@ -92,7 +101,7 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset(
             "balanced",
-            LayoutParams(mode="quant", sigma_steps=sigma_steps(0.003), planes=3),
+            LayoutParams(mode="quant", sigma_steps=scaled(BASE_PROFILE, 0.7), planes=3),
             CodecParams(format="hevc", lossless=True, speed="ultrafast"),
             False,
             "per-layer steps in channel sigmas set by measured sensitivity (keys pre-RoPE), lossless HEVC 4:4:4",
@@ -103,7 +112,7 @@ PRESETS: dict[str, Preset] = {
             LayoutParams(mode="quant", sigma_steps=sigma_steps(0.014, hi=2.5), planes=3),
             CodecParams(format="hevc", lossless=True, speed="ultrafast"),
             False,
-            "balanced's profile at ~4.7x coarser steps: smaller, with a measured accuracy loss",
+            "balanced's profile at ~6.7x coarser steps: smaller, with a measured accuracy loss",
             pre_rope=True,
         ),
     ]
