@@ -28,12 +28,12 @@ from .chunk import encode_chunk
 from .decode_workers import DecodeWorkers
 from .metrics import Metrics
 from .presets import PRESETS, measured
-
-#: measured size ratio vs fp16 per preset (for the no-lookup shortcut; 1.0 where never measured)
-_RATIOS = {p: (measured(p) or {}).get("ratio_vs_fp16", 1.0) for p in PRESETS}
 from .store import Store, StoreError
 
 log = logging.getLogger("kvfetcher.service")
+
+#: measured size ratio vs fp16 per preset (for the no-lookup shortcut; 1.0 where never measured)
+_RATIOS = {p: (measured(p) or {}).get("ratio_vs_fp16", 1.0) for p in PRESETS}
 
 
 @dataclass
@@ -170,7 +170,7 @@ class Sidecar:
 
     def unregister(self, bid: str) -> None:
         buf = self.buffers.pop(bid, None)
-        if buf is not None and self.workers is not None:
+        if buf is not None and buf.handle is not None and self.workers is not None:
             self.workers.forget(buf.handle)
 
     def _buffer(self, bid: str) -> Buffer:

@@ -29,9 +29,11 @@ def test_sidecar_config_from_the_operators_env():
     c = Config.from_env(OPERATOR_ENV)
     assert (c.chunk_tokens, c.presets, c.allowed_presets, c.tenant) == (512, ("q8",), ("raw", "q8"), "salt")
     assert Config.from_env({"KVFETCHER_POOL": "pool-a"}).tenant == "pool-a"  # no salt: the pool separates
+    assert Config.from_env({"KVFETCHER_DECODE_PROCS": "3"}).decode_procs == 3
 
 
-@pytest.mark.parametrize("env", [{"KVFETCHER_PRESET": "q3000"}, {"KVFETCHER_ALLOWED_PRESETS": "raw,nope"}, {"KVFETCHER_CHUNK_TOKENS": "0"}])
+@pytest.mark.parametrize("env", [{"KVFETCHER_PRESET": "q3000"}, {"KVFETCHER_ALLOWED_PRESETS": "raw,nope"}, {"KVFETCHER_CHUNK_TOKENS": "0"},
+                                 {"KVFETCHER_DECODE_PROCS": "-1"}])
 def test_bad_config_is_refused_at_start(env):
     with pytest.raises(ValueError):
         Config.from_env(env)
