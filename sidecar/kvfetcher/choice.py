@@ -94,7 +94,7 @@ def hopeless(
     """True when even the best case loses to recompute, so the store need not be asked at all.
 
     Best case: every chunk stored in every allowed preset, ``slack`` times smaller than its
-    measured ratio says, no latency. A lookup costs a LIST per chunk, which measured 11–20% of
+    measured ratio says, no latency. A lookup costs a LIST per chunk, which measured 10–18% of
     an 8B model's prefill on an H200 (docs/benchmarks/ttft_h200.md) where recompute won anyway.
     Optimistic on purpose: a wrong "no" would skip a fetch that pays; a wrong "yes" costs a lookup.
     """
