@@ -90,30 +90,33 @@ def prepare(root: Path, distinct: list[torch.Tensor], tokens: list[int], n_chunk
     (store_dir / "blobs").mkdir(parents=True)
     kv_bytes = distinct[0].numel() * distinct[0].element_size()
 
-    def publish(label: str, blobs: list[bytes], name_of) -> None:
-        paths = []
-        for i, b in enumerate(blobs):
-            p = store_dir / "blobs" / f"{label}.{i}"
-            p.write_bytes(b)
-            paths.append(p)
-        for c in range(n_chunks):
-            dst = store_dir / name_of(c)
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            os.link(paths[c % len(paths)], dst)
-        sizes = [len(b) for b in blobs]
-        info["objects"][label] = {"bytes_per_chunk": statistics.mean(sizes), "ratio_vs_bf16": kv_bytes / statistics.mean(sizes)}
-
     t = time.perf_counter()
     jobs = [(p, i, kv) for p in kv_presets() for i, kv in enumerate(distinct)]
     with mp.get_context("spawn").Pool(min(workers, len(jobs))) as pool:
         done = pool.map(_encode, jobs)
     for p in kv_presets():
         blobs = [obj for q, i, obj, _ in sorted(done, key=lambda r: r[1]) if q == p]
-        publish(p, blobs, lambda c, p=p: keys.object_name(ck[c], p))
+        info["objects"][p] = publish(store_dir, p, blobs, lambda c, p=p: keys.object_name(ck[c], p), n_chunks, kv_bytes)
         info["objects"][p]["encode_s_per_chunk_one_core"] = statistics.mean(s for q, _, _, s in done if q == p)
     log(f"kvfetcher presets encoded in {time.perf_counter() - t:.1f} s:", {p: round(info['objects'][p]['ratio_vs_bf16'], 3) for p in kv_presets()})
     (root / "prepared.json").write_text(json.dumps(info))
     return info | {"keys": ck}
+
+
+def publish(store_dir: Path, label: str, blobs: list[bytes], name_of, n_chunks: int, kv_bytes: int) -> dict:
+    """Write the distinct objects once and hard-link them under every chunk's name; their sizes."""
+    paths = []
+    for i, b in enumerate(blobs):
+        p = store_dir / "blobs" / f"{label}.{i}"
+        p.write_bytes(b)
+        paths.append(p)
+    for c in range(n_chunks):
+        dst = store_dir / name_of(c)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.unlink(missing_ok=True)
+        os.link(paths[c % len(paths)], dst)
+    mean = statistics.mean(len(b) for b in blobs)
+    return {"bytes_per_chunk": mean, "ratio_vs_bf16": kv_bytes / mean}
 
 
 def make_peers(distinct: list[torch.Tensor], root: Path, n_chunks: int, info: dict, names: Sequence[str] = ("q8zstd", "nvcomp", "cachegen")) -> dict:
@@ -130,20 +133,9 @@ def make_peers(distinct: list[torch.Tensor], root: Path, n_chunks: int, info: di
             else:
                 peer = peers.CacheGen()
             blobs = [peer.encode(kv.to(DEV)) for kv in distinct]
-            store_dir = root / BUCKET
-            paths = []
-            for i, b in enumerate(blobs):
-                p = store_dir / "blobs" / f"{name}.{i}"
-                p.write_bytes(b)
-                paths.append(p)
-            for c in range(n_chunks):
-                dst = store_dir / "peers" / name / f"{c}.obj"
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                dst.unlink(missing_ok=True)
-                os.link(paths[c % len(paths)], dst)
             kvb = distinct[0].numel() * distinct[0].element_size()
-            mean = statistics.mean(len(b) for b in blobs)
-            info["objects"][name] = {"bytes_per_chunk": mean, "ratio_vs_bf16": kvb / mean, "encode_s": (time.perf_counter() - t) / len(blobs)}
+            info["objects"][name] = publish(root / BUCKET, name, blobs, lambda c, name=name: f"peers/{name}/{c}.obj", n_chunks, kvb)
+            info["objects"][name]["encode_s"] = (time.perf_counter() - t) / len(blobs)
             if name == "nvcomp":
                 info["objects"][name]["codec"] = peer.label
             if name == "cachegen":
