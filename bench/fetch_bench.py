@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kvsource  # noqa: E402
 from kvtest import synthetic_kv  # noqa: E402
 from nvdec_bench import NvmlSampler  # noqa: E402
 
@@ -71,6 +72,7 @@ def main() -> None:
     ap.add_argument("--decode-workers", type=int, default=2, help="decode threads when --procs is 0")
     ap.add_argument("--procs", default="0", help="comma-separated decode worker process counts to compare (0: threads)")
     ap.add_argument("--kv", help="real KV tensor (torch.save) to tile into the shape")
+    ap.add_argument("--kvsrc", help="real KV saved by bench/kvsource.py, tiled as the TTFT benchmark does (8B heads)")
     ap.add_argument("--distinct", type=int, default=0, help="encode only this many distinct chunks (0: all)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out")
@@ -78,13 +80,15 @@ def main() -> None:
     layers, heads, head_dim = (int(x) for x in args.shape.split(","))
     tokens = args.chunks * args.chunk_tokens
     distinct = args.distinct or args.chunks
-    if args.kv:
+    if args.kvsrc:
+        kv = torch.cat(kvsource.real_chunks(torch.load(args.kvsrc), distinct, layers), 3)
+    elif args.kv:
         kv = tile_real(torch.load(args.kv).half(), layers, heads, distinct * args.chunk_tokens, head_dim)
     else:
         kv = synthetic_kv(layers=layers, heads=heads, tokens=distinct * args.chunk_tokens, head_dim=head_dim)
     kv_bytes = layers * 2 * heads * tokens * head_dim * kv.element_size()
     results = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "date": time.strftime("%Y-%m-%d"),
-               "kv": f"real ({args.kv}) tiled" if args.kv else "synthetic", "kv_bytes": kv_bytes, "chunks": args.chunks,
+               "kv": f"real ({args.kvsrc or args.kv}) tiled" if args.kvsrc or args.kv else "synthetic", "kv_bytes": kv_bytes, "chunks": args.chunks,
                "distinct_chunks": distinct, "chunk_tokens": args.chunk_tokens, "shape": [layers, heads, head_dim], "presets": {}}
     procs = [int(p) for p in args.procs.split(",")]
     pools = {p: DecodeWorkers(p) for p in procs if p}

@@ -76,6 +76,16 @@ def chunks(src: dict, n: int, dtype: torch.dtype = torch.bfloat16, start: int = 
     return out
 
 
+def real_chunks(src: dict, n: int, layers: int = SHAPE[0], dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
+    """``n`` distinct consecutive chunks (chunk ``i`` at positions ``256 i..``) of ``layers`` layers.
+
+    More layers than the 8B shape's 32 (the 70B shape has 80) are stacked from further
+    distinct 8B chunks of the same positions, so no layer repeats another's bytes.
+    """
+    per = -(-layers // SHAPE[0])
+    return [torch.cat(chunks(src, per * (i + 1), dtype, start=i * SHAPE[3])[per * i :], 0)[:layers].contiguous() for i in range(n)]
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)

@@ -1,0 +1,10 @@
+# Source on a lent GPU machine (repo root): installs the carried wheels (.whl, see the device
+# tool's README) into /tmp/site and puts them and this checkout's sources on PYTHONPATH.
+# The machine's own python3 has torch with CUDA; it lacks PyNvVideoCodec, av, minio, zstandard, isal.
+if ls .whl/*.whl >/dev/null 2>&1 && [ ! -e /tmp/site/.done ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && touch /tmp/site/.done
+fi
+export PYTHONPATH=/tmp/site:$PWD/sidecar:$PWD/operator:$PWD/bench:$PWD/tests
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c 'import torch, PyNvVideoCodec, av; print("torch", torch.__version__, "cuda", torch.cuda.is_available(), "av", av.__version__)'
