@@ -1,8 +1,9 @@
 # Source on a lent GPU machine (repo root): installs the carried wheels (.whl, see the device
 # tool's README) into /tmp/site and puts them and this checkout's sources on PYTHONPATH.
 # The machine's own python3 has torch with CUDA; it lacks PyNvVideoCodec, av, minio, zstandard, isal.
-if ls .whl/*.whl >/dev/null 2>&1 && [ ! -e /tmp/site/.done ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && touch /tmp/site/.done
+stamp=$(ls -l .whl 2>/dev/null | md5sum | cut -c1-16)
+if ls .whl/*.whl >/dev/null 2>&1 && [ "$(cat /tmp/site/.stamp 2>/dev/null)" != "$stamp" ]; then
+  rm -rf /tmp/site && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && echo "$stamp" >/tmp/site/.stamp
 fi
 export PYTHONPATH=/tmp/site:$PWD/sidecar:$PWD/operator:$PWD/bench:$PWD/tests
 export PYTHONUNBUFFERED=1

@@ -14,7 +14,10 @@ plays the sidecar: for each (workers, preset) it restores a 16K-token 8B-shaped 
 local store in tmpfs (no link limit) into an IPC-registered buffer, over and over, for
 ``--seconds``. The KV is real SmolLM2 KV tiled into the shape (``kvsource``).
 
-    python bench/interference_matrix.py --kvsrc kvsrc.pt --procs 1,2,4,8 --presets lean,balanced --out im.json
+    python bench/interference_matrix.py measure --kvsrc kvsrc.pt --procs 1,4,8 --presets lean,balanced --out ts.json
+    bench/with_mps.sh python bench/interference_matrix.py measure --kvsrc kvsrc.pt --label mps --out mps.json
+    bench/with_mps.sh python bench/interference_matrix.py measure --kvsrc kvsrc.pt --label mps --sm-percent 10 --out mps10.json
+    python bench/interference_matrix.py report ts.json mps.json mps10.json --out docs/benchmarks/interference_matrix_h100.md
 """
 
 from __future__ import annotations
@@ -55,18 +58,7 @@ def objects(kvsrc: str, preset: str, distinct: int) -> list[bytes]:
         return list(pool.map(_encode, jobs))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kvsrc", required=True, help="real KV saved by bench/kvsource.py")
-    ap.add_argument("--procs", default="1,2,4,8")
-    ap.add_argument("--presets", default="lean,balanced")
-    ap.add_argument("--context", type=int, default=16384)
-    ap.add_argument("--distinct", type=int, default=4)
-    ap.add_argument("--seconds", type=float, default=2.5)
-    ap.add_argument("--label", default="time-sliced", help="what this run's GPU sharing is (e.g. mps)")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-
+def measure(args) -> None:
     ctx = mp.get_context("spawn")
     ready, stop, q = ctx.Event(), ctx.Event(), ctx.Queue()
     loop = ctx.Process(target=_decoder, args=(16, 2048, ready, stop, q), daemon=True)
@@ -106,7 +98,7 @@ def main() -> None:
 
     phase("none", 0, lambda: (time.sleep(0.05), 0)[1])
     for p in (int(x) for x in args.procs.split(",")):
-        workers = DecodeWorkers(p)
+        workers = DecodeWorkers(p, args.sm_percent)
         workers.start()
         for preset in refs:
             fetch(preset, workers)  # warm: decoders open, buffer mapped in every worker
@@ -131,13 +123,71 @@ def main() -> None:
             st["slowdown_median_pct"] = round(100 * (st["median_ms"] / 1e3 / base - 1), 1)
             st["slowdown_p90_pct"] = round(100 * (st["p90_ms"] / 1e3 / base_p90 - 1), 1)
         rows.append(st)
-    result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "sharing": args.label,
+    result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "sharing": args.label, "sm_percent": args.sm_percent,
               "context": args.context, "distinct_chunks": args.distinct, "phase_s": args.seconds,
               "decode_loop": "Llama-3-8B shape, random bf16 weights, batch 16 x 2048 cached tokens, CUDA graph, sync per step",
               "idle_tpot_median_ms": round(1e3 * base, 3), "idle_tpot_p90_ms": round(1e3 * base_p90, 3), "phases": rows}
     Path(args.out).write_text(json.dumps(result, indent=1))
     for r in rows:
         print(json.dumps(r), flush=True)
+
+
+def report(args) -> None:
+    """Markdown table (and a plot: slowdown against restore rate) of one or more runs."""
+    runs = [json.loads(Path(p).read_text()) for p in args.json]
+    label = lambda r: r["sharing"] + (f", workers at {r['sm_percent']}% of SMs" if r.get("sm_percent") else "")  # noqa: E731
+    r0 = runs[0]
+    rows = [f"# Interference against restore rate ({r0['device']}, {r0['date']})", "",
+            "Produced by `bench/interference_matrix.py` (its docstring says how). A decode loop "
+            f"({r0['decode_loop']}) runs in its own process while this process restores a {r0['context'] // 1024}K-token "
+            "8B-shaped context (real SmolLM2 KV tiled into the shape) over and over through N decode worker "
+            f"processes, {r0['phase_s']} s per phase. Slowdown = the loop's time per step against its idle phases, "
+            "same run. `mps`: all processes were clients of one CUDA MPS server (contexts run side by side instead "
+            "of time-sliced).", "",
+            "| GPU sharing | preset | workers | restore GB/s | TPOT median ms | slowdown median | slowdown p90 |", "|---|---|---|---|---|---|---|"]
+    for r in runs:
+        rows.append(f"| {label(r)} | (idle) | 0 | — | {r['idle_tpot_median_ms']:.2f} | — | — |")
+        for ph in r["phases"]:
+            if ph["method"] != "none" and "median_ms" in ph:
+                rows.append(f"| {label(r)} | {ph['method']} | {ph['procs']} | {ph['restore_GBps']:.2f} | {ph['median_ms']:.2f} | "
+                            f"{ph['slowdown_median_pct']:+.1f}% | {ph['slowdown_p90_pct']:+.1f}% |")
+    md = Path(args.out)
+    md.write_text("\n".join(rows) + "\n")
+    print("\n".join(rows))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in runs:
+        pts = sorted((ph["restore_GBps"], ph["slowdown_median_pct"]) for ph in r["phases"] if ph["method"] != "none" and "median_ms" in ph)
+        ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", label=label(r))
+    ax.axhline(5, color="k", lw=0.8, ls="--", label="5% target")
+    ax.set_xlabel("restore rate, GB/s of bf16 KV"), ax.set_ylabel("decode loop slowdown, median %")
+    ax.set_title(f"{r0['device']}, {r0['date']}", fontsize=8), ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(md.with_suffix(".png"), dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("measure")
+    m.add_argument("--kvsrc", required=True, help="real KV saved by bench/kvsource.py")
+    m.add_argument("--procs", default="1,4,8")
+    m.add_argument("--presets", default="lean,balanced")
+    m.add_argument("--context", type=int, default=16384)
+    m.add_argument("--distinct", type=int, default=4)
+    m.add_argument("--seconds", type=float, default=2.5)
+    m.add_argument("--label", default="time-sliced", help="what this run's GPU sharing is (e.g. mps)")
+    m.add_argument("--sm-percent", type=int, help="decode workers' MPS share of the SMs (KVFETCHER_DECODE_SM_PERCENT)")
+    m.add_argument("--out", required=True)
+    r = sub.add_parser("report")
+    r.add_argument("json", nargs="+")
+    r.add_argument("--out", required=True, help="the .md to write (a .png beside it)")
+    a = ap.parse_args()
+    measure(a) if a.cmd == "measure" else report(a)
 
 
 if __name__ == "__main__":

@@ -150,8 +150,11 @@ def _restore(state: _WorkerState, msg: tuple) -> tuple[int, dict]:
     return n, {"prepare_s": t1 - t0, "decode_s": t2 - t1, "write_s": t3 - t2}
 
 
-def _serve(conn) -> None:
-    """Worker main loop: one request at a time; answers ("ok", bytes, times) or an error tuple."""
+def _serve(conn, env: dict[str, str] | None = None) -> None:
+    """Worker main loop: one request at a time; answers ("ok", bytes, times) or an error tuple.
+
+    ``env`` is applied before the worker's CUDA context exists (CUDA reads MPS settings then)."""
+    os.environ.update(env or {})
     torch.set_num_threads(1)
     state = _WorkerState()
     conn.send(("ready", torch.cuda.is_available()))
@@ -178,9 +181,9 @@ def _serve(conn) -> None:
 
 
 class _Worker:
-    def __init__(self, ctx) -> None:
+    def __init__(self, ctx, env: dict[str, str] | None = None) -> None:
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child,), daemon=True, name="kvf-decode-worker")
+        self.proc = ctx.Process(target=_serve, args=(child, env), daemon=True, name="kvf-decode-worker")
         self.proc.start()
         child.close()
         self.lock = threading.Lock()
@@ -233,17 +236,35 @@ class _Worker:
 _ERRORS = {c.__name__: c for c in (container.ContainerError, *container.ContainerError.__subclasses__())}
 
 
+def mps_env(sm_percent: int | None) -> dict[str, str]:
+    """The workers' environment for a GPU shared through CUDA MPS: at most ``sm_percent`` of the
+    streaming multiprocessors for their copies and unpack kernels, so the model keeps the rest.
+
+    Why: NVDEC is a separate engine, but every worker's frame copies and unpack kernels run in a
+    CUDA context of its own. Time-sliced with the model's context they slowed an 8B decode loop
+    by 39-43% at 8 workers on an H100; as MPS clients, side by side, by 9-10%
+    (docs/benchmarks/interference_matrix_h100.md). Without an MPS server the variable is ignored.
+    """
+    if sm_percent is None:
+        return {}
+    if not 1 <= sm_percent <= 100:
+        raise ValueError(f"SM percentage must be 1..100, not {sm_percent}")
+    return {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(sm_percent)}
+
+
 class DecodeWorkers:
     """A pool of ``procs`` decode processes (``spawn``: CUDA cannot be forked).
 
     ``restore`` is a coroutine; up to ``procs`` chunks decode at once, one per process.
     ``stats`` sums the workers' seconds per step (prepare: open, parse, checksums; decode; write).
+    ``sm_percent`` caps the workers' share of the GPU's multiprocessors under MPS (:func:`mps_env`).
     """
 
-    def __init__(self, procs: int) -> None:
+    def __init__(self, procs: int, sm_percent: int | None = None) -> None:
         if procs < 1:
             raise ValueError(f"decode workers need at least one process, not {procs}")
         self.procs = procs
+        self._env = mps_env(sm_percent)
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker] = []
         self._idle: asyncio.Queue[_Worker] | None = None
@@ -257,7 +278,7 @@ class DecodeWorkers:
         with self._start_lock:
             if self._workers:
                 return
-            self._workers = [_Worker(self._ctx) for _ in range(self.procs)]
+            self._workers = [_Worker(self._ctx, self._env) for _ in range(self.procs)]
             for w in self._workers:
                 w.ready()
 
@@ -298,7 +319,7 @@ class DecodeWorkers:
     def _replace(self, dead: _Worker) -> _Worker:
         log.error("decode worker %s died; starting another", dead.proc.pid)
         dead.stop()
-        w = _Worker(self._ctx)
+        w = _Worker(self._ctx, self._env)
         w.ready()
         self._workers[self._workers.index(dead)] = w
         return w
