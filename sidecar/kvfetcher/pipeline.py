@@ -7,6 +7,13 @@ has verified and decoded, the chunk is unpacked into its destination slots. Up t
 chunks are in flight at once (a bounded buffer: memory stays ``window`` chunks however long the
 prefix), so a 100-chunk prefix streams — chunk 0 is being restored while chunk 3 downloads.
 
+Direct path: a chunk stored in the ``native`` layout without a codec (the ``raw`` preset;
+:func:`container.is_native`) is the KV buffer's own bytes. Its segments are read with ranged
+GETs straight into one host staging buffer (pinned when the destination is on a GPU; torch's
+caching host allocator reuses them), checksummed there, and copied into the destination by one
+host-to-device copy on a dedicated CUDA stream — no decoder, no worker process, no reshuffle.
+The chunk counts as written only once that copy has completed.
+
 Failure semantics: the result is the longest run of *leading* chunks that were written; the
 caller recomputes the rest. On the first failure, or at the deadline, or on cancellation, the
 chunks still in flight are abandoned — except a write already started, which is awaited, so
@@ -16,6 +23,8 @@ nothing touches the buffers after this returns. Nothing unverified is ever writt
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -26,7 +35,7 @@ import torch
 
 from . import codecs, container, layout
 from .decode_workers import BufferOpenError, DecodeWorkers, WorkerError
-from .store import Store, StoreError
+from .store import Store, StoreError, read_into
 
 log = logging.getLogger("kvfetcher.pipeline")
 
@@ -98,6 +107,38 @@ class Destination:
             torch.cuda.current_stream(self.buffer.device).synchronize()
 
 
+    def write_kv(self, c: ChunkRef, kv: torch.Tensor, stream: "torch.cuda.Stream | None" = None) -> None:
+        """Copy a verified chunk ``[layers, 2, kv_heads, tokens, head_dim]`` (host memory) into its
+        slots: one copy into the strided view, or ``index_copy_`` for scattered slots. On a GPU the
+        copy is queued on ``stream`` (non-blocking from pinned memory) and waited for, so the chunk
+        is in the buffer when this returns and the host memory may be reused."""
+        idx = self.slots[c.start : c.start + c.tokens]
+        dev = self.buffer.device
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if idx == list(range(idx[0], idx[0] + len(idx))):
+                self.buffer[:, :, :, idx[0] : idx[0] + len(idx)].copy_(kv, non_blocking=True)
+            else:
+                src = kv.to(dev, non_blocking=True)
+                self.buffer.index_copy_(3, torch.tensor(idx, device=dev), src)
+            if self.buffer.is_cuda:  # wait for this chunk's copy only, not for the whole stream
+                done = torch.cuda.Event()
+                done.record()
+                done.synchronize()
+
+
+def staging_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """Host memory for one chunk's raw bytes: pinned for a GPU destination (so the copy is a DMA
+    that needs no bounce buffer), plain otherwise. Pinned blocks come from torch's caching host
+    allocator, which reuses them across chunks and fetches (and knows about pending copies)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.device(device).type == "cuda")
+
+
+@functools.lru_cache(maxsize=None)
+def copy_stream(device: torch.device) -> "torch.cuda.Stream":
+    """One stream per GPU for restore copies: they do not queue behind the model's kernels."""
+    return torch.cuda.Stream(device=device)
+
+
 @dataclass
 class Outcome:
     loaded_tokens: int  # leading tokens now in the buffers
@@ -111,6 +152,7 @@ class Outcome:
     decode_busy_s: float = 0.0  # time with at least one decode in flight
     header_latency_s: list[float] = field(default_factory=list)
     bad_object: str | None = None  # an object that is corrupt, truncated or foreign: drop it
+    direct_chunks: int = 0  # chunks restored by the direct path (native raw: read, checksum, one copy)
 
 
 class _Busy:
@@ -173,6 +215,13 @@ async def fetch(
         out.bytes_read += len(data)
         return data
 
+    async def get_into(name: str, offset: int, buf: memoryview) -> int:
+        async with io_sem:
+            with reads:
+                n = await loop.run_in_executor(io_pool, read_into, store, name, offset, buf)
+        out.bytes_read += n
+        return n
+
     async def decode(fn, *args):
         with decodes:
             return await loop.run_in_executor(decode_pool, fn, *args)
@@ -197,6 +246,10 @@ async def fetch(
             dest.check(h, c)
             if c.size and c.size != h.total_size:
                 raise container.TruncatedError(f"{c.name} is {c.size} bytes, its header promises {h.total_size}")
+
+            if container.is_native(h):
+                await load_direct(i, c, h, head)
+                return
 
             got: dict[int, bytes] = {}  # segment offset -> bytes read (a fallback reuses them)
 
@@ -244,6 +297,34 @@ async def fetch(
             writes.append(w)
             await asyncio.shield(w)
             out.kv_bytes += h.shape[0] * 2 * h.shape[2] * h.shape[3] * h.shape[4] * layout.bytes_per_value(h.torch_dtype)
+
+    async def load_direct(i: int, c: ChunkRef, h: container.Header, head: bytes) -> None:
+        """Native raw chunk: segments into one staging buffer, checksummed, then one copy."""
+        host = staging_buffer(h.total_size - h.header_size, dest.buffer.device)
+        mem = memoryview(host.numpy())  # keeps ``host`` alive while a (possibly abandoned) read fills it
+
+        async def segment(seg: container.Segment) -> None:
+            a, part = h.header_size + seg.offset, mem[seg.offset : seg.offset + seg.length]
+            have = head[a : a + seg.length]  # what the header read already brought, if anything
+            part[: len(have)] = have
+            n = len(have)
+            if n < seg.length:
+                n += await get_into(c.name, a + n, part[n:])
+            if n < seg.length:
+                raise container.TruncatedError(f"{c.name}: segment at {seg.offset} is {n} bytes, expected {seg.length}")
+            with decodes:  # checksums are this path's "decode" (the estimator's restore rate)
+                await loop.run_in_executor(io_pool, container.check, seg, part)
+
+        await asyncio.gather(*(segment(s) for s in h.segments))
+        # Every segment verified: only now touch the KV buffers.
+        kv = host.view(h.torch_dtype).view(h.shape)
+        stream = copy_stream(dest.buffer.device) if dest.buffer.is_cuda else None
+        w = loop.run_in_executor(decode_pool, dest.write_kv, c, kv, stream)
+        w.add_done_callback(lambda f: written.add(i) if not f.cancelled() and f.exception() is None else None)
+        writes.append(w)
+        await _timed(decodes, asyncio.shield(w))
+        out.kv_bytes += host.numel()
+        out.direct_chunks += 1
 
     tasks = [asyncio.create_task(load(i, c)) for i, c in enumerate(chunks)]
     try:

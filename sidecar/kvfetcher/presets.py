@@ -72,10 +72,10 @@ PRESETS: dict[str, Preset] = {
     for p in [
         Preset(
             "raw",
-            LayoutParams(mode="exact", planes=3),
+            LayoutParams(mode="native", planes=1),
             CodecParams(format="raw"),
             True,
-            "original bytes, no video: for links faster than any decoder",
+            "the KV buffer's own bytes, no video: restored by one copy, for links faster than any decoder",
         ),
         Preset(
             "exact",

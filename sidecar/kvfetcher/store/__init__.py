@@ -4,6 +4,10 @@ Backends: :class:`~.local.LocalStore` (a directory; the embedded default) and
 :class:`~.s3.S3Store` (any S3-compatible service through the ``minio`` SDK). Both write
 atomically (no partial object is ever visible), treat re-storing an existing object as a
 no-op, and serve byte ranges. Calls block; the fetch pipeline runs them in a thread pool.
+
+``get_into`` (optional) reads a range straight into a caller's buffer — the fetch pipeline's
+direct path lands raw KV in reusable (pinned) host memory without an intermediate ``bytes``;
+:func:`read_into` falls back to ``get`` plus one copy for a store without it.
 """
 
 from __future__ import annotations
@@ -44,6 +48,10 @@ class Store(Protocol):
         """Objects under ``prefix``: name -> size."""
         ...
 
+    # Optional: ``get_into(name, offset, buf) -> int`` reads bytes ``[offset, offset + len(buf))``
+    # into the writable buffer ``buf`` and returns how many it read (fewer at the object's end).
+    # Not part of the Protocol, so that stores without it still satisfy it; see read_into.
+
     def exists(self, name: str) -> bool: ...
 
     def delete(self, name: str) -> None: ...
@@ -51,6 +59,20 @@ class Store(Protocol):
     def ping(self) -> None:
         """Raise :class:`Unavailable` unless the store answers (readiness)."""
         ...
+
+
+def read_into(store: Store, name: str, offset: int, buf: memoryview) -> int:
+    """Read ``[offset, offset + len(buf))`` of ``name`` into ``buf``; the number of bytes read.
+
+    Uses the store's ``get_into`` where it has one (no intermediate copy), else ``get`` and a copy.
+    """
+    direct = getattr(store, "get_into", None)
+    if direct is not None:
+        return direct(name, offset, buf)
+    data = store.get(name, offset, len(buf))
+    n = min(len(data), len(buf))
+    buf[:n] = memoryview(data)[:n]
+    return n
 
 
 def from_env(env: dict[str, str] | None = None) -> Store:
@@ -76,4 +98,4 @@ def from_env(env: dict[str, str] | None = None) -> Store:
     return LocalStore(root)
 
 
-__all__ = ["Store", "StoreError", "NotFound", "Unavailable", "from_env"]
+__all__ = ["Store", "StoreError", "NotFound", "Unavailable", "from_env", "read_into"]
