@@ -9,10 +9,10 @@ prefix), so a 100-chunk prefix streams — chunk 0 is being restored while chunk
 
 Direct path: a chunk stored in the ``native`` layout without a codec (the ``raw`` preset;
 :func:`container.is_native`) is the KV buffer's own bytes. Its segments are read with ranged
-GETs straight into one host staging buffer (pinned when the destination is on a GPU; torch's
-caching host allocator reuses them), checksummed there, and copied into the destination by one
-host-to-device copy on a dedicated CUDA stream — no decoder, no worker process, no reshuffle.
-The chunk counts as written only once that copy has completed.
+GETs straight into one host staging buffer (:mod:`staging`: reused, pinned when the destination
+is on a GPU), checksummed there, and copied into the destination by one host-to-device copy on a
+dedicated CUDA stream — no decoder, no worker process, no reshuffle. The chunk counts as written
+only once that copy has completed.
 
 Failure semantics: the result is the longest run of *leading* chunks that were written; the
 caller recomputes the rest. On the first failure, or at the deadline, or on cancellation, the
@@ -23,6 +23,7 @@ nothing touches the buffers after this returns. Nothing unverified is ever writt
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import logging
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import codecs, container, layout
+from . import codecs, container, layout, staging
 from .decode_workers import BufferOpenError, DecodeWorkers, WorkerError
 from .store import Store, StoreError, read_into
 
@@ -126,13 +127,6 @@ class Destination:
                 done.synchronize()
 
 
-def staging_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
-    """Host memory for one chunk's raw bytes: pinned for a GPU destination (so the copy is a DMA
-    that needs no bounce buffer), plain otherwise. Pinned blocks come from torch's caching host
-    allocator, which reuses them across chunks and fetches (and knows about pending copies)."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.device(device).type == "cuda")
-
-
 @functools.lru_cache(maxsize=None)
 def copy_stream(device: torch.device) -> "torch.cuda.Stream":
     """One stream per GPU for restore copies: they do not queue behind the model's kernels."""
@@ -190,12 +184,16 @@ async def fetch(
     window: int = 4,
     io_concurrency: int = 8,
     workers: DecodeWorkers | None = None,
+    staging_pool: staging.StagingPool | None = None,
 ) -> Outcome:
     """Load ``chunks`` (consecutive, from the first) into ``dest``; see the module doc for failures.
 
     With ``workers`` (and ``dest.handle``), each verified chunk is decoded and written by a
     worker process instead of ``decode_pool`` threads; the window grows to keep them all busy.
+    Native raw chunks take the direct path whatever ``workers`` is, staged in ``staging_pool``
+    (default: the process's shared pool).
     """
+    pool = staging_pool or staging.shared()
     loop = asyncio.get_running_loop()
     if workers is not None:
         if dest.handle is None:
@@ -214,13 +212,6 @@ async def fetch(
                 data = await loop.run_in_executor(io_pool, store.get, name, offset, length)
         out.bytes_read += len(data)
         return data
-
-    async def get_into(name: str, offset: int, buf: memoryview) -> int:
-        async with io_sem:
-            with reads:
-                n = await loop.run_in_executor(io_pool, read_into, store, name, offset, buf)
-        out.bytes_read += n
-        return n
 
     async def decode(fn, *args):
         with decodes:
@@ -300,8 +291,15 @@ async def fetch(
 
     async def load_direct(i: int, c: ChunkRef, h: container.Header, head: bytes) -> None:
         """Native raw chunk: segments into one staging buffer, checksummed, then one copy."""
-        host = staging_buffer(h.total_size - h.header_size, dest.buffer.device)
-        mem = memoryview(host.numpy())  # keeps ``host`` alive while a (possibly abandoned) read fills it
+        nbytes = h.total_size - h.header_size
+        host = pool.take(nbytes, pinned=dest.buffer.is_cuda)
+        mem = memoryview(host.numpy())
+        started: list[concurrent.futures.Future] = []  # thread work on ``host``
+
+        def run(executor: Executor, fn, *args) -> asyncio.Future:
+            f = executor.submit(fn, *args)
+            started.append(f)
+            return asyncio.wrap_future(f)
 
         async def segment(seg: container.Segment) -> None:
             a, part = h.header_size + seg.offset, mem[seg.offset : seg.offset + seg.length]
@@ -309,22 +307,35 @@ async def fetch(
             part[: len(have)] = have
             n = len(have)
             if n < seg.length:
-                n += await get_into(c.name, a + n, part[n:])
+                async with io_sem:
+                    with reads:
+                        k = await run(io_pool, read_into, store, c.name, a + n, part[n:])
+                out.bytes_read += k
+                n += k
             if n < seg.length:
                 raise container.TruncatedError(f"{c.name}: segment at {seg.offset} is {n} bytes, expected {seg.length}")
             with decodes:  # checksums are this path's "decode" (the estimator's restore rate)
-                await loop.run_in_executor(io_pool, container.check, seg, part)
+                await run(io_pool, container.check, seg, part)
 
-        await asyncio.gather(*(segment(s) for s in h.segments))
-        # Every segment verified: only now touch the KV buffers.
-        kv = host.view(h.torch_dtype).view(h.shape)
-        stream = copy_stream(dest.buffer.device) if dest.buffer.is_cuda else None
-        w = loop.run_in_executor(decode_pool, dest.write_kv, c, kv, stream)
-        w.add_done_callback(lambda f: written.add(i) if not f.cancelled() and f.exception() is None else None)
-        writes.append(w)
-        await _timed(decodes, asyncio.shield(w))
-        out.kv_bytes += host.numel()
-        out.direct_chunks += 1
+        parts = [asyncio.ensure_future(segment(s)) for s in h.segments]
+        try:
+            await asyncio.gather(*parts)
+            # Every segment verified: only now touch the KV buffers.
+            kv = host.view(h.torch_dtype).view(h.shape)
+            stream = copy_stream(dest.buffer.device) if dest.buffer.is_cuda else None
+            w = run(decode_pool, dest.write_kv, c, kv, stream)
+            w.add_done_callback(lambda f: written.add(i) if not f.cancelled() and f.exception() is None else None)
+            writes.append(w)
+            await _timed(decodes, asyncio.shield(w))
+            out.kv_bytes += nbytes
+            out.direct_chunks += 1
+        finally:
+            for t in parts:  # a cancelled segment submits nothing more
+                t.cancel()
+            if all(f.done() for f in started):
+                pool.give(host)
+            # else a read or copy abandoned at a failure or deadline still runs in a thread and
+            # owns ``host`` (its memoryview keeps it alive): never reuse it, let it be freed after
 
     tasks = [asyncio.create_task(load(i, c)) for i, c in enumerate(chunks)]
     try:

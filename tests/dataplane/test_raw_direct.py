@@ -3,6 +3,7 @@ checksums per segment, one copy into the destination. On a local directory and o
 server (moto on loopback), and through a store without ``get_into`` (the benchmarks' LinkStore)."""
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,47 @@ def test_native_objects_are_the_buffers_bytes():
     h = container.parse_header(obj)
     assert container.is_native(h) and h.side is None
     assert obj[h.header_size :] == kv.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+async def test_staging_buffers_are_reused_across_chunks_and_fetches(tmp_path):
+    from kvfetcher.staging import StagingPool
+
+    kv = random_bits(torch.float16, tokens=256)
+    store = LocalStore(tmp_path)
+    refs = put_chunks(store, kv, CHUNK)
+    pool = StagingPool()
+    for _ in range(2):
+        buf = torch.full((L, 2, H, 256, D), SENTINEL, dtype=torch.float16)
+        out = await fetch(store, refs, pipeline.Destination(buf, tokens=256), window=2, staging_pool=pool)
+        assert out.error is None and same_bits(buf, kv)
+    assert pool.allocated <= 2  # at most one per chunk in flight, then reused: 8 chunks x 2 fetches
+
+
+async def test_a_read_abandoned_at_the_deadline_never_lands_in_a_reused_buffer(tmp_path, monkeypatch):
+    """A GET still running in its thread when the fetch gives up keeps writing into its staging
+    buffer: that buffer must not go back to the pool, where another chunk could be verified in it
+    and then overwritten before its copy."""
+    import numpy as np
+
+    from kvfetcher.staging import StagingPool
+
+    class SlowSegments(LocalStore):  # headers come at once, segment reads take 0.5 s
+        targets: list[int] = []
+
+        def get_into(self, name, offset, buf):
+            self.targets.append(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+            time.sleep(0.5)
+            return super().get_into(name, offset, buf)
+
+    kv = random_bits(torch.float16, tokens=128)
+    store = SlowSegments(tmp_path)
+    refs = put_chunks(store, kv, CHUNK)
+    monkeypatch.setattr(pipeline, "HEADER_GUESS", 64)  # the header read brings no segment bytes: all slow
+    pool = StagingPool()
+    buf = torch.full((L, 2, H, 128, D), SENTINEL, dtype=torch.float16)
+    out = await fetch(store, refs, pipeline.Destination(buf, tokens=128), deadline_s=0.2, staging_pool=pool, window=4)
+    assert out.error == "deadline" and out.loaded_tokens == 0 and store.targets
+    free = [b for bufs in pool._free.values() for b in bufs]
+    for addr in store.targets:  # no free buffer contains an address a running read writes to
+        assert not any(b.data_ptr() <= addr < b.data_ptr() + b.numel() for b in free)
+    assert bool((buf == SENTINEL).all())
