@@ -17,9 +17,18 @@ from dataclasses import dataclass, field
 
 RECOMPUTE = "recompute"
 
-#: KV bytes restored per second by decoding, before anything is measured (CPU figures; NVDEC ~0.5 GB/s)
-DECODE_PRIOR = {"raw": 2e9, "hevc": 2.5e7}
-GPU_DECODE_PRIOR = {"raw": 2e10, "hevc": 5e8}
+#: KV bytes restored per second by decoding, before anything is measured; a preset's first
+#: measured fetch replaces its format's prior. CPU: raw is the pipeline's direct path (read into
+#: reused host memory, CRC-32, one copy), 3.0 GB/s end to end on the 2-core CPU machine
+#: (bench/fetch_bench.py, 8B shape, local store); HEVC through libavcodec.
+DECODE_PRIOR = {"raw": 3e9, "hevc": 2.5e7}
+#: GPU: HEVC is one NVDEC session (~0.5 GB/s; worker processes reach 2.6-3.3 GB/s once measured).
+#: raw is an estimate, not yet a measurement: its direct path is bounded by ISA-L CRC-32 (11-29 GB/s
+#: per core, docs/benchmarks/crc.json and fetch_bench's ceilings, spread over the I/O threads) and
+#: one pinned host-to-device copy (~55 GB/s on an H200), so 10 GB/s, well above any compressed
+#: preset's restore rate: on links faster than those rates raw wins, on slower ones the smaller
+#: representation or recompute. To be replaced by the H200 run of bench/fetch_bench.py.
+GPU_DECODE_PRIOR = {"raw": 1e10, "hevc": 5e8}
 
 
 @dataclass(frozen=True)
