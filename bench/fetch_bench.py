@@ -189,7 +189,7 @@ def main() -> None:
                 run = {"procs": p, "fetch_s": round(med, 4), "kv_GB_per_s": round(kv_bytes / med / 1e9, 3),
                        "decode_busy_s": round(out.decode_busy_s, 4), "read_busy_s": round(out.read_busy_s, 4),
                        "direct_chunks": out.direct_chunks} | util.result()
-                if w is not None:  # where the workers' time went, per chunk
+                if w is not None and w.stats["chunks"]:  # where the workers' time went, per chunk (raw never uses them)
                     run["worker_ms_per_chunk"] = {k[:-2]: round(1e3 * v / w.stats["chunks"], 2) for k, v in w.stats.items() if k != "chunks"}
                 row["runs"].append(run)
                 print(preset, json.dumps(run), flush=True)

@@ -133,6 +133,14 @@ def copy_stream(device: torch.device) -> "torch.cuda.Stream":
     return torch.cuda.Stream(device=device)
 
 
+def _read_verified(store: Store, name: str, offset: int, part: memoryview, have: int, seg: container.Segment) -> int:
+    """Fill ``part`` (a segment whose first ``have`` bytes are there) from ``name`` at ``offset``,
+    then check its length and CRC-32; returns the bytes read. Blocking: runs in an I/O thread."""
+    n = read_into(store, name, offset + have, part[have:]) if have < len(part) else 0
+    container.check(seg, part[: have + n])
+    return n
+
+
 @dataclass
 class Outcome:
     loaded_tokens: int  # leading tokens now in the buffers
@@ -292,7 +300,8 @@ async def fetch(
     async def load_direct(i: int, c: ChunkRef, h: container.Header, head: bytes) -> None:
         """Native raw chunk: segments into one staging buffer, checksummed, then one copy."""
         nbytes = h.total_size - h.header_size
-        host = pool.take(nbytes, pinned=dest.buffer.is_cuda)
+        pinned = dest.buffer.is_cuda
+        host = pool.take(nbytes, pinned)
         mem = memoryview(host.numpy())
         started: list[concurrent.futures.Future] = []  # thread work on ``host``
 
@@ -305,17 +314,10 @@ async def fetch(
             a, part = h.header_size + seg.offset, mem[seg.offset : seg.offset + seg.length]
             have = head[a : a + seg.length]  # what the header read already brought, if anything
             part[: len(have)] = have
-            n = len(have)
-            if n < seg.length:
-                async with io_sem:
-                    with reads:
-                        k = await run(io_pool, read_into, store, c.name, a + n, part[n:])
-                out.bytes_read += k
-                n += k
-            if n < seg.length:
-                raise container.TruncatedError(f"{c.name}: segment at {seg.offset} is {n} bytes, expected {seg.length}")
-            with decodes:  # checksums are this path's "decode" (the estimator's restore rate)
-                await run(io_pool, container.check, seg, part)
+            async with io_sem:
+                with reads:  # read + checksum in one thread hop (the CRC reads bytes still in cache)
+                    n = await run(io_pool, _read_verified, store, c.name, a, part, len(have), seg)
+            out.bytes_read += n  # (not ``+= await``: that reads the count before awaiting)
 
         parts = [asyncio.ensure_future(segment(s)) for s in h.segments]
         try:
@@ -333,7 +335,7 @@ async def fetch(
             for t in parts:  # a cancelled segment submits nothing more
                 t.cancel()
             if all(f.done() for f in started):
-                pool.give(host)
+                pool.give(host, pinned)
             # else a read or copy abandoned at a failure or deadline still runs in a thread and
             # owns ``host`` (its memoryview keeps it alive): never reuse it, let it be freed after
 

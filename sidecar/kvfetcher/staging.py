@@ -39,10 +39,11 @@ class StagingPool:
             self.allocated += 1
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
 
-    def give(self, buf: torch.Tensor) -> None:
-        """Return a buffer no one uses any more."""
+    def give(self, buf: torch.Tensor, pinned: bool) -> None:
+        """Return a buffer no one uses any more (``pinned`` as it was taken: ``Tensor.is_pinned``
+        costs ~0.3 ms a call without CUDA)."""
         with self._lock:
-            free = self._free[(buf.numel(), buf.is_pinned())]
+            free = self._free[(buf.numel(), pinned)]
             if len(free) < self.keep:
                 free.append(buf)
 
