@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 from typing import Protocol
 
+import numpy as np
+
 
 class StoreError(RuntimeError):
     """A store operation failed; ``reason`` is the metrics label."""
@@ -71,7 +73,8 @@ def read_into(store: Store, name: str, offset: int, buf: memoryview) -> int:
         return direct(name, offset, buf)
     data = store.get(name, offset, len(buf))
     n = min(len(data), len(buf))
-    buf[:n] = memoryview(data)[:n]
+    # numpy copies without the GIL (a memoryview assignment holds it: the event loop would stall)
+    np.frombuffer(buf, dtype=np.uint8, count=n)[:] = np.frombuffer(data, dtype=np.uint8, count=n)
     return n
 
 
