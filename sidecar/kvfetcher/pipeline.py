@@ -10,9 +10,10 @@ prefix), so a 100-chunk prefix streams — chunk 0 is being restored while chunk
 Direct path: a chunk stored in the ``native`` layout without a codec (the ``raw`` preset;
 :func:`container.is_native`) is the KV buffer's own bytes. Its segments are read with ranged
 GETs straight into one host staging buffer (:mod:`staging`: reused, pinned when the destination
-is on a GPU), checksummed there, and copied into the destination by one host-to-device copy on a
-dedicated CUDA stream — no decoder, no worker process, no reshuffle. The chunk counts as written
-only once that copy has completed.
+is on a GPU), each checksummed by the thread that read it, and once all have verified the chunk
+is copied into the destination by one host-to-device copy on a dedicated CUDA stream — no
+decoder, no worker process, no reshuffle. The chunk counts as written only once that copy has
+completed.
 
 Failure semantics: the result is the longest run of *leading* chunks that were written; the
 caller recomputes the rest. On the first failure, or at the deadline, or on cancellation, the
@@ -106,7 +107,6 @@ class Destination:
             self.buffer.index_copy_(3, torch.tensor(idx, device=self.buffer.device), kv)
         if self.buffer.is_cuda:  # the model (another process) reads once we answer: finish first
             torch.cuda.current_stream(self.buffer.device).synchronize()
-
 
     def write_kv(self, c: ChunkRef, kv: torch.Tensor, stream: "torch.cuda.Stream | None" = None) -> None:
         """Copy a verified chunk ``[layers, 2, kv_heads, tokens, head_dim]`` (host memory) into its

@@ -50,10 +50,6 @@ class Store(Protocol):
         """Objects under ``prefix``: name -> size."""
         ...
 
-    # Optional: ``get_into(name, offset, buf) -> int`` reads bytes ``[offset, offset + len(buf))``
-    # into the writable buffer ``buf`` and returns how many it read (fewer at the object's end).
-    # Not part of the Protocol, so that stores without it still satisfy it; see read_into.
-
     def exists(self, name: str) -> bool: ...
 
     def delete(self, name: str) -> None: ...
@@ -61,6 +57,10 @@ class Store(Protocol):
     def ping(self) -> None:
         """Raise :class:`Unavailable` unless the store answers (readiness)."""
         ...
+
+    # Optional: ``get_into(name, offset, buf) -> int`` reads bytes ``[offset, offset + len(buf))``
+    # into the writable buffer ``buf`` and returns how many it read (fewer at the object's end).
+    # Not part of the Protocol, so that stores without it still satisfy it; see read_into.
 
 
 def read_into(store: Store, name: str, offset: int, buf: memoryview) -> int:
