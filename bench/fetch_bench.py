@@ -34,9 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fetchkit import fetch_raw_direct  # noqa: E402
 from kvtest import synthetic_kv  # noqa: E402
-from linkstore import Link, LinkStore  # noqa: E402
 from nvdec_bench import NvmlSampler  # noqa: E402
 
 from kvfetcher import ipc, pipeline  # noqa: E402
@@ -102,8 +100,17 @@ def restored_bit_exact(buf: torch.Tensor, chunk_of, args) -> bool:
                for i in range(args.chunks))
 
 
+def linked(gbps: float):
+    """An in-memory store behind an emulated link of ``gbps`` (bench/linkstore.py; it has no ``get_into``)."""
+    from linkstore import Link, LinkStore
+
+    return LinkStore(Link(gbps * 1e9 / 8))
+
+
 def raw_direct(store, chunk_of, args, buf, kv_bytes: int) -> dict:
     """The plain baseline: KV bytes stored as they are, ranged GETs copied into the buffer (fetchkit)."""
+    from fetchkit import fetch_raw_direct
+
     objs = [chunk_of(i).contiguous().view(torch.uint8).numpy().tobytes() for i in range(args.distinct or args.chunks)]
     refs = []
     for i in range(args.chunks):
@@ -133,8 +140,9 @@ def main() -> None:
     ap.add_argument("--kv", help="real KV tensor (torch.save) to tile into the shape")
     ap.add_argument("--distinct", type=int, default=0, help="encode only this many distinct chunks (0: all)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--link-gbps", type=float, default=0.0, help="objects behind an emulated link of this speed (0: a local directory)")
     ap.add_argument("--out")
+
+    ap.add_argument("--link-gbps", type=float, default=0.0, help="objects behind an emulated link of this speed (0: a local directory)")
     args = ap.parse_args()
     layers, heads, head_dim = (int(x) for x in args.shape.split(","))
     tokens = args.chunks * args.chunk_tokens
@@ -146,8 +154,7 @@ def main() -> None:
     kv_bytes = layers * 2 * heads * tokens * head_dim * kv.element_size()
     results = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "date": time.strftime("%Y-%m-%d"),
                "kv": f"real ({args.kv}) tiled" if args.kv else "synthetic", "kv_bytes": kv_bytes, "chunks": args.chunks,
-               "distinct_chunks": distinct, "chunk_tokens": args.chunk_tokens, "shape": [layers, heads, head_dim],
-               "store": f"emulated link {args.link_gbps} Gbit/s" if args.link_gbps else "local directory", "presets": {}}
+               "distinct_chunks": distinct, "chunk_tokens": args.chunk_tokens, "shape": [layers, heads, head_dim], "presets": {}}
     procs = [int(p) for p in args.procs.split(",")]
     pools = {p: DecodeWorkers(p) for p in procs if p}
     for w in pools.values():
@@ -157,7 +164,8 @@ def main() -> None:
     results["ceilings"] = ceilings(chunk_of(0), buf.tensor)
     print("ceilings", json.dumps(results["ceilings"]), flush=True)
     with tempfile.TemporaryDirectory() as d:
-        store = LinkStore(Link(args.link_gbps * 1e9 / 8)) if args.link_gbps else LocalStore(d)
+        store = linked(args.link_gbps) if args.link_gbps else LocalStore(d)
+        results["store"] = f"emulated link {args.link_gbps} Gbit/s" if args.link_gbps else "local directory"
         for preset in args.presets.split(","):
             if preset == RAW_DIRECT:
                 results["presets"][preset] = raw_direct(store, chunk_of, args, buf, kv_bytes)
