@@ -141,7 +141,6 @@ def main() -> None:
     ap.add_argument("--distinct", type=int, default=0, help="encode only this many distinct chunks (0: all)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out")
-
     ap.add_argument("--link-gbps", type=float, default=0.0, help="objects behind an emulated link of this speed (0: a local directory)")
     args = ap.parse_args()
     layers, heads, head_dim = (int(x) for x in args.shape.split(","))
