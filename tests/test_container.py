@@ -159,8 +159,12 @@ def _hevc(d):
 @pytest.mark.parametrize("edit", [_gap, _hevc])
 def test_native_headers_must_cover_the_chunk_back_to_back(edit):
     """The direct path copies the payload as the KV: every byte of it must be a checksummed segment."""
-    obj = encode_chunk(synthetic_kv(layers=8, tokens=64), "raw", FP)
-    assert len(container.parse_header(obj).segments) > 1
+    from dataclasses import replace
+
+    from kvfetcher import presets
+
+    obj = encode_chunk(synthetic_kv(layers=8, tokens=64), replace(presets.get("raw"), segment_bytes=70_000), FP)
+    assert len(container.parse_header(obj).segments) == 4  # 2 layers of 32 KB each
     with pytest.raises(container.CorruptError):
         decode_chunk(_rewrite_header(obj, edit), FP)
 

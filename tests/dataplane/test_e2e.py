@@ -127,8 +127,7 @@ def test_fault_slow_link_past_the_deadline(lm, prompt, objects, s3_endpoint, slo
     ids, _, reference = prompt
     direct = new_bucket(s3_endpoint)
     put_all(direct, objects)
-    # the proxy paces each response: a raw chunk is ~3 MB in 8 segments read in parallel, ~2 s each
-    proxy = slow_proxy(bytes_per_s=2e5)
+    proxy = slow_proxy(bytes_per_s=2e6)  # a raw chunk is ~3 MB: 1.5 s each
     store = S3Store(proxy.endpoint, direct.bucket, "testing", "testing")
     with sidecar(store) as sc:
         g = cached_lm(lm, sc.url, recompute_tps=SLOW_MODEL_TPS).generate(ids, NEW, store=False, deadline_s=0.5)

@@ -22,6 +22,19 @@ from linkstore import LinkStore  # noqa: E402
 L, H, D, TOKENS, CHUNK = 3, 2, 32, 96, 32
 
 
+@pytest.fixture(autouse=True)
+def segments_arrive_by_ranged_reads(monkeypatch):
+    """Test chunks are KBs, real ones MBs: give raw objects one segment per layer and make the
+    header read short, so that segments reach the staging buffer by ranged reads (``get_into``),
+    the first one partly from the header read, as with real chunks."""
+    from dataclasses import replace
+
+    from kvfetcher import presets
+
+    monkeypatch.setitem(presets.PRESETS, "raw", replace(presets.get("raw"), segment_bytes=1))
+    monkeypatch.setattr(pipeline, "HEADER_GUESS", 1024)
+
+
 def random_bits(dtype: torch.dtype, tokens: int = TOKENS, seed: int = 0) -> torch.Tensor:
     """Every bit pattern, NaNs and infinities included: bit-exact means exactly that."""
     g = torch.Generator().manual_seed(seed)
