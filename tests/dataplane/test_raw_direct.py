@@ -62,14 +62,12 @@ async def test_raw_round_trip_is_bit_exact(store, dtype, where):
     refs = put_chunks(store, kv, CHUNK)
     big = torch.full((L, 2, H, 300, D), SENTINEL, dtype=dtype)
     if where == "offset":  # contiguous slots: a strided view buffer[:, :, :, a:a+T]
-        buf, dest = big, pipeline.Destination(big, offset=17, tokens=TOKENS)
-        slots = list(range(17, 17 + TOKENS))
+        dest, slots = pipeline.Destination(big, offset=17, tokens=TOKENS), list(range(17, 17 + TOKENS))
     elif where == "scattered":  # a paged cache: index_copy_
-        buf, slots = big, torch.randperm(300, generator=torch.Generator().manual_seed(1))[:TOKENS].tolist()
+        slots = torch.randperm(300, generator=torch.Generator().manual_seed(1))[:TOKENS].tolist()
         dest = pipeline.Destination(big, slots=slots)
     else:  # the registered buffer is itself a non-contiguous view of a larger allocation
-        buf = big[:, :, :, 100:250]
-        dest, slots = pipeline.Destination(buf, offset=10, tokens=TOKENS), list(range(110, 110 + TOKENS))
+        dest, slots = pipeline.Destination(big[:, :, :, 100:250], offset=10, tokens=TOKENS), list(range(110, 110 + TOKENS))
     out = await fetch(store, refs, dest)
     assert out.error is None and out.loaded_tokens == TOKENS, out.detail
     assert out.direct_chunks == len(refs) and out.kv_bytes == kv.numel() * kv.element_size()
