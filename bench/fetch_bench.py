@@ -9,7 +9,13 @@ compression ratios and bitstream sizes are those of real KV. ``--distinct`` chun
 and stored under every chunk's name (encoding GBs on CPU would take minutes; decoding work is
 the same). Prints and optionally writes one JSON object.
 
-    python bench/fetch_bench.py --device cuda --chunks 64 --shape 32,8,128 --kv real.pt --procs 0,8 --presets raw,q8,lean
+``raw-direct`` (a pseudo-preset) is the plain baseline of ``fetchkit.fetch_raw_direct``: each
+chunk's KV bytes stored as they are (no container) and copied to the buffer as they arrive —
+what the ``raw`` preset's direct path (``pipeline``: ranged GETs into pinned staging memory,
+CRC per segment, one copy on a side stream) is compared with. ``--link-gbps`` puts the objects
+behind an emulated link (``linkstore``) instead of a local directory.
+
+    python bench/fetch_bench.py --device cuda --chunks 64 --shape 32,8,128 --kv real.pt --procs 0,8 --presets raw,raw-direct,q8,lean
 """
 
 from __future__ import annotations
@@ -54,11 +60,72 @@ def tile_real(real: torch.Tensor, layers: int, heads: int, tokens: int, head_dim
     return torch.gather(x, 3, idx).contiguous()
 
 
+RAW_DIRECT = "raw-direct"
+
+
+def ceilings(kv_chunk: torch.Tensor, buf: torch.Tensor, repeats: int = 5) -> dict:
+    """What bounds the direct path on this machine: CRC-32 (ISA-L) on one core, and one chunk's
+    host-to-buffer copy (from pinned memory on a GPU) into a strided view of the buffer."""
+    from kvfetcher.container import crc32
+
+    host = kv_chunk.contiguous().view(torch.uint8).reshape(-1)
+    host = host.pin_memory() if buf.is_cuda else host
+    mem, T = memoryview(host.numpy()), kv_chunk.shape[3]
+    view = buf[:, :, :, :T]
+    src = host.view(kv_chunk.dtype).view(kv_chunk.shape)
+    crc_s, copy_s = [], []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        crc32(mem)
+        crc_s.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        view.copy_(src, non_blocking=True)
+        if buf.is_cuda:
+            torch.cuda.synchronize()
+        copy_s.append(time.perf_counter() - t)
+    n = host.numel()
+    return {"crc32_GB_s_one_core": round(n / min(crc_s) / 1e9, 2),
+            ("h2d_pinned_GB_s" if buf.is_cuda else "host_copy_GB_s"): round(n / min(copy_s) / 1e9, 2)}
+
+
 async def fetch_once(store, refs, buf, device, window, decode_workers, workers=None):
     with ThreadPoolExecutor(16) as io, ThreadPoolExecutor(decode_workers) as dec:
         dest = pipeline.Destination(buf.tensor, tokens=sum(r.tokens for r in refs), handle=buf.handle)
         return await pipeline.fetch(store, refs, dest, fingerprint="bench", io_pool=io, decode_pool=dec, device=device,
                                     window=window, workers=workers)
+
+
+def restored_bit_exact(buf: torch.Tensor, chunk_of, args) -> bool:
+    T = args.chunk_tokens
+    return all(torch.equal(buf[:, :, :, i * T : (i + 1) * T].cpu().view(torch.uint8), chunk_of(i).contiguous().view(torch.uint8))
+               for i in range(args.chunks))
+
+
+def linked(gbps: float):
+    """An in-memory store behind an emulated link of ``gbps`` (bench/linkstore.py; it has no ``get_into``)."""
+    from linkstore import Link, LinkStore
+
+    return LinkStore(Link(gbps * 1e9 / 8))
+
+
+def raw_direct(store, chunk_of, args, buf, kv_bytes: int) -> dict:
+    """The plain baseline: KV bytes stored as they are, ranged GETs copied into the buffer (fetchkit)."""
+    from fetchkit import fetch_raw_direct
+
+    objs = [chunk_of(i).contiguous().view(torch.uint8).numpy().tobytes() for i in range(args.distinct or args.chunks)]
+    refs = []
+    for i in range(args.chunks):
+        name = f"kv/{i}/{RAW_DIRECT}.bin"
+        store.put(name, objs[i % len(objs)])
+        refs.append(pipeline.ChunkRef(name, len(objs[i % len(objs)]), i * args.chunk_tokens, args.chunk_tokens))
+    with ThreadPoolExecutor(16) as io:
+        fetch_raw_direct(store, refs[:2], buf.tensor, 0, io, args.window)  # warm-up
+        buf.tensor.zero_()
+        secs = [fetch_raw_direct(store, refs, buf.tensor, 0, io, args.window) for _ in range(args.repeats)]
+    med = statistics.median(secs)
+    run = {"procs": None, "fetch_s": round(med, 4), "kv_GB_per_s": round(kv_bytes / med / 1e9, 3)}
+    print(RAW_DIRECT, json.dumps(run), flush=True)
+    return {"stored_bytes": sum(r.size for r in refs), "ratio": 1.0, "runs": [run], "restored_bit_exact": restored_bit_exact(buf.tensor, chunk_of, args)}
 
 
 def main() -> None:
@@ -76,6 +143,7 @@ def main() -> None:
     ap.add_argument("--distinct", type=int, default=0, help="encode only this many distinct chunks (0: all)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out")
+    ap.add_argument("--link-gbps", type=float, default=0.0, help="objects behind an emulated link of this speed (0: a local directory)")
     args = ap.parse_args()
     layers, heads, head_dim = (int(x) for x in args.shape.split(","))
     tokens = args.chunks * args.chunk_tokens
@@ -95,9 +163,16 @@ def main() -> None:
     for w in pools.values():
         w.start()
     buf = ipc.allocate((layers, 2, heads, tokens, head_dim), kv.dtype, args.device)  # one buffer, as a model has
+    chunk_of = lambda i: kv[:, :, :, (i % distinct) * args.chunk_tokens : (i % distinct + 1) * args.chunk_tokens]  # noqa: E731
+    results["ceilings"] = ceilings(chunk_of(0), buf.tensor)
+    print("ceilings", json.dumps(results["ceilings"]), flush=True)
     with tempfile.TemporaryDirectory() as d:
-        store = LocalStore(d)
+        store = linked(args.link_gbps) if args.link_gbps else LocalStore(d)
+        results["store"] = f"emulated link {args.link_gbps} Gbit/s" if args.link_gbps else "local directory"
         for preset in args.presets.split(","):
+            if preset == RAW_DIRECT:
+                results["presets"][preset] = raw_direct(store, chunk_of, args, buf, kv_bytes)
+                continue
             refs, stored, t = [], 0, time.perf_counter()
             objs = [encode_chunk(kv[:, :, :, i * args.chunk_tokens : (i + 1) * args.chunk_tokens].contiguous(), preset, "bench",
                                  start=i * args.chunk_tokens, rope_theta=ROPE_THETA) for i in range(distinct)]
@@ -123,14 +198,17 @@ def main() -> None:
                         secs.append(out.seconds)
                 med = statistics.median(secs)
                 run = {"procs": p, "fetch_s": round(med, 4), "kv_GB_per_s": round(kv_bytes / med / 1e9, 3),
-                       "decode_busy_s": round(out.decode_busy_s, 4), "read_busy_s": round(out.read_busy_s, 4)} | util.result()
-                if w is not None:  # where the workers' time went, per chunk
+                       "decode_busy_s": round(out.decode_busy_s, 4), "read_busy_s": round(out.read_busy_s, 4),
+                       "direct_chunks": out.direct_chunks} | util.result()
+                if w is not None and w.stats["chunks"]:  # where the workers' time went, per chunk (raw never uses them)
                     run["worker_ms_per_chunk"] = {k[:-2]: round(1e3 * v / w.stats["chunks"], 2) for k, v in w.stats.items() if k != "chunks"}
                 row["runs"].append(run)
                 print(preset, json.dumps(run), flush=True)
-            if args.device == "cuda":  # what was restored is what was stored
-                ref = torch.cat([decode_chunk(objs[i % distinct], "bench", "cuda") for i in range(min(args.chunks, distinct))], 3)
+            if args.device == "cuda" or preset == "raw":  # what was restored is what was stored
+                ref = torch.cat([decode_chunk(objs[i % distinct], "bench", args.device) for i in range(min(args.chunks, distinct))], 3)
                 row["restored_matches_decode"] = bool(torch.equal(buf.tensor[:, :, :, : ref.shape[3]], ref))
+            if preset == "raw":
+                row["restored_bit_exact"] = restored_bit_exact(buf.tensor, chunk_of, args)
     buf.close()
     for w in pools.values():
         w.close()

@@ -134,3 +134,51 @@ def test_pre_rope_preset_carries_theta_and_start_in_the_header():
     h = container.parse_header(obj)
     assert h.start == 256 and h.layout.rope_theta == 10000.0
     assert (decode_chunk(obj, FP).float() - kv.float()).abs().max() < 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_raw_preset_stores_the_buffers_bytes_and_decodes_bit_exactly(dtype):
+    n = 4 * 2 * 2 * 50 * 64 * torch.finfo(dtype).bits // 8
+    kv = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)).view(dtype).view(4, 2, 2, 50, 64)
+    obj = encode_chunk(kv, "raw", FP)
+    h = container.parse_header(obj)
+    assert container.is_native(h) and h.layout.mode == "native"
+    assert obj[h.header_size :] == kv.view(torch.uint8).numpy().tobytes()  # payload = the KV, in buffer order
+    back = decode_chunk(obj, FP)  # the generic path (decoder + layout.unpack) agrees with the direct one
+    assert torch.equal(back.view(torch.uint8), kv.view(torch.uint8))
+
+
+def _gap(d):  # the second segment starts one byte late: a byte of the chunk would be left unread
+    d["segments"][1]["offset"] += 1
+
+
+def _hevc(d):
+    d["codec"]["format"] = "hevc"
+
+
+@pytest.mark.parametrize("edit", [_gap, _hevc])
+def test_native_headers_must_cover_the_chunk_back_to_back(edit):
+    """The direct path copies the payload as the KV: every byte of it must be a checksummed segment."""
+    from dataclasses import replace
+
+    from kvfetcher import presets
+
+    obj = encode_chunk(synthetic_kv(layers=8, tokens=64), replace(presets.get("raw"), segment_bytes=70_000), FP)
+    assert len(container.parse_header(obj).segments) == 4  # 2 layers of 32 KB each
+    with pytest.raises(container.CorruptError):
+        decode_chunk(_rewrite_header(obj, edit), FP)
+
+
+def test_a_layout_v3_raw_object_still_decodes():
+    """v3's raw preset stored byte planes (layout ``exact``, no codec); its header parses unchanged."""
+    from dataclasses import replace
+
+    from kvfetcher import presets
+    from kvfetcher.layout import LayoutParams
+
+    kv = synthetic_kv(tokens=64, dtype=torch.bfloat16)
+    v3_raw = replace(presets.get("raw"), layout=LayoutParams(mode="exact", planes=3))
+    obj = _rewrite_header(encode_chunk(kv, v3_raw, FP), lambda d: d.update(layout_version=3))
+    assert torch.equal(decode_chunk(obj, FP).view(torch.uint8), kv.view(torch.uint8))
+    with pytest.raises(container.ForeignObjectError):
+        decode_chunk(_rewrite_header(obj, lambda d: d.update(layout_version=2)), FP)

@@ -7,7 +7,7 @@ from kvfetcher.service import Config
 def test_every_preset_is_consistent():
     for name, p in presets.PRESETS.items():
         assert p.name == name
-        assert p.lossless == (p.layout.mode == "exact")
+        assert p.lossless == (p.layout.mode in ("exact", "native"))
         assert (p.codec.format == "raw") == (name == "raw")
 
 

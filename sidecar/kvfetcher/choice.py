@@ -17,9 +17,21 @@ from dataclasses import dataclass, field
 
 RECOMPUTE = "recompute"
 
-#: KV bytes restored per second by decoding, before anything is measured (CPU figures; NVDEC ~0.5 GB/s)
-DECODE_PRIOR = {"raw": 2e9, "hevc": 2.5e7}
-GPU_DECODE_PRIOR = {"raw": 2e10, "hevc": 5e8}
+#: KV bytes restored per second by decoding, before anything is measured; a preset's first
+#: measured fetch replaces its format's prior. For raw, "decoding" is the pipeline's direct path
+#: minus the read: its CRC-32 runs in the read's thread (so it counts in the store bandwidth),
+#: what is left is one copy into the KV buffer. CPU: 3.0-3.8 GB/s end to end on the 2-core CPU
+#: machine (bench/fetch_bench.py, Llama-3-8B shape, local store), taken as the prior; HEVC through
+#: libavcodec.
+DECODE_PRIOR = {"raw": 3e9, "hevc": 2.5e7}
+#: GPU: HEVC is one NVDEC session (~0.5 GB/s; worker processes reach 2.6-3.3 GB/s once measured).
+#: raw is an estimate, not yet a measurement: one pinned host-to-device copy (~55 GB/s on an
+#: H200, as docs/benchmarks/scale_h200.md quotes), the CRC (ISA-L, 11-29 GB/s per core:
+#: docs/benchmarks/crc.json, fetch_bench's ceilings) being in the reads. 10 GB/s is a
+#: conservative round figure, far above any compressed preset's restore rate: on links faster
+#: than those rates raw wins, on slower ones the smaller representation or recompute. To be
+#: replaced by the H200 run of bench/fetch_bench.py.
+GPU_DECODE_PRIOR = {"raw": 1e10, "hevc": 5e8}
 
 
 @dataclass(frozen=True)

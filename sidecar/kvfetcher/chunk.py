@@ -36,7 +36,8 @@ def encode_chunk(
     packed = layout.pack(kv, lp, start)
     enc = codecs.encoder(p.codec.format)
     n = packed.frames.shape[0]
-    step = max(1, p.segment_frames)
+    frame_bytes = packed.frames[0].numel()
+    step = max(1, p.segment_bytes // frame_bytes if p.segment_bytes else p.segment_frames)
     segments = [((a, min(a + step, n)), enc.encode(packed.frames[a : a + step], p.codec)) for a in range(0, n, step)]
     fields = {
         "fingerprint": fingerprint,

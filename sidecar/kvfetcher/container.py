@@ -200,7 +200,9 @@ def parse_header(data: bytes) -> Header:
         d = json.loads(hb)
         if d["layout_version"] > layout.LAYOUT_VERSION:
             raise FutureVersionError(f"layout v{d['layout_version']} is newer than this reader")
-        if d["layout_version"] < layout.LAYOUT_VERSION:  # keys are namespaced by it: never looked up
+        # Keys are namespaced by the layout version, so a fetch never looks older objects up; those
+        # whose header this reader understands unchanged still decode (e.g. kept objects, tools).
+        if d["layout_version"] < layout.MIN_READABLE_LAYOUT:
             raise ForeignObjectError(f"layout v{d['layout_version']} objects are not read by layout v{layout.LAYOUT_VERSION}")
         if d["dtype"] not in layout.DTYPES:
             raise CorruptError(f"unknown dtype {d['dtype']!r}")
@@ -246,12 +248,26 @@ def _check_consistent(h: Header) -> None:
         expect = s.frames[1]
     if expect != h.frame_shape[0]:
         raise CorruptError(f"segments cover {expect} frames of {h.frame_shape[0]}")
-    if (h.side is None) != (h.layout.mode == "exact"):
+    if (h.side is None) != (h.layout.mode in layout.LOSSLESS_MODES):
         raise CorruptError("side information present/absent contrary to the layout")
+    if h.layout.mode == "native":  # the payload *is* the KV: every byte covered once, in order
+        if h.codec.format != "raw":
+            raise CorruptError(f"native layout with a {h.codec.format!r} bitstream")
+        frame_bytes, at = h.frame_shape[3], 0
+        for s in h.segments:
+            if s.offset != at or s.length != (s.frames[1] - s.frames[0]) * frame_bytes:
+                raise CorruptError("native segments do not cover the chunk's bytes back to back")
+            at += s.length
     if h.side is not None:
         need = layout.side_numel(h.shape, h.layout) * layout.bytes_per_value(h.torch_dtype)
         if h.side.length != need:
             raise CorruptError(f"side information is {h.side.length} bytes, expected {need}")
+
+
+def is_native(h: Header) -> bool:
+    """True when the payload is the chunk's KV bytes in buffer order, stored without a codec:
+    restoring it is one copy (the fetch pipeline's direct path), no decoder involved."""
+    return h.layout.mode == "native" and h.codec.format == "raw"
 
 
 def check_fingerprint(h: Header, expected: str | None) -> None:

@@ -11,6 +11,10 @@ neighbours, so the layout decides what sits next to what:
 * tiles are stacked vertically into planes, and ``planes`` tiles side by side in the colour
   planes of one frame (``3`` = HEVC 4:4:4, three times the values per decoded frame on NVDEC;
   ``1`` = luma only).
+* ``native`` is no video at all: the chunk's bytes exactly as the KV buffer holds them,
+  ``[layers, 2, kv_heads, tokens, head_dim]`` in the KV dtype, one "frame" per layer (a row of
+  bytes), so a run of frames is a run of layers. Restoring is one copy into the destination
+  (the fetch pipeline's direct path: no decoder, no reshuffle); for the ``raw`` preset.
 * ``exact`` splits each value into its bytes (high byte first) and codes them as separate tiles;
   quantised modes map each channel's range over the chunk's tokens onto ``2**bits`` levels.
   The first ``exact_tokens`` tokens of a chunk stay exact in the side information and out of
@@ -38,7 +42,11 @@ import torch
 
 from . import rope
 
-LAYOUT_VERSION = 3  # 2: exact leading tokens in the side information; 3: sigma_steps in the header
+LAYOUT_VERSION = 4  # 2: exact leading tokens in the side information; 3: sigma_steps in the header; 4: native mode
+#: oldest layout whose objects this code still decodes (v3 headers parse unchanged; v2 and older differ)
+MIN_READABLE_LAYOUT = 3
+#: modes that restore the stored values bit for bit and carry no side information
+LOSSLESS_MODES = ("exact", "native")
 
 #: dtypes a chunk may have, by name as written in container headers.
 DTYPES: dict[str, torch.dtype] = {
@@ -60,7 +68,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 class LayoutParams:
     """How a chunk becomes planes. Stored verbatim in the container header."""
 
-    mode: str = "quant"  # "exact" (bytes of the original dtype) or "quant"
+    mode: str = "quant"  # "native" (the buffer's bytes), "exact" (bytes of the original dtype as planes) or "quant"
     bits: int = 8  # quantisation levels = 2**bits (quant mode); samples stay 8-bit
     planes: int = 3  # colour planes per frame: 3 (4:4:4) or 1 (luma only)
     max_rows: int = 1024  # tiles are stacked until a plane is this tall
@@ -74,8 +82,10 @@ class LayoutParams:
     sigma_steps: tuple[tuple[float, float], ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.mode not in ("exact", "quant"):
-            raise ValueError(f"layout mode must be 'exact' or 'quant', not {self.mode!r}")
+        if self.mode not in ("native", "exact", "quant"):
+            raise ValueError(f"layout mode must be 'native', 'exact' or 'quant', not {self.mode!r}")
+        if self.mode == "native" and self.planes != 1:
+            raise ValueError("native layout has no colour planes: planes must be 1")
         for b in (self.bits, *(self.kv_bits or ()), *(b for kv in self.bits_map or () for b in kv)):
             if not 1 <= b <= 8:
                 raise ValueError(f"bits must be in 1..8, not {b}")
@@ -151,6 +161,8 @@ def geometry(shape: tuple[int, ...], dtype: torch.dtype, params: LayoutParams) -
     layers, two, heads, tokens, head_dim = shape
     if two != 2:
         raise ValueError(f"KV chunk must be [layers, 2, kv_heads, tokens, head_dim], got {tuple(shape)}")
+    if params.mode == "native":  # one frame per layer: a single row of that layer's bytes
+        return Geometry(layers, 1, 2 * heads * tokens * head_dim * bytes_per_value(dtype), 1, 1)
     per_value = bytes_per_value(dtype) if params.mode == "exact" else 1
     rows, cols = _round8(tokens), _round8(heads * head_dim)
     # NVDEC needs planes of at least 144 x 144 (HEVC); stacking tiles grows the height.
@@ -190,7 +202,7 @@ class Packed:
 
 def side_numel(shape: tuple[int, ...], params: LayoutParams) -> int:
     """Values of side information: per-channel (offset, step), then the exact leading tokens."""
-    if params.mode == "exact":
+    if params.mode in LOSSLESS_MODES:
         return 0
     layers, _, heads, tokens, head_dim = shape
     return layers * 2 * heads * head_dim * (2 + min(params.exact_tokens, tokens))
@@ -251,6 +263,8 @@ def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
     dtype_name(kv.dtype)  # validates
     layers, _, heads, tokens, head_dim = kv.shape
     geo = geometry(tuple(kv.shape), kv.dtype, params)
+    if params.mode == "native":
+        return Packed(kv.contiguous().view(torch.uint8).reshape(geo.frame_shape), None, geo)
     if params.mode == "exact":
         # [layers, 2, tokens, heads*head_dim]: a tile per (layer, k|v, byte)
         tok_major = kv.permute(0, 1, 3, 2, 4).reshape(layers, 2, tokens, heads * head_dim)
@@ -304,6 +318,8 @@ def unpack(
     geo = geometry(tuple(shape), dtype, params)
     if tuple(frames.shape) != geo.frame_shape or frames.dtype != torch.uint8:
         raise ValueError(f"frames {tuple(frames.shape)} {frames.dtype} do not match layout {geo.frame_shape} uint8")
+    if params.mode == "native":
+        return _restore(frames.contiguous().view(dtype).view(tuple(shape)), shape, dtype, out)
     tiles = _frames_to_tiles(frames, geo, tokens, heads * head_dim)
     if params.mode == "exact":
         nbytes = bytes_per_value(dtype)
@@ -329,7 +345,11 @@ def unpack(
         e = exact.shape[3]
         if e:
             vals[:, :, :e] = exact.permute(0, 1, 3, 2, 4).reshape(layers, 2, e, heads * head_dim)
-    result = vals.view(layers, 2, tokens, heads, head_dim).permute(0, 1, 3, 2, 4)
+    return _restore(vals.view(layers, 2, tokens, heads, head_dim).permute(0, 1, 3, 2, 4), shape, dtype, out)
+
+
+def _restore(result: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
+    """``result`` as a new contiguous tensor, or copied into ``out`` (checked against the chunk)."""
     if out is None:
         return result.contiguous()
     if tuple(out.shape) != tuple(shape) or out.dtype != dtype:

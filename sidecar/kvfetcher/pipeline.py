@@ -7,6 +7,14 @@ has verified and decoded, the chunk is unpacked into its destination slots. Up t
 chunks are in flight at once (a bounded buffer: memory stays ``window`` chunks however long the
 prefix), so a 100-chunk prefix streams — chunk 0 is being restored while chunk 3 downloads.
 
+Direct path: a chunk stored in the ``native`` layout without a codec (the ``raw`` preset;
+:func:`container.is_native`) is the KV buffer's own bytes. Its segments are read with ranged
+GETs straight into one host staging buffer (:mod:`staging`: reused, pinned when the destination
+is on a GPU), each checksummed by the thread that read it, and once all have verified the chunk
+is copied into the destination by one host-to-device copy on a dedicated CUDA stream — no
+decoder, no worker process, no reshuffle. The chunk counts as written only once that copy has
+completed.
+
 Failure semantics: the result is the longest run of *leading* chunks that were written; the
 caller recomputes the rest. On the first failure, or at the deadline, or on cancellation, the
 chunks still in flight are abandoned — except a write already started, which is awaited, so
@@ -16,6 +24,9 @@ nothing touches the buffers after this returns. Nothing unverified is ever writt
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -24,9 +35,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import codecs, container, layout
+from . import codecs, container, layout, staging
 from .decode_workers import BufferOpenError, DecodeWorkers, WorkerError
-from .store import Store, StoreError
+from .store import Store, StoreError, read_into
 
 log = logging.getLogger("kvfetcher.pipeline")
 
@@ -97,6 +108,38 @@ class Destination:
         if self.buffer.is_cuda:  # the model (another process) reads once we answer: finish first
             torch.cuda.current_stream(self.buffer.device).synchronize()
 
+    def write_kv(self, c: ChunkRef, kv: torch.Tensor, stream: "torch.cuda.Stream | None" = None) -> None:
+        """Copy a verified chunk ``[layers, 2, kv_heads, tokens, head_dim]`` (host memory) into its
+        slots: one copy into the strided view, or ``index_copy_`` for scattered slots. On a GPU the
+        copy is queued on ``stream`` (non-blocking from pinned memory) and waited for, so the chunk
+        is in the buffer when this returns and the host memory may be reused."""
+        idx = self.slots[c.start : c.start + c.tokens]
+        dev = self.buffer.device
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if idx == list(range(idx[0], idx[0] + len(idx))):
+                self.buffer[:, :, :, idx[0] : idx[0] + len(idx)].copy_(kv, non_blocking=True)
+            else:
+                src = kv.to(dev, non_blocking=True)
+                self.buffer.index_copy_(3, torch.tensor(idx, device=dev), src)
+            if self.buffer.is_cuda:  # wait for this chunk's copy only, not for the whole stream
+                done = torch.cuda.Event()
+                done.record()
+                done.synchronize()
+
+
+@functools.lru_cache(maxsize=None)
+def copy_stream(device: torch.device) -> "torch.cuda.Stream":
+    """One stream per GPU for restore copies: they do not queue behind the model's kernels."""
+    return torch.cuda.Stream(device=device)
+
+
+def _read_verified(store: Store, name: str, offset: int, part: memoryview, have: int, seg: container.Segment) -> int:
+    """Fill ``part`` (a segment whose first ``have`` bytes are there) from ``name`` at ``offset``,
+    then check its length and CRC-32; returns the bytes read. Blocking: runs in an I/O thread."""
+    n = read_into(store, name, offset + have, part[have:]) if have < len(part) else 0
+    container.check(seg, part[: have + n])
+    return n
+
 
 @dataclass
 class Outcome:
@@ -111,6 +154,7 @@ class Outcome:
     decode_busy_s: float = 0.0  # time with at least one decode in flight
     header_latency_s: list[float] = field(default_factory=list)
     bad_object: str | None = None  # an object that is corrupt, truncated or foreign: drop it
+    direct_chunks: int = 0  # chunks restored by the direct path (native raw: read, checksum, one copy)
 
 
 class _Busy:
@@ -148,12 +192,16 @@ async def fetch(
     window: int = 4,
     io_concurrency: int = 8,
     workers: DecodeWorkers | None = None,
+    staging_pool: staging.StagingPool | None = None,
 ) -> Outcome:
     """Load ``chunks`` (consecutive, from the first) into ``dest``; see the module doc for failures.
 
     With ``workers`` (and ``dest.handle``), each verified chunk is decoded and written by a
     worker process instead of ``decode_pool`` threads; the window grows to keep them all busy.
+    Native raw chunks take the direct path whatever ``workers`` is, staged in ``staging_pool``
+    (default: the process's shared pool).
     """
+    pool = staging_pool or staging.shared()
     loop = asyncio.get_running_loop()
     if workers is not None:
         if dest.handle is None:
@@ -197,6 +245,10 @@ async def fetch(
             dest.check(h, c)
             if c.size and c.size != h.total_size:
                 raise container.TruncatedError(f"{c.name} is {c.size} bytes, its header promises {h.total_size}")
+
+            if container.is_native(h):
+                await load_direct(i, c, h, head)
+                return
 
             got: dict[int, bytes] = {}  # segment offset -> bytes read (a fallback reuses them)
 
@@ -244,6 +296,48 @@ async def fetch(
             writes.append(w)
             await asyncio.shield(w)
             out.kv_bytes += h.shape[0] * 2 * h.shape[2] * h.shape[3] * h.shape[4] * layout.bytes_per_value(h.torch_dtype)
+
+    async def load_direct(i: int, c: ChunkRef, h: container.Header, head: bytes) -> None:
+        """Native raw chunk: segments into one staging buffer, checksummed, then one copy."""
+        nbytes = h.total_size - h.header_size
+        pinned = dest.buffer.is_cuda
+        host = pool.take(nbytes, pinned)
+        mem = memoryview(host.numpy())
+        started: list[concurrent.futures.Future] = []  # thread work on ``host``
+
+        def run(executor: Executor, fn, *args) -> asyncio.Future:
+            f = executor.submit(fn, *args)
+            started.append(f)
+            return asyncio.wrap_future(f)
+
+        async def segment(seg: container.Segment) -> None:
+            a, part = h.header_size + seg.offset, mem[seg.offset : seg.offset + seg.length]
+            have = head[a : a + seg.length]  # what the header read already brought, if anything
+            part[: len(have)] = have
+            async with io_sem:
+                with reads:  # read + checksum in one thread hop (the CRC reads bytes still in cache)
+                    n = await run(io_pool, _read_verified, store, c.name, a, part, len(have), seg)
+            out.bytes_read += n  # (not ``+= await``: that reads the count before awaiting)
+
+        parts = [asyncio.ensure_future(segment(s)) for s in h.segments]
+        try:
+            await asyncio.gather(*parts)
+            # Every segment verified: only now touch the KV buffers.
+            kv = host.view(h.torch_dtype).view(h.shape)
+            stream = copy_stream(dest.buffer.device) if dest.buffer.is_cuda else None
+            w = run(decode_pool, dest.write_kv, c, kv, stream)
+            w.add_done_callback(lambda f: written.add(i) if not f.cancelled() and f.exception() is None else None)
+            writes.append(w)
+            await _timed(decodes, asyncio.shield(w))
+            out.kv_bytes += nbytes
+            out.direct_chunks += 1
+        finally:
+            for t in parts:  # a cancelled segment submits nothing more
+                t.cancel()
+            if all(f.done() for f in started):
+                pool.give(host, pinned)
+            # else a read or copy abandoned at a failure or deadline still runs in a thread and
+            # owns ``host`` (its memoryview keeps it alive): never reuse it, let it be freed after
 
     tasks = [asyncio.create_task(load(i, c)) for i, c in enumerate(chunks)]
     try:

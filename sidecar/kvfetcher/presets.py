@@ -53,6 +53,9 @@ class Preset:
     lossless: bool  # True: the restored KV is bit-identical to what was stored
     summary: str
     segment_frames: int = 4  # frames per independently decodable segment
+    # if set, frames per segment come from a byte target instead: each segment is a ranged GET and
+    # a CRC, so raw (a frame is a layer of a few hundred KB to a few MB) uses a few large ones
+    segment_bytes: int = 0
     pre_rope: bool = False  # keys quantised before RoPE: the encoder must know the model's theta
 
     def to_dict(self) -> dict:
@@ -63,6 +66,7 @@ class Preset:
             "layout": self.layout.to_dict(),
             "codec": self.codec.to_dict(),
             "segment_frames": self.segment_frames,
+            "segment_bytes": self.segment_bytes,
             "pre_rope": self.pre_rope,
         }
 
@@ -72,10 +76,11 @@ PRESETS: dict[str, Preset] = {
     for p in [
         Preset(
             "raw",
-            LayoutParams(mode="exact", planes=3),
+            LayoutParams(mode="native", planes=1),
             CodecParams(format="raw"),
             True,
-            "original bytes, no video: for links faster than any decoder",
+            "the KV buffer's own bytes, no video: restored by one copy, for links faster than any decoder",
+            segment_bytes=8 << 20,  # 8B shape: 4 segments per 256-token chunk (fewer thread hops measured faster)
         ),
         Preset(
             "exact",

@@ -83,3 +83,16 @@ def test_hopeless_only_when_even_the_best_case_loses():
     assert not hopeless(4, 256, CHUNK_KV, ratios, FORMATS, r)
     assert hopeless(4, 256, CHUNK_KV, ratios, FORMATS, rates(bw=1e6, tps=1000.0), allowed={"raw"})
     assert hopeless(0, 256, CHUNK_KV, ratios, FORMATS, r)
+
+
+@pytest.mark.parametrize("gbps, expect", [(100, "raw"), (25, "raw"), (10, "q8"), (1, RECOMPUTE)])
+def test_gpu_priors_pick_raw_on_fast_links_and_q8_or_recompute_on_slow_ones(gbps, expect):
+    """An 8B-shaped prefix of 64 chunks (32 MiB of KV each), stored raw and as q8 (1.77x), q8's
+    restore rate as measured with decode worker processes on an H200 (2.6 GB/s), raw at its prior."""
+    e = Estimator(gpu=True)
+    e.observe_read("s3", int(gbps * 1e9 / 8), 1.0)
+    e.observe_decode("q8", int(2.6e9), 1.0)
+    kv = 32 << 20
+    stored = [{"raw": kv + 4096, "q8": int(kv / 1.77)}] * 64
+    d = choose(stored, 256, kv, {"raw": "raw", "q8": "hevc"}, e.rates("s3", recompute_tps=16384 / 4.0))
+    assert d.preset == expect, d.options

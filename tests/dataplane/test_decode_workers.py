@@ -49,15 +49,19 @@ def expected(store, refs):
 
 
 @pytest.mark.parametrize("preset", ["raw", "q8"])
-async def test_workers_restore_what_threads_restore(tmp_path, workers, shared, preset):
+async def test_workers_restore_what_threads_restore_and_raw_bypasses_them(tmp_path, workers, shared, preset):
     kv = synthetic_kv(layers=3, heads=2, tokens=96, head_dim=32)
     store = LocalStore(tmp_path)
     refs = put_chunks(store, kv, 32, preset=preset)
     slots = torch.randperm(130)[:96].tolist()  # scattered, as in a paged cache
     buf = shared(kv, capacity=130)
     dest = pipeline.Destination(buf.tensor, slots=slots, handle=buf.handle)
+    before = workers.stats["chunks"]
     out = await fetch(store, refs, dest, workers=workers)
     assert out.error is None and out.loaded_tokens == 96, out.detail
+    # raw is the buffer's own bytes: restored by the direct path, never through a worker's slab
+    direct = preset == "raw"
+    assert (out.direct_chunks, workers.stats["chunks"] - before) == ((3, 0) if direct else (0, 3))
     assert out.kv_bytes == kv.numel() * kv.element_size()
     assert torch.equal(buf.tensor[:, :, :, slots], expected(store, refs))
     untouched = sorted(set(range(130)) - set(slots))
@@ -92,7 +96,7 @@ async def test_undecodable_chunk_in_a_worker_is_never_written(tmp_path, workers,
 async def test_a_dead_worker_fails_the_fetch_and_is_replaced(tmp_path, shared):
     kv = synthetic_kv(layers=2, heads=2, tokens=64, head_dim=32)
     store = LocalStore(tmp_path)
-    refs = put_chunks(store, kv, 32)
+    refs = put_chunks(store, kv, 32, preset="q8")  # a worker's format (raw takes the direct path)
     w = DecodeWorkers(1)
     try:
         w.start()
@@ -103,9 +107,9 @@ async def test_a_dead_worker_fails_the_fetch_and_is_replaced(tmp_path, shared):
         out = await fetch(store, refs, dest, workers=w)
         # the chunk the dead worker held fails; one that reached the replacement may have landed
         assert out.error == "decoder" and out.loaded_tokens < 64, out
-        assert torch.equal(buf.tensor[:, :, :, : out.loaded_tokens], kv[:, :, :, : out.loaded_tokens])
+        assert torch.equal(buf.tensor[:, :, :, : out.loaded_tokens], expected(store, refs)[:, :, :, : out.loaded_tokens])
         out = await fetch(store, refs, dest, workers=w)  # a fresh worker took its place
-        assert out.error is None and torch.equal(buf.tensor, kv)
+        assert out.error is None and torch.equal(buf.tensor, expected(store, refs))
     finally:
         w.close()
 

@@ -37,6 +37,32 @@ def test_fetch_into_a_cuda_buffer_matches_the_cpu_path(tmp_path, preset):
         assert codecs.decoder("hevc", "cuda").name.startswith("nvdec")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("scattered", [False, True])
+def test_raw_direct_path_copies_pinned_host_memory_into_a_cuda_buffer(tmp_path, dtype, scattered):
+    """raw: ranged GETs into pinned staging buffers, CRC, one non-blocking host-to-device copy on a
+    side stream, waited for before the chunk counts: bit-exact, and nothing outside the slots."""
+    from kvfetcher.staging import StagingPool
+
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randint(0, 256, (6 * 2 * 2 * 512 * 64 * 2,), dtype=torch.uint8, generator=g).view(dtype).view(6, 2, 2, 512, 64)
+    store = LocalStore(tmp_path)
+    refs = put_chunks(store, kv, 128)
+    buf = torch.full((6, 2, 2, 700, 64), SENTINEL, dtype=dtype, device="cuda")
+    slots = torch.randperm(700, generator=g)[:512].tolist() if scattered else list(range(90, 602))
+    dest = pipeline.Destination(buf, slots=slots)
+    pool = StagingPool()
+    for _ in range(2):  # the second fetch reuses the first one's pinned buffers
+        out = asyncio.run(fetch(store, refs, dest, device=torch.device("cuda"), staging_pool=pool, window=2))
+        assert out.error is None and out.loaded_tokens == 512 and out.direct_chunks == 4, out
+    assert pool.allocated <= 2
+    assert all(b.is_pinned() for bufs in pool._free.values() for b in bufs)
+    got = buf[:, :, :, slots].cpu()
+    assert torch.equal(got.view(torch.uint8), kv.view(torch.uint8))
+    rest = sorted(set(range(700)) - set(slots))
+    assert bool((buf[:, :, :, rest] == SENTINEL).all())
+
+
 @pytest.mark.parametrize("preset", ["raw", "q8"])
 def test_decode_worker_processes_write_through_cuda_ipc(tmp_path, preset):
     """NVDEC in worker processes, each opening the buffer's CUDA IPC handle: same bytes as in-process."""

@@ -22,13 +22,20 @@ class Recording(LocalStore):
         super().__init__(root)
         self.delay_s, self.hook, self.gets = delay_s, hook, []
 
-    def get(self, name, offset=0, length=None):
+    def _before(self, name, offset):
         self.gets.append((time.perf_counter(), name, offset))
         if self.hook:
             self.hook(self, name, offset)
         if self.delay_s:
             time.sleep(self.delay_s)
+
+    def get(self, name, offset=0, length=None):
+        self._before(name, offset)
         return super().get(name, offset, length)
+
+    def get_into(self, name, offset, buf):  # the direct path's reads (raw preset)
+        self._before(name, offset)
+        return super().get_into(name, offset, buf)
 
 
 class RecordingDest(pipeline.Destination):
@@ -38,6 +45,10 @@ class RecordingDest(pipeline.Destination):
 
     def write(self, c, frames, side, h):
         super().write(c, frames, side, h)
+        self.writes.append((time.perf_counter(), c.start))
+
+    def write_kv(self, c, kv, stream=None):
+        super().write_kv(c, kv, stream)
         self.writes.append((time.perf_counter(), c.start))
 
 

@@ -4,12 +4,18 @@ Backends: :class:`~.local.LocalStore` (a directory; the embedded default) and
 :class:`~.s3.S3Store` (any S3-compatible service through the ``minio`` SDK). Both write
 atomically (no partial object is ever visible), treat re-storing an existing object as a
 no-op, and serve byte ranges. Calls block; the fetch pipeline runs them in a thread pool.
+
+``get_into`` (optional) reads a range straight into a caller's buffer — the fetch pipeline's
+direct path lands raw KV in reusable (pinned) host memory without an intermediate ``bytes``;
+:func:`read_into` falls back to ``get`` plus one copy for a store without it.
 """
 
 from __future__ import annotations
 
 import os
 from typing import Protocol
+
+import numpy as np
 
 
 class StoreError(RuntimeError):
@@ -52,6 +58,25 @@ class Store(Protocol):
         """Raise :class:`Unavailable` unless the store answers (readiness)."""
         ...
 
+    # Optional: ``get_into(name, offset, buf) -> int`` reads bytes ``[offset, offset + len(buf))``
+    # into the writable buffer ``buf`` and returns how many it read (fewer at the object's end).
+    # Not part of the Protocol, so that stores without it still satisfy it; see read_into.
+
+
+def read_into(store: Store, name: str, offset: int, buf: memoryview) -> int:
+    """Read ``[offset, offset + len(buf))`` of ``name`` into ``buf``; the number of bytes read.
+
+    Uses the store's ``get_into`` where it has one (no intermediate copy), else ``get`` and a copy.
+    """
+    direct = getattr(store, "get_into", None)
+    if direct is not None:
+        return direct(name, offset, buf)
+    data = store.get(name, offset, len(buf))
+    n = min(len(data), len(buf))
+    # numpy copies without the GIL (a memoryview assignment holds it: the event loop would stall)
+    np.frombuffer(buf, dtype=np.uint8, count=n)[:] = np.frombuffer(data, dtype=np.uint8, count=n)
+    return n
+
 
 def from_env(env: dict[str, str] | None = None) -> Store:
     """The store the environment names: S3 when ``KVFETCHER_S3_ENDPOINT`` is set (with
@@ -76,4 +101,4 @@ def from_env(env: dict[str, str] | None = None) -> Store:
     return LocalStore(root)
 
 
-__all__ = ["Store", "StoreError", "NotFound", "Unavailable", "from_env"]
+__all__ = ["Store", "StoreError", "NotFound", "Unavailable", "from_env", "read_into"]

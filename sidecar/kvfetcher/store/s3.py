@@ -93,6 +93,43 @@ class S3Store:
                 return b""
             raise
 
+    def get_into(self, name: str, offset: int, buf: memoryview) -> int:
+        """A ranged GET read into ``buf``; the number of bytes the object had there.
+
+        urllib3's own ``readinto`` reads into a temporary ``bytes`` and copies; the response's
+        underlying ``http.client`` stream reads from the socket into ``buf`` directly, so that is
+        used when the body is not content-encoded. A connection that ends before the promised
+        ``Content-Length`` is the link's fault (:class:`Unavailable`), not a truncated object.
+        """
+        if len(buf) == 0:
+            return 0
+
+        def read() -> int:
+            r = self.client.get_object(self.bucket, name, offset=offset, length=len(buf))
+            try:
+                promised = int(r.headers.get("Content-Length", -1))
+                fp = getattr(r, "_fp", None)
+                plain = fp is not None and hasattr(fp, "readinto") and not r.headers.get("Content-Encoding")
+                n = 0
+                while n < len(buf):
+                    k = fp.readinto(buf[n:]) if plain else r.readinto(buf[n:])
+                    if not k:
+                        break
+                    n += k
+                if 0 <= promised != n and n < len(buf):
+                    raise urllib3.exceptions.ProtocolError(f"connection closed after {n} of {promised} bytes")
+                return n
+            finally:
+                r.close()
+                r.release_conn()
+
+        try:
+            return self._call(read, name)
+        except StoreError as e:
+            if "InvalidRange" in str(e):  # the range starts past the end: the object is shorter
+                return 0
+            raise
+
     def list(self, prefix: str) -> dict[str, int]:
         return self._call(
             lambda: {o.object_name: o.size for o in self.client.list_objects(self.bucket, prefix=prefix, recursive=True)}
