@@ -11,6 +11,8 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
+
 from kvfetcher.store import NotFound
 
 
@@ -57,6 +59,19 @@ class LinkStore:
         if self.link is not None:
             self.link.send(len(data))
         return data
+
+    def get_into(self, name: str, offset: int, buf: memoryview) -> int:
+        """A ranged GET landing in the caller's buffer (as a socket read would): one copy, no bytes object."""
+        try:
+            obj = self.objects[name]
+        except KeyError:
+            raise NotFound(name) from None
+        n = max(0, min(len(buf), len(obj) - offset))
+        if self.link is not None:
+            self.link.send(n)
+        if n:
+            np.frombuffer(buf, dtype=np.uint8, count=n)[:] = np.frombuffer(obj, dtype=np.uint8, count=n, offset=offset)
+        return n
 
     def list(self, prefix: str) -> dict[str, int]:
         return {k: len(v) for k, v in self.objects.items() if k.startswith(prefix)}

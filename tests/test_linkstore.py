@@ -20,6 +20,10 @@ def test_ranged_get_and_missing():
     assert s.list("a") == {"a": 10}
     with pytest.raises(NotFound):
         s.get("b")
+    buf = bytearray(4)
+    assert s.get_into("a", 7, memoryview(buf)) == 3 and buf[:3] == b"789"  # past the end: a short read
+    with pytest.raises(NotFound):
+        s.get_into("b", 0, memoryview(buf))
 
 
 def test_link_paces_and_is_shared():
