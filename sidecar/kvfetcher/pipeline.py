@@ -11,7 +11,7 @@ Direct path: a chunk stored in the ``native`` layout without a codec (the ``raw`
 :func:`container.is_native`) is the KV buffer's own bytes. Its segments are read with ranged
 GETs straight into one host staging buffer (:mod:`staging`: reused, pinned when the destination
 is on a GPU), each checksummed by the thread that read it, and once all have verified the chunk
-is copied into the destination by one host-to-device copy on a dedicated CUDA stream — no
+is copied into the destination by one non-blocking host-to-device copy — no
 decoder, no worker process, no reshuffle. The chunk counts as written only once that copy has
 completed.
 
@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
-import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -108,29 +106,23 @@ class Destination:
         if self.buffer.is_cuda:  # the model (another process) reads once we answer: finish first
             torch.cuda.current_stream(self.buffer.device).synchronize()
 
-    def write_kv(self, c: ChunkRef, kv: torch.Tensor, stream: "torch.cuda.Stream | None" = None) -> None:
+    def write_kv(self, c: ChunkRef, kv: torch.Tensor) -> None:
         """Copy a verified chunk ``[layers, 2, kv_heads, tokens, head_dim]`` (host memory) into its
         slots: one copy into the strided view, or ``index_copy_`` for scattered slots. On a GPU the
-        copy is queued on ``stream`` (non-blocking from pinned memory) and waited for, so the chunk
-        is in the buffer when this returns and the host memory may be reused."""
+        copy is non-blocking from pinned memory and waited for, so the chunk is in the buffer when
+        this returns and the host memory may be reused.
+
+        It runs on the calling thread's current stream, not a dedicated one: this runs in the
+        sidecar's own process, where nothing else queues on the GPU, and on the H100 a dedicated
+        stream failed ("invalid resource handle" at its event) in threads that had run NVDEC."""
         idx = self.slots[c.start : c.start + c.tokens]
         dev = self.buffer.device
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            if idx == list(range(idx[0], idx[0] + len(idx))):
-                self.buffer[:, :, :, idx[0] : idx[0] + len(idx)].copy_(kv, non_blocking=True)
-            else:
-                src = kv.to(dev, non_blocking=True)
-                self.buffer.index_copy_(3, torch.tensor(idx, device=dev), src)
-            if self.buffer.is_cuda:  # wait for this chunk's copy only, not for the whole stream
-                done = torch.cuda.Event()
-                done.record()
-                done.synchronize()
-
-
-@functools.lru_cache(maxsize=None)
-def copy_stream(device: torch.device) -> "torch.cuda.Stream":
-    """One stream per GPU for restore copies: they do not queue behind the model's kernels."""
-    return torch.cuda.Stream(device=device)
+        if idx == list(range(idx[0], idx[0] + len(idx))):
+            self.buffer[:, :, :, idx[0] : idx[0] + len(idx)].copy_(kv, non_blocking=True)
+        else:
+            self.buffer.index_copy_(3, torch.tensor(idx, device=dev), kv.to(dev, non_blocking=True))
+        if self.buffer.is_cuda:
+            torch.cuda.current_stream(dev).synchronize()
 
 
 def _read_verified(store: Store, name: str, offset: int, part: memoryview, have: int, seg: container.Segment) -> int:
@@ -324,8 +316,7 @@ async def fetch(
             await asyncio.gather(*parts)
             # Every segment verified: only now touch the KV buffers.
             kv = host.view(h.torch_dtype).view(h.shape)
-            stream = copy_stream(dest.buffer.device) if dest.buffer.is_cuda else None
-            w = run(decode_pool, dest.write_kv, c, kv, stream)
+            w = run(decode_pool, dest.write_kv, c, kv)
             w.add_done_callback(lambda f: written.add(i) if not f.cancelled() and f.exception() is None else None)
             writes.append(w)
             await _timed(decodes, asyncio.shield(w))

@@ -40,8 +40,8 @@ def test_fetch_into_a_cuda_buffer_matches_the_cpu_path(tmp_path, preset):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("scattered", [False, True])
 def test_raw_direct_path_copies_pinned_host_memory_into_a_cuda_buffer(tmp_path, dtype, scattered):
-    """raw: ranged GETs into pinned staging buffers, CRC, one non-blocking host-to-device copy on a
-    side stream, waited for before the chunk counts: bit-exact, and nothing outside the slots."""
+    """raw: ranged GETs into pinned staging buffers, CRC, one non-blocking host-to-device copy,
+    waited for before the chunk counts: bit-exact, and nothing outside the slots."""
     from kvfetcher.staging import StagingPool
 
     g = torch.Generator().manual_seed(0)

@@ -47,8 +47,8 @@ class RecordingDest(pipeline.Destination):
         super().write(c, frames, side, h)
         self.writes.append((time.perf_counter(), c.start))
 
-    def write_kv(self, c, kv, stream=None):
-        super().write_kv(c, kv, stream)
+    def write_kv(self, c, kv):
+        super().write_kv(c, kv)
         self.writes.append((time.perf_counter(), c.start))
 
 
