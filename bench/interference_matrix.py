@@ -98,7 +98,7 @@ def measure(args) -> None:
 
     phase("none", 0, lambda: (time.sleep(0.05), 0)[1])
     for p in (int(x) for x in args.procs.split(",")):
-        workers = DecodeWorkers(p, args.sm_percent)
+        workers = DecodeWorkers(p, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(args.sm_percent)} if args.sm_percent else None)
         workers.start()
         for preset in refs:
             fetch(preset, workers)  # warm: decoders open, buffer mapped in every worker
@@ -181,7 +181,7 @@ def main() -> None:
     m.add_argument("--distinct", type=int, default=4)
     m.add_argument("--seconds", type=float, default=2.5)
     m.add_argument("--label", default="time-sliced", help="what this run's GPU sharing is (e.g. mps)")
-    m.add_argument("--sm-percent", type=int, help="decode workers' MPS share of the SMs (KVFETCHER_DECODE_SM_PERCENT)")
+    m.add_argument("--sm-percent", type=int, help="decode workers' MPS share of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)")
     m.add_argument("--out", required=True)
     r = sub.add_parser("report")
     r.add_argument("json", nargs="+")

@@ -114,8 +114,6 @@ def sidecar_env(pool: dict[str, Any]) -> list[dict[str, Any]]:
         env.append({"name": "KVFETCHER_S3_INSECURE", "value": "true"})
     if "decodeProcesses" in spec["sidecar"]:
         env.append({"name": "KVFETCHER_DECODE_PROCS", "value": str(spec["sidecar"]["decodeProcesses"])})
-    if spec["sidecar"].get("gpuSMPercent"):
-        env.append({"name": "KVFETCHER_DECODE_SM_PERCENT", "value": str(spec["sidecar"]["gpuSMPercent"])})
     env.append({"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "compute,utility,video"})
     return env
 

@@ -138,9 +138,6 @@ def problems(spec: dict[str, Any]) -> list[str]:
     procs = spec["sidecar"].get("decodeProcesses", 0)
     if not isinstance(procs, int) or not 0 <= procs <= 32:
         out.append("sidecar.decodeProcesses: must be between 0 and 32")
-    sm = spec["sidecar"].get("gpuSMPercent")
-    if sm is not None and (not isinstance(sm, int) or not 1 <= sm <= 100):
-        out.append("sidecar.gpuSMPercent: must be between 1 and 100")
 
     retention = spec["retention"]
     if not isinstance(retention["ttlDays"], int) or not 1 <= retention["ttlDays"] <= 3650:

@@ -236,35 +236,25 @@ class _Worker:
 _ERRORS = {c.__name__: c for c in (container.ContainerError, *container.ContainerError.__subclasses__())}
 
 
-def mps_env(sm_percent: int | None) -> dict[str, str]:
-    """The workers' environment for a GPU shared through CUDA MPS: at most ``sm_percent`` of the
-    streaming multiprocessors for their copies and unpack kernels, so the model keeps the rest.
-
-    Why: NVDEC is a separate engine, but every worker's frame copies and unpack kernels run in a
-    CUDA context of its own. Time-sliced with the model's context they slowed an 8B decode loop
-    by 39-43% at 8 workers on an H100; as MPS clients, side by side, by 9-10%
-    (docs/benchmarks/interference_matrix_h100.md). Without an MPS server the variable is ignored.
-    """
-    if sm_percent is None:
-        return {}
-    if not 1 <= sm_percent <= 100:
-        raise ValueError(f"SM percentage must be 1..100, not {sm_percent}")
-    return {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(sm_percent)}
-
-
 class DecodeWorkers:
     """A pool of ``procs`` decode processes (``spawn``: CUDA cannot be forked).
 
     ``restore`` is a coroutine; up to ``procs`` chunks decode at once, one per process.
     ``stats`` sums the workers' seconds per step (prepare: open, parse, checksums; decode; write).
-    ``sm_percent`` caps the workers' share of the GPU's multiprocessors under MPS (:func:`mps_env`).
+    ``env`` is set in each worker before its CUDA context exists (e.g. CUDA MPS settings).
+
+    On sharing the GPU with the model: NVDEC is a separate engine, but every worker's frame copies
+    and unpack kernels run in a CUDA context of its own. Time-sliced with the model's context, 8
+    workers slowed an 8B decode loop by 39-43% on an H100; as clients of one CUDA MPS server, side
+    by side, by 9-10% (4 workers: 6%), and capping the workers' MPS share of the SMs made it worse
+    (docs/benchmarks/interference_matrix_h100.md). Run the node's GPUs under MPS.
     """
 
-    def __init__(self, procs: int, sm_percent: int | None = None) -> None:
+    def __init__(self, procs: int, env: dict[str, str] | None = None) -> None:
         if procs < 1:
             raise ValueError(f"decode workers need at least one process, not {procs}")
         self.procs = procs
-        self._env = mps_env(sm_percent)
+        self._env = dict(env or {})
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker] = []
         self._idle: asyncio.Queue[_Worker] | None = None

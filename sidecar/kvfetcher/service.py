@@ -53,7 +53,6 @@ class Config:
     store_queue_chunks: int = 256  # bound of the store queue, in chunks
     decode_workers: int = 2
     decode_procs: int = 8 if torch.cuda.is_available() else 0
-    decode_sm_percent: int | None = None  # under CUDA MPS: the decode workers' share of the SMs
     io_workers: int = 32
     window: int = 4  # chunks in flight per fetch
 
@@ -75,8 +74,6 @@ class Config:
             c.rope_theta = float(env["KVFETCHER_ROPE_THETA"])
         if env.get("KVFETCHER_DECODE_PROCS"):
             c.decode_procs = int(env["KVFETCHER_DECODE_PROCS"])
-        if env.get("KVFETCHER_DECODE_SM_PERCENT"):
-            c.decode_sm_percent = int(env["KVFETCHER_DECODE_SM_PERCENT"])
         c.validate()
         return c
 
@@ -85,8 +82,6 @@ class Config:
             raise ValueError(f"chunk tokens must be positive, not {self.chunk_tokens}")
         if self.decode_procs < 0:
             raise ValueError(f"decode processes must be >= 0, not {self.decode_procs}")
-        if self.decode_sm_percent is not None and not 1 <= self.decode_sm_percent <= 100:
-            raise ValueError(f"decode SM percentage must be 1..100, not {self.decode_sm_percent}")
         unknown = [p for p in self.presets + (self.allowed_presets or ()) if p not in PRESETS]
         if unknown or not self.presets:
             raise ValueError(f"unknown preset(s) {unknown}; known: {', '.join(PRESETS)}")
@@ -125,7 +120,7 @@ class Sidecar:
         self.io_pool = ThreadPoolExecutor(self.config.io_workers, thread_name_prefix="kvf-io")
         self.decode_pool = ThreadPoolExecutor(self.config.decode_workers, thread_name_prefix="kvf-decode")
         self.encode_pool = ThreadPoolExecutor(1, thread_name_prefix="kvf-encode")
-        self.workers = DecodeWorkers(self.config.decode_procs, self.config.decode_sm_percent) if self.config.decode_procs else None
+        self.workers = DecodeWorkers(self.config.decode_procs) if self.config.decode_procs else None
         self._queue: asyncio.Queue[_StoreJob] | None = None
         self._pending_chunks = 0
         self._worker: asyncio.Task | None = None

@@ -3,7 +3,6 @@
 import pytest
 
 from kvfetcher.client import KVClient
-from kvfetcher.decode_workers import mps_env
 from kvfetcher.service import Config
 from kvfetcher.store import from_env
 from kvfetcher.store.local import LocalStore
@@ -31,21 +30,10 @@ def test_sidecar_config_from_the_operators_env():
     assert (c.chunk_tokens, c.presets, c.allowed_presets, c.tenant) == (512, ("q8",), ("raw", "q8"), "salt")
     assert Config.from_env({"KVFETCHER_POOL": "pool-a"}).tenant == "pool-a"  # no salt: the pool separates
     assert Config.from_env({"KVFETCHER_DECODE_PROCS": "3"}).decode_procs == 3
-    assert Config.from_env({"KVFETCHER_DECODE_SM_PERCENT": "20"}).decode_sm_percent == 20
-    assert Config.from_env({}).decode_sm_percent is None
-
-
-def test_decode_workers_mps_share():
-    assert mps_env(None) == {}
-    assert mps_env(15) == {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "15"}
-    for bad in (0, 101):
-        with pytest.raises(ValueError):
-            mps_env(bad)
 
 
 @pytest.mark.parametrize("env", [{"KVFETCHER_PRESET": "q3000"}, {"KVFETCHER_ALLOWED_PRESETS": "raw,nope"}, {"KVFETCHER_CHUNK_TOKENS": "0"},
-                                 {"KVFETCHER_DECODE_PROCS": "-1"}, {"KVFETCHER_DECODE_SM_PERCENT": "0"},
-                                 {"KVFETCHER_DECODE_SM_PERCENT": "150"}])
+                                 {"KVFETCHER_DECODE_PROCS": "-1"}])
 def test_bad_config_is_refused_at_start(env):
     with pytest.raises(ValueError):
         Config.from_env(env)

@@ -95,7 +95,6 @@ BAD = [
     ("tiny chunk", _with(MANAGED, "codec.chunkTokens", 8), "chunkTokens"),
     ("privileged port", _with(MANAGED, "sidecar.port", 80), "port"),
     ("too many decode processes", _with(MANAGED, "sidecar.decodeProcesses", 64), "decodeProcesses"),
-    ("zero SM share", _with(MANAGED, "sidecar.gpuSMPercent", 0), "gpuSMPercent"),
     ("zero ttl", _with(MANAGED, "retention.ttlDays", 0), "ttlDays"),
     ("bad maxSize", _with(MANAGED, "retention.maxSize", "1 TB"), "maxSize"),
     ("bad policy", _with(MANAGED, "retention.dataPolicy", "Archive"), "dataPolicy"),
