@@ -190,11 +190,12 @@ class Race:
     """Everything one TTFT cell needs: model, sidecar, peers, buffers, pools."""
 
     def __init__(self, model: Llama, url: str, tokens: list[int], contexts: list[int], peer_objs: dict, decode_workers: int,
-                 decode_procs: int | None = None, shared_buffer: bool = False):
+                 decode_procs: int | None = None, shared_buffer: bool = False, auto_presets: Sequence[str] | None = None):
         self.model, self.tokens, self.peers = model, tokens, peer_objs
         self.store = S3Store(url, BUCKET, "bench", "bench", pool=64, read_timeout_s=120)
         cfg = service.Config(chunk_tokens=CHUNK, presets=tuple(kv_presets()), rope_theta=kvsource.LLAMA3_THETA,
                              decode_workers=decode_workers, io_workers=32, window=4)
+        self.auto_presets = list(auto_presets) if auto_presets else None  # what auto may choose among
         if decode_procs is not None and hasattr(cfg, "decode_procs"):
             cfg.decode_procs = decode_procs
         self.sidecar = service.Sidecar(self.store, cfg)
@@ -244,7 +245,7 @@ class Race:
     async def kvfetcher(self, ctx: int, preset: str | None, box: float, recompute_tps: float) -> dict:
         """``preset`` forced (recompute never chosen), or None: the sidecar's automatic choice."""
         t0 = time.perf_counter()
-        kw = {"presets": [preset], "recompute_tps": 1e-9} if preset else {"recompute_tps": recompute_tps}
+        kw = {"presets": [preset], "recompute_tps": 1e-9} if preset else {"recompute_tps": recompute_tps, "presets": self.auto_presets}
         r = await self.sidecar.fetch(self.bids[ctx], self.tokens[:ctx], deadline_s=box, **kw)
         fetch_s = time.perf_counter() - t0
         rec = {"fetch_s": fetch_s, "bytes_read": r.get("bytes_read", 0), "decision": r.get("decision"), "error": r.get("error")}
@@ -322,6 +323,8 @@ def main() -> int:
     ap.add_argument("--reuse-objects", action="store_true", help="keep the kvfetcher objects a previous run encoded there")
     ap.add_argument("--decode-procs", type=int, default=None, help="sidecar decode worker processes (default: main's)")
     ap.add_argument("--peers", default="q8zstd,nvcomp,cachegen")
+    ap.add_argument("--auto-presets", type=lambda v: v.split(","), default=["raw", "q8", "balanced"],
+                    help="what auto may choose among: the accuracy-preserving presets (compression.md)")
     ap.add_argument("--shared-buffer", action="store_true", help="one registered KV buffer for all contexts")
     ap.add_argument("--check-workers", action="store_true", help="fall back to decode threads if workers fail on the largest context")
     ap.add_argument("--interference", action="store_true", help="then run interference_bench on the same store")
@@ -359,7 +362,7 @@ def main() -> int:
     log("link server at", url)
 
     model = Llama() if DEV == "cuda" else DryModel()
-    race = Race(model, url, tokens, contexts, peer_objs, a.decode_workers, a.decode_procs, a.shared_buffer)
+    race = Race(model, url, tokens, contexts, peer_objs, a.decode_workers, a.decode_procs, a.shared_buffer, a.auto_presets)
     race.sizes = {k: v["bytes_per_chunk"] for k, v in info["objects"].items()}
     res["decode_procs"] = race.decode_procs  # 0: NVDEC in the sidecar's threads
     rec_s = {}
@@ -375,7 +378,7 @@ def main() -> int:
     if a.methods:
         keep = a.methods.split(",")
         methods = [m for m in methods if m in keep]
-    res["methods"] = methods
+    res["methods"], res["auto_presets"] = methods, a.auto_presets
     res["probes"], res["cells"] = [], []
     # warm every path once (decoder creation, CUDA contexts, connections) at an unlimited link
     for m in methods:
@@ -389,7 +392,7 @@ def main() -> int:
             res["worker_path_error"] = chk.get("error")
             log(f"decode workers failed on {contexts[-1]} tokens ({chk.get('error')}): falling back to decode threads")
             race.sidecar.workers.close()
-            race = Race(model, url, tokens, contexts, peer_objs, a.decode_workers, 0, a.shared_buffer)
+            race = Race(model, url, tokens, contexts, peer_objs, a.decode_workers, 0, a.shared_buffer, a.auto_presets)
             race.sizes = {k: v["bytes_per_chunk"] for k, v in info["objects"].items()}
             res["decode_procs"] = 0
             for m in methods:
