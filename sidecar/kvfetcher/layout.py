@@ -24,6 +24,11 @@ neighbours, so the layout decides what sits next to what:
   lands where the model tolerates it: measured sensitivity differs by more than 10x between
   layers (docs/benchmarks/compression.md). Side information keeps its form (offset, step
   per channel), so ``unpack`` is the same for both.
+* ``basis`` (with ``sigma_steps``) codes each head's channels through a per-model linear
+  transform (basis.py: the KLT in the metric the model sees errors in) and quantises every
+  component of a (layer, k|v) with one step, ``s`` times the components' pooled standard
+  deviation; ``unpack`` applies the inverse before RoPE. Side information keeps its form, now
+  per component.
 
 Pure torch, no I/O: the same code runs on CPU and on the GPU, and ``unpack`` can write straight
 into a destination view of the model's KV buffers.
@@ -36,9 +41,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from . import basis as kvbasis
 from . import rope
 
-LAYOUT_VERSION = 3  # 2: exact leading tokens in the side information; 3: sigma_steps in the header
+LAYOUT_VERSION = 4  # 2: exact leading tokens in the side information; 3: sigma_steps in the header; 4: basis
 
 #: dtypes a chunk may have, by name as written in container headers.
 DTYPES: dict[str, torch.dtype] = {
@@ -72,6 +78,8 @@ class LayoutParams:
     # per-layer (key_step, value_step) in standard deviations of each channel, replacing the
     # range-based levels; a profile of N entries is stretched over the chunk's layers by depth
     sigma_steps: tuple[tuple[float, float], ...] | None = None
+    # name of a shipped per-model channel transform (basis.py), applied before quantisation
+    basis: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("exact", "quant"):
@@ -92,6 +100,8 @@ class LayoutParams:
                 raise ValueError("sigma_steps must be a non-empty sequence of (key_step, value_step)")
             if not all(0.01 <= st <= 16 for kv in self.sigma_steps for st in kv):
                 raise ValueError("sigma steps must be in [0.01, 16] standard deviations")
+        if self.basis is not None and self.sigma_steps is None:
+            raise ValueError("basis needs sigma_steps (one step per component)")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -231,14 +241,26 @@ def sigma_profile(params: LayoutParams, layers: int, device: torch.device | str 
 
 
 def _sigma_ranges(body: torch.Tensor, params: LayoutParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """(offset, step) per channel: mean at level 128, step ``s * std`` widened so no value clips."""
+    """(offset, step) per channel: mean at level 128, step ``s * std`` widened so no value clips.
+
+    With a basis, std is pooled over a (layer, k|v)'s components: the transform has already
+    weighted them by how much the model cares, so one step for all is the best allocation."""
     layers = body.shape[0]
     mu = body.mean(dim=3)
     sd = body.std(dim=3, correction=0) if body.shape[3] > 1 else torch.zeros_like(mu)
+    if params.basis is not None:
+        sd = sd.square().mean(dim=(2, 3), keepdim=True).sqrt().expand_as(sd)
     steps = sigma_profile(params, layers, body.device).view(layers, 2, 1, 1)
     reach = torch.maximum(body.amax(dim=3) - mu, mu - body.amin(dim=3))
     step = torch.maximum(sd * steps, reach / 126)  # 126: headroom for the stored step's rounding
     return mu - 128 * step, step
+
+
+def _basis(params: LayoutParams, layers: int, heads: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    enc, dec = kvbasis.on_device(params.basis, str(device))
+    if tuple(enc.shape) != (layers, 2, heads, head_dim, head_dim):
+        raise ValueError(f"basis {params.basis!r} is {tuple(enc.shape)}, the chunk has {layers} layers x {heads} heads x {head_dim}")
+    return enc, dec
 
 
 def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
@@ -265,6 +287,9 @@ def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
     if params.rope_theta is not None:
         cos, sin = rope.rotation(start, tokens, head_dim, params.rope_theta, kv.device)
         x[:, 0] = rope.apply(x[:, 0], cos, sin, inverse=True)
+    if params.basis is not None:
+        enc, _ = _basis(params, layers, heads, head_dim, kv.device)
+        x = torch.einsum("lkhde,lkhte->lkhtd", enc, x)
     body = x[:, :, :, e:] if e < tokens else x
     if params.sigma_steps is not None:
         lo, scale = _sigma_ranges(body, params)
@@ -321,6 +346,10 @@ def unpack(
         scale = ranges[..., 1].float().reshape(layers, 2, 1, heads * head_dim)
         t = tiles.reshape(layers, 2, tokens, heads * head_dim)
         vals = t.float() * scale + lo
+        if params.basis is not None:
+            _, dec = _basis(params, layers, heads, head_dim, frames.device)
+            y = vals.view(layers, 2, tokens, heads, head_dim)
+            vals = torch.einsum("lkhde,lkthe->lkthd", dec, y).reshape(layers, 2, tokens, heads * head_dim)
         if params.rope_theta is not None:
             cos, sin = rope.rotation(start, tokens, head_dim, params.rope_theta, frames.device)
             k = vals[:, 0].view(layers, tokens, heads, head_dim).transpose(1, 2)
