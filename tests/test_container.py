@@ -134,3 +134,51 @@ def test_pre_rope_preset_carries_theta_and_start_in_the_header():
     h = container.parse_header(obj)
     assert h.start == 256 and h.layout.rope_theta == 10000.0
     assert (decode_chunk(obj, FP).float() - kv.float()).abs().max() < 0.1
+
+
+def test_side_information_is_stored_compressed_and_checked():
+    kv = synthetic_kv(tokens=64)
+    obj = encode_chunk(kv, "q8", FP)
+    h = container.parse_header(obj)
+    from kvfetcher import layout
+
+    raw = layout.side_numel(h.shape, h.layout) * 2
+    assert h.side.length < raw  # zstd
+    side = container.side_tensor(h, container.slice_segment(obj, h, h.side))
+    assert side.numel() == layout.side_numel(h.shape, h.layout)
+    with pytest.raises(container.CorruptError):  # well checksummed but not zstd
+        container.side_tensor(h, b"\x00" * h.side.length)
+
+
+def test_sink_exact_only_keeps_the_first_token_exact_only_at_position_zero():
+    from dataclasses import replace
+
+    from kvfetcher import presets
+
+    kv = synthetic_kv(tokens=64)
+    p = replace(presets.get("q8"), name="q8s", sink_exact_only=True)
+    first, later = encode_chunk(kv, p, FP, start=0), encode_chunk(kv, p, FP, start=64)
+    assert container.parse_header(first).layout.exact_tokens == 1
+    assert container.parse_header(later).layout.exact_tokens == 0
+    assert torch.equal(decode_chunk(first, FP)[:, :, :, 0], kv[:, :, :, 0])
+    assert (decode_chunk(later, FP).float() - kv.float()).abs().max() < 0.1
+
+
+def test_a_basis_is_dropped_for_a_model_it_was_not_made_for():
+    from dataclasses import replace
+
+    from kvfetcher import basis, layout, presets
+
+    name = basis.available()[0]
+    lp = layout.LayoutParams(mode="quant", sigma_steps=((0.2, 0.2),), basis=name)
+    p = replace(presets.get("q8"), name="b", layout=lp)
+    kv = synthetic_kv(tokens=64)  # 4 layers x 2 heads: not the shipped model's shape
+    h = container.parse_header(encode_chunk(kv, p, FP))
+    assert h.layout.basis is None
+    L, H, D = basis.load(name).shape
+    kv = synthetic_kv(layers=L, heads=H, head_dim=D, tokens=64)
+    assert container.parse_header(encode_chunk(kv, p, FP)).layout.basis is None  # another fingerprint
+    obj = encode_chunk(kv, p, "smollm2-135m-instruct-q4_1/float32")
+    assert container.parse_header(obj).layout.basis == name
+    back = decode_chunk(obj)  # random KV is not what the basis was fitted to: only its shape is checked
+    assert back.shape == kv.shape and torch.isfinite(back.float()).all()

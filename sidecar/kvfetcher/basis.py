@@ -138,6 +138,15 @@ def on_device(name: str, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     return b.enc.to(device), b.dec.to(device)
 
 
+def fits(name: str, shape: tuple[int, ...], fingerprint: str) -> bool:
+    """Whether basis ``name`` was made for this model (fingerprint starts with its tag) and
+    this KV shape ``[layers, 2, kv_heads, tokens, head_dim]``; unknown names do not fit."""
+    tag = name.rsplit("-", 1)[0]
+    if not fingerprint.startswith(tag) or not (BASES_DIR / f"{name}.pt").exists():
+        return False
+    return load(name).shape == (shape[0], shape[2], shape[4])
+
+
 def available() -> list[str]:
     return sorted(p.stem for p in BASES_DIR.glob("*.pt"))
 

@@ -283,7 +283,7 @@ def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
         return Packed(_tiles_to_frames(tiles.reshape(-1, tokens, heads * head_dim), geo), None, geo)
 
     e = min(params.exact_tokens, tokens)
-    x = kv.float()
+    x = kv.to(torch.float32, copy=True)  # never a view of the caller's tensor (fp32 KV)
     if params.rope_theta is not None:
         cos, sin = rope.rotation(start, tokens, head_dim, params.rope_theta, kv.device)
         x[:, 0] = rope.apply(x[:, 0], cos, sin, inverse=True)

@@ -54,6 +54,9 @@ class Preset:
     summary: str
     segment_frames: int = 4  # frames per independently decodable segment
     pre_rope: bool = False  # keys quantised before RoPE: the encoder must know the model's theta
+    # exact leading tokens only in the chunk at position 0 (the attention sink); later chunks
+    # spend no side information on them
+    sink_exact_only: bool = False
 
     def to_dict(self) -> dict:
         return {
@@ -64,6 +67,7 @@ class Preset:
             "codec": self.codec.to_dict(),
             "segment_frames": self.segment_frames,
             "pre_rope": self.pre_rope,
+            "sink_exact_only": self.sink_exact_only,
         }
 
 
