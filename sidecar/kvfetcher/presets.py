@@ -26,14 +26,15 @@ SENSITIVITY: tuple[tuple[float, float], ...] = (
 )
 
 
-def sigma_steps(scale: float, lo: float = 0.08, hi: float = 0.7) -> tuple[tuple[float, float], ...]:
+def sigma_steps(scale: float, lo: float = 0.08, hi: float = 0.7,
+                table: tuple[tuple[float, float], ...] = SENSITIVITY) -> tuple[tuple[float, float], ...]:
     """Per-layer (key, value) steps that minimise the summed KL at a given rate.
 
     KL grows with the square of the step and adds up over layers (checked: predicted and
     measured KL agree within 15%), so at a fixed total of log2(step) the best steps are
-    ``scale / sqrt(sensitivity)``. ``hi`` keeps steps near the measured regime.
+    ``scale / sqrt(sensitivity)``. ``lo``/``hi`` keep steps near the measured regime.
     """
-    return tuple(tuple(round(min(hi, max(lo, scale * w**-0.5)), 3) for w in kv) for kv in SENSITIVITY)
+    return tuple(tuple(round(min(hi, max(lo, scale * w**-0.5)), 3) for w in kv) for kv in table)
 
 
 def scaled(profile: tuple[tuple[float, float], ...], factor: float) -> tuple[tuple[float, float], ...]:
