@@ -74,7 +74,7 @@ POINTS = {
     "flat0.3": lambda: flat(0.3),
     "flat0.45": lambda: flat(0.45),
     **{f"profile x{s}": (lambda s=s: sigma_point(f"profile x{s}", s)) for s in (0.7, 1, 1.4, 2, 3)},
-    **{f"basis x{s}": (lambda s=s: basis_point(f"basis x{s}", s)) for s in (0.7, 1.4, 2, 3)},
+    **{f"basis x{s}": (lambda s=s: basis_point(f"basis x{s}", s)) for s in (0.7, 0.85, 1.4, 2)},
 }
 
 
