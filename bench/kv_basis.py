@@ -62,21 +62,55 @@ def capture(lm: model.LoadedModel, windows: list[tuple[str, int]], theta: float)
     return out
 
 
+def attention_factors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o_proj: torch.Tensor, theta: float,
+                      q_start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """How far small errors move one layer's attention output, to first order.
+
+    ``q`` pre-RoPE ``[Tq, q_heads, D]`` at positions ``q_start..``; ``k`` pre-RoPE and ``v``
+    ``[kv_heads, T, D]`` from position 0. Returns per query ``sum_t a_t^2 |W_o (v_t - o)|^2``
+    (``[Tq, q_heads]``: a logit error's effect) and per query head ``E[sum_t a_t^2]`` (a value
+    error's). Heads that attend sharply or whose values barely differ matter less.
+    """
+    tq, nq, d = q.shape
+    nkv, t, _ = k.shape
+    g = nq // nkv
+    cq, sq = rope.rotation(q_start, tq, d, theta)
+    ck, sk = rope.rotation(0, t, d, theta)
+    qr = rope.apply(q.double().transpose(0, 1), cq.double(), sq.double())  # [nq, Tq, D]
+    kr = rope.apply(k.double(), ck.double(), sk.double()).repeat_interleave(g, 0)  # [nq, T, D]
+    scores = qr @ kr.transpose(1, 2) / d**0.5
+    pos = torch.arange(q_start, q_start + tq).view(tq, 1)
+    scores = scores.masked_fill(torch.arange(t).view(1, t) > pos, float("-inf"))
+    a = torch.softmax(scores, -1)  # [nq, Tq, T]
+    wo = o_proj.detach().double().view(o_proj.shape[0], nq, d)  # [hidden, nq, D]
+    pv = torch.einsum("htd,ohd->hto", v.double().repeat_interleave(g, 0), wo)  # [nq, T, hidden]
+    po = a @ pv  # [nq, Tq, hidden]
+    a2 = a.square()
+    c = a2 @ pv.square().sum(-1, keepdim=True) - 2 * ((a2 @ pv) * po).sum(-1, keepdim=True) + a2.sum(-1, keepdim=True) * po.square().sum(-1, keepdim=True)
+    return c.squeeze(-1).transpose(0, 1).clamp_min(0), a2.sum(-1).mean(-1)
+
+
 def chunks(x: torch.Tensor) -> list[torch.Tensor]:
     """``[H, T, D]`` -> 256-token chunks without their first (exact) token."""
     return [x[:, s + 1 : s + 256] for s in range(0, x.shape[1], 256)]
 
 
-def metrics(lm: model.LoadedModel, data, theta: float) -> torch.Tensor:
-    """``[L, 2, H, D, D]`` metric per (layer, k|v, head), normalised per (layer, k|v)."""
+def metrics(lm: model.LoadedModel, data, theta: float, attention: bool = False) -> torch.Tensor:
+    """``[L, 2, H, D, D]`` metric per (layer, k|v, head), normalised per (layer, k|v); with
+    ``attention``, queries and query heads weighed by attention_factors (tried: no better, see
+    compression.md)."""
     cfg = lm.config
     L, H = cfg.num_hidden_layers, cfg.num_key_value_heads
     d = cfg.hidden_size // cfg.num_attention_heads
     out = torch.zeros(L, 2, H, d, d, dtype=torch.float64)
     for layer in range(L):
-        out[layer, 0] = basis.normalise_heads(basis.key_metric([q[layer] for _, q in data], H, theta, DELTAS))
         wo = lm.model.model.layers[layer].self_attn.o_proj.weight
-        out[layer, 1] = basis.normalise_heads(basis.value_metric(wo, H, d))
+        kw, vw = None, None
+        if attention:
+            f = [attention_factors(q[layer], kv[layer, 0], kv[layer, 1], wo, theta, kv.shape[3] - q.shape[1]) for kv, q in data]
+            kw, vw = [c for c, _ in f], sum(h for _, h in f) / len(f)
+        out[layer, 0] = basis.normalise_heads(basis.key_metric([q[layer] for _, q in data], H, theta, DELTAS, kw))
+        out[layer, 1] = basis.normalise_heads(basis.value_metric(wo, H, d, vw))
     return out
 
 
@@ -99,12 +133,13 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--save", action="store_true")
     ap.add_argument("--ridge", type=float, default=1e-3)
+    ap.add_argument("--attention", action="store_true", help="weigh queries/heads by attention_factors")
     args = ap.parse_args()
     torch.set_num_threads(1)
     lm = model.load()
     theta = model.rope_theta(lm)
     cal = capture(lm, CALIBRATION, theta)
-    w = metrics(lm, cal, theta)
+    w = metrics(lm, cal, theta, args.attention)
     L, _, H, d, _ = w.shape
     enc = torch.zeros(L, 2, H, d, d, dtype=torch.float64)
     for layer in range(L):

@@ -44,19 +44,24 @@ class Basis:
         return (self.enc.shape[0], self.enc.shape[2], self.enc.shape[3])
 
 
-def key_metric(queries: list[torch.Tensor], kv_heads: int, theta: float, deltas: list[int]) -> torch.Tensor:
+def key_metric(queries: list[torch.Tensor], kv_heads: int, theta: float, deltas: list[int],
+               weights: list[torch.Tensor] | None = None) -> torch.Tensor:
     """``E[(R_d q)(R_d q)^T]`` over queries and relative offsets ``d``: ``[kv_heads, D, D]``.
 
     ``queries``: pre-RoPE ``[tokens, q_heads, D]`` of one layer; the query heads of a group share
     a KV head (GQA). A pre-RoPE key at position n meets a query at m through ``R_(m-n)``, so its
-    error's metric averages the query over the offsets it will be seen at.
+    error's metric averages the query over the offsets it will be seen at. ``weights``
+    (``[tokens, q_heads]`` per entry) weigh each query, e.g. by how far a logit error moves the
+    layer's output (bench/kv_basis.py --attention).
     """
     d = queries[0].shape[-1]
     g = queries[0].shape[1] // kv_heads
     w = torch.zeros(kv_heads, d, d, dtype=torch.float64)
     n = 0
-    for q in queries:
+    for i, q in enumerate(queries):
         q = q.double()
+        if weights is not None:
+            q = q * weights[i].double().sqrt().unsqueeze(-1)
         for delta in deltas:
             cos, sin = rope.rotation(int(delta), 1, d, theta)
             qr = rope.apply(q, cos.double(), sin.double()).reshape(q.shape[0], kv_heads, g, d)
@@ -65,10 +70,14 @@ def key_metric(queries: list[torch.Tensor], kv_heads: int, theta: float, deltas:
     return w / n
 
 
-def value_metric(o_proj: torch.Tensor, kv_heads: int, head_dim: int) -> torch.Tensor:
-    """``W_o^T W_o`` over the query heads that read each KV head: ``[kv_heads, D, D]``."""
+def value_metric(o_proj: torch.Tensor, kv_heads: int, head_dim: int, head_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """``W_o^T W_o`` over the query heads that read each KV head: ``[kv_heads, D, D]``;
+    ``head_weights`` ``[q_heads]`` (e.g. ``E[sum_t a_t^2]``) weigh each query head's share."""
     hidden, width = o_proj.shape
-    w = o_proj.detach().double().view(hidden, kv_heads, width // (kv_heads * head_dim), head_dim)
+    g = width // (kv_heads * head_dim)
+    w = o_proj.detach().double().view(hidden, kv_heads, g, head_dim)
+    if head_weights is not None:
+        w = w * head_weights.double().view(1, kv_heads, g, 1).sqrt()
     return torch.einsum("ohgd,ohge->hde", w, w)
 
 
