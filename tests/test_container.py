@@ -182,3 +182,26 @@ def test_a_basis_is_dropped_for_a_model_it_was_not_made_for():
     assert container.parse_header(obj).layout.basis == name
     back = decode_chunk(obj)  # random KV is not what the basis was fitted to: only its shape is checked
     assert back.shape == kv.shape and torch.isfinite(back.float()).all()
+
+
+def test_an_unknown_or_misfitting_basis_is_refused_before_decoding():
+    from dataclasses import replace
+
+    from kvfetcher import basis, layout, presets
+
+    name = basis.available()[0]
+    L, H, D = basis.load(name).shape
+    fp = "smollm2-135m-instruct-q4_1/float32"
+    p = replace(presets.get("q8"), name="b", layout=layout.LayoutParams(mode="quant", sigma_steps=((0.2, 0.2),), basis=name))
+    obj = encode_chunk(synthetic_kv(layers=L, heads=H, head_dim=D, tokens=32), p, fp)
+
+    def unknown(d):
+        d["layout"]["basis"] = "smollm2-135m-000000000000"
+
+    def misfit(d):
+        d["shape"][0] = L - 1
+        d["frame_shape"] = list(layout.geometry(tuple(d["shape"]), torch.float16, layout.LayoutParams.from_dict(d["layout"])).frame_shape)
+
+    for edit in (unknown, misfit):
+        with pytest.raises(container.CorruptError, match="basis"):
+            decode_chunk(_rewrite_header(obj, edit), fp)

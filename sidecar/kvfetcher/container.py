@@ -36,7 +36,7 @@ try:  # ISA-L's CRC-32 is zlib's checksum, ~3.9x faster (bench/crc_bench.py): a 
 except ImportError:  # pragma: no cover - isal is a dependency; zlib gives the same numbers
     from zlib import crc32
 
-from . import layout
+from . import basis, layout
 from .codecs.base import FORMATS, CodecError, CodecParams
 
 MAGIC = b"KVFC"
@@ -256,6 +256,13 @@ def _check_consistent(h: Header) -> None:
         raise CorruptError("side information present/absent contrary to the layout")
     if h.side is not None and h.side.length == 0:
         raise CorruptError("side information segment is empty")
+    if h.layout.basis is not None:
+        try:
+            shape = basis.load(h.layout.basis).shape
+        except ValueError as e:
+            raise CorruptError(f"layout names a basis this reader does not have: {e}") from e
+        if shape != (h.shape[0], h.shape[2], h.shape[4]):
+            raise CorruptError(f"basis {h.layout.basis!r} does not fit a chunk of shape {h.shape}")
 
 
 def check_fingerprint(h: Header, expected: str | None) -> None:
