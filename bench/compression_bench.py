@@ -316,7 +316,7 @@ def plot(res: dict) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     groups = {
         "kvfetcher presets": lambda n, r: r.get("preset"),
-        "kvfetcher basis + profile, balanced x0.7 .. x3 (curve)": lambda n, r: n.startswith("basis x"),
+        "kvfetcher basis (layout v4): balanced's steps x0.7 .. x2 (curve)": lambda n, r: n.startswith("basis x"),
         "kvfetcher per-channel profile x0.7 .. x2 (v3 curve)": lambda n, r: n.startswith("profile x") and "," not in n,
         "kvfetcher, other (flat = one step for all layers)": lambda n, r: not r.get("preset") and r["kind"] == "kvfetcher"
         and not (n.startswith("profile x") and "," not in n) and not n.startswith("basis x"),
@@ -341,7 +341,7 @@ def plot(res: dict) -> None:
         ax.axvline(4, color="grey", linewidth=0.5, linestyle="--")
         ax.set_xlabel("size ratio vs fp16 (headers and side information counted)")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7, loc="upper right")
+    axes[1].legend(fontsize=7, loc="lower right")  # the KL panel has room there
     fig.suptitle(f"{res['model']}: size vs accuracy ({res['device']}, {res['date']})", fontsize=9)
     fig.tight_layout()
     fig.savefig(OUT / "compression.png", dpi=120)
