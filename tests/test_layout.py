@@ -301,3 +301,26 @@ def test_basis_needs_sigma_steps_and_a_matching_shape():
     kv = synthetic_kv(layers=2, heads=2, tokens=64)
     with pytest.raises(ValueError, match="basis"):
         layout.pack(kv, layout.LayoutParams(mode="quant", sigma_steps=((0.2, 0.2),), basis=b.name))
+
+
+def test_basis_side_information_is_float32_so_high_mean_components_get_no_bias():
+    """A near-constant component whose mean is thousands of steps: an fp16 offset cannot place
+    the grid within a step (every token restored up to half a step off, the same way); float32
+    side information keeps it on its mean."""
+    b = _shipped_basis()
+    L, H, D = b.shape
+    g = torch.Generator().manual_seed(3)
+    y = torch.randn(L, 2, H, 256, D, generator=g, dtype=torch.float64)
+    y[..., 0] = 600.0 + 1e-4 * y[..., 0]  # component 0: quiet, far from zero
+    kv = torch.einsum("lkhde,lkhte->lkhtd", b.dec.double(), y).float()
+    p = layout.LayoutParams(mode="quant", sigma_steps=((0.2, 0.2),), basis=b.name)
+    assert layout.side_dtype(p, torch.float16) == torch.float32
+    assert layout.pack(kv.half(), p).side.dtype == torch.float32
+    packed = layout.pack(kv, p)
+    back = layout.unpack(packed.frames, packed.side, kv.shape, kv.dtype, p)
+    ranges, _ = layout.split_side(packed.side, kv.shape, p)
+    lo, step = ranges[..., 0, 0].double(), ranges[..., 0, 1].double()  # component 0's offset and step
+    y_back = torch.einsum("lkhde,lkhte->lkhtd", b.enc.double(), back.double())[..., 1:, 0]
+    assert float(((y_back - 600.0).abs() / step.unsqueeze(-1)).max()) < 0.05
+    # what fp16 offsets would have cost: their rounding alone moves the grid by most of a step
+    assert float(((lo.half().double() - lo).abs() / step).max()) > 0.3

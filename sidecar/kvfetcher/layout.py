@@ -194,8 +194,19 @@ class Packed:
     """The layout's output: what the codec codes plus what it does not (side information)."""
 
     frames: torch.Tensor  # uint8 [frames, planes, height, width]
-    side: torch.Tensor | None  # quant: flat, KV dtype; see side_numel / split_side
+    side: torch.Tensor | None  # quant: flat, side_dtype; see side_numel / split_side
     geometry: Geometry
+
+
+def side_dtype(params: LayoutParams, dtype: torch.dtype) -> torch.dtype:
+    """dtype of the side information: the KV's, but float32 with a basis.
+
+    A basis component can have a mean of thousands of its steps (pre-RoPE keys' massive
+    channels); an fp16 offset then cannot place the quantisation grid within a step, and every
+    near-constant component gets a bias of up to half a step, the same for all tokens of the
+    chunk, which attention does not average away (measured: KL 0.0010 with fp16 offsets against
+    0.00083 with exact ones, docs/benchmarks/compression.md)."""
+    return torch.float32 if params.basis is not None else dtype
 
 
 def side_numel(shape: tuple[int, ...], params: LayoutParams) -> int:
@@ -299,14 +310,15 @@ def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
         hi = body.amax(dim=3)
         top = levels(params, layers, kv.device).view(layers, 2, 1, 1)
         scale = (hi - lo) / top
-    ranges = torch.stack([lo, scale], dim=-1).to(kv.dtype)  # what the reader will use
+    sdt = side_dtype(params, kv.dtype)
+    ranges = torch.stack([lo, scale], dim=-1).to(sdt)  # what the reader will use
     lo_r, scale_r = ranges[..., 0].float(), ranges[..., 1].float()
     safe = torch.where(scale_r > 0, scale_r, torch.ones_like(scale_r))
     q = torch.round((x - lo_r.unsqueeze(3)) / safe.unsqueeze(3))
     q = torch.minimum(q.clamp_(min=0), top.unsqueeze(-1)).to(torch.uint8)
     if 0 < e < tokens:  # exact rows: repeat the first quantised row, cheapest for the codec
         q[:, :, :, :e] = q[:, :, :, e : e + 1]
-    side = torch.cat([ranges.reshape(-1), kv[:, :, :, :e].reshape(-1)])
+    side = torch.cat([ranges.reshape(-1), kv[:, :, :, :e].reshape(-1).to(sdt)])
     tiles = q.permute(0, 1, 3, 2, 4).reshape(layers * 2, tokens, heads * head_dim)
     return Packed(_tiles_to_frames(tiles, geo), side, geo)
 
@@ -357,7 +369,7 @@ def unpack(
         vals = vals.to(dtype)
         e = exact.shape[3]
         if e:
-            vals[:, :, :e] = exact.permute(0, 1, 3, 2, 4).reshape(layers, 2, e, heads * head_dim)
+            vals[:, :, :e] = exact.permute(0, 1, 3, 2, 4).reshape(layers, 2, e, heads * head_dim).to(dtype)
     result = vals.view(layers, 2, tokens, heads, head_dim).permute(0, 1, 3, 2, 4)
     if out is None:
         return result.contiguous()
