@@ -6,10 +6,13 @@
   components had their step widened to fit 8-bit samples.
 * ``side``: side information per value, raw vs zstd -19 vs byte-shuffled zstd, with and without
   the basis, with and without the exact first token (a chunk at position 256).
+* ``range`` (runs the model): ``balanced``'s quantisation simulated in float (grid centred on
+  each component's mean, no side-information rounding), with and without the 8-bit range limit
+  that widens some steps: KL and greedy agreement over the 8 prompts.
 * ``overhead``: x265 lossless on synthetic i.i.d. Gaussian symbols of growing spread against
   their plug-in entropy: where the coder's overhead over the entropy comes from.
 
-    .venv/bin/python bench/basis_probes.py [coders side overhead] [--kv-cache /tmp/kv.pt]
+    .venv/bin/python bench/basis_probes.py [coders side range overhead] [--kv-cache /tmp/kv.pt]
 
 Prints its findings (docs/benchmarks/basis_probes.txt holds a run).
 """
@@ -29,7 +32,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import compression_bench as cb  # noqa: E402
 import compression_probes as cp  # noqa: E402
-from kvfetcher import basis, layout, model, presets  # noqa: E402
+from kvfetcher import basis, layout, model, presets, rope  # noqa: E402
 
 STEPS = presets.scaled(presets.BASE_PROFILE, 0.7)
 
@@ -81,9 +84,45 @@ def probe_overhead() -> None:
         print(f"  sd {sd} levels: entropy {cp.entropy(s):.3f}, x265 {cp.hevc(s, speed='ultrafast')[0] * 8 / s.numel():.3f}")
 
 
+def probe_range(lm, cases, theta: float) -> None:
+    b = presets.get("balanced")
+    enc, dec = basis.on_device(b.layout.basis, "cpu")
+
+    def restore(kv: torch.Tensor, widen: bool) -> torch.Tensor:
+        parts = []
+        for s in range(0, kv.shape[3], 256):
+            piece = kv[:, :, :, s : s + 256]
+            L, _, H, T, D = piece.shape
+            x = piece.float().clone()
+            cos, sin = rope.rotation(s, T, D, theta)
+            x[:, 0] = rope.apply(x[:, 0], cos, sin, inverse=True)
+            y = torch.einsum("lkhde,lkhte->lkhtd", enc, x)
+            e = 1 if s == 0 else 0
+            body = y[:, :, :, e:]
+            mu = body.mean(3, keepdim=True)
+            sd = body.std(3, correction=0, keepdim=True).square().mean(dim=(2, 4), keepdim=True).sqrt()
+            st = layout.sigma_profile(b.layout, L).view(L, 2, 1, 1, 1) * sd
+            if widen:
+                reach = torch.maximum(body.amax(3, keepdim=True) - mu, mu - body.amin(3, keepdim=True))
+                st = torch.maximum(st, reach / 126)
+            xr = torch.einsum("lkhde,lkhte->lkhtd", dec, torch.round((y - mu) / st) * st + mu)
+            xr[:, 0] = rope.apply(xr[:, 0], cos, sin)
+            xr = xr.to(kv.dtype)
+            if e:
+                xr[:, :, :, :1] = piece[:, :, :, :1]
+            parts.append(xr)
+        return torch.cat(parts, 3)
+
+    print("balanced's quantisation in float (no side-information rounding), 8 prompts")
+    for widen in (True, False):
+        r = cb.judge(lm, cases, [restore(c.kv, widen) for c in cases], [1] * len(cases))
+        print(f"  8-bit range limit {'on ' if widen else 'off'}: agreement {r['greedy_agreement']:.3f}, "
+              f"NLL {100 * r['nll_increase']:+.3f}%, KL {r['kl']:.5f}, per prompt {['%.2g' % p['kl'] for p in r['per_prompt']]}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("probes", nargs="*", default=["coders", "side", "overhead"])
+    ap.add_argument("probes", nargs="*", default=["coders", "side", "range", "overhead"])
     ap.add_argument("--kv-cache", help="compression_bench's cache of the prefilled prompts")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -96,6 +135,8 @@ def main() -> int:
             probe_coders([c.kv[:, :, :, :256].contiguous() for c in cases[::2]], theta, name)
         elif p == "side":
             probe_side([c.kv[:, :, :, 256:].contiguous() for c in cases], theta, name)
+        elif p == "range":
+            probe_range(lm, cases, theta)
         elif p == "overhead":
             probe_overhead()
         sys.stdout.flush()
