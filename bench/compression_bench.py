@@ -224,7 +224,7 @@ def run_cachegen(lm, cases: list[Case]) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--points", default="balanced,compact,lean,q8,profile x0.7,profile x1.4,profile x2,profile x3,flat0.2,flat0.3,flat0.45,zstd q8,zstd q6,zstd q5,zstd q4,cachegen")
+    ap.add_argument("--points", default="balanced,compact,lean,q8,basis x0.7,basis x0.85,basis x1.4,basis x2,profile x0.7,profile x1,profile x1.4,profile x2,flat0.3,zstd q8,zstd q6,zstd q5,cachegen")
     ap.add_argument("--kv-cache", help="cache the prefilled prompts here (reused when present)")
     ap.add_argument("--measured", default="balanced,compact",
                     help="presets whose figures go to presets_measured.json (q8/lean/exact/raw: bench/codec_bench.py)")
