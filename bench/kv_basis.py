@@ -146,7 +146,9 @@ def main() -> int:
         for kind in (0, 1):
             cov = basis.covariance([c for kv, _ in cal for c in chunks(kv[layer, kind])])
             enc[layer, kind] = basis.transform(w[layer, kind], cov, args.ridge)[0]
-    b = basis.build(MODEL_TAG, enc.float())
+    e32 = enc.float().half().float()  # as stored
+    mean = torch.cat([torch.einsum("lkhde,lkhte->lkhtd", e32, kv) for kv, _ in cal], 3).mean(3)
+    b = basis.build(MODEL_TAG, enc.float(), mean)
     held = capture(lm, accuracy.PROMPTS, theta)
     tot = torch.zeros(2, 3)
     print(f"basis {b.name}: calibrated on {CALIBRATION}; gains on the harness's prompts (held out), bits/value")

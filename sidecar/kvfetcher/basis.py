@@ -12,7 +12,13 @@ queries' energy concentrated, a high-rate gain of 1.1-3.8 bits per key, 0.1-1.8 
 a basis calibrated on some texts kept >90% of it on others.
 
 A basis is ``enc`` and ``dec``, ``[layers, 2, kv_heads, head_dim, head_dim]`` with
-``dec = enc^-1``: the layout codes ``y = enc @ x`` per head and restores ``x = dec @ y``. It is
+``dec = enc^-1``, and ``mean`` ``[layers, 2, kv_heads, head_dim]``: the layout codes
+``y = enc @ x - mean`` per head and restores ``x = dec @ (y + mean)``. The mean (of the
+calibration KV) keeps the per-chunk offsets small: some components sit thousands of steps from
+zero (pre-RoPE keys' massive channels), where an fp16 offset could not place the quantisation
+grid within a step, and near-constant components then came back off by up to half a step for
+every token of a chunk (measured: KL 0.0010 against 0.00075 with the mean,
+docs/benchmarks/compression.md). It is
 calibrated once per model (``bench/kv_basis.py``) and shipped under a content-derived name, like
 the sensitivity table; a per-chunk basis would cost ``head_dim**2`` values per head and chunk.
 """
@@ -35,8 +41,9 @@ BASES_DIR = Path(__file__).parent / "data" / "bases"
 @dataclass(frozen=True)
 class Basis:
     name: str
-    enc: torch.Tensor  # [L, 2, H, D, D] float32: y = enc @ x (per head)
-    dec: torch.Tensor  # [L, 2, H, D, D] float32: x = dec @ y
+    enc: torch.Tensor  # [L, 2, H, D, D] float32: y = enc @ x - mean (per head)
+    dec: torch.Tensor  # [L, 2, H, D, D] float32: x = dec @ (y + mean)
+    mean: torch.Tensor  # [L, 2, H, D] float32
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -111,19 +118,21 @@ def normalise_heads(metric: torch.Tensor) -> torch.Tensor:
     return metric * metric.shape[-1] / metric.diagonal(dim1=-2, dim2=-1).sum(-1).mean()
 
 
-def build(model_tag: str, enc: torch.Tensor) -> Basis:
-    """A named basis from ``enc`` ``[L, 2, H, D, D]``: stored as fp16, dec the float64 inverse of
-    the stored enc (so ``dec @ enc`` is the identity up to float32 rounding)."""
+def build(model_tag: str, enc: torch.Tensor, mean: torch.Tensor) -> Basis:
+    """A named basis from ``enc`` ``[L, 2, H, D, D]`` (stored as fp16; dec is the float64
+    inverse of the stored enc) and ``mean`` ``[L, 2, H, D]`` (float32); the name's digest
+    covers both."""
     e16 = enc.detach().to(torch.float16).contiguous()
+    m32 = mean.detach().to(torch.float32).contiguous()
     dec = torch.linalg.inv(e16.double()).float()
-    digest = hashlib.sha256(e16.numpy().tobytes()).hexdigest()[:12]
-    return Basis(f"{model_tag}-{digest}", e16.float(), dec)
+    digest = hashlib.sha256(e16.numpy().tobytes() + m32.numpy().tobytes()).hexdigest()[:12]
+    return Basis(f"{model_tag}-{digest}", e16.float(), dec, m32)
 
 
 def save(b: Basis, directory: Path = BASES_DIR) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{b.name}.pt"
-    torch.save({"name": b.name, "enc": b.enc.to(torch.float16)}, path)
+    torch.save({"name": b.name, "enc": b.enc.to(torch.float16), "mean": b.mean}, path)
     return path
 
 
@@ -134,17 +143,17 @@ def load(name: str) -> Basis:
     if not path.exists():
         raise ValueError(f"unknown basis {name!r} (looked in {BASES_DIR})")
     d = torch.load(path, weights_only=True)
-    b = build(name.rsplit("-", 1)[0], d["enc"])
+    b = build(name.rsplit("-", 1)[0], d["enc"], d["mean"])
     if b.name != name:
         raise ValueError(f"basis file {path} does not match its name (content {b.name})")
     return b
 
 
 @functools.lru_cache(maxsize=16)
-def on_device(name: str, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(enc, dec) of a shipped basis on ``device``, loaded and moved once."""
+def on_device(name: str, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(enc, dec, mean) of a shipped basis on ``device``, loaded and moved once."""
     b = load(name)
-    return b.enc.to(device), b.dec.to(device)
+    return b.enc.to(device), b.dec.to(device), b.mean.to(device)
 
 
 def fits(name: str, shape: tuple[int, ...], fingerprint: str) -> bool:

@@ -293,15 +293,14 @@ def side_tensor(h: Header, data: bytes) -> torch.Tensor | None:
     """Verified side-information bytes -> the flat tensor ``layout.unpack`` takes."""
     if h.side is None:
         return None
-    sdt = layout.side_dtype(h.layout, h.torch_dtype)
-    need = layout.side_numel(h.shape, h.layout) * layout.bytes_per_value(sdt)
+    need = layout.side_numel(h.shape, h.layout) * layout.bytes_per_value(h.torch_dtype)
     try:
         raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=need)
     except zstandard.ZstdError as e:
         raise CorruptError(f"side information does not decompress: {e}") from e
     if len(raw) != need:
         raise CorruptError(f"side information is {len(raw)} bytes, expected {need}")
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(sdt)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(h.torch_dtype)
 
 
 def decode_segment(h: Header, seg: Segment, data: bytes, decoder, device: torch.device | str = "cpu") -> torch.Tensor:

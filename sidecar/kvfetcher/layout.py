@@ -25,7 +25,8 @@ neighbours, so the layout decides what sits next to what:
   layers (docs/benchmarks/compression.md). Side information keeps its form (offset, step
   per channel), so ``unpack`` is the same for both.
 * ``basis`` (with ``sigma_steps``) codes each head's channels through a per-model linear
-  transform (basis.py: the KLT in the metric the model sees errors in) and quantises every
+  transform minus its calibration mean (basis.py: the KLT in the metric the model sees errors
+  in) and quantises every
   component of a (layer, k|v) with one step, ``s`` times the components' pooled standard
   deviation; ``unpack`` applies the inverse before RoPE. Side information keeps its form, now
   per component.
@@ -194,19 +195,8 @@ class Packed:
     """The layout's output: what the codec codes plus what it does not (side information)."""
 
     frames: torch.Tensor  # uint8 [frames, planes, height, width]
-    side: torch.Tensor | None  # quant: flat, side_dtype; see side_numel / split_side
+    side: torch.Tensor | None  # quant: flat, KV dtype; see side_numel / split_side
     geometry: Geometry
-
-
-def side_dtype(params: LayoutParams, dtype: torch.dtype) -> torch.dtype:
-    """dtype of the side information: the KV's, but float32 with a basis.
-
-    A basis component can have a mean of thousands of its steps (pre-RoPE keys' massive
-    channels); an fp16 offset then cannot place the quantisation grid within a step, and every
-    near-constant component gets a bias of up to half a step, the same for all tokens of the
-    chunk, which attention does not average away (measured: KL 0.0010 with fp16 offsets against
-    0.00083 with exact ones, docs/benchmarks/compression.md)."""
-    return torch.float32 if params.basis is not None else dtype
 
 
 def side_numel(shape: tuple[int, ...], params: LayoutParams) -> int:
@@ -267,11 +257,11 @@ def _sigma_ranges(body: torch.Tensor, params: LayoutParams) -> tuple[torch.Tenso
     return mu - 128 * step, step
 
 
-def _basis(params: LayoutParams, layers: int, heads: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    enc, dec = kvbasis.on_device(params.basis, str(device))
+def _basis(params: LayoutParams, layers: int, heads: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    enc, dec, mean = kvbasis.on_device(params.basis, str(device))
     if tuple(enc.shape) != (layers, 2, heads, head_dim, head_dim):
         raise ValueError(f"basis {params.basis!r} is {tuple(enc.shape)}, the chunk has {layers} layers x {heads} heads x {head_dim}")
-    return enc, dec
+    return enc, dec, mean
 
 
 def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
@@ -299,8 +289,8 @@ def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
         cos, sin = rope.rotation(start, tokens, head_dim, params.rope_theta, kv.device)
         x[:, 0] = rope.apply(x[:, 0], cos, sin, inverse=True)
     if params.basis is not None:
-        enc, _ = _basis(params, layers, heads, head_dim, kv.device)
-        x = torch.einsum("lkhde,lkhte->lkhtd", enc, x)
+        enc, _, mean = _basis(params, layers, heads, head_dim, kv.device)
+        x = torch.einsum("lkhde,lkhte->lkhtd", enc, x) - mean.unsqueeze(3)
     body = x[:, :, :, e:] if e < tokens else x
     if params.sigma_steps is not None:
         lo, scale = _sigma_ranges(body, params)
@@ -310,15 +300,14 @@ def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
         hi = body.amax(dim=3)
         top = levels(params, layers, kv.device).view(layers, 2, 1, 1)
         scale = (hi - lo) / top
-    sdt = side_dtype(params, kv.dtype)
-    ranges = torch.stack([lo, scale], dim=-1).to(sdt)  # what the reader will use
+    ranges = torch.stack([lo, scale], dim=-1).to(kv.dtype)  # what the reader will use
     lo_r, scale_r = ranges[..., 0].float(), ranges[..., 1].float()
     safe = torch.where(scale_r > 0, scale_r, torch.ones_like(scale_r))
     q = torch.round((x - lo_r.unsqueeze(3)) / safe.unsqueeze(3))
     q = torch.minimum(q.clamp_(min=0), top.unsqueeze(-1)).to(torch.uint8)
     if 0 < e < tokens:  # exact rows: repeat the first quantised row, cheapest for the codec
         q[:, :, :, :e] = q[:, :, :, e : e + 1]
-    side = torch.cat([ranges.reshape(-1), kv[:, :, :, :e].reshape(-1).to(sdt)])
+    side = torch.cat([ranges.reshape(-1), kv[:, :, :, :e].reshape(-1)])
     tiles = q.permute(0, 1, 3, 2, 4).reshape(layers * 2, tokens, heads * head_dim)
     return Packed(_tiles_to_frames(tiles, geo), side, geo)
 
@@ -359,8 +348,8 @@ def unpack(
         t = tiles.reshape(layers, 2, tokens, heads * head_dim)
         vals = t.float() * scale + lo
         if params.basis is not None:
-            _, dec = _basis(params, layers, heads, head_dim, frames.device)
-            y = vals.view(layers, 2, tokens, heads, head_dim)
+            _, dec, mean = _basis(params, layers, heads, head_dim, frames.device)
+            y = vals.view(layers, 2, tokens, heads, head_dim) + mean.unsqueeze(2)
             vals = torch.einsum("lkhde,lkthe->lkthd", dec, y).reshape(layers, 2, tokens, heads * head_dim)
         if params.rope_theta is not None:
             cos, sin = rope.rotation(start, tokens, head_dim, params.rope_theta, frames.device)

@@ -40,7 +40,7 @@ SENSITIVITY_BASIS: tuple[tuple[float, float], ...] = (
 #: The shipped model's KV basis (basis.py; calibrated by bench/kv_basis.py on text windows the
 #: accuracy harness does not use). Chunks of any other model drop it (chunk.encode_chunk) and
 #: are coded with plain per-channel sigma steps.
-SMOLLM2_BASIS = "smollm2-135m-e4fbe7c9f86d"
+SMOLLM2_BASIS = "smollm2-135m-4c54e39f9986"
 
 
 def sigma_steps(scale: float, lo: float = 0.08, hi: float = 0.7,
