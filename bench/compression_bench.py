@@ -49,11 +49,19 @@ CHUNK = 256
 
 
 def sigma_point(name: str, scale: float, profile=None) -> Preset:
-    """A curve point: the base per-layer profile (or a flat one) times ``scale``; ``balanced`` is
-    x0.7, ``compact`` (with a wider cap) about x4.7."""
+    """A curve point of the per-channel sigma steps (no basis): the capped base profile (or a flat
+    one) times ``scale``; the ``balanced`` of layout v3 was x0.7."""
     steps = presets.scaled(profile or presets.BASE_PROFILE, scale)
     return Preset(name, layout.LayoutParams(mode="quant", sigma_steps=steps), CodecParams(lossless=True), False,
                   f"sigma steps x{scale}", pre_rope=True)
+
+
+def basis_point(name: str, scale: float) -> Preset:
+    """A curve point of ``balanced``'s own scheme (basis, uncapped profile, exact token only at
+    position 0) with every step times ``scale``."""
+    b = presets.get("balanced")
+    lp = dataclasses.replace(b.layout, sigma_steps=presets.scaled(b.layout.sigma_steps, scale))
+    return dataclasses.replace(b, name=name, layout=lp, summary=f"balanced's scheme, steps x{scale}")
 
 
 def flat(step: float) -> Preset:
@@ -66,6 +74,7 @@ POINTS = {
     "flat0.3": lambda: flat(0.3),
     "flat0.45": lambda: flat(0.45),
     **{f"profile x{s}": (lambda s=s: sigma_point(f"profile x{s}", s)) for s in (0.7, 1, 1.4, 2, 3)},
+    **{f"basis x{s}": (lambda s=s: basis_point(f"basis x{s}", s)) for s in (0.7, 0.85, 1.4, 2)},
 }
 
 
@@ -215,7 +224,7 @@ def run_cachegen(lm, cases: list[Case]) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--points", default="balanced,compact,lean,q8,profile x0.7,profile x1.4,profile x2,profile x3,flat0.2,flat0.3,flat0.45,zstd q8,zstd q6,zstd q5,zstd q4,cachegen")
+    ap.add_argument("--points", default="balanced,compact,lean,q8,basis x0.7,basis x0.85,basis x1.4,basis x2,profile x0.7,profile x1,profile x1.4,profile x2,flat0.3,zstd q8,zstd q6,zstd q5,cachegen")
     ap.add_argument("--kv-cache", help="cache the prefilled prompts here (reused when present)")
     ap.add_argument("--measured", default="balanced,compact",
                     help="presets whose figures go to presets_measured.json (q8/lean/exact/raw: bench/codec_bench.py)")
@@ -307,13 +316,14 @@ def plot(res: dict) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     groups = {
         "kvfetcher presets": lambda n, r: r.get("preset"),
-        "kvfetcher per-layer profile x0.7 .. x2 (curve)": lambda n, r: n.startswith("profile x") and "," not in n,
+        "kvfetcher basis (layout v4): balanced's steps x0.7 .. x2 (curve)": lambda n, r: n.startswith("basis x"),
+        "kvfetcher per-channel profile x0.7 .. x2 (v3 curve)": lambda n, r: n.startswith("profile x") and "," not in n,
         "kvfetcher, other (flat = one step for all layers)": lambda n, r: not r.get("preset") and r["kind"] == "kvfetcher"
-        and not (n.startswith("profile x") and "," not in n),
+        and not (n.startswith("profile x") and "," not in n) and not n.startswith("basis x"),
         "quantisation + zstd": lambda n, r: n.startswith("zstd"),
         "CacheGen (LMCache 0.5.6, size estimated)": lambda n, r: n == "cachegen",
     }
-    for (label, pick), marker in zip(groups.items(), "o^vsD"):
+    for (label, pick), marker in zip(groups.items(), "o*^vsD"):
         sel = sorted(((n, r) for n, r in res["points"].items() if pick(n, r)), key=lambda x: x[1]["ratio_vs_fp16"])
         if not sel:
             continue
@@ -321,7 +331,7 @@ def plot(res: dict) -> None:
         for ax, key in zip(axes, ("greedy_agreement", "kl")):
             ax.plot(xs, [r[key] for _, r in sel], marker=marker, linestyle="-" if "curve" in label else "none", label=label)
             for (n, r), x in zip(sel, xs):
-                if not (n.startswith("profile x") and "," not in n):
+                if not ((n.startswith("profile x") and "," not in n) or n.startswith("basis x")):
                     ax.annotate(n, (x, r[key]), textcoords="offset points", xytext=(4, 4), fontsize=7)
     axes[0].axhline(0.9, color="grey", linewidth=0.5, linestyle="--")
     axes[0].set_ylabel("greedy agreement, 32 tokens (8 prompts)")
@@ -331,7 +341,7 @@ def plot(res: dict) -> None:
         ax.axvline(4, color="grey", linewidth=0.5, linestyle="--")
         ax.set_xlabel("size ratio vs fp16 (headers and side information counted)")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7, loc="upper right")
+    axes[1].legend(fontsize=7, loc="lower right")  # the KL panel has room there
     fig.suptitle(f"{res['model']}: size vs accuracy ({res['device']}, {res['date']})", fontsize=9)
     fig.tight_layout()
     fig.savefig(OUT / "compression.png", dpi=120)

@@ -7,9 +7,12 @@ continuation against the fp16 cache. KL is additive over small independent error
 with the square of the step, so these 60 numbers set a step per layer: minimising
 ``sum w_l (s_l / s0)**2`` at a fixed ``sum log2 s_l`` (the rate) gives ``s_l ~ w_l**-0.5``.
 
-    .venv/bin/python bench/layer_sensitivity.py [--prompts 0,2,4,6] [--step 0.7]
+    .venv/bin/python bench/layer_sensitivity.py [--prompts 0,2,4,6] [--step 0.7] [--basis NAME]
 
-Writes docs/benchmarks/layer_sensitivity.json.
+With ``--basis`` the layer is quantised as the layout does with a basis (kvfetcher/basis.py):
+components ``enc @ x`` per head, one step of ``--step`` times their pooled standard deviation.
+
+Writes docs/benchmarks/layer_sensitivity.json (``--out`` for another file).
 """
 
 from __future__ import annotations
@@ -26,21 +29,28 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "sidecar"))
 
-from kvfetcher import accuracy, model, rope  # noqa: E402
+from kvfetcher import accuracy, basis, model, rope  # noqa: E402
 
 
-def quantise_one(kv: torch.Tensor, layer: int, kind: int, step: float, start: int, theta: float) -> torch.Tensor:
+def quantise_one(kv: torch.Tensor, layer: int, kind: int, step: float, start: int, theta: float,
+                 bas: basis.Basis | None = None) -> torch.Tensor:
     """``kv`` chunk with only (layer, kind) quantised at ``step`` sigma (keys in the pre-RoPE frame)."""
     out = kv.clone()
     x = kv[layer, kind].float()  # [H, T, D]
     cos, sin = rope.rotation(start, x.shape[1], x.shape[2], theta)
     if kind == 0:
         x = rope.apply(x, cos, sin, inverse=True)
+    if bas is not None:
+        x = torch.einsum("hde,hte->htd", bas.enc[layer, kind], x)
     body = x[:, 1:]
     mu, sd = body.mean(1, keepdim=True), body.std(1, keepdim=True, correction=0)
+    if bas is not None:
+        sd = sd.square().mean().sqrt().expand_as(sd)  # one step for all components (pooled)
     st = (sd * step).clamp_min(1e-8)
     y = x.clone()
     y[:, 1:] = torch.round((body - mu) / st) * st + mu
+    if bas is not None:
+        y = torch.einsum("hde,hte->htd", bas.dec[layer, kind], y)
     if kind == 0:
         y = rope.apply(y, cos, sin)
     out[layer, kind] = y.to(kv.dtype)
@@ -65,8 +75,10 @@ def main() -> int:
     ap.add_argument("--prompts", default="0,2,4,6", help="indices into accuracy.PROMPTS")
     ap.add_argument("--step", type=float, default=0.7)
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "layer_sensitivity.json"))
+    ap.add_argument("--basis", help="quantise in this shipped basis (kvfetcher/basis.py)")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    bas = basis.load(args.basis) if args.basis else None
     lm = model.load()
     theta = model.rope_theta(lm)
     cases = []
@@ -82,7 +94,7 @@ def main() -> int:
         for kind in (0, 1):
             total = 0.0
             for ids, cont, kv, ref in cases:
-                parts = [quantise_one(kv[:, :, :, s : s + 256], layer, kind, args.step, s, theta) for s in range(0, kv.shape[3], 256)]
+                parts = [quantise_one(kv[:, :, :, s : s + 256], layer, kind, args.step, s, theta, bas) for s in range(0, kv.shape[3], 256)]
                 total += kl(ref, continuation_logp(lm, ids, torch.cat(parts, 3), cont))
             w[layer][kind] = total / len(cases)
         print(f"layer {layer}: KL keys {w[layer][0]:.2e} values {w[layer][1]:.2e} ({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -93,6 +105,7 @@ def main() -> int:
         "prompts": [f"{accuracy.PROMPTS[i][0]}@{accuracy.PROMPTS[i][1]}" for i in map(int, args.prompts.split(","))],
         "tokens": 512,
         "step_sigma": args.step,
+        "basis": args.basis,
         "kl_keys_values_by_layer": w,
     }
     Path(args.out).write_text(json.dumps(out, indent=2))

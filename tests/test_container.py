@@ -169,16 +169,80 @@ def test_native_headers_must_cover_the_chunk_back_to_back(edit):
         decode_chunk(_rewrite_header(obj, edit), FP)
 
 
-def test_a_layout_v3_raw_object_still_decodes():
-    """v3's raw preset stored byte planes (layout ``exact``, no codec); its header parses unchanged."""
+def test_objects_of_an_older_layout_are_foreign():
+    """Keys carry the layout version, so a fetch never looks older objects up; one read directly
+    (side information was uncompressed before v5) is refused as foreign, not decoded wrongly."""
+    obj = encode_chunk(synthetic_kv(tokens=64), "q8", FP)
+    with pytest.raises(container.ForeignObjectError):
+        decode_chunk(_rewrite_header(obj, lambda d: d.update(layout_version=4)), FP)
+
+
+def test_side_information_is_stored_compressed_and_checked():
+    kv = synthetic_kv(tokens=64)
+    obj = encode_chunk(kv, "q8", FP)
+    h = container.parse_header(obj)
+    from kvfetcher import layout
+
+    raw = layout.side_numel(h.shape, h.layout) * 2
+    assert h.side.length < raw  # zstd
+    side = container.side_tensor(h, container.slice_segment(obj, h, h.side))
+    assert side.numel() == layout.side_numel(h.shape, h.layout)
+    with pytest.raises(container.CorruptError):  # well checksummed but not zstd
+        container.side_tensor(h, b"\x00" * h.side.length)
+
+
+def test_sink_exact_only_keeps_the_first_token_exact_only_at_position_zero():
     from dataclasses import replace
 
     from kvfetcher import presets
-    from kvfetcher.layout import LayoutParams
 
-    kv = synthetic_kv(tokens=64, dtype=torch.bfloat16)
-    v3_raw = replace(presets.get("raw"), layout=LayoutParams(mode="exact", planes=3))
-    obj = _rewrite_header(encode_chunk(kv, v3_raw, FP), lambda d: d.update(layout_version=3))
-    assert torch.equal(decode_chunk(obj, FP).view(torch.uint8), kv.view(torch.uint8))
-    with pytest.raises(container.ForeignObjectError):
-        decode_chunk(_rewrite_header(obj, lambda d: d.update(layout_version=2)), FP)
+    kv = synthetic_kv(tokens=64)
+    p = replace(presets.get("q8"), name="q8s", sink_exact_only=True)
+    first, later = encode_chunk(kv, p, FP, start=0), encode_chunk(kv, p, FP, start=64)
+    assert container.parse_header(first).layout.exact_tokens == 1
+    assert container.parse_header(later).layout.exact_tokens == 0
+    assert torch.equal(decode_chunk(first, FP)[:, :, :, 0], kv[:, :, :, 0])
+    assert (decode_chunk(later, FP).float() - kv.float()).abs().max() < 0.1
+
+
+def test_a_basis_is_dropped_for_a_model_it_was_not_made_for():
+    from dataclasses import replace
+
+    from kvfetcher import basis, layout, presets
+
+    name = basis.available()[0]
+    lp = layout.LayoutParams(mode="quant", sigma_steps=((0.2, 0.2),), basis=name)
+    p = replace(presets.get("q8"), name="b", layout=lp)
+    kv = synthetic_kv(tokens=64)  # 4 layers x 2 heads: not the shipped model's shape
+    h = container.parse_header(encode_chunk(kv, p, FP))
+    assert h.layout.basis is None
+    L, H, D = basis.load(name).shape
+    kv = synthetic_kv(layers=L, heads=H, head_dim=D, tokens=64)
+    assert container.parse_header(encode_chunk(kv, p, FP)).layout.basis is None  # another fingerprint
+    obj = encode_chunk(kv, p, "smollm2-135m-instruct-q4_1/float32")
+    assert container.parse_header(obj).layout.basis == name
+    back = decode_chunk(obj)  # random KV is not what the basis was fitted to: only its shape is checked
+    assert back.shape == kv.shape and torch.isfinite(back.float()).all()
+
+
+def test_an_unknown_or_misfitting_basis_is_refused_before_decoding():
+    from dataclasses import replace
+
+    from kvfetcher import basis, layout, presets
+
+    name = basis.available()[0]
+    L, H, D = basis.load(name).shape
+    fp = "smollm2-135m-instruct-q4_1/float32"
+    p = replace(presets.get("q8"), name="b", layout=layout.LayoutParams(mode="quant", sigma_steps=((0.2, 0.2),), basis=name))
+    obj = encode_chunk(synthetic_kv(layers=L, heads=H, head_dim=D, tokens=32), p, fp)
+
+    def unknown(d):
+        d["layout"]["basis"] = "smollm2-135m-000000000000"
+
+    def misfit(d):
+        d["shape"][0] = L - 1
+        d["frame_shape"] = list(layout.geometry(tuple(d["shape"]), torch.float16, layout.LayoutParams.from_dict(d["layout"])).frame_shape)
+
+    for edit in (unknown, misfit):
+        with pytest.raises(container.CorruptError, match="basis"):
+            decode_chunk(_rewrite_header(obj, edit), fp)

@@ -203,3 +203,122 @@ def test_bad_sigma_steps_are_refused(bad):
 def test_sigma_steps_survive_the_header_round_trip():
     p = layout.LayoutParams(mode="quant", sigma_steps=((0.2, 0.5), (0.3, 0.6)), rope_theta=10000.0)
     assert layout.LayoutParams.from_dict(p.to_dict()) == p
+
+
+# --- basis (per-model channel transform) ------------------------------------------------
+
+def _shipped_basis():
+    from kvfetcher import basis
+
+    names = basis.available()
+    assert names, "a basis for the shipped model is shipped"
+    return basis.load(names[0])
+
+
+def test_shipped_basis_is_invertible_and_named_by_its_content():
+    from kvfetcher import basis
+
+    b = _shipped_basis()
+    L, H, D = b.shape
+    eye = torch.eye(D).expand(L, 2, H, D, D)
+    assert torch.allclose(b.dec @ b.enc, eye, atol=1e-3)
+    assert basis.build(b.name.rsplit("-", 1)[0], b.enc, b.mean).name == b.name  # digest of the content
+    assert basis.fits(b.name, (L, 2, H, 256, D), "smollm2-135m-instruct-q4_1/float32")
+    assert not basis.fits(b.name, (L, 2, H, 256, D), "another-model/fp16")
+    assert not basis.fits(b.name, (L + 1, 2, H, 256, D), "smollm2-135m-instruct-q4_1/float32")
+    with pytest.raises(ValueError):
+        basis.load("smollm2-135m-000000000000")
+
+
+def test_transform_decorrelates_and_orders_by_weighted_variance():
+    from kvfetcher import basis
+
+    g = torch.Generator().manual_seed(1)
+    mix = torch.randn(1, 8, 8, generator=g, dtype=torch.float64)
+    x = torch.randn(1, 4000, 8, generator=g, dtype=torch.float64) @ mix  # correlated channels
+    w = torch.diag(torch.tensor([4.0, 1, 1, 1, 1, 1, 1, 0.25], dtype=torch.float64)).unsqueeze(0)
+    enc, dec = basis.transform(w, basis.covariance([x]), ridge=0.0)
+    y = ((x - x.mean(1, keepdim=True)) @ enc[0].T)[0]
+    c = y.T @ y / y.shape[0]
+    off = c - torch.diag(c.diagonal())
+    assert off.abs().max() < 1e-8 * c.diagonal().max()  # uncorrelated components
+    assert torch.all(c.diagonal()[:-1] >= c.diagonal()[1:])  # in decreasing variance
+    assert torch.allclose(dec[0] @ enc[0], torch.eye(8, dtype=torch.float64), atol=1e-9)
+    # the weighted error of a component error e is |e|^2: enc is orthonormal in the metric
+    assert torch.allclose(dec[0].T @ w[0] @ dec[0], torch.eye(8, dtype=torch.float64), atol=1e-9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_basis_round_trip_error_is_half_a_step_per_component(dtype):
+    b = _shipped_basis()
+    L, H, D = b.shape
+    kv = synthetic_kv(layers=L, heads=H, tokens=256, head_dim=D, dtype=dtype)
+    p = layout.LayoutParams(mode="quant", sigma_steps=((0.3, 0.6),), basis=b.name, rope_theta=10000.0)
+    assert layout.LayoutParams.from_dict(p.to_dict()) == p
+    orig = kv.clone()
+    packed = layout.pack(kv, p, start=256)
+    assert torch.equal(kv, orig)  # pack never writes into its input (fp32 keys are un-rotated in a copy)
+    back = layout.unpack(packed.frames, packed.side, kv.shape, kv.dtype, p, start=256)
+    assert torch.equal(back[:, :, :, :1], kv[:, :, :, :1])  # the exact first token
+    # error in the coded domain: keys un-rotated, then enc, per head
+    from kvfetcher import rope
+
+    def coded(t):
+        x = t.float().clone()
+        cos, sin = rope.rotation(256, x.shape[3], D, 10000.0)
+        x[:, 0] = rope.apply(x[:, 0], cos, sin, inverse=True)
+        return torch.einsum("lkhde,lkhte->lkhtd", b.enc, x)
+
+    ranges, _ = layout.split_side(packed.side, kv.shape, p)
+    step = ranges[..., 1].float().unsqueeze(3)  # [L, 2, H, 1, D]
+    err = (coded(back) - coded(kv))[:, :, :, 1:].abs()
+    # the restored dtype's rounding (<= 2**-11 relative, x2 for RoPE's pairs), seen through enc
+    ulp = (2.0**-10 if dtype == torch.float16 else 2.0**-23) * kv.float().abs().amax(dim=(3, 4), keepdim=True)
+    slack = b.enc.abs().sum(-1).unsqueeze(3) * ulp
+    assert torch.all(err <= step * 0.5 * 1.01 + slack + 1e-5)
+    # one step per (layer, k|v) for all unwidened components: the pooled allocation
+    med = step.flatten(2).median(-1).values
+    assert (step.flatten(2) == med.unsqueeze(-1)).float().mean() > 0.5
+
+
+def test_basis_unpack_writes_into_a_strided_destination_view():
+    b = _shipped_basis()
+    L, H, D = b.shape
+    kv = synthetic_kv(layers=L, heads=H, tokens=64, head_dim=D, dtype=torch.float16)
+    p = layout.LayoutParams(mode="quant", sigma_steps=((0.2, 0.2),), basis=b.name)
+    packed = layout.pack(kv, p)
+    buf = torch.zeros(L, 2, H, 128, D, dtype=torch.float16)
+    view = buf[:, :, :, 32:96]
+    layout.unpack(packed.frames, packed.side, kv.shape, kv.dtype, p, out=view)
+    assert torch.equal(view, layout.unpack(packed.frames, packed.side, kv.shape, kv.dtype, p))
+    assert torch.all(buf[:, :, :, :32] == 0) and torch.all(buf[:, :, :, 96:] == 0)
+
+
+def test_basis_needs_sigma_steps_and_a_matching_shape():
+    b = _shipped_basis()
+    with pytest.raises(ValueError):
+        layout.LayoutParams(mode="quant", basis=b.name)
+    kv = synthetic_kv(layers=2, heads=2, tokens=64)
+    with pytest.raises(ValueError, match="basis"):
+        layout.pack(kv, layout.LayoutParams(mode="quant", sigma_steps=((0.2, 0.2),), basis=b.name))
+
+
+def test_basis_mean_keeps_high_mean_components_on_their_mean_with_fp16_offsets():
+    """Near-constant components hundreds of steps from zero: an fp16 offset alone cannot place
+    the grid within a step there, so each comes back off by a random part of a step, the same for
+    every token; subtracting the basis' calibration mean first keeps them on their values."""
+    b = _shipped_basis()
+    L, H, D = b.shape
+    g = torch.Generator().manual_seed(3)
+    y = torch.randn(L, 2, H, 256, D, generator=g, dtype=torch.float64)
+    quiet = b.mean.double().abs() > 5  # [L, 2, H, D]: components far from zero, made near-constant
+    y = torch.where(quiet.unsqueeze(3), b.mean.double().unsqueeze(3) + 0.3 + 1e-4 * y, y)
+    kv = torch.einsum("lkhde,lkhte->lkhtd", b.dec.double(), y).to(torch.float16)
+    p = layout.LayoutParams(mode="quant", sigma_steps=((0.01, 0.01),), basis=b.name)
+    packed = layout.pack(kv, p)
+    back = layout.unpack(packed.frames, packed.side, kv.shape, kv.dtype, p)
+    step = layout.split_side(packed.side, kv.shape, p)[0][..., 1].double()  # [L, 2, H, D]
+    err = torch.einsum("lkhde,lkhte->lkhtd", b.enc.double(), back.double() - kv.double())[:, :, :, 1:]
+    bias = (err.mean(3) / step).abs()
+    assert int(quiet.sum()) >= 20
+    assert float(bias[quiet].mean()) < 0.045  # 0.027 here; 0.076 with the mean taken as zero (checked)

@@ -36,11 +36,11 @@ def test_the_operator_offers_exactly_the_data_planes_presets():
 def test_balanced_and_compact_are_sensitivity_profiles_with_compact_coarser():
     b, c = presets.get("balanced"), presets.get("compact")
     assert b.pre_rope and c.pre_rope and not b.lossless and not c.lossless
-    assert len(b.layout.sigma_steps) == len(c.layout.sigma_steps) == len(presets.SENSITIVITY)
+    assert len(b.layout.sigma_steps) == len(c.layout.sigma_steps) == len(presets.SENSITIVITY_BASIS)
     pairs = [(x, y) for kb, kc in zip(b.layout.sigma_steps, c.layout.sigma_steps) for x, y in zip(kb, kc)]
     assert all(y >= x for x, y in pairs) and sum(y > x for x, y in pairs) > len(pairs) // 2
     # the more sensitive a layer, the finer its step
-    sens = [w for kv in presets.SENSITIVITY for w in kv]
+    sens = [w for kv in presets.SENSITIVITY_BASIS for w in kv]
     steps = [s for kv in b.layout.sigma_steps for s in kv]
     most, least = sens.index(max(sens)), sens.index(min(sens))
     assert steps[most] < steps[least]
@@ -65,3 +65,16 @@ def test_every_preset_lists_measured_figures(capsys):
         assert m is not None, f"{name} has no measured figures"
         assert {"ratio_vs_fp16", "greedy_agreement", "nll_increase"} <= set(m)
         assert rows[name]["layout"]["sigma_steps"]
+
+
+def test_balanced_and_compact_use_the_shipped_basis_of_the_shipped_model():
+    from kvfetcher import basis, model
+
+    for name in ("balanced", "compact"):
+        p = presets.get(name)
+        assert p.layout.basis == presets.SMOLLM2_BASIS and p.sink_exact_only
+        b = basis.load(p.layout.basis)  # shipped, and its content matches its name
+        assert b.shape == (len(presets.SENSITIVITY_BASIS), 3, 64)
+        fp = "smollm2-135m-instruct-q4_1/float32"
+        assert model.GGUF_FILE.lower().startswith(p.layout.basis.rsplit("-", 1)[0])
+        assert basis.fits(p.layout.basis, (30, 2, 3, 256, 64), fp)

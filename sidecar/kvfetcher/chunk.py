@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from . import codecs, container, layout
+from . import basis, codecs, container, layout
 from .presets import Preset, get
 
 
@@ -33,6 +33,10 @@ def encode_chunk(
         if rope_theta is None:
             raise ValueError(f"preset {p.name!r} quantises keys before RoPE: give the model's rope_theta")
         lp = dataclasses.replace(lp, rope_theta=float(rope_theta))
+    if p.sink_exact_only and start > 0:
+        lp = dataclasses.replace(lp, exact_tokens=0)
+    if lp.basis is not None and not basis.fits(lp.basis, tuple(kv.shape), fingerprint):
+        lp = dataclasses.replace(lp, basis=None)  # another model: plain per-channel sigma steps
     packed = layout.pack(kv, lp, start)
     enc = codecs.encoder(p.codec.format)
     n = packed.frames.shape[0]

@@ -28,6 +28,12 @@ neighbours, so the layout decides what sits next to what:
   lands where the model tolerates it: measured sensitivity differs by more than 10x between
   layers (docs/benchmarks/compression.md). Side information keeps its form (offset, step
   per channel), so ``unpack`` is the same for both.
+* ``basis`` (with ``sigma_steps``) codes each head's channels through a per-model linear
+  transform minus its calibration mean (basis.py: the KLT in the metric the model sees errors
+  in) and quantises every
+  component of a (layer, k|v) with one step, ``s`` times the components' pooled standard
+  deviation; ``unpack`` applies the inverse before RoPE. Side information keeps its form, now
+  per component.
 
 Pure torch, no I/O: the same code runs on CPU and on the GPU, and ``unpack`` can write straight
 into a destination view of the model's KV buffers.
@@ -40,11 +46,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from . import basis as kvbasis
 from . import rope
 
-LAYOUT_VERSION = 4  # 2: exact leading tokens in the side information; 3: sigma_steps in the header; 4: native mode
-#: oldest layout whose objects this code still decodes (v3 headers parse unchanged; v2 and older differ)
-MIN_READABLE_LAYOUT = 3
+LAYOUT_VERSION = 5  # 2: exact leading tokens in the side information; 3: sigma_steps in the header;
+#                    4: native mode (raw); 5: per-model basis, zstd-compressed side information
+#: oldest layout whose objects this code still decodes (side information is compressed since v5)
+MIN_READABLE_LAYOUT = 5
 #: modes that restore the stored values bit for bit and carry no side information
 LOSSLESS_MODES = ("exact", "native")
 
@@ -80,6 +88,8 @@ class LayoutParams:
     # per-layer (key_step, value_step) in standard deviations of each channel, replacing the
     # range-based levels; a profile of N entries is stretched over the chunk's layers by depth
     sigma_steps: tuple[tuple[float, float], ...] | None = None
+    # name of a shipped per-model channel transform (basis.py), applied before quantisation
+    basis: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("native", "exact", "quant"):
@@ -102,6 +112,8 @@ class LayoutParams:
                 raise ValueError("sigma_steps must be a non-empty sequence of (key_step, value_step)")
             if not all(0.01 <= st <= 16 for kv in self.sigma_steps for st in kv):
                 raise ValueError("sigma steps must be in [0.01, 16] standard deviations")
+        if self.basis is not None and self.sigma_steps is None:
+            raise ValueError("basis needs sigma_steps (one step per component)")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -243,14 +255,26 @@ def sigma_profile(params: LayoutParams, layers: int, device: torch.device | str 
 
 
 def _sigma_ranges(body: torch.Tensor, params: LayoutParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """(offset, step) per channel: mean at level 128, step ``s * std`` widened so no value clips."""
+    """(offset, step) per channel: mean at level 128, step ``s * std`` widened so no value clips.
+
+    With a basis, std is pooled over a (layer, k|v)'s components: the transform has already
+    weighted them by how much the model cares, so one step for all is the best allocation."""
     layers = body.shape[0]
     mu = body.mean(dim=3)
     sd = body.std(dim=3, correction=0) if body.shape[3] > 1 else torch.zeros_like(mu)
+    if params.basis is not None:
+        sd = sd.square().mean(dim=(2, 3), keepdim=True).sqrt().expand_as(sd)
     steps = sigma_profile(params, layers, body.device).view(layers, 2, 1, 1)
     reach = torch.maximum(body.amax(dim=3) - mu, mu - body.amin(dim=3))
     step = torch.maximum(sd * steps, reach / 126)  # 126: headroom for the stored step's rounding
     return mu - 128 * step, step
+
+
+def _basis(params: LayoutParams, layers: int, heads: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    enc, dec, mean = kvbasis.on_device(params.basis, str(device))
+    if tuple(enc.shape) != (layers, 2, heads, head_dim, head_dim):
+        raise ValueError(f"basis {params.basis!r} is {tuple(enc.shape)}, the chunk has {layers} layers x {heads} heads x {head_dim}")
+    return enc, dec, mean
 
 
 def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
@@ -275,10 +299,13 @@ def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
         return Packed(_tiles_to_frames(tiles.reshape(-1, tokens, heads * head_dim), geo), None, geo)
 
     e = min(params.exact_tokens, tokens)
-    x = kv.float()
+    x = kv.to(torch.float32, copy=True)  # never a view of the caller's tensor (fp32 KV)
     if params.rope_theta is not None:
         cos, sin = rope.rotation(start, tokens, head_dim, params.rope_theta, kv.device)
         x[:, 0] = rope.apply(x[:, 0], cos, sin, inverse=True)
+    if params.basis is not None:
+        enc, _, mean = _basis(params, layers, heads, head_dim, kv.device)
+        x = torch.einsum("lkhde,lkhte->lkhtd", enc, x) - mean.unsqueeze(3)
     body = x[:, :, :, e:] if e < tokens else x
     if params.sigma_steps is not None:
         lo, scale = _sigma_ranges(body, params)
@@ -337,6 +364,10 @@ def unpack(
         scale = ranges[..., 1].float().reshape(layers, 2, 1, heads * head_dim)
         t = tiles.reshape(layers, 2, tokens, heads * head_dim)
         vals = t.float() * scale + lo
+        if params.basis is not None:
+            _, dec, mean = _basis(params, layers, heads, head_dim, frames.device)
+            y = vals.view(layers, 2, tokens, heads, head_dim) + mean.unsqueeze(2)
+            vals = torch.einsum("lkhde,lkthe->lkthd", dec, y).reshape(layers, 2, tokens, heads * head_dim)
         if params.rope_theta is not None:
             cos, sin = rope.rotation(start, tokens, head_dim, params.rope_theta, frames.device)
             k = vals[:, 0].view(layers, tokens, heads, head_dim).transpose(1, 2)
@@ -344,7 +375,7 @@ def unpack(
         vals = vals.to(dtype)
         e = exact.shape[3]
         if e:
-            vals[:, :, :e] = exact.permute(0, 1, 3, 2, 4).reshape(layers, 2, e, heads * head_dim)
+            vals[:, :, :e] = exact.permute(0, 1, 3, 2, 4).reshape(layers, 2, e, heads * head_dim).to(dtype)
     return _restore(vals.view(layers, 2, tokens, heads, head_dim).permute(0, 1, 3, 2, 4), shape, dtype, out)
 
 

@@ -25,15 +25,33 @@ SENSITIVITY: tuple[tuple[float, float], ...] = (
     (3.1e-05, 9.1e-06), (0.00053, 4.5e-05), (1.9e-05, 7.1e-06), (0.00031, 3.8e-05), (7.2e-05, 7.5e-06),
 )
 
+#: The same measurement with the layer quantised in the shipped basis (one pooled step of 0.7
+#: standard deviations of the components; bench/layer_sensitivity.py --basis,
+#: docs/benchmarks/layer_sensitivity_basis.json): keys' total halves, values' stays.
+SENSITIVITY_BASIS: tuple[tuple[float, float], ...] = (
+    (3.4e-05, 7.9e-05), (0.00027, 0.00014), (0.00025, 0.0001), (0.0003, 0.0017), (8.4e-05, 0.0016),
+    (0.00027, 0.0012), (0.00015, 0.0012), (0.00033, 0.0025), (0.00095, 0.001), (0.00024, 0.00079),
+    (0.0002, 0.0003), (7.2e-05, 2.7e-05), (6.5e-05, 4.9e-05), (3.1e-05, 1.9e-05), (0.00041, 9.9e-05),
+    (0.00013, 4.3e-05), (7.1e-05, 3.1e-05), (0.00049, 0.00022), (0.00068, 9.8e-05), (0.00013, 5.2e-05),
+    (0.0023, 0.00027), (0.00025, 7.2e-05), (0.00032, 6.9e-05), (0.0015, 0.00036), (0.0011, 0.00013),
+    (3.7e-05, 1.1e-05), (0.00025, 5.5e-05), (2.7e-05, 7.5e-06), (0.00018, 3.9e-05), (0.0001, 9.8e-06),
+)
 
-def sigma_steps(scale: float, lo: float = 0.08, hi: float = 0.7) -> tuple[tuple[float, float], ...]:
+#: The shipped model's KV basis (basis.py; calibrated by bench/kv_basis.py on text windows the
+#: accuracy harness does not use). Chunks of any other model drop it (chunk.encode_chunk) and
+#: are coded with plain per-channel sigma steps.
+SMOLLM2_BASIS = "smollm2-135m-4c54e39f9986"
+
+
+def sigma_steps(scale: float, lo: float = 0.08, hi: float = 0.7,
+                table: tuple[tuple[float, float], ...] = SENSITIVITY) -> tuple[tuple[float, float], ...]:
     """Per-layer (key, value) steps that minimise the summed KL at a given rate.
 
     KL grows with the square of the step and adds up over layers (checked: predicted and
     measured KL agree within 15%), so at a fixed total of log2(step) the best steps are
-    ``scale / sqrt(sensitivity)``. ``hi`` keeps steps near the measured regime.
+    ``scale / sqrt(sensitivity)``. ``lo``/``hi`` keep steps near the measured regime.
     """
-    return tuple(tuple(round(min(hi, max(lo, scale * w**-0.5)), 3) for w in kv) for kv in SENSITIVITY)
+    return tuple(tuple(round(min(hi, max(lo, scale * w**-0.5)), 3) for w in kv) for kv in table)
 
 
 def scaled(profile: tuple[tuple[float, float], ...], factor: float) -> tuple[tuple[float, float], ...]:
@@ -41,8 +59,12 @@ def scaled(profile: tuple[tuple[float, float], ...], factor: float) -> tuple[tup
     return tuple((round(k * factor, 4), round(v * factor, 4)) for k, v in profile)
 
 
-#: The measured curve's base profile (docs/benchmarks/compression.md): steps 0.08-0.7 sigma.
+#: The per-channel (v3) curve's base profile (docs/benchmarks/compression.md): steps 0.08-0.7
+#: sigma; the ``balanced`` of layout v3 was this x0.7.
 BASE_PROFILE = sigma_steps(0.003)
+#: ``balanced`` / ``compact``: scale of sigma_steps over SENSITIVITY_BASIS (the measured curve).
+BALANCED_SCALE = 0.0024
+COMPACT_SCALE = 0.0065
 
 
 @dataclass(frozen=True)
@@ -57,6 +79,9 @@ class Preset:
     # a CRC, so raw (a frame is a layer of a few hundred KB to a few MB) uses a few large ones
     segment_bytes: int = 0
     pre_rope: bool = False  # keys quantised before RoPE: the encoder must know the model's theta
+    # exact leading tokens only in the chunk at position 0 (the attention sink); later chunks
+    # spend no side information on them
+    sink_exact_only: bool = False
 
     def to_dict(self) -> dict:
         return {
@@ -68,6 +93,7 @@ class Preset:
             "segment_frames": self.segment_frames,
             "segment_bytes": self.segment_bytes,
             "pre_rope": self.pre_rope,
+            "sink_exact_only": self.sink_exact_only,
         }
 
 
@@ -106,19 +132,24 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset(
             "balanced",
-            LayoutParams(mode="quant", sigma_steps=scaled(BASE_PROFILE, 0.7), planes=3),
+            LayoutParams(mode="quant", sigma_steps=sigma_steps(BALANCED_SCALE, lo=0.03, hi=2.0, table=SENSITIVITY_BASIS),
+                         basis=SMOLLM2_BASIS, planes=3),
             CodecParams(format="hevc", lossless=True, speed="ultrafast"),
             False,
-            "per-layer steps in channel sigmas set by measured sensitivity (keys pre-RoPE), lossless HEVC 4:4:4",
+            "each head's channels in the model's KV basis, one step per layer and k|v set by measured sensitivity "
+            "(keys pre-RoPE), lossless HEVC 4:4:4",
             pre_rope=True,
+            sink_exact_only=True,
         ),
         Preset(
             "compact",
-            LayoutParams(mode="quant", sigma_steps=sigma_steps(0.014, hi=2.5), planes=3),
+            LayoutParams(mode="quant", sigma_steps=sigma_steps(COMPACT_SCALE, lo=0.03, hi=2.5, table=SENSITIVITY_BASIS),
+                         basis=SMOLLM2_BASIS, planes=3),
             CodecParams(format="hevc", lossless=True, speed="ultrafast"),
             False,
-            "balanced's profile at ~6.7x coarser steps: smaller, with a measured accuracy loss",
+            "balanced's scheme at ~3x coarser steps: smaller, with a measured accuracy loss",
             pre_rope=True,
+            sink_exact_only=True,
         ),
     ]
 }

@@ -1,0 +1,179 @@
+"""basis: a per-model linear transform of each head's channels, so fewer bits buy the same accuracy.
+
+Quantising every channel with a step of ``s`` of its own standard deviation (``sigma_steps``)
+spends the same bits on every channel, whether or not the model cares about its error and
+whether or not it is redundant with its neighbours. What the model sees of a key error ``dk``
+is the logit error ``q . dk``, and of a value error ``dv`` the output ``W_o dv``: an error of
+weighted size ``dk^T W dk`` with ``W = E[q q^T]`` (keys) or ``W_o^T W_o`` (values), per KV head.
+Transform coding in that metric (the KLT of ``W^1/2 C W^1/2``, ``C`` the channels' covariance)
+with one uniform step for every component gives the least weighted error per bit. Measured on
+the shipped model (bench/basis_probe.py): pre-RoPE keys are strongly correlated and their
+queries' energy concentrated, a high-rate gain of 1.1-3.8 bits per key, 0.1-1.8 per value, and
+a basis calibrated on some texts kept >90% of it on others.
+
+A basis is ``enc`` and ``dec``, ``[layers, 2, kv_heads, head_dim, head_dim]`` with
+``dec = enc^-1``, and ``mean`` ``[layers, 2, kv_heads, head_dim]``: the layout codes
+``y = enc @ x - mean`` per head and restores ``x = dec @ (y + mean)``. The mean (of the
+calibration KV) keeps the per-chunk offsets small: some components sit thousands of steps from
+zero (pre-RoPE keys' massive channels), where an fp16 offset could not place the quantisation
+grid within a step, and near-constant components then came back off by up to half a step for
+every token of a chunk (measured: KL 0.0010 against 0.00075 with the mean,
+docs/benchmarks/compression.md). It is
+calibrated once per model (``bench/kv_basis.py``) and shipped under a content-derived name, like
+the sensitivity table; a per-chunk basis would cost ``head_dim**2`` values per head and chunk.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import rope
+
+#: Where shipped bases live: ``<name>.pt``; a name ends in the first 12 hex digits of its sha256.
+BASES_DIR = Path(__file__).parent / "data" / "bases"
+
+
+@dataclass(frozen=True)
+class Basis:
+    name: str
+    enc: torch.Tensor  # [L, 2, H, D, D] float32: y = enc @ x - mean (per head)
+    dec: torch.Tensor  # [L, 2, H, D, D] float32: x = dec @ (y + mean)
+    mean: torch.Tensor  # [L, 2, H, D] float32
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(layers, kv_heads, head_dim) of the KV it fits."""
+        return (self.enc.shape[0], self.enc.shape[2], self.enc.shape[3])
+
+
+def key_metric(queries: list[torch.Tensor], kv_heads: int, theta: float, deltas: list[int],
+               weights: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """``E[(R_d q)(R_d q)^T]`` over queries and relative offsets ``d``: ``[kv_heads, D, D]``.
+
+    ``queries``: pre-RoPE ``[tokens, q_heads, D]`` of one layer; the query heads of a group share
+    a KV head (GQA). A pre-RoPE key at position n meets a query at m through ``R_(m-n)``, so its
+    error's metric averages the query over the offsets it will be seen at. ``weights``
+    (``[tokens, q_heads]`` per entry) weigh each query, e.g. by how far a logit error moves the
+    layer's output (bench/kv_basis.py --attention).
+    """
+    d = queries[0].shape[-1]
+    g = queries[0].shape[1] // kv_heads
+    w = torch.zeros(kv_heads, d, d, dtype=torch.float64)
+    n = 0
+    for i, q in enumerate(queries):
+        q = q.double()
+        if weights is not None:
+            q = q * weights[i].double().sqrt().unsqueeze(-1)
+        for delta in deltas:
+            cos, sin = rope.rotation(int(delta), 1, d, theta)
+            qr = rope.apply(q, cos.double(), sin.double()).reshape(q.shape[0], kv_heads, g, d)
+            w += torch.einsum("thgd,thge->hde", qr, qr)
+            n += q.shape[0]
+    return w / n
+
+
+def value_metric(o_proj: torch.Tensor, kv_heads: int, head_dim: int, head_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """``W_o^T W_o`` over the query heads that read each KV head: ``[kv_heads, D, D]``;
+    ``head_weights`` ``[q_heads]`` (e.g. ``E[sum_t a_t^2]``) weigh each query head's share."""
+    hidden, width = o_proj.shape
+    g = width // (kv_heads * head_dim)
+    w = o_proj.detach().double().view(hidden, kv_heads, g, head_dim)
+    if head_weights is not None:
+        w = w * head_weights.double().view(1, kv_heads, g, 1).sqrt()
+    return torch.einsum("ohgd,ohge->hde", w, w)
+
+
+def covariance(xs: list[torch.Tensor]) -> torch.Tensor:
+    """Channel covariance ``[H, D, D]`` of ``[H, T, D]`` samples, each centred on its own mean
+    (the layout stores a mean per chunk, so only variation within a chunk is coded)."""
+    c, n = 0.0, 0
+    for x in xs:
+        x = x.double() - x.double().mean(1, keepdim=True)
+        c = c + x.transpose(1, 2) @ x
+        n += x.shape[1]
+    return c / n
+
+
+def transform(metric: torch.Tensor, cov: torch.Tensor, ridge: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor]:
+    """(enc, dec) per head: ``enc = U^T W^1/2`` with U the eigenvectors of ``W^1/2 C W^1/2``,
+    components in decreasing variance. ``ridge`` (times the mean eigenvalue of W) keeps every
+    direction representable, so dec stays bounded where calibration queries had no energy."""
+    w = metric + ridge * metric.diagonal(dim1=-2, dim2=-1).mean(-1)[..., None, None] * torch.eye(metric.shape[-1], dtype=metric.dtype)
+    e, v = torch.linalg.eigh(w)
+    ws = (v * e.sqrt().unsqueeze(-2)) @ v.transpose(-1, -2)
+    wsi = (v * e.rsqrt().unsqueeze(-2)) @ v.transpose(-1, -2)
+    _, u = torch.linalg.eigh(ws @ cov @ ws)
+    u = u.flip(-1)
+    return u.transpose(-1, -2) @ ws, wsi @ u
+
+
+def normalise_heads(metric: torch.Tensor) -> torch.Tensor:
+    """Scale a (layer, kind)'s metrics so their mean trace is the head dimension: steps stay in
+    the units of channel standard deviations, relative weights of heads are kept."""
+    return metric * metric.shape[-1] / metric.diagonal(dim1=-2, dim2=-1).sum(-1).mean()
+
+
+def build(model_tag: str, enc: torch.Tensor, mean: torch.Tensor) -> Basis:
+    """A named basis from ``enc`` ``[L, 2, H, D, D]`` (stored as fp16; dec is the float64
+    inverse of the stored enc) and ``mean`` ``[L, 2, H, D]`` (float32); the name's digest
+    covers both."""
+    e16 = enc.detach().to(torch.float16).contiguous()
+    m32 = mean.detach().to(torch.float32).contiguous()
+    dec = torch.linalg.inv(e16.double()).float()
+    digest = hashlib.sha256(e16.numpy().tobytes() + m32.numpy().tobytes()).hexdigest()[:12]
+    return Basis(f"{model_tag}-{digest}", e16.float(), dec, m32)
+
+
+def save(b: Basis, directory: Path = BASES_DIR) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{b.name}.pt"
+    torch.save({"name": b.name, "enc": b.enc.to(torch.float16), "mean": b.mean}, path)
+    return path
+
+
+@functools.lru_cache(maxsize=8)
+def load(name: str) -> Basis:
+    """A shipped basis by name; its content must match the name's digest."""
+    path = BASES_DIR / f"{name}.pt"
+    if not path.exists():
+        raise ValueError(f"unknown basis {name!r} (looked in {BASES_DIR})")
+    d = torch.load(path, weights_only=True)
+    b = build(name.rsplit("-", 1)[0], d["enc"], d["mean"])
+    if b.name != name:
+        raise ValueError(f"basis file {path} does not match its name (content {b.name})")
+    return b
+
+
+@functools.lru_cache(maxsize=16)
+def on_device(name: str, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(enc, dec, mean) of a shipped basis on ``device``, loaded and moved once."""
+    b = load(name)
+    return b.enc.to(device), b.dec.to(device), b.mean.to(device)
+
+
+def fits(name: str, shape: tuple[int, ...], fingerprint: str) -> bool:
+    """Whether basis ``name`` was made for this model (fingerprint starts with its tag) and
+    this KV shape ``[layers, 2, kv_heads, tokens, head_dim]``; unknown names do not fit."""
+    tag = name.rsplit("-", 1)[0]
+    if not fingerprint.startswith(tag) or not (BASES_DIR / f"{name}.pt").exists():
+        return False
+    return load(name).shape == (shape[0], shape[2], shape[4])
+
+
+def available() -> list[str]:
+    return sorted(p.stem for p in BASES_DIR.glob("*.pt"))
+
+
+def for_shape(layers: int, kv_heads: int, head_dim: int, model_tag: str | None = None) -> str | None:
+    """The shipped basis fitting KV of this shape (and model tag, when given), if any."""
+    for name in available():
+        if model_tag is not None and not name.startswith(model_tag + "-"):
+            continue
+        if load(name).shape == (layers, kv_heads, head_dim):
+            return name
+    return None
