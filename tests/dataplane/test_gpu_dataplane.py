@@ -121,3 +121,28 @@ def test_cuda_ipc_buffer_through_a_sidecar_process(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
+
+
+def test_a_thread_that_ran_nvdec_still_runs_torch_stream_work(tmp_path):
+    """Decode threads are shared by NVDEC decodes and the direct raw path's pinned copies: after an
+    NVDEC decode, the same thread must still record events and copy on torch's streams (with
+    decoders in a context of their own this failed with 'invalid resource handle')."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvfetcher.chunk import encode_chunk
+
+    obj = encode_chunk(synthetic_kv(layers=4, heads=2, tokens=128, head_dim=64), "q8", "fp")
+
+    def work() -> bool:
+        decode_chunk(obj, "fp", "cuda")
+        src = torch.arange(1 << 20, dtype=torch.int32).pin_memory()
+        s, done = torch.cuda.Stream(), torch.cuda.Event()
+        with torch.cuda.stream(s):
+            dst = src.to("cuda", non_blocking=True)
+            done.record()
+        done.synchronize()
+        return bool(torch.equal(dst.cpu(), src))
+
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(work).result()
+    assert work()  # and in the main thread

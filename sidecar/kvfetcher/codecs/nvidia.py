@@ -6,10 +6,17 @@ into the uint8 planes the layout unpacks; with ``OutputColorType.NATIVE`` a 4:4:
 back planar as ``[3*H, W]`` and a 4:2:0 frame as NV12 ``[H*3/2, W]`` whose first ``H`` rows
 are luma. The bitstream is handed to PyNvVideoCodec's demuxer from memory, so no file is
 written. NVENC is absent on A100/H100/H200; :func:`probe` finds out rather than assumes.
+
+Decoders are created in torch's own CUDA context (the device's primary context,
+:func:`torch_context`). With ``cudacontext=0`` (PyNvVideoCodec's default), torch work done later
+in a thread that had decoded (a pinned copy's event, a side stream) failed with "invalid resource
+handle" on an H100: a context other than torch's was left current there.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import threading
 
 import numpy as np
@@ -29,12 +36,23 @@ def _lib():
     return _nvc
 
 
+@functools.lru_cache(maxsize=None)
+def torch_context(gpu: int) -> int:
+    """The CUcontext handle torch uses on ``gpu`` (the primary context), for PyNvVideoCodec."""
+    torch.cuda.init()
+    cuda = ctypes.CDLL("libcuda.so.1")
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    if cuda.cuDeviceGet(ctypes.byref(dev), gpu) or cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev):
+        raise CodecError(f"cannot retain the primary CUDA context of GPU {gpu}")
+    return int(ctx.value)
+
+
 def probe(gpu: int = 0) -> tuple[bool, bool]:
     """(has NVDEC for HEVC, has NVENC for HEVC) on ``gpu``, by trying to open each."""
     nvc = _lib()
     nvdec = nvenc = False
     try:
-        nvc.CreateDecoder(gpuid=gpu, codec=nvc.cudaVideoCodec.HEVC, cudacontext=0, cudastream=0, usedevicememory=True)
+        nvc.CreateDecoder(gpuid=gpu, codec=nvc.cudaVideoCodec.HEVC, cudacontext=torch_context(gpu), cudastream=0, usedevicememory=True)
         nvdec = True
     except Exception:
         nvdec = False
@@ -86,7 +104,7 @@ class NvdecDecoder:
         dec = nvc.CreateDecoder(
             gpuid=self.gpu,
             codec=nvc.cudaVideoCodec.HEVC,
-            cudacontext=0,
+            cudacontext=torch_context(self.gpu),
             cudastream=torch.cuda.current_stream(self.gpu).cuda_stream,
             usedevicememory=True,
             outputColorType=nvc.OutputColorType.NATIVE,
