@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import time
 from collections.abc import Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -123,6 +124,13 @@ class Destination:
             self.buffer.index_copy_(3, torch.tensor(idx, device=dev), kv.to(dev, non_blocking=True))
         if self.buffer.is_cuda:
             torch.cuda.current_stream(dev).synchronize()
+
+
+@functools.lru_cache(maxsize=None)
+def _copy_threads() -> ThreadPoolExecutor:
+    """Threads for the direct path's host-to-device copies, apart from the decode threads: on the
+    H100 torch's stream work failed ("invalid resource handle") in threads that had run NVDEC."""
+    return ThreadPoolExecutor(4, thread_name_prefix="kvf-copy")
 
 
 def _read_verified(store: Store, name: str, offset: int, part: memoryview, have: int, seg: container.Segment) -> int:
@@ -316,7 +324,7 @@ async def fetch(
             await asyncio.gather(*parts)
             # Every segment verified: only now touch the KV buffers.
             kv = host.view(h.torch_dtype).view(h.shape)
-            w = run(decode_pool, dest.write_kv, c, kv)
+            w = run(_copy_threads(), dest.write_kv, c, kv)
             w.add_done_callback(lambda f: written.add(i) if not f.cancelled() and f.exception() is None else None)
             writes.append(w)
             await _timed(decodes, asyncio.shield(w))

@@ -15,6 +15,7 @@ handle" on an H100: a context other than torch's was left current there.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import threading
@@ -37,30 +38,46 @@ def _lib():
 
 
 @functools.lru_cache(maxsize=None)
+def _libcuda() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+@functools.lru_cache(maxsize=None)
 def torch_context(gpu: int) -> int:
     """The CUcontext handle torch uses on ``gpu`` (the primary context), for PyNvVideoCodec."""
     torch.cuda.init()
-    cuda = ctypes.CDLL("libcuda.so.1")
     dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-    if cuda.cuDeviceGet(ctypes.byref(dev), gpu) or cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev):
+    if _libcuda().cuDeviceGet(ctypes.byref(dev), gpu) or _libcuda().cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev):
         raise CodecError(f"cannot retain the primary CUDA context of GPU {gpu}")
     return int(ctx.value)
+
+
+@contextlib.contextmanager
+def _same_context():
+    """Whatever PyNvVideoCodec makes current in this thread, put back the context that was."""
+    before = ctypes.c_void_p()
+    _libcuda().cuCtxGetCurrent(ctypes.byref(before))
+    try:
+        yield
+    finally:
+        _libcuda().cuCtxSetCurrent(before)
 
 
 def probe(gpu: int = 0) -> tuple[bool, bool]:
     """(has NVDEC for HEVC, has NVENC for HEVC) on ``gpu``, by trying to open each."""
     nvc = _lib()
     nvdec = nvenc = False
-    try:
-        nvc.CreateDecoder(gpuid=gpu, codec=nvc.cudaVideoCodec.HEVC, cudacontext=torch_context(gpu), cudastream=0, usedevicememory=True)
-        nvdec = True
-    except Exception:
-        nvdec = False
-    try:
-        nvc.CreateEncoder(256, 256, "YUV444", True, codec="hevc", gpu_id=gpu)
-        nvenc = True
-    except Exception:
-        nvenc = False
+    with _same_context():
+        try:
+            nvc.CreateDecoder(gpuid=gpu, codec=nvc.cudaVideoCodec.HEVC, cudacontext=torch_context(gpu), cudastream=0, usedevicememory=True)
+            nvdec = True
+        except Exception:
+            nvdec = False
+        try:
+            nvc.CreateEncoder(256, 256, "YUV444", True, codec="hevc", gpu_id=gpu)
+            nvenc = True
+        except Exception:
+            nvenc = False
     return nvdec, nvenc
 
 
@@ -137,7 +154,7 @@ class NvdecDecoder:
         got = 0
         key = (self.gpu, planes, h, w)
         try:
-            with torch.cuda.device(self.gpu):
+            with torch.cuda.device(self.gpu), _same_context():
                 for frame in self._frames(data, key):
                     if got >= n:
                         raise CodecError(f"bitstream holds more than the {n} frames announced")
