@@ -86,11 +86,15 @@ class S3Store:
                 r.close()
                 r.release_conn()
 
+        return self._ranged(read, name, b"")
+
+    def _ranged(self, read, name: str, past_end):
+        """``read()`` through :meth:`_call`; a range that starts past the end gives ``past_end``."""
         try:
             return self._call(read, name)
         except StoreError as e:
             if "InvalidRange" in str(e):  # the range starts past the end: the object is shorter
-                return b""
+                return past_end
             raise
 
     def get_into(self, name: str, offset: int, buf: memoryview) -> int:
@@ -123,12 +127,7 @@ class S3Store:
                 r.close()
                 r.release_conn()
 
-        try:
-            return self._call(read, name)
-        except StoreError as e:
-            if "InvalidRange" in str(e):  # the range starts past the end: the object is shorter
-                return 0
-            raise
+        return self._ranged(read, name, 0)
 
     def list(self, prefix: str) -> dict[str, int]:
         return self._call(
