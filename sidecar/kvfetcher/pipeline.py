@@ -96,34 +96,45 @@ class Destination:
         if c.start + c.tokens > len(self.slots):
             raise ValueError(f"no destination slots for tokens {c.start}..{c.start + c.tokens}")
 
-    def write(self, c: ChunkRef, frames: torch.Tensor, side: torch.Tensor | None, h: container.Header) -> None:
+    def _view(self, c: ChunkRef) -> tuple[list[int], torch.Tensor | None]:
+        """The chunk's slots, and the buffer view they form when contiguous (else None)."""
         idx = self.slots[c.start : c.start + c.tokens]
         if idx == list(range(idx[0], idx[0] + len(idx))):
-            view = self.buffer[:, :, :, idx[0] : idx[0] + len(idx)]
-            layout.unpack(frames.to(view.device), side, h.shape, h.torch_dtype, h.layout, out=view, start=h.start)
-        else:
-            kv = layout.unpack(frames.to(self.buffer.device), side, h.shape, h.torch_dtype, h.layout, start=h.start)
-            self.buffer.index_copy_(3, torch.tensor(idx, device=self.buffer.device), kv)
+            return idx, self.buffer[:, :, :, idx[0] : idx[0] + len(idx)]
+        return idx, None
+
+    def _scatter(self, idx: list[int], kv: torch.Tensor) -> None:
+        self.buffer.index_copy_(3, torch.tensor(idx, device=self.buffer.device), kv.to(self.buffer.device, non_blocking=True))
+
+    def _finish(self) -> None:
         if self.buffer.is_cuda:  # the model (another process) reads once we answer: finish first
             torch.cuda.current_stream(self.buffer.device).synchronize()
 
+    def write(self, c: ChunkRef, frames: torch.Tensor, side: torch.Tensor | None, h: container.Header) -> None:
+        """Unpack decoded frames into the chunk's slots: in place into a contiguous view, or
+        through ``index_copy_`` for scattered slots (a paged cache)."""
+        idx, view = self._view(c)
+        frames = frames.to(self.buffer.device)
+        if view is not None:
+            layout.unpack(frames, side, h.shape, h.torch_dtype, h.layout, out=view, start=h.start)
+        else:
+            self._scatter(idx, layout.unpack(frames, side, h.shape, h.torch_dtype, h.layout, start=h.start))
+        self._finish()
+
     def write_kv(self, c: ChunkRef, kv: torch.Tensor) -> None:
         """Copy a verified chunk ``[layers, 2, kv_heads, tokens, head_dim]`` (host memory) into its
-        slots: one copy into the strided view, or ``index_copy_`` for scattered slots. On a GPU the
-        copy is non-blocking from pinned memory and waited for, so the chunk is in the buffer when
-        this returns and the host memory may be reused.
+        slots, as :meth:`write` does. On a GPU the copy is non-blocking from pinned memory and
+        waited for, so the chunk is in the buffer when this returns and the host memory may be reused.
 
         It runs on the calling thread's current stream, not a dedicated one: this runs in the
         sidecar's own process, where nothing else queues on the GPU, and on the H100 a dedicated
         stream failed ("invalid resource handle" at its event) in threads that had run NVDEC."""
-        idx = self.slots[c.start : c.start + c.tokens]
-        dev = self.buffer.device
-        if idx == list(range(idx[0], idx[0] + len(idx))):
-            self.buffer[:, :, :, idx[0] : idx[0] + len(idx)].copy_(kv, non_blocking=True)
+        idx, view = self._view(c)
+        if view is not None:
+            view.copy_(kv, non_blocking=True)
         else:
-            self.buffer.index_copy_(3, torch.tensor(idx, device=dev), kv.to(dev, non_blocking=True))
-        if self.buffer.is_cuda:
-            torch.cuda.current_stream(dev).synchronize()
+            self._scatter(idx, kv)
+        self._finish()
 
 
 @functools.lru_cache(maxsize=None)
@@ -214,6 +225,11 @@ async def fetch(
     written: set[int] = set()
     writes: list[asyncio.Future] = []
 
+    def track(i: int, w: asyncio.Future) -> None:
+        """A write of chunk ``i`` under way: awaited before returning, counted once it succeeded."""
+        w.add_done_callback(lambda f: written.add(i) if not f.cancelled() and f.exception() is None else None)
+        writes.append(w)
+
     async def get(name: str, offset: int, length: int) -> bytes:
         async with io_sem:
             with reads:
@@ -266,19 +282,12 @@ async def fetch(
                 have = await unverified(seg)  # checksums off the event loop (GB of CRC would stall it)
                 return await loop.run_in_executor(io_pool, container.verify, seg, have)
 
-            dec = codecs.decoder(h.codec.format, device)
-
-            async def frames_of(seg: container.Segment) -> torch.Tensor:
-                data = await segment_bytes(seg)
-                return await decode(container.decode_segment, h, seg, data, dec, device)
-
             if workers is not None:  # verify + decode + write in a worker process, all or nothing
                 seg_data = await asyncio.gather(*(unverified(s) for s in h.segments))
                 side_data = await unverified(h.side) if h.side else None
                 slots = dest.slots[c.start : c.start + c.tokens]
                 w = asyncio.ensure_future(_timed(decodes, workers.restore(dest.handle, head[: h.header_size], side_data, seg_data, slots)))
-                w.add_done_callback(lambda f: written.add(i) if not f.cancelled() and f.exception() is None else None)
-                writes.append(w)
+                track(i, w)
                 try:
                     restored = await asyncio.shield(w)  # (not `+= await`: that reads kv_bytes before awaiting)
                 except BufferOpenError as e:  # workers cannot map this buffer: decode here instead
@@ -287,13 +296,18 @@ async def fetch(
                     out.kv_bytes += restored
                     return
 
+            dec = codecs.decoder(h.codec.format, device)  # here, not before: workers decode in their own
+
+            async def frames_of(seg: container.Segment) -> torch.Tensor:
+                data = await segment_bytes(seg)
+                return await decode(container.decode_segment, h, seg, data, dec, device)
+
             side = container.side_tensor(h, await segment_bytes(h.side)) if h.side else None
             parts = await asyncio.gather(*(frames_of(s) for s in h.segments))
             frames = parts[0] if len(parts) == 1 else torch.cat(parts)
             # Everything of this chunk verified and decoded: only now touch the KV buffers.
             w = loop.run_in_executor(decode_pool, dest.write, c, frames, side, h)
-            w.add_done_callback(lambda f: written.add(i) if not f.cancelled() and f.exception() is None else None)
-            writes.append(w)
+            track(i, w)
             await asyncio.shield(w)
             out.kv_bytes += h.shape[0] * 2 * h.shape[2] * h.shape[3] * h.shape[4] * layout.bytes_per_value(h.torch_dtype)
 
@@ -325,8 +339,7 @@ async def fetch(
             # Every segment verified: only now touch the KV buffers.
             kv = host.view(h.torch_dtype).view(h.shape)
             w = run(_copy_threads(), dest.write_kv, c, kv)
-            w.add_done_callback(lambda f: written.add(i) if not f.cancelled() and f.exception() is None else None)
-            writes.append(w)
+            track(i, w)
             await _timed(decodes, asyncio.shield(w))
             out.kv_bytes += nbytes
             out.direct_chunks += 1
