@@ -63,6 +63,17 @@ class Store(Protocol):
     # Not part of the Protocol, so that stores without it still satisfy it; see read_into.
 
 
+def fill(readinto, buf: memoryview) -> int:
+    """Call ``readinto`` until ``buf`` is full or the stream ends; the number of bytes read."""
+    n = 0
+    while n < len(buf):
+        k = readinto(buf[n:])
+        if not k:
+            break
+        n += k
+    return n
+
+
 def read_into(store: Store, name: str, offset: int, buf: memoryview) -> int:
     """Read ``[offset, offset + len(buf))`` of ``name`` into ``buf``; the number of bytes read.
 
@@ -101,4 +112,4 @@ def from_env(env: dict[str, str] | None = None) -> Store:
     return LocalStore(root)
 
 
-__all__ = ["Store", "StoreError", "NotFound", "Unavailable", "from_env", "read_into"]
+__all__ = ["Store", "StoreError", "NotFound", "Unavailable", "fill", "from_env", "read_into"]

@@ -10,7 +10,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from . import NotFound, StoreError
+from . import NotFound, StoreError, fill
 
 
 class LocalStore:
@@ -52,18 +52,12 @@ class LocalStore:
 
     def get_into(self, name: str, offset: int, buf: memoryview) -> int:
         """Read into ``buf`` (``readinto``: the page cache is copied once, into the caller's memory)."""
-        n = 0
         try:
             with open(self._path(name), "rb", buffering=0) as f:
                 f.seek(offset)
-                while n < len(buf):
-                    k = f.readinto(buf[n:])
-                    if not k:
-                        break
-                    n += k
+                return fill(f.readinto, buf)
         except FileNotFoundError:
             raise NotFound(f"no object {name!r}") from None
-        return n
 
     def list(self, prefix: str) -> dict[str, int]:
         base = self._path(prefix) if prefix.endswith("/") else self._path(prefix).parent

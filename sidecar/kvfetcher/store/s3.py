@@ -15,7 +15,7 @@ import urllib3
 from minio import Minio
 from minio.error import S3Error
 
-from . import NotFound, StoreError, Unavailable
+from . import NotFound, StoreError, Unavailable, fill
 
 _MISSING = {"NoSuchKey", "NoSuchObject", "NotFound", "ResourceNotFound"}
 
@@ -114,12 +114,7 @@ class S3Store:
                 promised = int(r.headers.get("Content-Length", -1))
                 fp = getattr(r, "_fp", None)
                 plain = fp is not None and hasattr(fp, "readinto") and not r.headers.get("Content-Encoding")
-                n = 0
-                while n < len(buf):
-                    k = fp.readinto(buf[n:]) if plain else r.readinto(buf[n:])
-                    if not k:
-                        break
-                    n += k
+                n = fill(fp.readinto if plain else r.readinto, buf)
                 if 0 <= promised != n and n < len(buf):
                     raise urllib3.exceptions.ProtocolError(f"connection closed after {n} of {promised} bytes")
                 return n
