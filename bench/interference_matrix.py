@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import statistics
 import tempfile
 import time
@@ -97,8 +98,10 @@ def measure(args) -> None:
         return kv_bytes
 
     phase("none", 0, lambda: (time.sleep(0.05), 0)[1])
+    if args.sm_percent:  # inherited by the workers spawned below only: the loop and this process have their contexts
+        os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(args.sm_percent)
     for p in (int(x) for x in args.procs.split(",")):
-        workers = DecodeWorkers(p, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(args.sm_percent)} if args.sm_percent else None)
+        workers = DecodeWorkers(p)
         workers.start()
         for preset in refs:
             fetch(preset, workers)  # warm: decoders open, buffer mapped in every worker

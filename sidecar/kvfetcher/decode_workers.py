@@ -150,11 +150,8 @@ def _restore(state: _WorkerState, msg: tuple) -> tuple[int, dict]:
     return n, {"prepare_s": t1 - t0, "decode_s": t2 - t1, "write_s": t3 - t2}
 
 
-def _serve(conn, env: dict[str, str] | None = None) -> None:
-    """Worker main loop: one request at a time; answers ("ok", bytes, times) or an error tuple.
-
-    ``env`` is applied before the worker's CUDA context exists (CUDA reads MPS settings then)."""
-    os.environ.update(env or {})
+def _serve(conn) -> None:
+    """Worker main loop: one request at a time; answers ("ok", bytes, times) or an error tuple."""
     torch.set_num_threads(1)
     state = _WorkerState()
     conn.send(("ready", torch.cuda.is_available()))
@@ -181,9 +178,9 @@ def _serve(conn, env: dict[str, str] | None = None) -> None:
 
 
 class _Worker:
-    def __init__(self, ctx, env: dict[str, str] | None = None) -> None:
+    def __init__(self, ctx) -> None:
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, env), daemon=True, name="kvf-decode-worker")
+        self.proc = ctx.Process(target=_serve, args=(child,), daemon=True, name="kvf-decode-worker")
         self.proc.start()
         child.close()
         self.lock = threading.Lock()
@@ -241,7 +238,6 @@ class DecodeWorkers:
 
     ``restore`` is a coroutine; up to ``procs`` chunks decode at once, one per process.
     ``stats`` sums the workers' seconds per step (prepare: open, parse, checksums; decode; write).
-    ``env`` is set in each worker before its CUDA context exists (e.g. CUDA MPS settings).
 
     On sharing the GPU with the model: NVDEC is a separate engine, but every worker's frame copies
     and unpack kernels run in a CUDA context of its own. Time-sliced with the model's context, 8
@@ -250,11 +246,10 @@ class DecodeWorkers:
     (docs/benchmarks/interference_matrix_h100.md). Run the node's GPUs under MPS.
     """
 
-    def __init__(self, procs: int, env: dict[str, str] | None = None) -> None:
+    def __init__(self, procs: int) -> None:
         if procs < 1:
             raise ValueError(f"decode workers need at least one process, not {procs}")
         self.procs = procs
-        self._env = dict(env or {})
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker] = []
         self._idle: asyncio.Queue[_Worker] | None = None
@@ -268,7 +263,7 @@ class DecodeWorkers:
         with self._start_lock:
             if self._workers:
                 return
-            self._workers = [_Worker(self._ctx, self._env) for _ in range(self.procs)]
+            self._workers = [_Worker(self._ctx) for _ in range(self.procs)]
             for w in self._workers:
                 w.ready()
 
@@ -309,7 +304,7 @@ class DecodeWorkers:
     def _replace(self, dead: _Worker) -> _Worker:
         log.error("decode worker %s died; starting another", dead.proc.pid)
         dead.stop()
-        w = _Worker(self._ctx, self._env)
+        w = _Worker(self._ctx)
         w.ready()
         self._workers[self._workers.index(dead)] = w
         return w
