@@ -145,17 +145,18 @@ def other_model(store, ref):
     return ref
 
 
-@pytest.mark.parametrize(
-    "damage, reason",
-    [
-        (corrupt_segment, "corrupt"),
-        (corrupt_header, "corrupt"),
-        (truncate, "truncated"),
-        (truncate_after_listing, "truncated"),
-        (foreign, "foreign"),
-        (other_model, "fingerprint"),
-    ],
-)
+#: every way a stored chunk can be bad, with the reason a fetch must report
+DAMAGES = [
+    (corrupt_segment, "corrupt"),
+    (corrupt_header, "corrupt"),
+    (truncate, "truncated"),
+    (truncate_after_listing, "truncated"),
+    (foreign, "foreign"),
+    (other_model, "fingerprint"),
+]
+
+
+@pytest.mark.parametrize("damage, reason", DAMAGES)
 async def test_a_bad_chunk_stops_the_fetch_and_is_never_written(tmp_path, damage, reason):
     kv = synthetic_kv(layers=2, heads=2, tokens=128, head_dim=32)
     store = LocalStore(tmp_path)

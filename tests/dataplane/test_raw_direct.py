@@ -14,7 +14,7 @@ from kvfetcher.store import read_into
 from kvfetcher.store.local import LocalStore
 
 from dptest import SENTINEL, fetch, new_bucket, put_chunks
-from test_pipeline import corrupt_header, corrupt_segment, foreign, other_model, truncate, truncate_after_listing
+from test_pipeline import DAMAGES, corrupt_segment
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from linkstore import LinkStore  # noqa: E402
@@ -77,17 +77,7 @@ async def test_raw_round_trip_is_bit_exact(store, dtype, where):
     assert bool((big[:, :, :, untouched] == SENTINEL).all())
 
 
-@pytest.mark.parametrize(
-    "damage, reason",
-    [
-        (corrupt_segment, "corrupt"),
-        (corrupt_header, "corrupt"),
-        (truncate, "truncated"),
-        (truncate_after_listing, "truncated"),
-        (foreign, "foreign"),
-        (other_model, "fingerprint"),
-    ],
-)
+@pytest.mark.parametrize("damage, reason", DAMAGES)
 async def test_a_bad_raw_chunk_never_touches_the_buffer(store, damage, reason):
     kv = random_bits(torch.float16, tokens=128)
     refs = put_chunks(store, kv, CHUNK)
