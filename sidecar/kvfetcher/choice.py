@@ -25,12 +25,10 @@ RECOMPUTE = "recompute"
 #: libavcodec.
 DECODE_PRIOR = {"raw": 3e9, "hevc": 2.5e7}
 #: GPU: HEVC is one NVDEC session (~0.5 GB/s; worker processes reach 2.6-3.3 GB/s once measured).
-#: raw is an estimate, not yet a measurement: one pinned host-to-device copy (~55 GB/s on an
-#: H200, as docs/benchmarks/scale_h200.md quotes), the CRC (ISA-L, 11-29 GB/s per core:
-#: docs/benchmarks/crc.json, fetch_bench's ceilings) being in the reads. 10 GB/s is a
-#: conservative round figure, far above any compressed preset's restore rate: on links faster
-#: than those rates raw wins, on slower ones the smaller representation or recompute. To be
-#: replaced by the H200 run of bench/fetch_bench.py.
+#: raw: 10 GB/s, what the whole direct path restored on an H100 (10.1 GB/s end to end from a
+#: local store, docs/benchmarks/fetch_raw_h100.json; the copy alone is faster), far above any
+#: compressed preset's restore rate: on links faster than those rates raw wins, on slower ones
+#: the smaller representation or recompute.
 GPU_DECODE_PRIOR = {"raw": 1e10, "hevc": 5e8}
 
 

@@ -12,7 +12,7 @@ Byte layout (all integers little-endian)::
     16+N    segments back to back; offsets in the index are relative to this point
 
 The side information (quantised layouts: offsets, steps, exact tokens) is stored zstd-compressed
-(layout v4 on): with a basis its steps repeat and its offsets are small, and compressed it costs
+(layout v5 on): with a basis its steps repeat and its offsets are small, and compressed it costs
 about a third of its raw 0.125-0.19 bits per value (bench/side_info_probe.py).
 
 Each video segment is an independent bitstream (it starts with its own parameter sets and an
