@@ -365,7 +365,7 @@ class Sidecar:
             idx = pipeline.slot_list(buf.tensor.shape[3], n, slots, offset)
         except ValueError as e:
             raise RequestError(str(e)) from e
-        if idx == list(range(idx[0], idx[0] + n)):
+        if pipeline.contiguous(idx):
             kv = buf.tensor[:, :, :, idx[0] : idx[0] + n].to("cpu", copy=True)
         else:
             kv = buf.tensor.index_select(3, torch.tensor(idx, device=buf.tensor.device)).cpu()

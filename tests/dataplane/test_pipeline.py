@@ -229,3 +229,14 @@ async def test_chunk_that_does_not_fit_the_buffer_is_refused(tmp_path):
     out = await fetch(store, refs, pipeline.Destination(buf, tokens=64))
     assert out.error == "fingerprint" and out.loaded_tokens == 0
     assert bool((buf == SENTINEL).all())
+
+
+def test_slot_lists_check_the_buffer_and_stay_cheap_when_contiguous():
+    assert pipeline.slot_list(100, 10, offset=90) == range(90, 100)
+    assert pipeline.contiguous(pipeline.slot_list(100, 10, offset=90))
+    assert pipeline.slot_list(100, 3, slots=[5, 2, 7, 9]) == [5, 2, 7]
+    assert not pipeline.contiguous([5, 2, 7])
+    assert pipeline.contiguous([4, 5, 6])
+    for kw in ({"offset": 91}, {"offset": -1}, {"slots": [1, 2]}, {"slots": list(range(9)) + [100]}, {"slots": [1] * 10}):
+        with pytest.raises(ValueError):
+            pipeline.slot_list(100, 10, **kw)
