@@ -12,7 +12,8 @@ replica) and a short unique suffix, and generate ``--output`` tokens. Per new re
   prefills only the suffix. ``auto`` decides per request with ``choice.choose``, fed with the
   sidecar's calibrated restore rates, the link speed shared by the fetches in flight and the
   prefill time times the prefills queued ahead (load-aware rates; the cost model itself is the
-  sidecar's).
+  sidecar's), and a TTFT budget (``--auto-budget``): a fetch predicted within it is taken even where
+  recomputing would be faster, since it leaves the GPU to the running requests.
 
 The link is emulated (``linkstore``: a shared FIFO pipe of the set speed plus 2 ms first-byte
 latency), objects are synthetic (timing only). Goodput = requests meeting the TTFT and TPOT
@@ -179,7 +180,8 @@ class Server:
             self.suffix_s = time.perf_counter() - t
 
     def decide(self, method: str, fetching: int, prefills_queued: int) -> str:
-        if method != "auto":
+        """``auto``: the sidecar's choice with the TTFT budget; ``auto-fastest``: without (least predicted TTFT)."""
+        if method not in ("auto", "auto-fastest"):
             return method
         a = self.args
         shape = self.model.shape
@@ -188,7 +190,9 @@ class Server:
         decode = {m: r / (1 + fetching) for m, r in self.restore_Bps.items() if m in AUTO_SET}
         rates = choice.Rates(link, 0.002, decode, a.prefix / (self.prefill_s * (1 + prefills_queued)))
         stored = [{m: self.sizes[m] // n for m in decode}] * n
-        d = choice.choose(stored, CHUNK, costmodel.kv_bytes(shape, CHUNK), {m: "raw" if m == "raw" else "hevc" for m in decode}, rates)
+        budget = None if method == "auto-fastest" else a.auto_budget if a.auto_budget is not None else 0.75 * a.ttft_slo
+        d = choice.choose(stored, CHUNK, costmodel.kv_bytes(shape, CHUNK), {m: "raw" if m == "raw" else "hevc" for m in decode}, rates,
+                          budget_s=budget or None)
         return d.preset
 
     def run(self, method: str, rate: float, seed: int) -> dict:
@@ -368,7 +372,7 @@ def measure(args) -> None:
     plan = [("recompute", None)] + [(m, g) for g in args.links for m in args.methods if m != "recompute"]
     deadline = time.perf_counter() + args.budget_s
     for method, gbps in plan:
-        if method != "recompute" and method != "auto" and method not in rates:
+        if method not in ("recompute", "auto", "auto-fastest") and method not in rates:
             continue
         args.link_gbps = gbps or 0
         requests.put(("link", gbps * 1e9 / 8 if gbps else None))
@@ -435,7 +439,7 @@ def report(args) -> None:
     for (m, g), r in sorted(best.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         gain = r["goodput_rps"] / rec["goodput_rps"] if rec and rec["goodput_rps"] > 0 else None
         L.append(f"| {m} | {g or '—'} | {r['rate']} | {r['goodput_rps']:.2f} | {f(gain, 2)}{'' if gain is None else 'x'} | {f(r['ttft_p50'])} | {f(r['ttft_p99'])} | "
-                 f"{f(r['tpot_p50'], 4)} | {f(r['tpot_p99'], 4)} | {f(r['bg_tpot_p99'], 4)} | {r['picks'] if m == 'auto' else ''} |")
+                 f"{f(r['tpot_p50'], 4)} | {f(r['tpot_p99'], 4)} | {f(r['bg_tpot_p99'], 4)} | {r['picks'] if m.startswith('auto') else ''} |")
     L += ["", "## Every run", "", "| method | link | rate | arrived | finished | SLO met | goodput | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | fetch p50 s |",
           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
@@ -497,6 +501,9 @@ def main() -> None:
     m.add_argument("--stored", default="raw,q8,raw-direct")
     m.add_argument("--ttft-slo", type=float, default=2.0)
     m.add_argument("--tpot-slo", type=float, default=0.1)
+    m.add_argument("--auto-budget", type=float, default=None,
+                   help="auto's TTFT budget (choice.choose's budget_s: a fetch within it beats a faster recompute); "
+                        "default 0.75 x the TTFT SLO, 0 for none (the fastest option wins)")
     m.add_argument("--decode-workers", type=int, default=4, help="decode threads (used without CUDA)")
     m.add_argument("--procs", type=int, default=8, help="decode worker processes of the sidecar (CUDA)")
     m.add_argument("--window", type=int, default=8)

@@ -114,6 +114,8 @@ def sidecar_env(pool: dict[str, Any]) -> list[dict[str, Any]]:
         env.append({"name": "KVFETCHER_S3_INSECURE", "value": "true"})
     if "decodeProcesses" in spec["sidecar"]:
         env.append({"name": "KVFETCHER_DECODE_PROCS", "value": str(spec["sidecar"]["decodeProcesses"])})
+    if "ttftBudgetSeconds" in spec["sidecar"]:
+        env.append({"name": "KVFETCHER_TTFT_BUDGET_S", "value": str(spec["sidecar"]["ttftBudgetSeconds"])})
     env.append({"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "compute,utility,video"})
     return env
 

@@ -138,6 +138,9 @@ def problems(spec: dict[str, Any]) -> list[str]:
     procs = spec["sidecar"].get("decodeProcesses", 0)
     if not isinstance(procs, int) or not 0 <= procs <= 32:
         out.append("sidecar.decodeProcesses: must be between 0 and 32")
+    budget = spec["sidecar"].get("ttftBudgetSeconds", 1)
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 600:
+        out.append("sidecar.ttftBudgetSeconds: must be a number of seconds above 0 and at most 600")
 
     retention = spec["retention"]
     if not isinstance(retention["ttlDays"], int) or not 1 <= retention["ttlDays"] <= 3650:

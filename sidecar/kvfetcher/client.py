@@ -149,11 +149,14 @@ class KVClient:
         deadline_s: float | None = None,
         recompute_tokens_per_s: float | None = None,
         presets: Sequence[str] | None = None,
+        ttft_budget_s: float | None = None,
     ) -> LoadResult:
         """Load the stored leading chunks of ``tokens`` into the buffer at ``offset`` (or ``slots``).
 
         When this returns, ``loaded_tokens`` leading tokens are in the buffer (on a GPU, with
         the sidecar's writes complete) and nothing else was touched; recompute from there.
+        ``ttft_budget_s``: on a busy GPU, a fetch predicted within this many seconds is taken
+        even where recomputing would be faster (it leaves the GPU to the running requests).
         """
         body: dict = {"buffer": buffer, "tokens": list(map(int, tokens)), "offset": offset}
         if slots is not None:
@@ -164,6 +167,8 @@ class KVClient:
             body["recompute_tokens_per_s"] = recompute_tokens_per_s
         if presets:
             body["presets"] = list(presets)
+        if ttft_budget_s is not None:
+            body["ttft_budget_s"] = ttft_budget_s
         r = self._request("POST", "/v1/fetch", body)
         return LoadResult(
             r["loaded_tokens"], r["requested_tokens"], r.get("error"), r.get("reason"),

@@ -129,6 +129,7 @@ async def fetch(request: web.Request) -> web.Response:
         deadline_s=body.get("deadline_s"),
         recompute_tps=body.get("recompute_tokens_per_s"),
         presets=body.get("presets"),
+        ttft_budget_s=body.get("ttft_budget_s"),
     )
     return web.json_response(reply)
 

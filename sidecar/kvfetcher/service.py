@@ -41,7 +41,8 @@ class Config:
     """Sidecar settings. From the environment (:meth:`from_env`): ``KVFETCHER_CHUNK_TOKENS``,
     ``KVFETCHER_PRESET`` (comma-separated: every listed representation is stored),
     ``KVFETCHER_ALLOWED_PRESETS`` (what a fetch may choose among), ``KVFETCHER_TENANT`` (key salt;
-    defaults to ``KVFETCHER_POOL``), ``KVFETCHER_RECOMPUTE_TPS``, ``KVFETCHER_ROPE_THETA`` (for pre-RoPE presets)."""
+    defaults to ``KVFETCHER_POOL``), ``KVFETCHER_RECOMPUTE_TPS``, ``KVFETCHER_ROPE_THETA`` (for pre-RoPE presets),
+    ``KVFETCHER_TTFT_BUDGET_S`` (prefer a fetch within this TTFT to a faster recompute: see :mod:`choice`)."""
 
     chunk_tokens: int = keys.DEFAULT_CHUNK_TOKENS
     presets: tuple[str, ...] = ("q8",)  # representations written for each chunk
@@ -50,6 +51,7 @@ class Config:
     recompute_tps: float = 5000.0  # model prefill rate when a request does not say
     rope_theta: float | None = None  # the model's RoPE base: needed to store pre-RoPE presets
     deadline_s: float = 30.0  # default fetch deadline
+    ttft_budget_s: float | None = None  # default TTFT budget (None: the fastest option wins)
     store_queue_chunks: int = 256  # bound of the store queue, in chunks
     decode_workers: int = 2
     decode_procs: int = 8 if torch.cuda.is_available() else 0
@@ -74,6 +76,8 @@ class Config:
             c.rope_theta = float(env["KVFETCHER_ROPE_THETA"])
         if env.get("KVFETCHER_DECODE_PROCS"):
             c.decode_procs = int(env["KVFETCHER_DECODE_PROCS"])
+        if env.get("KVFETCHER_TTFT_BUDGET_S"):
+            c.ttft_budget_s = float(env["KVFETCHER_TTFT_BUDGET_S"])
         c.validate()
         return c
 
@@ -82,6 +86,8 @@ class Config:
             raise ValueError(f"chunk tokens must be positive, not {self.chunk_tokens}")
         if self.decode_procs < 0:
             raise ValueError(f"decode processes must be >= 0, not {self.decode_procs}")
+        if self.ttft_budget_s is not None and not self.ttft_budget_s > 0:
+            raise ValueError(f"the TTFT budget must be positive seconds, not {self.ttft_budget_s}")
         unknown = [p for p in self.presets + (self.allowed_presets or ()) if p not in PRESETS]
         if unknown or not self.presets:
             raise ValueError(f"unknown preset(s) {unknown}; known: {', '.join(PRESETS)}")
@@ -252,8 +258,12 @@ class Sidecar:
         deadline_s: float | None = None,
         recompute_tps: float | None = None,
         presets: Sequence[str] | None = None,
+        ttft_budget_s: float | None = None,
     ) -> dict:
         t0 = time.perf_counter()
+        budget = self.config.ttft_budget_s if ttft_budget_s is None else ttft_budget_s
+        if budget is not None and not (isinstance(budget, (int, float)) and budget > 0):
+            raise RequestError(f"ttft_budget_s must be positive seconds, not {budget!r}")
         deadline_s = deadline_s if deadline_s is not None else self.config.deadline_s
         buf = self._buffer(bid)
         n_req = len(tokens) // self.config.chunk_tokens * self.config.chunk_tokens
@@ -266,7 +276,7 @@ class Sidecar:
         formats = {p: PRESETS[p].codec.format for p in PRESETS}
         allowed = set(presets or PRESETS) & set(self.config.allowed_presets or PRESETS)
         n_chunks = n_req // self.config.chunk_tokens
-        if choice.hopeless(n_chunks, self.config.chunk_tokens, self._chunk_kv_bytes(buf), _RATIOS, formats, rates, allowed):
+        if choice.hopeless(n_chunks, self.config.chunk_tokens, self._chunk_kv_bytes(buf), _RATIOS, formats, rates, allowed, budget_s=budget):
             self.metrics.decisions.labels(choice.RECOMPUTE).inc()
             reply["decision"] = {"preset": choice.RECOMPUTE, "chunks": 0, "predicted_s": 0.0, "options": {}}
             return self._fallback(reply, "cost_model", "recompute predicted faster than any stored preset could be; store not asked")
@@ -278,7 +288,7 @@ class Sidecar:
             return self._fallback(reply, e.reason, str(e), error=True)
         except TimeoutError:
             return self._fallback(reply, "deadline", f"listing the prefix took longer than {deadline_s} s", error=True)
-        d = choice.choose(reps, self.config.chunk_tokens, self._chunk_kv_bytes(buf), formats, rates, allowed)
+        d = choice.choose(reps, self.config.chunk_tokens, self._chunk_kv_bytes(buf), formats, rates, allowed, budget)
         self.metrics.decisions.labels(d.preset).inc()
         reply["decision"] = {"preset": d.preset, "chunks": d.chunks, "predicted_s": d.predicted_s, "options": d.options}
         if d.preset == choice.RECOMPUTE:

@@ -96,3 +96,20 @@ def test_gpu_priors_pick_raw_on_fast_links_and_q8_or_recompute_on_slow_ones(gbps
     stored = [{"raw": kv + 4096, "q8": int(kv / 1.77)}] * 64
     d = choose(stored, 256, kv, {"raw": "raw", "q8": "hevc"}, e.rates("s3", recompute_tps=16384 / 4.0))
     assert d.preset == expect, d.options
+
+
+def test_a_ttft_budget_prefers_the_fetch_that_fits_to_a_faster_recompute():
+    from kvfetcher.choice import hopeless
+
+    r = rates(bw=50e6, decode_hevc=200e6, tps=1e4)  # recompute 0.1 s; q8 0.4 s, raw 0.8 s
+    assert choose(STORED, 256, CHUNK_KV, FORMATS, r).preset == RECOMPUTE
+    d = choose(STORED, 256, CHUNK_KV, FORMATS, r, budget_s=0.5)
+    assert (d.preset, d.chunks) == ("q8", 4)  # within the budget: fetched, the GPU left to the running requests
+    assert choose(STORED, 256, CHUNK_KV, FORMATS, r, budget_s=1.0).preset == "q8"  # both fit: the faster
+    assert choose(STORED, 256, CHUNK_KV, FORMATS, r, budget_s=0.2).preset == RECOMPUTE  # none fits: the fastest
+    # a fetch that restores more of the prefix beats a faster one that leaves more to recompute
+    partial = [{"raw": 10_000_000, "q8": 5_000_000}] + [{"raw": 10_000_000}] * 3
+    assert choose(partial, 256, CHUNK_KV, FORMATS, r, budget_s=1.0).preset == "raw"
+    # the lookup is skipped only when no fetch could fit either
+    ratios = {"raw": 1.0, "q8": 2.0}
+    assert hopeless(4, 256, CHUNK_KV, ratios, FORMATS, r) and not hopeless(4, 256, CHUNK_KV, ratios, FORMATS, r, budget_s=0.5)

@@ -30,10 +30,12 @@ def test_sidecar_config_from_the_operators_env():
     assert (c.chunk_tokens, c.presets, c.allowed_presets, c.tenant) == (512, ("q8",), ("raw", "q8"), "salt")
     assert Config.from_env({"KVFETCHER_POOL": "pool-a"}).tenant == "pool-a"  # no salt: the pool separates
     assert Config.from_env({"KVFETCHER_DECODE_PROCS": "3"}).decode_procs == 3
+    assert Config.from_env({"KVFETCHER_TTFT_BUDGET_S": "1.5"}).ttft_budget_s == 1.5
+    assert Config.from_env({}).ttft_budget_s is None
 
 
 @pytest.mark.parametrize("env", [{"KVFETCHER_PRESET": "q3000"}, {"KVFETCHER_ALLOWED_PRESETS": "raw,nope"}, {"KVFETCHER_CHUNK_TOKENS": "0"},
-                                 {"KVFETCHER_DECODE_PROCS": "-1"}])
+                                 {"KVFETCHER_DECODE_PROCS": "-1"}, {"KVFETCHER_TTFT_BUDGET_S": "0"}])
 def test_bad_config_is_refused_at_start(env):
     with pytest.raises(ValueError):
         Config.from_env(env)

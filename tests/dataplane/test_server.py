@@ -86,6 +86,12 @@ def test_cost_model_can_choose_recompute(s3, buf):
         assert (r.loaded_tokens, r.reason, r.error, r.decision["preset"]) == (0, "cost_model", None, "recompute")
         assert bool((buf.tensor == 7).all())
         assert 'kvfetcher_fallbacks_total{reason="cost_model"} 1.0' in c.metrics()
+        # on a busy GPU the model server gives a TTFT budget: a fetch within it wins anyway
+        r = c.load(bid, tokens, recompute_tokens_per_s=1e12, ttft_budget_s=30.0)
+        assert r.loaded_tokens == 128 and r.decision["preset"] != "recompute"
+        assert torch.equal(buf.tensor[:, :, :, :128], kv)
+        with pytest.raises(SidecarError, match="ttft_budget_s"):
+            c.load(bid, tokens, ttft_budget_s=-1)
 
 
 def test_allowed_presets_bound_the_choice(s3, buf):

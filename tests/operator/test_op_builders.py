@@ -88,7 +88,7 @@ def test_injection_into_a_device_plugin_pod() -> None:
         assert env[name]["valueFrom"]["secretKeyRef"]["name"] == "cache-kvfetcher", name
     assert env["KVFETCHER_CHUNK_TOKENS"]["value"] == "256" and env["KVFETCHER_PRESET"]["value"] == "auto"
     assert env["KVFETCHER_MAX_BYTES"]["value"] == str(2**40)
-    assert "KVFETCHER_DECODE_PROCS" not in env  # the sidecar's default
+    assert "KVFETCHER_DECODE_PROCS" not in env and "KVFETCHER_TTFT_BUDGET_S" not in env  # the sidecar's defaults
     assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
     assert env["NVIDIA_DRIVER_CAPABILITIES"]["value"] == "compute,utility,video"
     assert side["args"] == ["serve", "--port", "8500", "--socket", "/run/kvfetcher/kvfetcher.sock"]
@@ -108,13 +108,13 @@ def test_injection_with_dra_claims_external_storage_and_label_salt() -> None:
     pod = gpu_pod(resources={"claims": [{"name": "gpu"}]}, volumeMounts=[{"name": "dshm", "mountPath": "/dev/shm"}])
     pod["spec"]["volumes"] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}]
     pod["spec"]["resourceClaims"] = [{"name": "gpu", "source": {"resourceClaimTemplateName": "one-gpu"}}]  # 1.30 shape
-    mps = {**EXTERNAL, "sidecar": {"decodeProcesses": 4}}
+    mps = {**EXTERNAL, "sidecar": {"decodeProcesses": 4, "ttftBudgetSeconds": 1.5}}
     out = injection.apply_merge_patch(pod, injection.mutate(pod, pool(mps)).patch)
     valid(out)
     side = out["spec"]["initContainers"][0]
     env = {e["name"]: e for e in side["env"]}
     assert side["resources"]["claims"] == [{"name": "gpu"}] and "NVIDIA_VISIBLE_DEVICES" not in env
-    assert env["KVFETCHER_DECODE_PROCS"]["value"] == "4"
+    assert env["KVFETCHER_DECODE_PROCS"]["value"] == "4" and env["KVFETCHER_TTFT_BUDGET_S"]["value"] == "1.5"
     assert env["KVFETCHER_S3_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "creds", "key": "id"}
     assert env["KVFETCHER_TENANT"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['tenant']"
     assert env["KVFETCHER_S3_CA_FILE"]["value"] == "/etc/kvfetcher/s3-ca/ca.crt"

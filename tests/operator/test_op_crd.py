@@ -95,6 +95,8 @@ BAD = [
     ("tiny chunk", _with(MANAGED, "codec.chunkTokens", 8), "chunkTokens"),
     ("privileged port", _with(MANAGED, "sidecar.port", 80), "port"),
     ("too many decode processes", _with(MANAGED, "sidecar.decodeProcesses", 64), "decodeProcesses"),
+    ("zero ttft budget", _with(MANAGED, "sidecar.ttftBudgetSeconds", 0), "ttftBudgetSeconds"),
+    ("ttft budget as text", _with(MANAGED, "sidecar.ttftBudgetSeconds", "2s"), "ttftBudgetSeconds"),
     ("zero ttl", _with(MANAGED, "retention.ttlDays", 0), "ttlDays"),
     ("bad maxSize", _with(MANAGED, "retention.maxSize", "1 TB"), "maxSize"),
     ("bad policy", _with(MANAGED, "retention.dataPolicy", "Archive"), "dataPolicy"),
