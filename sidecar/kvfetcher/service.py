@@ -342,6 +342,8 @@ class Sidecar:
             self.estimator.observe_decode(d.preset, out.kv_bytes, out.decode_busy_s)
             if out.header_latency_s:
                 self.estimator.observe_latency(ep, min(out.header_latency_s))
+            if out.loaded_tokens == d.tokens:  # the whole planned fetch: its time is comparable
+                self.estimator.observe_fit(ep, d.preset, PRESETS[d.preset].codec.format, out.bytes_read, out.kv_bytes, out.seconds)
             if out.decode_busy_s > 0:
                 m.decode_rate.labels(d.preset).set(out.kv_bytes / out.decode_busy_s)
             m.predicted_seconds.observe(d.predicted_s)

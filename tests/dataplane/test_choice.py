@@ -113,3 +113,18 @@ def test_a_ttft_budget_prefers_the_fetch_that_fits_to_a_faster_recompute():
     # the lookup is skipped only when no fetch could fit either
     ratios = {"raw": 1.0, "q8": 2.0}
     assert hopeless(4, 256, CHUNK_KV, ratios, FORMATS, r) and not hopeless(4, 256, CHUNK_KV, ratios, FORMATS, r, budget_s=0.5)
+
+
+def test_the_fit_learns_what_the_rates_miss_and_turns_a_near_tie():
+    e = Estimator(alpha=1.0, bandwidth_Bps=1e9, latency_s=0.0)
+    e.observe_read("s3", 100_000_000, 0.1)  # 1 GB/s
+    e.observe_decode("q8", 40_000_000, 0.1)  # 400 MB/s of KV
+    r = e.rates("s3", recompute_tps=1024 / 0.105)  # recompute 0.105 s; q8 modelled 0.100 s
+    assert choose(STORED, 256, CHUNK_KV, FORMATS, r, allowed={"q8"}).preset == "q8"
+    e.observe_fit("s3", "q8", "hevc", 20_000_000, 40_000_000, 0.120)  # its fetch took 20% longer than modelled
+    r = e.rates("s3", recompute_tps=1024 / 0.105)
+    assert r.fit["q8"] == pytest.approx(1.2)
+    d = choose(STORED, 256, CHUNK_KV, FORMATS, r, allowed={"q8"})
+    assert d.preset == RECOMPUTE and d.options["q8"] == pytest.approx(0.120)
+    e.observe_fit("s3", "q8", "hevc", 20_000_000, 40_000_000, 100.0)  # an outlier is bounded
+    assert e.rates("s3", 1.0).fit["q8"] == 4.0
