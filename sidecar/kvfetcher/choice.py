@@ -120,13 +120,16 @@ def hopeless(
     allowed: set[str] | None = None,
     slack: float = 1.5,
     budget_s: float | None = None,
+    lookup_s: float = 0.0,
 ) -> bool:
     """True when even the best case loses to recompute (and misses ``budget_s``, see :func:`choose`),
     so the store need not be asked at all.
 
     Best case: every chunk stored in every allowed preset, ``slack`` times smaller than its
-    measured ratio says, no latency. A lookup costs a LIST per chunk, which measured 10–18% of
-    an 8B model's prefill on an H200 (docs/benchmarks/ttft_h200.md) where recompute won anyway.
+    measured ratio says, no latency; the preset's fit (measured overheads) still counts, and so
+    does ``lookup_s``, what asking the store would cost first. A lookup costs a LIST per chunk:
+    10–18% of an 8B model's prefill on an H200 (docs/benchmarks/ttft_h200.md), 0.18 s of a 32K
+    prefix over a 10 Gbit/s link on an H100, where recompute won anyway.
     Optimistic on purpose: a wrong "no" would skip a fetch that pays; a wrong "yes" costs a lookup.
     """
     if n_chunks == 0:
@@ -137,10 +140,15 @@ def hopeless(
         if allowed is not None and preset not in allowed:
             continue
         stored = kv / (max(ratios.get(preset, 1.0), 1.0) * slack)
-        fetch = max(stored / rates.bandwidth_Bps, kv / decode_rate(preset, fmt, rates))
+        fetch = lookup_s + rates.fit.get(preset, 1.0) * max(stored / rates.bandwidth_Bps, kv / decode_rate(preset, fmt, rates))
         if fetch < recompute_all or (budget_s is not None and fetch <= budget_s):
             return False
     return True
+
+
+def lookup_seconds(n_chunks: int, rates: Rates, parallel: int) -> float:
+    """A lookup's time: one LIST per chunk, ``parallel`` at a time, each about a first-byte latency."""
+    return -(-n_chunks // parallel) * rates.latency_s
 
 
 class Estimator:

@@ -34,6 +34,7 @@ log = logging.getLogger("kvfetcher.service")
 
 #: measured size ratio vs fp16 per preset (for the no-lookup shortcut; 1.0 where never measured)
 _RATIOS = {p: (measured(p) or {}).get("ratio_vs_fp16", 1.0) for p in PRESETS}
+LOOKUP_PARALLEL = 16  # LISTs in flight during a lookup
 
 
 @dataclass
@@ -194,7 +195,7 @@ class Sidecar:
     async def _representations(self, chunk_keys: Sequence[str]) -> list[dict[str, int]]:
         """For the leading run of stored chunks: preset -> object size (one LIST per chunk)."""
         loop = asyncio.get_running_loop()
-        sem = asyncio.Semaphore(16)
+        sem = asyncio.Semaphore(LOOKUP_PARALLEL)
 
         async def one(key: str) -> dict[str, int]:
             async with sem:
@@ -276,7 +277,9 @@ class Sidecar:
         formats = {p: PRESETS[p].codec.format for p in PRESETS}
         allowed = set(presets or PRESETS) & set(self.config.allowed_presets or PRESETS)
         n_chunks = n_req // self.config.chunk_tokens
-        if choice.hopeless(n_chunks, self.config.chunk_tokens, self._chunk_kv_bytes(buf), _RATIOS, formats, rates, allowed, budget_s=budget):
+        lookup_s = choice.lookup_seconds(n_chunks, rates, LOOKUP_PARALLEL)
+        if choice.hopeless(n_chunks, self.config.chunk_tokens, self._chunk_kv_bytes(buf), _RATIOS, formats, rates, allowed, budget_s=budget,
+                           lookup_s=lookup_s):
             self.metrics.decisions.labels(choice.RECOMPUTE).inc()
             reply["decision"] = {"preset": choice.RECOMPUTE, "chunks": 0, "predicted_s": 0.0, "options": {}}
             return self._fallback(reply, "cost_model", "recompute predicted faster than any stored preset could be; store not asked")

@@ -128,3 +128,16 @@ def test_the_fit_learns_what_the_rates_miss_and_turns_a_near_tie():
     assert d.preset == RECOMPUTE and d.options["q8"] == pytest.approx(0.120)
     e.observe_fit("s3", "q8", "hevc", 20_000_000, 40_000_000, 100.0)  # an outlier is bounded
     assert e.rates("s3", 1.0).fit["q8"] == 4.0
+
+
+def test_hopeless_counts_the_lookup_and_the_fit():
+    from dataclasses import replace
+
+    from kvfetcher.choice import hopeless, lookup_seconds
+
+    ratios = {"raw": 1.0, "q8": 2.0}
+    r = rates(bw=5e9, tps=1024 / 0.012)  # recompute 12 ms; raw's best case 8 ms
+    assert not hopeless(4, 256, CHUNK_KV, ratios, FORMATS, r)
+    assert lookup_seconds(128, r, 16) == pytest.approx(8 * 0.001)
+    assert hopeless(4, 256, CHUNK_KV, ratios, FORMATS, r, lookup_s=0.005)  # the LISTs alone eat the win
+    assert hopeless(4, 256, CHUNK_KV, ratios, FORMATS, replace(r, fit={"raw": 2.0, "q8": 2.0}))  # measured overheads do too
