@@ -49,6 +49,7 @@ class Rates:
     decode_Bps: Mapping[str, float]  # KV bytes restored per second, by preset (measured) or format (prior)
     recompute_tps: float  # tokens per second the model prefills
     fit: Mapping[str, float] = field(default_factory=dict)  # by preset: actual / modelled fetch time (1 if unmeasured)
+    list_s: float | None = None  # one round of a lookup's parallel LISTs, measured (None: take the latency)
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,8 @@ def hopeless(
     for preset, fmt in formats.items():
         if allowed is not None and preset not in allowed:
             continue
-        stored = kv / (max(ratios.get(preset, 1.0), 1.0) * slack)
+        ratio = max(ratios.get(preset, 1.0), 1.0)
+        stored = kv / (ratio * slack) if fmt != "raw" else kv  # raw's size is known, a codec's varies with content
         fetch = lookup_s + rates.fit.get(preset, 1.0) * max(stored / rates.bandwidth_Bps, kv / decode_rate(preset, fmt, rates))
         if fetch < recompute_all or (budget_s is not None and fetch <= budget_s):
             return False
@@ -147,8 +149,8 @@ def hopeless(
 
 
 def lookup_seconds(n_chunks: int, rates: Rates, parallel: int) -> float:
-    """A lookup's time: one LIST per chunk, ``parallel`` at a time, each about a first-byte latency."""
-    return -(-n_chunks // parallel) * rates.latency_s
+    """A lookup's time: one LIST per chunk, ``parallel`` at a time (a round as measured, else a latency)."""
+    return -(-n_chunks // parallel) * (rates.list_s or rates.latency_s)
 
 
 class Estimator:
@@ -162,6 +164,7 @@ class Estimator:
         self._decode_prior = dict(GPU_DECODE_PRIOR if gpu else DECODE_PRIOR)
         self._decode: dict[str, float] = {}  # a first measurement replaces the prior
         self._fit: dict[str, float] = {}
+        self._list: dict[str, float] = {}
 
     def _ewma(self, table: dict[str, float], key: str, value: float) -> None:
         old = table.get(key)
@@ -178,6 +181,10 @@ class Estimator:
         if kv_bytes > 0 and busy_s > 0:
             self._ewma(self._decode, preset, kv_bytes / busy_s)
 
+    def observe_lookup(self, endpoint: str, seconds: float, rounds: int) -> None:
+        if rounds > 0 and seconds > 0:
+            self._ewma(self._list, endpoint, seconds / rounds)
+
     def observe_fit(self, endpoint: str, preset: str, fmt: str, stored_bytes: int, kv_bytes: int, actual_s: float) -> None:
         """A whole fetch's time against the model's, with the rates as they stand after this fetch
         updated them: the fit keeps only what the rates cannot explain."""
@@ -191,4 +198,5 @@ class Estimator:
 
     def rates(self, endpoint: str, recompute_tps: float) -> Rates:
         decode = {**self._decode_prior, **self._decode}
-        return Rates(self.bandwidth(endpoint), self._lat.get(endpoint, self._prior[1]), decode, recompute_tps, dict(self._fit))
+        return Rates(self.bandwidth(endpoint), self._lat.get(endpoint, self._prior[1]), decode, recompute_tps, dict(self._fit),
+                     self._list.get(endpoint))

@@ -208,7 +208,9 @@ class Sidecar:
                     continue
             return reps
 
+        t = time.perf_counter()
         found = await asyncio.gather(*(one(k) for k in chunk_keys))
+        self.estimator.observe_lookup(self.store.endpoint, time.perf_counter() - t, -(-len(chunk_keys) // LOOKUP_PARALLEL))
         run = []
         for reps in found:
             if not any(p in PRESETS for p in reps):

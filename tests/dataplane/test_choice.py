@@ -141,3 +141,13 @@ def test_hopeless_counts_the_lookup_and_the_fit():
     assert lookup_seconds(128, r, 16) == pytest.approx(8 * 0.001)
     assert hopeless(4, 256, CHUNK_KV, ratios, FORMATS, r, lookup_s=0.005)  # the LISTs alone eat the win
     assert hopeless(4, 256, CHUNK_KV, ratios, FORMATS, replace(r, fit={"raw": 2.0, "q8": 2.0}))  # measured overheads do too
+
+
+def test_the_lookup_time_is_learned_per_endpoint():
+    from kvfetcher.choice import lookup_seconds
+
+    e = Estimator(latency_s=0.002)
+    assert lookup_seconds(32, e.rates("s3", 1.0), 16) == pytest.approx(2 * 0.002)  # before any lookup: latencies
+    e.observe_lookup("s3", 0.2, 8)
+    assert lookup_seconds(32, e.rates("s3", 1.0), 16) == pytest.approx(2 * 0.025)
+    assert e.rates("other", 1.0).list_s is None
