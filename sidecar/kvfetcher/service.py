@@ -349,6 +349,7 @@ class Sidecar:
                 self.estimator.observe_latency(ep, min(out.header_latency_s))
             if out.loaded_tokens == d.tokens:  # the whole planned fetch: its time is comparable
                 self.estimator.observe_fit(ep, d.preset, PRESETS[d.preset].codec.format, out.bytes_read, out.kv_bytes, out.seconds)
+                m.fit.labels(d.preset).set(self.estimator.rates(ep, 1.0).fit[d.preset])
             if out.decode_busy_s > 0:
                 m.decode_rate.labels(d.preset).set(out.kv_bytes / out.decode_busy_s)
             m.predicted_seconds.observe(d.predicted_s)

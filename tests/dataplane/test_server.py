@@ -68,6 +68,7 @@ def test_store_then_load_round_trip_and_metrics(s3, buf):
         "kvfetcher_store_queue_depth 0.0",
         "kvfetcher_fetch_predicted_seconds_count 2.0",
         "kvfetcher_fetch_actual_seconds_count 2.0",
+        "kvfetcher_cost_model_fit{preset=",
     ]:
         assert name in text, name
 
