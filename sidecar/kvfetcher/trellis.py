@@ -1,0 +1,110 @@
+"""trellis: dependent (trellis-coded) quantisation along tokens: fewer bits at the same error.
+
+A uniform scalar quantiser followed by an ideal entropy coder sits 1.53 dB (0.25 bit per value)
+from the rate-distortion bound of a Gaussian source; trellis-coded quantisation recovers part of
+it with a decoder that stays a table lookup. Two quantisers share a step ``D``: Q0 reconstructs
+index ``k`` at ``2k D`` (even multiples), Q1 at ``(2k - sgn k) D`` (zero and odd multiples). Which
+one codes a value is set by a 4-state machine driven by the parity of the previous indices (the
+dependent quantisation of H.266/VVC). The two together form a grid of step ``D``, yet each
+index chooses only among points ``2D`` apart, so indices are about half as wide; the encoder
+picks the whole sequence by a Viterbi search over the states, minimising squared error plus
+``LAMBDA`` times an estimate of the index's bits.
+
+Measured on ``balanced``'s basis components (docs/benchmarks/compression.md): at equal squared
+error, x265 lossless spends about 0.13 bit per value less on the indices than on uniformly
+quantised symbols (3.4% of the size).
+
+The state is linear over GF(2): with ``state = 2a + b`` and ``p`` the parity of an index,
+``a' = b xor p`` and ``b' = a``, so ``a`` (Q1 in use) before index ``t`` is the parity of
+``p[t-1] + p[t-3] + ...``. Dequantising is therefore one cumulative sum, no sequential loop: the
+same vectorised torch code on CPU and GPU. Only the encoder loops over tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+#: weight of the rate estimate in the search (squared error in units of D^2 per bit): trades a
+#: little error for fewer bits, like a dead zone but decided jointly along the trellis
+LAMBDA = 0.3
+#: largest index magnitude: indices are stored as ``k + 128`` in 8-bit samples
+KMAX = 127
+
+# state = 2a + b; states 0, 1 use Q0, states 2, 3 use Q1. The two edges into next state
+# 0, 1, 2, 3 come from states _FROM[0] with index parities (0, 0, 1, 1) and from states _FROM[1]
+# with parities (1, 1, 0, 0).
+_FROM = ((0, 2, 0, 2), (1, 3, 1, 3))
+# (quantiser, parity) of each edge, as 2 * quantiser + parity, in the same order
+_EDGE = ((0, 2, 1, 3), (1, 3, 0, 2))
+
+
+def _reconstruct(k: torch.Tensor, q1: torch.Tensor | bool) -> torch.Tensor:
+    k = k.float()
+    return 2 * k - torch.sign(k) * (q1.float() if isinstance(q1, torch.Tensor) else float(q1))
+
+
+def quantise(v: torch.Tensor, lam: float = LAMBDA) -> torch.Tensor:
+    """Indices ``[..., T]`` (int16, |k| <= KMAX) for values ``v`` ``[..., T]`` in units of D,
+    centred on their mean; the trellis runs along the last dimension from state 0."""
+    shape, t_len = v.shape, v.shape[-1]
+    v = v.reshape(-1, t_len).float()
+    n = v.shape[0]
+    if t_len == 0 or n == 0:
+        return torch.zeros(shape, dtype=torch.int16, device=v.device)
+    # bits of an index under a Gaussian of the row's spread (indices are ~v/2): k^2 / (2 s^2 ln 2)
+    s = (v.std(dim=1, correction=0) / 2).clamp(min=0.3)
+    w = lam / (2 * math.log(2) * s.square())
+    v = v.t().contiguous()  # [T, n]: the search walks the first dimension
+    base = torch.floor(v / 2)
+    lim = (KMAX - KMAX % 2, KMAX - 1 + KMAX % 2)  # the largest even / odd index allowed
+    cost_e, idx_e = [], []  # best edge of each (quantiser, parity), as 2 * quantiser + parity
+    for q1 in (False, True):
+        for p in (0, 1):
+            c0 = base + torch.remainder(p - base, 2)  # base or base + 1, of parity p
+            c1 = torch.where(c0 == base, c0 + 2, c0 - 2)
+            best_c, best_k = None, None
+            for c in (c0.clamp(-lim[p], lim[p]), c1.clamp(-lim[p], lim[p])):
+                j = (v - _reconstruct(c, q1)).square() + w * c.square()
+                if best_c is None:
+                    best_c, best_k = j, c
+                else:
+                    better = j < best_c
+                    best_c, best_k = torch.where(better, j, best_c), torch.where(better, c, best_k)
+            cost_e.append(best_c)
+            idx_e.append(best_k.to(torch.int16))
+    e0, e1 = (torch.stack([cost_e[i] for i in e], -1) for e in _EDGE)  # [T, n, 4] by next state
+    k0, k1 = (torch.stack([idx_e[i] for i in e], -1) for e in _EDGE)
+    from0, from1 = (torch.tensor(f, device=v.device) for f in _FROM)
+    cost = torch.full((n, 4), math.inf, device=v.device)
+    cost[:, 0] = 0
+    took1 = torch.empty((t_len, n, 4), dtype=torch.bool, device=v.device)
+    for t in range(t_len):  # next states (0, 1) and (2, 3) both come from (0, 2) and from (1, 3)
+        a = (e0[t].view(n, 2, 2) + cost[:, 0::2].unsqueeze(1)).view(n, 4)
+        b = (e1[t].view(n, 2, 2) + cost[:, 1::2].unsqueeze(1)).view(n, 4)
+        torch.lt(b, a, out=took1[t])
+        cost = torch.minimum(a, b)
+    state = cost.argmin(dim=1)
+    rows = torch.arange(n, device=v.device)
+    out = torch.empty((n, t_len), dtype=torch.int16, device=v.device)
+    for t in range(t_len - 1, -1, -1):
+        pick = took1[t, rows, state]
+        out[:, t] = torch.where(pick, k1[t, rows, state], k0[t, rows, state])
+        state = torch.where(pick, from1[state], from0[state])
+    return out.view(shape)
+
+
+def quantiser_q1(k: torch.Tensor) -> torch.Tensor:
+    """Whether Q1 codes each index of ``k`` ``[..., T]`` (bool): the parity of k[t-1] + k[t-3] + ..."""
+    t_len = k.shape[-1]
+    p = (k & 1).to(torch.int32)
+    if t_len % 2:
+        p = torch.nn.functional.pad(p, (0, 1))
+    g = p.unflatten(-1, (-1, 2)).cumsum(dim=-2).flatten(-2)[..., :t_len]  # sums over t, t-2, ...
+    return torch.nn.functional.pad(g[..., :-1], (1, 0)) & 1 == 1
+
+
+def dequantise(k: torch.Tensor) -> torch.Tensor:
+    """Reconstruction in units of D (float32) of indices ``k`` ``[..., T]`` (any int dtype)."""
+    return _reconstruct(k, quantiser_q1(k))
