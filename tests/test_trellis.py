@@ -41,16 +41,13 @@ def test_search_reaches_less_error_than_a_uniform_quantiser_of_the_same_index_wi
     bit): about 0.13 bit per value less at equal error."""
     g = torch.Generator().manual_seed(0)
     v = torch.randn(64, 255, generator=g) * 6  # in units of D
-    k = trellis.quantise(v, lam=0.0)
+    k = trellis.quantise(v)
     assert k.dtype == torch.int16
     mse = float((trellis.dequantise(k) - v).square().mean())
     uni = torch.round(v / 2)
     mse_uni = float((2 * uni - v).square().mean())
     assert mse < 0.8 * mse_uni and _entropy(k) < _entropy(uni) + 0.1
     assert 0.5 * math.log2(mse_uni / mse) - (_entropy(k) - _entropy(uni)) > 0.1
-    # the rate term trades error for bits
-    kl = trellis.quantise(v)
-    assert _entropy(kl) < _entropy(k) and float((trellis.dequantise(kl) - v).square().mean()) < 1.2 * mse
 
 
 def test_indices_stay_in_eight_bit_samples():
@@ -75,7 +72,7 @@ def test_trellis_layout_round_trip(start, tokens):
     assert torch.all(err.abs() <= 2 * step + 1e-5)  # the nearest point of the quantiser in use
     rel = err / torch.where(step > 0, step, torch.ones_like(step))
     assert float(rel.square().mean().sqrt()) < 0.6  # 0.29 for uniform rounding at step D
-    assert torch.allclose(mean[..., 0, :], kv[:, :, :, b0:].mean(3), atol=1e-5)  # the offset is the mean
+    assert torch.allclose((mean + 128 * step)[..., 0, :], kv[:, :, :, b0:].mean(3), atol=1e-4)  # mean at level 128
     if b0:
         assert torch.equal(back[:, :, :, :1], kv[:, :, :, :1]) and torch.equal(exact, kv[:, :, :, :1])
 

@@ -36,9 +36,9 @@ neighbours, so the layout decides what sits next to what:
   per component.
 * ``trellis`` (with ``sigma_steps``) replaces uniform rounding by dependent (trellis-coded)
   quantisation along each component's tokens (trellis.py): the step is the grid ``D`` of the
-  two alternating quantisers, symbols are ``128 + k`` for indices ``k``, and the side
-  information's offset is the component's mean itself. About 0.13 bit per value less at equal
-  squared error; ``unpack`` recovers the quantiser of every index with one cumulative sum.
+  two alternating quantisers and symbols are ``128 + k`` for indices ``k``; side information
+  keeps its form (the mean still sits at level 128). ``unpack`` recovers the quantiser of every
+  index with one cumulative sum.
 
 Pure torch, no I/O: the same code runs on CPU and on the GPU, and ``unpack`` can write straight
 into a destination view of the model's KV buffers.
@@ -267,7 +267,7 @@ def sigma_profile(params: LayoutParams, layers: int, device: torch.device | str 
 
 def _sigma_ranges(body: torch.Tensor, params: LayoutParams) -> tuple[torch.Tensor, torch.Tensor]:
     """(offset, step) per channel: mean at level 128, step ``s * std`` widened so no value clips.
-    With ``trellis`` the offset is the mean and indices reach 127 grid steps of 2 (254 steps).
+    With ``trellis`` the step is the grid of the two quantisers, whose points reach 254 steps.
 
     With a basis, std is pooled over a (layer, k|v)'s components: the transform has already
     weighted them by how much the model cares, so one step for all is the best allocation."""
@@ -278,9 +278,10 @@ def _sigma_ranges(body: torch.Tensor, params: LayoutParams) -> tuple[torch.Tenso
         sd = sd.square().mean(dim=(2, 3), keepdim=True).sqrt().expand_as(sd)
     steps = sigma_profile(params, layers, body.device).view(layers, 2, 1, 1)
     reach = torch.maximum(body.amax(dim=3) - mu, mu - body.amin(dim=3))
-    if params.trellis:
-        return mu, torch.maximum(sd * steps, reach / 250)  # 250 of 254: headroom for rounding
-    step = torch.maximum(sd * steps, reach / 126)  # 126: headroom for the stored step's rounding
+    if params.trellis:  # indices reach 127, reconstructions 254 steps
+        step = torch.maximum(sd * steps, reach / 250)  # 250: headroom for the stored step's rounding
+    else:
+        step = torch.maximum(sd * steps, reach / 126)  # 126: headroom for the stored step's rounding
     return mu - 128 * step, step
 
 
@@ -334,7 +335,7 @@ def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
     safe = torch.where(scale_r > 0, scale_r, torch.ones_like(scale_r))
     b0 = e if e < tokens else 0  # first row of the body
     if params.trellis:  # indices along the body's tokens, from the trellis' start state
-        v = (x[:, :, :, b0:] - lo_r.unsqueeze(3)) / safe.unsqueeze(3)
+        v = (x[:, :, :, b0:] - lo_r.unsqueeze(3)) / safe.unsqueeze(3) - 128
         k = trellis.quantise(v.transpose(3, 4)).transpose(3, 4)
         q = torch.empty(x.shape, dtype=torch.uint8, device=kv.device)
         q[:, :, :, b0:] = (k + 128).to(torch.uint8)
@@ -388,7 +389,7 @@ def unpack(
             b0 = params.exact_tokens if params.exact_tokens < tokens else 0  # as pack's body
             vals = torch.empty((layers, 2, tokens, heads * head_dim), device=frames.device)
             k = t[:, :, b0:].to(torch.int16) - 128
-            vals[:, :, b0:] = trellis.dequantise(k.transpose(2, 3)).transpose(2, 3) * scale + lo
+            vals[:, :, b0:] = (trellis.dequantise(k.transpose(2, 3)).transpose(2, 3) + 128) * scale + lo
             vals[:, :, :b0] = lo  # exact tokens, replaced below
         else:
             vals = t.float() * scale + lo

@@ -7,8 +7,10 @@ index ``k`` at ``2k D`` (even multiples), Q1 at ``(2k - sgn k) D`` (zero and odd
 one codes a value is set by a 4-state machine driven by the parity of the previous indices (the
 dependent quantisation of H.266/VVC). The two together form a grid of step ``D``, yet each
 index chooses only among points ``2D`` apart, so indices are about half as wide; the encoder
-picks the whole sequence by a Viterbi search over the states, minimising squared error plus
-``LAMBDA`` times an estimate of the index's bits.
+picks the whole sequence by a Viterbi search over the states that minimises the squared error.
+(A rate term in the search, which pulls indices toward zero like a dead zone, saved bits at
+equal squared error but shrank the small components toward their mean, and the model's KL
+rose: 4.15x at KL 0.00096 against 0.00075 without it; docs/benchmarks/compression.md.)
 
 Measured on ``balanced``'s basis components (docs/benchmarks/compression.md): at equal squared
 error, x265 lossless spends about 0.13 bit per value less on the indices than on uniformly
@@ -26,9 +28,6 @@ import math
 
 import torch
 
-#: weight of the rate estimate in the search (squared error in units of D^2 per bit): trades a
-#: little error for fewer bits, like a dead zone but decided jointly along the trellis
-LAMBDA = 0.3
 #: largest index magnitude: indices are stored as ``k + 128`` in 8-bit samples
 KMAX = 127
 
@@ -45,7 +44,7 @@ def _reconstruct(k: torch.Tensor, q1: torch.Tensor | bool) -> torch.Tensor:
     return 2 * k - torch.sign(k) * (q1.float() if isinstance(q1, torch.Tensor) else float(q1))
 
 
-def quantise(v: torch.Tensor, lam: float = LAMBDA) -> torch.Tensor:
+def quantise(v: torch.Tensor) -> torch.Tensor:
     """Indices ``[..., T]`` (int16, |k| <= KMAX) for values ``v`` ``[..., T]`` in units of D,
     centred on their mean; the trellis runs along the last dimension from state 0."""
     shape, t_len = v.shape, v.shape[-1]
@@ -53,12 +52,9 @@ def quantise(v: torch.Tensor, lam: float = LAMBDA) -> torch.Tensor:
     n = v.shape[0]
     if t_len == 0 or n == 0:
         return torch.zeros(shape, dtype=torch.int16, device=v.device)
-    # bits of an index under a Gaussian of the row's spread (indices are ~v/2): k^2 / (2 s^2 ln 2)
-    s = (v.std(dim=1, correction=0) / 2).clamp(min=0.3)
-    w = lam / (2 * math.log(2) * s.square())
     v = v.t().contiguous()  # [T, n]: the search walks the first dimension
     base = torch.floor(v / 2)
-    lim = (KMAX - KMAX % 2, KMAX - 1 + KMAX % 2)  # the largest even / odd index allowed
+    lim = (KMAX - 1, KMAX)  # the largest even / odd index allowed (KMAX is odd)
     cost_e, idx_e = [], []  # best edge of each (quantiser, parity), as 2 * quantiser + parity
     for q1 in (False, True):
         for p in (0, 1):
@@ -66,7 +62,7 @@ def quantise(v: torch.Tensor, lam: float = LAMBDA) -> torch.Tensor:
             c1 = torch.where(c0 == base, c0 + 2, c0 - 2)
             best_c, best_k = None, None
             for c in (c0.clamp(-lim[p], lim[p]), c1.clamp(-lim[p], lim[p])):
-                j = (v - _reconstruct(c, q1)).square() + w * c.square()
+                j = (v - _reconstruct(c, q1)).square()
                 if best_c is None:
                     best_c, best_k = j, c
                 else:
