@@ -28,11 +28,12 @@ def _entropy(k: torch.Tensor) -> float:
     return float(-(p * p.log2()).sum())
 
 
-@pytest.mark.parametrize("t_len", [1, 2, 7, 64])
+@pytest.mark.parametrize("t_len", [0, 1, 2, 7, 64])
 def test_vectorised_dequantise_follows_the_state_machine(t_len):
     g = torch.Generator().manual_seed(t_len)
     k = torch.randint(-127, 128, (16, t_len), generator=g, dtype=torch.int16)
     assert torch.equal(trellis.dequantise(k), _sequential(k))
+    assert torch.equal(trellis.dequantise(k.t().contiguous(), dim=0).t(), _sequential(k))  # along another dim
 
 
 def test_search_reaches_less_error_than_a_uniform_quantiser_of_the_same_index_width():

@@ -389,7 +389,7 @@ def unpack(
             b0 = params.exact_tokens if params.exact_tokens < tokens else 0  # as pack's body
             vals = torch.empty((layers, 2, tokens, heads * head_dim), device=frames.device)
             k = t[:, :, b0:].to(torch.int16) - 128
-            vals[:, :, b0:] = (trellis.dequantise(k.transpose(2, 3)).transpose(2, 3) + 128) * scale + lo
+            vals[:, :, b0:] = (trellis.dequantise(k, dim=2) + 128) * scale + lo
             vals[:, :, :b0] = lo  # exact tokens, replaced below
         else:
             vals = t.float() * scale + lo

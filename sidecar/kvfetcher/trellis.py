@@ -33,7 +33,7 @@ KMAX = 127
 
 # state = 2a + b; states 0, 1 use Q0, states 2, 3 use Q1. The two edges into next state
 # 0, 1, 2, 3 come from states _FROM[0] with index parities (0, 0, 1, 1) and from states _FROM[1]
-# with parities (1, 1, 0, 0).
+# with parities (1, 1, 0, 0): next state 2i + j from state 2j or 2j + 1.
 _FROM = ((0, 2, 0, 2), (1, 3, 1, 3))
 # (quantiser, parity) of each edge, as 2 * quantiser + parity, in the same order
 _EDGE = ((0, 2, 1, 3), (1, 3, 0, 2))
@@ -70,37 +70,45 @@ def quantise(v: torch.Tensor) -> torch.Tensor:
                     best_c, best_k = torch.where(better, j, best_c), torch.where(better, c, best_k)
             cost_e.append(best_c)
             idx_e.append(best_k.to(torch.int16))
-    e0, e1 = (torch.stack([cost_e[i] for i in e], -1) for e in _EDGE)  # [T, n, 4] by next state
-    k0, k1 = (torch.stack([idx_e[i] for i in e], -1) for e in _EDGE)
+    e0, e1 = (torch.stack([cost_e[i] for i in e], 1) for e in _EDGE)  # [T, 4 next states, n]
+    k0, k1 = (torch.stack([idx_e[i] for i in e], 1) for e in _EDGE)
     from0, from1 = (torch.tensor(f, device=v.device) for f in _FROM)
-    cost = torch.full((n, 4), math.inf, device=v.device)
-    cost[:, 0] = 0
-    took1 = torch.empty((t_len, n, 4), dtype=torch.bool, device=v.device)
-    for t in range(t_len):  # next states (0, 1) and (2, 3) both come from (0, 2) and from (1, 3)
-        a = (e0[t].view(n, 2, 2) + cost[:, 0::2].unsqueeze(1)).view(n, 4)
-        b = (e1[t].view(n, 2, 2) + cost[:, 1::2].unsqueeze(1)).view(n, 4)
+    cost = torch.full((4, n), math.inf, device=v.device)
+    cost[0] = 0
+    took1 = torch.empty((t_len, 4, n), dtype=torch.bool, device=v.device)
+    for t in range(t_len):
+        # next state 2i + j comes from state 2j (edge set 0) or 2j + 1 (edge set 1)
+        c = cost.view(2, 2, n)
+        a = (e0[t].view(2, 2, n) + c[:, 0]).view(4, n)
+        b = (e1[t].view(2, 2, n) + c[:, 1]).view(4, n)
         torch.lt(b, a, out=took1[t])
         cost = torch.minimum(a, b)
-    state = cost.argmin(dim=1)
-    rows = torch.arange(n, device=v.device)
-    out = torch.empty((n, t_len), dtype=torch.int16, device=v.device)
+    state = cost.argmin(dim=0, keepdim=True)  # [1, n]
+    out = torch.empty((t_len, n), dtype=torch.int16, device=v.device)
     for t in range(t_len - 1, -1, -1):
-        pick = took1[t, rows, state]
-        out[:, t] = torch.where(pick, k1[t, rows, state], k0[t, rows, state])
+        pick = took1[t].gather(0, state)
+        out[t] = torch.where(pick, k1[t].gather(0, state), k0[t].gather(0, state))[0]
         state = torch.where(pick, from1[state], from0[state])
-    return out.view(shape)
+    return out.t().reshape(shape)
 
 
-def quantiser_q1(k: torch.Tensor) -> torch.Tensor:
-    """Whether Q1 codes each index of ``k`` ``[..., T]`` (bool): the parity of k[t-1] + k[t-3] + ..."""
-    t_len = k.shape[-1]
+def quantiser_q1(k: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Whether Q1 codes each index of ``k`` (bool, the trellis along ``dim``): the parity of
+    k[t-1] + k[t-3] + ..."""
+    dim = dim % k.dim()
+    t_len = k.shape[dim]
+    if t_len == 0:
+        return torch.zeros(k.shape, dtype=torch.bool, device=k.device)
     p = (k & 1).to(torch.int32)
     if t_len % 2:
-        p = torch.nn.functional.pad(p, (0, 1))
-    g = p.unflatten(-1, (-1, 2)).cumsum(dim=-2).flatten(-2)[..., :t_len]  # sums over t, t-2, ...
-    return torch.nn.functional.pad(g[..., :-1], (1, 0)) & 1 == 1
+        p = torch.cat([p, torch.zeros_like(p.narrow(dim, 0, 1))], dim)
+    g = p.unflatten(dim, (-1, 2)).cumsum(dim=dim).flatten(dim, dim + 1)  # sums over t, t-2, ...
+    q1 = torch.zeros(k.shape, dtype=torch.bool, device=k.device)
+    q1.narrow(dim, 1, t_len - 1).copy_(g.narrow(dim, 0, t_len - 1) & 1)
+    return q1
 
 
-def dequantise(k: torch.Tensor) -> torch.Tensor:
-    """Reconstruction in units of D (float32) of indices ``k`` ``[..., T]`` (any int dtype)."""
-    return _reconstruct(k, quantiser_q1(k))
+def dequantise(k: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Reconstruction in units of D (float32) of indices ``k`` (any int dtype), the trellis
+    along ``dim``."""
+    return _reconstruct(k, quantiser_q1(k, dim))
