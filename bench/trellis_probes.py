@@ -9,6 +9,9 @@
   error, x265 lossless bits, plug-in entropy; and how much each shrinks components toward
   their mean, by spread.
 * ``x265``: x265 options on the trellis' symbols (balanced's, prompts 0, 2, 4, 6).
+* ``states8``: would 8 states beat VVC's 4? Squared error of the best path (generic Viterbi)
+  for every 8-state shift-register trellis (feedback taps x quantiser taps) at grid 1 on
+  Gaussian data (sd 6 grids) and on the components at grid 0.6; index widths are the same.
 * ``kl24`` (runs the model): ratio and KL over 24 windows, the 8 prompts of the harness and 16
   more of the shipped texts, for a smoother comparison than the harness's 8 (its KL is
   dominated by one prompt, license.txt@1200, that swings 2x between neighbouring settings).
@@ -156,6 +159,46 @@ def probe_x265(kvs: list[torch.Tensor], theta: float) -> None:
         print(f"  {preset} {extra}: {size * 8 / n:.4f}, {time.perf_counter() - t:.1f} s")
 
 
+def _path_error(v: torch.Tensor, states: int, nxt, quantiser) -> float:
+    """Mean squared error of the best path of a trellis (next state ``nxt(s, parity)``,
+    ``quantiser(s)`` 0 or 1) over ``v`` ``[n, T]`` in grid units, from state 0."""
+    base = torch.floor(v / 2)
+    best = {}
+    for q1 in (0, 1):
+        for p in (0, 1):
+            c0 = base + torch.remainder(p - base, 2)
+            cands = (c0, torch.where(c0 == base, c0 + 2, c0 - 2))
+            best[q1, p] = torch.minimum(*[(v - (2 * c - torch.sign(c) * q1)).square() for c in cands])
+    cost = torch.full((v.shape[0], states), float("inf"))
+    cost[:, 0] = 0
+    for t in range(v.shape[1]):
+        new = torch.full_like(cost, float("inf"))
+        for s in range(states):
+            for p in (0, 1):
+                ns = nxt(s, p)
+                new[:, ns] = torch.minimum(new[:, ns], cost[:, s] + best[quantiser(s), p][:, t])
+        cost = new
+    return float(cost.min(1).values.mean() / v.shape[1])
+
+
+def probe_states8(u: torch.Tensor) -> None:
+    g = torch.Generator().manual_seed(0)
+    gauss = torch.randn(600, 255, generator=g) * 6
+    comps = u[0].transpose(1, 2).reshape(-1, 255)[::8] / 0.6
+    par = lambda x: bin(x).count("1") & 1  # noqa: E731
+    print("squared error of the best trellis path, in grid units squared: Gaussian sd 6 / components at grid 0.6")
+    vvc = (lambda s, p: ((s >> 1) ^ p) | ((s & 1) << 1), lambda s: s & 1)
+    print(f"  4 states (VVC): {_path_error(gauss, 4, *vvc):.4f} / {_path_error(comps, 4, *vvc):.4f}")
+    res = []
+    for taps in range(1, 8):  # s0' = p xor parity(s & taps), s1' = s0, s2' = s1; quantiser parity(s & q)
+        for q in range(1, 8):
+            t8 = (lambda s, p, taps=taps: (p ^ par(s & taps)) | ((s & 3) << 1), lambda s, q=q: par(s & q))
+            res.append((_path_error(gauss, 8, *t8), taps, q, t8))
+    res.sort(key=lambda r: r[0])
+    for e, taps, q, t8 in res[:3]:
+        print(f"  8 states, feedback taps {taps:03b}, quantiser taps {q:03b}: {e:.4f} / {_path_error(comps, 8, *t8):.4f}")
+
+
 def probe_kl24(lm, cases: list[cb.Case], theta: float) -> None:
     extra = []
     for name, off in EXTRA:
@@ -181,7 +224,7 @@ def probe_kl24(lm, cases: list[cb.Case], theta: float) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("probes", nargs="*", default=["predict", "proxy", "x265", "kl24"])
+    ap.add_argument("probes", nargs="*", default=["predict", "proxy", "x265", "states8", "kl24"])
     ap.add_argument("--kv-cache", help="compression_bench's cache of the prefilled prompts")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -189,10 +232,10 @@ def main() -> int:
     theta = model.rope_theta(lm)
     cases = cb.load_cases(lm, args.kv_cache)
     kvs = [c.kv for c in cases[::2]]
-    u = components(kvs, theta) if {"predict", "proxy"} & set(args.probes) else None
+    u = components(kvs, theta) if {"predict", "proxy", "states8"} & set(args.probes) else None
     for p in args.probes:
         {"predict": lambda: probe_predict(u), "proxy": lambda: probe_proxy(u), "x265": lambda: probe_x265(kvs, theta),
-         "kl24": lambda: probe_kl24(lm, cases, theta)}[p]()
+         "states8": lambda: probe_states8(u), "kl24": lambda: probe_kl24(lm, cases, theta)}[p]()
         sys.stdout.flush()
     return 0
 
