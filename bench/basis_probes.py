@@ -6,7 +6,7 @@
   components had their step widened to fit 8-bit samples.
 * ``side``: side information per value, raw vs zstd -19 vs byte-shuffled zstd, with and without
   the basis, with and without the exact first token (a chunk at position 256).
-* ``range`` (runs the model): ``balanced``'s quantisation simulated in float (grid centred on
+* ``range`` (runs the model): layout v5 ``balanced``'s quantisation simulated in float (grid centred on
   each component's mean, no side-information rounding), with and without the 8-bit range limit
   that widens some steps: KL and greedy agreement over the 8 prompts.
 * ``overhead``: x265 lossless on synthetic i.i.d. Gaussian symbols of growing spread against
@@ -85,7 +85,7 @@ def probe_overhead() -> None:
 
 
 def probe_range(lm, cases, theta: float) -> None:
-    b = presets.get("balanced")
+    b = cb.basis_point("v5 balanced", 1.0)  # layout v5's balanced (uniform rounding), as measured
     enc, dec, _ = basis.on_device(b.layout.basis, "cpu")  # a float simulation: the mean cancels
 
     def restore(kv: torch.Tensor, widen: bool) -> torch.Tensor:

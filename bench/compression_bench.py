@@ -56,9 +56,22 @@ def sigma_point(name: str, scale: float, profile=None) -> Preset:
                   f"sigma steps x{scale}", pre_rope=True)
 
 
+#: layout v5's ``balanced`` steps (uniform rounding in the basis; the ``basis xS`` curve)
+V5_STEPS = presets.sigma_steps(0.0024, lo=0.03, hi=2.0, table=presets.SENSITIVITY_BASIS)
+
+
 def basis_point(name: str, scale: float) -> Preset:
-    """A curve point of ``balanced``'s own scheme (basis, uncapped profile, exact token only at
-    position 0) with every step times ``scale``."""
+    """A curve point of layout v5's ``balanced`` (basis, uncapped profile, exact token only at
+    position 0, uniform rounding, x265's default RD level) with every step times ``scale``."""
+    b = presets.get("balanced")
+    lp = dataclasses.replace(b.layout, sigma_steps=presets.scaled(V5_STEPS, scale), trellis=False)
+    return dataclasses.replace(b, name=name, layout=lp, codec=dataclasses.replace(b.codec, rd=None),
+                               summary=f"layout v5's balanced (uniform rounding), steps x{scale}")
+
+
+def trellis_point(name: str, scale: float) -> Preset:
+    """A curve point of ``balanced``'s own scheme (layout v6: trellis-coded quantisation, x265
+    --rd 3) with every step times ``scale``."""
     b = presets.get("balanced")
     lp = dataclasses.replace(b.layout, sigma_steps=presets.scaled(b.layout.sigma_steps, scale))
     return dataclasses.replace(b, name=name, layout=lp, summary=f"balanced's scheme, steps x{scale}")
@@ -74,7 +87,8 @@ POINTS = {
     "flat0.3": lambda: flat(0.3),
     "flat0.45": lambda: flat(0.45),
     **{f"profile x{s}": (lambda s=s: sigma_point(f"profile x{s}", s)) for s in (0.7, 1, 1.4, 2, 3)},
-    **{f"basis x{s}": (lambda s=s: basis_point(f"basis x{s}", s)) for s in (0.7, 0.85, 1.4, 2)},
+    **{f"basis x{s}": (lambda s=s: basis_point(f"basis x{s}", s)) for s in (0.7, 0.85, 1, 1.4, 2)},
+    **{f"trellis x{s}": (lambda s=s: trellis_point(f"trellis x{s}", s)) for s in (0.8, 1.25, 1.6, 2.2)},
 }
 
 
@@ -224,7 +238,7 @@ def run_cachegen(lm, cases: list[Case]) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--points", default="balanced,compact,lean,q8,basis x0.7,basis x0.85,basis x1.4,basis x2,profile x0.7,profile x1,profile x1.4,profile x2,flat0.3,zstd q8,zstd q6,zstd q5,cachegen")
+    ap.add_argument("--points", default="balanced,compact,lean,q8,trellis x0.8,trellis x1.25,trellis x1.6,trellis x2.2,basis x0.7,basis x0.85,basis x1,basis x1.4,basis x2,profile x0.7,profile x1,profile x1.4,profile x2,flat0.3,zstd q8,zstd q6,zstd q5,cachegen")
     ap.add_argument("--kv-cache", help="cache the prefilled prompts here (reused when present)")
     ap.add_argument("--measured", default="balanced,compact",
                     help="presets whose figures go to presets_measured.json (q8/lean/exact/raw: bench/codec_bench.py)")
@@ -316,14 +330,15 @@ def plot(res: dict) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     groups = {
         "kvfetcher presets": lambda n, r: r.get("preset"),
-        "kvfetcher basis (layout v4): balanced's steps x0.7 .. x2 (curve)": lambda n, r: n.startswith("basis x"),
+        "kvfetcher trellis (layout v6): balanced's steps x0.8 .. x2.2 (curve)": lambda n, r: n.startswith("trellis x"),
+        "kvfetcher basis (layout v5, uniform rounding): its balanced's steps x0.7 .. x2 (curve)": lambda n, r: n.startswith("basis x"),
         "kvfetcher per-channel profile x0.7 .. x2 (v3 curve)": lambda n, r: n.startswith("profile x") and "," not in n,
         "kvfetcher, other (flat = one step for all layers)": lambda n, r: not r.get("preset") and r["kind"] == "kvfetcher"
-        and not (n.startswith("profile x") and "," not in n) and not n.startswith("basis x"),
+        and not (n.startswith("profile x") and "," not in n) and not n.startswith(("basis x", "trellis x")),
         "quantisation + zstd": lambda n, r: n.startswith("zstd"),
         "CacheGen (LMCache 0.5.6, size estimated)": lambda n, r: n == "cachegen",
     }
-    for (label, pick), marker in zip(groups.items(), "o*^vsD"):
+    for (label, pick), marker in zip(groups.items(), "oP*^vsD"):
         sel = sorted(((n, r) for n, r in res["points"].items() if pick(n, r)), key=lambda x: x[1]["ratio_vs_fp16"])
         if not sel:
             continue
@@ -331,7 +346,7 @@ def plot(res: dict) -> None:
         for ax, key in zip(axes, ("greedy_agreement", "kl")):
             ax.plot(xs, [r[key] for _, r in sel], marker=marker, linestyle="-" if "curve" in label else "none", label=label)
             for (n, r), x in zip(sel, xs):
-                if not ((n.startswith("profile x") and "," not in n) or n.startswith("basis x")):
+                if not ((n.startswith("profile x") and "," not in n) or n.startswith(("basis x", "trellis x"))):
                     ax.annotate(n, (x, r[key]), textcoords="offset points", xytext=(4, 4), fontsize=7)
     axes[0].axhline(0.9, color="grey", linewidth=0.5, linestyle="--")
     axes[0].set_ylabel("greedy agreement, 32 tokens (8 prompts)")

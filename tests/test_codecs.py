@@ -21,6 +21,19 @@ def test_lossless_hevc_round_trip_is_bit_exact(planes):
     assert torch.equal(LibavDecoder().decode(data, tuple(frames.shape)), frames)
 
 
+def test_x265_rd_level_is_an_encoder_choice_the_decoder_does_not_see():
+    g = torch.Generator().manual_seed(1)
+    frames = (torch.randn(2, 3, 144, 192, generator=g) * 3 + 128).round().clamp(0, 255).to(torch.uint8)
+    plain = X265Encoder().encode(frames, CodecParams(lossless=True, speed="ultrafast"))
+    rd3 = X265Encoder().encode(frames, CodecParams(lossless=True, speed="ultrafast", rd=3))
+    assert plain != rd3
+    assert torch.equal(LibavDecoder().decode(rd3, tuple(frames.shape)), frames)
+    assert CodecParams.from_dict(CodecParams(rd=3).to_dict()).rd == 3
+    d = CodecParams().to_dict()
+    del d["rd"]  # a header written before the field existed
+    assert CodecParams.from_dict(d).rd is None
+
+
 def test_lossy_hevc_stays_close():
     frames = _frames()
     data = X265Encoder().encode(frames, CodecParams(lossless=False, qp=4))

@@ -281,11 +281,12 @@ def test_basis_round_trip_error_is_half_a_step_per_component(dtype):
     assert (step.flatten(2) == med.unsqueeze(-1)).float().mean() > 0.5
 
 
-def test_basis_unpack_writes_into_a_strided_destination_view():
+@pytest.mark.parametrize("trellis", [False, True])
+def test_basis_unpack_writes_into_a_strided_destination_view(trellis):
     b = _shipped_basis()
     L, H, D = b.shape
     kv = synthetic_kv(layers=L, heads=H, tokens=64, head_dim=D, dtype=torch.float16)
-    p = layout.LayoutParams(mode="quant", sigma_steps=((0.2, 0.2),), basis=b.name)
+    p = layout.LayoutParams(mode="quant", sigma_steps=((0.2, 0.2),), basis=b.name, trellis=trellis)
     packed = layout.pack(kv, p)
     buf = torch.zeros(L, 2, H, 128, D, dtype=torch.float16)
     view = buf[:, :, :, 32:96]

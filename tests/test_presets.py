@@ -36,6 +36,7 @@ def test_the_operator_offers_exactly_the_data_planes_presets():
 def test_balanced_and_compact_are_sensitivity_profiles_with_compact_coarser():
     b, c = presets.get("balanced"), presets.get("compact")
     assert b.pre_rope and c.pre_rope and not b.lossless and not c.lossless
+    assert b.layout.trellis and c.layout.trellis  # trellis-coded quantisation (layout v6)
     assert len(b.layout.sigma_steps) == len(c.layout.sigma_steps) == len(presets.SENSITIVITY_BASIS)
     pairs = [(x, y) for kb, kc in zip(b.layout.sigma_steps, c.layout.sigma_steps) for x, y in zip(kb, kc)]
     assert all(y >= x for x, y in pairs) and sum(y > x for x, y in pairs) > len(pairs) // 2

@@ -34,6 +34,11 @@ neighbours, so the layout decides what sits next to what:
   component of a (layer, k|v) with one step, ``s`` times the components' pooled standard
   deviation; ``unpack`` applies the inverse before RoPE. Side information keeps its form, now
   per component.
+* ``trellis`` (with ``sigma_steps``) replaces uniform rounding by dependent (trellis-coded)
+  quantisation along each component's tokens (trellis.py): the step is the grid ``D`` of the
+  two alternating quantisers and symbols are ``128 + k`` for indices ``k``; side information
+  keeps its form (the mean still sits at level 128). ``unpack`` recovers the quantiser of every
+  index with one cumulative sum.
 
 Pure torch, no I/O: the same code runs on CPU and on the GPU, and ``unpack`` can write straight
 into a destination view of the model's KV buffers.
@@ -47,11 +52,13 @@ from dataclasses import asdict, dataclass
 import torch
 
 from . import basis as kvbasis
-from . import rope
+from . import rope, trellis
 
-LAYOUT_VERSION = 5  # 2: exact leading tokens in the side information; 3: sigma_steps in the header;
-#                    4: native mode (raw); 5: per-model basis, zstd-compressed side information
-#: oldest layout whose objects this code still decodes (side information is compressed since v5)
+LAYOUT_VERSION = 6  # 2: exact leading tokens in the side information; 3: sigma_steps in the header;
+#                    4: native mode (raw); 5: per-model basis, zstd-compressed side information;
+#                    6: trellis-coded quantisation
+#: oldest layout whose objects this code still decodes (side information is compressed since v5;
+#: a v5 header has no ``trellis`` field and means what it meant)
 MIN_READABLE_LAYOUT = 5
 #: modes that restore the stored values bit for bit and carry no side information
 LOSSLESS_MODES = ("exact", "native")
@@ -90,6 +97,8 @@ class LayoutParams:
     sigma_steps: tuple[tuple[float, float], ...] | None = None
     # name of a shipped per-model channel transform (basis.py), applied before quantisation
     basis: str | None = None
+    # dependent (trellis-coded) quantisation along tokens (trellis.py); sigma_steps then set its grid
+    trellis: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("native", "exact", "quant"):
@@ -114,6 +123,8 @@ class LayoutParams:
                 raise ValueError("sigma steps must be in [0.01, 16] standard deviations")
         if self.basis is not None and self.sigma_steps is None:
             raise ValueError("basis needs sigma_steps (one step per component)")
+        if self.trellis and self.sigma_steps is None:
+            raise ValueError("trellis needs sigma_steps (its grid step per component)")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -256,6 +267,7 @@ def sigma_profile(params: LayoutParams, layers: int, device: torch.device | str 
 
 def _sigma_ranges(body: torch.Tensor, params: LayoutParams) -> tuple[torch.Tensor, torch.Tensor]:
     """(offset, step) per channel: mean at level 128, step ``s * std`` widened so no value clips.
+    With ``trellis`` the step is the grid of the two quantisers, whose points reach 254 steps.
 
     With a basis, std is pooled over a (layer, k|v)'s components: the transform has already
     weighted them by how much the model cares, so one step for all is the best allocation."""
@@ -266,7 +278,10 @@ def _sigma_ranges(body: torch.Tensor, params: LayoutParams) -> tuple[torch.Tenso
         sd = sd.square().mean(dim=(2, 3), keepdim=True).sqrt().expand_as(sd)
     steps = sigma_profile(params, layers, body.device).view(layers, 2, 1, 1)
     reach = torch.maximum(body.amax(dim=3) - mu, mu - body.amin(dim=3))
-    step = torch.maximum(sd * steps, reach / 126)  # 126: headroom for the stored step's rounding
+    if params.trellis:  # indices reach 127, reconstructions 254 steps
+        step = torch.maximum(sd * steps, reach / 250)  # 250: headroom for the stored step's rounding
+    else:
+        step = torch.maximum(sd * steps, reach / 126)  # 126: headroom for the stored step's rounding
     return mu - 128 * step, step
 
 
@@ -318,10 +333,17 @@ def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
     ranges = torch.stack([lo, scale], dim=-1).to(kv.dtype)  # what the reader will use
     lo_r, scale_r = ranges[..., 0].float(), ranges[..., 1].float()
     safe = torch.where(scale_r > 0, scale_r, torch.ones_like(scale_r))
-    q = torch.round((x - lo_r.unsqueeze(3)) / safe.unsqueeze(3))
-    q = torch.minimum(q.clamp_(min=0), top.unsqueeze(-1)).to(torch.uint8)
-    if 0 < e < tokens:  # exact rows: repeat the first quantised row, cheapest for the codec
-        q[:, :, :, :e] = q[:, :, :, e : e + 1]
+    b0 = e if e < tokens else 0  # first row of the body
+    if params.trellis:  # indices along the body's tokens, from the trellis' start state
+        v = (x[:, :, :, b0:] - lo_r.unsqueeze(3)) / safe.unsqueeze(3) - 128
+        k = trellis.quantise(v.transpose(3, 4)).transpose(3, 4)
+        q = torch.empty(x.shape, dtype=torch.uint8, device=kv.device)
+        q[:, :, :, b0:] = (k + 128).to(torch.uint8)
+    else:
+        q = torch.round((x - lo_r.unsqueeze(3)) / safe.unsqueeze(3))
+        q = torch.minimum(q.clamp_(min=0), top.unsqueeze(-1)).to(torch.uint8)
+    if b0:  # exact rows: repeat the first quantised row, cheapest for the codec
+        q[:, :, :, :b0] = q[:, :, :, b0 : b0 + 1]
     side = torch.cat([ranges.reshape(-1), kv[:, :, :, :e].reshape(-1)])
     tiles = q.permute(0, 1, 3, 2, 4).reshape(layers * 2, tokens, heads * head_dim)
     return Packed(_tiles_to_frames(tiles, geo), side, geo)
@@ -363,7 +385,14 @@ def unpack(
         lo = ranges[..., 0].float().reshape(layers, 2, 1, heads * head_dim)
         scale = ranges[..., 1].float().reshape(layers, 2, 1, heads * head_dim)
         t = tiles.reshape(layers, 2, tokens, heads * head_dim)
-        vals = t.float() * scale + lo
+        if params.trellis:
+            b0 = params.exact_tokens if params.exact_tokens < tokens else 0  # as pack's body
+            vals = torch.empty((layers, 2, tokens, heads * head_dim), device=frames.device)
+            k = t[:, :, b0:].to(torch.int16) - 128
+            vals[:, :, b0:] = (trellis.dequantise(k, dim=2) + 128) * scale + lo
+            vals[:, :, :b0] = lo  # exact tokens, replaced below
+        else:
+            vals = t.float() * scale + lo
         if params.basis is not None:
             _, dec, mean = _basis(params, layers, heads, head_dim, frames.device)
             y = vals.view(layers, 2, tokens, heads, head_dim) + mean.unsqueeze(2)

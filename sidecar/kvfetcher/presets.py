@@ -63,8 +63,11 @@ def scaled(profile: tuple[tuple[float, float], ...], factor: float) -> tuple[tup
 #: sigma; the ``balanced`` of layout v3 was this x0.7.
 BASE_PROFILE = sigma_steps(0.003)
 #: ``balanced`` / ``compact``: scale of sigma_steps over SENSITIVITY_BASIS (the measured curve).
-BALANCED_SCALE = 0.0024
-COMPACT_SCALE = 0.0065
+#: With trellis-coded quantisation the steps are the grid of its two quantisers, about half a
+#: uniform quantiser's step at the same error: 0.51 / 0.64 of layout v5's 0.0024 / 0.0065
+#: (uniform rounding), chosen to land just above 4x and at v5 compact's 6.5x.
+BALANCED_SCALE = 0.001224
+COMPACT_SCALE = 0.00416
 
 
 @dataclass(frozen=True)
@@ -132,20 +135,20 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset(
             "balanced",
-            LayoutParams(mode="quant", sigma_steps=sigma_steps(BALANCED_SCALE, lo=0.03, hi=2.0, table=SENSITIVITY_BASIS),
-                         basis=SMOLLM2_BASIS, planes=3),
-            CodecParams(format="hevc", lossless=True, speed="ultrafast"),
+            LayoutParams(mode="quant", sigma_steps=sigma_steps(BALANCED_SCALE, lo=0.015, hi=1.0, table=SENSITIVITY_BASIS),
+                         basis=SMOLLM2_BASIS, planes=3, trellis=True),
+            CodecParams(format="hevc", lossless=True, speed="ultrafast", rd=3),
             False,
             "each head's channels in the model's KV basis, one step per layer and k|v set by measured sensitivity "
-            "(keys pre-RoPE), lossless HEVC 4:4:4",
+            "(keys pre-RoPE), trellis-coded quantisation along tokens, lossless HEVC 4:4:4",
             pre_rope=True,
             sink_exact_only=True,
         ),
         Preset(
             "compact",
-            LayoutParams(mode="quant", sigma_steps=sigma_steps(COMPACT_SCALE, lo=0.03, hi=2.5, table=SENSITIVITY_BASIS),
-                         basis=SMOLLM2_BASIS, planes=3),
-            CodecParams(format="hevc", lossless=True, speed="ultrafast"),
+            LayoutParams(mode="quant", sigma_steps=sigma_steps(COMPACT_SCALE, lo=0.015, hi=1.6, table=SENSITIVITY_BASIS),
+                         basis=SMOLLM2_BASIS, planes=3, trellis=True),
+            CodecParams(format="hevc", lossless=True, speed="ultrafast", rd=3),
             False,
             "balanced's scheme at ~3x coarser steps: smaller, with a measured accuracy loss",
             pre_rope=True,

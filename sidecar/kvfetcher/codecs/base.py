@@ -31,6 +31,9 @@ class CodecParams:
     qp: int | None = None  # constant QP when lossy; None with lossless
     speed: str = "fast"  # x265 preset
     gop: int = 0  # frames between IDRs; 0 = one IDR at the start
+    # x265 rate-distortion level (--rd); None: the preset's. An encoder choice only: any HEVC
+    # decoder reads the result
+    rd: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -32,6 +32,8 @@ def _x265_params(params: CodecParams) -> str:
         opts += [f"qp={params.qp}", "aq-mode=0", "psy-rd=0", "psy-rdoq=0", "cutree=0"]
     else:
         raise CodecError("lossy HEVC needs a qp")
+    if params.rd is not None:
+        opts.append(f"rd={params.rd}")
     keyint = params.gop if params.gop > 0 else 100000
     opts += [f"keyint={keyint}", f"min-keyint={keyint}", "scenecut=0", "open-gop=0", "bframes=0"]
     return ":".join(opts)
