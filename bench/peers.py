@@ -128,10 +128,9 @@ class NvComp:
 
     @staticmethod
     def _torch(arr) -> torch.Tensor:
-        try:
-            return torch.from_dlpack(arr).view(torch.uint8)
-        except Exception:  # older bindings: the CUDA array interface only
-            return torch.as_tensor(arr, device="cuda").view(torch.uint8)
+        """nvCOMP's array as a torch view, through the CUDA array interface (nvCOMP 6.0's
+        DLPack export of a decoded array failed with 'invalid argument' on the H100)."""
+        return torch.as_tensor(arr, device="cuda").view(torch.uint8)
 
     def compress(self, x: torch.Tensor) -> bytes:
         enc = self.codec().encode(self.nvcomp.as_array(x.contiguous().view(torch.uint8).flatten()))

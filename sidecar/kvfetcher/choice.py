@@ -50,6 +50,7 @@ class Rates:
     recompute_tps: float  # tokens per second the model prefills
     fit: Mapping[str, float] = field(default_factory=dict)  # by preset: actual / modelled fetch time (1 if unmeasured)
     list_s: float | None = None  # one round of a lookup's parallel LISTs, measured (None: take the latency)
+    format_bandwidth: Mapping[str, float] = field(default_factory=dict)  # by bitstream format, where measured
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,15 @@ def decode_rate(preset: str, fmt: str, rates: Rates) -> float:
     return rates.decode_Bps.get(preset) or rates.decode_Bps.get(fmt) or DECODE_PRIOR.get(fmt, 1e7)
 
 
-def fetch_seconds(stored_bytes: int, kv_bytes: int, decode_Bps: float, rates: Rates, fit: float = 1.0) -> float:
-    return fit * (rates.latency_s + max(stored_bytes / rates.bandwidth_Bps, kv_bytes / decode_Bps))
+def read_rate(fmt: str | None, rates: Rates) -> float:
+    """Stored bytes per second for a format's fetches: measured on that format's own fetches where
+    there are any (a decode-bound fetch reads slower than the link, and a raw fetch's reads carry
+    its CRC), else the endpoint's."""
+    return rates.format_bandwidth.get(fmt or "", 0.0) or rates.bandwidth_Bps
+
+
+def fetch_seconds(stored_bytes: int, kv_bytes: int, decode_Bps: float, rates: Rates, fit: float = 1.0, fmt: str | None = None) -> float:
+    return fit * (rates.latency_s + max(stored_bytes / read_rate(fmt, rates), kv_bytes / decode_Bps))
 
 
 def choose(
@@ -99,7 +107,7 @@ def choose(
             size += stored[n][preset]
             n += 1
         fit = rates.fit.get(preset, 1.0)
-        fetch = fetch_seconds(size, n * chunk_kv_bytes, decode_rate(preset, formats[preset], rates), rates, fit)
+        fetch = fetch_seconds(size, n * chunk_kv_bytes, decode_rate(preset, formats[preset], rates), rates, fit, formats[preset])
         total = fetch + (total_tokens - n * chunk_tokens) / rates.recompute_tps
         options[preset] = total
         d = Decision(preset, n, n * chunk_tokens, fetch, total)
@@ -142,7 +150,7 @@ def hopeless(
             continue
         ratio = max(ratios.get(preset, 1.0), 1.0)
         stored = kv / (ratio * slack) if fmt != "raw" else kv  # raw's size is known, a codec's varies with content
-        fetch = lookup_s + rates.fit.get(preset, 1.0) * max(stored / rates.bandwidth_Bps, kv / decode_rate(preset, fmt, rates))
+        fetch = lookup_s + rates.fit.get(preset, 1.0) * max(stored / read_rate(fmt, rates), kv / decode_rate(preset, fmt, rates))
         if fetch < recompute_all or (budget_s is not None and fetch <= budget_s):
             return False
     return True
@@ -165,14 +173,17 @@ class Estimator:
         self._decode: dict[str, float] = {}  # a first measurement replaces the prior
         self._fit: dict[str, float] = {}
         self._list: dict[str, float] = {}
+        self._fmt_bw: dict[str, float] = {}  # "format@endpoint"
 
     def _ewma(self, table: dict[str, float], key: str, value: float) -> None:
         old = table.get(key)
         table[key] = value if old is None else (1 - self.alpha) * old + self.alpha * value
 
-    def observe_read(self, endpoint: str, nbytes: int, busy_s: float) -> None:
+    def observe_read(self, endpoint: str, nbytes: int, busy_s: float, fmt: str | None = None) -> None:
         if nbytes > 0 and busy_s > 0:
             self._ewma(self._bw, endpoint, nbytes / busy_s)
+            if fmt:
+                self._ewma(self._fmt_bw, f"{fmt}@{endpoint}", nbytes / busy_s)
 
     def observe_latency(self, endpoint: str, seconds: float) -> None:
         self._ewma(self._lat, endpoint, seconds)
@@ -189,7 +200,7 @@ class Estimator:
         """A whole fetch's time against the model's, with the rates as they stand after this fetch
         updated them: the fit keeps only what the rates cannot explain."""
         r = self.rates(endpoint, 1.0)
-        modelled = fetch_seconds(stored_bytes, kv_bytes, decode_rate(preset, fmt, r), r)
+        modelled = fetch_seconds(stored_bytes, kv_bytes, decode_rate(preset, fmt, r), r, fmt=fmt)
         if stored_bytes > 0 and kv_bytes > 0 and actual_s > 0:
             self._ewma(self._fit, preset, min(4.0, max(0.5, actual_s / modelled)))
 
@@ -198,5 +209,6 @@ class Estimator:
 
     def rates(self, endpoint: str, recompute_tps: float) -> Rates:
         decode = {**self._decode_prior, **self._decode}
+        by_format = {k.split("@", 1)[0]: v for k, v in self._fmt_bw.items() if k.split("@", 1)[1] == endpoint}
         return Rates(self.bandwidth(endpoint), self._lat.get(endpoint, self._prior[1]), decode, recompute_tps, dict(self._fit),
-                     self._list.get(endpoint))
+                     self._list.get(endpoint), by_format)

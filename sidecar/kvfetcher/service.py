@@ -343,7 +343,7 @@ class Sidecar:
         m.bytes_read.inc(out.bytes_read)
         m.loaded_tokens.inc(out.loaded_tokens)
         if out.error is None:
-            self.estimator.observe_read(ep, out.bytes_read, out.read_busy_s)
+            self.estimator.observe_read(ep, out.bytes_read, out.read_busy_s, PRESETS[d.preset].codec.format)
             self.estimator.observe_decode(d.preset, out.kv_bytes, out.decode_busy_s)
             if out.header_latency_s:
                 self.estimator.observe_latency(ep, min(out.header_latency_s))

@@ -151,3 +151,13 @@ def test_the_lookup_time_is_learned_per_endpoint():
     e.observe_lookup("s3", 0.2, 8)
     assert lookup_seconds(32, e.rates("s3", 1.0), 16) == pytest.approx(2 * 0.025)
     assert e.rates("other", 1.0).list_s is None
+
+
+def test_each_format_reads_at_its_own_measured_rate():
+    e = Estimator(alpha=1.0, bandwidth_Bps=1e8)
+    e.observe_read("s3", 4_000_000_000, 1.0, "raw")  # raw's direct path read the link at 4 GB/s
+    e.observe_read("s3", 1_000_000_000, 1.0, "hevc")  # a decode-bound fetch read at 1 GB/s
+    r = e.rates("s3", 1.0)
+    assert r.bandwidth_Bps == 1e9 and r.format_bandwidth == {"raw": 4e9, "hevc": 1e9}
+    assert fetch_seconds(4_000_000_000, 4_000_000_000, 1e12, r, fmt="raw") == pytest.approx(r.latency_s + 1.0)
+    assert e.rates("other", 1.0).format_bandwidth == {}
