@@ -161,8 +161,10 @@ class NvComp:
 
 def pick_nvcomp(kv: torch.Tensor, min_decode_GBps: float = 20.0) -> tuple[NvComp, list[dict]]:
     """Try each nvCOMP codec on a real chunk: the best ratio among those decoding at
-    ``min_decode_GBps`` or faster (else the fastest); every trial is returned for the record."""
-    trials, best = [], None
+    ``min_decode_GBps``, or at half the fastest codec's rate where none does (on the H100 none
+    did, timed with the host-to-device copy, and "the fastest" had picked Snappy at ratio 1.00
+    over ANS at 1.44 decoding as fast); every trial is returned for the record."""
+    trials, ok = [], []
     x = kv.cuda().contiguous()
     for alg, opts in NVCOMP_CANDIDATES:
         try:
@@ -176,17 +178,14 @@ def pick_nvcomp(kv: torch.Tensor, min_decode_GBps: float = 20.0) -> tuple[NvComp
             torch.cuda.synchronize()
             dt = (time.perf_counter() - t) / 5  # includes the host->device copy of the input
             r = {"codec": p.label, "ratio": x.numel() * x.element_size() / len(blob), "decode_GBps": x.numel() * x.element_size() / dt / 1e9}
+            ok.append((r, p))
         except Exception as e:  # an algorithm this build lacks, or refuses these options
             r = {"codec": f"{alg}{opts}", "error": f"{type(e).__name__}: {e}"[:300]}
-            p = None
         trials.append(r)
-        if p is not None:
-            key = (r["decode_GBps"] >= min_decode_GBps, r["ratio"] if r["decode_GBps"] >= min_decode_GBps else r["decode_GBps"])
-            if best is None or key > best[0]:
-                best = (key, p)
-    if best is None:
+    if not ok:
         raise RuntimeError(f"no nvCOMP codec worked: {trials}")
-    return best[1], trials
+    floor = min(min_decode_GBps, 0.5 * max(r["decode_GBps"] for r, _ in ok))
+    return max((rp for rp in ok if rp[0]["decode_GBps"] >= floor), key=lambda rp: rp[0]["ratio"])[1], trials
 
 
 # --- CacheGen (LMCache) ----------------------------------------------------------------------
