@@ -265,7 +265,7 @@ class Sidecar:
     ) -> dict:
         t0 = time.perf_counter()
         budget = self.config.ttft_budget_s if ttft_budget_s is None else ttft_budget_s
-        if budget is not None and not (isinstance(budget, (int, float)) and budget > 0):
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0):
             raise RequestError(f"ttft_budget_s must be positive seconds, not {budget!r}")
         deadline_s = deadline_s if deadline_s is not None else self.config.deadline_s
         buf = self._buffer(bid)

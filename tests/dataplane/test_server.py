@@ -91,8 +91,9 @@ def test_cost_model_can_choose_recompute(s3, buf):
         r = c.load(bid, tokens, recompute_tokens_per_s=1e12, ttft_budget_s=30.0)
         assert r.loaded_tokens == 128 and r.decision["preset"] != "recompute"
         assert torch.equal(buf.tensor[:, :, :, :128], kv)
-        with pytest.raises(SidecarError, match="ttft_budget_s"):
-            c.load(bid, tokens, ttft_budget_s=-1)
+        for bad in (-1, "2s", True):
+            with pytest.raises(SidecarError, match="ttft_budget_s"):
+                c.load(bid, tokens, ttft_budget_s=bad)
 
 
 def test_allowed_presets_bound_the_choice(s3, buf):
