@@ -173,9 +173,9 @@ class Estimator:
         self._decode: dict[str, float] = {}  # a first measurement replaces the prior
         self._fit: dict[str, float] = {}
         self._list: dict[str, float] = {}
-        self._fmt_bw: dict[str, float] = {}  # "format@endpoint"
+        self._fmt_bw: dict[tuple[str, str], float] = {}  # (format, endpoint)
 
-    def _ewma(self, table: dict[str, float], key: str, value: float) -> None:
+    def _ewma(self, table: dict, key, value: float) -> None:
         old = table.get(key)
         table[key] = value if old is None else (1 - self.alpha) * old + self.alpha * value
 
@@ -183,7 +183,7 @@ class Estimator:
         if nbytes > 0 and busy_s > 0:
             self._ewma(self._bw, endpoint, nbytes / busy_s)
             if fmt:
-                self._ewma(self._fmt_bw, f"{fmt}@{endpoint}", nbytes / busy_s)
+                self._ewma(self._fmt_bw, (fmt, endpoint), nbytes / busy_s)
 
     def observe_latency(self, endpoint: str, seconds: float) -> None:
         self._ewma(self._lat, endpoint, seconds)
@@ -196,19 +196,20 @@ class Estimator:
         if rounds > 0 and seconds > 0:
             self._ewma(self._list, endpoint, seconds / rounds)
 
-    def observe_fit(self, endpoint: str, preset: str, fmt: str, stored_bytes: int, kv_bytes: int, actual_s: float) -> None:
+    def observe_fit(self, endpoint: str, preset: str, fmt: str, stored_bytes: int, kv_bytes: int, actual_s: float) -> float:
         """A whole fetch's time against the model's, with the rates as they stand after this fetch
-        updated them: the fit keeps only what the rates cannot explain."""
-        r = self.rates(endpoint, 1.0)
-        modelled = fetch_seconds(stored_bytes, kv_bytes, decode_rate(preset, fmt, r), r, fmt=fmt)
+        updated them: the fit keeps only what the rates cannot explain. Returns the preset's fit."""
         if stored_bytes > 0 and kv_bytes > 0 and actual_s > 0:
+            r = self.rates(endpoint, 1.0)
+            modelled = fetch_seconds(stored_bytes, kv_bytes, decode_rate(preset, fmt, r), r, fmt=fmt)
             self._ewma(self._fit, preset, min(4.0, max(0.5, actual_s / modelled)))
+        return self._fit.get(preset, 1.0)
 
     def bandwidth(self, endpoint: str) -> float:
         return self._bw.get(endpoint, self._prior[0])
 
     def rates(self, endpoint: str, recompute_tps: float) -> Rates:
         decode = {**self._decode_prior, **self._decode}
-        by_format = {k.split("@", 1)[0]: v for k, v in self._fmt_bw.items() if k.split("@", 1)[1] == endpoint}
+        by_format = {fmt: v for (fmt, ep), v in self._fmt_bw.items() if ep == endpoint}
         return Rates(self.bandwidth(endpoint), self._lat.get(endpoint, self._prior[1]), decode, recompute_tps, dict(self._fit),
                      self._list.get(endpoint), by_format)
