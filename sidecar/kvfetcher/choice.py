@@ -16,8 +16,7 @@ A fetch may also **mix** two stored presets, chunk by chunk: the link is shared,
 different formats decode on different engines (HEVC on NVDEC, raw by a copy), so on a link too
 slow for raw and too fast for NVDEC to keep up, sending some chunks raw and the rest compressed
 uses both at once. The split is the one that balances the slower of link and engines
-(:func:`split`); ``choose`` weighs every mix of two usable presets of different formats beside
-the single ones.
+(:func:`split`); ``choose`` weighs every mix of two usable presets beside the single ones.
 
 ``choose`` is pure; :class:`Estimator` holds the measured rates (EWMA per store endpoint and
 per bitstream format) that feed it, and is updated from every fetch's actual timings. The model
@@ -190,7 +189,7 @@ def choose(
         fetch = fetch_seconds([Part(preset, formats[preset], size, n * chunk_kv_bytes)], rates, rates.fit.get(preset, 1.0))
         consider(Decision(preset, n, n * chunk_tokens, fetch, fetch + (total_tokens - n * chunk_tokens) / rates.recompute_tps, plan=(preset,) * n))
     for i, a in enumerate(candidates if mixes else ()):
-        for b in (b for b in candidates[i + 1 :] if formats[b] != formats[a]):  # one engine gains nothing from a mix
+        for b in candidates[i + 1 :]:
             n = min(runs[a][0], runs[b][0])
             k, fetch = split(n, chunk_kv_bytes, (a, formats[a], runs[a][1] / runs[a][0]), (b, formats[b], runs[b][1] / runs[b][0]), rates)
             if k:
@@ -237,7 +236,7 @@ def hopeless(
                for p, f, c in best.values()]
     names = sorted(best)
     options += [lookup_s + split(n_chunks, chunk_kv_bytes, best[a], best[b], replace(rates, latency_s=0.0))[1]
-                for i, a in enumerate(names) for b in names[i + 1 :] if best[a][1] != best[b][1]]
+                for i, a in enumerate(names) for b in names[i + 1 :]]
     return not any(t < recompute_all or (budget_s is not None and t <= budget_s) for t in options)
 
 

@@ -6,8 +6,6 @@ bytes arrive (decoding blocks, so it runs in a thread pool); when *every* segmen
 has verified and decoded, the chunk is unpacked into its destination slots. Up to ``window``
 chunks are in flight at once (a bounded buffer: memory stays ``window`` chunks however long the
 prefix), so a 100-chunk prefix streams — chunk 0 is being restored while chunk 3 downloads.
-Chunks carry a lane (the service sets their format) and each lane has its own window, so in a
-mix of raw and compressed chunks neither path waits for the other's slots.
 
 Direct path: a chunk stored in the ``native`` layout without a codec (the ``raw`` preset;
 :func:`container.is_native`) is the KV buffer's own bytes. Its segments are read with ranged
@@ -53,7 +51,6 @@ class ChunkRef:
     size: int  # object size as listed (a truncated object is caught before any decoding)
     start: int  # first token of the chunk in the prompt
     tokens: int
-    lane: str = ""  # chunks of one lane share a window; a mix puts each format in its own (see fetch)
 
 
 def slot_list(capacity: int, tokens: int, slots: Sequence[int] | None = None, offset: int = 0) -> Sequence[int]:
@@ -239,10 +236,7 @@ async def fetch(
     t0 = time.perf_counter()
     out = Outcome(0, sum(c.tokens for c in chunks))
     reads, decodes = _Busy(), _Busy()
-    # One window per lane: in a mix, chunks queued for NVDEC would otherwise fill the window and
-    # hold back the raw chunks' copies (measured on an H100: the mix ran as slow as its parts in turn).
-    windows = {lane: asyncio.Semaphore(window) for lane in {c.lane for c in chunks}}
-    io_sem = asyncio.Semaphore(io_concurrency)
+    window_sem, io_sem = asyncio.Semaphore(window), asyncio.Semaphore(io_concurrency)
     written: set[int] = set()
     writes: list[asyncio.Future] = []
 
@@ -270,7 +264,7 @@ async def fetch(
             raise
 
     async def load_verified(i: int, c: ChunkRef) -> None:
-        async with windows[c.lane]:
+        async with window_sem:
             t = time.perf_counter()
             head = await get(c.name, 0, min(HEADER_GUESS, c.size) if c.size else HEADER_GUESS)
             out.header_latency_s.append(time.perf_counter() - t)

@@ -300,7 +300,7 @@ class Sidecar:
         if d.preset == choice.RECOMPUTE:
             return self._fallback(reply, "miss" if not reps else "cost_model", "recompute predicted faster" if reps else "nothing stored")
         chunk_refs = [  # a mix's chunks are of two presets: the pipeline reads each by its own header
-            pipeline.ChunkRef(keys.object_name(k, p), reps[i][p], i * self.config.chunk_tokens, self.config.chunk_tokens, formats[p])
+            pipeline.ChunkRef(keys.object_name(k, p), reps[i][p], i * self.config.chunk_tokens, self.config.chunk_tokens)
             for i, (k, p) in enumerate(zip(ck, d.plan))
         ]
         out = await pipeline.fetch(

@@ -240,31 +240,3 @@ def test_slot_lists_check_the_buffer_and_stay_cheap_when_contiguous():
     for kw in ({"offset": 91}, {"offset": -1}, {"slots": [1, 2]}, {"slots": list(range(9)) + [100]}, {"slots": [1] * 10}):
         with pytest.raises(ValueError):
             pipeline.slot_list(100, 10, **kw)
-
-
-def test_each_lane_has_its_own_window(tmp_path):
-    """A mix: while a slow lane's chunk holds its only window slot, the other lane's chunks still
-    stream past it (with one shared window of 1 this fetch could not finish before its deadline)."""
-    import dataclasses
-    import threading
-
-    kv = synthetic_kv(layers=2, heads=2, tokens=512, head_dim=32)
-    fast_done = threading.Event()
-    seen: set[str] = set()
-
-    def hook(store, name, offset):
-        if "/0000/" in name:  # the slow lane's first chunk waits until every fast chunk was read
-            fast_done.wait(timeout=5)
-        else:
-            seen.add(name)
-            if len(seen) == 3:
-                fast_done.set()
-
-    store = Recording(tmp_path, hook=hook)
-    refs = put_chunks(store, kv, 128)
-    refs = [dataclasses.replace(r, lane="slow" if i == 0 else "fast") for i, r in enumerate(refs)]
-    dest = pipeline.Destination(torch.full((2, 2, 2, 512, 32), SENTINEL, dtype=torch.float16), tokens=512)
-    t = time.perf_counter()
-    out = asyncio.run(fetch(store, refs, dest, window=1, deadline_s=4))
-    assert out.error is None and out.loaded_tokens == 512, out
-    assert time.perf_counter() - t < 4 and fast_done.is_set()
