@@ -53,8 +53,6 @@ from kvfetcher.costmodel import SHAPES, ModelShape  # noqa: E402
 CHUNK = 256
 FINGERPRINT = "auto-scale-bench"
 STORED = ("raw", "q8", "balanced")
-MIX = "balanced+raw"  # the sidecar allowed only these two: it may send part of the chunks raw, the rest balanced
-METHODS = ("auto", "raw", "raw-direct", "balanced", MIX)
 #: a CPU dry run's shape: the 8B shape's KV heads and head size, little else
 DRY = ModelShape("dry", 8, 1024, 8, 8, 128, 2048, 1000)
 
@@ -103,13 +101,12 @@ class Bench:
 
     def kvfetcher(self, ctx: int, preset: str | None, recompute_s: float, box: float) -> dict:
         """Forced ``preset`` or (None) the automatic choice; seconds until the KV is in the buffer."""
-        kw = {"presets": preset.split("+"), "recompute_tps": 1e-9} if preset else {"recompute_tps": ctx / recompute_s}
+        kw = {"presets": [preset], "recompute_tps": 1e-9} if preset else {"recompute_tps": ctx / recompute_s}
         t = time.perf_counter()
         r = asyncio.run(self.sidecar.fetch("b", self.tokens[:ctx], deadline_s=box, **kw))
         s = time.perf_counter() - t
         d = r.get("decision") or {}
-        out = {"decision": d.get("preset"), "predicted_s": d.get("predicted_s"), "bytes_read": r.get("bytes_read", 0),
-               "chunks_by_preset": d.get("chunks_by_preset")}
+        out = {"decision": d.get("preset"), "predicted_s": d.get("predicted_s"), "bytes_read": r.get("bytes_read", 0)}
         if r["loaded_tokens"] == ctx:
             return out | {"seconds": s}
         if preset is None and not r.get("error"):  # chose recompute: the model prefills after the decision
@@ -151,8 +148,7 @@ def measure(args) -> None:
             cell = {"context": ctx, "gbps": gbps, "recompute_s": rec[ctx], "box_s": box}
             least = {"raw": ctx // CHUNK * kv_chunk, "raw-direct": ctx // CHUNK * kv_chunk,
                      "balanced": ctx // CHUNK * res["bytes_per_chunk"]["balanced"]}
-            least[MIX] = least["balanced"]  # a mix reads more than balanced alone
-            for m in METHODS:
+            for m in ("auto", "raw", "raw-direct", "balanced"):
                 if m != "auto" and least[m] / (gbps * 1e9 / 8) > box:
                     cell[m] = {"seconds": None, "skipped": "bytes / link exceeds the box"}
                     continue
@@ -174,16 +170,6 @@ def _fmt(x) -> str:
     return "—" if x is None else f"{x:.2f}"
 
 
-def _split(r: dict) -> str:
-    by = r.get("chunks_by_preset") or {}
-    return " + ".join(f"{n} {p}" for p, n in by.items()) or (r.get("decision") or "—")
-
-
-def _chose(r: dict) -> str:
-    d = r.get("decision")
-    return f"{d} ({_split(r)})" if d and "+" in d else str(d)
-
-
 def report(args) -> None:
     res = json.loads(Path(args.json).read_text())
     rows = [f"# Automatic choice on {res['shape']}-shaped KV, end to end ({res['device']}, {res['date']})", "",
@@ -192,16 +178,16 @@ def report(args) -> None:
             "of its layers in this run and scaled to 80. `auto` is the real sidecar choosing among recompute and the "
             "stored presets " + ", ".join(res["stored"]) + "; its time includes the lookup. `—`: not run (the link "
             "alone would take longer than the box of 2x recompute) or past the box.", "",
-            "| context | link Gbit/s | recompute | raw (sidecar) | raw direct | balanced | balanced+raw | its split | auto | auto chose | auto vs best of raw, recompute |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| context | link Gbit/s | recompute | raw (sidecar) | raw direct | balanced | auto | auto chose | auto vs best of raw, recompute |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for c in res["cells"]:
         raw_best = min((c[m]["seconds"] for m in ("raw", "raw-direct") if c[m].get("seconds")), default=None)
         best = min(x for x in (raw_best, c["recompute_s"]) if x is not None)
         a = c["auto"].get("seconds")
         gain = f"{best / a:.2f}x" if a else "—"
         rows.append(f"| {c['context'] // 1024}K | {c['gbps']:g} | {c['recompute_s']:.2f} | {_fmt(c['raw'].get('seconds'))} | "
-                    f"{_fmt(c['raw-direct'].get('seconds'))} | {_fmt(c['balanced'].get('seconds'))} | "
-                    f"{_fmt(c.get(MIX, {}).get('seconds'))} | {_split(c.get(MIX, {}))} | {_fmt(a)} | {_chose(c['auto'])} | {gain} |")
+                    f"{_fmt(c['raw-direct'].get('seconds'))} | {_fmt(c['balanced'].get('seconds'))} | {_fmt(a)} | "
+                    f"{c['auto'].get('decision')} | {gain} |")
     md = Path(args.json).with_suffix(".md")
     md.write_text("\n".join(rows) + "\n")
     print("\n".join(rows))
@@ -217,8 +203,8 @@ def report(args) -> None:
     for ax, T in zip(axes[0], ctxs):
         cs = [c for c in res["cells"] if c["context"] == T]
         xs = [c["gbps"] for c in cs]
-        for m, style in (("raw", "s--"), ("raw-direct", "d:"), ("balanced", "^-"), (MIX, "v-"), ("auto", "o-")):
-            ax.plot(xs, [c.get(m, {}).get("seconds") or float("nan") for c in cs], style, label=m)
+        for m, style in (("raw", "s--"), ("raw-direct", "d:"), ("balanced", "^-"), ("auto", "o-")):
+            ax.plot(xs, [c[m].get("seconds") or float("nan") for c in cs], style, label=m)
         ax.axhline(cs[0]["recompute_s"], color="k", lw=1, label="recompute")
         ax.set_xscale("log"), ax.set_yscale("log"), ax.set_title(f"{res['shape']}, {T // 1024}K tokens"), ax.set_xlabel("link Gbit/s")
     axes[0][0].set_ylabel("seconds to KV in buffers"), axes[0][0].legend(fontsize=7)

@@ -192,7 +192,7 @@ class Server:
         stored = [{m: self.sizes[m] // n for m in decode}] * n
         budget = None if method == "auto-fastest" else a.auto_budget if a.auto_budget is not None else 0.75 * a.ttft_slo
         d = choice.choose(stored, CHUNK, costmodel.kv_bytes(shape, CHUNK), {m: "raw" if m == "raw" else "hevc" for m in decode}, rates,
-                          budget_s=budget or None, mixes=False)  # this loop fetches one method per request
+                          budget_s=budget or None)
         return d.preset
 
     def run(self, method: str, rate: float, seed: int) -> dict:

@@ -245,7 +245,7 @@ class Race:
     async def kvfetcher(self, ctx: int, preset: str | None, box: float, recompute_tps: float) -> dict:
         """``preset`` forced (recompute never chosen), or None: the sidecar's automatic choice."""
         t0 = time.perf_counter()
-        kw = {"presets": preset.split("+"), "recompute_tps": 1e-9} if preset else {"recompute_tps": recompute_tps, "presets": self.auto_presets}
+        kw = {"presets": [preset], "recompute_tps": 1e-9} if preset else {"recompute_tps": recompute_tps, "presets": self.auto_presets}
         r = await self.sidecar.fetch(self.bids[ctx], self.tokens[:ctx], deadline_s=box, **kw)
         fetch_s = time.perf_counter() - t0
         rec = {"fetch_s": fetch_s, "bytes_read": r.get("bytes_read", 0), "decision": r.get("decision"), "error": r.get("error")}
@@ -323,8 +323,6 @@ def main() -> int:
     ap.add_argument("--reuse-objects", action="store_true", help="keep the kvfetcher objects a previous run encoded there")
     ap.add_argument("--decode-procs", type=int, default=None, help="sidecar decode worker processes (default: main's)")
     ap.add_argument("--peers", default="q8zstd,nvcomp,cachegen")
-    ap.add_argument("--mixes", type=lambda v: [m for m in v.split(",") if m], default=["balanced+raw"],
-                    help="two-preset methods: the sidecar fetching with only those two allowed (it may mix them chunk by chunk)")
     ap.add_argument("--auto-presets", type=lambda v: v.split(","), default=["raw", "q8", "balanced"],
                     help="what auto may choose among: the accuracy-preserving presets (compression.md)")
     ap.add_argument("--shared-buffer", action="store_true", help="one registered KV buffer for all contexts")
@@ -376,7 +374,7 @@ def main() -> int:
     res["recompute_s"] = rec_s
     res["first_token_step_s"] = {ctx: median([race.first_token(ctx) for _ in range(3)]) for ctx in contexts}
 
-    methods = ["recompute", *kv_presets(), *a.mixes, "auto", *peer_objs]
+    methods = ["recompute", *kv_presets(), "auto", *peer_objs]
     if a.methods:
         keep = a.methods.split(",")
         methods = [m for m in methods if m in keep]
@@ -426,7 +424,7 @@ def main() -> int:
                         r = {"ttft_s": race.recompute(ctx)}
                     elif m == "auto":
                         r = asyncio.run(race.kvfetcher(ctx, None, box, ctx / rec_s[ctx]))
-                    elif m in presets.PRESETS or m in a.mixes:
+                    elif m in presets.PRESETS:
                         r = asyncio.run(race.kvfetcher(ctx, m, box, 0))
                     else:
                         r = asyncio.run(race.peer(ctx, m, box))
@@ -439,13 +437,13 @@ def main() -> int:
                 fr = [r for r in runs if r.get("bytes_read") and r.get("fetch_s")]
                 if fr:
                     cell["effective_Gbps"] = median([r["bytes_read"] * 8 / r["fetch_s"] / 1e9 for r in fr])
-                if m == "auto" or m in a.mixes:
+                if m == "auto":
                     cell["chose"] = [(r.get("decision") or {}).get("preset") for r in runs]
                 res["cells"].append(cell)
                 if cell["censored"]:
                     censored[m].append((gbps, ctx))
                 shown = f"{cell['ttft_s']:.3f}s" if cell["ttft_s"] is not None else f">{box:.1f}s"
-                log(f"  {gbps:g}G ctx {ctx} {m}: {shown}" + (f" chose {cell['chose']}" if "chose" in cell else ""))
+                log(f"  {gbps:g}G ctx {ctx} {m}: {shown}" + (f" chose {cell['chose']}" if m == "auto" else ""))
         (out / "ttft.json").write_text(json.dumps(res, indent=1, default=str))
     res["wall_s"] = time.perf_counter() - t_start
     (out / "ttft.json").write_text(json.dumps(res, indent=1, default=str))

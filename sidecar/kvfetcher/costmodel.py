@@ -104,15 +104,13 @@ def compare(
     latency_s: float = 0.005,
     chunk_tokens: int = 256,
     allowed: set[str] | None = None,
-    mixes: bool = False,
 ) -> Verdict:
-    """Every option's predicted time for a prefix of ``tokens`` and the one ``choice`` picks
-    (``mixes``: weigh mixes of two representations too; off where only single ones were measured)."""
+    """Every option's predicted time for a prefix of ``tokens`` and the one ``choice`` picks."""
     n = max(1, tokens // chunk_tokens)
     chunk_kv = kv_bytes(shape, chunk_tokens)
     sizes = {name: int(chunk_kv / r.ratio) for name, r in reps.items()}
     rates = choice.Rates(link_Bps, latency_s, {name: r.decode_Bps for name, r in reps.items()}, n * chunk_tokens / recompute_s)
-    d = choice.choose([sizes] * n, chunk_tokens, chunk_kv, {name: r.fmt for name, r in reps.items()}, rates, allowed, mixes=mixes)
+    d = choice.choose([sizes] * n, chunk_tokens, chunk_kv, {name: r.fmt for name, r in reps.items()}, rates, allowed)
     return Verdict(d.preset, dict(d.options), recompute_s)
 
 

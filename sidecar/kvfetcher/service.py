@@ -17,7 +17,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -295,13 +295,12 @@ class Sidecar:
             return self._fallback(reply, "deadline", f"listing the prefix took longer than {deadline_s} s", error=True)
         d = choice.choose(reps, self.config.chunk_tokens, self._chunk_kv_bytes(buf), formats, rates, allowed, budget)
         self.metrics.decisions.labels(d.preset).inc()
-        reply["decision"] = {"preset": d.preset, "chunks": d.chunks, "predicted_s": d.predicted_s, "options": d.options,
-                             "chunks_by_preset": {p: d.plan.count(p) for p in dict.fromkeys(d.plan)}}
+        reply["decision"] = {"preset": d.preset, "chunks": d.chunks, "predicted_s": d.predicted_s, "options": d.options}
         if d.preset == choice.RECOMPUTE:
             return self._fallback(reply, "miss" if not reps else "cost_model", "recompute predicted faster" if reps else "nothing stored")
-        chunk_refs = [  # a mix's chunks are of two presets: the pipeline reads each by its own header
-            pipeline.ChunkRef(keys.object_name(k, p), reps[i][p], i * self.config.chunk_tokens, self.config.chunk_tokens)
-            for i, (k, p) in enumerate(zip(ck, d.plan))
+        chunk_refs = [
+            pipeline.ChunkRef(keys.object_name(k, d.preset), reps[i][d.preset], i * self.config.chunk_tokens, self.config.chunk_tokens)
+            for i, k in enumerate(ck[: d.chunks])
         ]
         out = await pipeline.fetch(
             self.store,
@@ -315,7 +314,7 @@ class Sidecar:
             window=self.config.window,
             workers=self.workers,
         )
-        self._observe(d, out, reps)
+        self._observe(d, out)
         reply.update(
             loaded_tokens=out.loaded_tokens,
             bytes_read=out.bytes_read,
@@ -339,24 +338,20 @@ class Sidecar:
         except StoreError as e:
             self.metrics.errors.labels(e.reason).inc()
 
-    def _observe(self, d: choice.Decision, out: pipeline.Outcome, reps: Sequence[Mapping[str, int]]) -> None:
+    def _observe(self, d: choice.Decision, out: pipeline.Outcome) -> None:
         m, ep = self.metrics, self.store.endpoint
         m.bytes_read.inc(out.bytes_read)
         m.loaded_tokens.inc(out.loaded_tokens)
         if out.error is None:
-            mixed = len(set(d.plan)) > 1  # a mix's reads and decodes are of two formats at once: only its whole time is its own
-            fmt = None if mixed else PRESETS[d.preset].codec.format
+            fmt = PRESETS[d.preset].codec.format
             self.estimator.observe_read(ep, out.bytes_read, out.read_busy_s, fmt)
-            if not mixed:
-                self.estimator.observe_decode(d.preset, out.kv_bytes, out.decode_busy_s)
-                if out.decode_busy_s > 0:
-                    m.decode_rate.labels(d.preset).set(out.kv_bytes / out.decode_busy_s)
+            self.estimator.observe_decode(d.preset, out.kv_bytes, out.decode_busy_s)
             if out.header_latency_s:
                 self.estimator.observe_latency(ep, min(out.header_latency_s))
             if out.loaded_tokens == d.tokens:  # the whole planned fetch: its time is comparable
-                parts = [choice.Part(p, PRESETS[p].codec.format, sum(reps[i][p] for i, q in enumerate(d.plan) if q == p),
-                                     d.plan.count(p) * out.kv_bytes / len(d.plan)) for p in dict.fromkeys(d.plan)]
-                m.fit.labels(d.preset).set(self.estimator.observe_fit(ep, d.preset, parts, out.seconds))
+                m.fit.labels(d.preset).set(self.estimator.observe_fit(ep, d.preset, fmt, out.bytes_read, out.kv_bytes, out.seconds))
+            if out.decode_busy_s > 0:
+                m.decode_rate.labels(d.preset).set(out.kv_bytes / out.decode_busy_s)
             m.predicted_seconds.observe(d.predicted_s)
             m.actual_seconds.observe(out.seconds)
             m.last_predicted.labels(d.preset).set(d.predicted_s)

@@ -2,16 +2,11 @@
 
 import pytest
 
-from kvfetcher.choice import RECOMPUTE, Estimator, Part, Rates, choose, decode_rate, fetch_seconds, interleave, split
+from kvfetcher.choice import RECOMPUTE, Estimator, Rates, choose, decode_rate, fetch_seconds
 
 FORMATS = {"raw": "raw", "q8": "hevc", "exact": "hevc"}
 CHUNK_KV = 10_000_000  # bytes of KV per chunk
 STORED = [{"raw": 10_000_000, "q8": 5_000_000}] * 4  # four chunks, both representations
-
-
-def one(stored, kv, preset, fmt, r, fit=1.0):
-    """The modelled time of a fetch of one preset."""
-    return fetch_seconds([Part(preset, fmt, stored, kv)], r, fit)
 
 
 def rates(bw, decode_hevc=50e6, tps=1000.0):
@@ -22,7 +17,7 @@ def test_fast_link_fetches_raw():
     d = choose(STORED, 256, CHUNK_KV, FORMATS, rates(bw=5e9))
     assert (d.preset, d.chunks, d.tokens) == ("raw", 4, 1024)
     assert d.predicted_s == pytest.approx(0.001 + 40e6 / 5e9)
-    assert set(d.options) == {"raw", "q8", "q8+raw", RECOMPUTE}
+    assert set(d.options) == {"raw", "q8", RECOMPUTE}
 
 
 def test_slow_link_fetches_the_compressed_representation():
@@ -39,7 +34,7 @@ def test_partial_availability_counts_the_recompute_of_the_rest():
     stored = [{"raw": 10_000_000, "q8": 5_000_000}, {"raw": 10_000_000}, {"raw": 10_000_000}]
     d = choose(stored, 256, CHUNK_KV, FORMATS, rates(bw=50e6, decode_hevc=200e6, tps=200))
     # q8 covers one chunk only, the other 512 tokens would be recomputed at 200 tok/s
-    assert d.options["q8"] == pytest.approx(one(5_000_000, CHUNK_KV, "q8", "hevc", rates(50e6, 200e6)) + 512 / 200)
+    assert d.options["q8"] == pytest.approx(fetch_seconds(5_000_000, CHUNK_KV, 200e6, rates(50e6, 200e6)) + 512 / 200)
     assert d.preset == "raw" and d.chunks == 3
 
 
@@ -90,21 +85,17 @@ def test_hopeless_only_when_even_the_best_case_loses():
     assert hopeless(0, 256, CHUNK_KV, ratios, FORMATS, r)
 
 
-@pytest.mark.parametrize("gbps, alone, expect", [(100, "raw", "q8+raw"), (25, "raw", "q8+raw"), (10, "q8", "q8"), (1, RECOMPUTE, RECOMPUTE)])
-def test_gpu_priors_pick_raw_or_a_mix_on_fast_links_and_q8_or_recompute_on_slow_ones(gbps, alone, expect):
+@pytest.mark.parametrize("gbps, expect", [(100, "raw"), (25, "raw"), (10, "q8"), (1, RECOMPUTE)])
+def test_gpu_priors_pick_raw_on_fast_links_and_q8_or_recompute_on_slow_ones(gbps, expect):
     """An 8B-shaped prefix of 64 chunks (32 MiB of KV each), stored raw and as q8 (1.77x), q8's
-    restore rate as measured with decode worker processes on an H200 (2.6 GB/s), raw at its prior.
-    On fast links raw alone beats q8 alone, and sending part of the chunks as q8 beats both: NVDEC
-    restores them beside raw's copies, and they take less of the link."""
+    restore rate as measured with decode worker processes on an H200 (2.6 GB/s), raw at its prior."""
     e = Estimator(gpu=True)
     e.observe_read("s3", int(gbps * 1e9 / 8), 1.0)
     e.observe_decode("q8", int(2.6e9), 1.0)
     kv = 32 << 20
     stored = [{"raw": kv + 4096, "q8": int(kv / 1.77)}] * 64
-    r = e.rates("s3", recompute_tps=16384 / 4.0)
-    d = choose(stored, 256, kv, {"raw": "raw", "q8": "hevc"}, r)
+    d = choose(stored, 256, kv, {"raw": "raw", "q8": "hevc"}, e.rates("s3", recompute_tps=16384 / 4.0))
     assert d.preset == expect, d.options
-    assert choose(stored, 256, kv, {"raw": "raw", "q8": "hevc"}, r, mixes=False).preset == alone
 
 
 def test_a_ttft_budget_prefers_the_fetch_that_fits_to_a_faster_recompute():
@@ -130,12 +121,12 @@ def test_the_fit_learns_what_the_rates_miss_and_turns_a_near_tie():
     e.observe_decode("q8", 40_000_000, 0.1)  # 400 MB/s of KV
     r = e.rates("s3", recompute_tps=1024 / 0.105)  # recompute 0.105 s; q8 modelled 0.100 s
     assert choose(STORED, 256, CHUNK_KV, FORMATS, r, allowed={"q8"}).preset == "q8"
-    e.observe_fit("s3", "q8", [Part("q8", "hevc", 20_000_000, 40_000_000)], 0.120)  # its fetch took 20% longer than modelled
+    e.observe_fit("s3", "q8", "hevc", 20_000_000, 40_000_000, 0.120)  # its fetch took 20% longer than modelled
     r = e.rates("s3", recompute_tps=1024 / 0.105)
     assert r.fit["q8"] == pytest.approx(1.2)
     d = choose(STORED, 256, CHUNK_KV, FORMATS, r, allowed={"q8"})
     assert d.preset == RECOMPUTE and d.options["q8"] == pytest.approx(0.120)
-    e.observe_fit("s3", "q8", [Part("q8", "hevc", 20_000_000, 40_000_000)], 100.0)  # an outlier is bounded
+    e.observe_fit("s3", "q8", "hevc", 20_000_000, 40_000_000, 100.0)  # an outlier is bounded
     assert e.rates("s3", 1.0).fit["q8"] == 4.0
 
 
@@ -168,78 +159,5 @@ def test_each_format_reads_at_its_own_measured_rate():
     e.observe_read("s3", 1_000_000_000, 1.0, "hevc")  # a decode-bound fetch read at 1 GB/s
     r = e.rates("s3", 1.0)
     assert r.bandwidth_Bps == 1e9 and r.format_bandwidth == {"raw": 4e9, "hevc": 1e9}
-    assert fetch_seconds([Part("raw", "raw", 4_000_000_000, 4_000_000_000)], Rates(r.bandwidth_Bps, r.latency_s, {"raw": 1e12}, 1.0, format_bandwidth=r.format_bandwidth)) == pytest.approx(r.latency_s + 1.0)
+    assert fetch_seconds(4_000_000_000, 4_000_000_000, 1e12, r, fmt="raw") == pytest.approx(r.latency_s + 1.0)
     assert e.rates("other", 1.0).format_bandwidth == {}
-
-
-# --- mixes: some chunks raw, the rest compressed, both engines busy at once -----------------------
-
-MIXED = [{"raw": 10_000_000, "q8": 5_000_000}] * 12
-
-
-def test_a_mix_beats_both_where_the_link_is_too_slow_for_raw_and_nvdec_too_slow_for_the_link():
-    r = Rates(bandwidth_Bps=1e9, latency_s=0.001, decode_Bps={"raw": 1e12, "hevc": 1e9}, recompute_tps=1.0)
-    d = choose(MIXED, 256, CHUNK_KV, FORMATS, r)
-    # raw: 120 MB over the link, 0.12 s; q8: 60 MB but 120 MB of KV through NVDEC, 0.12 s;
-    # 8 chunks q8 + 4 raw: 80 MB over the link and 80 MB of KV through NVDEC, 0.08 s
-    assert d.preset == "q8+raw" and d.plan.count("q8") == 8 and d.chunks == 12
-    assert d.predicted_s == pytest.approx(0.001 + 0.08)
-    assert d.options["raw"] == pytest.approx(0.121) and d.options["q8"] == pytest.approx(0.121)
-    assert max(len(run) for run in "".join("r" if p == "raw" else "q" for p in d.plan).split("q")) == 1
-    assert choose(MIXED, 256, CHUNK_KV, FORMATS, r, mixes=False).preset in ("raw", "q8")
-
-
-def test_split_finds_the_least_time_of_every_k():
-    import random
-
-    rnd = random.Random(7)
-    for _ in range(200):
-        n = rnd.randint(2, 60)
-        r = Rates(bandwidth_Bps=10 ** rnd.uniform(7, 10), latency_s=0.0, recompute_tps=1.0, fit={"q8": rnd.uniform(0.5, 2)},
-                  decode_Bps={"raw": 10 ** rnd.uniform(8, 10), "q8": 10 ** rnd.uniform(7, 10), "exact": 10 ** rnd.uniform(7, 10)},
-                  format_bandwidth={"raw": 10 ** rnd.uniform(7, 10)})
-        a = ("q8", "hevc", rnd.uniform(1e6, 1e7))
-        b = rnd.choice([("raw", "raw", 1e7), ("exact", "hevc", rnd.uniform(1e6, 1e7))])
-        fit = max(r.fit.get("q8", 1.0), 1.0)
-
-        def t(k):
-            return fetch_seconds([Part(a[0], a[1], k * a[2], k * CHUNK_KV), Part(b[0], b[1], (n - k) * b[2], (n - k) * CHUNK_KV)], r, fit)
-
-        k, s = split(n, CHUNK_KV, a, b, r)
-        assert 0 < k < n and s == pytest.approx(min(t(j) for j in range(1, n)))
-    assert split(1, CHUNK_KV, ("q8", "hevc", 1.0), ("raw", "raw", 1.0), r) == (0, float("inf"))
-
-
-def test_presets_of_one_format_share_its_engine_and_formats_run_beside_each_other():
-    r = Rates(bandwidth_Bps=1e12, latency_s=0.0, decode_Bps={"raw": 1e9, "q8": 1e9, "exact": 1e9}, recompute_tps=1.0)
-    q8, exact, raw = Part("q8", "hevc", 1, 1e9), Part("exact", "hevc", 1, 1e9), Part("raw", "raw", 1, 1e9)
-    assert fetch_seconds([q8, exact], r) == pytest.approx(2.0)  # one NVDEC
-    assert fetch_seconds([q8, raw], r) == pytest.approx(1.0)  # NVDEC and the copy at once
-
-
-def test_interleave_spreads_each_preset_evenly():
-    plan = interleave(12, 8, "a", "b")
-    assert plan.count("a") == 8 and len(plan) == 12
-    assert all(plan[i : i + 3].count("a") == 2 for i in range(0, 12, 3))
-    assert interleave(4, 0, "a", "b") == ("b",) * 4 and interleave(4, 4, "a", "b") == ("a",) * 4
-
-
-def test_a_mix_learns_its_own_fit():
-    e = Estimator(alpha=1.0, bandwidth_Bps=1e9, latency_s=0.0)
-    e.observe_decode("q8", 1_000_000_000, 1.0)
-    e.observe_decode("raw", 1_000_000_000_000, 1.0)
-    parts = [Part("q8", "hevc", 40_000_000, 80_000_000), Part("raw", "raw", 40_000_000, 40_000_000)]
-    assert e.observe_fit("s3", "q8+raw", parts, 0.096) == pytest.approx(1.2)  # modelled 0.08 s
-    r = e.rates("s3", 1.0)
-    assert r.fit == {"q8+raw": pytest.approx(1.2)}
-    d = choose(MIXED, 256, CHUNK_KV, FORMATS, r)
-    assert d.options["q8+raw"] == pytest.approx(1.2 * 0.08)
-
-
-def test_hopeless_sees_a_mix_win_where_neither_preset_alone_would():
-    from kvfetcher.choice import hopeless
-
-    r = Rates(bandwidth_Bps=1e9, latency_s=0.0, decode_Bps={"raw": 1e12, "hevc": 1e9}, recompute_tps=12 * 256 / 0.1)  # recompute 0.1 s
-    ratios = {"raw": 1.0, "q8": 2.0}
-    assert not hopeless(12, 256, CHUNK_KV, ratios, FORMATS, r, slack=1.0)  # the mix: 0.08 s
-    assert hopeless(12, 256, CHUNK_KV, ratios, {"raw": "raw"}, r, slack=1.0) and hopeless(12, 256, CHUNK_KV, ratios, {"q8": "hevc"}, r, slack=1.0)

@@ -38,27 +38,6 @@ def test_store_then_fetch_gives_identical_generation(lm, prompt, s3):
     assert gb.tokens == ga.tokens
 
 
-def test_a_mix_of_raw_and_q8_chunks_gives_identical_generation(lm, prompt, s3):
-    """A reader whose measured rates make a mix the fastest plan fetches some chunks raw and the
-    rest as q8 in one fetch, each by its own header, and learns the mix's own fit."""
-    ids, _, reference = prompt
-    with sidecar(s3, presets=("raw", "q8")) as a, sidecar(s3, presets=("raw", "q8")) as b:
-        assert cached_lm(lm, a.url).generate(ids, NEW).tokens == reference
-        KVClient(a.url, token=TOKEN).flush()
-        est, ep = b.sidecar.estimator, s3.endpoint
-        chunk = lm.model.config.num_hidden_layers * 2 * lm.model.config.num_key_value_heads * CHUNK * 64 * 2
-        # link 100 MB/s; q8 restores at 2/3 of it: alone raw takes 2 chunks' time, q8 3 halves; one of each, about 1.6
-        est.observe_read(ep, 100_000_000, 1.0, "raw")
-        est.observe_decode("raw", 10**12, 1.0)
-        est.observe_decode("q8", 2 * chunk, 3 * chunk / 100e6)
-        gb = cached_lm(lm, b.url, recompute_tps=SLOW_MODEL_TPS).generate(ids, NEW, store=False)
-        fit = b.sidecar.metrics.fit.labels("q8+raw")._value.get()
-    assert gb.load.error is None and gb.load.decision["preset"] == "q8+raw", gb.load.decision
-    assert gb.load.decision["chunks_by_preset"] == {"raw": 1, "q8": 1}
-    assert gb.loaded_tokens == 2 * CHUNK and gb.tokens == reference
-    assert fit > 0 and est.rates(ep, 1.0).fit["q8+raw"] == fit
-
-
 # --- faults -------------------------------------------------------------------------------
 
 

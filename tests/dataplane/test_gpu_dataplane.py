@@ -85,31 +85,6 @@ def test_decode_worker_processes_write_through_cuda_ipc(tmp_path, preset):
     assert bool((buf.tensor[:, :, :, :40] == SENTINEL).all()) and bool((buf.tensor[:, :, :, 552:] == SENTINEL).all())
 
 
-def test_a_mixed_fetch_restores_raw_chunks_directly_and_q8_chunks_through_nvdec_workers(tmp_path):
-    """A mix: raw and q8 chunks interleaved in one fetch, each restored by its own path into one
-    IPC buffer (the direct copy beside NVDEC in worker processes); same bytes as each alone."""
-    from kvfetcher.choice import interleave
-    from kvfetcher.decode_workers import DecodeWorkers
-
-    kv = synthetic_kv(layers=6, heads=2, tokens=768, head_dim=64)
-    store = LocalStore(tmp_path)
-    by = {p: put_chunks(store, kv, 128, preset=p) for p in ("raw", "q8")}
-    plan = interleave(6, 4, "q8", "raw")
-    refs = [by[p][i] for i, p in enumerate(plan)]
-    buf = ipc.allocate((6, 2, 2, 800, 64), torch.float16, "cuda")
-    buf.tensor.fill_(SENTINEL)
-    workers = DecodeWorkers(2)
-    try:
-        dest = pipeline.Destination(buf.tensor, offset=16, tokens=768, handle=buf.handle)
-        out = asyncio.run(fetch(store, refs, dest, device=torch.device("cuda"), workers=workers))
-    finally:
-        workers.close()
-    assert out.error is None and out.loaded_tokens == 768 and out.direct_chunks == 2, out
-    expect = torch.cat([decode_chunk(store.get(r.name), "fp") for r in refs], dim=3)
-    assert torch.equal(buf.tensor[:, :, :, 16:784].cpu(), expect)
-    assert bool((buf.tensor[:, :, :, :16] == SENTINEL).all()) and bool((buf.tensor[:, :, :, 784:] == SENTINEL).all())
-
-
 def test_cuda_ipc_buffer_through_a_sidecar_process(tmp_path):
     """The GPU protocol end to end: a sidecar process opens the model's CUDA buffer by IPC handle,
     stores from it and restores into it (NVDEC), over HTTP."""

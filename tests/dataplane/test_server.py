@@ -44,7 +44,7 @@ def test_store_then_load_round_trip_and_metrics(s3, buf):
         # a slow model (1 token/s) makes fetching the cost model's choice whatever this machine's load
         r = c.load(bid, tokens[:240], offset=10, recompute_tokens_per_s=1.0)  # whole chunks only: 192 of 240
         assert (r.loaded_tokens, r.requested_tokens, r.error) == (192, 192, None)
-        assert r.decision["preset"] in ("raw", "q8", "q8+raw") and set(r.decision["options"]) == {"raw", "q8", "q8+raw", "recompute"}
+        assert r.decision["preset"] in ("raw", "q8") and set(r.decision["options"]) == {"raw", "q8", "recompute"}
         got = buf.tensor[:, :, :, 10:202]
         if r.decision["preset"] == "raw":
             assert torch.equal(got, kv[:, :, :, :192])
