@@ -149,6 +149,9 @@ def measure(args) -> None:
             least = {"raw": ctx // CHUNK * kv_chunk, "raw-direct": ctx // CHUNK * kv_chunk,
                      "balanced": ctx // CHUNK * res["bytes_per_chunk"]["balanced"]}
             for m in ("auto", "raw", "raw-direct", "balanced"):
+                if m not in args.methods:
+                    cell[m] = {"seconds": None, "skipped": "not asked for (--methods)"}
+                    continue
                 if m != "auto" and least[m] / (gbps * 1e9 / 8) > box:
                     cell[m] = {"seconds": None, "skipped": "bytes / link exceeds the box"}
                     continue
@@ -222,6 +225,8 @@ def main() -> None:
     m.add_argument("--contexts", default="4096,16384,32768")
     m.add_argument("--links", default="100,25,10,5,1")
     m.add_argument("--distinct", type=int, default=3)
+    m.add_argument("--methods", type=lambda v: v.split(","), default=["auto", "raw", "raw-direct", "balanced"],
+                   help="which of auto, raw, raw-direct, balanced to run (recompute is always timed)")
     m.add_argument("--procs", type=int, default=8)
     m.add_argument("--shape", default="llama3-70b", choices=[*sorted(SHAPES), "dry"])
     m.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
