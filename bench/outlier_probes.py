@@ -137,17 +137,20 @@ def probe_rows(lm, ws, rs, theta, ks=(1, 4), rules=("random", "norm", "dev", "kn
                   f"~{rows * 130 / stored * 100:.2f}% of size as fp16 rows", flush=True)
 
 
-def variant(k: int, sstep: float, scale: float) -> cb.Preset:
+def variant(k: int, sstep: float, scale: float, steps: str = "") -> cb.Preset:
+    """balanced with ``k`` sparse tokens at ``sstep``, every step times ``scale`` (steps from a
+    saved [L, 2] tensor instead of balanced's when ``steps`` names one)."""
     b = presets.get("balanced")
-    lp = dataclasses.replace(b.layout, sigma_steps=presets.scaled(b.layout.sigma_steps, scale), sparse_tokens=k, sparse_step=sstep)
-    return dataclasses.replace(b, name=f"sparse {k} at {sstep} step, steps x{scale}", layout=lp)
+    base = b.layout.sigma_steps if not steps else tuple(tuple(map(float, kv)) for kv in torch.load(steps).tolist())
+    lp = dataclasses.replace(b.layout, sigma_steps=presets.scaled(base, scale), sparse_tokens=k, sparse_step=sstep)
+    return dataclasses.replace(b, name=f"sparse {k} at {sstep} step, steps {Path(steps).stem if steps else ''} x{scale}", layout=lp)
 
 
 def probe_sparse(lm, ws, theta, configs):
     """Whole stored objects of balanced with sparse corrections: ratio and KL over the 24 windows."""
     fp16 = sum(w["kv"].numel() * 2 for w in ws)
-    for k, sstep, scale in configs:
-        p = variant(k, sstep, scale)
+    for k, sstep, scale, *steps in configs:
+        p = variant(k, sstep, scale, *steps)
         kls, stored = [], 0
         t = time.perf_counter()
         for w in ws:
@@ -159,7 +162,8 @@ def probe_sparse(lm, ws, theta, configs):
               f"geomean {x.log().mean().exp():.5f} ({time.perf_counter() - t:.0f} s)", flush=True)
 
 
-def probe_groups(lm, ws, theta, k: int, sstep: float, scale: float, out: Path, alone: bool = False, rates: bool = True):
+def probe_groups(lm, ws, theta, k: int, sstep: float, scale: float, out: Path, alone: bool = False, rates: bool = True,
+                 steps: str = ""):
     """At an operating point: each (layer, k|v)'s share of the KL (KL of all restored less KL with that
     group exact, on the 16 windows beyond the harness) and its rate slope (plug-in entropy of its
     symbols per value at steps x1 and x1.15, on 4 of them)."""
@@ -167,7 +171,7 @@ def probe_groups(lm, ws, theta, k: int, sstep: float, scale: float, out: Path, a
 
     from kvfetcher import layout
 
-    p = variant(k, sstep, scale)
+    p = variant(k, sstep, scale, steps)
     ws = ws[8:]
     L = ws[0]["kv"].shape[0]
     rts = [accuracy.round_trip(w["kv"], p, lm.fingerprint, cb.CHUNK, theta).kv for w in ws]
@@ -206,7 +210,7 @@ def probe_groups(lm, ws, theta, k: int, sstep: float, scale: float, out: Path, a
         return
     rate = []
     for sc in (1.0, 1.15):
-        q = variant(0, sstep, scale * sc)
+        q = variant(0, sstep, scale * sc, steps)
         lp = dataclasses.replace(q.layout, rope_theta=theta)
         frs, geos = [], []
         for w in ws[::4]:
@@ -226,6 +230,7 @@ def main() -> int:
     ap.add_argument("probes", nargs="*", default=["rows"])
     ap.add_argument("--kv-cache", default="/tmp/kv.pt")
     ap.add_argument("--cache", default="/tmp/comp7")
+    ap.add_argument("--out", help="alone: where to save the shares (and measure rate slopes too)")
     ap.add_argument("--configs", default="2:0.25:1,4:0.25:1,8:0.25:1,4:0.5:1", help="sparse: k:sparse_step:scale,...")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -239,13 +244,14 @@ def main() -> int:
     t = time.perf_counter()
     rs = restored(lm, ws, presets.get("balanced"), d / "balanced.pt", theta)
     print(f"balanced round trips {time.perf_counter() - t:.0f} s", flush=True)
+    cfg = args.configs.split(",")[0].split(":")
     for p in args.probes:
         {"rows": lambda: probe_rows(lm, ws, rs, theta),
-         "groups": lambda: probe_groups(lm, ws, theta, *[f(x) for f, x in zip((int, float, float), args.configs.split(",")[0].split(":"))],
-                                        d / "groups.pt"),
-         "alone": lambda: probe_groups(lm, ws, theta, *[f(x) for f, x in zip((int, float, float), args.configs.split(",")[0].split(":"))],
-                                       d / "alone.pt", alone=True, rates=False),
-         "sparse": lambda: probe_sparse(lm, ws, theta, [(int(a), float(b), float(c)) for a, b, c in
+         "groups": lambda: probe_groups(lm, ws, theta, *[f(x) for f, x in zip((int, float, float), cfg)], d / "groups.pt",
+                                        steps=cfg[3] if len(cfg) > 3 else ""),
+         "alone": lambda: probe_groups(lm, ws, theta, *[f(x) for f, x in zip((int, float, float), cfg)], Path(args.out or d / "alone.pt"),
+                                       alone=True, rates=bool(args.out), steps=cfg[3] if len(cfg) > 3 else ""),
+         "sparse": lambda: probe_sparse(lm, ws, theta, [(int(a), float(b), float(c), *e) for a, b, c, *e in
                                                         (x.split(":") for x in args.configs.split(","))])}[p]()
     return 0
 
