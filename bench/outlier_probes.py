@@ -2,12 +2,24 @@
 
 Setup (cached under --cache): the 24 screening windows of bench/trellis_probes.py (kl24: the
 harness's 8 prompts + 16 more), their fp16 KV, reference log-probs of the 64-token
-continuation, and ``balanced``'s restored KV (whole stored objects, so sizes are real).
+continuation, and the restored KV of ``balanced`` as the cache first saw it (whole stored
+objects, so sizes are real; the runs in docs/benchmarks/outlier_probes.txt cached layout v6's).
 
 * ``rows``: how much KL do selected (layer, k|v, head, token) rows, restored exactly after
   ``balanced``, remove? Selection rules the encoder can compute from KV alone (per head and
   chunk, top-k of a row's norm in the basis, of its distance from the chunk mean, ...) against
-  random rows and against the attention oracle (rows the continuation attends to most).
+  random rows.
+* ``sparse``: the layout's sparse corrections (``sparse_tokens``), whole stored objects, over the
+  24 windows: ``--configs k:sparse_step:scale[:steps.pt],...``.
+* ``alone`` / ``groups``: at an operating point (the first config), each (layer, k|v)'s share of
+  the KL on the 16 windows beyond the harness: its error alone (``alone``; with ``--out`` also the
+  rate slopes) or all but it (``groups``, noisy). SENSITIVITY_TRELLIS in presets.py is ``alone``
+  at ``4:0.25:1.04`` (/tmp/comp7/steps_a1.0.pt in the run: steps sqrt(slope / (share / step^2)),
+  normalised to the same rate).
+
+    .venv/bin/python bench/outlier_probes.py rows|sparse|alone|groups [--configs ...]
+
+docs/benchmarks/outlier_probes.txt holds the runs.
 """
 
 from __future__ import annotations
@@ -138,10 +150,10 @@ def probe_rows(lm, ws, rs, theta, ks=(1, 4), rules=("random", "norm", "dev", "kn
 
 
 def variant(k: int, sstep: float, scale: float, steps: str = "") -> cb.Preset:
-    """balanced with ``k`` sparse tokens at ``sstep``, every step times ``scale`` (steps from a
-    saved [L, 2] tensor instead of balanced's when ``steps`` names one)."""
+    """balanced with ``k`` sparse tokens at ``sstep``, every step times ``scale`` (layout v6's
+    balanced steps, or a saved [L, 2] tensor of steps when ``steps`` names one)."""
     b = presets.get("balanced")
-    base = b.layout.sigma_steps if not steps else tuple(tuple(map(float, kv)) for kv in torch.load(steps).tolist())
+    base = cb.V6_STEPS if not steps else tuple(tuple(map(float, kv)) for kv in torch.load(steps).tolist())
     lp = dataclasses.replace(b.layout, sigma_steps=presets.scaled(base, scale), sparse_tokens=k, sparse_step=sstep)
     return dataclasses.replace(b, name=f"sparse {k} at {sstep} step, steps {Path(steps).stem if steps else ''} x{scale}", layout=lp)
 
@@ -225,6 +237,18 @@ def probe_groups(lm, ws, theta, k: int, sstep: float, scale: float, out: Path, a
     torch.save({"contrib": contrib, "rate": rate[0], "slope": slope, "steps": p.layout.sigma_steps, "point": p.name}, out)
 
 
+def table(alone: Path, rates: Path, scale: float = 0.001) -> None:
+    """SENSITIVITY_TRELLIS from an ``alone`` run (shares) and a ``groups`` run (rate slopes): at a
+    fixed rate sum(slope * ln step), the least summed KL (share ~ step^2) has steps
+    ~ sqrt(slope / (share / step^2)); the table is what sigma_steps(scale) turns into them."""
+    a, g = torch.load(alone), torch.load(rates)
+    c, r, s = a["contrib"].double().clamp(min=1e-7), g["slope"].double(), torch.tensor(a["steps"]).double()
+    new = (r / (c / s**2)).sqrt().log()
+    new = (new + ((r * (s.log() - new)).sum() / r.sum())).exp()  # the same rate
+    print(f"predicted KL {float((c / s**2 * new**2).sum()):.6f} against {float(c.sum()):.6f}")
+    print(tuple((float(f"{k:.2g}"), float(f"{v:.2g}")) for k, v in ((scale / new) ** 2).tolist()))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("probes", nargs="*", default=["rows"])
@@ -246,7 +270,8 @@ def main() -> int:
     print(f"balanced round trips {time.perf_counter() - t:.0f} s", flush=True)
     cfg = args.configs.split(",")[0].split(":")
     for p in args.probes:
-        {"rows": lambda: probe_rows(lm, ws, rs, theta),
+        {"table": lambda: table(d / "alone.pt", d / "groups.pt"),
+         "rows": lambda: probe_rows(lm, ws, rs, theta),
          "groups": lambda: probe_groups(lm, ws, theta, *[f(x) for f, x in zip((int, float, float), cfg)], d / "groups.pt",
                                         steps=cfg[3] if len(cfg) > 3 else ""),
          "alone": lambda: probe_groups(lm, ws, theta, *[f(x) for f, x in zip((int, float, float), cfg)], Path(args.out or d / "alone.pt"),
