@@ -64,17 +64,21 @@ def basis_point(name: str, scale: float) -> Preset:
     """A curve point of layout v5's ``balanced`` (basis, uncapped profile, exact token only at
     position 0, uniform rounding, x265's default RD level) with every step times ``scale``."""
     b = presets.get("balanced")
-    lp = dataclasses.replace(b.layout, sigma_steps=presets.scaled(V5_STEPS, scale), trellis=False)
+    lp = dataclasses.replace(b.layout, sigma_steps=presets.scaled(V5_STEPS, scale), trellis=False, sparse_tokens=0)
     return dataclasses.replace(b, name=name, layout=lp, codec=dataclasses.replace(b.codec, rd=None),
                                summary=f"layout v5's balanced (uniform rounding), steps x{scale}")
 
 
+#: layout v6's ``balanced`` steps (trellis, the 0.7-sigma basis table; the ``trellis xS`` curve)
+V6_STEPS = presets.sigma_steps(0.001224, lo=0.015, hi=1.0, table=presets.SENSITIVITY_BASIS)
+
+
 def trellis_point(name: str, scale: float) -> Preset:
-    """A curve point of ``balanced``'s own scheme (layout v6: trellis-coded quantisation, x265
-    --rd 3) with every step times ``scale``."""
+    """A curve point of layout v6's ``balanced`` (trellis-coded quantisation, x265 --rd 3, no
+    sparse tokens) with every step times ``scale``."""
     b = presets.get("balanced")
-    lp = dataclasses.replace(b.layout, sigma_steps=presets.scaled(b.layout.sigma_steps, scale))
-    return dataclasses.replace(b, name=name, layout=lp, summary=f"balanced's scheme, steps x{scale}")
+    lp = dataclasses.replace(b.layout, sigma_steps=presets.scaled(V6_STEPS, scale), sparse_tokens=0)
+    return dataclasses.replace(b, name=name, layout=lp, summary=f"layout v6's balanced, steps x{scale}")
 
 
 def flat(step: float) -> Preset:

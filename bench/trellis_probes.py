@@ -52,10 +52,10 @@ EXTRA = [("license.txt", 300), ("license.txt", 800), ("license.txt", 1700), ("co
 
 
 def point(name: str, scale: float, trel: bool, rd: int | None, base: str = "balanced") -> cb.Preset:
-    """balanced's scheme with v5's steps (uniform rounding) or v6's (trellis) times ``scale``."""
+    """layout v6's balanced scheme (no sparse tokens) with v5's steps (uniform rounding) or v6's (trellis) times ``scale``."""
     b = presets.get(base)
-    steps = cb.V5_STEPS if not trel and base == "balanced" else b.layout.sigma_steps
-    lp = dataclasses.replace(b.layout, sigma_steps=presets.scaled(steps, scale), trellis=trel)
+    steps = (cb.V5_STEPS if not trel else cb.V6_STEPS) if base == "balanced" else b.layout.sigma_steps
+    lp = dataclasses.replace(b.layout, sigma_steps=presets.scaled(steps, scale), trellis=trel, sparse_tokens=0)
     return dataclasses.replace(b, name=name, layout=lp, codec=dataclasses.replace(b.codec, rd=rd))
 
 

@@ -37,14 +37,18 @@ def test_balanced_and_compact_are_sensitivity_profiles_with_compact_coarser():
     b, c = presets.get("balanced"), presets.get("compact")
     assert b.pre_rope and c.pre_rope and not b.lossless and not c.lossless
     assert b.layout.trellis and c.layout.trellis  # trellis-coded quantisation (layout v6)
-    assert len(b.layout.sigma_steps) == len(c.layout.sigma_steps) == len(presets.SENSITIVITY_BASIS)
+    assert b.layout.sparse_tokens == 4 and c.layout.sparse_tokens == 0  # layout v7's sparse corrections
+    assert len(b.layout.sigma_steps) == len(c.layout.sigma_steps) == len(presets.SENSITIVITY_BASIS) == len(presets.SENSITIVITY_TRELLIS)
     pairs = [(x, y) for kb, kc in zip(b.layout.sigma_steps, c.layout.sigma_steps) for x, y in zip(kb, kc)]
-    assert all(y >= x for x, y in pairs) and sum(y > x for x, y in pairs) > len(pairs) // 2
+    # compact keeps the 0.7-sigma table; balanced's (re-measured at its point) is coarser for the values
+    # of layers 3-10, which that table over-weighted: compact is coarser everywhere else
+    assert sum(y > x for x, y in pairs) >= len(pairs) - 8
     # the more sensitive a layer, the finer its step
-    sens = [w for kv in presets.SENSITIVITY_BASIS for w in kv]
-    steps = [s for kv in b.layout.sigma_steps for s in kv]
-    most, least = sens.index(max(sens)), sens.index(min(sens))
-    assert steps[most] < steps[least]
+    for p, table in ((b, presets.SENSITIVITY_TRELLIS), (c, presets.SENSITIVITY_BASIS)):
+        sens = [w for kv in table for w in kv]
+        steps = [s for kv in p.layout.sigma_steps for s in kv]
+        most, least = sens.index(max(sens)), sens.index(min(sens))
+        assert steps[most] < steps[least]
 
 
 def test_sigma_steps_respect_their_bounds():

@@ -309,7 +309,7 @@ def side_tensor(h: Header, data: bytes) -> torch.Tensor | None:
     """Verified side-information bytes -> the flat tensor ``layout.unpack`` takes."""
     if h.side is None:
         return None
-    need = layout.side_numel(h.shape, h.layout) * layout.bytes_per_value(h.torch_dtype)
+    need = layout.side_numel(h.shape, h.layout, h.torch_dtype) * layout.bytes_per_value(h.torch_dtype)
     try:
         raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=need)
     except zstandard.ZstdError as e:

@@ -39,6 +39,14 @@ neighbours, so the layout decides what sits next to what:
   two alternating quantisers and symbols are ``128 + k`` for indices ``k``; side information
   keeps its form (the mean still sits at level 128). ``unpack`` recovers the quantiser of every
   index with one cumulative sum.
+* ``sparse_tokens`` (with ``basis``) corrects, per (layer, KV head), the ``sparse_tokens`` body
+  tokens of the chunk whose pre-RoPE keys are largest in the basis (``|enc k - mean|``, the rms
+  logit the metric's queries give them: the attention-sink-like tokens, delimiters and the like,
+  a rule on KV alone) in side information: their key and value rows' error after the video's
+  quantisation, in integer units of ``sparse_step`` times the rows' step (int8), with the token
+  indices (int16). ``unpack`` adds them back with one scatter before the inverse basis.
+  Measured: these rows carry several times their share of the model's error
+  (docs/benchmarks/compression.md).
 
 Pure torch, no I/O: the same code runs on CPU and on the GPU, and ``unpack`` can write straight
 into a destination view of the model's KV buffers.
@@ -54,11 +62,11 @@ import torch
 from . import basis as kvbasis
 from . import rope, trellis
 
-LAYOUT_VERSION = 6  # 2: exact leading tokens in the side information; 3: sigma_steps in the header;
+LAYOUT_VERSION = 7  # 2: exact leading tokens in the side information; 3: sigma_steps in the header;
 #                    4: native mode (raw); 5: per-model basis, zstd-compressed side information;
-#                    6: trellis-coded quantisation
+#                    6: trellis-coded quantisation; 7: sparse corrections of outlier-key tokens
 #: oldest layout whose objects this code still decodes (side information is compressed since v5;
-#: a v5 header has no ``trellis`` field and means what it meant)
+#: a v5 header has no ``trellis`` field, a v5/v6 header no ``sparse_tokens``, and means what it meant)
 MIN_READABLE_LAYOUT = 5
 #: modes that restore the stored values bit for bit and carry no side information
 LOSSLESS_MODES = ("exact", "native")
@@ -99,6 +107,10 @@ class LayoutParams:
     basis: str | None = None
     # dependent (trellis-coded) quantisation along tokens (trellis.py); sigma_steps then set its grid
     trellis: bool = False
+    # per (layer, KV head) of a chunk, this many tokens with the largest keys in the basis get their
+    # key and value rows' error corrected in side information (int8 in units of sparse_step x step)
+    sparse_tokens: int = 0
+    sparse_step: float = 0.25
 
     def __post_init__(self) -> None:
         if self.mode not in ("native", "exact", "quant"):
@@ -125,6 +137,10 @@ class LayoutParams:
             raise ValueError("basis needs sigma_steps (one step per component)")
         if self.trellis and self.sigma_steps is None:
             raise ValueError("trellis needs sigma_steps (its grid step per component)")
+        if self.sparse_tokens < 0 or (self.sparse_tokens and self.basis is None):
+            raise ValueError("sparse_tokens must be >= 0 and needs a basis (keys are ranked by their norm in it)")
+        if not 0.01 <= self.sparse_step <= 1:
+            raise ValueError("sparse_step must be in [0.01, 1] steps")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -223,12 +239,33 @@ class Packed:
     geometry: Geometry
 
 
-def side_numel(shape: tuple[int, ...], params: LayoutParams) -> int:
-    """Values of side information: per-channel (offset, step), then the exact leading tokens."""
+def _body_start(params: LayoutParams, tokens: int) -> int:
+    """First token quantised as the body (the exact leading tokens are not, unless they are all)."""
+    return params.exact_tokens if params.exact_tokens < tokens else 0
+
+
+def sparse_count(shape: tuple[int, ...], params: LayoutParams) -> int:
+    """Tokens corrected per (layer, KV head): ``sparse_tokens``, at most the body's tokens."""
+    if params.mode in LOSSLESS_MODES or not params.sparse_tokens:
+        return 0
+    tokens = shape[3]
+    return min(params.sparse_tokens, tokens - _body_start(params, tokens))
+
+
+def _sparse_bytes(shape: tuple[int, ...], params: LayoutParams) -> int:
+    layers, _, heads, _, head_dim = shape
+    n = layers * heads * sparse_count(shape, params)
+    return 2 * n + 2 * n * head_dim  # int16 token indices, int8 key and value rows
+
+
+def side_numel(shape: tuple[int, ...], params: LayoutParams, dtype: torch.dtype = torch.float16) -> int:
+    """Values of side information (in the KV dtype): per-channel (offset, step), the exact
+    leading tokens, then the sparse corrections' bytes (padded to whole values)."""
     if params.mode in LOSSLESS_MODES:
         return 0
     layers, _, heads, tokens, head_dim = shape
-    return layers * 2 * heads * head_dim * (2 + min(params.exact_tokens, tokens))
+    bpv = bytes_per_value(dtype)
+    return layers * 2 * heads * head_dim * (2 + min(params.exact_tokens, tokens)) + -(-_sparse_bytes(shape, params) // bpv)
 
 
 def split_side(side: torch.Tensor, shape: tuple[int, ...], params: LayoutParams) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,9 +273,22 @@ def split_side(side: torch.Tensor, shape: tuple[int, ...], params: LayoutParams)
     layers, _, heads, tokens, head_dim = shape
     e = min(params.exact_tokens, tokens)
     n = layers * 2 * heads * head_dim * 2
-    if side.numel() != side_numel(shape, params):
-        raise ValueError(f"side information has {side.numel()} values, expected {side_numel(shape, params)}")
-    return side[:n].view(layers, 2, heads, head_dim, 2), side[n:].view(layers, 2, heads, e, head_dim)
+    if side.numel() != side_numel(shape, params, side.dtype):
+        raise ValueError(f"side information has {side.numel()} values, expected {side_numel(shape, params, side.dtype)}")
+    m = n + layers * 2 * heads * e * head_dim
+    return side[:n].view(layers, 2, heads, head_dim, 2), side[n:m].view(layers, 2, heads, e, head_dim)
+
+
+def split_sparse(side: torch.Tensor, shape: tuple[int, ...], params: LayoutParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sparse corrections of flat side information: (``[L, H, k]`` int16 token indices,
+    ``[L, 2, H, k, D]`` int8 rows in units of ``sparse_step`` steps)."""
+    layers, _, heads, tokens, head_dim = shape
+    k = sparse_count(shape, params)
+    raw = side.contiguous().view(torch.uint8)
+    a = (side.numel() - -(-_sparse_bytes(shape, params) // side.element_size())) * side.element_size()
+    idx = raw[a : a + 2 * layers * heads * k].view(torch.int16).view(layers, heads, k)
+    rows = raw[a + 2 * layers * heads * k : a + _sparse_bytes(shape, params)].view(torch.int8)
+    return idx, rows.view(layers, 2, heads, k, head_dim)
 
 
 def levels(params: LayoutParams, layers: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -333,7 +383,7 @@ def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
     ranges = torch.stack([lo, scale], dim=-1).to(kv.dtype)  # what the reader will use
     lo_r, scale_r = ranges[..., 0].float(), ranges[..., 1].float()
     safe = torch.where(scale_r > 0, scale_r, torch.ones_like(scale_r))
-    b0 = e if e < tokens else 0  # first row of the body
+    b0 = _body_start(params, tokens)  # first row of the body
     if params.trellis:  # indices along the body's tokens, from the trellis' start state
         v = (x[:, :, :, b0:] - lo_r.unsqueeze(3)) / safe.unsqueeze(3) - 128
         k = trellis.quantise(v.transpose(3, 4)).transpose(3, 4)
@@ -344,9 +394,44 @@ def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
         q = torch.minimum(q.clamp_(min=0), top.unsqueeze(-1)).to(torch.uint8)
     if b0:  # exact rows: repeat the first quantised row, cheapest for the codec
         q[:, :, :, :b0] = q[:, :, :, b0 : b0 + 1]
-    side = torch.cat([ranges.reshape(-1), kv[:, :, :, :e].reshape(-1)])
+    parts = [ranges.reshape(-1), kv[:, :, :, :e].reshape(-1)]
+    ks = sparse_count(tuple(kv.shape), params)
+    if ks:
+        parts.append(_sparse_pack(x, q, lo_r, scale_r, params, b0, ks, bytes_per_value(kv.dtype)).view(kv.dtype))
+    side = torch.cat(parts)
     tiles = q.permute(0, 1, 3, 2, 4).reshape(layers * 2, tokens, heads * head_dim)
     return Packed(_tiles_to_frames(tiles, geo), side, geo)
+
+
+def _dequantise(t: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, params: LayoutParams, b0: int) -> torch.Tensor:
+    """Samples ``[L, 2, T, C]`` (uint8) -> values ``[L, 2, T, C]`` float32 (rows before ``b0``: ``lo``)."""
+    if not params.trellis:
+        return t.float() * scale + lo
+    vals = torch.empty(t.shape, device=t.device)
+    k = t[:, :, b0:].to(torch.int16) - 128
+    vals[:, :, b0:] = (trellis.dequantise(k, dim=2) + 128) * scale + lo
+    vals[:, :, :b0] = lo  # exact tokens, replaced later
+    return vals
+
+
+def _sparse_pack(x: torch.Tensor, q: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, params: LayoutParams,
+                 b0: int, ks: int, bpv: int) -> torch.Tensor:
+    """The sparse corrections' bytes: per (layer, head) the ``ks`` body tokens of largest key norm
+    in the basis (int16 indices, ascending) and their key and value rows' error, int8 in units of
+    ``sparse_step`` times the component's step. ``x`` ``[L, 2, H, T, D]`` (basis, less its mean),
+    ``q`` its samples, ``lo``/``scale`` ``[L, 2, H, D]`` as the reader will use them."""
+    layers, _, heads, tokens, head_dim = x.shape
+    score = x[:, 0, :, b0:].square().sum(-1)  # [L, H, body]
+    idx = score.topk(ks, dim=-1).indices.sort(dim=-1).values + b0  # [L, H, k]
+    t = q.permute(0, 1, 3, 2, 4).reshape(layers, 2, tokens, heads * head_dim)
+    rec = _dequantise(t, lo.reshape(layers, 2, 1, -1), scale.reshape(layers, 2, 1, -1), params, b0)
+    rec = rec.view(layers, 2, tokens, heads, head_dim).permute(0, 1, 3, 2, 4)  # [L, 2, H, T, D]
+    g = idx.view(layers, 1, heads, ks, 1).expand(layers, 2, heads, ks, head_dim)
+    err = x.gather(3, g) - rec.gather(3, g)
+    unit = scale.unsqueeze(3) * params.sparse_step
+    r = torch.round(err / torch.where(unit > 0, unit, torch.ones_like(unit))).clamp_(-127, 127).to(torch.int8)
+    raw = torch.cat([idx.to(torch.int16).reshape(-1).view(torch.uint8), r.reshape(-1).view(torch.uint8)])
+    return torch.cat([raw, raw.new_zeros(-raw.numel() % bpv)])  # whole values of the KV dtype
 
 
 def unpack(
@@ -385,14 +470,14 @@ def unpack(
         lo = ranges[..., 0].float().reshape(layers, 2, 1, heads * head_dim)
         scale = ranges[..., 1].float().reshape(layers, 2, 1, heads * head_dim)
         t = tiles.reshape(layers, 2, tokens, heads * head_dim)
-        if params.trellis:
-            b0 = params.exact_tokens if params.exact_tokens < tokens else 0  # as pack's body
-            vals = torch.empty((layers, 2, tokens, heads * head_dim), device=frames.device)
-            k = t[:, :, b0:].to(torch.int16) - 128
-            vals[:, :, b0:] = (trellis.dequantise(k, dim=2) + 128) * scale + lo
-            vals[:, :, :b0] = lo  # exact tokens, replaced below
-        else:
-            vals = t.float() * scale + lo
+        vals = _dequantise(t, lo, scale, params, _body_start(params, tokens))
+        ks = sparse_count(tuple(shape), params)
+        if ks:  # add the corrections of the sparse rows: one scatter
+            idx, rows = split_sparse(side.to(frames.device), shape, params)
+            g = idx.long().permute(0, 2, 1).view(layers, 1, ks, heads, 1).expand(layers, 2, ks, heads, head_dim)
+            unit = scale.view(layers, 2, 1, heads, head_dim) * params.sparse_step
+            src = rows.permute(0, 1, 3, 2, 4).float() * unit  # [L, 2, k, H, D]
+            vals.view(layers, 2, tokens, heads, head_dim).scatter_add_(2, g, src)
         if params.basis is not None:
             _, dec, mean = _basis(params, layers, heads, head_dim, frames.device)
             y = vals.view(layers, 2, tokens, heads, head_dim) + mean.unsqueeze(2)
