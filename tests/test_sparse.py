@@ -83,3 +83,18 @@ def test_sparse_needs_a_basis_and_old_headers_mean_none():
     del d["sparse_tokens"], d["sparse_step"]  # a layout v6 header
     assert layout.LayoutParams.from_dict(d).sparse_tokens == 0
     assert layout.LayoutParams.from_dict(_params(8).to_dict()) == _params(8)
+
+
+def test_balanced_on_a_model_without_a_basis_drops_the_corrections_with_it():
+    """Another model's chunk (no basis for its shape/fingerprint) is still stored as `balanced`:
+    per-channel steps, no sparse corrections (found on a GPU: 8B-shaped KV failed to encode)."""
+    from kvfetcher import container
+    from kvfetcher.chunk import decode_chunk, encode_chunk
+
+    g = torch.Generator().manual_seed(3)
+    kv = torch.randn(4, 2, 2, 128, 64, generator=g).to(torch.float16)
+    obj = encode_chunk(kv, "balanced", "some-other-model", start=0, rope_theta=10000.0)
+    h = container.parse_header(obj[: container.header_length(obj[: container.PREFIX_SIZE])])
+    assert h.layout.basis is None and h.layout.sparse_tokens == 0
+    back = decode_chunk(obj, "some-other-model")
+    assert back.shape == kv.shape and float((back.float() - kv.float()).abs().mean()) < 0.2 * float(kv.float().abs().mean())

@@ -36,7 +36,7 @@ def encode_chunk(
     if p.sink_exact_only and start > 0:
         lp = dataclasses.replace(lp, exact_tokens=0)
     if lp.basis is not None and not basis.fits(lp.basis, tuple(kv.shape), fingerprint):
-        lp = dataclasses.replace(lp, basis=None)  # another model: plain per-channel sigma steps
+        lp = dataclasses.replace(lp, basis=None, sparse_tokens=0)  # another model: plain per-channel sigma steps (the sparse corrections rank keys in the basis)
     packed = layout.pack(kv, lp, start)
     enc = codecs.encoder(p.codec.format)
     n = packed.frames.shape[0]
