@@ -98,3 +98,18 @@ def test_balanced_on_a_model_without_a_basis_drops_the_corrections_with_it():
     assert h.layout.basis is None and h.layout.sparse_tokens == 0
     back = decode_chunk(obj, "some-other-model")
     assert back.shape == kv.shape and float((back.float() - kv.float()).abs().mean()) < 0.2 * float(kv.float().abs().mean())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sparse_corrections_restore_the_same_on_the_gpu_as_on_the_cpu():
+    """Layout v7's decode (trellis cumsum, scatter of the corrections, inverse basis, RoPE) on a GPU,
+    into a strided view of a KV buffer: the CPU's result up to float rounding, nothing else touched."""
+    kv = _kv(256, torch.float16)
+    p = _params(4)
+    packed = layout.pack(kv, p, start=256)
+    cpu = layout.unpack(packed.frames, packed.side, kv.shape, torch.float16, p, start=256)
+    buf = torch.zeros(kv.shape[0], 2, kv.shape[2], 600, kv.shape[4], dtype=torch.float16, device="cuda")
+    layout.unpack(packed.frames.cuda(), packed.side.cuda(), kv.shape, torch.float16, p, out=buf[:, :, :, 300:556], start=256)
+    got = buf[:, :, :, 300:556].cpu().float()
+    assert (got - cpu.float()).abs().max() <= 2e-2 * cpu.float().abs().max()
+    assert buf[:, :, :, :300].abs().sum() == 0 and buf[:, :, :, 556:].abs().sum() == 0
