@@ -144,15 +144,22 @@ def probe_proxy(u: torch.Tensor) -> None:
         print(f"  sd [{a}, {b}): {row}")
 
 
-def probe_x265(kvs: list[torch.Tensor], theta: float) -> None:
+def packed_chunks(kvs: list[torch.Tensor], theta: float) -> tuple[list[layout.Packed], int]:
+    """Each prompt's two 256-token chunks packed as ``balanced`` stores them (the exact first
+    token only at position 0), and the number of KV values they hold."""
     lp0 = dataclasses.replace(presets.get("balanced").layout, rope_theta=theta)
-    frames, n = [], 0
+    out, n = [], 0
     for kv in kvs:
         for st in (0, 256):
-            lp = dataclasses.replace(lp0, exact_tokens=1 if st == 0 else 0)
             piece = kv[:, :, :, st : st + 256].contiguous()
-            frames.append(layout.pack(piece, lp, st).frames)
+            out.append(layout.pack(piece, dataclasses.replace(lp0, exact_tokens=1 if st == 0 else 0), st))
             n += piece.numel()
+    return out, n
+
+
+def probe_x265(kvs: list[torch.Tensor], theta: float) -> None:
+    packed, n = packed_chunks(kvs, theta)
+    frames = [pk.frames for pk in packed]
     print("x265 lossless on balanced's trellis symbols (prompts 0, 2, 4, 6), bits per value, seconds (one thread, shared CPU)")
     for preset, extra in (("ultrafast", ""), ("superfast", ""), ("fast", ""), ("medium", ""), ("ultrafast", "rd=3"),
                           ("ultrafast", "rd=6"), ("ultrafast", "rd=3:tu-intra-depth=3"), ("ultrafast", "ctu=16"),
@@ -163,14 +170,8 @@ def probe_x265(kvs: list[torch.Tensor], theta: float) -> None:
 
 
 def probe_arrange(kvs: list[torch.Tensor], theta: float) -> None:
-    lp0 = dataclasses.replace(presets.get("balanced").layout, rope_theta=theta)
-    tiles, n = [], 0
-    for kv in kvs:
-        for st in (0, 256):
-            piece = kv[:, :, :, st : st + 256].contiguous()
-            pk = layout.pack(piece, dataclasses.replace(lp0, exact_tokens=1 if st == 0 else 0), st)
-            tiles.append(layout._frames_to_tiles(pk.frames, pk.geometry, 256, pk.geometry.tile_cols).contiguous())
-            n += piece.numel()
+    packed, n = packed_chunks(kvs, theta)
+    tiles = [layout._frames_to_tiles(pk.frames, pk.geometry, 256, pk.geometry.tile_cols).contiguous() for pk in packed]
 
     def rate(ts, planes=3):
         return sum(cp.hevc(t, speed="ultrafast", planes=planes)[0] for t in ts) * 8 / n

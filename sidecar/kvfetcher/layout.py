@@ -328,10 +328,9 @@ def _sigma_ranges(body: torch.Tensor, params: LayoutParams) -> tuple[torch.Tenso
         sd = sd.square().mean(dim=(2, 3), keepdim=True).sqrt().expand_as(sd)
     steps = sigma_profile(params, layers, body.device).view(layers, 2, 1, 1)
     reach = torch.maximum(body.amax(dim=3) - mu, mu - body.amin(dim=3))
-    if params.trellis:  # indices reach 127, reconstructions 254 steps
-        step = torch.maximum(sd * steps, reach / 250)  # 250: headroom for the stored step's rounding
-    else:
-        step = torch.maximum(sd * steps, reach / 126)  # 126: headroom for the stored step's rounding
+    # the farthest value must stay on the grid: 128 steps, 254 with trellis (indices reach 127,
+    # reconstructions twice that), less headroom for the stored step's rounding
+    step = torch.maximum(sd * steps, reach / (250 if params.trellis else 126))
     return mu - 128 * step, step
 
 
@@ -466,14 +465,15 @@ def unpack(
     else:
         if side is None:
             raise ValueError("quantised layout needs side information")
-        ranges, exact = split_side(side.to(frames.device), shape, params)
+        side = side.to(frames.device)  # once: the ranges, exact rows and sparse corrections all read it
+        ranges, exact = split_side(side, shape, params)
         lo = ranges[..., 0].float().reshape(layers, 2, 1, heads * head_dim)
         scale = ranges[..., 1].float().reshape(layers, 2, 1, heads * head_dim)
         t = tiles.reshape(layers, 2, tokens, heads * head_dim)
         vals = _dequantise(t, lo, scale, params, _body_start(params, tokens))
         ks = sparse_count(tuple(shape), params)
         if ks:  # add the corrections of the sparse rows: one scatter
-            idx, rows = split_sparse(side.to(frames.device), shape, params)
+            idx, rows = split_sparse(side, shape, params)
             g = idx.long().permute(0, 2, 1).view(layers, 1, ks, heads, 1).expand(layers, 2, ks, heads, head_dim)
             unit = scale.view(layers, 2, 1, heads, head_dim) * params.sparse_step
             src = rows.permute(0, 1, 3, 2, 4).float() * unit  # [L, 2, k, H, D]
