@@ -77,6 +77,8 @@ def test_short_and_long_chunks(tokens, start):
 def test_sparse_needs_a_basis_and_old_headers_mean_none():
     with pytest.raises(ValueError, match="sparse_tokens"):
         layout.LayoutParams(mode="quant", sigma_steps=((0.3, 0.3),), sparse_tokens=2)
+    with pytest.raises(ValueError, match="sparse_tokens"):
+        _params(-1)
     with pytest.raises(ValueError, match="sparse_step"):
         dataclasses.replace(_params(2), sparse_step=2.0)
     d = _params(0).to_dict()
