@@ -12,12 +12,20 @@ at 0.6-1.4 s during 16K-token prefills), a fetch takes none. Then the fetch that
 the fewest tokens while its predicted time stays within the budget wins, and only when no fetch
 fits does the fastest option win.
 
-``choose`` is pure; :class:`Estimator` holds the measured rates (EWMA per store endpoint and
-per bitstream format) that feed it, and is updated from every fetch's actual timings. The model
-leaves out the pipeline's fill and drain and imperfect overlap, so each preset also keeps a fit:
-an EWMA of actual / modelled time of its fetches, which scales its predictions (measured on an
-H100: 1.09-1.23 for ``balanced`` over 32K tokens, enough to turn a predicted 0.7% win over
-recompute into a 19% loss).
+``choose`` is pure; :class:`Estimator` holds the measured rates (per store endpoint and per
+bitstream format) that feed it, and is updated from every fetch's actual timings. The model
+leaves out the pipeline's fill and drain and imperfect overlap, so each preset also keeps a fit,
+actual / modelled time of its fetches, which scales its predictions (measured on an H100:
+1.09-1.23 for ``balanced`` over 32K tokens, enough to turn a predicted 0.7% win over recompute
+into a 19% loss). The fit is kept per (preset, endpoint), falling back to the preset's fit over
+all endpoints: how well download and decode overlap depends on which of them is the slower.
+
+Rates and fits are decayed sums (bytes over seconds, actual over modelled seconds), not
+averages of per-fetch ratios, so each fetch counts by its size. Measured why: on an H100 a
+cold first fetch of 16 chunks (decoders and CUDA contexts starting) set ``balanced``'s rate at
+half its warm value, and a per-fetch average kept it there for fetches 16x larger; the
+predictions ran 1.2-2.1x over the actual times and ``auto`` took raw, 28% slower, at 64K tokens
+over 25 Gbit/s (docs/benchmarks/auto70b_long_h100.md).
 """
 
 from __future__ import annotations
@@ -162,35 +170,51 @@ def lookup_seconds(n_chunks: int, rates: Rates, parallel: int) -> float:
 
 
 class Estimator:
-    """Measured throughputs: an EWMA per store endpoint (bandwidth, latency) and per preset (decode)."""
+    """Measured throughputs per store endpoint (bandwidth, latency, LIST rounds), per bitstream
+    format and endpoint (read rate), per preset (decode rate) and per (preset, endpoint) (fit).
+
+    Rates are ratios of decayed sums: each observation adds its amount and its seconds after the
+    sums so far are scaled by ``1 - alpha``, so the latest fetches dominate in proportion to
+    their size (``alpha=1``: the latest fetch alone). Latencies are per request, an EWMA.
+    """
 
     def __init__(self, alpha: float = 0.3, bandwidth_Bps: float = 1.25e8, latency_s: float = 0.005, gpu: bool = False):
         self.alpha = alpha
         self._prior = (bandwidth_Bps, latency_s)
-        self._bw: dict[str, float] = {}
+        self._bw: dict[str, tuple[float, float]] = {}
         self._lat: dict[str, float] = {}
         self._decode_prior = dict(GPU_DECODE_PRIOR if gpu else DECODE_PRIOR)
-        self._decode: dict[str, float] = {}  # a first measurement replaces the prior
-        self._fit: dict[str, float] = {}
+        self._decode: dict[str, tuple[float, float]] = {}  # a first measurement replaces the prior
+        self._fit: dict[tuple[str, str | None], tuple[float, float]] = {}  # (preset, endpoint | None for all)
         self._list: dict[str, float] = {}
-        self._fmt_bw: dict[tuple[str, str], float] = {}  # (format, endpoint)
+        self._fmt_bw: dict[tuple[str, str], tuple[float, float]] = {}  # (format, endpoint)
 
     def _ewma(self, table: dict, key, value: float) -> None:
         old = table.get(key)
         table[key] = value if old is None else (1 - self.alpha) * old + self.alpha * value
 
+    def _add(self, table: dict, key, amount: float, seconds: float) -> None:
+        keep = 1 - self.alpha
+        a, s = table.get(key, (0.0, 0.0))
+        table[key] = (keep * a + amount, keep * s + seconds)
+
+    @staticmethod
+    def _rate(table: dict, key) -> float | None:
+        a, s = table.get(key, (0.0, 0.0))
+        return a / s if s > 0 else None
+
     def observe_read(self, endpoint: str, nbytes: int, busy_s: float, fmt: str | None = None) -> None:
         if nbytes > 0 and busy_s > 0:
-            self._ewma(self._bw, endpoint, nbytes / busy_s)
+            self._add(self._bw, endpoint, nbytes, busy_s)
             if fmt:
-                self._ewma(self._fmt_bw, (fmt, endpoint), nbytes / busy_s)
+                self._add(self._fmt_bw, (fmt, endpoint), nbytes, busy_s)
 
     def observe_latency(self, endpoint: str, seconds: float) -> None:
         self._ewma(self._lat, endpoint, seconds)
 
     def observe_decode(self, preset: str, kv_bytes: int, busy_s: float) -> None:
         if kv_bytes > 0 and busy_s > 0:
-            self._ewma(self._decode, preset, kv_bytes / busy_s)
+            self._add(self._decode, preset, kv_bytes, busy_s)
 
     def observe_lookup(self, endpoint: str, seconds: float, rounds: int) -> None:
         if rounds > 0 and seconds > 0:
@@ -198,18 +222,27 @@ class Estimator:
 
     def observe_fit(self, endpoint: str, preset: str, fmt: str, stored_bytes: int, kv_bytes: int, actual_s: float) -> float:
         """A whole fetch's time against the model's, with the rates as they stand after this fetch
-        updated them: the fit keeps only what the rates cannot explain. Returns the preset's fit."""
+        updated them: the fit keeps only what the rates cannot explain. Returns the preset's fit
+        on this endpoint."""
         if stored_bytes > 0 and kv_bytes > 0 and actual_s > 0:
             r = self.rates(endpoint, 1.0)
             modelled = fetch_seconds(stored_bytes, kv_bytes, decode_rate(preset, fmt, r), r, fmt=fmt)
-            self._ewma(self._fit, preset, min(4.0, max(0.5, actual_s / modelled)))
-        return self._fit.get(preset, 1.0)
+            for key in ((preset, endpoint), (preset, None)):
+                self._add(self._fit, key, actual_s, modelled)
+        return self.fit(preset, endpoint)
+
+    def fit(self, preset: str, endpoint: str) -> float:
+        """Actual / modelled time of the preset's fetches from this endpoint, else from any (1 if none),
+        bounded to [0.5, 4]: one stalled fetch must not rule a preset out."""
+        f = self._rate(self._fit, (preset, endpoint)) or self._rate(self._fit, (preset, None)) or 1.0
+        return min(4.0, max(0.5, f))
 
     def bandwidth(self, endpoint: str) -> float:
-        return self._bw.get(endpoint, self._prior[0])
+        return self._rate(self._bw, endpoint) or self._prior[0]
 
     def rates(self, endpoint: str, recompute_tps: float) -> Rates:
-        decode = {**self._decode_prior, **self._decode}
-        by_format = {fmt: v for (fmt, ep), v in self._fmt_bw.items() if ep == endpoint}
-        return Rates(self.bandwidth(endpoint), self._lat.get(endpoint, self._prior[1]), decode, recompute_tps, dict(self._fit),
+        decode = {**self._decode_prior, **{p: v for p in self._decode if (v := self._rate(self._decode, p))}}
+        by_format = {fmt: v for (fmt, ep) in self._fmt_bw if ep == endpoint and (v := self._rate(self._fmt_bw, (fmt, ep)))}
+        fits = {p: self.fit(p, endpoint) for p, _ in self._fit}
+        return Rates(self.bandwidth(endpoint), self._lat.get(endpoint, self._prior[1]), decode, recompute_tps, fits,
                      self._list.get(endpoint), by_format)

@@ -57,14 +57,14 @@ def test_estimator_learns_per_endpoint():
     assert e.rates("a", 100).bandwidth_Bps == 1e6
     e.observe_read("a", 100_000_000, 1.0)
     e.observe_read("a", 300_000_000, 1.0)
-    assert e.bandwidth("a") == pytest.approx(200e6)
+    assert e.bandwidth("a") == pytest.approx((0.5 * 100e6 + 300e6) / (0.5 + 1))  # decayed bytes over decayed seconds
     assert e.bandwidth("b") == 1e6  # another endpoint is not affected
     e.observe_decode("exact", 30_000_000, 1.0)
     r = e.rates("a", 100)
     assert decode_rate("exact", "hevc", r) == 30e6  # measured for that preset
     assert decode_rate("q8", "hevc", r) == r.decode_Bps["hevc"] != 30e6  # the format's prior until measured
     e.observe_read("a", 0, 0.0)  # no data: no change
-    assert e.bandwidth("a") == pytest.approx(200e6)
+    assert e.bandwidth("a") == pytest.approx(350e6 / 1.5)
 
 
 def test_hopeless_only_when_even_the_best_case_loses():
@@ -161,3 +161,27 @@ def test_each_format_reads_at_its_own_measured_rate():
     assert r.bandwidth_Bps == 1e9 and r.format_bandwidth == {"raw": 4e9, "hevc": 1e9}
     assert fetch_seconds(4_000_000_000, 4_000_000_000, 1e12, r, fmt="raw") == pytest.approx(r.latency_s + 1.0)
     assert e.rates("other", 1.0).format_bandwidth == {}
+
+
+def test_a_small_cold_fetch_does_not_hold_down_the_rate_of_large_ones():
+    e = Estimator(alpha=0.3, gpu=True)
+    e.observe_decode("balanced", 1_300_000_000, 3.0)  # 16 chunks while the decoders start: 0.43 GB/s
+    e.observe_decode("balanced", 21_500_000_000, 5.5)  # 64K tokens warm: 3.9 GB/s
+    rate = e.rates("s3", 1.0).decode_Bps["balanced"]
+    assert 2.9e9 < rate < 3.9e9  # an average of the two fetches' rates would say 1.5 GB/s
+    e.observe_decode("balanced", 43_000_000_000, 11.0)
+    assert 3.5e9 < e.rates("s3", 1.0).decode_Bps["balanced"] < 3.9e9  # the average: 2.2 GB/s
+
+
+def test_the_fit_is_per_endpoint_and_falls_back_to_the_preset_s():
+    e = Estimator(alpha=1.0, bandwidth_Bps=1e9, latency_s=0.0)
+    e.observe_read("fast", 100_000_000, 0.1)
+    e.observe_decode("q8", 40_000_000, 0.1)
+    e.observe_fit("fast", "q8", "hevc", 20_000_000, 40_000_000, 0.150)  # modelled 0.100 s
+    assert e.fit("q8", "fast") == pytest.approx(1.5)
+    assert e.rates("slow", 1.0).fit["q8"] == pytest.approx(1.5)  # no fetch from "slow" yet: the preset's fit
+    e.observe_read("slow", 10_000_000, 0.1)  # 100 MB/s: q8's 20 MB take 0.2 s
+    e.observe_fit("slow", "q8", "hevc", 20_000_000, 40_000_000, 0.220)
+    assert e.fit("q8", "slow") == pytest.approx(1.1)
+    assert e.fit("q8", "fast") == pytest.approx(1.5)  # unchanged by the other endpoint
+    assert e.fit("raw", "fast") == 1.0  # never measured
