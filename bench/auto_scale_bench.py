@@ -53,6 +53,7 @@ from kvfetcher.costmodel import SHAPES, ModelShape  # noqa: E402
 CHUNK = 256
 FINGERPRINT = "auto-scale-bench"
 STORED = ("raw", "q8", "balanced")
+METHODS = ("auto", "raw", "raw-direct", "balanced")  # per cell, beside recompute
 #: a CPU dry run's shape: the 8B shape's KV heads and head size, little else
 DRY = ModelShape("dry", 8, 1024, 8, 8, 128, 2048, 1000)
 
@@ -148,7 +149,7 @@ def measure(args) -> None:
             cell = {"context": ctx, "gbps": gbps, "recompute_s": rec[ctx], "box_s": box}
             least = {"raw": ctx // CHUNK * kv_chunk, "raw-direct": ctx // CHUNK * kv_chunk,
                      "balanced": ctx // CHUNK * res["bytes_per_chunk"]["balanced"]}
-            for m in ("auto", "raw", "raw-direct", "balanced"):
+            for m in METHODS:
                 if m not in args.methods:
                     cell[m] = {"seconds": None, "skipped": "not asked for (--methods)"}
                     continue
@@ -216,6 +217,13 @@ def report(args) -> None:
     fig.savefig(md.with_suffix(".png"), dpi=110)
 
 
+def _methods(value: str) -> list[str]:
+    names = value.split(",")
+    if unknown := [n for n in names if n not in METHODS]:
+        raise argparse.ArgumentTypeError(f"unknown method(s) {', '.join(unknown)}; known: {', '.join(METHODS)}")
+    return names
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -225,8 +233,7 @@ def main() -> None:
     m.add_argument("--contexts", default="4096,16384,32768")
     m.add_argument("--links", default="100,25,10,5,1")
     m.add_argument("--distinct", type=int, default=3)
-    m.add_argument("--methods", type=lambda v: v.split(","), default=["auto", "raw", "raw-direct", "balanced"],
-                   help="which of auto, raw, raw-direct, balanced to run (recompute is always timed)")
+    m.add_argument("--methods", type=_methods, default=list(METHODS), help=f"which of {', '.join(METHODS)} to run (recompute is always timed)")
     m.add_argument("--procs", type=int, default=8)
     m.add_argument("--shape", default="llama3-70b", choices=[*sorted(SHAPES), "dry"])
     m.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
