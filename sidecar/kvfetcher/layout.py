@@ -60,7 +60,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from . import basis as kvbasis
-from . import rope, trellis
+from . import fused_unpack, rope, trellis
 
 LAYOUT_VERSION = 7  # 2: exact leading tokens in the side information; 3: sigma_steps in the header;
 #                    4: native mode (raw); 5: per-model basis, zstd-compressed side information;
@@ -466,6 +466,8 @@ def unpack(
         if side is None:
             raise ValueError("quantised layout needs side information")
         side = side.to(frames.device)  # once: the ranges, exact rows and sparse corrections all read it
+        if fused_unpack.enabled(frames) and fused_unpack.supports(head_dim, tokens):
+            return _unpack_fused(frames, side, tuple(shape), dtype, params, geo, out, start)
         ranges, exact = split_side(side, shape, params)
         lo = ranges[..., 0].float().reshape(layers, 2, 1, heads * head_dim)
         scale = ranges[..., 1].float().reshape(layers, 2, 1, heads * head_dim)
@@ -491,6 +493,25 @@ def unpack(
         if e:
             vals[:, :, :e] = exact.permute(0, 1, 3, 2, 4).reshape(layers, 2, e, heads * head_dim).to(dtype)
     return _restore(vals.view(layers, 2, tokens, heads, head_dim).permute(0, 1, 3, 2, 4), shape, dtype, out)
+
+
+def _unpack_fused(frames: torch.Tensor, side: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, params: LayoutParams,
+                  geo: Geometry, out: torch.Tensor | None, start: int) -> torch.Tensor:
+    """The quant branch of :func:`unpack` as one kernel (fused_unpack.py), written into ``out``."""
+    layers, _, heads, tokens, head_dim = shape
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=frames.device)
+    elif tuple(out.shape) != tuple(shape) or out.dtype != dtype:
+        raise ValueError(f"destination {tuple(out.shape)} {out.dtype} does not match chunk {tuple(shape)} {dtype}")
+    ranges, exact = split_side(side, shape, params)
+    cs = rope.rotation(start, tokens, head_dim, params.rope_theta, frames.device) if params.rope_theta is not None else None
+    basis = _basis(params, layers, heads, head_dim, frames.device)[1:] if params.basis is not None else None
+    sparse = (*split_sparse(side, shape, params), params.sparse_step) if sparse_count(shape, params) else None
+    fused_unpack.unpack_into(out, frames, ranges[..., 0].float(), ranges[..., 1].float(), geo, _body_start(params, tokens),
+                             params.trellis, cs, basis, sparse)
+    if exact.shape[3]:
+        out[:, :, :, : exact.shape[3]] = exact.to(dtype)
+    return out
 
 
 def _restore(result: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:

@@ -1,0 +1,185 @@
+"""fused_unpack: the quantised layout's inverse as one GPU kernel (Triton), frames -> KV buffer.
+
+Why: ``layout.unpack`` in torch runs about 30 elementwise passes over float32 copies of a chunk
+(trellis parities and their prefix sums, reconstruction, scale and offset, sparse corrections,
+basis, RoPE, cast, permuted copy into the buffer): ~4 GB of GPU memory traffic for a 33.5 MB
+Llama-3-8B chunk, where reading the samples and writing the KV needs ~50 MB. At 3.5 GB/s of KV
+restored that is ~14% of an H100's memory bandwidth taken from the model decoding beside it,
+which is in line with the 9-10% slowdown of a decode loop measured under MPS with 8 decode
+workers (docs/benchmarks/interference_matrix_h100.md). This kernel reads each sample once and
+writes each value once, straight into the destination view (any strides).
+
+One program per (layer, k|v, KV head) walks the chunk's tokens in blocks, carrying the trellis'
+parity sums from block to block; each head's channels are handled as two halves, the pairs
+RoPE rotates together. Sparse corrections are added before the basis, as in ``layout.unpack``;
+the exact leading tokens are copied by the caller. Same arithmetic as the torch path in float32;
+the results can differ in the last bit of the KV dtype where the compiler fuses a multiply-add.
+
+``KVFETCHER_FUSED_UNPACK=1`` turns it on for CUDA frames (off by default until measured on a
+GPU against the torch path); without Triton the torch path runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch path serves
+    triton = None
+
+#: tokens per block of a program (the trellis' prefix sums run within a block, carried across)
+BLOCK_TOKENS = 32
+
+
+def enabled(frames: torch.Tensor) -> bool:
+    """Whether to unpack ``frames`` with the kernel: CUDA frames (or any, under Triton's CPU
+    interpreter, which the tests use), Triton present, and the switch on."""
+    if triton is None or os.environ.get("KVFETCHER_FUSED_UNPACK", "0") != "1":
+        return False
+    return frames.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def supports(heads_dim: int, tokens: int) -> bool:
+    """Shapes the kernel handles: a head size that is a power of two of at least 32 (halves of at
+    least 16 for the basis' matrix products)."""
+    return heads_dim >= 32 and heads_dim & (heads_dim - 1) == 0 and tokens > 0
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dequant_half(s, rows, b0, carry_e, carry_o, lo, sc, TRELLIS: tl.constexpr):
+        """Samples ``[BT, D/2]`` -> values in the basis' frame; returns them and the carries."""
+        if TRELLIS:
+            body = (rows >= b0)[:, None]
+            k = tl.where(body, s - 128, 0)
+            par = k & 1
+            even = (((rows - b0) % 2) == 0)[:, None]
+            pe = tl.where(even, par, 0)
+            po = tl.where(even, 0, par)
+            e = tl.cumsum(pe, 0) + carry_e[None, :]  # parity sums at even / odd body positions
+            o = tl.cumsum(po, 0) + carry_o[None, :]
+            q1 = (tl.where(even, o, e) & 1).to(tl.float32)  # Q1 codes t when k[t-1] + k[t-3] + ... is odd
+            kf = k.to(tl.float32)
+            sign = tl.where(k > 0, 1.0, tl.where(k < 0, -1.0, 0.0))
+            v = (2.0 * kf - sign * q1 + 128.0) * sc[None, :] + lo[None, :]
+            v = tl.where(body, v, lo[None, :])
+            carry_e += tl.sum(pe, 0)
+            carry_o += tl.sum(po, 0)
+        else:
+            v = s.to(tl.float32) * sc[None, :] + lo[None, :]
+        return v, carry_e, carry_o
+
+    @triton.jit
+    def _unpack_kernel(
+        frames_ptr, lo_ptr, scale_ptr, cos_ptr, sin_ptr, dec_ptr, mean_ptr, sidx_ptr, srows_ptr, out_ptr,
+        H, b0, sparse_step,
+        tiles_per_frame, tiles_per_plane, tile_rows, frame_stride, plane_stride, row_stride,
+        o_s0, o_s1, o_s2, o_s3, o_s4,
+        T: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, TRELLIS: tl.constexpr, ROPE: tl.constexpr, BASIS: tl.constexpr,
+        KS: tl.constexpr,
+    ):
+        pid = tl.program_id(0)  # (layer * 2 + k|v) * H + head
+        h = pid % H
+        n = pid // H  # the tile: layer * 2 + k|v
+        kv = n % 2
+        layer = n // 2
+        tile = (n // tiles_per_frame) * frame_stride + ((n % tiles_per_frame) // tiles_per_plane) * plane_stride \
+            + (n % tiles_per_plane) * tile_rows * row_stride + h * D
+        HALF: tl.constexpr = D // 2
+        c1 = tl.arange(0, HALF)
+        c2 = c1 + HALF
+        lo1 = tl.load(lo_ptr + pid * D + c1)
+        lo2 = tl.load(lo_ptr + pid * D + c2)
+        sc1 = tl.load(scale_ptr + pid * D + c1)
+        sc2 = tl.load(scale_ptr + pid * D + c2)
+        ce1 = tl.zeros([HALF], dtype=tl.int32)
+        co1 = tl.zeros([HALF], dtype=tl.int32)
+        ce2 = tl.zeros([HALF], dtype=tl.int32)
+        co2 = tl.zeros([HALF], dtype=tl.int32)
+        out = out_ptr + layer * o_s0 + kv * o_s1 + h * o_s2
+        for t0 in range(0, T, BT):
+            rows = t0 + tl.arange(0, BT)
+            live = (rows < T)[:, None]
+            at = frames_ptr + tile + rows[:, None] * row_stride
+            s1 = tl.load(at + c1[None, :], mask=live, other=128).to(tl.int32)
+            s2 = tl.load(at + c2[None, :], mask=live, other=128).to(tl.int32)
+            x1, ce1, co1 = _dequant_half(s1, rows, b0, ce1, co1, lo1, sc1, TRELLIS)
+            x2, ce2, co2 = _dequant_half(s2, rows, b0, ce2, co2, lo2, sc2, TRELLIS)
+            for j in tl.static_range(KS):  # sparse corrections: rows of this head's outlier tokens
+                tok = tl.load(sidx_ptr + (layer * H + h) * KS + j)
+                hit = (rows == tok)[:, None]
+                r1 = tl.load(srows_ptr + (pid * KS + j) * D + c1).to(tl.float32) * (sc1 * sparse_step)
+                r2 = tl.load(srows_ptr + (pid * KS + j) * D + c2).to(tl.float32) * (sc2 * sparse_step)
+                x1 += tl.where(hit, r1[None, :], 0.0)
+                x2 += tl.where(hit, r2[None, :], 0.0)
+            if BASIS:  # values = dec @ (x + mean), per token; dec's halves as four [D/2, D/2] blocks
+                y1 = x1 + tl.load(mean_ptr + pid * D + c1)[None, :]
+                y2 = x2 + tl.load(mean_ptr + pid * D + c2)[None, :]
+                m = dec_ptr + pid * D * D
+                # dec^T[e, d] = dec[d, e]: element (e, d) of a block at m + d * D + e
+                t11 = tl.load(m + c1[None, :] * D + c1[:, None])
+                t21 = tl.load(m + c1[None, :] * D + c2[:, None])
+                t12 = tl.load(m + c2[None, :] * D + c1[:, None])
+                t22 = tl.load(m + c2[None, :] * D + c2[:, None])
+                x1 = tl.dot(y1, t11, input_precision="ieee") + tl.dot(y2, t21, input_precision="ieee")
+                x2 = tl.dot(y1, t12, input_precision="ieee") + tl.dot(y2, t22, input_precision="ieee")
+            if ROPE:
+                if kv == 0:  # keys were quantised before RoPE: rotate the pairs (d, d + D/2)
+                    cs = cos_ptr + rows[:, None] * D
+                    sn = sin_ptr + rows[:, None] * D
+                    cos1 = tl.load(cs + c1[None, :], mask=live, other=1.0)
+                    sin1 = tl.load(sn + c1[None, :], mask=live, other=0.0)
+                    cos2 = tl.load(cs + c2[None, :], mask=live, other=1.0)
+                    sin2 = tl.load(sn + c2[None, :], mask=live, other=0.0)
+                    r1 = x1 * cos1 - x2 * sin1
+                    x2 = x2 * cos2 + x1 * sin2
+                    x1 = r1
+            dst = out + rows[:, None] * o_s3
+            ty = out_ptr.dtype.element_ty
+            tl.store(dst + c1[None, :] * o_s4, x1.to(ty), mask=live)
+            tl.store(dst + c2[None, :] * o_s4, x2.to(ty), mask=live)
+
+
+def unpack_into(
+    out: torch.Tensor,
+    frames: torch.Tensor,
+    lo: torch.Tensor,
+    scale: torch.Tensor,
+    geo,
+    b0: int,
+    trellis: bool,
+    rope_cs: tuple[torch.Tensor, torch.Tensor] | None = None,
+    basis: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sparse: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> torch.Tensor:
+    """Write the values of quantised ``frames`` into ``out`` ``[L, 2, H, T, D]`` (any strides).
+
+    ``lo``/``scale`` ``[L, 2, H, D]`` float32; ``geo`` the layout's Geometry; ``b0`` the body's
+    first token; ``rope_cs`` (cos, sin) ``[T, D]`` float32 for pre-RoPE keys; ``basis`` (dec
+    ``[L, 2, H, D, D]``, mean ``[L, 2, H, D]``) float32; ``sparse`` (token indices ``[L, H, k]``,
+    int8 rows ``[L, 2, H, k, D]``, sparse_step). Exact leading tokens are left to the caller."""
+    layers, _, heads, tokens, head_dim = out.shape
+    f = frames.contiguous()
+    dev = out.device
+    dummy = torch.zeros(1, dtype=torch.float32, device=dev)
+    cos, sin = rope_cs if rope_cs is not None else (dummy, dummy)
+    dec, mean = basis if basis is not None else (dummy, dummy)
+    if sparse is not None:
+        sidx, srows, step = sparse[0].to(torch.int32).contiguous(), sparse[1].contiguous(), float(sparse[2])
+        ks = sidx.shape[-1]
+    else:
+        sidx, srows, step, ks = torch.zeros(1, dtype=torch.int32, device=dev), torch.zeros(1, dtype=torch.int8, device=dev), 0.0, 0
+    _unpack_kernel[(layers * 2 * heads,)](
+        f, lo.contiguous(), scale.contiguous(), cos.contiguous(), sin.contiguous(), dec.contiguous(), mean.contiguous(),
+        sidx, srows, out,
+        heads, b0, step,
+        geo.tiles_per_frame, geo.tiles_per_plane, geo.tile_rows, f.stride(0), f.stride(1), f.stride(2),
+        *out.stride(),
+        T=tokens, D=head_dim, BT=BLOCK_TOKENS, TRELLIS=trellis, ROPE=rope_cs is not None, BASIS=basis is not None, KS=ks,
+    )
+    return out

@@ -1,0 +1,106 @@
+"""The fused GPU unpack (fused_unpack.py) against layout.unpack's torch path.
+
+On CPU the kernel runs under Triton's interpreter in a subprocess (the interpreter is chosen when
+the kernel is defined, so it cannot be switched on in this process); on a GPU it is compiled.
+The interpreter rounds float32 to bfloat16 differently from the GPU, so it is checked in float16
+and float32 there, and in bfloat16 on the GPU.
+"""
+
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtest import gpu, synthetic_kv
+from kvfetcher import basis, fused_unpack, layout, presets
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+
+
+def cases(dtypes: tuple[torch.dtype, ...], interpreted: bool) -> list[tuple[str, torch.Tensor, layout.LayoutParams, int]]:
+    """(name, KV, layout, start): every branch of the kernel, odd token counts for the block masks."""
+    L, _, H, D, _ = basis.load(presets.SMOLLM2_BASIS).enc.shape
+    g = torch.Generator().manual_seed(3)
+    smol = torch.randn(L, 2, H, 40, D, generator=g) * 2
+    smol[:, :, :, 17] *= 8  # an outlier token for the sparse corrections
+    big = synthetic_kv(layers=2, heads=2, tokens=45, head_dim=128, dtype=torch.float32, seed=4)
+    balanced = dataclasses.replace(presets.get("balanced").layout, rope_theta=100000.0)
+    out = []
+    for i, dt in enumerate(dtypes):
+        n = str(dt).split(".")[-1]
+        if i == 0 or not interpreted:  # the basis' matrix products are slow under the interpreter: one dtype there
+            out += [(f"balanced-{n}-start256", smol.to(dt), dataclasses.replace(balanced, exact_tokens=0), 256),
+                    (f"balanced-{n}-sink", smol.to(dt), balanced, 0)]
+        out += [
+            (f"trellis-rope-{n}", big.to(dt), layout.LayoutParams(mode="quant", sigma_steps=((0.2, 0.3),), trellis=True, rope_theta=5e5), 512),
+            (f"q8-luma-{n}", big.to(dt), layout.LayoutParams(mode="quant", bits=8, planes=1), 0),
+            (f"lean-{n}", big.to(dt), layout.LayoutParams(mode="quant", kv_bits=(5, 6), rope_theta=5e5), 0),
+        ]
+    return out
+
+
+def compare(device: str, dtypes: tuple[torch.dtype, ...]) -> dict[str, dict[str, float]]:
+    """Unpack every case with the torch path and the kernel, into a strided view of a larger buffer
+    (poisoned first, so an unwritten value shows); per case the largest difference in units of the
+    KV dtype's spacing, and the fraction of values that differ."""
+    res = {}
+    for name, kv, p, start in cases(dtypes, interpreted=device == "cpu"):
+        pk = layout.pack(kv, p, start)
+        got = {}
+        for flag in ("0", "1"):
+            os.environ["KVFETCHER_FUSED_UNPACK"] = flag
+            assert fused_unpack.enabled(pk.frames.to(device)) == (flag == "1"), "the kernel must run exactly when asked"
+            buf = torch.full((*kv.shape[:3], kv.shape[3] + 9, kv.shape[4]), float("nan"), dtype=kv.dtype, device=device)
+            view = buf[:, :, :, 5 : 5 + kv.shape[3]]
+            layout.unpack(pk.frames.to(device), pk.side.to(device), tuple(kv.shape), kv.dtype, p, out=view, start=start)
+            got[flag] = view.float().cpu()
+            assert torch.isnan(buf[:, :, :, :5]).all() and torch.isnan(buf[:, :, :, 5 + kv.shape[3]:]).all(), "wrote outside the view"
+        a, b = got["0"], got["1"]
+        # the spacing of the KV dtype at the value, or at the chunk's mean magnitude for values near
+        # zero (where the basis' sums cancel, float32 rounding differences are absolute, not relative)
+        spacing = torch.finfo(kv.dtype).eps * torch.maximum(a.abs(), a.abs().mean())
+        res[name] = {"ulps": float(((a - b).abs() / spacing).nan_to_num(float("inf")).max()),
+                     "frac": float((a != b).float().mean()), "nan": bool(torch.isnan(b).any())}
+    os.environ.pop("KVFETCHER_FUSED_UNPACK", None)
+    return res
+
+
+def check(res: dict[str, dict[str, float]]) -> None:
+    for name, r in res.items():
+        assert not r["nan"], f"{name}: values left unwritten"
+        assert r["ulps"] <= 2 and r["frac"] < 0.02, f"{name}: {r}"  # same arithmetic; a fused multiply-add may move a last bit
+        if not name.startswith("balanced"):
+            assert r["frac"] < 0.001, f"{name}: {r}"  # no matrix product: elementwise, bit for bit but for FMA contraction
+
+
+@needs_triton
+def test_fused_unpack_matches_the_torch_path_under_the_interpreter():
+    code = ("import json, torch, test_fused_unpack as t; "
+            "print(json.dumps(t.compare('cpu', (torch.float16, torch.float32))))")
+    path = [str(ROOT / d) for d in ("sidecar", "tests", "bench")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(path))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    check(json.loads(r.stdout.strip().splitlines()[-1]))
+
+
+def test_the_kernel_is_off_unless_asked_for(monkeypatch):
+    frames = torch.zeros(1, 1, 8, 8, dtype=torch.uint8)
+    monkeypatch.delenv("KVFETCHER_FUSED_UNPACK", raising=False)
+    assert not fused_unpack.enabled(frames)
+    monkeypatch.setenv("KVFETCHER_FUSED_UNPACK", "1")
+    assert not fused_unpack.enabled(frames) or os.environ.get("TRITON_INTERPRET") == "1"  # CPU frames: the torch path
+    assert not fused_unpack.supports(48, 256) and not fused_unpack.supports(16, 256) and fused_unpack.supports(64, 256)
+
+
+@gpu
+@needs_triton
+def test_fused_unpack_matches_the_torch_path_on_the_gpu():
+    check(compare("cuda", (torch.bfloat16, torch.float16, torch.float32)))
