@@ -104,3 +104,23 @@ def test_the_kernel_is_off_unless_asked_for(monkeypatch):
 @needs_triton
 def test_fused_unpack_matches_the_torch_path_on_the_gpu():
     check(compare("cuda", (torch.bfloat16, torch.float16, torch.float32)))
+
+
+@gpu
+@needs_triton
+def test_fused_unpack_addresses_buffers_past_2_to_the_31_values(monkeypatch):
+    """A 70B model's 128K-token buffer holds 2**32 values: the kernel's offsets must be 64-bit."""
+    kv = synthetic_kv(layers=2, heads=1, tokens=40, head_dim=128, dtype=torch.bfloat16, seed=5)
+    p = layout.LayoutParams(mode="quant", sigma_steps=((0.2, 0.3),), trellis=True, rope_theta=5e5)
+    pk = layout.pack(kv, p, 0)
+    cap = (1 << 31) // (2 * 128) + 64  # layer 1 starts past 2**31 values (8.6 GB of bfloat16 in all)
+    buf = torch.empty((2, 2, 1, cap, 128), dtype=torch.bfloat16, device="cuda")
+    view = buf[:, :, :, cap - 40 :]
+    monkeypatch.setenv("KVFETCHER_FUSED_UNPACK", "0")
+    ref = layout.unpack(pk.frames.cuda(), pk.side.cuda(), tuple(kv.shape), kv.dtype, p, start=0)
+    monkeypatch.setenv("KVFETCHER_FUSED_UNPACK", "1")
+    view.fill_(float("nan"))
+    layout.unpack(pk.frames.cuda(), pk.side.cuda(), tuple(kv.shape), kv.dtype, p, out=view, start=0)
+    assert torch.equal(view, ref)
+    del buf
+    torch.cuda.empty_cache()

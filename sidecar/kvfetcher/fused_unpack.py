@@ -101,7 +101,8 @@ if triton is not None:
         co1 = tl.zeros([HALF], dtype=tl.int32)
         ce2 = tl.zeros([HALF], dtype=tl.int32)
         co2 = tl.zeros([HALF], dtype=tl.int32)
-        out = out_ptr + layer * o_s0 + kv * o_s1 + h * o_s2
+        # 64-bit: a 70B model's buffer holds more than 2**31 values (layer * its stride overflows 32 bits)
+        out = out_ptr + layer.to(tl.int64) * o_s0 + kv.to(tl.int64) * o_s1 + h.to(tl.int64) * o_s2
         for t0 in range(0, T, BT):
             rows = t0 + tl.arange(0, BT)
             live = (rows < T)[:, None]
@@ -139,7 +140,7 @@ if triton is not None:
                     r1 = x1 * cos1 - x2 * sin1
                     x2 = x2 * cos2 + x1 * sin2
                     x1 = r1
-            dst = out + rows[:, None] * o_s3
+            dst = out + rows[:, None].to(tl.int64) * o_s3
             ty = out_ptr.dtype.element_ty
             tl.store(dst + c1[None, :] * o_s4, x1.to(ty), mask=live)
             tl.store(dst + c2[None, :] * o_s4, x2.to(ty), mask=live)
