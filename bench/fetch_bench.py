@@ -15,13 +15,24 @@ what the ``raw`` preset's direct path (``pipeline``: ranged GETs into pinned sta
 CRC per segment, one copy on a side stream) is compared with. ``--link-gbps`` puts the objects
 behind an emulated link (``linkstore``) instead of a local directory.
 
+``--kvsrc`` at the source model's own shape (``--shape 30,3,64``: SmolLM2-135M) stores its real
+KV as that model's server would (``kvsource.own_chunks``: keys rotated with its own RoPE base);
+with ``--fingerprint`` naming the model (``smollm2-135m...``) the presets' shipped basis is kept,
+which every other run drops (``chunk.encode_chunk``). Each preset row records the stored
+header's basis and frame shape. Before timing, each preset is fetched once whole, so every decode
+worker process has started its CUDA context and decoders; worker statistics count the timed
+repeats only.
+
     python bench/fetch_bench.py --device cuda --chunks 64 --shape 32,8,128 --kv real.pt --procs 0,8 --presets raw,raw-direct,q8,lean
+    python bench/fetch_bench.py --device cuda --chunks 64 --shape 30,3,64 --kvsrc kvsrc.pt --distinct 2 \
+        --fingerprint smollm2-135m-instruct-q4_1/float32 --procs 8 --presets balanced,compact --max-rows 4096
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import statistics
 import sys
@@ -38,12 +49,12 @@ import kvsource  # noqa: E402
 from kvtest import synthetic_kv  # noqa: E402
 from nvdec_bench import NvmlSampler  # noqa: E402
 
-from kvfetcher import ipc, pipeline  # noqa: E402
+from kvfetcher import container, ipc, pipeline, presets  # noqa: E402
 from kvfetcher.chunk import decode_chunk, encode_chunk  # noqa: E402
 from kvfetcher.decode_workers import DecodeWorkers  # noqa: E402
 from kvfetcher.store.local import LocalStore  # noqa: E402
 
-ROPE_THETA = 500000.0  # Llama-3's; used by pre-RoPE presets
+ROPE_THETA = kvsource.LLAMA3_THETA  # of the tiled and synthetic KV; used by pre-RoPE presets
 
 
 def tile_real(real: torch.Tensor, layers: int, heads: int, tokens: int, head_dim: int) -> torch.Tensor:
@@ -88,11 +99,26 @@ def ceilings(kv_chunk: torch.Tensor, buf: torch.Tensor, repeats: int = 5) -> dic
             ("h2d_pinned_GB_s" if buf.is_cuda else "host_copy_GB_s"): round(n / min(copy_s) / 1e9, 2)}
 
 
-async def fetch_once(store, refs, buf, device, window, decode_workers, workers=None):
+async def fetch_once(store, refs, buf, device, window, decode_workers, workers=None, fingerprint: str = "bench"):
     with ThreadPoolExecutor(16) as io, ThreadPoolExecutor(decode_workers) as dec:
         dest = pipeline.Destination(buf.tensor, tokens=sum(r.tokens for r in refs), handle=buf.handle)
-        return await pipeline.fetch(store, refs, dest, fingerprint="bench", io_pool=io, decode_pool=dec, device=device,
+        return await pipeline.fetch(store, refs, dest, fingerprint=fingerprint, io_pool=io, decode_pool=dec, device=device,
                                     window=window, workers=workers)
+
+
+def preset_with(name: str, max_rows: int | None) -> presets.Preset:
+    """A preset, its planes ``max_rows`` tall if given (the header stores the layout, so decoding needs nothing else)."""
+    p = presets.get(name)
+    if max_rows is None or p.layout.mode == "native":
+        return p
+    return dataclasses.replace(p, layout=dataclasses.replace(p.layout, max_rows=max_rows))
+
+
+def check_basis(p: presets.Preset, h: container.Header, fingerprint: str) -> None:
+    """Stop if the fingerprint names the preset basis' model but the stored chunk dropped the
+    basis (its shape does not fit): the run would not measure what was asked for."""
+    if p.layout.basis and fingerprint.startswith(p.layout.basis.rsplit("-", 1)[0]) and h.layout.basis is None:
+        raise SystemExit(f"{p.name}: basis {p.layout.basis} dropped for KV of shape {list(h.shape)}")
 
 
 def restored_bit_exact(buf: torch.Tensor, chunk_of, args) -> bool:
@@ -119,11 +145,11 @@ def raw_direct(store, chunk_of, args, buf, kv_bytes: int) -> dict:
         store.put(name, objs[i % len(objs)])
         refs.append(pipeline.ChunkRef(name, len(objs[i % len(objs)]), i * args.chunk_tokens, args.chunk_tokens))
     with ThreadPoolExecutor(16) as io:
-        fetch_raw_direct(store, refs[:2], buf.tensor, 0, io, args.window)  # warm-up
+        fetch_raw_direct(store, refs, buf.tensor, 0, io, args.window)  # warm-up
         buf.tensor.zero_()
         secs = [fetch_raw_direct(store, refs, buf.tensor, 0, io, args.window) for _ in range(args.repeats)]
     med = statistics.median(secs)
-    run = {"procs": None, "fetch_s": round(med, 4), "kv_GB_per_s": round(kv_bytes / med / 1e9, 3)}
+    run = {"procs": None, "fetch_s": round(med, 4), "fetch_s_each": [round(x, 4) for x in secs], "kv_GB_per_s": round(kv_bytes / med / 1e9, 3)}
     print(RAW_DIRECT, json.dumps(run), flush=True)
     return {"stored_bytes": sum(r.size for r in refs), "ratio": 1.0, "runs": [run], "restored_bit_exact": restored_bit_exact(buf.tensor, chunk_of, args)}
 
@@ -138,8 +164,12 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=4)
     ap.add_argument("--decode-workers", type=int, default=2, help="decode threads when --procs is 0")
     ap.add_argument("--procs", default="0", help="comma-separated decode worker process counts to compare (0: threads)")
-    ap.add_argument("--kv", help="real KV tensor (torch.save) to tile into the shape")
-    ap.add_argument("--kvsrc", help="real KV saved by bench/kvsource.py, tiled as the TTFT benchmark does (8B heads)")
+    ap.add_argument("--kv", help="real KV tensor (torch.save) to tile into the shape (pre-RoPE presets take its keys "
+                    "as rotated with Llama-3's base; a model's own KV at its shape: --kvsrc)")
+    ap.add_argument("--kvsrc", help="real KV saved by bench/kvsource.py: at its own shape as it is, at 8B heads tiled as the TTFT benchmark does")
+    ap.add_argument("--fingerprint", default="bench", help="the chunks' model fingerprint; one starting with a shipped basis' "
+                    "model tag (smollm2-135m) keeps the basis where the KV's shape fits it")
+    ap.add_argument("--max-rows", type=int, help="stack tiles until a plane is this tall (default: each preset's layout)")
     ap.add_argument("--distinct", type=int, default=0, help="encode only this many distinct chunks (0: all)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out")
@@ -148,16 +178,26 @@ def main() -> None:
     layers, heads, head_dim = (int(x) for x in args.shape.split(","))
     tokens = args.chunks * args.chunk_tokens
     distinct = args.distinct or args.chunks
+    rope_theta, kv_desc = ROPE_THETA, "synthetic"
     if args.kvsrc:
-        kv = torch.cat(kvsource.real_chunks(torch.load(args.kvsrc), distinct, layers), 3)
+        src = torch.load(args.kvsrc)
+        own = tuple(src["kv"].shape[i] for i in (1, 3, 5))
+        if (layers, heads, head_dim) == own:
+            kv = torch.cat(kvsource.own_chunks(src, distinct, args.chunk_tokens), 3)
+            rope_theta, kv_desc = src["source_theta"], f"real ({args.kvsrc}) at its own shape"
+        else:
+            kv = torch.cat(kvsource.real_chunks(src, distinct, layers), 3)
+            kv_desc = f"real ({args.kvsrc}) tiled"
     elif args.kv:
         kv = tile_real(torch.load(args.kv).half(), layers, heads, distinct * args.chunk_tokens, head_dim)
+        kv_desc = f"real ({args.kv}) tiled"
     else:
         kv = synthetic_kv(layers=layers, heads=heads, tokens=distinct * args.chunk_tokens, head_dim=head_dim)
     kv_bytes = layers * 2 * heads * tokens * head_dim * kv.element_size()
     results = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "date": time.strftime("%Y-%m-%d"),
-               "kv": f"real ({args.kvsrc or args.kv}) tiled" if args.kvsrc or args.kv else "synthetic", "kv_bytes": kv_bytes, "chunks": args.chunks,
-               "distinct_chunks": distinct, "chunk_tokens": args.chunk_tokens, "shape": [layers, heads, head_dim], "presets": {}}
+               "kv": kv_desc, "kv_bytes": kv_bytes, "chunks": args.chunks, "distinct_chunks": distinct, "chunk_tokens": args.chunk_tokens,
+               "shape": [layers, heads, head_dim], "fingerprint": args.fingerprint, "rope_theta": rope_theta, "max_rows": args.max_rows,
+               "presets": {}}
     procs = [int(p) for p in args.procs.split(",")]
     pools = {p: DecodeWorkers(p) for p in procs if p}
     for w in pools.values():
@@ -173,10 +213,13 @@ def main() -> None:
             if preset == RAW_DIRECT:
                 results["presets"][preset] = raw_direct(store, chunk_of, args, buf, kv_bytes)
                 continue
+            p = preset_with(preset, args.max_rows)
             refs, stored, t = [], 0, time.perf_counter()
-            objs = [encode_chunk(kv[:, :, :, i * args.chunk_tokens : (i + 1) * args.chunk_tokens].contiguous(), preset, "bench",
-                                 start=i * args.chunk_tokens, rope_theta=ROPE_THETA) for i in range(distinct)]
+            objs = [encode_chunk(kv[:, :, :, i * args.chunk_tokens : (i + 1) * args.chunk_tokens].contiguous(), p, args.fingerprint,
+                                 start=i * args.chunk_tokens, rope_theta=rope_theta) for i in range(distinct)]
             encode_s = time.perf_counter() - t
+            h = container.parse_header(objs[0])
+            check_basis(p, h, args.fingerprint)
             for i in range(args.chunks):
                 obj = objs[i % distinct]
                 name = f"kv/{i}/{preset}.kvfc"
@@ -184,20 +227,24 @@ def main() -> None:
                 stored += len(obj)
                 refs.append(pipeline.ChunkRef(name, len(obj), i * args.chunk_tokens, args.chunk_tokens))
             row = results["presets"][preset] = {"stored_bytes": stored, "ratio": round(kv_bytes / stored, 3),
-                                                "encode_MB_s": round(distinct * kv_bytes / args.chunks / encode_s / 1e6, 1), "runs": []}
-            for p in procs:
-                w = pools.get(p)
+                                                "encode_MB_s": round(distinct * kv_bytes / args.chunks / encode_s / 1e6, 1),
+                                                "basis": h.layout.basis, "frame_shape": list(h.frame_shape), "runs": []}
+            print(preset, "basis", row["basis"], "frames", row["frame_shape"], flush=True)
+            for n in procs:
+                w = pools.get(n)
+                fetch_args = (store, refs, buf, args.device, args.window, args.decode_workers, w, args.fingerprint)
+                out = asyncio.run(fetch_once(*fetch_args))  # warm-up: every chunk once, so every worker process has decoded
+                assert out.error is None, out
                 if w is not None:
                     w.stats = dict.fromkeys(w.stats, 0.0)
-                asyncio.run(fetch_once(store, refs[:2], buf, args.device, args.window, args.decode_workers, w))  # warm-up
                 secs = []
                 with NvmlSampler() as util:
                     for _ in range(args.repeats):
-                        out = asyncio.run(fetch_once(store, refs, buf, args.device, args.window, args.decode_workers, w))
+                        out = asyncio.run(fetch_once(*fetch_args))
                         assert out.error is None, out
                         secs.append(out.seconds)
                 med = statistics.median(secs)
-                run = {"procs": p, "fetch_s": round(med, 4), "kv_GB_per_s": round(kv_bytes / med / 1e9, 3),
+                run = {"procs": n, "fetch_s": round(med, 4), "fetch_s_each": [round(x, 4) for x in secs], "kv_GB_per_s": round(kv_bytes / med / 1e9, 3),
                        "decode_busy_s": round(out.decode_busy_s, 4), "read_busy_s": round(out.read_busy_s, 4),
                        "direct_chunks": out.direct_chunks} | util.result()
                 if w is not None and w.stats["chunks"]:  # where the workers' time went, per chunk (raw never uses them)
@@ -205,7 +252,7 @@ def main() -> None:
                 row["runs"].append(run)
                 print(preset, json.dumps(run), flush=True)
             if args.device == "cuda" or preset == "raw":  # what was restored is what was stored
-                ref = torch.cat([decode_chunk(objs[i % distinct], "bench", args.device) for i in range(min(args.chunks, distinct))], 3)
+                ref = torch.cat([decode_chunk(objs[i % distinct], args.fingerprint, args.device) for i in range(min(args.chunks, distinct))], 3)
                 row["restored_matches_decode"] = bool(torch.equal(buf.tensor[:, :, :, : ref.shape[3]], ref))
             if preset == "raw":
                 row["restored_bit_exact"] = restored_bit_exact(buf.tensor, chunk_of, args)

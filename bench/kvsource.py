@@ -11,7 +11,8 @@ the pre-RoPE presets rely on). The statistics are real Smol channels; the 8B mod
 would differ, which the results say.
 
 Step 1 (where the small model is, once): ``python bench/kvsource.py --out kvsrc.pt`` saves
-the Smol KV (pre-RoPE keys, values; bf16). Step 2 (anywhere): :func:`chunks` tiles it.
+the Smol KV (pre-RoPE keys, values; bf16). Step 2 (anywhere): :func:`chunks` tiles it, or
+:func:`own_chunks` gives it back at Smol's own shape (where its shipped basis fits).
 """
 
 from __future__ import annotations
@@ -72,6 +73,28 @@ def chunks(src: dict, n: int, dtype: torch.dtype = torch.bfloat16, start: int = 
         keys = torch.cat([a[:, :, 0, :, :half], b[:, :, 0, :, :half], a[:, :, 0, :, half:], b[:, :, 0, :, half:]], -1)
         vals = torch.cat([a[:, :, 1], b[:, :, 1]], -1)
         c = torch.stack([rope.apply(keys, cos, sin), vals], 1)  # [L, 2, H, T, D]
+        out.append(c.to(dtype).contiguous())
+    return out
+
+
+def own_chunks(src: dict, n: int, tokens: int = SHAPE[3], dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
+    """``n`` distinct chunks at the source model's own shape ``[30, 2, 3, tokens, 64]``, keys
+    rotated with its own RoPE base (``source_theta``) at positions ``tokens * i..``, as a
+    server of that model would store them, so its shipped basis and pre-RoPE presets apply.
+
+    Chunk ``i`` is piece ``i // texts`` of text ``i % texts``: a source of 256 tokens per text
+    has as many distinct chunks as texts, and asking for more is an error, not a repeat.
+    """
+    kv_all = src["kv"].float()  # [texts, L, 2, H, T, D], keys before RoPE
+    texts, T = kv_all.shape[0], kv_all.shape[4]
+    if n > texts * (T // tokens):
+        raise ValueError(f"the source has {texts * (T // tokens)} distinct {tokens}-token chunks, not {n}")
+    out = []
+    for i in range(n):
+        piece = i // texts
+        c = kv_all[i % texts, :, :, :, piece * tokens : (piece + 1) * tokens].clone()
+        cos, sin = rope.rotation(i * tokens, tokens, c.shape[-1], src["source_theta"])
+        c[:, 0] = rope.apply(c[:, 0], cos, sin)
         out.append(c.to(dtype).contiguous())
     return out
 
