@@ -16,11 +16,20 @@ output was not kept.)
 Failure semantics are the pipeline's: a worker verifies every segment's checksum and decodes
 every segment of a chunk before it writes a byte, so a chunk that fails leaves the buffer
 untouched. A worker that dies is replaced; the chunk it held is reported as failed.
+
+Cold start: a fresh worker has only imported torch. Its first chunk would also pay for the CUDA
+context, loading libnvcuvid, the unpack kernels, the model's basis on the device and the buffer's
+IPC mapping: on a user's time to first token, and in the cost model's first decode rate.
+:meth:`DecodeWorkers.warm` pays all but the last at start-up, by restoring tiny chunks
+(:func:`warmup_object`) into scratch tensors through the same path; :meth:`DecodeWorkers.open`
+maps a buffer when the model registers it. (NVDEC decoders are kept per frame geometry: a real
+chunk's first one still opens its own decoder, ~20 ms, :class:`codecs.nvidia.NvdecDecoder`.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import logging
@@ -33,15 +42,18 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
-from . import codecs, container
+from . import basis, codecs, container, presets
 
 log = logging.getLogger("kvfetcher.decode_workers")
 
 MAX_OPEN_BUFFERS = 8  # handles a worker keeps open (least recently used are dropped)
 MIN_SLAB = 64 << 20  # bytes of compressed chunk a worker's slab holds before it grows
+WARM_TOKENS = 16  # tokens of a warm-up chunk: an exact row, a trellis body and its sparse rows
+WARM_TIMEOUT_S = 120.0  # a warm-up chunk that takes longer is abandoned and its worker replaced
 
 
 class WorkerError(RuntimeError):
@@ -115,16 +127,24 @@ class _WorkerState:
         return memoryview(self.slab.mm)
 
 
+def _destination(state: _WorkerState, target: tuple, h: container.Header) -> torch.Tensor:
+    """What a chunk is written to: the KV buffer a handle names (``("buffer", key, handle)``), or
+    for a warm-up a scratch tensor of the chunk's own shape (``("scratch", device)``)."""
+    if target[0] == "scratch":
+        return torch.empty(h.shape, dtype=h.torch_dtype, device=target[1])
+    return state.buffer(target[1], target[2])
+
+
 def _restore(state: _WorkerState, msg: tuple) -> tuple[int, dict]:
     """In a worker: verify and decode one chunk fully, then write it to its slots.
 
     Returns the KV bytes written and seconds per step (for the coordinator's statistics)."""
     from . import pipeline  # the worker's own import; pipeline imports nothing from here at call time
 
-    key, handle, header, slab, spans, slots = msg
+    target, header, slab, spans, slots = msg
     t0 = time.perf_counter()
-    buf = state.buffer(key, handle)
     h = container.parse_header(header)
+    buf = _destination(state, target, h)
     ref = pipeline.ChunkRef("", 0, 0, len(slots))
     dest = pipeline.Destination(buf, slots=slots)
     dest.check(h, ref)
@@ -166,6 +186,12 @@ def _serve(conn) -> None:
             state.buffers.pop(msg[1], None)
             state.unopenable.pop(msg[1], None)
             continue
+        if msg[0] == "open":
+            try:
+                state.buffer(msg[1], msg[2])
+            except _OpenFailed as e:  # remembered: every chunk for this buffer will say so
+                log.warning("decode worker %d cannot open buffer %s: %s", os.getpid(), msg[1], e)
+            continue
         try:
             conn.send(("ok", *_restore(state, msg[1])))
         except container.ContainerError as e:
@@ -183,7 +209,8 @@ class _Worker:
         self.proc = ctx.Process(target=_serve, args=(child,), daemon=True, name="kvf-decode-worker")
         self.proc.start()
         child.close()
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # one request at a time (slab, send, reply)
+        self.send_lock = threading.Lock()  # one writer on the pipe: a one-way message need not wait for a reply
         self.slab: _Slab | None = None
 
     def _slab_for(self, size: int) -> _Slab:
@@ -198,7 +225,9 @@ class _Worker:
                 old.close(unlink=True)
         return self.slab
 
-    def call(self, key: str, handle: dict, header: bytes, blobs: Sequence[bytes], slots: list[int]) -> tuple:
+    def call(self, target: tuple, header: bytes, blobs: Sequence[bytes], slots: list[int], timeout: float | None = None) -> tuple:
+        """Restore one chunk into ``target`` (see :func:`_destination`); the worker's reply.
+        Past ``timeout`` seconds the worker is given up on (WorkerError): replace it."""
         with self.lock:
             slab = self._slab_for(sum(len(b) for b in blobs))
             spans, at = [], 0
@@ -207,10 +236,21 @@ class _Worker:
                 spans.append((at, at + len(b)))
                 at += len(b)
             try:
-                self.conn.send(("restore", (key, handle, header, (slab.path, slab.size), spans, slots)))
+                with self.send_lock:
+                    self.conn.send(("restore", (target, header, (slab.path, slab.size), spans, slots)))
+                if timeout is not None and not self.conn.poll(timeout):
+                    raise WorkerError(f"decode worker {self.proc.pid} did not answer within {timeout:g} s")
                 return self.conn.recv()
             except (EOFError, OSError, BrokenPipeError) as e:
                 raise WorkerError(f"decode worker {self.proc.pid} died: {e}") from e
+
+    def post(self, msg: tuple) -> None:
+        """A one-way message (open, forget): queued behind a request in flight, without waiting for it."""
+        with self.send_lock:
+            try:
+                self.conn.send(msg)
+            except (OSError, BrokenPipeError):
+                pass  # a dead worker: replaced at its next request
 
     def ready(self) -> None:
         if not self.conn.poll(120):
@@ -228,6 +268,40 @@ class _Worker:
         if self.slab is not None:
             self.slab.close(unlink=True)
             self.slab = None
+
+
+@dataclass
+class Warmup:
+    """What :meth:`DecodeWorkers.warm` did, per worker, and what failed."""
+
+    seconds: list[float]  # wall time of each worker's warm-up, seen from the coordinator
+    restored: list[int]  # warm-up chunks each worker restored
+    errors: list[str]
+
+
+def _parts(obj: bytes) -> tuple[bytes, list[bytes], list[int]]:
+    """A whole stored object as a worker request takes it: header, parts (side first), slots."""
+    h = container.parse_header(obj)
+    if len(obj) != h.total_size:
+        raise container.TruncatedError(f"object is {len(obj)} bytes, its header promises {h.total_size}")
+    parts = ([h.side] if h.side else []) + list(h.segments)
+    return obj[: h.header_size], [container.slice_segment(obj, h, s) for s in parts], list(range(h.shape[3]))
+
+
+@functools.lru_cache(maxsize=None)
+def warmup_object(preset: str) -> bytes:
+    """A tiny valid stored chunk of ``preset`` (synthetic fp16 values) to warm workers with. For a
+    preset with a shipped basis it has the basis's shape and model tag, so that the basis and sparse
+    paths run (for another model's chunks they would not, but they cost little to warm)."""
+    from .chunk import encode_chunk  # chunk needs the encoders, which the workers never import
+
+    p = presets.get(preset)
+    layers, heads, head_dim, fingerprint = 2, 2, 64, "kvfetcher-warmup"
+    if p.layout.basis is not None and p.layout.basis in basis.available():
+        layers, heads, head_dim = basis.load(p.layout.basis).shape
+        fingerprint = p.layout.basis.rsplit("-", 1)[0]
+    kv = torch.randn((layers, 2, heads, WARM_TOKENS, head_dim), generator=torch.Generator().manual_seed(0)).to(torch.float16)
+    return encode_chunk(kv, p, fingerprint, rope_theta=10000.0 if p.pre_rope else None)
 
 
 _ERRORS = {c.__name__: c for c in (container.ContainerError, *container.ContainerError.__subclasses__())}
@@ -283,7 +357,7 @@ class DecodeWorkers:
         w = await idle.get()
         try:
             blobs = ([side] if side is not None else []) + list(segments)
-            reply = await loop.run_in_executor(self._threads, w.call, handle_key(handle), handle, bytes(header), blobs,
+            reply = await loop.run_in_executor(self._threads, w.call, ("buffer", handle_key(handle), handle), bytes(header), blobs,
                                                [int(s) for s in slots])
         except WorkerError:
             w = self._replace(w)
@@ -309,14 +383,49 @@ class DecodeWorkers:
         self._workers[self._workers.index(dead)] = w
         return w
 
+    def open(self, handle: dict) -> None:
+        """Have every worker map a buffer the model registered, now, not on the first fetch into it.
+        A worker that cannot remembers why (as a fetch would have found), and says so for every chunk."""
+        for w in self._workers:
+            w.post(("open", handle_key(handle), handle))
+
     def forget(self, handle: dict) -> None:
         """Drop a buffer the model unregistered (workers would otherwise keep it mapped)."""
         for w in self._workers:
-            with w.lock:
-                try:
-                    w.conn.send(("forget", handle_key(handle)))
-                except (OSError, BrokenPipeError):
-                    pass
+            w.post(("forget", handle_key(handle)))
+
+    def warm(self, device: str, objects: Sequence[bytes]) -> Warmup:
+        """Restore each stored object in every worker, into a scratch tensor on ``device`` (never a KV
+        buffer), through a real chunk's path: the first fetch then finds the CUDA context, NVDEC, the
+        unpack kernels and the bases ready. Best effort: failures are logged and returned, a worker that
+        dies or hangs is replaced. Blocking (seconds on a GPU); call it at start-up, before any restore."""
+        self.start()
+        chunks, refused = [], []
+        for obj in objects:
+            try:
+                chunks.append(_parts(obj))
+            except container.ContainerError as e:
+                refused.append(f"{type(e).__name__}: {e}")
+                log.warning("warm-up object refused (%s)", refused[-1])
+        done = list(self._threads.map(functools.partial(self._warm_one, device, chunks), range(self.procs)))
+        return Warmup([d[0] for d in done], [d[1] for d in done], refused + [e for d in done for e in d[2]])
+
+    def _warm_one(self, device: str, chunks: list[tuple], i: int) -> tuple[float, int, list[str]]:
+        """Worker ``i`` restores every warm-up chunk: (seconds, chunks restored, errors)."""
+        t, restored, errors = time.perf_counter(), 0, []
+        for header, blobs, slots in chunks:
+            w = self._workers[i]
+            try:
+                reply = w.call(("scratch", device), header, blobs, slots, timeout=WARM_TIMEOUT_S)
+            except WorkerError as e:
+                self._replace(w)
+                reply = ("error", str(e))
+            if reply[0] == "ok":
+                restored += 1
+            else:
+                errors.append(f"worker {i}: " + ": ".join(map(str, reply[1:])))
+                log.warning("decode worker warm-up failed (%s)", errors[-1])
+        return time.perf_counter() - t, restored, errors
 
     def close(self) -> None:
         for w in self._workers:

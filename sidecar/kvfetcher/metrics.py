@@ -43,6 +43,9 @@ class Metrics:
         self.bandwidth = Gauge("kvfetcher_store_bandwidth_bytes_per_second", "Estimated read throughput by endpoint", ["endpoint"], registry=r)
         self.fallbacks = Counter("kvfetcher_fallbacks_total", "Tokens-to-recompute outcomes, by reason", ["reason"], registry=r)
         self.errors = Counter("kvfetcher_errors_total", "Errors, by reason", ["reason"], registry=r)
+        self.warm_up_seconds = Gauge(
+            "kvfetcher_decode_warm_up_seconds", "Seconds the slowest decode worker took to warm up at start", registry=r
+        )
         self.store_queue_depth = Gauge("kvfetcher_store_queue_depth", "Chunks waiting to be encoded and uploaded", registry=r)
         self.store_dropped = Counter("kvfetcher_store_dropped_total", "Store requests dropped because the queue was full", registry=r)
 

@@ -25,7 +25,7 @@ import torch
 
 from . import choice, ipc, keys, layout, pipeline
 from .chunk import encode_chunk
-from .decode_workers import DecodeWorkers
+from .decode_workers import DecodeWorkers, warmup_object
 from .metrics import Metrics
 from .presets import PRESETS, measured
 from .store import Store, StoreError
@@ -43,7 +43,8 @@ class Config:
     ``KVFETCHER_PRESET`` (comma-separated: every listed representation is stored),
     ``KVFETCHER_ALLOWED_PRESETS`` (what a fetch may choose among), ``KVFETCHER_TENANT`` (key salt;
     defaults to ``KVFETCHER_POOL``), ``KVFETCHER_RECOMPUTE_TPS``, ``KVFETCHER_ROPE_THETA`` (for pre-RoPE presets),
-    ``KVFETCHER_TTFT_BUDGET_S`` (prefer a fetch within this TTFT to a faster recompute: see :mod:`choice`)."""
+    ``KVFETCHER_TTFT_BUDGET_S`` (prefer a fetch within this TTFT to a faster recompute: see :mod:`choice`),
+    ``KVFETCHER_WARM_UP`` (``0``: decode workers meet CUDA, NVDEC and a registered buffer on the first fetch)."""
 
     chunk_tokens: int = keys.DEFAULT_CHUNK_TOKENS
     presets: tuple[str, ...] = ("q8",)  # representations written for each chunk
@@ -56,6 +57,9 @@ class Config:
     store_queue_chunks: int = 256  # bound of the store queue, in chunks
     decode_workers: int = 2
     decode_procs: int = 8 if torch.cuda.is_available() else 0
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"  # where the KV buffers live: decode workers warm up there
+    # decode workers: restore a tiny chunk of each served preset at start, map a buffer when it is registered
+    warm_up: bool = True
     io_workers: int = 32
     window: int = 4  # chunks in flight per fetch
 
@@ -79,6 +83,8 @@ class Config:
             c.decode_procs = int(env["KVFETCHER_DECODE_PROCS"])
         if env.get("KVFETCHER_TTFT_BUDGET_S"):
             c.ttft_budget_s = float(env["KVFETCHER_TTFT_BUDGET_S"])
+        if env.get("KVFETCHER_WARM_UP"):
+            c.warm_up = env["KVFETCHER_WARM_UP"].strip().lower() not in ("0", "false", "no", "off")
         c.validate()
         return c
 
@@ -135,10 +141,34 @@ class Sidecar:
     # --- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        if self.workers is not None:  # seconds of process start-up: not on a request's path
-            await asyncio.get_running_loop().run_in_executor(None, self.workers.start)
+        if self.workers is not None:  # seconds of process start-up and warm-up: not on a request's path
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, self.workers.start)
+            if self.config.warm_up:
+                await loop.run_in_executor(None, self._warm_workers)
         self._queue = asyncio.Queue()
         self._worker = asyncio.create_task(self._store_worker())
+
+    def _warm_workers(self) -> None:
+        """Restore a tiny chunk of every preset this sidecar may fetch in each decode worker, so that the
+        first fetch neither waits for CUDA and NVDEC set-up nor teaches the cost model a cold decode rate.
+        Best effort: failures are logged and counted, and the sidecar serves anyway."""
+        assert self.workers is not None
+        served = self.config.allowed_presets or self.config.presets
+        names = [p for p in served if PRESETS[p].layout.mode != "native"]  # native chunks take the direct path, no worker
+        if not names:
+            return
+        try:
+            w = self.workers.warm(self.config.device, [warmup_object(p) for p in names])
+        except Exception:
+            log.exception("decode worker warm-up failed")
+            self.metrics.errors.labels("warm_up").inc()
+            return
+        if w.errors:
+            self.metrics.errors.labels("warm_up").inc(len(w.errors))
+        self.metrics.warm_up_seconds.set(max(w.seconds))
+        log.warning("decode workers warmed on %s with %s in %s s%s", self.config.device, ",".join(names),
+                    " ".join(f"{x:.2f}" for x in w.seconds), f"; {len(w.errors)} failed: {w.errors[0]}" if w.errors else "")
 
     async def close(self, drain_s: float = 10.0) -> None:
         """Stop; queued stores get ``drain_s`` to finish (within a pod's termination grace)."""
@@ -173,6 +203,8 @@ class Sidecar:
         ns = keys.Namespace(model=model, dtype=layout.dtype_name(t.dtype), tp_rank=tp_rank, tenant=self.config.tenant)
         bid = uuid.uuid4().hex
         self.buffers[bid] = Buffer(t, ns, handle)
+        if self.workers is not None and self.config.warm_up:  # mapped now (CUDA IPC), not on the first fetch into it
+            self.workers.open(handle)
         return bid
 
     def unregister(self, bid: str) -> None:

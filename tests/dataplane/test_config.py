@@ -32,6 +32,7 @@ def test_sidecar_config_from_the_operators_env():
     assert Config.from_env({"KVFETCHER_DECODE_PROCS": "3"}).decode_procs == 3
     assert Config.from_env({"KVFETCHER_TTFT_BUDGET_S": "1.5"}).ttft_budget_s == 1.5
     assert Config.from_env({}).ttft_budget_s is None
+    assert Config.from_env({}).warm_up and not Config.from_env({"KVFETCHER_WARM_UP": "0"}).warm_up
 
 
 @pytest.mark.parametrize("env", [{"KVFETCHER_PRESET": "q3000"}, {"KVFETCHER_ALLOWED_PRESETS": "raw,nope"}, {"KVFETCHER_CHUNK_TOKENS": "0"},

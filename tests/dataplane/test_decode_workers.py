@@ -6,13 +6,15 @@ here the workers decode with libavcodec and write through the buffer's shared-me
 
 import os
 import signal
+import uuid
 
 import pytest
 import torch
 
 from kvfetcher import container, ipc, pipeline
 from kvfetcher.chunk import decode_chunk, encode_chunk
-from kvfetcher.decode_workers import DecodeWorkers
+from kvfetcher.decode_workers import DecodeWorkers, warmup_object
+from kvfetcher.service import Config, Sidecar
 from kvfetcher.store.local import LocalStore
 
 from dptest import SENTINEL, fetch, put_chunks
@@ -68,14 +70,18 @@ async def test_workers_restore_what_threads_restore_and_raw_bypasses_them(tmp_pa
     assert bool((buf.tensor[:, :, :, untouched] == SENTINEL).all())
 
 
-def garbage_bitstream(store, ref):
-    """A well-formed object whose checksums match but whose HEVC does not decode."""
-    obj = store.get(ref.name)
+def undecodable(obj: bytes) -> bytes:
+    """The object, well-formed and with matching checksums, but with HEVC that does not decode."""
     h = container.parse_header(obj)
     fields = {k: v for k, v in h.to_json().items() if k not in ("layout_version", "side", "segments")}
     side = container.side_tensor(h, container.slice_segment(obj, h, h.side)) if h.side else None
     segs = [(s.frames, b"\x00\x00\x01" + os.urandom(s.length)) for s in h.segments]
-    bad = container.build(fields, side, segs)
+    return container.build(fields, side, segs)
+
+
+def garbage_bitstream(store, ref):
+    """A stored object replaced by its :func:`undecodable` twin."""
+    bad = undecodable(store.get(ref.name))
     store.delete(ref.name)
     store.put(ref.name, bad)
     return pipeline.ChunkRef(ref.name, len(bad), ref.start, ref.tokens)
@@ -149,3 +155,123 @@ async def test_a_buffer_the_workers_cannot_open_is_restored_in_process(tmp_path,
     assert out.error is None and out.loaded_tokens == 64, out.detail
     assert torch.equal(buf.tensor, expected(store, refs))
     assert out.bytes_read == sum(r.size for r in refs)  # nothing downloaded twice
+
+
+# --- warm-up and eager open ---------------------------------------------------------------------
+
+
+def round_trip(workers):
+    """A request through every worker: the one-way messages sent before it have been handled."""
+    assert workers.warm("cpu", [warmup_object("q8")]).restored == [1] * workers.procs
+
+
+def test_a_warm_up_object_runs_the_code_paths_of_its_preset():
+    h = container.parse_header(warmup_object("balanced"))
+    assert h.layout.basis and h.layout.trellis and h.layout.sparse_tokens and h.layout.exact_tokens
+    assert h.side is not None and all(s.length for s in h.segments)
+
+
+def test_warm_up_restores_every_object_in_every_worker(workers):
+    objects = [warmup_object(p) for p in ("exact", "q8", "lean", "balanced")]
+    before = dict(workers.stats)
+    w = workers.warm("cpu", objects)
+    assert w.restored == [4, 4] and w.errors == [], w
+    assert len(w.seconds) == 2 and all(s > 0 for s in w.seconds)
+    assert workers.stats == before  # a warm-up is not a fetch: the statistics stay those of fetches
+
+
+async def test_a_bad_warm_up_object_is_reported_and_the_workers_still_serve(tmp_path, workers, shared):
+    good = warmup_object("q8")
+    w = workers.warm("cpu", [undecodable(good), b"not a chunk" * 8, good])
+    assert w.restored == [1, 1], w
+    assert len(w.errors) == 3 and sum("Corrupt" in e for e in w.errors) == 2 and "Foreign" in w.errors[0], w.errors
+    kv = synthetic_kv(layers=2, heads=2, tokens=64, head_dim=32)
+    store = LocalStore(tmp_path)
+    refs = put_chunks(store, kv, 32, preset="q8")
+    buf = shared(kv)
+    before = workers.stats["chunks"]
+    out = await fetch(store, refs, pipeline.Destination(buf.tensor, tokens=64, handle=buf.handle), workers=workers)
+    assert out.error is None and workers.stats["chunks"] - before == 2
+    assert torch.equal(buf.tensor, expected(store, refs))
+
+
+def test_a_worker_that_dies_before_its_warm_up_is_replaced():
+    w = DecodeWorkers(1)
+    try:
+        w.start()
+        dead = w._workers[0].proc
+        os.kill(dead.pid, signal.SIGKILL)
+        dead.join(5)
+        r = w.warm("cpu", [warmup_object("q8"), warmup_object("q8")])
+        assert r.restored == [1] and len(r.errors) == 1 and "died" in r.errors[0], r
+        assert w._workers[0].proc is not dead and w._workers[0].proc.is_alive()
+    finally:
+        w.close()
+
+
+async def test_an_opened_buffer_is_held_by_the_workers(tmp_path, workers, shared):
+    """Opened when the model registers it: the workers restore into it even after its file is gone."""
+    kv = synthetic_kv(layers=2, heads=2, tokens=64, head_dim=32)
+    store = LocalStore(tmp_path)
+    refs = put_chunks(store, kv, 32, preset="q8")
+    buf = shared(kv)
+    workers.open(buf.handle)
+    round_trip(workers)
+    buf.close()  # unlinked: a worker that had not mapped it could not any more
+    try:
+        before = workers.stats["chunks"]
+        out = await fetch(store, refs, pipeline.Destination(buf.tensor, tokens=64, handle=buf.handle), workers=workers)
+        assert out.error is None and workers.stats["chunks"] - before == 2, out
+        assert torch.equal(buf.tensor, expected(store, refs))
+    finally:
+        workers.forget(buf.handle)
+
+
+async def test_a_buffer_that_failed_to_open_is_remembered_until_forgotten(tmp_path, workers, shared):
+    """An eager open that fails is remembered as a fetch's would be: chunks for that buffer are
+    restored in the calling process, even once it could be opened, until it is forgotten."""
+    kv = synthetic_kv(layers=2, heads=2, tokens=64, head_dim=32)
+    store = LocalStore(tmp_path)
+    refs = put_chunks(store, kv, 32, preset="q8")
+    buf = shared(kv)
+    later = ipc.shm_dir() / f"{ipc.SHM_PREFIX}{uuid.uuid4().hex}"
+    handle = dict(buf.handle, path=str(later))
+    workers.open(handle)
+    round_trip(workers)
+    os.link(buf.handle["path"], later)  # now it could be opened
+    try:
+        dest = pipeline.Destination(buf.tensor, tokens=64, handle=handle)
+        before = workers.stats["chunks"]
+        out = await fetch(store, refs, dest, workers=workers)
+        assert out.error is None and workers.stats["chunks"] == before, out  # restored here, not retried
+        assert torch.equal(buf.tensor, expected(store, refs))
+        workers.forget(handle)
+        buf.tensor.fill_(SENTINEL)
+        out = await fetch(store, refs, dest, workers=workers)
+        assert out.error is None and workers.stats["chunks"] - before == 2, out
+        assert torch.equal(buf.tensor, expected(store, refs))
+    finally:
+        workers.forget(handle)
+        later.unlink()
+
+
+async def test_a_sidecar_warms_its_workers_and_maps_a_buffer_when_it_is_registered(tmp_path, shared):
+    kv = synthetic_kv(layers=2, heads=2, tokens=64, head_dim=32)
+    sc = Sidecar(LocalStore(tmp_path), Config(chunk_tokens=32, presets=("exact",), decode_procs=1, device="cpu"))
+    await sc.start()
+    try:
+        assert sc.metrics.registry.get_sample_value("kvfetcher_decode_warm_up_seconds") > 0
+        assert sc.metrics.registry.get_sample_value("kvfetcher_errors_total", {"reason": "warm_up"}) is None
+        buf = shared(kv)
+        buf.tensor.copy_(kv)
+        bid = sc.register(buf.handle, "m")
+        sc.store_prefix(bid, list(range(64)))
+        await sc.flush()
+        round_trip(sc.workers)
+        buf.close()  # only a worker that mapped it at registration can still write it
+        buf.tensor.fill_(SENTINEL)
+        r = await sc.fetch(bid, list(range(64)), presets=["exact"], recompute_tps=1e-9)
+        assert (r.get("error"), r["loaded_tokens"], sc.workers.stats["chunks"]) == (None, 64, 2), r
+        assert torch.equal(buf.tensor, kv)
+    finally:
+        await sc.close()
