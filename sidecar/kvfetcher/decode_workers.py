@@ -288,20 +288,31 @@ def _parts(obj: bytes) -> tuple[bytes, list[bytes], list[int]]:
     return obj[: h.header_size], [container.slice_segment(obj, h, s) for s in parts], list(range(h.shape[3]))
 
 
-@functools.lru_cache(maxsize=None)
-def warmup_object(preset: str) -> bytes:
-    """A tiny valid stored chunk of ``preset`` (synthetic fp16 values) to warm workers with. For a
-    preset with a shipped basis it has the basis's shape and model tag, so that the basis and sparse
-    paths run (for another model's chunks they would not, but they cost little to warm)."""
+@functools.lru_cache(maxsize=16)
+def warmup_object(preset: str, shape: tuple[int, int, int, int] | None = None, dtype: torch.dtype = torch.float16,
+                  fingerprint: str | None = None) -> bytes:
+    """A valid stored chunk of ``preset`` (synthetic values) to warm workers with.
+
+    Without ``shape`` a tiny one: for a preset with a shipped basis, of the basis's shape and model
+    tag, so that the basis and sparse paths run (for another model's chunks they would not, but they
+    cost little to warm). With ``shape`` (layers, kv_heads, tokens, head_dim), ``dtype`` and the
+    model's ``fingerprint``, a chunk exactly like that model's: the same frame geometry (NVDEC
+    decoders are kept per geometry) and the same unpack variant (the fused kernel is compiled per
+    head size and chunk length, with or without the basis)."""
     from .chunk import encode_chunk  # chunk needs the encoders, which the workers never import
 
     p = presets.get(preset)
-    layers, heads, head_dim, fingerprint = 2, 2, 64, "kvfetcher-warmup"
-    if p.layout.basis is not None and p.layout.basis in basis.available():
-        layers, heads, head_dim = basis.load(p.layout.basis).shape
-        fingerprint = p.layout.basis.rsplit("-", 1)[0]
-    kv = torch.randn((layers, 2, heads, WARM_TOKENS, head_dim), generator=torch.Generator().manual_seed(0)).to(torch.float16)
-    return encode_chunk(kv, p, fingerprint, rope_theta=10000.0 if p.pre_rope else None)
+    if shape is None:
+        layers, heads, tokens, head_dim, fingerprint = 2, 2, WARM_TOKENS, 64, "kvfetcher-warmup"
+        if p.layout.basis is not None and p.layout.basis in basis.available():
+            layers, heads, head_dim = basis.load(p.layout.basis).shape
+            fingerprint = p.layout.basis.rsplit("-", 1)[0]
+    else:
+        layers, heads, tokens, head_dim = shape
+    kv = torch.randn((layers, 2, heads, tokens, head_dim), generator=torch.Generator().manual_seed(0)).to(dtype)
+    # a later chunk (start > 0): no exact sink row, as almost every fetched chunk
+    return encode_chunk(kv, p, fingerprint or "kvfetcher-warmup", start=tokens if shape else 0,
+                        rope_theta=10000.0 if p.pre_rope else None)
 
 
 _ERRORS = {c.__name__: c for c in (container.ContainerError, *container.ContainerError.__subclasses__())}

@@ -137,6 +137,7 @@ class Sidecar:
         self._queue: asyncio.Queue[_StoreJob] | None = None
         self._pending_chunks = 0
         self._worker: asyncio.Task | None = None
+        self._warming: asyncio.Future | None = None  # the latest registered buffer's warm-up
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -149,17 +150,24 @@ class Sidecar:
         self._queue = asyncio.Queue()
         self._worker = asyncio.create_task(self._store_worker())
 
-    def _warm_workers(self) -> None:
-        """Restore a tiny chunk of every preset this sidecar may fetch in each decode worker, so that the
-        first fetch neither waits for CUDA and NVDEC set-up nor teaches the cost model a cold decode rate.
-        Best effort: failures are logged and counted, and the sidecar serves anyway."""
+    def _warm_workers(self, buf: Buffer | None = None) -> None:
+        """Restore a chunk of every preset this sidecar may fetch in each decode worker, so that the
+        first fetch neither waits for CUDA and NVDEC set-up nor teaches the cost model a cold decode rate:
+        at start a tiny one; for a registered buffer ``buf`` one of its model's chunk geometry (NVDEC
+        decoders and the fused unpack are per geometry). Best effort: failures are logged and counted,
+        and the sidecar serves anyway."""
         assert self.workers is not None
         served = self.config.allowed_presets or self.config.presets
         names = [p for p in served if PRESETS[p].layout.mode != "native"]  # native chunks take the direct path, no worker
         if not names:
             return
         try:
-            w = self.workers.warm(self.config.device, [warmup_object(p) for p in names])
+            if buf is None:
+                objects = [warmup_object(p) for p in names]
+            else:
+                L, _, H, _, D = buf.tensor.shape
+                objects = [warmup_object(p, (L, H, self.config.chunk_tokens, D), buf.tensor.dtype, buf.ns.model) for p in names]
+            w = self.workers.warm(self.config.device, objects)
         except Exception:
             log.exception("decode worker warm-up failed")
             self.metrics.errors.labels("warm_up").inc()
@@ -181,6 +189,8 @@ class Sidecar:
         if self._worker:
             self._worker.cancel()
             await asyncio.gather(self._worker, return_exceptions=True)
+        if self._warming is not None:  # the decode workers are still in use until it ends
+            await asyncio.gather(self._warming, return_exceptions=True)
         for pool in (self.io_pool, self.decode_pool, self.encode_pool):
             pool.shutdown(wait=False, cancel_futures=True)
         if self.workers is not None:
@@ -205,6 +215,10 @@ class Sidecar:
         self.buffers[bid] = Buffer(t, ns, handle)
         if self.workers is not None and self.config.warm_up:  # mapped now (CUDA IPC), not on the first fetch into it
             self.workers.open(handle)
+            try:  # and its model's chunks decoded once, in the background (seconds of encoding on the CPU)
+                self._warming = asyncio.get_running_loop().run_in_executor(None, self._warm_workers, self.buffers[bid])
+            except RuntimeError:  # no event loop (a direct caller): nothing to run it in the background of
+                pass
         return bid
 
     def unregister(self, bid: str) -> None:

@@ -11,7 +11,7 @@ import uuid
 import pytest
 import torch
 
-from kvfetcher import container, ipc, pipeline
+from kvfetcher import basis, container, ipc, pipeline
 from kvfetcher.chunk import decode_chunk, encode_chunk
 from kvfetcher.decode_workers import DecodeWorkers, warmup_object
 from kvfetcher.service import Config, Sidecar
@@ -171,6 +171,16 @@ def test_a_warm_up_object_runs_the_code_paths_of_its_preset():
     assert h.side is not None and all(s.length for s in h.segments)
 
 
+def test_a_warm_up_object_of_a_model_s_geometry_is_coded_as_its_chunks_are():
+    from kvfetcher import presets
+
+    h = container.parse_header(warmup_object("balanced", (4, 2, 32, 64), torch.bfloat16, "another-model"))
+    assert (tuple(h.shape), h.dtype, h.layout.basis, h.layout.exact_tokens) == ((4, 2, 2, 32, 64), "bfloat16", None, 0)
+    L, H, D = basis.load(presets.SMOLLM2_BASIS).shape
+    h = container.parse_header(warmup_object("balanced", (L, H, 256, D), torch.bfloat16, "smollm2-135m-instruct-q4_1/float32"))
+    assert h.layout.basis == presets.SMOLLM2_BASIS and h.layout.sparse_tokens > 0  # the shipped model's chunks keep it
+
+
 def test_warm_up_restores_every_object_in_every_worker(workers):
     objects = [warmup_object(p) for p in ("exact", "q8", "lean", "balanced")]
     before = dict(workers.stats)
@@ -265,6 +275,8 @@ async def test_a_sidecar_warms_its_workers_and_maps_a_buffer_when_it_is_register
         buf = shared(kv)
         buf.tensor.copy_(kv)
         bid = sc.register(buf.handle, "m")
+        await sc._warming  # this model's chunk geometry, in the background
+        assert sc.metrics.registry.get_sample_value("kvfetcher_errors_total", {"reason": "warm_up"}) is None
         sc.store_prefix(bid, list(range(64)))
         await sc.flush()
         round_trip(sc.workers)
