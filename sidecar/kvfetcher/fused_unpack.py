@@ -114,10 +114,10 @@ if triton is not None:
             for j in tl.static_range(KS):  # sparse corrections: rows of this head's outlier tokens
                 tok = tl.load(sidx_ptr + (layer * H + h) * KS + j)
                 hit = (rows == tok)[:, None]
-                r1 = tl.load(srows_ptr + (pid * KS + j) * D + c1).to(tl.float32) * (sc1 * sparse_step)
-                r2 = tl.load(srows_ptr + (pid * KS + j) * D + c2).to(tl.float32) * (sc2 * sparse_step)
-                x1 += tl.where(hit, r1[None, :], 0.0)
-                x2 += tl.where(hit, r2[None, :], 0.0)
+                fix1 = tl.load(srows_ptr + (pid * KS + j) * D + c1).to(tl.float32) * (sc1 * sparse_step)
+                fix2 = tl.load(srows_ptr + (pid * KS + j) * D + c2).to(tl.float32) * (sc2 * sparse_step)
+                x1 += tl.where(hit, fix1[None, :], 0.0)
+                x2 += tl.where(hit, fix2[None, :], 0.0)
             if BASIS:  # values = dec @ (x + mean), per token; dec's halves as four [D/2, D/2] blocks
                 y1 = x1 + tl.load(mean_ptr + pid * D + c1)[None, :]
                 y2 = x2 + tl.load(mean_ptr + pid * D + c2)[None, :]
@@ -137,9 +137,9 @@ if triton is not None:
                     sin1 = tl.load(sn + c1[None, :], mask=live, other=0.0)
                     cos2 = tl.load(cs + c2[None, :], mask=live, other=1.0)
                     sin2 = tl.load(sn + c2[None, :], mask=live, other=0.0)
-                    r1 = x1 * cos1 - x2 * sin1
+                    rot = x1 * cos1 - x2 * sin1
                     x2 = x2 * cos2 + x1 * sin2
-                    x1 = r1
+                    x1 = rot
             dst = out + rows[:, None].to(tl.int64) * o_s3
             ty = out_ptr.dtype.element_ty
             tl.store(dst + c1[None, :] * o_s4, x1.to(ty), mask=live)
