@@ -75,14 +75,13 @@ def compare(device: str, dtypes: tuple[torch.dtype, ...]) -> dict[str, dict[str,
 def check(res: dict[str, dict[str, float]]) -> None:
     for name, r in res.items():
         assert not r["nan"], f"{name}: values left unwritten"
-        if name.startswith("balanced") and "float32" in name:
-            # the basis' matrix product sums in another order than cuBLAS: in float32 output that shows
-            # (seen on an H100: 200 units, 2.4e-5 of the mean magnitude); 16-bit output rounds it away
+        if "float32" in name:
+            # at float32's precision the compiler's fused multiply-adds and the basis' summation order
+            # show (seen on an H100: up to 365 units, 4e-5 of the chunk's mean magnitude)
             assert r["ulps"] <= 1000, f"{name}: {r}"
             continue
-        assert r["ulps"] <= 2 and r["frac"] < 0.02, f"{name}: {r}"  # same arithmetic; a fused multiply-add may move a last bit
-        if not name.startswith("balanced"):
-            assert r["frac"] < 0.001, f"{name}: {r}"  # no matrix product: elementwise, bit for bit but for FMA contraction
+        # 16-bit output rounds those away but for a last bit here and there (H100: <= 1 unit, < 0.01% of values)
+        assert r["ulps"] <= 2 and r["frac"] < 0.001, f"{name}: {r}"
 
 
 @needs_triton
