@@ -94,6 +94,7 @@ class Bench:
         if self.sidecar.workers is not None:
             self.sidecar.workers.start()
         self.io = ThreadPoolExecutor(16)
+        self.journal = journal(self.sidecar.estimator)
 
     def store(self, gbps: float) -> linkstore.LinkStore:
         st = linkstore.LinkStore(linkstore.Link(gbps * 1e9 / 8, latency_s=0.002), endpoint=f"link-{gbps:g}")
@@ -107,7 +108,9 @@ class Bench:
         r = asyncio.run(self.sidecar.fetch("b", self.tokens[:ctx], deadline_s=box, **kw))
         s = time.perf_counter() - t
         d = r.get("decision") or {}
-        out = {"decision": d.get("preset"), "predicted_s": d.get("predicted_s"), "bytes_read": r.get("bytes_read", 0)}
+        out = {"decision": d.get("preset"), "predicted_s": d.get("predicted_s"), "bytes_read": r.get("bytes_read", 0),
+               "options": d.get("options")}
+        self.journal.append(["fetch", ctx, preset, self.sidecar.store.endpoint, s, out["decision"]])
         if r["loaded_tokens"] == ctx:
             return out | {"seconds": s}
         if preset is None and not r.get("error"):  # chose recompute: the model prefills after the decision
@@ -117,6 +120,18 @@ class Bench:
     def raw_direct(self, ctx: int) -> float:
         refs = [fetchkit.pipeline.ChunkRef(f"raw-direct/{i}.kvfc", len(self.raw[i % 2]), i * CHUNK, CHUNK) for i in range(ctx // CHUNK)]
         return fetchkit.fetch_raw_direct(self.sidecar.store, refs, self.shared.tensor, 0, self.io, window=16)
+
+
+def journal(est) -> list:
+    """Record every observation the sidecar's estimator receives (and, from ``Bench``, every fetch), so
+    that another estimator can be replayed offline on the same run."""
+    log: list = []
+    for name in ("observe_read", "observe_latency", "observe_decode", "observe_lookup", "observe_fit"):
+        def record(*a, _f=getattr(est, name), _n=name, **kw):
+            log.append([_n, *a, kw] if kw else [_n, *a])
+            return _f(*a, **kw)
+        setattr(est, name, record)
+    return log
 
 
 def measure(args) -> None:
@@ -161,6 +176,7 @@ def measure(args) -> None:
                 else:
                     cell[m] = b.kvfetcher(ctx, None if m == "auto" else m, rec[ctx], box)
             res["cells"].append(cell)
+            res["estimator_journal"] = b.journal
             print(json.dumps(cell), flush=True)
             Path(args.out).write_text(json.dumps(res, indent=1))
     if b.sidecar.workers is not None:

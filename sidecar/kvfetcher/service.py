@@ -390,12 +390,13 @@ class Sidecar:
         m.loaded_tokens.inc(out.loaded_tokens)
         if out.error is None:
             fmt = PRESETS[d.preset].codec.format
-            self.estimator.observe_read(ep, out.bytes_read, out.read_busy_s, fmt)
-            self.estimator.observe_decode(d.preset, out.kv_bytes, out.decode_busy_s)
             if out.header_latency_s:
                 self.estimator.observe_latency(ep, min(out.header_latency_s))
-            if out.loaded_tokens == d.tokens:  # the whole planned fetch: its time is comparable
-                m.fit.labels(d.preset).set(self.estimator.observe_fit(ep, d.preset, fmt, out.bytes_read, out.kv_bytes, out.seconds))
+            if self.estimator.settled(fmt):  # not the process' first fetch of this format (see choice.Estimator.settled)
+                self.estimator.observe_read(ep, out.bytes_read, out.read_busy_s, fmt)
+                self.estimator.observe_decode(d.preset, out.kv_bytes, out.decode_busy_s)
+                if out.loaded_tokens == d.tokens:  # the whole planned fetch: its time is comparable
+                    m.fit.labels(d.preset).set(self.estimator.observe_fit(ep, d.preset, fmt, out.bytes_read, out.kv_bytes, out.seconds))
             if out.decode_busy_s > 0:
                 m.decode_rate.labels(d.preset).set(out.kv_bytes / out.decode_busy_s)
             m.predicted_seconds.observe(d.predicted_s)

@@ -185,3 +185,9 @@ def test_the_fit_is_per_endpoint_and_falls_back_to_the_preset_s():
     assert e.fit("q8", "slow") == pytest.approx(1.1)
     assert e.fit("q8", "fast") == pytest.approx(1.5)  # unchanged by the other endpoint
     assert e.fit("raw", "fast") == 1.0  # never measured
+
+
+def test_a_process_first_fetch_of_each_format_does_not_teach_the_rates():
+    e = Estimator()
+    assert not e.settled("raw") and e.settled("raw") and e.settled("raw")  # the first pays set-up
+    assert not e.settled("hevc") and e.settled("hevc")  # per format

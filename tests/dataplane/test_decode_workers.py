@@ -285,5 +285,8 @@ async def test_a_sidecar_warms_its_workers_and_maps_a_buffer_when_it_is_register
         r = await sc.fetch(bid, list(range(64)), presets=["exact"], recompute_tps=1e-9)
         assert (r.get("error"), r["loaded_tokens"], sc.workers.stats["chunks"]) == (None, 64, 2), r
         assert torch.equal(buf.tensor, kv)
+        assert "exact" not in sc.estimator.rates(sc.store.endpoint, 1.0).decode_Bps  # a first fetch pays set-up: not learned
+        r = await sc.fetch(bid, list(range(64)), presets=["exact"], recompute_tps=1e-9)
+        assert r["loaded_tokens"] == 64 and "exact" in sc.estimator.rates(sc.store.endpoint, 1.0).decode_Bps
     finally:
         await sc.close()
