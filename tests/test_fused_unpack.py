@@ -95,12 +95,15 @@ def test_fused_unpack_matches_the_torch_path_under_the_interpreter():
     check(json.loads(r.stdout.strip().splitlines()[-1]))
 
 
-def test_the_kernel_is_off_unless_asked_for(monkeypatch):
+def test_the_kernel_serves_cuda_frames_unless_switched_off(monkeypatch):
     frames = torch.zeros(1, 1, 8, 8, dtype=torch.uint8)
     monkeypatch.delenv("KVFETCHER_FUSED_UNPACK", raising=False)
-    assert not fused_unpack.enabled(frames)
-    monkeypatch.setenv("KVFETCHER_FUSED_UNPACK", "1")
-    assert not fused_unpack.enabled(frames) or os.environ.get("TRITON_INTERPRET") == "1"  # CPU frames: the torch path
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not fused_unpack.enabled(frames)  # CPU frames: the torch path
+    if torch.cuda.is_available() and fused_unpack.triton is not None:
+        assert fused_unpack.enabled(frames.cuda())
+        monkeypatch.setenv("KVFETCHER_FUSED_UNPACK", "0")
+        assert not fused_unpack.enabled(frames.cuda())
     assert not fused_unpack.supports(48, 256) and not fused_unpack.supports(16, 256) and fused_unpack.supports(64, 256)
 
 
