@@ -1,28 +1,66 @@
-import json, sys
+"""estimator_replay: replay a GPU run's estimator observations through the current choice.Estimator.
+
+``auto_scale_bench`` journals every observation the sidecar's estimator received, in order, with
+the fetches between them (``estimator_journal`` in its JSON). Fed through an estimator offline,
+they show what that estimator would have predicted at each automatic decision: a change to the
+estimator can be checked on real GPU timings without the GPU. Predictions are for 64K-token
+fetches of ``raw`` and ``balanced`` with the sizes of that run.
+
+    python bench/estimator_replay.py docs/benchmarks/auto70b_estimator_h100_run1.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
 from kvfetcher import choice
-r = json.load(open(sys.argv[1]))
-FMT = {"raw": "raw", "balanced": "hevc", "q8": "hevc"}
-STORED = {"raw": 21475152468, "balanced": 6456103200}
-KV = 21474836480
-def run(skip_first: bool, label: str):
+
+FORMATS = {"raw": "raw", "balanced": "hevc", "q8": "hevc"}
+
+
+def replay(journal: list, stored: dict[str, int], kv_bytes: int, context: int, settle: bool) -> list[dict]:
+    """The predictions at each automatic fetch of ``context`` tokens; ``settle``: leave out each
+    format's first fetch, as the sidecar does (:meth:`choice.Estimator.settled`)."""
     e = choice.Estimator(gpu=True)
-    seen, group = set(), []
-    for ev in r["estimator_journal"]:
+    out, group = [], []
+    for ev in journal:
         if ev[0] == "observe_lookup":
             continue
         if ev[0] != "fetch":
-            group.append(ev); continue
-        _, ctx, preset, ep, secs, decided = ev
-        if ctx == 65536 and preset is None:  # the auto decision, made before this fetch's observations
-            rt = e.rates(ep, 1.0)
-            pred = {p: choice.fetch_seconds(STORED[p], KV, choice.decode_rate(p, FMT[p], rt), rt, rt.fit.get(p, 1.0), FMT[p]) for p in STORED}
-            print(f"{label:28s} {ep}: predicted raw {pred['raw']:.2f} s, balanced {pred['balanced']:.2f} s -> {min(pred, key=pred.get)}")
+            group.append(ev)
+            continue
+        _, ctx, preset, endpoint, _, _ = ev
+        if ctx == context and preset is None:  # the decision, made before this fetch's observations
+            r = e.rates(endpoint, 1.0)
+            pred = {p: choice.fetch_seconds(n, kv_bytes, choice.decode_rate(p, FORMATS[p], r), r, r.fit.get(p, 1.0), FORMATS[p])
+                    for p, n in stored.items()}
+            out.append({"endpoint": endpoint, "predicted_s": pred, "choice": min(pred, key=pred.get)})
         fmt = next((g[4] for g in group if g[0] == "observe_read"), None)
-        first = fmt not in seen
-        seen.add(fmt)
+        learn = e.settled(fmt) if settle and fmt else True
         for g in group:
-            if g[0] == "observe_latency" or not (skip_first and first):
+            if g[0] == "observe_latency" or learn:
                 getattr(e, g[0])(*g[1:])
         group = []
-run(False, "decayed sums (as run)")
-run(True, "+ first fetch per format off")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("json", help="an auto_scale_bench result with estimator_journal")
+    ap.add_argument("--context", type=int, default=65536)
+    a = ap.parse_args()
+    res = json.loads(open(a.json).read())
+    cells = {c["gbps"]: c for c in res["cells"] if c["context"] == a.context}
+    stored = {p: int(c[p]["bytes_read"]) for c in cells.values() for p in ("raw", "balanced") if c[p].get("bytes_read")}
+    kv = a.context // 256 * res["bytes_per_chunk"]["kv_bf16"]
+    for settle in (False, True):
+        for d in replay(res["estimator_journal"], stored, int(kv), a.context, settle):
+            c = cells[float(d["endpoint"].split("-")[1])]
+            actual = {p: round(c[p]["seconds"], 2) for p in ("raw", "balanced")}
+            print(f"{'first fetches left out' if settle else 'every fetch learned':24s} {d['endpoint']:9s} predicted "
+                  + ", ".join(f"{p} {s:.2f} s" for p, s in d["predicted_s"].items()) + f" -> {d['choice']:8s} (measured {actual})")
+
+
+if __name__ == "__main__":
+    main()
