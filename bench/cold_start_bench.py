@@ -29,7 +29,6 @@ import json
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "sidecar"), str(ROOT / "tests"), str(ROOT / "bench")]
 
 import fetchkit  # noqa: E402
+from kvtest import free_port  # noqa: E402
 
 from kvfetcher import ipc, keys  # noqa: E402
 from kvfetcher.client import KVClient  # noqa: E402
@@ -51,14 +51,6 @@ from kvfetcher.store.local import LocalStore  # noqa: E402
 
 TOKEN = "cold-start-bench"
 MODES = {"cold": "0", "warm": "1"}  # KVFETCHER_WARM_UP
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def device_tag(device: str) -> str:

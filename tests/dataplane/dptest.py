@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import http.client
 import logging
-import socket
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +16,7 @@ from kvfetcher import pipeline
 from kvfetcher.chunk import encode_chunk
 from kvfetcher.server import Embedded
 from kvfetcher.service import Config, Sidecar
+from kvtest import free_port as closed_port  # noqa: F401  (a port nothing listens on, for the tests)
 
 logging.getLogger("werkzeug").setLevel(logging.WARNING)
 
@@ -31,14 +31,6 @@ def new_bucket(endpoint: str, **kw):
     from kvfetcher.store.s3 import S3Store  # lazily: the GPU image has no minio
 
     return S3Store(endpoint, f"b-{uuid.uuid4().hex[:12]}", "testing", "testing", create_bucket=True, **kw)
-
-
-def closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def raw_request(port, method, path, body=None, headers=None):
