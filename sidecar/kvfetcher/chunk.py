@@ -71,10 +71,7 @@ def decode_chunk(
     """
     h = container.parse_header(obj)
     container.check_fingerprint(h, expected_fingerprint)
-    if len(obj) < h.total_size:
-        raise container.TruncatedError(f"object is {len(obj)} bytes, header promises {h.total_size}")
-    if len(obj) > h.total_size:
-        raise container.CorruptError(f"object has {len(obj) - h.total_size} unexpected trailing bytes")
+    container.check_size(h, len(obj))
     side = container.side_tensor(h, container.slice_segment(obj, h, h.side)) if h.side else None
     dec = codecs.decoder(h.codec.format, device, backend)
     frames = [container.decode_segment(h, s, container.slice_segment(obj, h, s), dec, device) for s in h.segments]

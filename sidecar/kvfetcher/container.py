@@ -286,6 +286,14 @@ def check_fingerprint(h: Header, expected: str | None) -> None:
         raise FingerprintMismatchError(f"chunk belongs to model {h.fingerprint!r}, not {expected!r}")
 
 
+def check_size(h: Header, size: int) -> None:
+    """Raise unless a whole object of ``size`` bytes is exactly what its header promises."""
+    if size < h.total_size:
+        raise TruncatedError(f"object is {size} bytes, header promises {h.total_size}")
+    if size > h.total_size:
+        raise CorruptError(f"object has {size - h.total_size} unexpected trailing bytes")
+
+
 def check(seg: Segment, data: bytes | memoryview) -> None:
     """Raise unless the segment's bytes are complete and match their checksum (no copy)."""
     if len(data) != seg.length:

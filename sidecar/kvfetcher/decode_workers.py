@@ -282,8 +282,7 @@ class Warmup:
 def _parts(obj: bytes) -> tuple[bytes, list[bytes], list[int]]:
     """A whole stored object as a worker request takes it: header, parts (side first), slots."""
     h = container.parse_header(obj)
-    if len(obj) != h.total_size:
-        raise container.TruncatedError(f"object is {len(obj)} bytes, its header promises {h.total_size}")
+    container.check_size(h, len(obj))
     parts = ([h.side] if h.side else []) + list(h.segments)
     return obj[: h.header_size], [container.slice_segment(obj, h, s) for s in parts], list(range(h.shape[3]))
 

@@ -501,8 +501,7 @@ def _unpack_fused(frames: torch.Tensor, side: torch.Tensor, shape: tuple[int, ..
     layers, _, heads, tokens, head_dim = shape
     if out is None:
         out = torch.empty(shape, dtype=dtype, device=frames.device)
-    elif tuple(out.shape) != tuple(shape) or out.dtype != dtype:
-        raise ValueError(f"destination {tuple(out.shape)} {out.dtype} does not match chunk {tuple(shape)} {dtype}")
+    _check_destination(out, shape, dtype)
     ranges, exact = split_side(side, shape, params)
     cs = rope.rotation(start, tokens, head_dim, params.rope_theta, frames.device) if params.rope_theta is not None else None
     basis = _basis(params, layers, heads, head_dim, frames.device)[1:] if params.basis is not None else None
@@ -518,7 +517,11 @@ def _restore(result: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, o
     """``result`` as a new contiguous tensor, or copied into ``out`` (checked against the chunk)."""
     if out is None:
         return result.contiguous()
-    if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
-        raise ValueError(f"destination {tuple(out.shape)} {out.dtype} does not match chunk {tuple(shape)} {dtype}")
+    _check_destination(out, shape, dtype)
     out.copy_(result)
     return out
+
+
+def _check_destination(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
+        raise ValueError(f"destination {tuple(out.shape)} {out.dtype} does not match chunk {tuple(shape)} {dtype}")
