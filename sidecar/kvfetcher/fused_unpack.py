@@ -169,17 +169,18 @@ def unpack_into(
     int8 rows ``[L, 2, H, k, D]``, sparse_step). Exact leading tokens are left to the caller."""
     layers, _, heads, tokens, head_dim = out.shape
     f = frames.contiguous()
-    dev = out.device
-    dummy = torch.zeros(1, dtype=torch.float32, device=dev)
-    cos, sin = rope_cs if rope_cs is not None else (dummy, dummy)
-    dec, mean = basis if basis is not None else (dummy, dummy)
+    lo = lo.contiguous()
+    # a disabled step's pointers are never read (its code is compiled out): any tensor stands in,
+    # rather than allocating (and launching a fill for) placeholders on every chunk
+    cos, sin = rope_cs if rope_cs is not None else (lo, lo)
+    dec, mean = basis if basis is not None else (lo, lo)
     if sparse is not None:
         sidx, srows, step = sparse[0].to(torch.int32).contiguous(), sparse[1].contiguous(), float(sparse[2])
         ks = sidx.shape[-1]
     else:
-        sidx, srows, step, ks = torch.zeros(1, dtype=torch.int32, device=dev), torch.zeros(1, dtype=torch.int8, device=dev), 0.0, 0
+        sidx, srows, step, ks = f, f, 0.0, 0
     _unpack_kernel[(layers * 2 * heads,)](
-        f, lo.contiguous(), scale.contiguous(), cos.contiguous(), sin.contiguous(), dec.contiguous(), mean.contiguous(),
+        f, lo, scale.contiguous(), cos.contiguous(), sin.contiguous(), dec.contiguous(), mean.contiguous(),
         sidx, srows, out,
         heads, b0, step,
         geo.tiles_per_frame, geo.tiles_per_plane, geo.tile_rows, f.stride(0), f.stride(1), f.stride(2),
