@@ -91,8 +91,11 @@ class Bench:
         cfg.decode_procs = procs
         self.sidecar = service.Sidecar(self.store(1.0), cfg)
         self.sidecar.buffers["b"] = service.Buffer(self.shared.tensor, self.ns, self.shared.handle)
-        if self.sidecar.workers is not None:
+        if self.sidecar.workers is not None:  # warmed as a serving sidecar is (Sidecar.start, .register)
             self.sidecar.workers.start()
+            self.sidecar.warm_workers()
+            self.sidecar.workers.open(self.shared.handle)
+            self.sidecar.warm_workers(self.sidecar.buffers["b"])
         self.io = ThreadPoolExecutor(16)
         self.journal = journal(self.sidecar.estimator)
 

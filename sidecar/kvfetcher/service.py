@@ -146,16 +146,17 @@ class Sidecar:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, self.workers.start)
             if self.config.warm_up:
-                await loop.run_in_executor(None, self._warm_workers)
+                await loop.run_in_executor(None, self.warm_workers)
         self._queue = asyncio.Queue()
         self._worker = asyncio.create_task(self._store_worker())
 
-    def _warm_workers(self, buf: Buffer | None = None) -> None:
+    def warm_workers(self, buf: Buffer | None = None) -> None:
         """Restore a chunk of every preset this sidecar may fetch in each decode worker, so that the
         first fetch neither waits for CUDA and NVDEC set-up nor teaches the cost model a cold decode rate:
         at start a tiny one; for a registered buffer ``buf`` one of its model's chunk geometry (NVDEC
         decoders and the fused unpack are per geometry). Best effort: failures are logged and counted,
-        and the sidecar serves anyway."""
+        and the sidecar serves anyway. Blocking; ``start`` and ``register`` call it (the latter in the
+        background), an in-process caller that adds a buffer itself may too."""
         assert self.workers is not None
         served = self.config.allowed_presets or self.config.presets
         names = [p for p in served if PRESETS[p].layout.mode != "native"]  # native chunks take the direct path, no worker
@@ -216,7 +217,7 @@ class Sidecar:
         if self.workers is not None and self.config.warm_up:  # mapped now (CUDA IPC), not on the first fetch into it
             self.workers.open(handle)
             try:  # and its model's chunks decoded once, in the background (seconds of encoding on the CPU)
-                self._warming = asyncio.get_running_loop().run_in_executor(None, self._warm_workers, self.buffers[bid])
+                self._warming = asyncio.get_running_loop().run_in_executor(None, self.warm_workers, self.buffers[bid])
             except RuntimeError:  # no event loop (a direct caller): nothing to run it in the background of
                 pass
         return bid
@@ -348,6 +349,7 @@ class Sidecar:
             pipeline.ChunkRef(keys.object_name(k, d.preset), reps[i][d.preset], i * self.config.chunk_tokens, self.config.chunk_tokens)
             for i, k in enumerate(ck[: d.chunks])
         ]
+        quiet = self._warming is None or self._warming.done()  # else the warm-up shares the decode workers
         out = await pipeline.fetch(
             self.store,
             chunk_refs,
@@ -360,7 +362,7 @@ class Sidecar:
             window=self.config.window,
             workers=self.workers,
         )
-        self._observe(d, out)
+        self._observe(d, out, learn=quiet)
         reply.update(
             loaded_tokens=out.loaded_tokens,
             bytes_read=out.bytes_read,
@@ -384,7 +386,13 @@ class Sidecar:
         except StoreError as e:
             self.metrics.errors.labels(e.reason).inc()
 
-    def _observe(self, d: choice.Decision, out: pipeline.Outcome) -> None:
+    def _observe(self, d: choice.Decision, out: pipeline.Outcome, learn: bool = True) -> None:
+        """Metrics of a fetch, and what it teaches the estimator. ``learn`` False: a fetch that ran
+        beside a buffer's background warm-up (the decode workers shared between both) teaches only
+        its latency: its rates are those of shared, partly cold workers, not a later fetch's. What a
+        cold rate costs, on an H100 (70B shape): a balanced fetch in unwarmed workers taught 0.6 GB/s
+        where 4.4 were restored later, and ``auto`` then fetched 128K tokens raw over 25 Gbit/s, 38%
+        slower than balanced (docs/benchmarks/auto70b_estimator_h100.md)."""
         m, ep = self.metrics, self.store.endpoint
         m.bytes_read.inc(out.bytes_read)
         m.loaded_tokens.inc(out.loaded_tokens)
@@ -392,7 +400,7 @@ class Sidecar:
             fmt = PRESETS[d.preset].codec.format
             if out.header_latency_s:
                 self.estimator.observe_latency(ep, min(out.header_latency_s))
-            if self.estimator.settled(fmt):  # not the process' first fetch of this format (see choice.Estimator.settled)
+            if self.estimator.settled(fmt) and learn:  # not the process' first fetch of this format (see choice.Estimator.settled)
                 self.estimator.observe_read(ep, out.bytes_read, out.read_busy_s, fmt)
                 self.estimator.observe_decode(d.preset, out.kv_bytes, out.decode_busy_s)
                 if out.loaded_tokens == d.tokens:  # the whole planned fetch: its time is comparable

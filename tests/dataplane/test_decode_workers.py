@@ -4,6 +4,7 @@ The same code drives NVDEC in worker processes on a GPU (tests/dataplane/test_gp
 here the workers decode with libavcodec and write through the buffer's shared-memory handle.
 """
 
+import asyncio
 import os
 import signal
 import uuid
@@ -263,6 +264,32 @@ async def test_a_buffer_that_failed_to_open_is_remembered_until_forgotten(tmp_pa
     finally:
         workers.forget(handle)
         later.unlink()
+
+
+async def test_a_fetch_beside_a_warm_up_does_not_teach_the_estimator(tmp_path, shared):
+    kv = synthetic_kv(layers=2, heads=2, tokens=64, head_dim=32)
+    sc = Sidecar(LocalStore(tmp_path), Config(chunk_tokens=32, presets=("exact",), decode_procs=1, device="cpu", warm_up=False))
+    await sc.start()
+    try:
+        buf = shared(kv)
+        buf.tensor.copy_(kv)
+        bid = sc.register(buf.handle, "m")
+        sc.store_prefix(bid, list(range(64)))
+        await sc.flush()
+        learned = lambda: "exact" in sc.estimator.rates(sc.store.endpoint, 1.0).decode_Bps  # noqa: E731
+        warming = asyncio.get_running_loop().create_future()
+        sc._warming = warming  # a registration's warm-up still under way
+        try:
+            for _ in range(2):  # the second would teach (the first of a format never does), but shares the workers
+                r = await sc.fetch(bid, list(range(64)), presets=["exact"], recompute_tps=1e-9)
+                assert r["loaded_tokens"] == 64 and not learned(), r
+        finally:
+            warming.set_result(None)  # (close awaits it)
+        r = await sc.fetch(bid, list(range(64)), presets=["exact"], recompute_tps=1e-9)
+        assert r["loaded_tokens"] == 64 and learned(), r
+        buf.close()
+    finally:
+        await sc.close()
 
 
 async def test_a_sidecar_warms_its_workers_and_maps_a_buffer_when_it_is_registered(tmp_path, shared):
