@@ -53,11 +53,11 @@ TOKEN = "cold-start-bench"
 MODES = {"cold": "0", "warm": "1"}  # KVFETCHER_WARM_UP
 
 
-def device_tag(device: str) -> str:
+def device_tag(name: str) -> str:
     """``cpu``, or the GPU's model in short (``h100``), for file names."""
-    if device == "cpu":
+    if name == "cpu":
         return "cpu"
-    m = re.search(r"\b([A-Z]+\d{2,4})\b", torch.cuda.get_device_name())
+    m = re.search(r"\b([A-Z]+\d{2,4})\b", name)
     return m.group(1).lower() if m else "gpu"
 
 
@@ -185,6 +185,9 @@ def main() -> None:
     ap.add_argument("--gap-s", type=float, default=8.0,
                     help="seconds between registering the buffer and the first fetch (the registration warm-up encodes a chunk of the model per preset on the CPU first: ~2 s each for the 8B shape)")
     ap.add_argument("--out-dir", default=str(ROOT / "docs" / "benchmarks"))
+    ap.add_argument("--from-log", default=None,
+                    help="build the report from the rounds a cut-short run printed (its stdout), with the same other options")
+    ap.add_argument("--device-name", default=None, help="with --from-log on another machine: the GPU the rounds ran on")
     a = ap.parse_args()
     a.procs = a.procs or (8 if a.device == "cuda" else 2)
     L, H, D = (int(x) for x in (a.shape or ("32,8,128" if a.device == "cuda" else "8,8,128")).split(","))
@@ -194,13 +197,32 @@ def main() -> None:
     if a.preset not in a.presets:
         ap.error(f"--preset {a.preset} must be one of the stored --presets")
     command = "python bench/cold_start_bench.py " + " ".join(sys.argv[1:])
-    tag = device_tag(a.device)
-    res = {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "date": datetime.date.today().isoformat(),
+    name = a.device_name or (torch.cuda.get_device_name() if a.device == "cuda" else "cpu")
+    tag = device_tag(name)
+    res = {"device": name, "date": datetime.date.today().isoformat(),
            "torch": torch.__version__, "command": command, "procs": a.procs, "shape": a.shape.name, "presets": a.presets,
            "preset": a.preset, "chunks": a.chunks, "chunk_tokens": a.chunk_tokens, "starts": a.starts, "gap_s": a.gap_s, "rounds": []}
     out = Path(a.out_dir) / f"cold_start_{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     res["json"] = out.name
+    if a.from_log:  # rounds printed one JSON line each; the device must be the one they ran on
+        res["rounds"] = [json.loads(x) for x in Path(a.from_log).read_text().splitlines() if x.startswith('{"mode"')]
+        res["starts"] = min(sum(r["mode"] == m for r in res["rounds"]) for m in MODES)
+        argv = sys.argv[1:]
+        drop = {i + k for i, x in enumerate(argv) if x in ("--from-log", "--device-name") for k in (0, 1)}
+        res["command"] = "python bench/cold_start_bench.py " + " ".join(x for i, x in enumerate(argv) if i not in drop)
+        res["command"] += f"`, cut short at its time limit; the report rebuilt from the {len(res['rounds'])} rounds it printed, with `--from-log"
+    else:
+        run_rounds(a, res, L, H, D)
+    res["summary"] = summary(res["rounds"])
+    out.write_text(json.dumps(res, indent=1) + "\n")
+    md = report(res)
+    out.with_suffix(".md").write_text(md)
+    print(md)
+
+
+def run_rounds(a, res: dict, L: int, H: int, D: int) -> None:
+    """Fresh sidecars, modes alternating; each round's figures appended to ``res`` and printed."""
     with tempfile.TemporaryDirectory() as d:
         tokens = store_prefix(Path(d), a.shape, a.presets, a.chunks, a.chunk_tokens)
         buf = ipc.allocate((L, 2, H, len(tokens), D), torch.bfloat16, a.device)
@@ -212,11 +234,6 @@ def main() -> None:
                     print(json.dumps(r), flush=True)
         finally:
             buf.close()
-    res["summary"] = summary(res["rounds"])
-    out.write_text(json.dumps(res, indent=1) + "\n")
-    md = report(res)
-    out.with_suffix(".md").write_text(md)
-    print(md)
 
 
 if __name__ == "__main__":
