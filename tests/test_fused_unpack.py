@@ -132,3 +132,27 @@ def test_fused_unpack_addresses_buffers_past_2_to_the_31_values(monkeypatch):
     assert ((view.float() - ref.float()).abs() <= ref.float().abs() * 2**-7).all()  # within a last bit of bfloat16
     del buf
     torch.cuda.empty_cache()
+
+
+def _compiled(kernel) -> int:
+    """Variants of a Triton kernel compiled in this process, over all devices."""
+    return sum(len(cache[0]) for cache in kernel.device_caches.values())
+
+
+@gpu
+@needs_triton
+def test_a_prefixs_first_chunk_reuses_the_compiled_kernel(monkeypatch):
+    """The first chunk keeps its sink token exact (body from row 1), later chunks do not (row 0):
+    one compiled kernel must serve both, or the first fetch that reaches position 0 compiles
+    another inside its time to first token (~1 s, seen on an H100)."""
+    monkeypatch.setenv("KVFETCHER_FUSED_UNPACK", "1")
+    kv = synthetic_kv(layers=2, heads=2, tokens=40, head_dim=128, dtype=torch.bfloat16, seed=6).cuda()
+    sink = layout.LayoutParams(mode="quant", sigma_steps=((0.2, 0.3),), trellis=True, rope_theta=5e5)
+    later = dataclasses.replace(sink, exact_tokens=0)  # as chunk.py encodes every chunk but the first
+    for p, start in ((later, 40), (sink, 0)):
+        pk = layout.pack(kv, p, start)
+        layout.unpack(pk.frames, pk.side, tuple(kv.shape), kv.dtype, p, start=start)
+        torch.cuda.synchronize()
+        if p is later:
+            n = _compiled(fused_unpack._unpack_kernel)
+    assert n >= 1 and _compiled(fused_unpack._unpack_kernel) == n, "the first chunk compiled a kernel of its own"

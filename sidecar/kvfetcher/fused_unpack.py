@@ -16,7 +16,7 @@ the exact leading tokens are copied by the caller. Same arithmetic as the torch 
 the results can differ in the last bit of the KV dtype where the compiler fuses a multiply-add.
 
 Measured on an H100 (docs/benchmarks/fused_unpack_h100.md): per Llama-3-8B chunk 0.20 ms of GPU
-kernel time instead of 1.31 (19 launches instead of 42, most of them the small side-information
+kernel time instead of 1.31 (16 launches instead of 42, most of them the small side-information
 steps around the kernel); with 8 decode workers under MPS, a busy decode loop slowed by 7.9%
 instead of 20.2% while restoring 11% more. So it is the default for CUDA frames;
 ``KVFETCHER_FUSED_UNPACK=0`` turns it off. Without Triton the torch path runs.
@@ -77,7 +77,10 @@ if triton is not None:
             v = s.to(tl.float32) * sc[None, :] + lo[None, :]
         return v, carry_e, carry_o
 
-    @triton.jit
+    # b0 is 1 in a prefix's first chunk (its exact sink token) and 0 in every other: Triton would
+    # specialise on the 1 and compile a second variant (~1 s) inside the first fetch that reaches
+    # position 0 -- the slow first fetches seen on an H100 (auto70b_estimator_h100.md)
+    @triton.jit(do_not_specialize=["b0"])
     def _unpack_kernel(
         frames_ptr, lo_ptr, scale_ptr, cos_ptr, sin_ptr, dec_ptr, mean_ptr, sidx_ptr, srows_ptr, out_ptr,
         H, b0, sparse_step,
