@@ -14,13 +14,18 @@ fits does the fastest option win.
 
 ``choose`` is pure; :class:`Estimator` holds the measured rates (per store endpoint and per
 bitstream format) that feed it, and is updated from every fetch's actual timings. The model
-leaves out the pipeline's fill and drain and imperfect overlap, so each preset also keeps a fit,
-actual / modelled time of its fetches, which scales its predictions (measured on an H100:
-1.09-1.23 for ``balanced`` over 32K tokens, enough to turn a predicted 0.7% win over recompute
-into a 19% loss). The fit is kept per (preset, endpoint), falling back to the preset's fit over
-all endpoints: how well download and decode overlap depends on which of them is the slower.
+leaves out the pipeline's fill and drain and imperfect overlap, so each preset also keeps a
+:class:`Fit` of its fetches' actual times to the modelled ones, ``actual = scale * modelled +
+overhead`` (measured on an H100: 1.09-1.23x for ``balanced`` over 32K tokens, enough to turn a
+predicted 0.7% win over recompute into a 19% loss). Both terms, because fill and drain are
+fixed seconds while imperfect overlap grows with the fetch: a ``balanced`` fetch of 4K tokens of
+a 70B model took 0.20 s over its decode time, one of 128K tokens 0.16 s; as a pure ratio (1.54)
+the small one predicted 17.6 s for the large one, which took 10.2, and ``auto`` fetched raw,
+38% slower. The fit is kept per (preset, endpoint), falling back to the preset's fit over all
+endpoints: how well download and decode overlap depends on which of them is the slower.
 
-Rates and fits are decayed sums (bytes over seconds, actual over modelled seconds), not
+Rates and fits come from decayed sums (bytes over seconds; a line through actual and modelled
+seconds), not
 averages of per-fetch ratios, so each fetch counts by its size. Measured why: on an H100 a
 cold first fetch of 16 chunks (decoders and CUDA contexts starting) set ``balanced``'s rate at
 half its warm value, and a per-fetch average kept it there for fetches 16x larger; the
@@ -51,12 +56,29 @@ GPU_DECODE_PRIOR = {"raw": 1e10, "hevc": 5e8}
 
 
 @dataclass(frozen=True)
+class Fit:
+    """A preset's measured time against the model's: ``actual = scale * modelled + overhead_s``."""
+
+    scale: float = 1.0
+    overhead_s: float = 0.0
+
+    def apply(self, modelled_s: float) -> float:
+        return self.scale * modelled_s + self.overhead_s
+
+
+NO_FIT = Fit()
+#: fetch sizes must differ by this much (coefficient of variation of the modelled times) before
+#: the fit's two terms are told apart; until then the excess is taken as fixed overhead
+FIT_SPREAD = 0.25
+
+
+@dataclass(frozen=True)
 class Rates:
     bandwidth_Bps: float  # stored bytes per second from the store endpoint
     latency_s: float  # first-byte latency of a request
     decode_Bps: Mapping[str, float]  # KV bytes restored per second, by preset (measured) or format (prior)
     recompute_tps: float  # tokens per second the model prefills
-    fit: Mapping[str, float] = field(default_factory=dict)  # by preset: actual / modelled fetch time (1 if unmeasured)
+    fit: Mapping[str, Fit] = field(default_factory=dict)  # by preset, where measured
     list_s: float | None = None  # one round of a lookup's parallel LISTs, measured (None: take the latency)
     format_bandwidth: Mapping[str, float] = field(default_factory=dict)  # by bitstream format, where measured
 
@@ -84,8 +106,8 @@ def read_rate(fmt: str | None, rates: Rates) -> float:
     return rates.format_bandwidth.get(fmt or "", 0.0) or rates.bandwidth_Bps
 
 
-def fetch_seconds(stored_bytes: int, kv_bytes: int, decode_Bps: float, rates: Rates, fit: float = 1.0, fmt: str | None = None) -> float:
-    return fit * (rates.latency_s + max(stored_bytes / read_rate(fmt, rates), kv_bytes / decode_Bps))
+def fetch_seconds(stored_bytes: int, kv_bytes: int, decode_Bps: float, rates: Rates, fit: Fit = NO_FIT, fmt: str | None = None) -> float:
+    return fit.apply(rates.latency_s + max(stored_bytes / read_rate(fmt, rates), kv_bytes / decode_Bps))
 
 
 def choose(
@@ -114,7 +136,7 @@ def choose(
         while n < len(stored) and preset in stored[n]:
             size += stored[n][preset]
             n += 1
-        fit = rates.fit.get(preset, 1.0)
+        fit = rates.fit.get(preset, NO_FIT)
         fetch = fetch_seconds(size, n * chunk_kv_bytes, decode_rate(preset, formats[preset], rates), rates, fit, formats[preset])
         total = fetch + (total_tokens - n * chunk_tokens) / rates.recompute_tps
         options[preset] = total
@@ -158,7 +180,7 @@ def hopeless(
             continue
         ratio = max(ratios.get(preset, 1.0), 1.0)
         stored = kv / (ratio * slack) if fmt != "raw" else kv  # raw's size is known, a codec's varies with content
-        fetch = lookup_s + rates.fit.get(preset, 1.0) * max(stored / read_rate(fmt, rates), kv / decode_rate(preset, fmt, rates))
+        fetch = lookup_s + rates.fit.get(preset, NO_FIT).apply(max(stored / read_rate(fmt, rates), kv / decode_rate(preset, fmt, rates)))
         if fetch < recompute_all or (budget_s is not None and fetch <= budget_s):
             return False
     return True
@@ -185,7 +207,7 @@ class Estimator:
         self._lat: dict[str, float] = {}
         self._decode_prior = dict(GPU_DECODE_PRIOR if gpu else DECODE_PRIOR)
         self._decode: dict[str, tuple[float, float]] = {}  # a first measurement replaces the prior
-        self._fit: dict[tuple[str, str | None], tuple[float, float]] = {}  # (preset, endpoint | None for all)
+        self._fit: dict[tuple[str, str | None], tuple[float, ...]] = {}  # (preset, endpoint | None for all)
         self._list: dict[str, float] = {}
         self._fmt_bw: dict[tuple[str, str], tuple[float, float]] = {}  # (format, endpoint)
         self._seen: set[str] = set()  # bitstream formats this process has fetched
@@ -233,22 +255,36 @@ class Estimator:
         if rounds > 0 and seconds > 0:
             self._ewma(self._list, endpoint, seconds / rounds)
 
-    def observe_fit(self, endpoint: str, preset: str, fmt: str, stored_bytes: int, kv_bytes: int, actual_s: float) -> float:
+    def observe_fit(self, endpoint: str, preset: str, fmt: str, stored_bytes: int, kv_bytes: int, actual_s: float) -> Fit:
         """A whole fetch's time against the model's, with the rates as they stand after this fetch
         updated them: the fit keeps only what the rates cannot explain. Returns the preset's fit
         on this endpoint."""
         if stored_bytes > 0 and kv_bytes > 0 and actual_s > 0:
             r = self.rates(endpoint, 1.0)
-            modelled = fetch_seconds(stored_bytes, kv_bytes, decode_rate(preset, fmt, r), r, fmt=fmt)
-            for key in ((preset, endpoint), (preset, None)):
-                self._add(self._fit, key, actual_s, modelled)
+            m = fetch_seconds(stored_bytes, kv_bytes, decode_rate(preset, fmt, r), r, fmt=fmt)
+            keep = 1 - self.alpha
+            for key in ((preset, endpoint), (preset, None)):  # decayed sums for a least-squares line
+                w, sm, sa, smm, sma = self._fit.get(key, (0.0,) * 5)
+                self._fit[key] = (keep * w + 1, keep * sm + m, keep * sa + actual_s, keep * smm + m * m, keep * sma + m * actual_s)
         return self.fit(preset, endpoint)
 
-    def fit(self, preset: str, endpoint: str) -> float:
-        """Actual / modelled time of the preset's fetches from this endpoint, else from any (1 if none),
-        bounded to [0.5, 4]: one stalled fetch must not rule a preset out."""
-        f = self._rate(self._fit, (preset, endpoint)) or self._rate(self._fit, (preset, None)) or 1.0
-        return min(4.0, max(0.5, f))
+    def fit(self, preset: str, endpoint: str) -> Fit:
+        """The preset's fit on this endpoint, else on any (:data:`NO_FIT` if none): a least-squares
+        line through its fetches (decayed) once their sizes differ, else their mean excess as
+        overhead. Bounded so that at the fetches' mean size it predicts 0.5-4x the model: one
+        stalled fetch must not rule a preset out."""
+        sums = self._fit.get((preset, endpoint)) or self._fit.get((preset, None))
+        if sums is None:
+            return NO_FIT
+        w, sm, sa, smm, sma = sums
+        m, a = sm / w, sa / w
+        var = smm / w - m * m
+        if var > (FIT_SPREAD * m) ** 2:
+            scale = (sma / w - m * a) / var
+        else:  # one size: a fixed overhead, or a scale where the fetches ran faster than modelled
+            scale = 1.0 if a >= m else a / m
+        scale = min(4.0, max(0.5, scale))
+        return Fit(scale, min(max(0.0, a - scale * m), (4.0 - scale) * m))
 
     def bandwidth(self, endpoint: str) -> float:
         return self._rate(self._bw, endpoint) or self._prior[0]

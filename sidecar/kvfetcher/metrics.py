@@ -37,7 +37,11 @@ class Metrics:
         self.last_predicted = Gauge("kvfetcher_fetch_last_predicted_seconds", "Predicted time of the last fetch", ["preset"], registry=r)
         self.last_actual = Gauge("kvfetcher_fetch_last_actual_seconds", "Actual time of the last fetch", ["preset"], registry=r)
         self.fit = Gauge(
-            "kvfetcher_cost_model_fit", "Actual / modelled fetch time (decayed, on this sidecar's store endpoint) that scales the cost model's predictions, by preset", ["preset"],
+            "kvfetcher_cost_model_fit", "Scale of the cost model's fitted line, actual = scale * modelled + overhead (decayed, on this sidecar's store endpoint), by preset", ["preset"],
+            registry=r,
+        )
+        self.fit_overhead = Gauge(
+            "kvfetcher_cost_model_overhead_seconds", "Fixed seconds of the cost model's fitted line (pipeline fill and drain), by preset", ["preset"],
             registry=r,
         )
         self.bandwidth = Gauge("kvfetcher_store_bandwidth_bytes_per_second", "Estimated read throughput by endpoint", ["endpoint"], registry=r)

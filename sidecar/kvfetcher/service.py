@@ -404,7 +404,9 @@ class Sidecar:
                 self.estimator.observe_read(ep, out.bytes_read, out.read_busy_s, fmt)
                 self.estimator.observe_decode(d.preset, out.kv_bytes, out.decode_busy_s)
                 if out.loaded_tokens == d.tokens:  # the whole planned fetch: its time is comparable
-                    m.fit.labels(d.preset).set(self.estimator.observe_fit(ep, d.preset, fmt, out.bytes_read, out.kv_bytes, out.seconds))
+                    fit = self.estimator.observe_fit(ep, d.preset, fmt, out.bytes_read, out.kv_bytes, out.seconds)
+                    m.fit.labels(d.preset).set(fit.scale)
+                    m.fit_overhead.labels(d.preset).set(fit.overhead_s)
             if out.decode_busy_s > 0:
                 m.decode_rate.labels(d.preset).set(out.kv_bytes / out.decode_busy_s)
             m.predicted_seconds.observe(d.predicted_s)

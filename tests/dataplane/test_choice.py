@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvfetcher.choice import RECOMPUTE, Estimator, Rates, choose, decode_rate, fetch_seconds
+from kvfetcher.choice import NO_FIT, RECOMPUTE, Estimator, Fit, Rates, choose, decode_rate, fetch_seconds
 
 FORMATS = {"raw": "raw", "q8": "hevc", "exact": "hevc"}
 CHUNK_KV = 10_000_000  # bytes of KV per chunk
@@ -121,13 +121,28 @@ def test_the_fit_learns_what_the_rates_miss_and_turns_a_near_tie():
     e.observe_decode("q8", 40_000_000, 0.1)  # 400 MB/s of KV
     r = e.rates("s3", recompute_tps=1024 / 0.105)  # recompute 0.105 s; q8 modelled 0.100 s
     assert choose(STORED, 256, CHUNK_KV, FORMATS, r, allowed={"q8"}).preset == "q8"
-    e.observe_fit("s3", "q8", "hevc", 20_000_000, 40_000_000, 0.120)  # its fetch took 20% longer than modelled
+    e.observe_fit("s3", "q8", "hevc", 20_000_000, 40_000_000, 0.120)  # its fetch took 20 ms longer than modelled
     r = e.rates("s3", recompute_tps=1024 / 0.105)
-    assert r.fit["q8"] == pytest.approx(1.2)
+    assert r.fit["q8"] == Fit(1.0, pytest.approx(0.02))  # one size: taken as fixed overhead
     d = choose(STORED, 256, CHUNK_KV, FORMATS, r, allowed={"q8"})
     assert d.preset == RECOMPUTE and d.options["q8"] == pytest.approx(0.120)
-    e.observe_fit("s3", "q8", "hevc", 20_000_000, 40_000_000, 100.0)  # an outlier is bounded
-    assert e.rates("s3", 1.0).fit["q8"] == 4.0
+    e.observe_fit("s3", "q8", "hevc", 20_000_000, 40_000_000, 100.0)  # an outlier is bounded: 4x at its size
+    assert e.rates("s3", 1.0).fit["q8"].apply(0.1) == pytest.approx(0.4)
+
+
+def test_the_fit_tells_fixed_overhead_from_a_slower_rate():
+    """Fill and drain cost the same seconds at any size; imperfect overlap grows with the fetch.
+    Seen on an H100: a 4K-token 70B fetch 0.20 s over its decode time, a 128K one 0.16 s -- as a
+    ratio, the small one predicted the large one 1.54x too slow and ``auto`` fetched raw."""
+    e = Estimator(alpha=0.3, bandwidth_Bps=1e9, latency_s=0.0)
+    e.observe_read("s3", 100_000_000, 0.1)
+    e.observe_decode("q8", 40_000_000, 0.1)  # modelled: 0.1 s per 40 MB of KV
+    e.observe_fit("s3", "q8", "hevc", 20_000_000, 40_000_000, 0.1 + 0.2)
+    assert e.fit("q8", "s3").apply(3.2) == pytest.approx(3.4)  # 32x the KV: the same 0.2 s, not 3x
+    e.observe_fit("s3", "q8", "hevc", 200_000_000, 400_000_000, 1.2 * 1.0 + 0.2)  # sizes differ: both terms
+    e.observe_fit("s3", "q8", "hevc", 100_000_000, 200_000_000, 1.2 * 0.5 + 0.2)
+    f = e.fit("q8", "s3")
+    assert f.scale == pytest.approx(1.2, abs=0.05) and f.overhead_s == pytest.approx(0.2, abs=0.03)
 
 
 def test_hopeless_counts_the_lookup_and_the_fit():
@@ -140,7 +155,7 @@ def test_hopeless_counts_the_lookup_and_the_fit():
     assert not hopeless(4, 256, CHUNK_KV, ratios, FORMATS, r)
     assert lookup_seconds(128, r, 16) == pytest.approx(8 * 0.001)
     assert hopeless(4, 256, CHUNK_KV, ratios, FORMATS, r, lookup_s=0.005)  # the LISTs alone eat the win
-    assert hopeless(4, 256, CHUNK_KV, ratios, FORMATS, replace(r, fit={"raw": 2.0, "q8": 2.0}))  # measured overheads do too
+    assert hopeless(4, 256, CHUNK_KV, ratios, FORMATS, replace(r, fit={"raw": Fit(2.0), "q8": Fit(2.0)}))  # measured overheads do too
 
 
 def test_the_lookup_time_is_learned_per_endpoint():
@@ -178,13 +193,13 @@ def test_the_fit_is_per_endpoint_and_falls_back_to_the_preset_s():
     e.observe_read("fast", 100_000_000, 0.1)
     e.observe_decode("q8", 40_000_000, 0.1)
     e.observe_fit("fast", "q8", "hevc", 20_000_000, 40_000_000, 0.150)  # modelled 0.100 s
-    assert e.fit("q8", "fast") == pytest.approx(1.5)
-    assert e.rates("slow", 1.0).fit["q8"] == pytest.approx(1.5)  # no fetch from "slow" yet: the preset's fit
+    assert e.fit("q8", "fast").apply(0.1) == pytest.approx(0.15)
+    assert e.rates("slow", 1.0).fit["q8"].apply(0.1) == pytest.approx(0.15)  # no fetch from "slow" yet: the preset's fit
     e.observe_read("slow", 10_000_000, 0.1)  # 100 MB/s: q8's 20 MB take 0.2 s
     e.observe_fit("slow", "q8", "hevc", 20_000_000, 40_000_000, 0.220)
-    assert e.fit("q8", "slow") == pytest.approx(1.1)
-    assert e.fit("q8", "fast") == pytest.approx(1.5)  # unchanged by the other endpoint
-    assert e.fit("raw", "fast") == 1.0  # never measured
+    assert e.fit("q8", "slow").apply(0.2) == pytest.approx(0.22)
+    assert e.fit("q8", "fast").apply(0.1) == pytest.approx(0.15)  # unchanged by the other endpoint
+    assert e.fit("raw", "fast") == NO_FIT  # never measured
 
 
 def test_a_process_first_fetch_of_each_format_does_not_teach_the_rates():

@@ -69,6 +69,7 @@ def test_store_then_load_round_trip_and_metrics(s3, buf):
         "kvfetcher_fetch_predicted_seconds_count 2.0",
         "kvfetcher_fetch_actual_seconds_count 2.0",
         "kvfetcher_cost_model_fit{preset=",
+        "kvfetcher_cost_model_overhead_seconds{preset=",
     ]:
         assert name in text, name
 
