@@ -68,7 +68,8 @@ def ttft_md(r: dict, notes: str = "") -> str:
         "* Time-box: a cell is stopped at max(1.5 s, 2 x recompute) and shown as `> box`; `\u2020` = not run, because the same method "
         "was already past its box at a faster link and a context no longer (fetch time only grows with bytes and falls with rate). "
         "`error` = the fetch failed (reason in brackets), `error\u2020` = not run after that failure. "
-        "Cells under 0.5 s are medians of 3 runs, others one run.",
+        + (f"Cells under {r['cheap_s']:g} s are medians of 3 runs, others one run." if "cheap_s" in r
+         else "Fast cells are medians of 3 runs, others one run (each cell's runs are in the JSON)."),
         "",
         "## Setup",
         "",

@@ -347,7 +347,7 @@ def main() -> int:
         "kv": "bf16; 8B-shaped chunks tiled from real SmolLM2-135M KV (bench/kvsource.py), a few distinct chunks stored under every chunk name",
         "link": "bench/linkserver.py: S3-compatible server on loopback, one token bucket shared by all connections, no added latency",
         "contexts": contexts, "links_gbps": links, "chunk_tokens": CHUNK, "presets_on_main": list(presets.PRESETS),
-        "decode_workers": a.decode_workers,
+        "decode_workers": a.decode_workers, "cheap_s": a.cheap_s,
     }
     src = torch.load(a.kvsrc)
     distinct = kvsource.chunks(src, a.distinct)
