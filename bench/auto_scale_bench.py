@@ -112,7 +112,7 @@ class Bench:
         s = time.perf_counter() - t
         d = r.get("decision") or {}
         out = {"decision": d.get("preset"), "predicted_s": d.get("predicted_s"), "bytes_read": r.get("bytes_read", 0),
-               "options": d.get("options")}
+               "options": d.get("options"), "lookup_s": r.get("lookup_s")}
         self.journal.append(["fetch", ctx, preset, self.sidecar.store.endpoint, s, out["decision"]])
         if r["loaded_tokens"] == ctx:
             return out | {"seconds": s}

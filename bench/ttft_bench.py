@@ -248,7 +248,8 @@ class Race:
         kw = {"presets": [preset], "recompute_tps": 1e-9} if preset else {"recompute_tps": recompute_tps, "presets": self.auto_presets}
         r = await self.sidecar.fetch(self.bids[ctx], self.tokens[:ctx], deadline_s=box, **kw)
         fetch_s = time.perf_counter() - t0
-        rec = {"fetch_s": fetch_s, "bytes_read": r.get("bytes_read", 0), "decision": r.get("decision"), "error": r.get("error")}
+        rec = {"fetch_s": fetch_s, "bytes_read": r.get("bytes_read", 0), "decision": r.get("decision"), "error": r.get("error"),
+               "lookup_s": r.get("lookup_s")}
         if r["loaded_tokens"] == ctx and not r.get("error"):
             rec["step_s"] = self.first_token(ctx)
             rec["ttft_s"] = time.perf_counter() - t0

@@ -18,6 +18,9 @@ class Metrics:
         self.hit_tokens = Counter("kvfetcher_hit_tokens_total", "Leading prompt tokens found stored", registry=r)
         self.loaded_tokens = Counter("kvfetcher_loaded_tokens_total", "Tokens written into KV buffers", registry=r)
         self.fetch_seconds = Histogram("kvfetcher_fetch_seconds", "Wall time of a fetch", buckets=_LATENCY, registry=r)
+        self.lookup_seconds = Histogram(
+            "kvfetcher_lookup_seconds", "Time to list a prefix's stored chunks (one LIST per chunk), part of a fetch's time", buckets=_LATENCY, registry=r
+        )
         self.store_seconds = Histogram("kvfetcher_store_seconds", "Encode + upload time of one chunk", buckets=_LATENCY, registry=r)
         self.bytes_read = Counter("kvfetcher_bytes_read_total", "Bytes read from the store", registry=r)
         self.bytes_written = Counter("kvfetcher_bytes_written_total", "Bytes written to the store", registry=r)

@@ -257,7 +257,9 @@ class Sidecar:
 
         t = time.perf_counter()
         found = await asyncio.gather(*(one(k) for k in chunk_keys))
-        self.estimator.observe_lookup(self.store.endpoint, time.perf_counter() - t, -(-len(chunk_keys) // LOOKUP_PARALLEL))
+        elapsed = time.perf_counter() - t
+        self.estimator.observe_lookup(self.store.endpoint, elapsed, -(-len(chunk_keys) // LOOKUP_PARALLEL))
+        self.metrics.lookup_seconds.observe(elapsed)
         run = []
         for reps in found:
             if not any(p in PRESETS for p in reps):
@@ -333,9 +335,11 @@ class Sidecar:
             reply["decision"] = {"preset": choice.RECOMPUTE, "chunks": 0, "predicted_s": 0.0, "options": {}}
             return self._fallback(reply, "cost_model", "recompute predicted faster than any stored preset could be; store not asked")
         ck = keys.chunk_keys(buf.ns, tokens[:n_req], self.config.chunk_tokens)
+        t_list = time.perf_counter()
         try:
             async with asyncio.timeout(deadline_s):  # the deadline covers the listing too
                 reps = await self._representations(ck)
+                reply["lookup_s"] = time.perf_counter() - t_list
         except StoreError as e:
             return self._fallback(reply, e.reason, str(e), error=True)
         except TimeoutError:

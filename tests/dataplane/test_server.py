@@ -41,6 +41,7 @@ def test_store_then_load_round_trip_and_metrics(s3, buf):
         raw = json.loads(raw_request(sc.where["port"], "POST", "/v1/fetch", json.dumps({"buffer": bid, "tokens": tokens, "offset": 0}),
                                      {"Authorization": f"Bearer {TOKEN}"})[1])
         assert (raw["loaded_tokens"], raw["not_loaded"]) == (192, [192, 256])  # chunk 4 was never stored
+        assert 0 < raw["lookup_s"] < 30  # the listing's share of the fetch
         # a slow model (1 token/s) makes fetching the cost model's choice whatever this machine's load
         r = c.load(bid, tokens[:240], offset=10, recompute_tokens_per_s=1.0)  # whole chunks only: 192 of 240
         assert (r.loaded_tokens, r.requested_tokens, r.error) == (192, 192, None)
@@ -64,6 +65,7 @@ def test_store_then_load_round_trip_and_metrics(s3, buf):
         "kvfetcher_decode_bytes_per_second",
         "kvfetcher_preset_decisions_total",
         "kvfetcher_fetch_seconds_count 2.0",
+        "kvfetcher_lookup_seconds_count",
         "kvfetcher_store_seconds_count",
         "kvfetcher_store_queue_depth 0.0",
         "kvfetcher_fetch_predicted_seconds_count 2.0",
