@@ -45,21 +45,29 @@ def replay(journal: list, stored: dict[str, int], kv_bytes: int, context: int, s
     return out
 
 
+def decisions(res: dict, context: int, settle: bool) -> list[dict]:
+    """:func:`replay` on an ``auto_scale_bench`` result, each decision with its cell's measured
+    seconds of raw and balanced (``measured``)."""
+    cells = {c["gbps"]: c for c in res["cells"] if c["context"] == context}
+    stored = {p: int(c[p]["bytes_read"]) for c in cells.values() for p in ("raw", "balanced") if c[p].get("bytes_read")}
+    kv = context // 256 * res["bytes_per_chunk"]["kv_bf16"]
+    out = replay(res["estimator_journal"], stored, int(kv), context, settle)
+    for d in out:
+        c = cells[float(d["endpoint"].split("-")[1])]
+        d["measured"] = {p: round(c[p]["seconds"], 2) for p in ("raw", "balanced")}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("json", help="an auto_scale_bench result with estimator_journal")
     ap.add_argument("--context", type=int, default=65536)
     a = ap.parse_args()
     res = json.loads(open(a.json).read())
-    cells = {c["gbps"]: c for c in res["cells"] if c["context"] == a.context}
-    stored = {p: int(c[p]["bytes_read"]) for c in cells.values() for p in ("raw", "balanced") if c[p].get("bytes_read")}
-    kv = a.context // 256 * res["bytes_per_chunk"]["kv_bf16"]
     for settle in (False, True):
-        for d in replay(res["estimator_journal"], stored, int(kv), a.context, settle):
-            c = cells[float(d["endpoint"].split("-")[1])]
-            actual = {p: round(c[p]["seconds"], 2) for p in ("raw", "balanced")}
+        for d in decisions(res, a.context, settle):
             print(f"{'first fetches left out' if settle else 'every fetch learned':24s} {d['endpoint']:9s} predicted "
-                  + ", ".join(f"{p} {s:.2f} s" for p, s in d["predicted_s"].items()) + f" -> {d['choice']:8s} (measured {actual})")
+                  + ", ".join(f"{p} {s:.2f} s" for p, s in d["predicted_s"].items()) + f" -> {d['choice']:8s} (measured {d['measured']})")
 
 
 if __name__ == "__main__":
