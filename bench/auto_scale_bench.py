@@ -95,7 +95,7 @@ class Bench:
             self.sidecar.workers.start()
             self.sidecar.warm_workers()
             self.sidecar.workers.open(self.shared.handle)
-            self.sidecar.warm_workers(self.sidecar.buffers["b"])
+        self.sidecar.warm_buffer(self.sidecar.buffers["b"])
         self.io = ThreadPoolExecutor(16)
         self.journal = journal(self.sidecar.estimator)
 

@@ -214,6 +214,11 @@ class Race:
         if getattr(self.sidecar, "workers", None) is not None:
             self.sidecar.workers.start()
             self.decode_procs = self.sidecar.workers.procs
+            for buf in {id(b.tensor): b for b in self.sidecar.buffers.values()}.values():
+                if buf.handle is not None:
+                    self.sidecar.workers.open(buf.handle)
+        for buf in {id(b.tensor): b for b in self.sidecar.buffers.values()}.values():  # as Sidecar.register does
+            self.sidecar.warm_buffer(buf)
         self.peer_io = ThreadPoolExecutor(32)
         self.peer_dec = ThreadPoolExecutor(decode_workers * 2)
 

@@ -152,6 +152,12 @@ class Destination:
         self._finish()
 
 
+def chunks_in_flight(window: int, workers: DecodeWorkers | None = None) -> int:
+    """Chunks a fetch keeps in flight (each raw one holds a staging buffer): ``window``, or
+    enough to keep every decode worker busy."""
+    return window if workers is None else max(window, 2 * workers.procs)
+
+
 @functools.lru_cache(maxsize=None)
 def _copy_threads() -> ThreadPoolExecutor:
     """Threads for the direct path's host-to-device copies, apart from the decode threads: on the
@@ -232,7 +238,7 @@ async def fetch(
     if workers is not None:
         if dest.handle is None:
             raise ValueError("decode workers need the destination buffer's IPC handle")
-        window = max(window, 2 * workers.procs)
+    window = chunks_in_flight(window, workers)
     t0 = time.perf_counter()
     out = Outcome(0, sum(c.tokens for c in chunks))
     reads, decodes = _Busy(), _Busy()

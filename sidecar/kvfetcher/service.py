@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import choice, ipc, keys, layout, pipeline
+from . import choice, ipc, keys, layout, pipeline, staging
 from .chunk import encode_chunk
 from .decode_workers import DecodeWorkers, warmup_object
 from .metrics import Metrics
@@ -150,6 +150,22 @@ class Sidecar:
         self._queue = asyncio.Queue()
         self._worker = asyncio.create_task(self._store_worker())
 
+    def warm_buffer(self, buf: Buffer) -> None:
+        """What a first fetch into ``buf`` would otherwise set up on its path: staging buffers for
+        the direct path's raw chunks (a fetch's window of them; pinned for a GPU buffer), then the
+        decode workers (:meth:`warm_workers`). Best effort, blocking; ``register`` runs it in the
+        background."""
+        served = self.config.allowed_presets or self.config.presets
+        if any(PRESETS[p].layout.mode == "native" for p in served):
+            try:
+                n = pipeline.chunks_in_flight(self.config.window, self.workers)
+                staging.shared().reserve(self._chunk_kv_bytes(buf), buf.tensor.is_cuda, n)
+            except Exception:  # e.g. pinned memory refused: the first raw fetch allocates instead
+                log.exception("staging reservation failed")
+                self.metrics.errors.labels("warm_up").inc()
+        if self.workers is not None:
+            self.warm_workers(buf)
+
     def warm_workers(self, buf: Buffer | None = None) -> None:
         """Restore a chunk of every preset this sidecar may fetch in each decode worker, so that the
         first fetch neither waits for CUDA and NVDEC set-up nor teaches the cost model a cold decode rate:
@@ -214,10 +230,11 @@ class Sidecar:
         ns = keys.Namespace(model=model, dtype=layout.dtype_name(t.dtype), tp_rank=tp_rank, tenant=self.config.tenant)
         bid = uuid.uuid4().hex
         self.buffers[bid] = Buffer(t, ns, handle)
-        if self.workers is not None and self.config.warm_up:  # mapped now (CUDA IPC), not on the first fetch into it
-            self.workers.open(handle)
-            try:  # and its model's chunks decoded once, in the background (seconds of encoding on the CPU)
-                self._warming = asyncio.get_running_loop().run_in_executor(None, self.warm_workers, self.buffers[bid])
+        if self.config.warm_up:
+            if self.workers is not None:  # mapped now (CUDA IPC), not on the first fetch into it
+                self.workers.open(handle)
+            try:  # staging, and its model's chunks decoded once, in the background (seconds of encoding on the CPU)
+                self._warming = asyncio.get_running_loop().run_in_executor(None, self.warm_buffer, self.buffers[bid])
             except RuntimeError:  # no event loop (a direct caller): nothing to run it in the background of
                 pass
         return bid
