@@ -32,6 +32,7 @@ def test_store_then_fetch_gives_identical_generation(lm, prompt, s3):
         assert ga.store["queued_chunks"] == len(ids) // CHUNK
         KVClient(a.url, token=TOKEN).flush()
         gb = cached_lm(lm, b.url, recompute_tps=SLOW_MODEL_TPS).generate(ids, NEW, store=False)
+        assert "kvfetcher_lookup_seconds_count 1.0" in KVClient(b.url, token=TOKEN).metrics()  # the prefix listed once
     assert gb.load.error is None and gb.load.decision["preset"] == "q8"
     assert gb.loaded_tokens == (len(ids) - 1) // CHUNK * CHUNK
     assert gb.computed_tokens == len(ids) - gb.loaded_tokens

@@ -1,7 +1,7 @@
-"""Hugging Face transformers with remote KV reuse: lookup -> fetch -> build the cache -> generate the rest.
+"""Hugging Face transformers with remote KV reuse: fetch -> build the cache -> generate the rest.
 
 :class:`CachedLM` wraps a loaded causal LM and a :class:`~kvfetcher.client.KVClient`. For each
-prompt it asks the sidecar how much of the prefix is stored, has it loaded into a shared KV
+prompt it has the sidecar load what is stored of the prefix (and pays off) into a shared KV
 buffer, builds a ``DynamicCache`` from it, prefills only the remaining tokens, and after that
 prefill hands the prompt's KV back to the sidecar to store. The buffer is in the storage dtype
 (fp16 by default, what a GPU server's cache holds); the model may run in another dtype.
@@ -27,7 +27,7 @@ log = logging.getLogger("kvfetcher.integrations.transformers")
 @dataclass
 class Generation:
     tokens: list[int]
-    ttft_s: float  # request start -> first new token (lookup + fetch + prefill of the rest)
+    ttft_s: float  # request start -> first new token (fetch, its listing included, + prefill of the rest)
     loaded_tokens: int  # prompt tokens restored from the store
     computed_tokens: int  # prompt tokens prefilled by the model
     load: LoadResult | None  # the sidecar's answer, when a fetch was attempted
@@ -79,11 +79,11 @@ class CachedLM:
         usable = min(len(prompt) - 1, self.capacity)
         loaded, load = 0, None
         try:
-            if usable > 0 and self.client.lookup(self.buffer_id, prompt[:usable]) > 0:
+            if usable > 0:  # no lookup first: a load lists the prefix itself (or skips it when no fetch could pay)
                 load = self.client.load(self.buffer_id, prompt[:usable], deadline_s=deadline_s, recompute_tokens_per_s=self.recompute_tps)
                 loaded = load.loaded_tokens
         except (OSError, SidecarError) as e:  # no sidecar is no reason to fail a request: recompute
-            log.warning("KV lookup/load failed, recomputing the prompt: %s", e)
+            log.warning("KV load failed, recomputing the prompt: %s", e)
         dtype = next(self.model.parameters()).dtype
         cache = DynamicCache()
         if loaded:
