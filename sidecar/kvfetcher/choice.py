@@ -24,9 +24,8 @@ the small one predicted 17.6 s for the large one, which took 10.2, and ``auto`` 
 38% slower. The fit is kept per (preset, endpoint), falling back to the preset's fit over all
 endpoints: how well download and decode overlap depends on which of them is the slower.
 
-Rates and fits come from decayed sums (bytes over seconds; a line through actual and modelled
-seconds), not
-averages of per-fetch ratios, so each fetch counts by its size. Measured why: on an H100 a
+Rates are ratios of decayed sums (bytes over seconds), not averages of per-fetch ratios, so each
+fetch counts by its size (a fit is a least-squares line over decayed sums, each fetch one point). Measured why: on an H100 a
 cold first fetch of 16 chunks (decoders and CUDA contexts starting) set ``balanced``'s rate at
 half its warm value, and a per-fetch average kept it there for fetches 16x larger; the
 predictions ran 1.2-2.1x over the actual times and ``auto`` took raw, 28% slower, at 64K tokens
