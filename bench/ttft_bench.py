@@ -211,13 +211,14 @@ class Race:
             self.sidecar.buffers[bid] = service.Buffer(buf, ns, ipc.cuda_handle(buf)) if with_handle and buf.is_cuda else service.Buffer(buf, ns)
             self.bids[ctx] = bid
         self.decode_procs = 0
+        distinct = list({id(b.tensor): b for b in self.sidecar.buffers.values()}.values())  # one, with --shared-buffer
         if getattr(self.sidecar, "workers", None) is not None:
             self.sidecar.workers.start()
             self.decode_procs = self.sidecar.workers.procs
-            for buf in {id(b.tensor): b for b in self.sidecar.buffers.values()}.values():
+            for buf in distinct:
                 if buf.handle is not None:
                     self.sidecar.workers.open(buf.handle)
-        for buf in {id(b.tensor): b for b in self.sidecar.buffers.values()}.values():  # as Sidecar.register does
+        for buf in distinct:  # as Sidecar.register does
             self.sidecar.warm_buffer(buf)
         self.peer_io = ThreadPoolExecutor(32)
         self.peer_dec = ThreadPoolExecutor(decode_workers * 2)

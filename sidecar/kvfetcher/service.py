@@ -256,8 +256,9 @@ class Sidecar:
 
     # --- lookup ----------------------------------------------------------------------------
 
-    async def _representations(self, chunk_keys: Sequence[str]) -> list[dict[str, int]]:
-        """For the leading run of stored chunks: preset -> object size (one LIST per chunk)."""
+    async def _representations(self, chunk_keys: Sequence[str]) -> tuple[list[dict[str, int]], float]:
+        """For the leading run of stored chunks: preset -> object size (one LIST per chunk); and the
+        seconds the listing took."""
         loop = asyncio.get_running_loop()
         sem = asyncio.Semaphore(LOOKUP_PARALLEL)
 
@@ -282,7 +283,7 @@ class Sidecar:
             if not any(p in PRESETS for p in reps):
                 break
             run.append(reps)
-        return run
+        return run, elapsed
 
     def namespace(self, model: str, dtype: str, tp_rank: int = 0) -> keys.Namespace:
         """A namespace without a registered buffer: for a scheduler that only asks (vLLM's split)."""
@@ -296,7 +297,7 @@ class Sidecar:
         ck = keys.chunk_keys(ns, tokens, self.config.chunk_tokens)
         self.metrics.lookups.inc()
         try:
-            reps = await self._representations(ck)
+            reps, _ = await self._representations(ck)
         except StoreError as e:
             self.metrics.errors.labels(e.reason).inc()
             return {"tokens": 0, "chunk_tokens": self.config.chunk_tokens, "error": e.reason, "detail": str(e)}
@@ -352,11 +353,9 @@ class Sidecar:
             reply["decision"] = {"preset": choice.RECOMPUTE, "chunks": 0, "predicted_s": 0.0, "options": {}}
             return self._fallback(reply, "cost_model", "recompute predicted faster than any stored preset could be; store not asked")
         ck = keys.chunk_keys(buf.ns, tokens[:n_req], self.config.chunk_tokens)
-        t_list = time.perf_counter()
         try:
             async with asyncio.timeout(deadline_s):  # the deadline covers the listing too
-                reps = await self._representations(ck)
-                reply["lookup_s"] = time.perf_counter() - t_list
+                reps, reply["lookup_s"] = await self._representations(ck)
         except StoreError as e:
             return self._fallback(reply, e.reason, str(e), error=True)
         except TimeoutError:
