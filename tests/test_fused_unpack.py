@@ -149,10 +149,12 @@ def test_a_prefixs_first_chunk_reuses_the_compiled_kernel(monkeypatch):
     kv = synthetic_kv(layers=2, heads=2, tokens=40, head_dim=128, dtype=torch.bfloat16, seed=6).cuda()
     sink = layout.LayoutParams(mode="quant", sigma_steps=((0.2, 0.3),), trellis=True, rope_theta=5e5)
     later = dataclasses.replace(sink, exact_tokens=0)  # as chunk.py encodes every chunk but the first
-    for p, start in ((later, 40), (sink, 0)):
+
+    def unpack(p: layout.LayoutParams, start: int) -> int:
         pk = layout.pack(kv, p, start)
         layout.unpack(pk.frames, pk.side, tuple(kv.shape), kv.dtype, p, start=start)
         torch.cuda.synchronize()
-        if p is later:
-            n = _compiled(fused_unpack._unpack_kernel)
-    assert n >= 1 and _compiled(fused_unpack._unpack_kernel) == n, "the first chunk compiled a kernel of its own"
+        return _compiled(fused_unpack._unpack_kernel)
+
+    n = unpack(later, 40)
+    assert n >= 1 and unpack(sink, 0) == n, "the first chunk compiled a kernel of its own"

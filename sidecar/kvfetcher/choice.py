@@ -27,9 +27,9 @@ endpoints: how well download and decode overlap depends on which of them is the 
 Rates are ratios of decayed sums (bytes over seconds), not averages of per-fetch ratios, so each
 fetch counts by its size (a fit is a least-squares line over decayed sums, each fetch one
 point). Measured why: on an H100 a cold first fetch of 16 chunks (decoders and CUDA contexts
-starting) set ``balanced``'s rate at half its warm value, and a per-fetch average kept it there for fetches 16x larger; the
-predictions ran 1.2-2.1x over the actual times and ``auto`` took raw, 28% slower, at 64K tokens
-over 25 Gbit/s (docs/benchmarks/auto70b_long_h100.md).
+starting) set ``balanced``'s rate at half its warm value, and a per-fetch average kept it there for
+fetches 16x larger; the predictions ran 1.2-2.1x over the actual times and ``auto`` took raw, 28%
+slower, at 64K tokens over 25 Gbit/s (docs/benchmarks/auto70b_long_h100.md).
 """
 
 from __future__ import annotations
