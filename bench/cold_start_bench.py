@@ -189,7 +189,7 @@ def main() -> None:
                     help="build the report from the rounds a cut-short run printed (its stdout), with the same other options")
     ap.add_argument("--device-name", default=None, help="with --from-log on another machine: the GPU the rounds ran on")
     a = ap.parse_args()
-    a.procs = a.procs or (8 if a.device == "cuda" else 2)
+    a.procs = a.procs if a.procs is not None else (8 if a.device == "cuda" else 2)  # 0: decode in threads
     L, H, D = (int(x) for x in (a.shape or ("32,8,128" if a.device == "cuda" else "8,8,128")).split(","))
     a.shape = ModelShape(f"{L},{H},{D}", L, 0, 0, H, D, 0, 0)
     a.presets = a.presets.split(",")
