@@ -48,7 +48,7 @@ from scale_bench import full_depth, sweep_prefill  # noqa: E402
 
 from kvfetcher import ipc, keys, service  # noqa: E402
 from kvfetcher.chunk import encode_chunk  # noqa: E402
-from kvfetcher.costmodel import SHAPES, ModelShape  # noqa: E402
+from kvfetcher.eval.costmodel import SHAPES, ModelShape  # noqa: E402
 
 CHUNK = 256
 FINGERPRINT = "auto-scale-bench"

@@ -32,7 +32,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import compression_bench as cb  # noqa: E402
 import compression_probes as cp  # noqa: E402
-from kvfetcher import basis, layout, model, presets, rope  # noqa: E402
+from kvfetcher.codec import basis, layout, rope  # noqa: E402
+from kvfetcher.eval import model
+from kvfetcher.format import presets
 
 STEPS = presets.scaled(presets.BASE_PROFILE, 0.7)
 

@@ -28,7 +28,9 @@ import zstandard
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "sidecar"))
 
-from kvfetcher import accuracy, layout, model, presets  # noqa: E402
+from kvfetcher.eval import accuracy, model  # noqa: E402
+from kvfetcher.codec import layout
+from kvfetcher.format import presets
 from kvfetcher.chunk import encode_chunk  # noqa: E402
 
 OUT = ROOT / "docs" / "benchmarks"

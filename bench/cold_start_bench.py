@@ -45,8 +45,8 @@ import fetchkit  # noqa: E402
 from kvtest import free_port  # noqa: E402
 
 from kvfetcher import ipc, keys  # noqa: E402
-from kvfetcher.client import KVClient  # noqa: E402
-from kvfetcher.costmodel import ModelShape  # noqa: E402
+from kvfetcher.api.client import KVClient  # noqa: E402
+from kvfetcher.eval.costmodel import ModelShape  # noqa: E402
 from kvfetcher.store.local import LocalStore  # noqa: E402
 
 TOKEN = "cold-start-bench"

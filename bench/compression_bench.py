@@ -40,9 +40,11 @@ import zstandard
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "sidecar"))
 
-from kvfetcher import accuracy, layout, model, presets  # noqa: E402
-from kvfetcher.codecs.base import CodecParams  # noqa: E402
-from kvfetcher.presets import Preset  # noqa: E402
+from kvfetcher.eval import accuracy, model  # noqa: E402
+from kvfetcher.codec import layout
+from kvfetcher.format import presets
+from kvfetcher.codec.base import CodecParams  # noqa: E402
+from kvfetcher.format.presets import Preset  # noqa: E402
 
 OUT = ROOT / "docs" / "benchmarks"
 CHUNK = 256

@@ -27,8 +27,11 @@ import zstandard
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "sidecar"))
 
-from kvfetcher import accuracy, codecs, layout, model, presets, rope  # noqa: E402
-from kvfetcher.codecs.base import CodecParams  # noqa: E402
+from kvfetcher.eval import accuracy, model  # noqa: E402
+from kvfetcher import codec
+from kvfetcher.codec import layout, rope
+from kvfetcher.format import presets
+from kvfetcher.codec.base import CodecParams  # noqa: E402
 
 
 def tiles_prerope(kv: torch.Tensor, theta: float) -> torch.Tensor:
@@ -59,7 +62,7 @@ def hevc(tiles: torch.Tensor, lossless: bool = True, qp: int | None = None, plan
     n, rows, cols = tiles.shape
     geo = layout.geometry((n // 2, 2, 1, rows, cols), torch.float16, layout.LayoutParams(mode="quant", planes=planes, max_rows=max_rows))
     frames = layout._tiles_to_frames(tiles, geo)
-    enc, dec = codecs.encoder("hevc"), codecs.decoder("hevc", "cpu")
+    enc, dec = codec.encoder("hevc"), codec.decoder("hevc", "cpu")
     size, out = 0, []
     step = max(1, 12 // planes)
     for a in range(0, frames.shape[0], step):

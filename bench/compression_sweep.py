@@ -18,10 +18,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "sidecar"))
 
-from kvfetcher import accuracy  # noqa: E402
-from kvfetcher.codecs.base import CodecParams  # noqa: E402
-from kvfetcher.layout import LayoutParams  # noqa: E402
-from kvfetcher.presets import Preset  # noqa: E402
+from kvfetcher.eval import accuracy  # noqa: E402
+from kvfetcher.codec.base import CodecParams  # noqa: E402
+from kvfetcher.codec.layout import LayoutParams  # noqa: E402
+from kvfetcher.format.presets import Preset  # noqa: E402
 
 POINTS = {
     "q7": Preset("q7", LayoutParams(mode="quant", bits=7), CodecParams(lossless=True), False, "7-bit, lossless HEVC"),

@@ -28,8 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "sidecar")]
 
-from kvfetcher import costmodel  # noqa: E402
-from kvfetcher.choice import RECOMPUTE  # noqa: E402
+from kvfetcher.eval import costmodel  # noqa: E402
+from kvfetcher.fetch.choice import RECOMPUTE  # noqa: E402
 
 BENCH = ROOT / "docs" / "benchmarks"
 GPUS = {"H100": 989.0, "A100": 312.0, "L4": 121.0}  # dense bf16 TFLOP/s

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvfetcher import choice
+from kvfetcher.fetch import choice
 
 FORMATS = {"raw": "raw", "balanced": "hevc", "q8": "hevc"}
 

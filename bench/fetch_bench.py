@@ -49,9 +49,11 @@ import kvsource  # noqa: E402
 from kvtest import synthetic_kv  # noqa: E402
 from nvdec_bench import NvmlSampler  # noqa: E402
 
-from kvfetcher import container, ipc, pipeline, presets  # noqa: E402
+from kvfetcher.format import container, presets  # noqa: E402
+from kvfetcher import ipc
+from kvfetcher.fetch import executor as pipeline
 from kvfetcher.chunk import decode_chunk, encode_chunk  # noqa: E402
-from kvfetcher.decode_workers import DecodeWorkers  # noqa: E402
+from kvfetcher.fetch.workers import DecodeWorkers  # noqa: E402
 from kvfetcher.store.local import LocalStore  # noqa: E402
 
 ROPE_THETA = kvsource.LLAMA3_THETA  # of the tiled and synthetic KV; used by pre-RoPE presets
@@ -77,7 +79,7 @@ RAW_DIRECT = "raw-direct"
 def ceilings(kv_chunk: torch.Tensor, buf: torch.Tensor, repeats: int = 5) -> dict:
     """What bounds the direct path on this machine: CRC-32 (ISA-L) on one core, and one chunk's
     host-to-buffer copy (from pinned memory on a GPU) into a strided view of the buffer."""
-    from kvfetcher.container import crc32
+    from kvfetcher.format.container import crc32
 
     host = kv_chunk.contiguous().view(torch.uint8).reshape(-1)
     host = host.pin_memory() if buf.is_cuda else host

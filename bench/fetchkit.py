@@ -21,9 +21,9 @@ from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 
 import torch
 
-from kvfetcher import pipeline
+from kvfetcher.fetch import executor as pipeline
 from kvfetcher.chunk import encode_chunk
-from kvfetcher.costmodel import ModelShape
+from kvfetcher.eval.costmodel import ModelShape
 from kvtest import synthetic_kv
 
 FINGERPRINT = "scale-bench"

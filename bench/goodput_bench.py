@@ -48,8 +48,10 @@ import fetchkit  # noqa: E402
 import linkstore  # noqa: E402
 from llama_shape import LlamaShape  # noqa: E402
 
-from kvfetcher import choice, costmodel, ipc  # noqa: E402
-from kvfetcher.decode_workers import DecodeWorkers  # noqa: E402
+from kvfetcher.fetch import choice  # noqa: E402
+from kvfetcher.eval import costmodel
+from kvfetcher import ipc
+from kvfetcher.fetch.workers import DecodeWorkers  # noqa: E402
 
 CHUNK = 256
 AUTO_SET = ("raw", "q8")  # kvfetcher presets auto may pick (greedy agreement 1.000)

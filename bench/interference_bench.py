@@ -23,7 +23,7 @@ import torch
 import ttft_bench
 from llama8b import Llama
 
-from kvfetcher import presets
+from kvfetcher.format import presets
 
 
 def _decoder(batch: int, ctx: int, ready, stop, q) -> None:

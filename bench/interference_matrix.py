@@ -39,9 +39,10 @@ import kvsource
 from fetch_bench import fetch_once
 from interference_bench import _decoder, _stats
 
-from kvfetcher import ipc, pipeline
+from kvfetcher import ipc
+from kvfetcher.fetch import executor as pipeline
 from kvfetcher.chunk import encode_chunk
-from kvfetcher.decode_workers import DecodeWorkers
+from kvfetcher.fetch.workers import DecodeWorkers
 from kvfetcher.store.local import LocalStore
 
 CHUNK = 256

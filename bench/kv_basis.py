@@ -29,7 +29,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "sidecar"))
 
-from kvfetcher import accuracy, basis, model, rope  # noqa: E402
+from kvfetcher.eval import accuracy, model  # noqa: E402
+from kvfetcher.codec import basis, rope
 
 #: (text, token offset) of the calibration windows, disjoint from accuracy.PROMPTS' windows.
 CALIBRATION = [("license.txt", 600), ("code.txt", 600), ("code.txt", 3200), ("numbers.txt", 1000), ("numbers.txt", 10000)]

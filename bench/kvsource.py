@@ -21,7 +21,7 @@ import argparse
 
 import torch
 
-from kvfetcher import rope
+from kvfetcher.codec import rope
 
 SHAPE = (32, 2, 8, 256, 128)  # layers, K/V, kv_heads, tokens, head_dim of one chunk
 LLAMA3_THETA = 500000.0
@@ -30,7 +30,7 @@ TEXTS = ("license.txt", "code.txt")
 
 def save_source(out: str, tokens: int = 256) -> None:
     """Real Smol KV of ``tokens`` tokens of each shipped text -> ``out`` (keys un-rotated)."""
-    from kvfetcher import model
+    from kvfetcher.eval import model
 
     lm = model.load()
     theta = model.rope_theta(lm)

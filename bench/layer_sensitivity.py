@@ -29,7 +29,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "sidecar"))
 
-from kvfetcher import accuracy, basis, model, rope  # noqa: E402
+from kvfetcher.eval import accuracy, model  # noqa: E402
+from kvfetcher.codec import basis, rope
 
 
 def quantise_one(kv: torch.Tensor, layer: int, kind: int, step: float, start: int, theta: float,

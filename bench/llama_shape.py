@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sidecar"))
-from kvfetcher.costmodel import SHAPES, ModelShape  # noqa: E402
+from kvfetcher.eval.costmodel import SHAPES, ModelShape  # noqa: E402
 
 __all__ = ["SHAPES", "ModelShape", "LlamaShape", "subset"]
 

@@ -29,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "sidecar"))
 
-from kvfetcher import container  # noqa: E402
+from kvfetcher.format import container  # noqa: E402
 from kvfetcher.chunk import decode_chunk, encode_chunk  # noqa: E402
 
 

@@ -10,10 +10,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "sidecar"))
-from kvfetcher import layout, codecs
-from kvfetcher.codecs.nvidia import NvdecDecoder
-from kvfetcher.codecs.pyav import X265Encoder, LibavDecoder
-from kvfetcher.codecs.base import CodecParams
+from kvfetcher.codec import layout
+from kvfetcher import codec
+from kvfetcher.codec.nvidia import NvdecDecoder
+from kvfetcher.codec.pyav import X265Encoder, LibavDecoder
+from kvfetcher.codec.base import CodecParams
 g = torch.Generator().manual_seed(0)
 kv = (torch.randn(32, 2, 8, 256, 128, generator=g) * 2).half()
 frames = layout.pack(kv, layout.LayoutParams(mode="quant")).frames

@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "sidecar"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from kvfetcher import layout  # noqa: E402
-from kvfetcher.codecs.base import CodecParams  # noqa: E402
-from kvfetcher.codecs.pyav import X265Encoder  # noqa: E402
+from kvfetcher.codec import layout  # noqa: E402
+from kvfetcher.codec.base import CodecParams  # noqa: E402
+from kvfetcher.codec.pyav import X265Encoder  # noqa: E402
 from nvdec_bench import run_workers  # noqa: E402
 
 SHAPE = (32, 2, 8, 256, 128)
@@ -45,7 +45,7 @@ def make_segments(seg_frames: int) -> tuple[list[bytes], torch.Tensor, tuple]:
 
 
 def _worker(segs, side, fshape, seg_frames, batch, seconds, start, q):
-    from kvfetcher.codecs.nvidia import NvdecDecoder
+    from kvfetcher.codec.nvidia import NvdecDecoder
 
     dec = NvdecDecoder(0)
     out = torch.empty(SHAPE, dtype=torch.float16, device="cuda")

@@ -38,7 +38,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import compression_bench as cb  # noqa: E402
 from trellis_probes import EXTRA  # noqa: E402
-from kvfetcher import accuracy, basis, model, presets, rope  # noqa: E402
+from kvfetcher.eval import accuracy, model  # noqa: E402
+from kvfetcher.codec import basis, rope
+from kvfetcher.format import presets
 
 
 def windows(lm, path: Path, kv_cache: str | None):
@@ -181,7 +183,7 @@ def probe_groups(lm, ws, theta, k: int, sstep: float, scale: float, out: Path, a
     symbols per value at steps x1 and x1.15, on 4 of them)."""
     import math
 
-    from kvfetcher import layout
+    from kvfetcher.codec import layout
 
     p = variant(k, sstep, scale, steps)
     ws = ws[8:]

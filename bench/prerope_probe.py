@@ -20,9 +20,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "sidecar"))
 
-from kvfetcher import accuracy, layout, model  # noqa: E402
-from kvfetcher.codecs.base import CodecParams  # noqa: E402
-from kvfetcher.codecs.pyav import X265Encoder  # noqa: E402
+from kvfetcher.eval import accuracy, model  # noqa: E402
+from kvfetcher.codec import layout
+from kvfetcher.codec.base import CodecParams  # noqa: E402
+from kvfetcher.codec.pyav import X265Encoder  # noqa: E402
 
 
 def rotation(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

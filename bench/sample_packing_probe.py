@@ -28,7 +28,9 @@ import av
 import numpy as np
 import torch
 
-from kvfetcher import container, layout, model, presets
+from kvfetcher.format import container, presets
+from kvfetcher.codec import layout
+from kvfetcher.eval import model
 from kvfetcher.chunk import encode_chunk
 
 TEXTS = ("license.txt", "code.txt")

@@ -34,9 +34,10 @@ import fetchkit  # noqa: E402
 import linkstore  # noqa: E402
 from llama_shape import LlamaShape, subset  # noqa: E402
 
-from kvfetcher import costmodel, ipc  # noqa: E402
-from kvfetcher.decode_workers import DecodeWorkers  # noqa: E402
-from kvfetcher.costmodel import LLAMA3_8B, LLAMA3_70B, SHAPES  # noqa: E402
+from kvfetcher.eval import costmodel  # noqa: E402
+from kvfetcher import ipc
+from kvfetcher.fetch.workers import DecodeWorkers  # noqa: E402
+from kvfetcher.eval.costmodel import LLAMA3_8B, LLAMA3_70B, SHAPES  # noqa: E402
 
 CONTEXTS = [4096, 8192, 16384, 32768, 65536, 131072]
 LINKS_GBPS = [1, 5, 10, 25, 40, 100]

@@ -23,9 +23,11 @@ sys.path.insert(0, str(ROOT / "sidecar"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import compression_bench as cb  # noqa: E402
-from kvfetcher import layout, model, presets  # noqa: E402,F401
-from kvfetcher.codecs.base import CodecParams  # noqa: E402
-from kvfetcher.presets import Preset  # noqa: E402
+from kvfetcher.codec import layout  # noqa: E402,F401
+from kvfetcher.eval import model
+from kvfetcher.format import presets
+from kvfetcher.codec.base import CodecParams  # noqa: E402
+from kvfetcher.format.presets import Preset  # noqa: E402
 
 BASIS = presets.SMOLLM2_BASIS
 SB = presets.SENSITIVITY_BASIS

@@ -23,7 +23,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "sidecar"))
 
-from kvfetcher import accuracy, layout, model  # noqa: E402
+from kvfetcher.eval import accuracy, model  # noqa: E402
+from kvfetcher.codec import layout
 
 
 def quantise(kv: torch.Tensor, bits: int, chunk: int = 256) -> torch.Tensor:

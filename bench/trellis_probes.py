@@ -43,7 +43,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import compression_bench as cb  # noqa: E402
 import compression_probes as cp  # noqa: E402
-from kvfetcher import accuracy, basis, layout, model, presets, rope, trellis  # noqa: E402
+from kvfetcher.eval import accuracy, model  # noqa: E402
+from kvfetcher.codec import basis, layout, rope, trellis
+from kvfetcher.format import presets
 
 EXTRA = [("license.txt", 300), ("license.txt", 800), ("license.txt", 1700), ("code.txt", 300), ("code.txt", 1000),
          ("code.txt", 1500), ("code.txt", 2600), ("code.txt", 3600), ("numbers.txt", 500), ("numbers.txt", 1800),

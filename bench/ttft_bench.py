@@ -46,7 +46,8 @@ import linkserver  # noqa: E402
 import peers  # noqa: E402
 from llama8b import Config, Llama  # noqa: E402
 
-from kvfetcher import ipc, keys, presets, service  # noqa: E402
+from kvfetcher import ipc, keys, service  # noqa: E402
+from kvfetcher.format import presets
 from kvfetcher.chunk import encode_chunk  # noqa: E402
 from kvfetcher.store.s3 import S3Store  # noqa: E402
 

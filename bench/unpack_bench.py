@@ -31,7 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kvsource  # noqa: E402
 
-from kvfetcher import codecs, container, fused_unpack, layout, rope  # noqa: E402
+from kvfetcher import codec  # noqa: E402
+from kvfetcher.format import container
+from kvfetcher.codec import fused_unpack, layout, rope
 from kvfetcher.chunk import encode_chunk  # noqa: E402
 
 SMOL_FINGERPRINT = "smollm2-135m-instruct-q4_1/float32"  # the shipped basis' model: balanced/compact use it
@@ -49,7 +51,7 @@ def chunks(kvsrc: str) -> dict[str, tuple[torch.Tensor, str, float, int]]:
 
 def frames_of(obj: bytes, device: str) -> tuple[container.Header, torch.Tensor, torch.Tensor | None]:
     h = container.parse_header(obj)
-    dec = codecs.decoder(h.codec.format, device)
+    dec = codec.decoder(h.codec.format, device)
     frames = torch.cat([container.decode_segment(h, s, container.slice_segment(obj, h, s), dec, device) for s in h.segments])
     side = container.side_tensor(h, container.slice_segment(obj, h, h.side)).to(device) if h.side else None
     return h, frames, side

@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # kvtest helpers
 
 @pytest.fixture(scope="session")
 def lm():
-    from kvfetcher import model
+    from kvfetcher.eval import model
 
     return model.load()
 

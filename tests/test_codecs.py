@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from kvfetcher import codecs
-from kvfetcher.codecs.base import CodecError, CodecParams
-from kvfetcher.codecs.pyav import LibavDecoder, X265Encoder
-from kvfetcher.codecs.raw import RawCodec
+from kvfetcher import codec
+from kvfetcher.codec.base import CodecError, CodecParams
+from kvfetcher.codec.pyav import LibavDecoder, X265Encoder
+from kvfetcher.codec.raw import RawCodec
 
 
 def _frames(n=3, planes=3, h=144, w=160, seed=0):
@@ -59,9 +59,9 @@ def test_raw_codec_checks_length():
 
 
 def test_backend_choice_on_this_machine():
-    caps = codecs.capabilities()
+    caps = codec.capabilities()
     assert caps["x265"] is True
-    assert codecs.decoder("hevc", "cpu").name == "libavcodec"
-    assert codecs.encoder("raw").name == "raw"
+    assert codec.decoder("hevc", "cpu").name == "libavcodec"
+    assert codec.encoder("raw").name == "raw"
     with pytest.raises(CodecError):
-        codecs.encoder("av1")
+        codec.encoder("av1")

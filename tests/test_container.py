@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvtest import synthetic_kv
-from kvfetcher import container
+from kvfetcher.format import container
 from kvfetcher.chunk import decode_chunk, encode_chunk
 
 FP = "test-model/fp16"
@@ -124,7 +124,7 @@ def test_destination_is_untouched_when_an_object_is_bad(obj):
 def test_pre_rope_preset_carries_theta_and_start_in_the_header():
     from dataclasses import replace
 
-    from kvfetcher import presets
+    from kvfetcher.format import presets
 
     kv = synthetic_kv(tokens=64)
     p = replace(presets.get("q8"), name="q8r", pre_rope=True)
@@ -161,7 +161,7 @@ def test_native_headers_must_cover_the_chunk_back_to_back(edit):
     """The direct path copies the payload as the KV: every byte of it must be a checksummed segment."""
     from dataclasses import replace
 
-    from kvfetcher import presets
+    from kvfetcher.format import presets
 
     obj = encode_chunk(synthetic_kv(layers=8, tokens=64), replace(presets.get("raw"), segment_bytes=70_000), FP)
     assert len(container.parse_header(obj).segments) == 4  # 2 layers of 32 KB each
@@ -181,7 +181,7 @@ def test_side_information_is_stored_compressed_and_checked():
     kv = synthetic_kv(tokens=64)
     obj = encode_chunk(kv, "q8", FP)
     h = container.parse_header(obj)
-    from kvfetcher import layout
+    from kvfetcher.codec import layout
 
     raw = layout.side_numel(h.shape, h.layout) * 2
     assert h.side.length < raw  # zstd
@@ -194,7 +194,7 @@ def test_side_information_is_stored_compressed_and_checked():
 def test_sink_exact_only_keeps_the_first_token_exact_only_at_position_zero():
     from dataclasses import replace
 
-    from kvfetcher import presets
+    from kvfetcher.format import presets
 
     kv = synthetic_kv(tokens=64)
     p = replace(presets.get("q8"), name="q8s", sink_exact_only=True)
@@ -208,7 +208,8 @@ def test_sink_exact_only_keeps_the_first_token_exact_only_at_position_zero():
 def test_a_basis_is_dropped_for_a_model_it_was_not_made_for():
     from dataclasses import replace
 
-    from kvfetcher import basis, layout, presets
+    from kvfetcher.codec import basis, layout
+    from kvfetcher.format import presets
 
     name = basis.available()[0]
     lp = layout.LayoutParams(mode="quant", sigma_steps=((0.2, 0.2),), basis=name)
@@ -228,7 +229,8 @@ def test_a_basis_is_dropped_for_a_model_it_was_not_made_for():
 def test_an_unknown_or_misfitting_basis_is_refused_before_decoding():
     from dataclasses import replace
 
-    from kvfetcher import basis, layout, presets
+    from kvfetcher.codec import basis, layout
+    from kvfetcher.format import presets
 
     name = basis.available()[0]
     L, H, D = basis.load(name).shape

@@ -2,8 +2,9 @@
 
 import pytest
 
-from kvfetcher import choice, costmodel
-from kvfetcher.costmodel import LLAMA3_8B, LLAMA3_70B, Gpu, Representation
+from kvfetcher.fetch import choice
+from kvfetcher.eval import costmodel
+from kvfetcher.eval.costmodel import LLAMA3_8B, LLAMA3_70B, Gpu, Representation
 
 
 def test_llama3_shapes_kv_and_params():

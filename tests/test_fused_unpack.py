@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from kvtest import gpu, synthetic_kv
-from kvfetcher import basis, fused_unpack, layout, presets
+from kvfetcher.codec import basis, fused_unpack, layout
+from kvfetcher.format import presets
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")

@@ -7,16 +7,18 @@ import pytest
 import torch
 
 from kvtest import gpu, synthetic_kv
-from kvfetcher import codecs, container, layout
+from kvfetcher import codec
+from kvfetcher.format import container
+from kvfetcher.codec import layout
 from kvfetcher.chunk import decode_chunk, encode_chunk
-from kvfetcher.codecs.base import CodecParams
-from kvfetcher.codecs.pyav import LibavDecoder, X265Encoder
+from kvfetcher.codec.base import CodecParams
+from kvfetcher.codec.pyav import LibavDecoder, X265Encoder
 
 pytestmark = gpu
 
 
 def test_nvdec_is_detected():
-    caps = codecs.capabilities()
+    caps = codec.capabilities()
     assert caps["nvdec"], caps
 
 
@@ -27,7 +29,7 @@ def test_nvdec_and_cpu_decode_identical_bytes(planes, lossless, qp):
     frames = layout.pack(kv, layout.LayoutParams(mode="quant", planes=planes)).frames
     data = X265Encoder().encode(frames, CodecParams(lossless=lossless, qp=qp))
     cpu = LibavDecoder().decode(data, tuple(frames.shape))
-    gpu_frames = codecs.decoder("hevc", "cuda").decode(data, tuple(frames.shape), "cuda")
+    gpu_frames = codec.decoder("hevc", "cuda").decode(data, tuple(frames.shape), "cuda")
     assert gpu_frames.device.type == "cuda"
     assert torch.equal(gpu_frames.cpu(), cpu)
     if lossless:
@@ -68,7 +70,7 @@ def test_warmed_decode_workers_restore_a_chunk_as_decode_chunk_does(preset):
     import asyncio
 
     from kvfetcher import ipc
-    from kvfetcher.decode_workers import DecodeWorkers, warmup_object
+    from kvfetcher.fetch.workers import DecodeWorkers, warmup_object
 
     kv = synthetic_kv(layers=6, tokens=256, dtype=torch.float16)
     obj = encode_chunk(kv, preset, "fp", start=256, rope_theta=10000.0)

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from kvtest import synthetic_kv
-from kvfetcher import layout
+from kvfetcher.codec import layout
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -106,7 +106,7 @@ def test_bits_map_sets_levels_per_layer_and_kv():
 
 
 def test_rope_inverse_is_exact():
-    from kvfetcher import rope
+    from kvfetcher.codec import rope
 
     k = torch.randn(3, 2, 40, 64, dtype=torch.float64).float()
     cos, sin = rope.rotation(100, 40, 64, 10000.0)
@@ -115,7 +115,7 @@ def test_rope_inverse_is_exact():
 
 def _roped_keys_with_steady_channels(start: int) -> torch.Tensor:
     """Keys whose pre-RoPE channels are large and steady, as real keys' outlier channels are."""
-    from kvfetcher import rope
+    from kvfetcher.codec import rope
 
     kv = synthetic_kv(layers=2, heads=2, tokens=128, head_dim=64, dtype=torch.float32)
     kv[:, 0] = kv[:, 0] * 0.05 + torch.linspace(-8, 8, 64)  # pre-RoPE: mean per channel, small spread
@@ -208,7 +208,7 @@ def test_sigma_steps_survive_the_header_round_trip():
 # --- basis (per-model channel transform) ------------------------------------------------
 
 def _shipped_basis():
-    from kvfetcher import basis
+    from kvfetcher.codec import basis
 
     names = basis.available()
     assert names, "a basis for the shipped model is shipped"
@@ -216,7 +216,7 @@ def _shipped_basis():
 
 
 def test_shipped_basis_is_invertible_and_named_by_its_content():
-    from kvfetcher import basis
+    from kvfetcher.codec import basis
 
     b = _shipped_basis()
     L, H, D = b.shape
@@ -231,7 +231,7 @@ def test_shipped_basis_is_invertible_and_named_by_its_content():
 
 
 def test_transform_decorrelates_and_orders_by_weighted_variance():
-    from kvfetcher import basis
+    from kvfetcher.codec import basis
 
     g = torch.Generator().manual_seed(1)
     mix = torch.randn(1, 8, 8, generator=g, dtype=torch.float64)
@@ -261,7 +261,7 @@ def test_basis_round_trip_error_is_half_a_step_per_component(dtype):
     back = layout.unpack(packed.frames, packed.side, kv.shape, kv.dtype, p, start=256)
     assert torch.equal(back[:, :, :, :1], kv[:, :, :, :1])  # the exact first token
     # error in the coded domain: keys un-rotated, then enc, per head
-    from kvfetcher import rope
+    from kvfetcher.codec import rope
 
     def coded(t):
         x = t.float().clone()

@@ -1,7 +1,7 @@
 import pytest
 
-from kvfetcher import presets
-from kvfetcher.service import Config
+from kvfetcher.format import presets
+from kvfetcher.config import Config
 
 
 def test_every_preset_is_consistent():
@@ -73,7 +73,8 @@ def test_every_preset_lists_measured_figures(capsys):
 
 
 def test_balanced_and_compact_use_the_shipped_basis_of_the_shipped_model():
-    from kvfetcher import basis, model
+    from kvfetcher.codec import basis
+    from kvfetcher.eval import model
 
     for name in ("balanced", "compact"):
         p = presets.get(name)

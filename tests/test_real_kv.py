@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from kvfetcher import accuracy, model
+from kvfetcher.eval import accuracy, model
 from kvfetcher.cli import main as cli_main
 
 pytestmark = pytest.mark.slow

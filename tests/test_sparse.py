@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 import torch
 
-from kvfetcher import basis, layout, presets, rope
+from kvfetcher.codec import basis, layout, rope
+from kvfetcher.format import presets
 
 THETA = 100000.0
 
@@ -90,7 +91,7 @@ def test_sparse_needs_a_basis_and_old_headers_mean_none():
 def test_balanced_on_a_model_without_a_basis_drops_the_corrections_with_it():
     """Another model's chunk (no basis for its shape/fingerprint) is still stored as `balanced`:
     per-channel steps, no sparse corrections (found on a GPU: 8B-shaped KV failed to encode)."""
-    from kvfetcher import container
+    from kvfetcher.format import container
     from kvfetcher.chunk import decode_chunk, encode_chunk
 
     g = torch.Generator().manual_seed(3)

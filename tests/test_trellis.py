@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvtest import synthetic_kv
-from kvfetcher import layout, trellis
+from kvfetcher.codec import layout, trellis
 
 # VVC's dependent-quantisation state machine, stepped one index at a time: the reference the
 # vectorised decoder must equal

@@ -10,8 +10,11 @@ import dataclasses
 
 import torch
 
-from . import basis, codecs, container, layout
-from .presets import Preset, get
+from kvfetcher.codec import basis, layout
+from kvfetcher import codec
+from kvfetcher.format import container
+from kvfetcher.format.presets import Preset, get
+from kvfetcher.kvbuffer import dtype_name
 
 
 def encode_chunk(
@@ -38,14 +41,14 @@ def encode_chunk(
     if lp.basis is not None and not basis.fits(lp.basis, tuple(kv.shape), fingerprint):
         lp = dataclasses.replace(lp, basis=None, sparse_tokens=0)  # another model: plain per-channel sigma steps (the sparse corrections rank keys in the basis)
     packed = layout.pack(kv, lp, start)
-    enc = codecs.encoder(p.codec.format)
+    enc = codec.encoder(p.codec.format)
     n = packed.frames.shape[0]
     frame_bytes = packed.frames[0].numel()
     step = max(1, p.segment_bytes // frame_bytes if p.segment_bytes else p.segment_frames)
     segments = [((a, min(a + step, n)), enc.encode(packed.frames[a : a + step], p.codec)) for a in range(0, n, step)]
     fields = {
         "fingerprint": fingerprint,
-        "dtype": layout.dtype_name(kv.dtype),
+        "dtype": dtype_name(kv.dtype),
         "shape": list(kv.shape),
         "preset": p.name,
         "layout": lp.to_dict(),
@@ -73,7 +76,7 @@ def decode_chunk(
     container.check_fingerprint(h, expected_fingerprint)
     container.check_size(h, len(obj))
     side = container.side_tensor(h, container.slice_segment(obj, h, h.side)) if h.side else None
-    dec = codecs.decoder(h.codec.format, device, backend)
+    dec = codec.decoder(h.codec.format, device, backend)
     frames = [container.decode_segment(h, s, container.slice_segment(obj, h, s), dec, device) for s in h.segments]
     allframes = frames[0] if len(frames) == 1 else torch.cat(frames)
     return layout.unpack(allframes, side, h.shape, h.torch_dtype, h.layout, out=out, start=h.start)

@@ -10,12 +10,13 @@ from pathlib import Path
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from . import accuracy, codecs
+    from kvfetcher.eval import accuracy
+    from kvfetcher import codec
 
     text = Path(args.text).read_text() if args.text else None
     report = accuracy.evaluate(args.preset, tokens=args.tokens, text=text, chunk_tokens=args.chunk_tokens)
     s = report.summary()
-    s["codec_backend"] = _backend_name(args.preset, codecs.capabilities())
+    s["codec_backend"] = _backend_name(args.preset, codec.capabilities())
     if not args.per_prompt:
         s.pop("per_prompt")
     if args.json:
@@ -27,7 +28,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _backend_name(preset: str, caps: dict) -> str:
-    from .presets import get
+    from kvfetcher.format.presets import get
 
     fmt = get(preset).codec.format
     if fmt == "raw":
@@ -38,7 +39,7 @@ def _backend_name(preset: str, caps: dict) -> str:
 
 
 def _presets(args: argparse.Namespace) -> int:
-    from .presets import PRESETS, measured
+    from kvfetcher.format.presets import PRESETS, measured
 
     rows = [dict(p.to_dict(), measured=measured(p.name)) for p in PRESETS.values()]
     if args.json:
@@ -78,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _plugins():
     """Subcommands that live beside their code: a module with ``register_cli(subparsers)``."""
     found = []
-    for mod in ("server", "demo"):
+    for mod in ("api.server", "eval.demo"):
         try:
             m = __import__(f"kvfetcher.{mod}", fromlist=["register_cli"])
         except ModuleNotFoundError as e:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .layout import DTYPES, dtype_name
+from kvfetcher.kvbuffer import DTYPES, dtype_name
 
 SHM_PREFIX = "kvfetcher-"
 

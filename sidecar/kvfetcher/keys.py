@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .layout import LAYOUT_VERSION
+from kvfetcher.codec.layout import LAYOUT_VERSION
 
 DEFAULT_CHUNK_TOKENS = 256
 

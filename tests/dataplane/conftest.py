@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvfetcher import model
+from kvfetcher.eval import model
 from kvfetcher.store.s3 import S3Store
 
 from dptest import NEW, PROMPT_TOKENS, SlowProxy, new_bucket

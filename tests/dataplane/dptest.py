@@ -12,10 +12,11 @@ from contextlib import contextmanager
 
 from aiohttp import ClientSession, web
 
-from kvfetcher import pipeline
+from kvfetcher.fetch import executor as pipeline
 from kvfetcher.chunk import encode_chunk
-from kvfetcher.server import Embedded
-from kvfetcher.service import Config, Sidecar
+from kvfetcher.api.server import Embedded
+from kvfetcher.config import Config
+from kvfetcher.service import Sidecar
 from kvtest import free_port as closed_port  # noqa: F401  (a port nothing listens on, for the tests)
 
 logging.getLogger("werkzeug").setLevel(logging.WARNING)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvfetcher.choice import NO_FIT, RECOMPUTE, Estimator, Fit, Rates, choose, decode_rate, fetch_seconds
+from kvfetcher.fetch.choice import NO_FIT, RECOMPUTE, Estimator, Fit, Rates, choose, decode_rate, fetch_seconds
 
 FORMATS = {"raw": "raw", "q8": "hevc", "exact": "hevc"}
 CHUNK_KV = 10_000_000  # bytes of KV per chunk
@@ -68,7 +68,7 @@ def test_estimator_learns_per_endpoint():
 
 
 def test_hopeless_only_when_even_the_best_case_loses():
-    from kvfetcher.choice import hopeless
+    from kvfetcher.fetch.choice import hopeless
 
     ratios = {"raw": 1.0, "q8": 2.0}
     # a fast model on a slow link: even q8 at 1.5x its ratio loses -> skip the lookup
@@ -99,7 +99,7 @@ def test_gpu_priors_pick_raw_on_fast_links_and_q8_or_recompute_on_slow_ones(gbps
 
 
 def test_a_ttft_budget_prefers_the_fetch_that_fits_to_a_faster_recompute():
-    from kvfetcher.choice import hopeless
+    from kvfetcher.fetch.choice import hopeless
 
     r = rates(bw=50e6, decode_hevc=200e6, tps=1e4)  # recompute 0.1 s; q8 0.4 s, raw 0.8 s
     assert choose(STORED, 256, CHUNK_KV, FORMATS, r).preset == RECOMPUTE
@@ -148,7 +148,7 @@ def test_the_fit_tells_fixed_overhead_from_a_slower_rate():
 def test_hopeless_counts_the_lookup_and_the_fit():
     from dataclasses import replace
 
-    from kvfetcher.choice import hopeless, lookup_seconds
+    from kvfetcher.fetch.choice import hopeless, lookup_seconds
 
     ratios = {"raw": 1.0, "q8": 2.0}
     r = rates(bw=5e9, tps=1024 / 0.012)  # recompute 12 ms; raw's best case 8 ms
@@ -159,7 +159,7 @@ def test_hopeless_counts_the_lookup_and_the_fit():
 
 
 def test_the_lookup_time_is_learned_per_endpoint():
-    from kvfetcher.choice import lookup_seconds
+    from kvfetcher.fetch.choice import lookup_seconds
 
     e = Estimator(latency_s=0.002)
     assert lookup_seconds(32, e.rates("s3", 1.0), 16) == pytest.approx(2 * 0.002)  # before any lookup: latencies

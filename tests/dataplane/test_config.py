@@ -2,8 +2,8 @@
 
 import pytest
 
-from kvfetcher.client import KVClient
-from kvfetcher.service import Config
+from kvfetcher.api.client import KVClient
+from kvfetcher.config import Config
 from kvfetcher.store import from_env
 from kvfetcher.store.local import LocalStore
 from kvfetcher.store.s3 import S3Store

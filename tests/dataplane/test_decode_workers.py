@@ -12,10 +12,14 @@ import uuid
 import pytest
 import torch
 
-from kvfetcher import basis, container, ipc, pipeline
+from kvfetcher.codec import basis
+from kvfetcher.format import container
+from kvfetcher import ipc
+from kvfetcher.fetch import executor as pipeline
 from kvfetcher.chunk import decode_chunk, encode_chunk
-from kvfetcher.decode_workers import DecodeWorkers, warmup_object
-from kvfetcher.service import Config, Sidecar
+from kvfetcher.fetch.workers import DecodeWorkers, warmup_object
+from kvfetcher.config import Config
+from kvfetcher.service import Sidecar
 from kvfetcher.store.local import LocalStore
 
 from dptest import SENTINEL, fetch, put_chunks
@@ -173,7 +177,7 @@ def test_a_warm_up_object_runs_the_code_paths_of_its_preset():
 
 
 def test_a_warm_up_object_of_a_model_s_geometry_is_coded_as_its_chunks_are():
-    from kvfetcher import presets
+    from kvfetcher.format import presets
 
     h = container.parse_header(warmup_object("balanced", (4, 2, 32, 64), torch.bfloat16, "another-model"))
     assert (tuple(h.shape), h.dtype, h.layout.basis, h.layout.exact_tokens) == ((4, 2, 2, 32, 64), "bfloat16", None, 0)

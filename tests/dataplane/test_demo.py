@@ -23,7 +23,7 @@ def test_demo_json(monkeypatch, capsys):
 
 
 def test_demo_text(monkeypatch, capsys):
-    from kvfetcher.demo import render
+    from kvfetcher.eval.demo import render
 
     r = {
         "model": "m", "prompt_tokens": 10, "chunk_tokens": 4, "preset": "q8", "ttft_recompute_s": 2.0, "ttft_fetch_s": 1.0,

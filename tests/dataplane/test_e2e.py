@@ -7,9 +7,10 @@ import threading
 import pytest
 import torch
 
-from kvfetcher import ipc, keys, model
+from kvfetcher import ipc, keys
+from kvfetcher.eval import model
 from kvfetcher.chunk import decode_chunk, encode_chunk
-from kvfetcher.client import KVClient
+from kvfetcher.api.client import KVClient
 from kvfetcher.integrations.transformers import CachedLM
 from kvfetcher.store.s3 import S3Store
 

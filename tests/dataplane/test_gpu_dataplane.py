@@ -11,9 +11,10 @@ import time
 import pytest
 import torch
 
-from kvfetcher import codecs, ipc, pipeline
+from kvfetcher import codec, ipc
+from kvfetcher.fetch import executor as pipeline
 from kvfetcher.chunk import decode_chunk
-from kvfetcher.client import KVClient
+from kvfetcher.api.client import KVClient
 from kvfetcher.store.local import LocalStore
 
 from dptest import SENTINEL, closed_port, fetch, put_chunks, raw_request
@@ -34,7 +35,7 @@ def test_fetch_into_a_cuda_buffer_matches_the_cpu_path(tmp_path, preset):
     assert torch.equal(buf[:, :, :, 20:276].cpu(), expect)
     assert bool((buf[:, :, :, :20] == SENTINEL).all()) and bool((buf[:, :, :, 276:] == SENTINEL).all())
     if preset != "raw":
-        assert codecs.decoder("hevc", "cuda").name.startswith("nvdec")
+        assert codec.decoder("hevc", "cuda").name.startswith("nvdec")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -42,7 +43,7 @@ def test_fetch_into_a_cuda_buffer_matches_the_cpu_path(tmp_path, preset):
 def test_raw_direct_path_copies_pinned_host_memory_into_a_cuda_buffer(tmp_path, dtype, scattered):
     """raw: ranged GETs into pinned staging buffers, CRC, one non-blocking host-to-device copy,
     waited for before the chunk counts: bit-exact, and nothing outside the slots."""
-    from kvfetcher.staging import StagingPool
+    from kvfetcher.fetch.staging import StagingPool
 
     g = torch.Generator().manual_seed(0)
     kv = torch.randint(0, 256, (6 * 2 * 2 * 512 * 64 * 2,), dtype=torch.uint8, generator=g).view(dtype).view(6, 2, 2, 512, 64)
@@ -66,7 +67,7 @@ def test_raw_direct_path_copies_pinned_host_memory_into_a_cuda_buffer(tmp_path, 
 @pytest.mark.parametrize("preset", ["raw", "q8"])
 def test_decode_worker_processes_write_through_cuda_ipc(tmp_path, preset):
     """NVDEC in worker processes, each opening the buffer's CUDA IPC handle: same bytes as in-process."""
-    from kvfetcher.decode_workers import DecodeWorkers
+    from kvfetcher.fetch.workers import DecodeWorkers
 
     kv = synthetic_kv(layers=6, heads=2, tokens=512, head_dim=64)
     store = LocalStore(tmp_path)

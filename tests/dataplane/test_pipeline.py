@@ -6,7 +6,8 @@ import time
 import pytest
 import torch
 
-from kvfetcher import container, pipeline
+from kvfetcher.format import container
+from kvfetcher.fetch import executor as pipeline
 from kvfetcher.chunk import decode_chunk, encode_chunk
 from kvfetcher.store.local import LocalStore
 

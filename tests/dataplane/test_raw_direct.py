@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvfetcher import container, pipeline
+from kvfetcher.format import container
+from kvfetcher.fetch import executor as pipeline
 from kvfetcher.store import read_into
 from kvfetcher.store.local import LocalStore
 
@@ -29,7 +30,7 @@ def segments_arrive_by_ranged_reads(monkeypatch):
     the first one partly from the header read, as with real chunks."""
     from dataclasses import replace
 
-    from kvfetcher import presets
+    from kvfetcher.format import presets
 
     monkeypatch.setitem(presets.PRESETS, "raw", replace(presets.get("raw"), segment_bytes=1))
     monkeypatch.setattr(pipeline, "HEADER_GUESS", 1024)
@@ -125,7 +126,7 @@ def test_native_objects_are_the_buffers_bytes():
 
 
 async def test_staging_buffers_are_reused_across_chunks_and_fetches(tmp_path):
-    from kvfetcher.staging import StagingPool
+    from kvfetcher.fetch.staging import StagingPool
 
     kv = random_bits(torch.float16, tokens=256)
     store = LocalStore(tmp_path)
@@ -144,7 +145,7 @@ async def test_a_read_abandoned_at_the_deadline_never_lands_in_a_reused_buffer(t
     and then overwritten before its copy."""
     import numpy as np
 
-    from kvfetcher.staging import StagingPool
+    from kvfetcher.fetch.staging import StagingPool
 
     class SlowSegments(LocalStore):  # headers come at once, segment reads take 0.5 s
         targets: list[int] = []
@@ -169,7 +170,7 @@ async def test_a_read_abandoned_at_the_deadline_never_lands_in_a_reused_buffer(t
 
 
 def test_reserve_allocates_ahead_once_and_within_keep():
-    from kvfetcher.staging import StagingPool
+    from kvfetcher.fetch.staging import StagingPool
 
     pool = StagingPool(keep=4)
     assert pool.reserve(4096, False, 3) == 3 and pool.allocated == 3
@@ -182,8 +183,10 @@ def test_reserve_allocates_ahead_once_and_within_keep():
 async def test_a_registered_buffer_has_its_raw_staging_before_the_first_fetch(tmp_path):
     """Registration reserves the direct path's staging in the background, so the first raw fetch
     allocates none (on an H100 a first raw fetch ran 7x slower than the next)."""
-    from kvfetcher import ipc, staging
-    from kvfetcher.service import Config, Sidecar
+    from kvfetcher import ipc
+    from kvfetcher.fetch import staging
+    from kvfetcher.config import Config
+    from kvfetcher.service import Sidecar
 
     kv = random_bits(torch.float16, tokens=128)
     sc = Sidecar(LocalStore(tmp_path), Config(chunk_tokens=CHUNK, presets=("raw",), decode_procs=0, device="cpu"))

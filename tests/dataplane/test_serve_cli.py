@@ -9,7 +9,7 @@ import time
 import torch
 
 from kvfetcher import ipc
-from kvfetcher.client import KVClient
+from kvfetcher.api.client import KVClient
 
 from dptest import closed_port, new_bucket
 from dptest import raw_request

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvfetcher import ipc
-from kvfetcher.client import KVClient, SidecarError
+from kvfetcher.api.client import KVClient, SidecarError
 from kvfetcher.store.s3 import S3Store
 
 from dptest import TOKEN, closed_port, raw_request, sidecar
@@ -38,7 +38,7 @@ def test_store_then_load_round_trip_and_metrics(s3, buf):
         assert c.lookup(None, tokens, model=FP, dtype="float16") == 192  # a scheduler without buffers
         assert c.lookup(None, tokens, model=FP, dtype="float16", tp_rank=1) == 0  # another TP rank's namespace
         assert len(s3.list("kv/")) == 6  # two representations of three chunks
-        raw = json.loads(raw_request(sc.where["port"], "POST", "/v1/fetch", json.dumps({"buffer": bid, "tokens": tokens, "offset": 0}),
+        raw = json.loads(raw_request(sc.where["port"], "POST", "/v1/fetch", json.dumps({"buffer": bid, "tokens": tokens, "offset": 0, "recompute_tokens_per_s": 1}),
                                      {"Authorization": f"Bearer {TOKEN}"})[1])
         assert (raw["loaded_tokens"], raw["not_loaded"]) == (192, [192, 256])  # chunk 4 was never stored
         assert 0 < raw["lookup_s"] < 30  # the listing's share of the fetch
@@ -118,8 +118,9 @@ def test_auth_tcp_token_and_unix_socket(s3, buf, tmp_path):
     sock = str(tmp_path / "run" / "kvfetcher.sock")
     with sidecar(s3) as _:
         pass
-    from kvfetcher.server import Embedded
-    from kvfetcher.service import Config, Sidecar
+    from kvfetcher.api.server import Embedded
+    from kvfetcher.config import Config
+    from kvfetcher.service import Sidecar
 
     with Embedded(Sidecar(s3, Config(chunk_tokens=64, presets=("raw",))), TOKEN, socket_path=sock) as sc:
         port = sc.where["port"]
@@ -143,8 +144,9 @@ def test_auth_tcp_token_and_unix_socket(s3, buf, tmp_path):
 
 
 def test_no_configured_token_refuses_tcp(s3, buf):
-    from kvfetcher.server import Embedded
-    from kvfetcher.service import Config, Sidecar
+    from kvfetcher.api.server import Embedded
+    from kvfetcher.config import Config
+    from kvfetcher.service import Sidecar
 
     with Embedded(Sidecar(s3, Config()), token=None) as sc:
         with pytest.raises(SidecarError, match="no token is configured"):

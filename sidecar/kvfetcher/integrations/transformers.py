@@ -1,6 +1,6 @@
 """Hugging Face transformers with remote KV reuse: fetch -> build the cache -> generate the rest.
 
-:class:`CachedLM` wraps a loaded causal LM and a :class:`~kvfetcher.client.KVClient`. For each
+:class:`CachedLM` wraps a loaded causal LM and a :class:`~kvfetcher.api.client.KVClient`. For each
 prompt it has the sidecar load what is stored of the prefix (and pays off) into a shared KV
 buffer, builds a ``DynamicCache`` from it, prefills only the remaining tokens, and after that
 prefill hands the prompt's KV back to the sidecar to store. The buffer is in the storage dtype
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import ipc
-from ..client import KVClient, LoadResult, SidecarError
+from kvfetcher import ipc
+from kvfetcher.api.client import KVClient, LoadResult, SidecarError
 
 log = logging.getLogger("kvfetcher.integrations.transformers")
 

@@ -95,7 +95,7 @@ def from_env(env: dict[str, str] | None = None) -> Store:
     the directory ``KVFETCHER_STORE_DIR``."""
     env = dict(os.environ if env is None else env)
     if env.get("KVFETCHER_S3_ENDPOINT"):
-        from .s3 import S3Store
+        from kvfetcher.store.s3 import S3Store
 
         return S3Store(
             env["KVFETCHER_S3_ENDPOINT"],
@@ -106,7 +106,7 @@ def from_env(env: dict[str, str] | None = None) -> Store:
             ca_file=env.get("KVFETCHER_S3_CA_FILE") or None,
             verify_tls=env.get("KVFETCHER_S3_INSECURE", "").lower() not in ("1", "true", "yes"),
         )
-    from .local import LocalStore
+    from kvfetcher.store.local import LocalStore
 
     root = env.get("KVFETCHER_STORE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvfetcher", "store")
     return LocalStore(root)

@@ -10,7 +10,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from . import NotFound, StoreError, fill
+from kvfetcher.store import NotFound, StoreError, fill
 
 
 class LocalStore:

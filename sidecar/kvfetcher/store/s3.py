@@ -15,7 +15,7 @@ import urllib3
 from minio import Minio
 from minio.error import S3Error
 
-from . import NotFound, StoreError, Unavailable, fill
+from kvfetcher.store import NotFound, StoreError, Unavailable, fill
 
 _MISSING = {"NoSuchKey", "NoSuchObject", "NotFound", "ResourceNotFound"}
 

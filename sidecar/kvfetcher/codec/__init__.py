@@ -12,10 +12,10 @@ import logging
 
 import torch
 
-from .base import CodecError, CodecParams, Decoder, Encoder
-from .raw import RawCodec
+from kvfetcher.codec.base import CodecError, CodecParams, Decoder, Encoder
+from kvfetcher.codec.raw import RawCodec
 
-log = logging.getLogger("kvfetcher.codecs")
+log = logging.getLogger("kvfetcher.codec")
 
 __all__ = ["CodecError", "CodecParams", "Decoder", "Encoder", "capabilities", "encoder", "decoder"]
 
@@ -25,14 +25,14 @@ def capabilities() -> dict[str, bool | str]:
     """What this machine can do, probed (not assumed) once per process."""
     caps: dict[str, bool | str] = {"cuda": torch.cuda.is_available(), "nvdec": False, "nvenc": False, "x265": False}
     try:
-        from .pyav import X265Encoder  # noqa: F401
+        from kvfetcher.codec.pyav import X265Encoder  # noqa: F401
 
         caps["x265"] = True
     except ImportError as e:
         caps["x265_error"] = str(e)
     if caps["cuda"]:
         try:
-            from . import nvidia
+            from kvfetcher.codec import nvidia
 
             caps["nvdec"], caps["nvenc"] = nvidia.probe()
         except Exception as e:  # missing wheel, driver without libnvcuvid, ...
@@ -49,10 +49,10 @@ def encoder(fmt: str) -> Encoder:
         raise CodecError(f"unknown bitstream format {fmt!r}")
     caps = capabilities()
     if caps["nvenc"]:
-        from .nvidia import NvencEncoder
+        from kvfetcher.codec.nvidia import NvencEncoder
 
         return NvencEncoder()
-    from .pyav import X265Encoder
+    from kvfetcher.codec.pyav import X265Encoder
 
     return X265Encoder()
 
@@ -66,9 +66,9 @@ def decoder(fmt: str, device: torch.device | str = "cpu", backend: str | None = 
     dev = torch.device(device)
     use_nvdec = backend == "nvdec" or (backend is None and dev.type == "cuda" and capabilities()["nvdec"])
     if use_nvdec:
-        from .nvidia import NvdecDecoder
+        from kvfetcher.codec.nvidia import NvdecDecoder
 
         return NvdecDecoder(dev.index or 0)
-    from .pyav import LibavDecoder
+    from kvfetcher.codec.pyav import LibavDecoder
 
     return LibavDecoder()

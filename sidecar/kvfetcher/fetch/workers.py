@@ -23,7 +23,7 @@ IPC mapping: on a user's time to first token, and in the cost model's first deco
 :meth:`DecodeWorkers.warm` pays all but the last at start-up, by restoring tiny chunks
 (:func:`warmup_object`) into scratch tensors through the same path; :meth:`DecodeWorkers.open`
 maps a buffer when the model registers it. (NVDEC decoders are kept per frame geometry: a real
-chunk's first one still opens its own decoder, ~20 ms, :class:`codecs.nvidia.NvdecDecoder`.)
+chunk's first one still opens its own decoder, ~20 ms, :class:`codec.nvidia.NvdecDecoder`.)
 """
 
 from __future__ import annotations
@@ -46,9 +46,11 @@ from dataclasses import dataclass
 
 import torch
 
-from . import basis, codecs, container, presets
+from kvfetcher.codec import basis
+from kvfetcher import codec
+from kvfetcher.format import container, presets
 
-log = logging.getLogger("kvfetcher.decode_workers")
+log = logging.getLogger("kvfetcher.fetch.workers")
 
 MAX_OPEN_BUFFERS = 8  # handles a worker keeps open (least recently used are dropped)
 MIN_SLAB = 64 << 20  # bytes of compressed chunk a worker's slab holds before it grows
@@ -103,7 +105,7 @@ class _WorkerState:
         self.slab: _Slab | None = None
 
     def buffer(self, key: str, handle: dict) -> torch.Tensor:
-        from . import ipc
+        from kvfetcher import ipc
 
         if key in self.unopenable:
             raise _OpenFailed(self.unopenable[key])
@@ -139,7 +141,7 @@ def _restore(state: _WorkerState, msg: tuple) -> tuple[int, dict]:
     """In a worker: verify and decode one chunk fully, then write it to its slots.
 
     Returns the KV bytes written and seconds per step (for the coordinator's statistics)."""
-    from . import pipeline  # the worker's own import; pipeline imports nothing from here at call time
+    from kvfetcher.fetch import executor as pipeline  # the worker's own import; pipeline imports nothing from here at call time
 
     target, header, slab, spans, slots = msg
     t0 = time.perf_counter()
@@ -156,7 +158,7 @@ def _restore(state: _WorkerState, msg: tuple) -> tuple[int, dict]:
             container.check(seg, data)
         side_data = parts.pop(0) if h.side else None
         t1 = time.perf_counter()
-        dec = codecs.decoder(h.codec.format, buf.device)
+        dec = codec.decoder(h.codec.format, buf.device)
         in_place = getattr(dec, "name", "") in ("nvdec", "raw")  # these read the slab in place; libav wants bytes
         frames = [container.decode_segment(h, seg, d if in_place else bytes(d), dec, buf.device) for seg, d in zip(h.segments, parts)]
         side = container.side_tensor(h, bytes(side_data)) if side_data is not None else None
@@ -215,7 +217,7 @@ class _Worker:
 
     def _slab_for(self, size: int) -> _Slab:
         """This worker's slab, grown (a new file; the worker remaps on the next request) if too small."""
-        from .ipc import shm_dir
+        from kvfetcher.ipc import shm_dir
 
         if self.slab is None or self.slab.size < size:
             old = self.slab
@@ -298,7 +300,7 @@ def warmup_object(preset: str, shape: tuple[int, int, int, int] | None = None, d
     model's ``fingerprint``, a chunk exactly like that model's: the same frame geometry (NVDEC
     decoders are kept per geometry) and the same unpack variant (the fused kernel is compiled per
     head size and chunk length, with or without the basis)."""
-    from .chunk import encode_chunk  # chunk needs the encoders, which the workers never import
+    from kvfetcher.chunk import encode_chunk  # chunk needs the encoders, which the workers never import
 
     p = presets.get(preset)
     if shape is None:

@@ -19,9 +19,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from . import model
-from .chunk import decode_chunk, encode_chunk
-from .presets import Preset, get
+from kvfetcher.eval import model
+from kvfetcher.chunk import decode_chunk, encode_chunk
+from kvfetcher.format.presets import Preset, get
 
 #: (text file, token offset) of the shipped prompts: legal prose, code, numbers, dialogue, prose.
 PROMPTS: list[tuple[str, int]] = [

@@ -29,10 +29,12 @@ from pathlib import Path
 
 from aiohttp import web
 
-from .service import Config, RequestError, Sidecar
-from .store import from_env
+from kvfetcher.config import Config
 
-log = logging.getLogger("kvfetcher.server")
+from kvfetcher.service import RequestError, Sidecar
+from kvfetcher.store import from_env
+
+log = logging.getLogger("kvfetcher.api.server")
 
 SIDECAR = web.AppKey("sidecar", Sidecar)
 TOKEN = web.AppKey("token", str)

@@ -59,8 +59,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from . import basis as kvbasis
-from . import fused_unpack, rope, trellis
+from kvfetcher.codec import basis as kvbasis
+from kvfetcher.codec import fused_unpack, rope, trellis
+from kvfetcher.kvbuffer import bytes_per_value, dtype_name
 
 LAYOUT_VERSION = 7  # 2: exact leading tokens in the side information; 3: sigma_steps in the header;
 #                    4: native mode (raw); 5: per-model basis, zstd-compressed side information;
@@ -71,20 +72,7 @@ MIN_READABLE_LAYOUT = 5
 #: modes that restore the stored values bit for bit and carry no side information
 LOSSLESS_MODES = ("exact", "native")
 
-#: dtypes a chunk may have, by name as written in container headers.
-DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-}
 _INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    for name, dt in DTYPES.items():
-        if dt == dtype:
-            return name
-    raise ValueError(f"unsupported KV dtype {dtype}; supported: {sorted(DTYPES)}")
 
 
 @dataclass(frozen=True)
@@ -190,10 +178,6 @@ class Geometry:
 
 def _round8(n: int) -> int:
     return max(8, (n + 7) // 8 * 8)
-
-
-def bytes_per_value(dtype: torch.dtype) -> int:
-    return torch.finfo(dtype).bits // 8
 
 
 def geometry(shape: tuple[int, ...], dtype: torch.dtype, params: LayoutParams) -> Geometry:

@@ -15,7 +15,7 @@ import av
 import numpy as np
 import torch
 
-from .base import CodecError, CodecParams
+from kvfetcher.codec.base import CodecError, CodecParams
 
 _THREADS = max(1, min(8, os.cpu_count() or 1))
 

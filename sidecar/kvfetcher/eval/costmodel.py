@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from . import choice
+from kvfetcher.fetch import choice
 
 
 @dataclass(frozen=True)

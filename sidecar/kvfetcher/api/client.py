@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import ipc
+from kvfetcher import ipc
 
 
 class SidecarError(RuntimeError):

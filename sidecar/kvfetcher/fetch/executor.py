@@ -34,50 +34,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import codecs, container, layout, staging
-from .decode_workers import BufferOpenError, DecodeWorkers, WorkerError
-from .store import Store, StoreError, read_into
+from kvfetcher import codec
+from kvfetcher.format import container
+from kvfetcher.codec import layout
+from kvfetcher.fetch import staging
+from kvfetcher.fetch.workers import BufferOpenError, DecodeWorkers, WorkerError
+from kvfetcher.kvbuffer import ChunkRef, bytes_per_value, check_shape, contiguous, slot_list
+from kvfetcher.store import Store, StoreError, read_into
 
-log = logging.getLogger("kvfetcher.pipeline")
+log = logging.getLogger("kvfetcher.fetch.executor")
 
 HEADER_GUESS = 64 * 1024  # one GET usually covers prefix, header and side information
 #: failures that mean the stored object itself is bad (not the link, not a newer writer)
 BAD_OBJECT = {"corrupt", "truncated", "foreign", "fingerprint"}
-
-
-@dataclass(frozen=True)
-class ChunkRef:
-    name: str  # object name in the store
-    size: int  # object size as listed (a truncated object is caught before any decoding)
-    start: int  # first token of the chunk in the prompt
-    tokens: int
-
-
-def slot_list(capacity: int, tokens: int, slots: Sequence[int] | None = None, offset: int = 0) -> Sequence[int]:
-    """The buffer slots of ``tokens`` tokens: ``slots[:tokens]``, or ``range(offset, offset + tokens)``.
-
-    The contiguous case stays a ``range``: a per-token list cost milliseconds per 32K-token
-    request, on the path where the sidecar answers "recompute" without touching the store.
-    """
-    if slots is None:
-        if offset < 0 or offset + tokens > capacity:
-            raise ValueError(f"slots out of range for a buffer of {capacity} token slots")
-        return range(offset, offset + tokens)
-    idx = [int(s) for s in slots[:tokens]]
-    if len(idx) < tokens:
-        raise ValueError(f"{len(idx)} slots given for {tokens} tokens")
-    if idx and (min(idx) < 0 or max(idx) >= capacity):
-        raise ValueError(f"slots out of range for a buffer of {capacity} token slots")
-    if len(set(idx)) != len(idx):
-        raise ValueError("slots must be distinct")
-    return idx
-
-
-def contiguous(idx: Sequence[int]) -> bool:
-    """Whether the slots are consecutive, so a plain view of the buffer holds them."""
-    if isinstance(idx, range):
-        return idx.step == 1 or len(idx) <= 1
-    return idx == list(range(idx[0], idx[0] + len(idx)))
 
 
 class Destination:
@@ -91,8 +60,7 @@ class Destination:
 
     def __init__(self, buffer: torch.Tensor, slots: Sequence[int] | None = None, offset: int = 0, tokens: int | None = None,
                  handle: dict | None = None):
-        if buffer.dim() != 5 or buffer.shape[1] != 2:
-            raise ValueError(f"KV buffer must be [layers, 2, kv_heads, capacity, head_dim], got {tuple(buffer.shape)}")
+        check_shape(buffer)
         self.buffer = buffer
         self.handle = handle
         if tokens is None:
@@ -317,7 +285,7 @@ async def fetch(
                     out.kv_bytes += restored
                     return
 
-            dec = codecs.decoder(h.codec.format, device)  # here, not before: workers decode in their own
+            dec = codec.decoder(h.codec.format, device)  # here, not before: workers decode in their own
 
             async def frames_of(seg: container.Segment) -> torch.Tensor:
                 data = await segment_bytes(seg)
@@ -330,7 +298,7 @@ async def fetch(
             w = loop.run_in_executor(decode_pool, dest.write, c, frames, side, h)
             track(i, w)
             await asyncio.shield(w)
-            out.kv_bytes += h.shape[0] * 2 * h.shape[2] * h.shape[3] * h.shape[4] * layout.bytes_per_value(h.torch_dtype)
+            out.kv_bytes += h.shape[0] * 2 * h.shape[2] * h.shape[3] * h.shape[4] * bytes_per_value(h.torch_dtype)
 
     async def load_direct(i: int, c: ChunkRef, h: container.Header, head: bytes) -> None:
         """Native raw chunk: segments into one staging buffer, checksummed, then one copy."""

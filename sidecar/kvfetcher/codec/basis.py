@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 
-from . import rope
+from kvfetcher.codec import rope
 
 #: Where shipped bases live: ``<name>.pt``; a name ends in the first 12 hex digits of its sha256.
-BASES_DIR = Path(__file__).parent / "data" / "bases"
+BASES_DIR = Path(__file__).parent.parent / "data" / "bases"
 
 
 @dataclass(frozen=True)

@@ -20,14 +20,15 @@ import time
 
 import torch
 
-from . import model
-from .client import KVClient
-from .integrations.transformers import CachedLM
-from .presets import get
-from .server import Embedded
-from .service import Config, Sidecar
-from .store import from_env
-from .store.local import LocalStore
+from kvfetcher.eval import model
+from kvfetcher.api.client import KVClient
+from kvfetcher.integrations.transformers import CachedLM
+from kvfetcher.format.presets import get
+from kvfetcher.api.server import Embedded
+from kvfetcher.config import Config
+from kvfetcher.service import Sidecar
+from kvfetcher.store import from_env
+from kvfetcher.store.local import LocalStore
 
 
 def run(prompt_tokens: int = 1800, new_tokens: int = 32, chunk_tokens: int = 256, preset: str | None = None,

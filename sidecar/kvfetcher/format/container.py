@@ -36,8 +36,9 @@ try:  # ISA-L's CRC-32 is zlib's checksum, ~3.9x faster (bench/crc_bench.py): a 
 except ImportError:  # pragma: no cover - isal is a dependency; zlib gives the same numbers
     from zlib import crc32
 
-from . import basis, layout
-from .codecs.base import FORMATS, CodecError, CodecParams
+from kvfetcher.codec import basis, layout
+from kvfetcher.codec.base import FORMATS, CodecError, CodecParams
+from kvfetcher.kvbuffer import DTYPES, bytes_per_value
 
 MAGIC = b"KVFC"
 FORMAT_VERSION = 1
@@ -107,7 +108,7 @@ class Header:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return layout.DTYPES[self.dtype]
+        return DTYPES[self.dtype]
 
     @property
     def total_size(self) -> int:
@@ -210,7 +211,7 @@ def parse_header(data: bytes) -> Header:
         # whose header this reader understands unchanged still decode (e.g. kept objects, tools).
         if d["layout_version"] < layout.MIN_READABLE_LAYOUT:
             raise ForeignObjectError(f"layout v{d['layout_version']} objects are not read by layout v{layout.LAYOUT_VERSION}")
-        if d["dtype"] not in layout.DTYPES:
+        if d["dtype"] not in DTYPES:
             raise CorruptError(f"unknown dtype {d['dtype']!r}")
         lp = layout.LayoutParams.from_dict(d["layout"])
         header = Header(
@@ -317,7 +318,7 @@ def side_tensor(h: Header, data: bytes) -> torch.Tensor | None:
     """Verified side-information bytes -> the flat tensor ``layout.unpack`` takes."""
     if h.side is None:
         return None
-    need = layout.side_numel(h.shape, h.layout, h.torch_dtype) * layout.bytes_per_value(h.torch_dtype)
+    need = layout.side_numel(h.shape, h.layout, h.torch_dtype) * bytes_per_value(h.torch_dtype)
     try:
         raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=need)
     except zstandard.ZstdError as e:

@@ -23,7 +23,7 @@ import threading
 import numpy as np
 import torch
 
-from .base import CodecError, CodecParams
+from kvfetcher.codec.base import CodecError, CodecParams
 
 _nvc = None
 

@@ -10,8 +10,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .codecs.base import CodecParams
-from .layout import LayoutParams
+from kvfetcher.codec.base import CodecParams
+from kvfetcher.codec.layout import LayoutParams
 
 #: KL divergence of next-token distributions (nats) when one layer's keys or values alone are
 #: quantised at 0.7 channel standard deviations, SmolLM2-135M, 4 prompts x 512 tokens
@@ -187,7 +187,7 @@ def get(name: str) -> Preset:
 
 
 #: Figures written by bench/codec_bench.py, shipped so ``kvfetcher presets`` can show them.
-MEASURED_FILE = Path(__file__).parent / "data" / "presets_measured.json"
+MEASURED_FILE = Path(__file__).parent.parent / "data" / "presets_measured.json"
 
 
 def measured(name: str) -> dict | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import CodecError, CodecParams
+from kvfetcher.codec.base import CodecError, CodecParams
 
 
 class RawCodec:

@@ -1,0 +1,47 @@
+"""errors: why a fetch fell back, a store failed or a request was refused — one vocabulary.
+
+Every :class:`Reason` value is a metrics label (``kvfetcher_errors_total{reason=...}``,
+``kvfetcher_fallbacks_total{reason=...}``) and the ``reason`` field of an API reply.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Reason(str, Enum):
+    # the stored object is bad (it is deleted so that the next store repairs it)
+    CORRUPT = "corrupt"
+    TRUNCATED = "truncated"
+    FOREIGN = "foreign"
+    FINGERPRINT = "fingerprint"
+    # the object is fine but not for this reader
+    VERSION = "version"
+    INVALID = "invalid"
+    # the store
+    STORE_ERROR = "store_error"
+    MISSING = "missing"
+    STORE_DOWN = "store_down"
+    # the fetch
+    DEADLINE = "deadline"
+    DECODER = "decoder"
+    INTERNAL = "internal"
+    # decisions, not failures
+    MISS = "miss"
+    COST_MODEL = "cost_model"
+    # the sidecar itself
+    STORE_QUEUE_FULL = "store_queue_full"
+    BAD_OBJECT_DELETED = "bad_object_deleted"
+    WARM_UP = "warm_up"
+    BAD_REQUEST = "bad_request"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: reasons that mean the stored object itself is bad (not the link, not a newer writer)
+BAD_OBJECT = frozenset({Reason.CORRUPT, Reason.TRUNCATED, Reason.FOREIGN, Reason.FINGERPRINT})
+
+
+class RequestError(ValueError):
+    """The request itself is wrong (unknown buffer, bad slots...): the client's fault, a 400."""
