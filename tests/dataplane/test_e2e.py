@@ -30,11 +30,11 @@ def test_store_then_fetch_gives_identical_generation(lm, prompt, s3):
     with sidecar(s3, presets=("q8",)) as a, sidecar(s3, presets=("q8",)) as b:
         ga = cached_lm(lm, a.url).generate(ids, NEW)
         assert ga.loaded_tokens == 0 and ga.tokens == reference
-        assert ga.store["queued_chunks"] == len(ids) // CHUNK
+        assert ga.store.queued_chunks == len(ids) // CHUNK
         KVClient(a.url, token=TOKEN).flush()
         gb = cached_lm(lm, b.url, recompute_tps=SLOW_MODEL_TPS).generate(ids, NEW, store=False)
         assert "kvfetcher_lookup_seconds_count 1.0" in KVClient(b.url, token=TOKEN).metrics()  # the prefix listed once
-    assert gb.load.error is None and gb.load.decision["preset"] == "q8"
+    assert gb.load.error is None and gb.load.decision.preset == "q8"
     assert gb.loaded_tokens == (len(ids) - 1) // CHUNK * CHUNK
     assert gb.computed_tokens == len(ids) - gb.loaded_tokens
     assert gb.tokens == ga.tokens
@@ -177,7 +177,7 @@ def test_16_concurrent_fetches_of_different_prefixes_never_cross_talk(lm, prompt
         wid = writer.register(wbuf.handle, lm.fingerprint)
         for p, k in zip(prompts, kvs):
             wbuf.tensor.copy_(k)
-            assert writer.save(wid, p)["queued_chunks"] == 3
+            assert writer.save(wid, p).queued_chunks == 3
         writer.flush()
         bufs = [ipc.allocate((L, 2, H, length + 32, D), torch.float16) for _ in range(n)]
         results = [None] * n

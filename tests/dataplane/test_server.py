@@ -8,6 +8,7 @@ import torch
 
 from kvfetcher import ipc
 from kvfetcher.api.client import KVClient, SidecarError
+from kvfetcher.api.schemas import StoreReply
 from kvfetcher.store.s3 import S3Store
 
 from dptest import TOKEN, closed_port, raw_request, sidecar
@@ -31,7 +32,7 @@ def test_store_then_load_round_trip_and_metrics(s3, buf):
         bid = c.register(buf.handle, FP)
         assert c.lookup(bid, tokens) == 0
         buf.tensor[:, :, :, :256] = kv
-        assert c.save(bid, tokens[:250]) == {"queued_chunks": 3, "dropped": False}  # complete chunks only
+        assert c.save(bid, tokens[:250]) == StoreReply(queued_chunks=3, dropped=False)  # complete chunks only
         buf.tensor.zero_()  # the sidecar copied at request time: the model may reuse its buffer at once
         c.flush()
         assert c.lookup(bid, tokens) == 192
@@ -45,9 +46,9 @@ def test_store_then_load_round_trip_and_metrics(s3, buf):
         # a slow model (1 token/s) makes fetching the cost model's choice whatever this machine's load
         r = c.load(bid, tokens[:240], offset=10, recompute_tokens_per_s=1.0)  # whole chunks only: 192 of 240
         assert (r.loaded_tokens, r.requested_tokens, r.error) == (192, 192, None)
-        assert r.decision["preset"] in ("raw", "q8") and set(r.decision["options"]) == {"raw", "q8", "recompute"}
+        assert r.decision.preset in ("raw", "q8") and set(r.decision.options) == {"raw", "q8", "recompute"}
         got = buf.tensor[:, :, :, 10:202]
-        if r.decision["preset"] == "raw":
+        if r.decision.preset == "raw":
             assert torch.equal(got, kv[:, :, :, :192])
         assert (got.float() - kv[:, :, :, :192].float()).abs().max() < 0.1
         # re-storing is a no-op: nothing more is written
@@ -87,12 +88,12 @@ def test_cost_model_can_choose_recompute(s3, buf):
         c.flush()
         buf.tensor.fill_(7)
         r = c.load(bid, tokens, recompute_tokens_per_s=1e12)  # a model that prefills instantly
-        assert (r.loaded_tokens, r.reason, r.error, r.decision["preset"]) == (0, "cost_model", None, "recompute")
+        assert (r.loaded_tokens, r.reason, r.error, r.decision.preset) == (0, "cost_model", None, "recompute")
         assert bool((buf.tensor == 7).all())
         assert 'kvfetcher_fallbacks_total{reason="cost_model"} 1.0' in c.metrics()
         # on a busy GPU the model server gives a TTFT budget: a fetch within it wins anyway
         r = c.load(bid, tokens, recompute_tokens_per_s=1e12, ttft_budget_s=30.0)
-        assert r.loaded_tokens == 128 and r.decision["preset"] != "recompute"
+        assert r.loaded_tokens == 128 and r.decision.preset != "recompute"
         assert torch.equal(buf.tensor[:, :, :, :128], kv)
         for bad in (-1, "2s", True):
             with pytest.raises(SidecarError, match="ttft_budget_s"):
@@ -109,9 +110,9 @@ def test_allowed_presets_bound_the_choice(s3, buf):
         c.save(bid, tokens)
         c.flush()
         r = c.load(bid, tokens, recompute_tokens_per_s=1.0)
-        assert r.decision["preset"] == "q8" and "raw" not in r.decision["options"]
+        assert r.decision.preset == "q8" and "raw" not in r.decision.options
         r = c.load(bid, tokens, recompute_tokens_per_s=1.0, presets=["raw"])  # not allowed here
-        assert r.decision["preset"] == "recompute" and r.loaded_tokens == 0
+        assert r.decision.preset == "recompute" and r.loaded_tokens == 0
 
 
 def test_auth_tcp_token_and_unix_socket(s3, buf, tmp_path):
@@ -161,7 +162,10 @@ def test_no_configured_token_refuses_tcp(s3, buf):
         ("/v1/lookup", json.dumps({"buffer": "nope", "tokens": [1]}).encode(), "unknown buffer"),
         ("/v1/lookup", json.dumps({"model": "m", "tokens": [1]}).encode(), "'dtype'"),
         ("/v1/lookup", json.dumps({"model": "m", "dtype": "int8", "tokens": [1]}).encode(), "unsupported dtype"),
-        ("/v1/fetch", json.dumps({"buffer": "nope", "tokens": ["a"]}).encode(), "integer token ids"),
+        ("/v1/fetch", json.dumps({"buffer": "nope", "tokens": ["a"]}).encode(), "'tokens[0]' must be integer"),
+        ("/v1/fetch", json.dumps({"buffer": "b", "tokens": [1], "recompute_tps": 5}).encode(), "unknown field(s) ['recompute_tps']"),
+        ("/v1/fetch", json.dumps({"buffer": "b", "tokens": [1], "plan": {"model": "m"}}).encode(), "'dtype' is required in plan"),
+        ("/v1/store", json.dumps({"tokens": [1]}).encode(), "'buffer' is required"),
         ("/v1/buffers", json.dumps({"handle": {"kind": "shm", "path": "/etc/passwd", "shape": [1], "dtype": "float16"}, "model": "m"}).encode(), "shared buffer"),
         ("/v1/buffers", json.dumps({"handle": {"kind": "shm"}, "model": "m"}).encode(), "malformed"),
     ],
@@ -193,7 +197,7 @@ def test_store_down_readyz_lookup_and_store(buf):
         assert c.lookup(bid, list(range(128))) == 0
         r = c.load(bid, list(range(128)))
         assert (r.loaded_tokens, r.error) == (0, "store_down")
-        assert c.save(bid, list(range(128)))["queued_chunks"] == 2  # accepted; the upload fails later...
+        assert c.save(bid, list(range(128))).queued_chunks == 2  # accepted; the upload fails later...
         c.flush()
         assert 'kvfetcher_errors_total{reason="store_down"}' in c.metrics()  # ...and is counted
 
@@ -206,8 +210,87 @@ def test_store_queue_is_bounded_and_never_blocks(s3, buf):
         t = time.perf_counter()
         replies = [c.save(bid, list(range(i, i + 256))) for i in range(3)]  # 4 chunks each
         assert time.perf_counter() - t < 1.0  # encoding runs in the background
-        assert [r["dropped"] for r in replies] == [False, True, True]
+        assert [r.dropped for r in replies] == [False, True, True]
         assert "kvfetcher_store_dropped_total 2.0" in c.metrics()
         c.flush()
         assert "kvfetcher_store_queue_depth 0.0" in c.metrics()
         assert len(s3.list("kv/")) == 4
+
+
+def counting_lists(store):
+    """``store`` with its LIST requests counted (the real store answers them)."""
+    calls = []
+    real = store.list
+
+    def list_(prefix):
+        calls.append(prefix)
+        return real(prefix)
+
+    store.list = list_
+    return calls
+
+
+def test_a_load_given_a_plan_does_not_list_again(s3, buf):
+    kv = synthetic_kv(layers=2, heads=2, tokens=192, head_dim=32)
+    tokens = list(range(192))
+    lists = counting_lists(s3)
+    with sidecar(s3, chunk_tokens=64, presets=("raw",)) as sc:
+        c = KVClient(sc.url, token=TOKEN)
+        bid = c.register(buf.handle, FP)
+        buf.tensor[:, :, :, :192] = kv
+        c.save(bid, tokens)
+        c.flush()
+        buf.tensor.zero_()
+        lists.clear()
+        plan = c.plan(bid, tokens, recompute_tokens_per_s=1.0)
+        assert len(lists) == 3  # one LIST per chunk
+        assert (plan.preset, plan.hit_tokens, plan.loaded_tokens, [p for p, _ in plan.chunks]) == ("raw", 192, 192, ["raw"] * 3)
+        assert plan.predicted_s > 0 and plan.lookup_s > 0 and plan.reason is None
+        r = c.load(bid, tokens, plan, offset=8)
+        assert len(lists) == 3  # the load listed nothing
+        assert (r.loaded_tokens, r.error, r.decision.preset, r.not_loaded) == (192, None, "raw", (192, 192))
+        assert torch.equal(buf.tensor[:, :, :, 8:200], kv)
+        r = c.load(bid, tokens, recompute_tokens_per_s=1.0)  # without a plan: it plans, listing once
+        assert len(lists) == 6 and r.loaded_tokens == 192
+        # a scheduler without buffers gets the plan of the namespace's registered buffer
+        assert c.plan(None, tokens, model=FP, dtype="float16", recompute_tokens_per_s=1.0).preset == "raw"
+        # without one, the listing only; a load given that plan chooses for its buffer, listing again
+        c.unregister(bid)
+        lists.clear()
+        listed = c.plan(None, tokens, model=FP, dtype="float16", recompute_tokens_per_s=1.0)
+        assert (listed.preset, listed.hit_tokens, listed.chunks, len(lists)) == (None, 192, (), 3)
+        r = c.load(c.register(buf.handle, FP), tokens, listed, recompute_tokens_per_s=1.0)
+        assert (r.loaded_tokens, r.decision.preset, len(lists)) == (192, "raw", 6)
+
+
+def test_a_plan_is_checked_before_it_is_trusted(s3, buf):
+    from dataclasses import replace
+
+    kv = synthetic_kv(layers=2, heads=2, tokens=128, head_dim=32)
+    tokens = list(range(128))
+    with sidecar(s3, chunk_tokens=64) as sc, sidecar(s3, chunk_tokens=64) as other:
+        c = KVClient(sc.url, token=TOKEN)
+        bid = c.register(buf.handle, FP)
+        buf.tensor[:, :, :, :128] = kv
+        c.save(bid, tokens)
+        c.flush()
+        plan = c.plan(bid, tokens, recompute_tokens_per_s=1.0)
+        assert plan.loaded_tokens == 128
+        o = KVClient(other.url, token=TOKEN)
+        forged = [
+            (tokens[:64] + [7] * 64, plan, "other tokens"),  # another prompt's plan
+            (tokens, replace(plan, chunks=((plan.preset, 10**9),) * 2), "not issued by this sidecar"),  # sizes changed
+            (tokens, replace(plan, model="another-model"), "not issued by this sidecar"),
+            (tokens, o.plan(o.register(buf.handle, FP), tokens), "not issued by this sidecar"),  # another sidecar's
+        ]
+        for toks, p, detail in forged:
+            with pytest.raises(SidecarError, match=detail) as e:
+                c.load(bid, toks, p)
+            assert e.value.status == 400
+        other_model = c.register(buf.handle, "another-model")
+        with pytest.raises(SidecarError, match="another namespace"):
+            c.load(other_model, tokens, plan)
+        with pytest.raises(SidecarError, match="belong to the plan"):
+            c.load(bid, tokens, plan, recompute_tokens_per_s=1.0)
+        assert s3.exists(f"kv/{plan.prefix_key[:2]}/{plan.prefix_key}/{plan.preset}.kvfc")  # nothing was dropped
+        assert c.load(bid, tokens, plan).loaded_tokens == 128

@@ -1,13 +1,14 @@
 """client: the model side of the sidecar, in vLLM KV-connector terms.
 
-* :meth:`KVClient.lookup` — the scheduler's question, "how many leading tokens of this prompt
-  can you load?" (``get_num_new_matched_tokens``);
-* :meth:`KVClient.load` — the worker's "load them into these slots of my KV buffers", which
-  answers with how many were really loaded (the rest is recomputed);
+* :meth:`KVClient.plan` — the scheduler's question, "what of this prompt would you load, and how
+  long would it take?" (``get_num_new_matched_tokens``); :meth:`KVClient.lookup` is its hit count;
+* :meth:`KVClient.load` — the worker's "load them into these slots of my KV buffers", given the
+  plan (the store is then not listed again) or not; it answers with how many tokens were really
+  loaded (the rest is recomputed);
 * :meth:`KVClient.save` — "store this prefix", which returns at once.
 
-Synchronous (model code is), one keep-alive connection per client, over TCP with a bearer
-token or over the sidecar's Unix socket.
+Messages are those of :mod:`kvfetcher.api.schemas`. Synchronous (model code is), one keep-alive
+connection per client, over TCP with a bearer token or over the sidecar's Unix socket.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import os
 import socket
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from kvfetcher import ipc
+from kvfetcher.api import schemas
+from kvfetcher.fetch.plan import FetchPlan, LoadReply
 
 
 class SidecarError(RuntimeError):
@@ -40,17 +42,6 @@ class _UnixConnection(http.client.HTTPConnection):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(self.timeout)
         self.sock.connect(self.path)
-
-
-@dataclass
-class LoadResult:
-    loaded_tokens: int  # leading tokens now in the buffer; recompute from here
-    requested_tokens: int
-    error: str | None = None  # why fewer than requested were loaded, if a failure
-    reason: str | None = None  # e.g. "cost_model", "miss", "deadline", "corrupt"
-    bytes_read: int = 0
-    seconds: float = 0.0
-    decision: dict = field(default_factory=dict)
 
 
 class KVClient:
@@ -115,34 +106,57 @@ class KVClient:
                 self._conn.close()
                 self._conn = None
 
+    def _call(self, endpoint: schemas.Endpoint, request=None, path: str | None = None):
+        """One request of ``endpoint`` (fields left at None are not sent); its reply message."""
+        body = {k: v for k, v in schemas.to_json(request).items() if v is not None} if request is not None else {}
+        reply = schemas.from_json(endpoint.reply, self._request(endpoint.method, path or endpoint.path, body), strict=False)
+        self.chunk_tokens = getattr(reply, "chunk_tokens", None) or self.chunk_tokens
+        return reply
+
     # --- the connector verbs -----------------------------------------------------------------
 
     def register(self, handle: dict, model: str, tp_rank: int = 0) -> str:
         """Register a KV buffer (see :mod:`kvfetcher.ipc`); returns its id for the other calls."""
-        return self._request("POST", "/v1/buffers", {"handle": handle, "model": model, "tp_rank": tp_rank})["buffer"]
+        return self._call(schemas.REGISTER, schemas.RegisterRequest(handle, model, tp_rank)).buffer
 
     def register_tensor(self, t: torch.Tensor, model: str, tp_rank: int = 0) -> str:
         """Register a CUDA tensor by IPC handle (CPU buffers must come from :func:`ipc.allocate`)."""
         return self.register(ipc.cuda_handle(t), model, tp_rank)
 
     def unregister(self, buffer: str) -> None:
-        self._request("DELETE", f"/v1/buffers/{buffer}")
+        self._call(schemas.UNREGISTER, path=f"/v1/buffers/{buffer}")
 
-    def lookup(self, buffer: str | None, tokens: Sequence[int], *, model: str | None = None, dtype: str = "float16", tp_rank: int = 0) -> int:
-        """How many leading tokens of ``tokens`` are stored (a multiple of the chunk size).
+    def plan(self, buffer: str | None, tokens: Sequence[int], *, model: str | None = None, dtype: str = "float16", tp_rank: int = 0,
+             recompute_tokens_per_s: float | None = None, presets: Sequence[str] | None = None, ttft_budget_s: float | None = None,
+             deadline_s: float | None = None, may_skip_listing: bool = False) -> FetchPlan:
+        """What a load of ``tokens`` would do: pass it to :meth:`load` unchanged.
 
         Name the namespace by a registered ``buffer``, or (a scheduler with no buffers) by
-        ``model``, ``dtype`` and ``tp_rank``.
+        ``model``, ``dtype`` and ``tp_rank``. ``ttft_budget_s``: on a busy GPU, a load predicted
+        within this many seconds is planned even where recomputing would be faster (it leaves the
+        GPU to the running requests). ``deadline_s`` bounds the listing. ``may_skip_listing``: when
+        no load could pay, the plan is a recompute and the store is not asked (a load's planner wants
+        that; a hit count does not).
         """
-        ns = {"buffer": buffer} if buffer is not None else {"model": model, "dtype": dtype, "tp_rank": tp_rank}
-        r = self._request("POST", "/v1/lookup", {**ns, "tokens": list(map(int, tokens))})
-        self.chunk_tokens = r.get("chunk_tokens", self.chunk_tokens)
-        return int(r["tokens"])
+        return self._lookup(buffer, tokens, model, dtype, tp_rank, recompute_tokens_per_s, presets, ttft_budget_s, deadline_s,
+                            may_skip_listing).plan
+
+    def lookup(self, buffer: str | None, tokens: Sequence[int], *, model: str | None = None, dtype: str = "float16", tp_rank: int = 0) -> int:
+        """How many leading tokens of ``tokens`` are stored (a multiple of the chunk size); see :meth:`plan`."""
+        return self._lookup(buffer, tokens, model, dtype, tp_rank).tokens
+
+    def _lookup(self, buffer, tokens, model, dtype, tp_rank, recompute_tps=None, presets=None, budget=None, deadline_s=None,
+                may_skip_listing=False) -> schemas.LookupReply:
+        ns = dict(buffer=buffer) if buffer is not None else dict(model=model, dtype=dtype, tp_rank=tp_rank)
+        return self._call(schemas.LOOKUP, schemas.LookupRequest(list(map(int, tokens)), **ns, recompute_tokens_per_s=recompute_tps,
+                                                                presets=list(presets) if presets else None, ttft_budget_s=budget,
+                                                                deadline_s=deadline_s, may_skip_listing=may_skip_listing))
 
     def load(
         self,
         buffer: str,
         tokens: Sequence[int],
+        plan: FetchPlan | None = None,
         *,
         offset: int = 0,
         slots: Sequence[int] | None = None,
@@ -150,45 +164,32 @@ class KVClient:
         recompute_tokens_per_s: float | None = None,
         presets: Sequence[str] | None = None,
         ttft_budget_s: float | None = None,
-    ) -> LoadResult:
+    ) -> LoadReply:
         """Load the stored leading chunks of ``tokens`` into the buffer at ``offset`` (or ``slots``).
 
-        When this returns, ``loaded_tokens`` leading tokens are in the buffer (on a GPU, with
-        the sidecar's writes complete) and nothing else was touched; recompute from there.
-        ``ttft_budget_s``: on a busy GPU, a fetch predicted within this many seconds is taken
-        even where recomputing would be faster (it leaves the GPU to the running requests).
+        With a ``plan`` from :meth:`plan` (for this buffer's namespace and these tokens), the
+        sidecar loads what it says without listing the store again; the cost keywords are then the
+        plan's and must not be given (unless the plan chose no preset: made for a namespace without
+        a registered buffer, it is only a hit count, and the sidecar plans again). When this returns, ``loaded_tokens`` leading tokens are in the
+        buffer (on a GPU, with the sidecar's writes complete) and nothing else was touched;
+        recompute from there.
         """
-        body: dict = {"buffer": buffer, "tokens": list(map(int, tokens)), "offset": offset}
-        if slots is not None:
-            body["slots"] = list(map(int, slots))
-        if deadline_s is not None:
-            body["deadline_s"] = deadline_s
-        if recompute_tokens_per_s:
-            body["recompute_tokens_per_s"] = recompute_tokens_per_s
-        if presets:
-            body["presets"] = list(presets)
-        if ttft_budget_s is not None:
-            body["ttft_budget_s"] = ttft_budget_s
-        r = self._request("POST", "/v1/fetch", body)
-        return LoadResult(
-            r["loaded_tokens"], r["requested_tokens"], r.get("error"), r.get("reason"),
-            r.get("bytes_read", 0), r.get("seconds", 0.0), r.get("decision", {}),
-        )
+        return self._call(schemas.FETCH, schemas.FetchRequest(
+            buffer, list(map(int, tokens)), plan, offset, list(map(int, slots)) if slots is not None else None, deadline_s,
+            recompute_tokens_per_s or None, list(presets) if presets else None, ttft_budget_s))
 
-    def save(self, buffer: str, tokens: Sequence[int], *, offset: int = 0, slots: Sequence[int] | None = None) -> dict:
+    def save(self, buffer: str, tokens: Sequence[int], *, offset: int = 0, slots: Sequence[int] | None = None) -> schemas.StoreReply:
         """Queue the prefix whose KV is in the buffer for storing; returns at once.
 
         The KV must be in the buffer when this is called (on a GPU: written and synchronized);
         the sidecar copies it before answering, so the buffer may be reused right after.
         """
-        body: dict = {"buffer": buffer, "tokens": list(map(int, tokens)), "offset": offset}
-        if slots is not None:
-            body["slots"] = list(map(int, slots))
-        return self._request("POST", "/v1/store", body)
+        return self._call(schemas.STORE, schemas.StoreRequest(buffer, list(map(int, tokens)), offset,
+                                                              list(map(int, slots)) if slots is not None else None))
 
     def flush(self) -> None:
         """Wait until the sidecar has written everything queued."""
-        self._request("POST", "/v1/flush", {})
+        self._call(schemas.FLUSH)
 
     def metrics(self) -> str:
         with self._lock:

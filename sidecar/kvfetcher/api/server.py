@@ -1,13 +1,7 @@
 """server: the sidecar's HTTP API (aiohttp), on TCP and/or a Unix socket.
 
-    POST   /v1/buffers        {"handle": {...}, "model": fp, "tp_rank": 0} -> {"buffer": id}
-    DELETE /v1/buffers/{id}
-    POST   /v1/lookup         {"buffer": id | "model": fp, "dtype": "float16", "tokens": [...]} -> {"tokens": n, ...}
-    POST   /v1/fetch          {"buffer": id, "tokens": [...], "offset"|"slots", "deadline_s",
-                               "recompute_tokens_per_s", "presets"} -> {"loaded_tokens": n, ...}
-    POST   /v1/store          {"buffer": id, "tokens": [...], "offset"|"slots"} -> 202 {"queued_chunks": n}
-    POST   /v1/flush          waits until queued stores are written (tests, demo, shutdown)
-    GET    /healthz /readyz /metrics
+The endpoints and their messages are defined once, in :mod:`kvfetcher.api.schemas` (rendered as
+docs/api.md); each handler parses its request with the schema and answers with a schema message.
 
 Authentication: ``/v1`` requests over TCP need ``Authorization: Bearer <token>``, the token
 coming from ``KVFETCHER_AUTH_TOKEN`` or the file named by ``KVFETCHER_AUTH_TOKEN_FILE`` (a
@@ -29,9 +23,10 @@ from pathlib import Path
 
 from aiohttp import web
 
+from kvfetcher.api import schemas
 from kvfetcher.config import Config
-
-from kvfetcher.service import RequestError, Sidecar
+from kvfetcher.errors import Reason, RequestError
+from kvfetcher.service import Sidecar
 from kvfetcher.store import from_env
 
 log = logging.getLogger("kvfetcher.api.server")
@@ -67,24 +62,19 @@ async def auth(request: web.Request, handler):
 
 
 def _error(status: int, reason: str, detail: str) -> web.Response:
-    return web.json_response({"error": reason, "detail": detail}, status=status)
+    return web.json_response(schemas.to_json(schemas.ErrorReply(reason, detail)), status=status)
 
 
-async def _body(request: web.Request) -> dict:
+async def _parse(request: web.Request, cls: type):
     try:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise RequestError("body must be JSON") from None
-    if not isinstance(body, dict):
-        raise RequestError("body must be a JSON object")
-    return body
+    return schemas.from_json(cls, body)
 
 
-def _tokens(body: dict) -> list[int]:
-    t = body.get("tokens")
-    if not isinstance(t, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in t):
-        raise RequestError("'tokens' must be a list of integer token ids")
-    return t
+def _reply(msg, status: int = 200) -> web.Response:
+    return web.json_response(schemas.to_json(msg), status=status)
 
 
 @web.middleware
@@ -92,61 +82,51 @@ async def errors(request: web.Request, handler):
     try:
         return await handler(request)
     except (RequestError, ValueError, TypeError) as e:  # a malformed request, never a crash
-        request.app[SIDECAR].metrics.errors.labels("bad_request").inc()
-        return _error(400, "bad_request", str(e))
+        request.app[SIDECAR].metrics.errors.labels(Reason.BAD_REQUEST).inc()
+        return _error(400, Reason.BAD_REQUEST.value, str(e))
 
 
 async def register(request: web.Request) -> web.Response:
-    body = await _body(request)
-    if not isinstance(body.get("handle"), dict) or not isinstance(body.get("model"), str):
-        raise RequestError("need 'handle' (object) and 'model' (fingerprint string)")
-    bid = request.app[SIDECAR].register(body["handle"], body["model"], int(body.get("tp_rank", 0)))
-    return web.json_response({"buffer": bid})
+    r = await _parse(request, schemas.RegisterRequest)
+    return _reply(schemas.RegisterReply(request.app[SIDECAR].register(r.handle, r.model, r.tp_rank)))
 
 
 async def unregister(request: web.Request) -> web.Response:
     request.app[SIDECAR].unregister(request.match_info["id"])
-    return web.json_response({"ok": True})
+    return _reply(schemas.Ok(True))
 
 
 async def lookup(request: web.Request) -> web.Response:
-    body = await _body(request)
+    r = await _parse(request, schemas.LookupRequest)
     sc = request.app[SIDECAR]
-    if "buffer" in body:
-        ns = str(body["buffer"])
-    elif isinstance(body.get("model"), str) and isinstance(body.get("dtype"), str):
-        ns = sc.namespace(body["model"], body["dtype"], int(body.get("tp_rank", 0)))
+    if r.buffer is not None:
+        target = r.buffer
+    elif r.model is not None and r.dtype is not None:
+        target = sc.namespace(r.model, r.dtype, r.tp_rank)
     else:
         raise RequestError("give 'buffer', or 'model' and 'dtype' (and 'tp_rank')")
-    return web.json_response(await sc.lookup(ns, _tokens(body)))
+    plan = await sc.plan(target, r.tokens, recompute_tps=r.recompute_tokens_per_s, presets=r.presets, ttft_budget_s=r.ttft_budget_s,
+                         deadline_s=r.deadline_s, may_skip_listing=r.may_skip_listing)
+    return _reply(schemas.LookupReply(plan.hit_tokens, plan.chunk_tokens, plan, plan.error, plan.detail if plan.error else None))
 
 
 async def fetch(request: web.Request) -> web.Response:
-    body = await _body(request)
-    reply = await request.app[SIDECAR].fetch(
-        str(body.get("buffer")),
-        _tokens(body),
-        slots=body.get("slots"),
-        offset=int(body.get("offset", 0)),
-        deadline_s=body.get("deadline_s"),
-        recompute_tps=body.get("recompute_tokens_per_s"),
-        presets=body.get("presets"),
-        ttft_budget_s=body.get("ttft_budget_s"),
+    r = await _parse(request, schemas.FetchRequest)
+    reply = await request.app[SIDECAR].load(
+        r.buffer, r.tokens, r.plan, slots=r.slots, offset=r.offset, deadline_s=r.deadline_s,
+        recompute_tps=r.recompute_tokens_per_s, presets=r.presets, ttft_budget_s=r.ttft_budget_s,
     )
-    return web.json_response(reply)
+    return _reply(reply)
 
 
 async def store(request: web.Request) -> web.Response:
-    body = await _body(request)
-    reply = request.app[SIDECAR].store_prefix(
-        str(body.get("buffer")), _tokens(body), slots=body.get("slots"), offset=int(body.get("offset", 0))
-    )
-    return web.json_response(reply, status=202)
+    r = await _parse(request, schemas.StoreRequest)
+    return _reply(schemas.StoreReply(**request.app[SIDECAR].save(r.buffer, r.tokens, slots=r.slots, offset=r.offset)), status=202)
 
 
 async def flush(request: web.Request) -> web.Response:
     await request.app[SIDECAR].flush()
-    return web.json_response({"ok": True})
+    return _reply(schemas.Ok(True))
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -176,14 +156,11 @@ def make_app(sidecar: Sidecar, token: str | None) -> web.Application:
         await sidecar.close()
 
     app.cleanup_ctx.append(lifecycle)
+    handlers = {schemas.REGISTER: register, schemas.UNREGISTER: unregister, schemas.LOOKUP: lookup, schemas.FETCH: fetch,
+                schemas.STORE: store, schemas.FLUSH: flush}
     app.add_routes(
-        [
-            web.post("/v1/buffers", register),
-            web.delete("/v1/buffers/{id}", unregister),
-            web.post("/v1/lookup", lookup),
-            web.post("/v1/fetch", fetch),
-            web.post("/v1/store", store),
-            web.post("/v1/flush", flush),
+        [web.route(e.method, e.path, handlers[e]) for e in schemas.ENDPOINTS]
+        + [
             web.get("/healthz", healthz),
             web.get("/readyz", readyz),
             web.get("/metrics", metrics),

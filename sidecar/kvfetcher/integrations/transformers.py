@@ -1,8 +1,8 @@
 """Hugging Face transformers with remote KV reuse: fetch -> build the cache -> generate the rest.
 
 :class:`CachedLM` wraps a loaded causal LM and a :class:`~kvfetcher.api.client.KVClient`. For each
-prompt it has the sidecar load what is stored of the prefix (and pays off) into a shared KV
-buffer, builds a ``DynamicCache`` from it, prefills only the remaining tokens, and after that
+prompt it asks the sidecar for a plan (the listing and the cost model), has it load what the plan
+says into a shared KV buffer, builds a ``DynamicCache`` from it, prefills only the remaining tokens, and after that
 prefill hands the prompt's KV back to the sidecar to store. The buffer is in the storage dtype
 (fp16 by default, what a GPU server's cache holds); the model may run in another dtype.
 
@@ -19,7 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from kvfetcher import ipc
-from kvfetcher.api.client import KVClient, LoadResult, SidecarError
+from kvfetcher.api.client import KVClient, SidecarError
+from kvfetcher.api.schemas import StoreReply
+from kvfetcher.fetch.plan import LoadReply
 
 log = logging.getLogger("kvfetcher.integrations.transformers")
 
@@ -27,11 +29,11 @@ log = logging.getLogger("kvfetcher.integrations.transformers")
 @dataclass
 class Generation:
     tokens: list[int]
-    ttft_s: float  # request start -> first new token (fetch, its listing included, + prefill of the rest)
+    ttft_s: float  # request start -> first new token (plan + load + prefill of the rest)
     loaded_tokens: int  # prompt tokens restored from the store
     computed_tokens: int  # prompt tokens prefilled by the model
-    load: LoadResult | None  # the sidecar's answer, when a fetch was attempted
-    store: dict | None  # the sidecar's answer to the store request
+    load: LoadReply | None  # the sidecar's answer, when a load was attempted
+    store: StoreReply | None  # the sidecar's answer to the store request
 
 
 def _layer_kv(cache, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,8 +81,10 @@ class CachedLM:
         usable = min(len(prompt) - 1, self.capacity)
         loaded, load = 0, None
         try:
-            if usable > 0:  # no lookup first: a load lists the prefix itself (or skips it when no fetch could pay)
-                load = self.client.load(self.buffer_id, prompt[:usable], deadline_s=deadline_s, recompute_tokens_per_s=self.recompute_tps)
+            if usable > 0:  # the plan lists the prefix once (or not at all when no load could pay); the load does not
+                plan = self.client.plan(self.buffer_id, prompt[:usable], recompute_tokens_per_s=self.recompute_tps, deadline_s=deadline_s,
+                                        may_skip_listing=True)
+                load = self.client.load(self.buffer_id, prompt[:usable], plan, deadline_s=deadline_s)
                 loaded = load.loaded_tokens
         except (OSError, SidecarError) as e:  # no sidecar is no reason to fail a request: recompute
             log.warning("KV load failed, recomputing the prompt: %s", e)

@@ -1,0 +1,245 @@
+"""schemas: the HTTP API's messages — one definition that the server, the client and docs/api.md use.
+
+Every message is a dataclass whose fields carry their doc (``metadata["doc"]``). :func:`from_json`
+checks a decoded JSON value against a message's field types and raises :class:`RequestError`
+naming the offending field; :func:`to_json` is its inverse. Requests refuse unknown fields;
+replies (``strict=False``) ignore them, so that a newer sidecar may add some. :func:`render`
+writes docs/api.md from :data:`ENDPOINTS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import types
+import typing
+from dataclasses import MISSING, dataclass, field
+from typing import Any, Union
+
+from kvfetcher.errors import RequestError
+from kvfetcher.fetch.plan import FetchPlan, LoadDecision, LoadReply
+
+
+def doc(text: str, default: Any = MISSING) -> Any:
+    return field(default=default, metadata={"doc": text})
+
+
+# --- requests and the replies not defined by the service ---------------------------------------
+
+
+@dataclass
+class RegisterRequest:
+    handle: dict = doc("the buffer's IPC handle (`kvfetcher.ipc`): a `/dev/shm` file or a CUDA IPC handle")
+    model: str = doc("model fingerprint")
+    tp_rank: int = doc("tensor-parallel rank", 0)
+
+
+@dataclass
+class RegisterReply:
+    buffer: str = doc("the buffer's id, for the other calls")
+
+
+@dataclass
+class LookupRequest:
+    tokens: list[int] = doc("prompt token ids")
+    buffer: str | None = doc("a registered buffer's id; or name the namespace by `model` and `dtype`", None)
+    model: str | None = doc("model fingerprint (without `buffer`)", None)
+    dtype: str | None = doc("KV dtype, e.g. `float16` (without `buffer`)", None)
+    tp_rank: int = doc("tensor-parallel rank (without `buffer`)", 0)
+    recompute_tokens_per_s: float | None = doc("the model's prefill rate (default: the sidecar's setting)", None)
+    presets: list[str] | None = doc("presets the load may use (within the sidecar's allowed ones)", None)
+    ttft_budget_s: float | None = doc("prefer a load predicted within this many seconds to a faster recompute", None)
+    deadline_s: float | None = doc("seconds the listing may take", None)
+    may_skip_listing: bool = doc("true: when no load could pay, plan a recompute without listing the store (`tokens` is then 0)", False)
+
+
+@dataclass
+class LookupReply:
+    tokens: int = doc("leading tokens found stored (the plan's `hit_tokens`)")
+    chunk_tokens: int = doc("tokens per chunk")
+    plan: FetchPlan = doc("what a load would do: pass it back to `/v1/fetch` unchanged")
+    error: str | None = doc("why the store could not be listed, if it could not", None)
+    detail: str | None = doc("a human-readable detail of `error`", None)
+
+
+@dataclass
+class FetchRequest:
+    buffer: str = doc("a registered buffer's id")
+    tokens: list[int] = doc("prompt token ids; whole chunks of them are loaded")
+    plan: FetchPlan | None = doc("a plan from `/v1/lookup` for this buffer's namespace and these tokens; without one the sidecar plans (one listing)", None)
+    offset: int = doc("token `i` goes to slot `offset + i` of the buffer's token axis", 0)
+    slots: list[int] | None = doc("token `i` goes to slot `slots[i]` (instead of `offset`)", None)
+    deadline_s: float | None = doc("seconds the load (and its listing, without a plan) may take", None)
+    recompute_tokens_per_s: float | None = doc("without a plan: as in `/v1/lookup`", None)
+    presets: list[str] | None = doc("without a plan: as in `/v1/lookup`", None)
+    ttft_budget_s: float | None = doc("without a plan: as in `/v1/lookup`", None)
+
+
+@dataclass
+class StoreRequest:
+    buffer: str = doc("a registered buffer's id")
+    tokens: list[int] = doc("prompt token ids whose KV is in the buffer; whole chunks of them are stored")
+    offset: int = doc("token `i` is in slot `offset + i`", 0)
+    slots: list[int] | None = doc("token `i` is in slot `slots[i]` (instead of `offset`)", None)
+
+
+@dataclass
+class StoreReply:
+    queued_chunks: int = doc("chunks queued for storing")
+    dropped: bool = doc("true: the store queue was full and the request was dropped (counted in the metrics)")
+
+
+@dataclass
+class Ok:
+    ok: bool = doc("always true")
+
+
+@dataclass
+class ErrorReply:
+    """The reply of a refused request (4xx)."""
+
+    error: str = doc("`bad_request` (400) or `unauthenticated` (401)")
+    detail: str = doc("what was wrong")
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    method: str
+    path: str
+    request: type | None
+    reply: type
+    doc: str
+    status: int = 200
+
+
+REGISTER = Endpoint("POST", "/v1/buffers", RegisterRequest, RegisterReply, "Register a KV buffer `[layers, 2, kv_heads, capacity, head_dim]`.")
+UNREGISTER = Endpoint("DELETE", "/v1/buffers/{id}", None, Ok, "Forget a registered buffer.")
+LOOKUP = Endpoint("POST", "/v1/lookup", LookupRequest, LookupReply, "Plan a load: list the prefix once and run the cost model. Touches no buffer.")
+FETCH = Endpoint("POST", "/v1/fetch", FetchRequest, LoadReply,
+                 "Load the leading chunks into the buffer; with a plan, the store is not listed again. A storage or data failure "
+                 "is not an HTTP error: the reply says how many tokens were loaded and why not more.")
+STORE = Endpoint("POST", "/v1/store", StoreRequest, StoreReply,
+                 "Queue the prefix for storing; the KV is copied before the reply, so the buffer may be reused at once.", 202)
+FLUSH = Endpoint("POST", "/v1/flush", None, Ok, "Wait until every queued store is written (tests, demo, shutdown).")
+ENDPOINTS = (REGISTER, UNREGISTER, LOOKUP, FETCH, STORE, FLUSH)
+MESSAGES = (FetchPlan, LoadDecision, ErrorReply)  # nested or shared, documented once each
+
+
+# --- checking and rendering ------------------------------------------------------------------
+
+
+_SCALARS = {
+    bool: lambda v: isinstance(v, bool),
+    int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+    float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    str: lambda v: isinstance(v, str),
+    dict: lambda v: isinstance(v, dict),
+}
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _fail(where: str, want: str, value: Any) -> typing.NoReturn:
+    raise RequestError(f"'{where}' must be {want}, not {type(value).__name__} {str(value)[:40]}")
+
+
+def _check(tp: Any, value: Any, where: str, strict: bool, want: str | None = None) -> Any:
+    """``value`` as a ``tp``; ``want``: the type named when it is not one (an optional's)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    want = want or type_name(tp)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _check(inner, value, where, strict, want)
+    if dataclasses.is_dataclass(tp):
+        return from_json(tp, value, strict, where)
+    if tp in _SCALARS:
+        if not _SCALARS[tp](value):
+            _fail(where, want, value)
+        return float(value) if tp is float else value
+    if origin in (list, tuple, dict) and not isinstance(value, dict if origin is dict else list):
+        _fail(where, want, value)
+    if origin is dict:
+        return {k: _check(args[1], v, f"{where}.{k}", strict) for k, v in value.items()}
+    if origin is list or (origin is tuple and args[-1] is Ellipsis):
+        return origin(_check(args[0], v, f"{where}[{i}]", strict) for i, v in enumerate(value))
+    if origin is tuple:
+        if len(value) != len(args):
+            _fail(where, want, value)
+        return tuple(_check(a, v, f"{where}[{i}]", strict) for i, (a, v) in enumerate(zip(args, value)))
+    raise TypeError(f"no JSON form for {tp!r}")
+
+
+def from_json(cls: type, obj: Any, strict: bool = True, where: str = "body") -> Any:
+    """An instance of message ``cls`` from decoded JSON; :class:`RequestError` when it does not fit."""
+    if not isinstance(obj, dict):
+        _fail(where, "an object", obj)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(obj) - set(fields))
+    if strict and unknown:
+        raise RequestError(f"unknown field(s) {unknown} in {where}; known: {sorted(fields)}")
+    kw = {}
+    for name, f in fields.items():
+        if name in obj:
+            kw[name] = _check(_hints(cls)[name], obj[name], name if where == "body" else f"{where}.{name}", strict)
+        elif f.default is MISSING:
+            raise RequestError(f"'{name}' is required in {where}")
+    return cls(**kw)
+
+
+def to_json(msg: Any) -> dict:
+    """The JSON object of a message (tuples as lists)."""
+    return dataclasses.asdict(msg)
+
+
+def type_name(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (Union, types.UnionType):
+        return " or ".join(type_name(a) for a in args)
+    if dataclasses.is_dataclass(tp):
+        return f"[{tp.__name__}](#{tp.__name__.lower()})"
+    if origin is dict:
+        return f"{{string: {type_name(args[1])}}}"
+    if origin is list or (origin is tuple and args[-1] is Ellipsis):
+        return f"[{type_name(args[0])}, ...]"
+    if origin is tuple:
+        return "[" + ", ".join(type_name(a) for a in args) + "]"
+    return {int: "integer", float: "number", str: "string", bool: "boolean", dict: "object", type(None): "null"}[tp]
+
+
+def _table(cls: type) -> list[str]:
+    rows = ["| field | type | default | meaning |", "| --- | --- | --- | --- |"]
+    for f in dataclasses.fields(cls):
+        default = "required" if f.default is MISSING else f"`{json.dumps(f.default)}`"
+        rows.append(f"| `{f.name}` | {type_name(_hints(cls)[f.name])} | {default} | {f.metadata.get('doc', '')} |")
+    return rows
+
+
+def render() -> str:
+    """docs/api.md: every endpoint with its request and reply, then the shared messages."""
+    out = [
+        "# HTTP API",
+        "",
+        "Generated from `sidecar/kvfetcher/api/schemas.py` by `python -m kvfetcher.api.schemas > docs/api.md`;",
+        "a test checks that this file matches. Bodies are JSON. `/v1/*` over TCP needs",
+        "`Authorization: Bearer <token>`; over the Unix socket the socket's permissions are the",
+        "authentication. A malformed request is a 400 with an [ErrorReply](#errorreply).",
+        "`GET /healthz`, `GET /readyz` (the store is reachable) and `GET /metrics` (Prometheus) are open.",
+    ]
+    for e in ENDPOINTS:
+        out += ["", f"## `{e.method} {e.path}`", "", e.doc, ""]
+        if e.request is not None:
+            out += [f"Request `{e.request.__name__}`:", "", *_table(e.request), ""]
+        out += [f"Reply ({e.status}) `{e.reply.__name__}`:", "", *_table(e.reply)]
+    for m in MESSAGES:
+        out += ["", f"## {m.__name__}", "", (m.__doc__ or "").strip(), "", *_table(m)]
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    print(render(), end="")

@@ -1,0 +1,199 @@
+"""plan: what a fetch would load, decided before any KV moves — and what a load answered.
+
+:func:`make_plan` lists the prefix's chunks once (one LIST per chunk, :data:`LOOKUP_PARALLEL` in
+flight) and runs the cost model (:func:`choice.hopeless` first, which may skip the store, then
+:func:`choice.choose`). It has no side effect but the listing: whoever calls it records metrics
+and teaches the estimator from the returned plan.
+
+A :class:`FetchPlan` names no object. It is bound to its prompt by ``prefix_key``, the key of the
+last requested chunk (which hashes the namespace, tenant included, and every token before it), and
+sealed by the sidecar that made it (:func:`seal`), so that a plan that travelled through a client
+can be checked before a load trusts its presets and object sizes. A load re-derives every object
+name from its own buffer's namespace and tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import time
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import asdict, dataclass, field, replace
+
+from kvfetcher import keys
+from kvfetcher.errors import Reason
+from kvfetcher.fetch import choice
+from kvfetcher.format.presets import PRESETS, measured
+from kvfetcher.store import Store, StoreError
+
+LOOKUP_PARALLEL = 16  # LISTs in flight during a listing
+#: measured size ratio vs fp16 per preset, for the no-listing shortcut (1.0 where never measured)
+RATIOS = {p: (measured(p) or {}).get("ratio_vs_fp16", 1.0) for p in PRESETS}
+#: the bitstream format of every preset this reader can decode
+FORMATS = {p: PRESETS[p].codec.format for p in PRESETS}
+
+
+def _doc(text: str, **kw):
+    return field(metadata={"doc": text}, **kw)
+
+
+@dataclass(frozen=True)
+class FetchPlan:
+    """What a load of `requested_tokens` leading tokens would do, and why."""
+
+    model: str = _doc("model fingerprint of the namespace")
+    dtype: str = _doc("KV dtype of the namespace, e.g. `float16`")
+    tp_rank: int = _doc("tensor-parallel rank of the namespace")
+    chunk_tokens: int = _doc("tokens per chunk")
+    requested_tokens: int = _doc("the request's tokens rounded down to whole chunks")
+    prefix_key: str = _doc("key of the last requested chunk (empty when none): binds the plan to its tokens")
+    hit_tokens: int = _doc("leading tokens found stored (0 when the store was not asked)")
+    preset: str | None = _doc("the chosen preset, `recompute`, or null: not chosen (no buffer of this namespace)")
+    chunks: tuple[tuple[str, int], ...] = _doc("the leading chunks to load, as [preset, object size]")
+    predicted_s: float = _doc("predicted seconds of that load")
+    options: dict[str, float] = _doc("predicted seconds until the whole prefix is in the buffer, per option considered")
+    lookup_s: float | None = _doc("seconds the listing took (null: the store was not asked)")
+    reason: str | None = _doc("why it loads fewer than `requested_tokens`: `miss`, `cost_model` or a failure reason")
+    detail: str | None = _doc("a human-readable detail of `reason`")
+    tag: str = _doc("the issuing sidecar's seal over the other fields; a load refuses a plan whose seal does not match", default="")
+
+    @property
+    def loaded_tokens(self) -> int:
+        """Tokens the plan loads."""
+        return len(self.chunks) * self.chunk_tokens
+
+    @property
+    def error(self) -> str | None:
+        """The failure that made this plan recompute (not a decision such as a miss)."""
+        return self.reason if self.reason not in (None, Reason.MISS, Reason.COST_MODEL) else None
+
+
+def _digest(plan: FetchPlan, key: bytes) -> str:
+    body = {k: v for k, v in asdict(plan).items() if k != "tag"}
+    return hmac.new(key, json.dumps(body, sort_keys=True).encode(), hashlib.sha256).hexdigest()
+
+
+def seal(plan: FetchPlan, key: bytes) -> FetchPlan:
+    return replace(plan, tag=_digest(plan, key))
+
+
+def sealed(plan: FetchPlan, key: bytes) -> bool:
+    """Whether ``plan`` is, field for field, one that :func:`seal` made with ``key``."""
+    return hmac.compare_digest(plan.tag.encode(), _digest(plan, key).encode())
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What the cost model needs besides the listing."""
+
+    rates: choice.Rates
+    chunk_kv_bytes: int | None  # KV bytes of one chunk in the buffer (None: no buffer, no choice)
+    allowed: frozenset[str]  # presets the fetch may use
+    budget_s: float | None  # TTFT budget (see choice)
+
+
+async def list_prefix(store: Store, chunk_keys: Sequence[str], io_pool: Executor) -> list[dict[str, int]]:
+    """For the leading run of chunks stored in a known preset: preset -> object size."""
+    loop = asyncio.get_running_loop()
+    sem = asyncio.Semaphore(LOOKUP_PARALLEL)
+
+    async def one(key: str) -> dict[str, int]:
+        async with sem:
+            listing = await loop.run_in_executor(io_pool, store.list, keys.chunk_prefix(key))
+        reps = {}
+        for name, size in listing.items():
+            try:
+                reps[keys.preset_of(name)] = size
+            except ValueError:
+                continue
+        return reps
+
+    run = []
+    for reps in await asyncio.gather(*(one(k) for k in chunk_keys)):
+        if not any(p in PRESETS for p in reps):
+            break
+        run.append(reps)
+    return run
+
+
+async def make_plan(
+    store: Store,
+    ns: keys.Namespace,
+    tokens: Sequence[int],
+    chunk_tokens: int,
+    costs: Costs,
+    *,
+    io_pool: Executor,
+    deadline_s: float | None = None,
+    may_skip_listing: bool = True,
+) -> FetchPlan:
+    """Plan a load of the whole chunks of ``tokens`` in ``ns``; the listing must end within
+    ``deadline_s``. A store failure or a missed deadline is a plan that recomputes, with its reason.
+    ``may_skip_listing``: when no load could pay (:func:`choice.hopeless`), plan a recompute without
+    asking the store (``hit_tokens`` is then 0)."""
+    n_req = len(tokens) // chunk_tokens * chunk_tokens
+    ck = keys.chunk_keys(ns, tokens[:n_req], chunk_tokens)
+    recompute = FetchPlan(ns.model, ns.dtype, ns.tp_rank, chunk_tokens, n_req, ck[-1] if ck else "", 0, choice.RECOMPUTE, (), 0.0,
+                          {}, None, Reason.MISS.value, "nothing requested" if not ck else None)
+    if not ck:
+        return recompute
+    if may_skip_listing and costs.chunk_kv_bytes is not None and choice.hopeless(
+        len(ck), chunk_tokens, costs.chunk_kv_bytes, RATIOS, FORMATS, costs.rates, set(costs.allowed), budget_s=costs.budget_s,
+        lookup_s=choice.lookup_seconds(len(ck), costs.rates, LOOKUP_PARALLEL),
+    ):
+        return replace(recompute, reason=Reason.COST_MODEL.value, detail="recompute predicted faster than any stored preset could be; store not asked")
+    t = time.perf_counter()
+    try:
+        async with asyncio.timeout(deadline_s):
+            run = await list_prefix(store, ck, io_pool)
+    except StoreError as e:
+        return replace(recompute, reason=e.reason, detail=str(e), lookup_s=time.perf_counter() - t)
+    except TimeoutError:
+        return replace(recompute, reason=Reason.DEADLINE.value, detail=f"listing the prefix took longer than {deadline_s} s",
+                       lookup_s=time.perf_counter() - t)
+    listed = replace(recompute, hit_tokens=len(run) * chunk_tokens, lookup_s=time.perf_counter() - t,
+                     reason=None if run else Reason.MISS.value, detail=None if run else "nothing stored")
+    if costs.chunk_kv_bytes is None or not run:
+        return replace(listed, preset=None) if run else listed
+    return decide(listed, run, costs)
+
+
+def decide(listed: FetchPlan, run: Sequence[dict[str, int]], costs: Costs) -> FetchPlan:
+    """The cost model's choice among the listed representations ``run`` of ``listed``'s chunks."""
+    d = choice.choose(run, listed.chunk_tokens, costs.chunk_kv_bytes, FORMATS, costs.rates, set(costs.allowed), costs.budget_s)
+    if d.preset == choice.RECOMPUTE:
+        return replace(listed, preset=d.preset, options=d.options, reason=Reason.COST_MODEL.value, detail="recompute predicted faster")
+    return replace(listed, preset=d.preset, chunks=tuple((d.preset, run[i][d.preset]) for i in range(d.chunks)),
+                   predicted_s=d.predicted_s, options=d.options)
+
+
+@dataclass
+class LoadDecision:
+    """What a load chose, and how long it took against the prediction."""
+
+    preset: str = _doc("the preset loaded, or `recompute`")
+    chunks: int = _doc("leading chunks planned")
+    predicted_s: float = _doc("the plan's predicted seconds")
+    options: dict[str, float] = _doc("the plan's options (see the plan)")
+    actual_s: float | None = _doc("measured seconds of the load (null: nothing was fetched)", default=None)
+
+
+@dataclass
+class LoadReply:
+    """What a load did: the leading ``loaded_tokens`` are in the buffer, ``not_loaded`` are not."""
+
+    requested_tokens: int = _doc("the request's tokens rounded down to whole chunks")
+    loaded_tokens: int = _doc("leading tokens now in the buffer; recompute from here", default=0)
+    chunk_tokens: int = _doc("tokens per chunk", default=0)
+    not_loaded: tuple[int, int] = _doc("the `[start, end)` range of requested tokens to recompute", default=(0, 0))
+    error: str | None = _doc("the failure that stopped the load early, if any", default=None)
+    reason: str | None = _doc("why fewer than requested were loaded: `miss`, `cost_model` or the failure", default=None)
+    detail: str | None = _doc("a human-readable detail of `reason`", default=None)
+    decision: LoadDecision | None = _doc("the plan's choice and the measured time", default=None)
+    lookup_s: float | None = _doc("seconds the plan's listing took (null: the store was not asked)", default=None)
+    bytes_read: int = _doc("stored bytes read", default=0)
+    kv_bytes: int = _doc("KV bytes restored", default=0)
+    seconds: float = _doc("seconds the fetch took", default=0.0)

@@ -1,0 +1,126 @@
+"""writer: a bounded queue of prefixes to store, and the background task that encodes and uploads them.
+
+A store request never blocks the model: the caller hands over a private copy of the prefix's KV
+and :meth:`Writer.submit` queues it or, when the queue is full, drops it and counts the drop — a
+lost store costs a future recompute, a blocked model costs latency now. One task writes the
+queue in order: every configured preset of every chunk, skipping objects already stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from kvfetcher import keys, kvbuffer
+from kvfetcher.chunk import encode_chunk
+from kvfetcher.config import Config
+from kvfetcher.errors import Reason
+from kvfetcher.metrics import Metrics
+from kvfetcher.store import Store, StoreError
+
+log = logging.getLogger("kvfetcher.save")
+
+
+def copy_prefix(buffer: torch.Tensor, tokens: int, slots=None, offset: int = 0) -> torch.Tensor:
+    """A private CPU copy of ``tokens`` tokens of ``buffer`` (``[layers, 2, heads, capacity, head_dim]``)
+    at ``slots`` or from ``offset``; ``ValueError`` for slots outside the buffer."""
+    idx = kvbuffer.slot_list(buffer.shape[3], tokens, slots, offset)
+    if kvbuffer.contiguous(idx):
+        return buffer[:, :, :, idx[0] : idx[0] + tokens].to("cpu", copy=True)
+    return buffer.index_select(3, torch.tensor(idx, device=buffer.device)).cpu()
+
+
+@dataclass
+class Job:
+    ns: keys.Namespace
+    keys: list[str]  # one per chunk of ``kv``
+    kv: torch.Tensor  # [layers, 2, heads, tokens, head_dim], a private copy
+    queued_at: float = field(default_factory=time.perf_counter)
+
+
+class Writer:
+    """The store queue (bounded by ``config.store_queue_chunks``) and its writing task."""
+
+    def __init__(self, store: Store, config: Config, metrics: Metrics, io_pool: Executor):
+        self.store, self.config, self.metrics, self.io_pool = store, config, metrics, io_pool
+        self.encode_pool = ThreadPoolExecutor(1, thread_name_prefix="kvf-encode")
+        self._queue: asyncio.Queue[Job] | None = None
+        self._task: asyncio.Task | None = None
+        self.pending_chunks = 0
+
+    def start(self) -> None:
+        self._queue = asyncio.Queue()
+        self._task = asyncio.create_task(self._run())
+
+    def room_for(self, chunks: int) -> bool:
+        """Whether ``chunks`` more fit; if not, the drop is counted."""
+        if self.pending_chunks + chunks <= self.config.store_queue_chunks:
+            return True
+        self.metrics.store_dropped.inc()
+        self.metrics.fallbacks.labels(Reason.STORE_QUEUE_FULL).inc()
+        return False
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job`` (after :meth:`room_for` said yes). Never waits."""
+        assert self._queue is not None, "Writer.start() was not called"
+        self._queue.put_nowait(job)
+        self.pending_chunks += len(job.keys)
+        self.metrics.store_queue_depth.set(self.pending_chunks)
+
+    async def flush(self) -> None:
+        """Wait until every queued job has been written (or has failed)."""
+        assert self._queue is not None
+        await self._queue.join()
+
+    async def close(self, drain_s: float) -> None:
+        """Give queued jobs ``drain_s`` to finish, then stop."""
+        if self._queue is not None and self.pending_chunks:
+            try:
+                async with asyncio.timeout(drain_s):
+                    await self._queue.join()
+            except TimeoutError:
+                log.warning("shutting down with %d chunks not stored", self.pending_chunks)
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self.encode_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self) -> None:
+        assert self._queue is not None
+        while True:
+            job = await self._queue.get()
+            try:
+                await self._write(job)
+            except StoreError as e:
+                self.metrics.errors.labels(e.reason).inc()
+                log.warning("store failed (%s): %s", e.reason, e)
+            except Exception:
+                self.metrics.errors.labels(Reason.INTERNAL).inc()
+                log.exception("store failed")
+            finally:
+                self.pending_chunks -= len(job.keys)
+                self.metrics.store_queue_depth.set(self.pending_chunks)
+                self._queue.task_done()
+
+    async def _write(self, job: Job) -> None:
+        loop = asyncio.get_running_loop()
+        N = self.config.chunk_tokens
+        for i, key in enumerate(job.keys):
+            for preset in self.config.presets:
+                name = keys.object_name(key, preset)
+                if await loop.run_in_executor(self.io_pool, self.store.exists, name):
+                    continue  # already stored (by us or another sidecar): a cheap no-op
+                t = time.perf_counter()
+                piece = job.kv[:, :, :, i * N : (i + 1) * N].contiguous()
+                encode = functools.partial(encode_chunk, piece, preset, job.ns.model, start=i * N, rope_theta=self.config.rope_theta)
+                obj = await loop.run_in_executor(self.encode_pool, encode)
+                if await loop.run_in_executor(self.io_pool, self.store.put, name, obj):
+                    self.metrics.bytes_written.inc(len(obj))
+                    self.metrics.compression_ratio.labels(preset).set(piece.numel() * piece.element_size() / len(obj))
+                self.metrics.store_seconds.observe(time.perf_counter() - t)

@@ -1,0 +1,54 @@
+"""The HTTP API's schema: requests are checked field by field, messages survive JSON, and
+docs/api.md is what the schema renders."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvfetcher.api import schemas
+from kvfetcher.errors import RequestError
+from kvfetcher.fetch.plan import FetchPlan, LoadDecision, LoadReply
+
+ROOT = Path(__file__).resolve().parents[2]
+
+PLAN = FetchPlan("m", "float16", 0, 64, 128, "ab" * 32, 128, "q8", (("q8", 1000), ("q8", 990)), 0.25,
+                 {"q8": 0.25, "recompute": 1.5}, 0.01, None, None, "t")
+
+
+def test_docs_api_md_is_what_the_schema_renders():
+    assert (ROOT / "docs" / "api.md").read_text() == schemas.render(), "run: python -m kvfetcher.api.schemas > docs/api.md"
+
+
+def test_messages_survive_json():
+    for msg in (PLAN, LoadReply(128, 64, 64, (64, 128), "corrupt", "corrupt", "crc", LoadDecision("q8", 2, 0.25, {"q8": 0.25}, 0.3)),
+                schemas.FetchRequest("b", [1, 2], PLAN, slots=[3, 4])):
+        assert schemas.from_json(type(msg), json.loads(json.dumps(schemas.to_json(msg)))) == msg
+
+
+@pytest.mark.parametrize(
+    "cls, body, detail",
+    [
+        (schemas.FetchRequest, {"buffer": "b", "tokens": [1, True]}, "'tokens[1]' must be integer"),
+        (schemas.FetchRequest, {"buffer": "b", "tokens": [1], "offset": 1.5}, "'offset' must be integer"),
+        (schemas.FetchRequest, {"buffer": "b", "tokens": [1], "deadline_s": "2s"}, "'deadline_s' must be number or null"),
+        (schemas.FetchRequest, {"buffer": "b", "tokens": [1], "plan": {**schemas.to_json(PLAN), "chunks": [["q8"]]}},
+         "'plan.chunks[0]' must be [string, integer]"),
+        (schemas.FetchRequest, {"tokens": [1]}, "'buffer' is required"),
+        (schemas.LookupRequest, {"tokens": [1], "buffers": "b"}, "unknown field(s) ['buffers']"),
+        (schemas.RegisterRequest, [1], "'body' must be an object"),
+    ],
+)
+def test_a_request_that_does_not_fit_is_refused_by_field(cls, body, detail):
+    with pytest.raises(RequestError) as e:
+        schemas.from_json(cls, body)
+    assert detail in str(e.value)
+
+
+def test_a_reply_may_carry_fields_a_client_does_not_know():
+    assert schemas.from_json(schemas.StoreReply, {"queued_chunks": 1, "dropped": False, "new": 1}, strict=False) == schemas.StoreReply(1, False)
+
+
+def test_numbers_are_floats_where_the_schema_says_so():
+    r = schemas.from_json(schemas.LookupRequest, {"tokens": [1], "recompute_tokens_per_s": 5})
+    assert isinstance(r.recompute_tokens_per_s, float)
