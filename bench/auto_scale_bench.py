@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import json
 import multiprocessing as mp
@@ -108,7 +109,7 @@ class Bench:
         """Forced ``preset`` or (None) the automatic choice; seconds until the KV is in the buffer."""
         kw = {"presets": [preset], "recompute_tps": 1e-9} if preset else {"recompute_tps": ctx / recompute_s}
         t = time.perf_counter()
-        r = asyncio.run(self.sidecar.fetch("b", self.tokens[:ctx], deadline_s=box, **kw))
+        r = dataclasses.asdict(asyncio.run(self.sidecar.load("b", self.tokens[:ctx], deadline_s=box, **kw)))
         s = time.perf_counter() - t
         d = r.get("decision") or {}
         out = {"decision": d.get("preset"), "predicted_s": d.get("predicted_s"), "bytes_read": r.get("bytes_read", 0),

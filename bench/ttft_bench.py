@@ -253,7 +253,7 @@ class Race:
         """``preset`` forced (recompute never chosen), or None: the sidecar's automatic choice."""
         t0 = time.perf_counter()
         kw = {"presets": [preset], "recompute_tps": 1e-9} if preset else {"recompute_tps": recompute_tps, "presets": self.auto_presets}
-        r = await self.sidecar.fetch(self.bids[ctx], self.tokens[:ctx], deadline_s=box, **kw)
+        r = dataclasses.asdict(await self.sidecar.load(self.bids[ctx], self.tokens[:ctx], deadline_s=box, **kw))
         fetch_s = time.perf_counter() - t0
         rec = {"fetch_s": fetch_s, "bytes_read": r.get("bytes_read", 0), "decision": r.get("decision"), "error": r.get("error"),
                "lookup_s": r.get("lookup_s")}
@@ -290,7 +290,7 @@ class Race:
         each new link rate, so ``auto`` decides with this link's measured bandwidth."""
         smallest = min(kv_presets(), key=lambda p: self.sizes.get(p, 1e18))
         n = min(chunks, ctx // CHUNK) * CHUNK
-        await self.sidecar.fetch(self.bids[ctx], self.tokens[:n], deadline_s=60, presets=[smallest], recompute_tps=1e-9)
+        await self.sidecar.load(self.bids[ctx], self.tokens[:n], deadline_s=60, presets=[smallest], recompute_tps=1e-9)
 
 
 def link_probe(url: str, root: Path, rate_Bps: float, seconds: float = 0.5) -> dict:

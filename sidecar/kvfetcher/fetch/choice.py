@@ -7,8 +7,7 @@ recomputed at the model's prefill rate. The option with the least total time win
 of everything is always an option, so a fetch is never planned to be slower than recompute.
 
 With a TTFT budget, the least time is not the goal on a busy GPU: a recomputed prefix takes the
-GPU from every request decoding beside it (goodput_bench measured the running requests' TPOT p99
-at 0.6-1.4 s during 16K-token prefills), a fetch takes none. Then the fetch that recomputes
+GPU from every request decoding beside it, a fetch takes none. Then the fetch that recomputes
 the fewest tokens while its predicted time stays within the budget wins, and only when no fetch
 fits does the fastest option win.
 
@@ -16,20 +15,13 @@ fits does the fastest option win.
 bitstream format) that feed it, and is updated from every fetch's actual timings. The model
 leaves out the pipeline's fill and drain and imperfect overlap, so each preset also keeps a
 :class:`Fit` of its fetches' actual times to the modelled ones, ``actual = scale * modelled +
-overhead`` (measured on an H100: 1.09-1.23x for ``balanced`` over 32K tokens, enough to turn a
-predicted 0.7% win over recompute into a 19% loss). Both terms, because fill and drain are
-fixed seconds while imperfect overlap grows with the fetch: a ``balanced`` fetch of 4K tokens of
-a 70B model took 0.20 s over its decode time, one of 128K tokens 0.16 s; as a pure ratio (1.54)
-the small one predicted 17.6 s for the large one, which took 10.2, and ``auto`` fetched raw,
-38% slower. The fit is kept per (preset, endpoint), falling back to the preset's fit over all
+overhead``: both terms, because fill and drain are fixed seconds while imperfect overlap grows
+with the fetch. The fit is kept per (preset, endpoint), falling back to the preset's fit over all
 endpoints: how well download and decode overlap depends on which of them is the slower.
 
 Rates are ratios of decayed sums (bytes over seconds), not averages of per-fetch ratios, so each
 fetch counts by its size (a fit is a least-squares line over decayed sums, each fetch one
-point). Measured why: on an H100 a cold first fetch of 16 chunks (decoders and CUDA contexts
-starting) set ``balanced``'s rate at half its warm value, and a per-fetch average kept it there for
-fetches 16x larger; the predictions ran 1.2-2.1x over the actual times and ``auto`` took raw, 28%
-slower, at 64K tokens over 25 Gbit/s (docs/benchmarks/auto70b_long_h100.md).
+point): a small cold fetch must not hold down the rate predicted for large warm ones.
 """
 
 from __future__ import annotations
@@ -40,17 +32,13 @@ from dataclasses import dataclass, field
 RECOMPUTE = "recompute"
 
 #: KV bytes restored per second by decoding, before anything is measured; a preset's first
-#: measured fetch replaces its format's prior. For raw, "decoding" is the pipeline's direct path
-#: minus the read: its CRC-32 runs in the read's thread (so it counts in the store bandwidth),
-#: what is left is one copy into the KV buffer. CPU: 3.0-3.8 GB/s end to end on the 2-core CPU
-#: machine (bench/fetch_bench.py, Llama-3-8B shape, local store), taken as the prior; HEVC through
-#: libavcodec.
+#: measured fetch replaces its format's prior. For raw, "decoding" is the direct path minus the
+#: read (its CRC-32 runs in the read's thread, so it counts in the store bandwidth): one copy into
+#: the KV buffer. CPU: HEVC through libavcodec.
 DECODE_PRIOR = {"raw": 3e9, "hevc": 2.5e7}
-#: GPU: HEVC is one NVDEC session (~0.5 GB/s; worker processes reach 2.6-3.3 GB/s once measured).
-#: raw: 10 GB/s, what the whole direct path restored on an H100 (10.1 GB/s end to end from a
-#: local store, docs/benchmarks/fetch_raw_h100.json; the copy alone is faster), far above any
-#: compressed preset's restore rate: on links faster than those rates raw wins, on slower ones
-#: the smaller representation or recompute.
+#: GPU: HEVC is one NVDEC session (worker processes reach several times more once measured); raw is
+#: the direct path's copy, far above any compressed preset's restore rate: on links faster than
+#: those rates raw wins, on slower ones the smaller representation or recompute.
 GPU_DECODE_PRIOR = {"raw": 1e10, "hevc": 5e8}
 
 
@@ -165,9 +153,7 @@ def hopeless(
 
     Best case: every chunk stored in every allowed preset, ``slack`` times smaller than its
     measured ratio says, no latency; the preset's fit (measured overheads) still counts, and so
-    does ``lookup_s``, what asking the store would cost first. A lookup costs a LIST per chunk:
-    10–18% of an 8B model's prefill on an H200 (docs/benchmarks/ttft_h200.md), 0.18 s of a 32K
-    prefix over a 10 Gbit/s link on an H100, where recompute won anyway.
+    does ``lookup_s``, what asking the store would cost first (a LIST per chunk).
     Optimistic on purpose: a wrong "no" would skip a fetch that pays; a wrong "yes" costs a lookup.
     """
     if n_chunks == 0:
@@ -228,10 +214,7 @@ class Estimator:
     def settled(self, fmt: str) -> bool:
         """Whether a fetch of this bitstream format should teach the rates: not a process' first, which
         pays one-time set-up (pinned staging buffers for raw's direct path, decoders and CUDA contexts
-        where workers were not warmed). Measured on an H100: the first raw fetch, 1.3 GB, read at 1.2
-        GB/s and the next at 7.3; weighted by size, it had ``auto`` predict raw 6x slower than it ran
-        and fetch ``balanced``, 2.4x slower, at 64K tokens over 100 Gbit/s. Without it, a replay of the
-        same run's observations picks raw there and ``balanced`` at 25 Gbit/s, as measured best."""
+        where workers were not warmed) and, weighted by its size, would skew the rates for long."""
         if fmt in self._seen:
             return True
         self._seen.add(fmt)
