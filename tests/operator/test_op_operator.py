@@ -85,12 +85,17 @@ async def test_managed_pool_builds_minio_and_waits_for_it(operator, api: Api) ->
     await api.create(POOLS, managed_pool("mgd", retention={"dataPolicy": "Delete"}))
     pool = await api.wait_for(POOLS, "default", "mgd", lambda o: cond(o, "StorageReady").get("reason") == "MinIOStarting")
     assert pool["status"]["phase"] == "Provisioning"
-    assert cond(pool, "StorageReady")["message"] == "0/1 MinIO replicas ready"
+    # Not just a count: why no replica is ready (here: no pod was ever created).
+    assert cond(pool, "StorageReady")["message"].startswith("0/1 MinIO replicas ready; 0 of 1 pods exist")
     sts = await api.get("apps/v1/statefulsets", "default", "mgd-minio")
     assert sts["spec"]["persistentVolumeClaimRetentionPolicy"]["whenDeleted"] == "Delete"
     assert sts["metadata"]["ownerReferences"][0]["kind"] == "KVCachePool"
     for name in ("mgd-minio", "mgd-minio-hl"):
-        assert (await api.get("v1/services", "default", name))["metadata"]["ownerReferences"]
+        service = await api.get("v1/services", "default", name)
+        assert service["metadata"]["ownerReferences"] and [p["port"] for p in service["spec"]["ports"]] == [9000]
+    assert (await api.get("policy/v1/poddisruptionbudgets", "default", "mgd-minio"))["spec"]["maxUnavailable"] == 1
+    netpol = await api.get("networking.k8s.io/v1/networkpolicies", "default", "mgd-minio")
+    assert netpol["spec"]["ingress"][0]["ports"] == [{"port": 9000, "protocol": "TCP"}]
     creds = builders.decode_secret_data((await api.get("v1/secrets", "default", "mgd-kvfetcher"))["data"])
     assert creds["accessKey"] and creds["secretKey"] and creds["endpoint"] == "http://mgd-minio.default.svc:9000"
 
@@ -125,7 +130,7 @@ async def test_update_and_delete_with_data_policy(operator, api: Api, s3: str) -
     await api.create(POOLS, external_pool("gone", s3, "doomed", retention={"dataPolicy": "Delete"}))
     await api.wait_for(POOLS, "default", "gone", is_ready)
     assert bucket.ttl_days(target) == 7
-    bucket.client(target).put_object("doomed", "chunk/1", __import__("io").BytesIO(b"kv"), 2)
+    bucket.client(target).put_object("doomed", bucket.PREFIX + "ab/abc/raw.kvfc", __import__("io").BytesIO(b"kv"), 2)
 
     await api.patch(POOLS, "default", "gone", {"spec": {"retention": {"ttlDays": 30}}, "metadata": {"generation": 2}})
     await api.wait_for(POOLS, "default", "gone", lambda o: (o["status"].get("observedGeneration") == 2
