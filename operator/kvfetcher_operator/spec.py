@@ -107,9 +107,9 @@ def quantity_value(text: str) -> Decimal:
         raise ValueError(f"not a quantity: {text!r}")
     suffix = match.group(3) or ""
     number = Decimal(str(text)[: len(str(text)) - len(suffix)])
-    if suffix[:1] in ("e", "E"):
-        return number * Decimal(10) ** int(suffix[1:])
-    return number * _UNITS[suffix]
+    if suffix in _UNITS:
+        return number * _UNITS[suffix]
+    return number * Decimal(10) ** int(suffix[1:])  # a decimal exponent such as e3
 
 
 def quantity_bytes(text: str) -> int:

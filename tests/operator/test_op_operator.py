@@ -320,3 +320,32 @@ async def test_metrics_report_pools_by_phase_and_errors(operator, api: Api) -> N
             text = await r.text()
     assert 'kvfetcher_operator_pools{phase="Failed"} 1.0' in text
     assert 'kvfetcher_operator_reconcile_errors_total{reason="InvalidSpec"}' in text
+
+
+async def post_raw(operator: dict[str, Any], body: bytes) -> int:
+    context = ssl.create_default_context(cafile=str(operator["ca"]))
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{operator['webhook']}/inject-sidecar", data=body, ssl=context,
+                                headers={"Content-Type": "application/json"}) as r:
+            return r.status
+
+
+async def test_webhook_answers_malformed_reviews_400_and_takes_big_pods(operator, api: Api, s3: str) -> None:
+    """Defects 13 and 14: malformed reviews are the caller's error (400), not ours (500); a pod
+    over aiohttp's 1 MiB default is still injected, up to the API server's own ~3 MiB limit."""
+    import json
+    good = review(model_pod("big"))
+    for bad in ([], {}, {"request": None}, {"request": {**good["request"], "resource": None}},
+                {"request": {**good["request"], "object": []}},
+                {"request": {**good["request"], "object": {"metadata": "x"}}}):
+        assert await post_raw(operator, json.dumps(bad).encode()) == 400, bad
+    assert await post_raw(operator, b"{not json") == 400
+
+    await api.create("v1/secrets", s3_secret())
+    await api.create(POOLS, external_pool("big", s3, "big"))
+    await api.wait_for(POOLS, "default", "big", is_ready)
+    pod = model_pod("big")
+    pod["metadata"]["annotations"]["filler"] = "x" * (2 * 2**20)
+    response, patched = await admit_until(operator, pod, lambda p: "initContainers" in p["spec"])
+    assert patched["spec"]["initContainers"][0]["name"] == "kvfetcher"
+    assert await post_raw(operator, b" " * (4 * 2**20)) == 413
