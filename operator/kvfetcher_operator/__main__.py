@@ -1,4 +1,4 @@
-"""`kvfetcher-operator`: run the kopf operator with this package's handlers, cluster-wide.
+"""`kvfetcher-operator`: run the kopf operator with this package's handlers, cluster-wide or in some namespaces.
 
 Liveness is kopf's own probe endpoint (it fails when the watch streams die); /metrics is
 served by the handlers' startup on KVFETCHER_METRICS_PORT.
@@ -20,12 +20,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--standalone", action="store_true", help="no peering (a single replica)")
     parser.add_argument("--peering", default=None,
                         help="a ClusterKopfPeering name: makes peering mandatory (its CRD must exist)")
+    parser.add_argument("--namespace", action="append", default=[],
+                        help="watch only this namespace (repeatable; default: every namespace)")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(kopf.operator(
-        clusterwide=True,
+        clusterwide=not args.namespace,
+        namespaces=args.namespace,
         standalone=args.standalone,
         peering_name=None if args.standalone else args.peering,
         liveness_endpoint=args.liveness,

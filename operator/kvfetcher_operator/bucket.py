@@ -1,21 +1,46 @@
-"""The one piece of storage I/O the operator does: make the pool's bucket and its expiry rule.
+"""The one piece of storage I/O the operator does: claim the pool's bucket, set its expiry, empty it.
 
 Through the S3 API (the MinIO SDK), so the same code serves managed MinIO and any external
 S3 endpoint. Short timeouts and a single retry: a storage that does not answer should turn
 into a StorageReady=False condition within seconds, and the handler retries later anyway.
+
+The operator touches only what is its own, because an external bucket may be shared:
+- objects under PREFIX (where the sidecars write) and the claim object CLAIM, which names the
+  one pool (`namespace/name`) that uses the bucket: a second pool is refused, a re-created pool
+  of the same name finds its retained data;
+- its own lifecycle rule, merged by ID into whatever rules the bucket has;
+- the bucket itself only when it carries the OWNER_TAG this pool set when it created it.
+Errors are described by their S3 code or type, never by the response body.
 """
 from __future__ import annotations
 
+import io
+import re
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import urllib3
 from minio import Minio
-from minio.commonconfig import ENABLED, Filter
+from minio.commonconfig import ENABLED, Filter, Tags
 from minio.deleteobjects import DeleteObject
+from minio.error import InvalidResponseError, S3Error, ServerError
 from minio.lifecycleconfig import Expiration, LifecycleConfig, Rule
 
 RULE_ID = "kvfetcher-ttl"
+PREFIX = "kv/"
+CLAIM = "kvfetcher/pool"
+OWNER_TAG = "kvfetcher.io/pool"
+_OWNER = re.compile(r"^[a-z0-9][-a-z0-9.]*/[a-z0-9][-a-z0-9.]*$")  # namespace/name
+
+
+class Claimed(Exception):
+    """The bucket is claimed by another pool."""
+
+
+class NotS3(Exception):
+    """The endpoint answered, but not as S3 storage does."""
 
 
 @dataclass(frozen=True)
@@ -43,15 +68,66 @@ def client(target: Target) -> Minio:
                  secure=secure, region=target.region, http_client=http, cert_check=not target.insecure)
 
 
-def ensure(target: Target, ttl_days: int) -> bool:
-    """Create the bucket if needed and set its TTL rule; returns whether the bucket was created."""
+def describe(error: Exception) -> str:
+    """A storage error in a few words fit for a status or an Event: never the server's response body."""
+    if isinstance(error, S3Error):
+        return f"S3 error {error.code}"
+    if isinstance(error, InvalidResponseError):
+        return "the endpoint's answer is not an S3 response"
+    if isinstance(error, ServerError):
+        return f"S3 server error (HTTP {error.status_code})"
+    if isinstance(error, (Claimed, NotS3)):
+        return str(error)
+    return f"{type(error).__name__} (the endpoint cannot be reached or does not speak S3)"
+
+
+def holder(s3: Minio, bucket: str) -> str | None:
+    """The pool that claimed `bucket`, or None."""
+    try:
+        response = s3.get_object(bucket, CLAIM)
+    except S3Error as e:
+        if e.code == "NoSuchKey":
+            return None
+        raise
+    try:
+        text = response.read(256).decode(errors="replace")
+    finally:
+        response.close()
+        response.release_conn()
+    if not _OWNER.match(text):
+        raise NotS3(f"the claim object {CLAIM} of bucket {bucket} does not name a pool: "
+                    f"not an S3 endpoint, or the object is not kvfetcher's")
+    return text
+
+
+def _claim(s3: Minio, bucket: str, owner: str) -> None:
+    found = holder(s3, bucket)
+    if found is None:
+        s3.put_object(bucket, CLAIM, io.BytesIO(owner.encode()), len(owner.encode()))
+    elif found != owner:
+        raise Claimed(f"bucket {bucket} is used by KVCachePool {found}")
+
+
+def _rules_without_ours(s3: Minio, bucket: str) -> list[Rule]:
+    # Also the check that the endpoint speaks S3: an answer that does not parse raises.
+    config = s3.get_bucket_lifecycle(bucket)
+    return [r for r in (config.rules if config else []) if r.rule_id != RULE_ID]
+
+
+def ensure(target: Target, ttl_days: int, owner: str) -> bool:
+    """Create (and tag) the bucket if needed, claim it for `owner`, merge in the TTL rule; returns whether it was created."""
     s3 = client(target)
     created = False
     if not s3.bucket_exists(target.bucket):
         s3.make_bucket(target.bucket, location=target.region)
+        tags = Tags.new_bucket_tags()
+        tags[OWNER_TAG] = owner
+        s3.set_bucket_tags(target.bucket, tags)
         created = True
-    rule = Rule(ENABLED, rule_filter=Filter(prefix=""), rule_id=RULE_ID, expiration=Expiration(days=ttl_days))
-    s3.set_bucket_lifecycle(target.bucket, LifecycleConfig([rule]))
+    others = _rules_without_ours(s3, target.bucket)
+    _claim(s3, target.bucket, owner)
+    rule = Rule(ENABLED, rule_filter=Filter(prefix=PREFIX), rule_id=RULE_ID, expiration=Expiration(days=ttl_days))
+    s3.set_bucket_lifecycle(target.bucket, LifecycleConfig(others + [rule]))
     return created
 
 
@@ -64,14 +140,53 @@ def ttl_days(target: Target) -> int | None:
     return None
 
 
-def remove(target: Target) -> int:
-    """Delete every object and then the bucket (the `Delete` data policy); returns the objects removed."""
+def _created_by(s3: Minio, bucket: str, owner: str) -> bool:
+    try:
+        tags = s3.get_bucket_tags(bucket)
+    except S3Error as e:
+        if e.code in ("NoSuchTagSet", "NoSuchTagSetError"):
+            return False
+        raise
+    return bool(tags) and tags.get(OWNER_TAG) == owner
+
+
+def remove(target: Target, owner: str, budget_seconds: float = 20.0) -> tuple[int, bool]:
+    """The `Delete` data policy, a step at a time: (objects removed in this call, whether all is done).
+
+    Deletes the objects under PREFIX, streaming (never the whole listing in memory), for up to
+    `budget_seconds`; once they are gone, removes the claim and this pool's lifecycle rule, and
+    the bucket itself only if this pool created it and nothing else is left in it. Raises
+    Claimed, deleting nothing, when another pool holds the bucket.
+    """
     s3 = client(target)
     if not s3.bucket_exists(target.bucket):
-        return 0
-    names = [DeleteObject(o.object_name) for o in s3.list_objects(target.bucket, recursive=True)]
-    errors = list(s3.remove_objects(target.bucket, names))
+        return 0, True
+    found = holder(s3, target.bucket)
+    if found not in (None, owner):
+        raise Claimed(f"bucket {target.bucket} is used by KVCachePool {found}; nothing deleted")
+    deadline = time.monotonic() + budget_seconds
+    removed, finished = 0, True
+
+    def names() -> Iterator[DeleteObject]:
+        nonlocal removed, finished
+        for obj in s3.list_objects(target.bucket, prefix=PREFIX, recursive=True):
+            if time.monotonic() > deadline:
+                finished = False
+                return
+            removed += 1
+            yield DeleteObject(obj.object_name)
+
+    errors = list(s3.remove_objects(target.bucket, names()))
     if errors:
-        raise RuntimeError(f"could not delete {len(errors)} objects from {target.bucket}: {errors[0]}")
-    s3.remove_bucket(target.bucket)
-    return len(names)
+        raise RuntimeError(f"could not delete {len(errors)} objects from {target.bucket}: {errors[0].code}")
+    if not finished:
+        return removed, False
+    rules = _rules_without_ours(s3, target.bucket)
+    if rules:
+        s3.set_bucket_lifecycle(target.bucket, LifecycleConfig(rules))
+    else:
+        s3.delete_bucket_lifecycle(target.bucket)
+    s3.remove_object(target.bucket, CLAIM)
+    if _created_by(s3, target.bucket, owner) and next(iter(s3.list_objects(target.bucket)), None) is None:
+        s3.remove_bucket(target.bucket)
+    return removed, True

@@ -7,6 +7,7 @@ output depends only on its inputs.
 from __future__ import annotations
 
 import base64
+import re
 import secrets
 from collections.abc import Callable
 from typing import Any
@@ -17,10 +18,14 @@ MAX_NAME = 40
 S3_PORT = 9000
 
 
-def name_problems(name: str) -> list[str]:
+def name_problems(name: str, spec: dict[str, Any]) -> list[str]:
     """The pool's own name feeds StatefulSet and Service names, which have their own limits."""
-    return [] if len(name) <= MAX_NAME else [
+    out = [] if len(name) <= MAX_NAME else [
         f"metadata.name: at most {MAX_NAME} characters (its MinIO StatefulSet and Services derive from it)"]
+    if "managed" in (spec.get("storage") or {}) and not re.match(specs.DNS_LABEL_PATTERN, name):
+        out.append("metadata.name: a managed pool's name must be a DNS label starting with a letter "
+                   "(its MinIO Services derive from it)")
+    return out
 
 
 def secret_name(pool_name: str) -> str:

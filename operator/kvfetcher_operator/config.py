@@ -20,6 +20,13 @@ class Config:
     retry_seconds: float = 10.0
     # The MutatingWebhookConfiguration that routes pods here (the chart sets it); unset: not checked.
     webhook_configuration: str | None = None
+    # External endpoints: CIDRs denied on top of the built-in list, CIDRs allowed despite it,
+    # and (when set) the only hosts allowed; comma-separated.
+    endpoint_deny: str = ""
+    endpoint_allow: str = ""
+    endpoint_hosts: str = ""
+    # The operator's own namespace (the chart sets it): MinIO's NetworkPolicy lets it in.
+    namespace: str | None = None
 
     @classmethod
     def from_env(cls) -> "Config":
@@ -33,6 +40,10 @@ class Config:
             metrics_port=int(env("KVFETCHER_METRICS_PORT", cls.metrics_port)),
             retry_seconds=_float("KVFETCHER_RETRY_SECONDS", cls.retry_seconds),
             webhook_configuration=env("KVFETCHER_WEBHOOK_CONFIGURATION") or None,
+            endpoint_deny=env("KVFETCHER_ENDPOINT_DENY", ""),
+            endpoint_allow=env("KVFETCHER_ENDPOINT_ALLOW", ""),
+            endpoint_hosts=env("KVFETCHER_ENDPOINT_HOSTS", ""),
+            namespace=env("KVFETCHER_NAMESPACE") or None,
         )
 
 

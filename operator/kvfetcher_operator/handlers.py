@@ -10,12 +10,14 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import socket
 import tempfile
 from typing import Any
+from urllib.parse import urlsplit
 
 import kopf
 
-from . import bucket, builders, conditions, injection, kube, metrics, minio, webhook
+from . import bucket, builders, conditions, endpoints, injection, kube, metrics, minio, webhook
 from . import spec as specs
 from .conditions import CONFIG_VALID, INJECTION_READY, READY, STORAGE_READY
 from .config import RESYNC_SECONDS, Config
@@ -48,7 +50,19 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.cfg = cfg
     metrics.POOLS.by_pool.clear()  # phases are re-learnt as the pools are resumed
     memo.kube = kube.Kube.from_environment()
+    memo.endpoints = endpoint_policy(cfg, memo.kube)
     memo.metrics_server = metrics.serve(cfg.metrics_port, cfg.metrics_addr)
+
+
+def endpoint_policy(cfg: Config, k: kube.Kube) -> endpoints.Policy:
+    """The configured endpoint policy, with the Kubernetes API server's own addresses denied too."""
+    api_host = urlsplit(k.cfg.host).hostname or ""
+    try:
+        api_addresses = {info[4][0] for info in socket.getaddrinfo(api_host, None)}
+    except OSError:
+        api_addresses = set()
+    return endpoints.Policy().extended(deny=[*cfg.endpoint_deny.split(","), *api_addresses],
+                                       allow=cfg.endpoint_allow.split(","), hosts=cfg.endpoint_hosts.split(","))
 
 
 @kopf.on.login()
@@ -122,8 +136,9 @@ def storage_target(pool: dict[str, Any], k: kube.Kube, values: dict[str, str]) -
         sts = k.get("apps/v1", "statefulsets", namespace, builders.minio_name(pool["metadata"]["name"]))
         ready, wanted = minio.ready_replicas(sts)
         if wanted == 0 or ready < wanted:
+            pods = k.list("v1", "pods", namespace, minio.selector(pool))
             raise NotReady("MinIOStarting", f"{ready}/{wanted or spec['storage']['managed']['replicas']} "
-                                                   f"MinIO replicas ready")
+                                            f"MinIO replicas ready{minio.pods_waiting(pods, wanted)}")
         return bucket.Target(endpoint, bucket_name, values["accessKey"], values["secretKey"])
     external = spec["storage"]["external"]
     ref = external["credentialsSecretRef"]
@@ -138,6 +153,26 @@ def storage_target(pool: dict[str, Any], k: kube.Kube, values: dict[str, str]) -
     ca = _ca_file(pool, k, tls["caSecretRef"]) if tls.get("caSecretRef") else None
     return bucket.Target(endpoint, bucket_name, creds[ref["accessKeyKey"]], creds[ref["secretKeyKey"]],
                          region=external.get("region"), ca_file=ca, insecure=bool(tls.get("insecureSkipVerify")))
+
+
+def owner_id(pool: dict[str, Any]) -> str:
+    """Who claims a bucket: the pool's namespace and name (a re-created pool finds its retained data)."""
+    return f"{pool['metadata']['namespace']}/{pool['metadata']['name']}"
+
+
+def check_references(pool: dict[str, Any], k: kube.Kube, policy: endpoints.Policy) -> None:
+    """What must hold before anything is built or called: an allowed endpoint, the tenancy Secret."""
+    spec = specs.with_defaults(pool["spec"])
+    namespace = pool["metadata"]["namespace"]
+    if "external" in spec["storage"]:
+        refused = endpoints.problem(spec["storage"]["external"]["endpoint"], policy)
+        if refused:
+            raise NotReady("EndpointRefused", refused)
+    ref = spec["tenancy"].get("secretRef") if spec["tenancy"]["saltFrom"] == "Secret" else None
+    if ref:
+        data = (k.get("v1", "secrets", namespace, ref["name"]) or {}).get("data") or {}
+        if not data.get(ref["key"]):
+            raise NotReady("TenancySecretMissing", f"Secret {namespace}/{ref['name']} with key {ref['key']} not found")
 
 
 def injection_readiness(spec: dict[str, Any], cfg: Config, k: kube.Kube) -> tuple[bool, str, str]:
@@ -177,6 +212,31 @@ def _write(patch: kopf.Patch, pool: dict[str, Any], conds: list[dict[str, Any]],
     metrics.POOLS.set(meta["namespace"], meta["name"], phase)
 
 
+def provision(body: kopf.Body, pool: dict[str, Any], k: kube.Kube, memo: kopf.Memo, announce: bool) -> None:
+    """Children applied, storage claimed and its TTL set; NotReady (or NameConflict) says what is missing."""
+    spec = specs.with_defaults(pool["spec"])
+    meta = pool["metadata"]
+    endpoint, bucket_name = builders.storage_location(pool)
+    check_references(pool, k, memo.endpoints)
+    existing = k.get("v1", "secrets", meta["namespace"], builders.secret_name(meta["name"]))
+    values = builders.secret_values(pool, builders.decode_secret_data((existing or {}).get("data")))
+    k.apply(builders.secret(pool, values))
+    if "managed" in spec["storage"]:
+        for child in minio.services(pool) + minio.guards(pool, memo.cfg.namespace):
+            k.apply(child)
+        desired = minio.statefulset(pool)
+        applied = k.apply(desired, mutable_spec=minio.MUTABLE_FIELDS)
+        for drift in minio.volume_drift(applied, desired) if announce else []:
+            kopf.warn(body, reason="VolumeChangeNotApplied", message=drift)
+    target = storage_target(pool, k, values)
+    try:
+        bucket.ensure(target, spec["retention"]["ttlDays"], owner_id(pool))
+    except bucket.Claimed as e:
+        raise NotReady("BucketInUse", str(e)) from e
+    except Exception as e:
+        raise NotReady("BucketUnavailable", f"bucket {bucket_name} at {endpoint}: {bucket.describe(e)}") from e
+
+
 def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, injected_pods: kopf.Index,
               retry_until_ready: bool) -> None:
     pool = _pool(body)
@@ -185,7 +245,7 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, injected_pods
     conds = before
     injected = len(list(injected_pods.get((meta["namespace"], meta["name"]), [])))
 
-    issues = builders.name_problems(meta["name"]) + specs.problems(pool["spec"])
+    issues = builders.name_problems(meta["name"], pool["spec"]) + specs.problems(pool["spec"])
     if issues:
         conds = conditions.put(conds, CONFIG_VALID, False, "InvalidSpec", "; ".join(issues), gen)
         conds = conditions.put(conds, READY, False, "ConfigInvalid", "the spec is invalid: see ConfigValid", gen)
@@ -201,27 +261,16 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, injected_pods
     secret_name = builders.secret_name(meta["name"])
     error: NotReady | None = None
     try:
-        existing = k.get("v1", "secrets", meta["namespace"], secret_name)
-        values = builders.secret_values(pool, builders.decode_secret_data((existing or {}).get("data")))
-        k.apply(builders.secret(pool, values))
-        if "managed" in spec["storage"]:
-            for service in minio.services(pool):
-                k.apply(service)
-            desired = minio.statefulset(pool)
-            applied = k.apply(desired, mutable_spec=minio.MUTABLE_FIELDS)
-            for drift in minio.volume_drift(applied, desired) if retry_until_ready else []:
-                kopf.warn(body, reason="VolumeChangeNotApplied", message=drift)
-        target = storage_target(pool, k, values)
-        try:
-            bucket.ensure(target, spec["retention"]["ttlDays"])
-        except Exception as e:
-            raise NotReady("BucketUnavailable", f"bucket {bucket_name} at {endpoint}: {e}") from e
+        provision(body, pool, k, memo, announce=retry_until_ready)
         conds = conditions.put(conds, STORAGE_READY, True, "BucketReady",
                                f"bucket {bucket_name} at {endpoint} is ready; objects expire after "
                                f"{spec['retention']['ttlDays']} days", gen)
     except NotReady as e:
         error = e
         conds = conditions.put(conds, STORAGE_READY, False, e.reason, str(e), gen)
+    except kube.NameConflict as e:
+        error = NotReady("NameConflict", str(e))
+        conds = conditions.put(conds, STORAGE_READY, False, error.reason, str(error), gen)
     except Exception as e:  # an API call failed: say so, and let kopf retry
         error = NotReady("ApplyFailed", f"{type(e).__name__}: {e}")
         conds = conditions.put(conds, STORAGE_READY, False, error.reason, str(error), gen)
@@ -257,37 +306,66 @@ def resync(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, injected_pods: k
 
 
 @kopf.on.delete(*POOL)
-def finalize(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, retry: int, **_: Any) -> None:
-    """Apply the data policy; the children themselves go with the pool through their owner references.
+def finalize(body: kopf.Body, memo: kopf.Memo, injected_pods: kopf.Index, retry: int, **_: Any) -> None:
+    """Apply the data policy once no pod uses the pool; the children go with it through their owner references.
 
-    Retain keeps the data: for managed storage the PVCs stay (the StatefulSet's retention policy)
-    and the credentials Secret is released from the pool so the volumes stay readable. Delete
-    removes the data: the PVCs go with the StatefulSet, an external bucket is emptied and removed.
+    While injected pods exist, deletion waits (their sidecars need the Secret on restart).
+    Retain keeps the data: the PVCs stay (the StatefulSet's retention policy), the bucket and its
+    claim stay, and the pool's Secret (credentials, tenant salt) is released, to be taken back by
+    a pool of the same name. Delete removes the data: the PVCs go with the StatefulSet; of an
+    external bucket, what this pool wrote (and the bucket, if it created it) is removed, a step
+    at a time, retried until it is done.
     """
     pool = _pool(body)
     meta = pool["metadata"]
     metrics.POOLS.set(meta["namespace"], meta["name"], "Terminating")
+    users = list(injected_pods.get((meta["namespace"], meta["name"]), []))
+    if users:
+        if retry % 10 == 0:
+            kopf.warn(body, reason="PoolInUse", message=f"deletion waits for {len(users)} pod(s) that use the pool, "
+                                                        f"such as {sorted(users)[0]}")
+        raise kopf.TemporaryError(f"{len(users)} pods still use the pool", delay=memo.cfg.retry_seconds)
     if specs.problems(pool["spec"]):
         metrics.POOLS.forget(meta["namespace"], meta["name"])
         return
     spec = specs.with_defaults(pool["spec"])
-    policy = spec["retention"]["dataPolicy"]
-    k: kube.Kube = memo.kube
-    secret_name = builders.secret_name(meta["name"])
-    if policy == "Retain" and "managed" in spec["storage"]:
-        if k.get("v1", "secrets", meta["namespace"], secret_name) is not None:
-            k.patch("v1", "secrets", meta["namespace"], secret_name, {"metadata": {"ownerReferences": None}})
-            kopf.info(body, reason="DataRetained",
-                      message=f"volumes and Secret {secret_name} are kept (dataPolicy Retain)")
-    elif policy == "Delete" and "external" in spec["storage"]:
-        secret = k.get("v1", "secrets", meta["namespace"], secret_name)
-        values = builders.decode_secret_data((secret or {}).get("data"))
-        try:
-            removed = bucket.remove(storage_target(pool, k, values))
-        except Exception as e:
-            if retry < 5:
-                raise kopf.TemporaryError(f"bucket not removed yet: {e}", delay=memo.cfg.retry_seconds)
-            kopf.warn(body, reason="DataNotDeleted", message=f"gave up removing the bucket: {e}")
-        else:
-            kopf.info(body, reason="DataDeleted", message=f"bucket removed with {removed} objects")
+    if spec["retention"]["dataPolicy"] == "Retain":
+        release_secret(body, pool, memo.kube)
+    elif "external" in spec["storage"]:
+        delete_data(body, pool, memo, retry)
     metrics.POOLS.forget(meta["namespace"], meta["name"])
+
+
+def release_secret(body: kopf.Body, pool: dict[str, Any], k: kube.Kube) -> None:
+    meta = pool["metadata"]
+    name = builders.secret_name(meta["name"])
+    owner = builders.owner_reference(pool)
+    secret = k.get("v1", "secrets", meta["namespace"], name)
+    if secret is None or (kube.controller(secret) or {}).get("uid") != owner["uid"]:
+        return
+    k.patch("v1", "secrets", meta["namespace"], name, {"metadata": {
+        "ownerReferences": None, "annotations": {kube.RELEASED_ANNOTATION: kube.released_mark(owner)}}})
+    kopf.info(body, reason="DataRetained",
+              message=f"data and Secret {name} (credentials, tenant salt) are kept (dataPolicy Retain)")
+
+
+def delete_data(body: kopf.Body, pool: dict[str, Any], memo: kopf.Memo, retry: int) -> None:
+    k: kube.Kube = memo.kube
+    meta = pool["metadata"]
+    secret = k.get("v1", "secrets", meta["namespace"], builders.secret_name(meta["name"]))
+    try:
+        check_references(pool, k, memo.endpoints)
+        removed, done = bucket.remove(storage_target(pool, k, builders.decode_secret_data((secret or {}).get("data"))),
+                                      owner_id(pool))
+    except bucket.Claimed as e:
+        kopf.warn(body, reason="DataNotDeleted", message=str(e))
+        return
+    except Exception as e:
+        text = e.args[0] if isinstance(e, NotReady) else bucket.describe(e)
+        if retry % 10 == 0:
+            kopf.warn(body, reason="DataNotDeletedYet", message=f"{text}; retrying (set retention.dataPolicy "
+                                                                f"to Retain to delete the pool without its data)")
+        raise kopf.TemporaryError(f"bucket not emptied yet: {text}", delay=memo.cfg.retry_seconds) from e
+    if not done:
+        raise kopf.TemporaryError(f"{removed} objects removed, more to go", delay=0.1)
+    kopf.info(body, reason="DataDeleted", message=f"the pool's objects are removed ({removed} in the last step)")

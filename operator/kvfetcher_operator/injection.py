@@ -7,10 +7,12 @@ namespace (Secrets are read by reference, and references cannot cross namespaces
 What the sidecar gets, and why:
 - It is a native sidecar (an init container with restartPolicy Always, Kubernetes 1.29+): it
   is up, socket and all, before the model container starts, and does not keep Jobs alive.
-- It shares the model container's GPU without requesting one: a second `nvidia.com/gpu`
-  request would take a second GPU. With the device plugin it sees the node's GPUs through
-  NVIDIA_VISIBLE_DEVICES=all and opens the model's device by the UUID the model registers
-  over the socket; with DRA it is given the model container's resource claims instead.
+- It reaches a GPU only through the model container's own allocation, never by requesting one
+  (a second `nvidia.com/gpu` request would take a second GPU) and never through
+  NVIDIA_VISIBLE_DEVICES=all: with DRA it shares the model's resource claims; where the model
+  container names its devices in NVIDIA_VISIBLE_DEVICES it gets the same list; with the device
+  plugin alone (whose allocation cannot be shared) it gets no GPU, and the pod's
+  `kvfetcher.io/gpu-access` annotation says so.
 - NVIDIA_DRIVER_CAPABILITIES includes `video`, without which the runtime mounts no NVDEC library.
 - The pod's IPC namespace is shared by its containers already; CUDA IPC also needs the peer
   process visible, hence shareProcessNamespace. The Unix socket lives on a shared emptyDir, and
@@ -19,8 +21,14 @@ What the sidecar gets, and why:
 - Endpoint, bucket, credentials, token and tenant salt come from Secret references, never
   literals (with `tenancy.saltFrom: PodLabel` the salt is the value of a pod label instead).
 
-A pod that cannot be injected is let through unchanged but for an annotation saying why:
-a missing or not-Ready pool never blocks a pod.
+- It is Pod Security "restricted" compliant (non-root, no privilege escalation, no
+  capabilities, RuntimeDefault seccomp), and the pod gets the sidecar's group as a
+  supplemental group, so a non-root model can connect to the socket (mode 0660).
+
+A pod that cannot be injected is let through unchanged but for an annotation saying why: a
+missing or not-Ready pool, a pod already using the sidecar's volume names, mount path or port,
+or a PodLabel pool's pod without the tenant label never blocks a pod, and the webhook never
+adds anything the API server would reject.
 """
 from __future__ import annotations
 
@@ -34,6 +42,7 @@ INJECT_LABEL = "kvfetcher.io/inject"
 POOL_ANNOTATION = "kvfetcher.io/pool"
 INJECTED_ANNOTATION = "kvfetcher.io/injected"
 SKIPPED_ANNOTATION = "kvfetcher.io/injection-skipped"
+GPU_ANNOTATION = "kvfetcher.io/gpu-access"
 CONTAINER = "kvfetcher"
 SOCKET_VOLUME = "kvfetcher-socket"
 CA_VOLUME = "kvfetcher-s3-ca"
@@ -42,6 +51,8 @@ SHM_DIR = "/dev/shm"
 SOCKET_DIR = "/run/kvfetcher"
 SOCKET = f"{SOCKET_DIR}/kvfetcher.sock"
 CA_DIR = "/etc/kvfetcher/s3-ca"
+SIDECAR_UID = 10001  # the sidecar image's user and group (Dockerfile.sidecar)
+NO_GPU = "void"  # NVIDIA_VISIBLE_DEVICES value for "no device", overriding any image default
 DEFAULT_RESOURCES = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "8Gi"}}
 
 
@@ -125,6 +136,27 @@ def _shm_volume(model: dict[str, Any]) -> str | None:
     return next((m["name"] for m in model.get("volumeMounts") or [] if m.get("mountPath") == SHM_DIR), None)
 
 
+def gpu_access(model: dict[str, Any] | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
+    """How the sidecar reaches the model's GPU: (resource claims, env, what the pod's annotation says)."""
+    claims = ((model or {}).get("resources") or {}).get("claims")
+    if claims:
+        return copy.deepcopy(claims), [], "shares the model container's resource claims"
+    listed = next((e.get("value") for e in (model or {}).get("env") or []
+                   if e.get("name") == "NVIDIA_VISIBLE_DEVICES" and "valueFrom" not in e), None)
+    if listed and listed.strip().lower() not in ("all", "none", "void", ""):
+        return [], [{"name": "NVIDIA_VISIBLE_DEVICES", "value": listed}], f"the model's devices {listed}"
+    return [], [{"name": "NVIDIA_VISIBLE_DEVICES", "value": NO_GPU}], (
+        "none: a device-plugin GPU cannot be shared; give the model a resource claim (DRA) "
+        "or an NVIDIA_VISIBLE_DEVICES device list to decode on its GPU")
+
+
+SECURITY_CONTEXT = {
+    "runAsNonRoot": True, "runAsUser": SIDECAR_UID, "runAsGroup": SIDECAR_UID,
+    "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
 def sidecar_container(pool: dict[str, Any], model: dict[str, Any] | None, shm_volume: str = SHM_VOLUME) -> dict[str, Any]:
     spec = specs.with_defaults(pool["spec"])
     side = spec["sidecar"]
@@ -133,12 +165,10 @@ def sidecar_container(pool: dict[str, Any], model: dict[str, Any] | None, shm_vo
     for part in ("requests", "limits"):  # a GPU request here would allocate a second GPU
         if part in resources:
             resources[part] = {k: v for k, v in resources[part].items() if not k.endswith("/gpu")}
-    env = sidecar_env(pool)
-    claims = ((model or {}).get("resources") or {}).get("claims")
+    claims, gpu_env, _ = gpu_access(model)
+    env = sidecar_env(pool) + gpu_env
     if claims:
-        resources["claims"] = copy.deepcopy(claims)
-    else:
-        env.append({"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"})
+        resources["claims"] = claims
     mounts = [{"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR}, {"name": shm_volume, "mountPath": SHM_DIR}]
     if ((spec["storage"].get("external") or {}).get("tls") or {}).get("caSecretRef"):
         mounts.append({"name": CA_VOLUME, "mountPath": CA_DIR, "readOnly": True})
@@ -155,7 +185,7 @@ def sidecar_container(pool: dict[str, Any], model: dict[str, Any] | None, shm_vo
         "startupProbe": {"httpGet": {"path": "/healthz", "port": port}, "periodSeconds": 2, "failureThreshold": 60},
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": port}, "periodSeconds": 5},
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": port}, "periodSeconds": 10},
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "securityContext": copy.deepcopy(SECURITY_CONTEXT),
     }
 
 
@@ -184,9 +214,40 @@ def mutate(pod: dict[str, Any], pool: dict[str, Any] | None) -> Decision:
     if model is None:
         wanted = pool_spec["injection"].get("modelContainer")
         return _skip(f"model container {wanted!r} not found in the pod")
+    clash = collisions(spec, model, pool_spec["sidecar"]["port"])
+    if clash:
+        return _skip(f"the pod already uses the sidecar's {clash}")
+    label = pool_spec["tenancy"].get("labelKey")
+    if pool_spec["tenancy"]["saltFrom"] == "PodLabel" and not (meta.get("labels") or {}).get(label):
+        return _skip(f"KVCachePool {namespace}/{pool_name} takes the tenant from the pod label {label}, "
+                     f"which the pod lacks")
+    patch = {
+        "metadata": {"annotations": {INJECTED_ANNOTATION: pool_name, GPU_ANNOTATION: gpu_access(model)[2]}},
+        "spec": _spec_patch(spec, pool, pool_spec, model),
+    }
+    if SKIPPED_ANNOTATION in annotations:  # a JSON patch may not remove what is absent
+        patch["metadata"]["annotations"][SKIPPED_ANNOTATION] = None
+    return Decision(patch, "injected", f"sidecar of KVCachePool {namespace}/{pool_name} injected")
 
+
+def collisions(spec: dict[str, Any], model: dict[str, Any], port: int) -> str | None:
+    """What of the sidecar's the pod already uses (volume name, mount path, port), or None."""
+    ours = {SOCKET_VOLUME, SHM_VOLUME, CA_VOLUME}
+    taken = sorted(ours & {v.get("name") for v in spec.get("volumes") or []})
+    if taken:
+        return f"volume name {taken[0]}"
+    if any(m.get("mountPath", "").rstrip("/") == SOCKET_DIR for m in model.get("volumeMounts") or []):
+        return f"mount path {SOCKET_DIR}"
+    containers = (spec.get("containers") or []) + (spec.get("initContainers") or [])
+    if any(p.get("containerPort") == port for c in containers for p in c.get("ports") or []):
+        return f"port {port}"
+    return None
+
+
+def _spec_patch(spec: dict[str, Any], pool: dict[str, Any], pool_spec: dict[str, Any],
+                model: dict[str, Any]) -> dict[str, Any]:
     shm = _shm_volume(model)
-    new_containers = copy.deepcopy(containers)
+    new_containers = copy.deepcopy(spec.get("containers") or [])
     for c in new_containers:
         if c.get("name") == model.get("name"):
             mounts = c.setdefault("volumeMounts", [])
@@ -197,21 +258,22 @@ def mutate(pod: dict[str, Any], pool: dict[str, Any] | None) -> Decision:
     volumes = copy.deepcopy(spec.get("volumes") or [])
     volumes.append({"name": SOCKET_VOLUME, "emptyDir": {}})
     if shm is None:
-        volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}})
+        volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory",
+                                                         "sizeLimit": pool_spec["sidecar"]["shmSize"]}})
     ca = ((pool_spec["storage"].get("external") or {}).get("tls") or {}).get("caSecretRef")
     if ca:
         volumes.append({"name": CA_VOLUME, "secret": {"secretName": ca["name"],
                                                       "items": [{"key": ca["key"], "path": ca["key"]}]}})
-    patch = {
-        "metadata": {"annotations": {INJECTED_ANNOTATION: pool_name, SKIPPED_ANNOTATION: None}},
-        "spec": {
-            "initContainers": [sidecar_container(pool, model, shm or SHM_VOLUME)] + copy.deepcopy(inits),
-            "containers": new_containers,
-            "volumes": volumes,
-            "shareProcessNamespace": True,
-        },
+    groups = list((spec.get("securityContext") or {}).get("supplementalGroups") or [])
+    return {
+        "initContainers": [sidecar_container(pool, model, shm or SHM_VOLUME)]
+                          + copy.deepcopy(spec.get("initContainers") or []),
+        "containers": new_containers,
+        "volumes": volumes,
+        "shareProcessNamespace": True,
+        # The socket's group is the sidecar's: the model container joins it to connect.
+        "securityContext": {"supplementalGroups": groups + [SIDECAR_UID] * (SIDECAR_UID not in groups)},
     }
-    return Decision(patch, "injected", f"sidecar of KVCachePool {namespace}/{pool_name} injected")
 
 
 def webhook_readiness(config: dict[str, Any] | None, name: str, path: str) -> tuple[bool, str, str]:

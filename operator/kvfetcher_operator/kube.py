@@ -10,19 +10,46 @@ from __future__ import annotations
 import json
 import os
 from typing import Any
+from urllib.parse import urlencode
 
 import kopf
 import kubernetes
 import urllib3
 
-PLURALS = {"Secret": "secrets", "Service": "services", "StatefulSet": "statefulsets"}
+PLURALS = {"Secret": "secrets", "Service": "services", "StatefulSet": "statefulsets",
+           "PodDisruptionBudget": "poddisruptionbudgets", "NetworkPolicy": "networkpolicies"}
 MERGE = "application/merge-patch+json"
+# Set on a child an owner let go of (data kept); only a new owner of the same kind and name takes it back.
+RELEASED_ANNOTATION = "kvfetcher.io/released-from"
 
 
 class ApiError(Exception):
     def __init__(self, status: int, body: str) -> None:
         super().__init__(f"HTTP {status}: {body[:500]}")
         self.status = status
+
+
+class NameConflict(Exception):
+    """An object of the wanted name exists and belongs to someone else: it is left alone."""
+
+
+def controller(obj: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The controller ownerReference of an object, if any."""
+    refs = ((obj or {}).get("metadata") or {}).get("ownerReferences") or []
+    return next((r for r in refs if r.get("controller")), None)
+
+
+def released_mark(owner: dict[str, Any]) -> str:
+    return f"{owner['kind']}/{owner['name']}"
+
+
+def may_take(current: dict[str, Any], owner: dict[str, Any]) -> bool:
+    """Whether `owner` may bring `current` to its spec: it controls it, or it was released to its name."""
+    held = controller(current)
+    if held is not None:
+        return held.get("uid") == owner["uid"]
+    annotations = (current.get("metadata") or {}).get("annotations") or {}
+    return annotations.get(RELEASED_ANNOTATION) == released_mark(owner)
 
 
 class Kube:
@@ -86,14 +113,20 @@ class Kube:
                 return None
             raise
 
+    def list(self, api_version: str, plural: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        query = "?" + urlencode({"labelSelector": label_selector})
+        return (self._call("GET", self.path(api_version, plural, namespace) + query) or {}).get("items") or []
+
     def patch(self, api_version: str, plural: str, namespace: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
         return self._call("PATCH", self.path(api_version, plural, namespace, name), body, MERGE)
 
     def apply(self, obj: dict[str, Any], mutable_spec: tuple[str, ...] | None = None) -> dict[str, Any]:
         """Create `obj`, or bring an existing one to it with a merge patch.
 
-        `mutable_spec` names the only spec fields an update may touch (a StatefulSet's
-        volumeClaimTemplates, for one, are immutable).
+        Only an existing object that `obj`'s controller owns (or that was released to it) is
+        patched; any other raises NameConflict and is left as it is. `mutable_spec` names the
+        only spec fields an update may touch (a StatefulSet's volumeClaimTemplates, for one,
+        are immutable).
         """
         meta = obj["metadata"]
         plural = PLURALS[obj["kind"]]
@@ -102,8 +135,14 @@ class Kube:
         except ApiError as e:
             if e.status != 409:
                 raise
+        current = self.get(obj["apiVersion"], plural, meta["namespace"], meta["name"]) or {}
+        owner = controller(obj)
+        if owner is None or not may_take(current, owner):
+            raise NameConflict(f"{obj['kind']} {meta['namespace']}/{meta['name']} exists and is not this "
+                               f"{owner['kind'] if owner else 'owner'}'s: rename or remove it")
         update = {k: v for k, v in obj.items() if k not in ("apiVersion", "kind", "metadata", "spec")}
-        update["metadata"] = {"labels": meta.get("labels"), "ownerReferences": meta.get("ownerReferences")}
+        update["metadata"] = {"labels": meta.get("labels"), "ownerReferences": meta.get("ownerReferences"),
+                              "annotations": {RELEASED_ANNOTATION: None}}
         if "spec" in obj:
             update["spec"] = {k: v for k, v in obj["spec"].items() if mutable_spec is None or k in mutable_spec}
         return self.patch(obj["apiVersion"], plural, meta["namespace"], meta["name"], update)

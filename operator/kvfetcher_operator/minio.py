@@ -1,9 +1,14 @@
-"""Pure builders for a pool's managed MinIO: a StatefulSet with its volume claims and two Services.
+"""Pure builders for a pool's managed MinIO: a StatefulSet with its volume claims, two Services,
+a PodDisruptionBudget and a NetworkPolicy.
 
 One replica runs MinIO standalone; four or more run it distributed with erasure coding, the
 peers finding each other through the headless Service. The StatefulSet's PVC retention
 policy carries the pool's data policy, so that `Delete` removes the volumes with the pool
 and `Retain` keeps them for a later pool of the same name.
+
+MinIO pods are Pod Security "restricted" compliant, mount no service account token, spread
+over nodes, and take S3 traffic only from their peers, the pool's injected pods and the
+operator; the console is not served, metrics need a token.
 """
 from __future__ import annotations
 
@@ -12,7 +17,6 @@ from typing import Any
 from . import builders
 from . import spec as specs
 
-CONSOLE_PORT = 9001
 DATA_PATH = "/data"
 
 
@@ -32,17 +36,14 @@ def server_args(pool: dict[str, Any]) -> list[str]:
     else:
         sts, hl = builders.minio_name(meta["name"]), headless_name(meta["name"])
         target = f"http://{sts}-{{0...{replicas - 1}}}.{hl}.{meta['namespace']}.svc.cluster.local{DATA_PATH}"
-    return ["server", target, "--address", f":{builders.S3_PORT}", "--console-address", f":{CONSOLE_PORT}"]
+    return ["server", target, "--address", f":{builders.S3_PORT}"]
 
 
 def services(pool: dict[str, Any]) -> list[dict[str, Any]]:
     """The client Service (S3 on 9000) and the headless one that gives each replica a DNS name."""
     name = pool["metadata"]["name"]
     selector = builders.labels(name, "minio")
-    ports = [
-        {"name": "s3", "port": builders.S3_PORT, "targetPort": "s3", "protocol": "TCP"},
-        {"name": "console", "port": CONSOLE_PORT, "targetPort": "console", "protocol": "TCP"},
-    ]
+    ports = [{"name": "s3", "port": builders.S3_PORT, "targetPort": "s3", "protocol": "TCP"}]
     client = {
         "apiVersion": "v1",
         "kind": "Service",
@@ -79,12 +80,9 @@ def statefulset(pool: dict[str, Any]) -> dict[str, Any]:
         "env": [
             {"name": "MINIO_ROOT_USER", "valueFrom": {"secretKeyRef": {"name": secret, "key": "accessKey"}}},
             {"name": "MINIO_ROOT_PASSWORD", "valueFrom": {"secretKeyRef": {"name": secret, "key": "secretKey"}}},
-            {"name": "MINIO_PROMETHEUS_AUTH_TYPE", "value": "public"},
+            {"name": "MINIO_BROWSER", "value": "off"},
         ],
-        "ports": [
-            {"name": "s3", "containerPort": builders.S3_PORT, "protocol": "TCP"},
-            {"name": "console", "containerPort": CONSOLE_PORT, "protocol": "TCP"},
-        ],
+        "ports": [{"name": "s3", "containerPort": builders.S3_PORT, "protocol": "TCP"}],
         "readinessProbe": probe,
         "livenessProbe": {**probe, "httpGet": {"path": "/minio/health/live", "port": "s3"}},
         "volumeMounts": [{"name": "data", "mountPath": DATA_PATH}],
@@ -104,7 +102,13 @@ def statefulset(pool: dict[str, Any]) -> dict[str, Any]:
             "template": {
                 "metadata": {"labels": pod_labels},
                 "spec": {
-                    "securityContext": {"runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000, "runAsNonRoot": True},
+                    "securityContext": {"runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000, "runAsNonRoot": True,
+                                        "seccompProfile": {"type": "RuntimeDefault"}},
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "topologySpreadConstraints": [{
+                        "maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                        "whenUnsatisfiable": "ScheduleAnyway", "labelSelector": {"matchLabels": pod_labels}}],
                     "containers": [container],
                 },
             },
@@ -116,6 +120,56 @@ def statefulset(pool: dict[str, Any]) -> dict[str, Any]:
             }],
         },
     }
+
+
+def selector(pool: dict[str, Any]) -> str:
+    """The label selector of the pool's MinIO pods."""
+    return ",".join(f"{k}={v}" for k, v in sorted(builders.labels(pool["metadata"]["name"], "minio").items()))
+
+
+def guards(pool: dict[str, Any], operator_namespace: str | None = None) -> list[dict[str, Any]]:
+    """The PodDisruptionBudget (one replica down at a time) and the NetworkPolicy of the pool's MinIO.
+
+    S3 is open to the MinIO peers, the injected pods of the pool's namespace and the operator
+    (in `operator_namespace`, or any namespace when it is not known); nothing else gets in.
+    """
+    name = pool["metadata"]["name"]
+    pod_labels = builders.labels(name, "minio")
+    operator = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "kvfetcher",
+                                                "app.kubernetes.io/component": "operator"}},
+                "namespaceSelector": ({"matchLabels": {"kubernetes.io/metadata.name": operator_namespace}}
+                                      if operator_namespace else {})}
+    peers = [{"podSelector": {"matchLabels": pod_labels}},
+             {"podSelector": {"matchLabels": {"kvfetcher.io/inject": "true"}}}, operator]
+    pdb = {
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+        "metadata": builders.child_meta(pool, builders.minio_name(name), "minio"),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": pod_labels}},
+    }
+    policy = {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": builders.child_meta(pool, builders.minio_name(name), "minio"),
+        "spec": {"podSelector": {"matchLabels": pod_labels}, "policyTypes": ["Ingress"],
+                 "ingress": [{"from": peers, "ports": [{"port": builders.S3_PORT, "protocol": "TCP"}]}]},
+    }
+    return [pdb, policy]
+
+
+def pods_waiting(pods: list[dict[str, Any]], wanted: int) -> str:
+    """Why MinIO pods are not ready, as far as their status says (empty when it says nothing)."""
+    if len(pods) < max(wanted, 1):
+        return (f"; {len(pods)} of {max(wanted, 1)} pods exist (the StatefulSet's events say why the others "
+                f"were not created, e.g. Pod Security admission or a quota)")
+    for pod in pods:
+        status = pod.get("status") or {}
+        for c in status.get("containerStatuses") or []:
+            waiting = (c.get("state") or {}).get("waiting")
+            if waiting:
+                return f"; pod {pod['metadata']['name']}: {waiting.get('reason')}"
+        for c in status.get("conditions") or []:
+            if c.get("type") == "PodScheduled" and c.get("status") == "False":
+                return f"; pod {pod['metadata']['name']} unschedulable: {c.get('message', '')[:200]}"
+    return ""
 
 
 def ready_replicas(sts: dict[str, Any] | None) -> tuple[int, int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import re
+from decimal import Decimal
 from typing import Any
 
 GROUP = "kvfetcher.io"
@@ -29,6 +30,7 @@ DEFAULTS: dict[str, Any] = {
         "image": "ghcr.io/kvfetcher/kvfetcher-sidecar:0.1.0",
         "imagePullPolicy": "IfNotPresent",
         "port": 8500,
+        "shmSize": "8Gi",
     },
     "retention": {"ttlDays": 7, "dataPolicy": "Retain"},
     "tenancy": {"saltFrom": "Pool"},
@@ -43,11 +45,29 @@ SECRET_REF_DEFAULTS = {
     "credentialsSecretRef": {"accessKeyKey": "accessKey", "secretKeyKey": "secretKey"},
 }
 
-_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
-_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-_ENDPOINT = re.compile(r"^https?://[^/\s]+/?$")
-_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
-          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
+# Kubernetes' quantity grammar (resource.Quantity): a signed decimal, then a binary or decimal SI
+# suffix or a decimal exponent; the CRD carries the same patterns.
+QUANTITY_PATTERN = r"^[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
+# A label key: an optional DNS-subdomain prefix and a name of up to 63 characters.
+LABEL_KEY_PATTERN = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                     r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+# S3 bucket naming rules: 3-63 of [a-z0-9.-], alphanumeric ends, no "..", ".-" or "-.", not an
+# IPv4 address, none of the reserved prefixes and suffixes.
+BUCKET_PATTERN = r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"
+BUCKET_FORBIDDEN = r"(\.\.|\.-|-\.|^[0-9]+\.[0-9]+\.[0-9]+\.[0-9]+$|^xn--|^sthree-|^amzn-s3-demo-|-s3alias$|--ol-s3$|--x-s3$)"
+# http(s)://host[:port][/]: no user info, path, query or fragment.
+ENDPOINT_PATTERN = r"^https?://([A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?(\.[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?)*|\[[0-9A-Fa-f:.]+\])(:[0-9]{1,5})?/?$"
+# What a Service name (a DNS-1035 label) allows: a managed pool's MinIO Services derive from the pool's name.
+DNS_LABEL_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+RESOURCE_PARTS = ("requests", "limits")
+
+_QUANTITY = re.compile(QUANTITY_PATTERN)
+_BUCKET, _BUCKET_FORBIDDEN = re.compile(BUCKET_PATTERN), re.compile(BUCKET_FORBIDDEN)
+_ENDPOINT = re.compile(ENDPOINT_PATTERN)
+_LABEL_KEY = re.compile(LABEL_KEY_PATTERN)
+_UNITS = {"": 1, "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "k": 10**3, "M": 10**6,
+          "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 
 
 def _merge(defaults: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
@@ -80,13 +100,49 @@ def with_defaults(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def quantity_bytes(text: str) -> int:
-    """A Kubernetes quantity such as '50Gi' in bytes."""
-    match = _QUANTITY.match(text)
+def quantity_value(text: str) -> Decimal:
+    """A Kubernetes quantity such as '50Gi', '1e3' or '500m' as a number."""
+    match = _QUANTITY.match(str(text))
     if not match:
         raise ValueError(f"not a quantity: {text!r}")
-    number = text[: match.start(2)] if match.group(2) else text
-    return int(float(number) * _UNITS[match.group(2) or ""])
+    suffix = match.group(3) or ""
+    number = Decimal(str(text)[: len(str(text)) - len(suffix)])
+    if suffix in _UNITS:
+        return number * _UNITS[suffix]
+    return number * Decimal(10) ** int(suffix[1:])  # a decimal exponent such as e3
+
+
+def quantity_bytes(text: str) -> int:
+    """A Kubernetes quantity in whole bytes (rounded up, as Kubernetes rounds a byte quantity)."""
+    value = quantity_value(text)
+    return int(value.to_integral_value(rounding="ROUND_CEILING"))
+
+
+def _size_problem(path: str, value: Any) -> list[str]:
+    try:
+        ok = quantity_bytes(str(value)) >= 1
+    except ValueError:
+        ok = False
+    return [] if ok else [f"{path}: {value!r} is not a size above zero such as 50Gi"]
+
+
+def bucket_problem(path: str, name: Any) -> list[str]:
+    ok = isinstance(name, str) and _BUCKET.match(name) and not _BUCKET_FORBIDDEN.search(name)
+    return [] if ok else [f"{path}: {name!r} is not a valid S3 bucket name"]
+
+
+def resources_problems(path: str, resources: Any) -> list[str]:
+    """A container's resources as a pod spec takes them: requests and limits of valid quantities."""
+    if resources is None:
+        return []
+    if not isinstance(resources, dict) or set(resources) - set(RESOURCE_PARTS):
+        return [f"{path}: only requests and limits may be set"]
+    out = []
+    for part in RESOURCE_PARTS:
+        for name, value in (resources.get(part) or {}).items():
+            if isinstance(value, bool) or not _QUANTITY.match(str(value)) or str(value).startswith("-"):
+                out.append(f"{path}.{part}.{name}: {value!r} is not a quantity")
+    return out
 
 
 def problems(spec: dict[str, Any]) -> list[str]:
@@ -101,15 +157,13 @@ def problems(spec: dict[str, Any]) -> list[str]:
         replicas = managed["replicas"]
         if not isinstance(replicas, int) or not (replicas == 1 or 4 <= replicas <= 32):
             out.append("storage.managed.replicas: MinIO runs standalone (1) or distributed (4 to 32)")
-        if not _QUANTITY.match(str(managed["size"])):
-            out.append(f"storage.managed.size: {managed['size']!r} is not a quantity such as 50Gi")
-        if not _BUCKET.match(str(managed["bucket"])):
-            out.append(f"storage.managed.bucket: {managed['bucket']!r} is not a valid bucket name")
+        out += _size_problem("storage.managed.size", managed["size"])
+        out += bucket_problem("storage.managed.bucket", managed["bucket"])
+        out += resources_problems("storage.managed.resources", managed.get("resources"))
     if isinstance(external, dict):
         if not _ENDPOINT.match(str(external.get("endpoint", ""))):
-            out.append("storage.external.endpoint: must be an http(s)://host[:port] URL")
-        if not _BUCKET.match(str(external.get("bucket", ""))):
-            out.append(f"storage.external.bucket: {external.get('bucket')!r} is not a valid bucket name")
+            out.append("storage.external.endpoint: must be an http(s)://host[:port] URL (no user, path or query)")
+        out += bucket_problem("storage.external.bucket", external.get("bucket"))
         if not (external.get("credentialsSecretRef") or {}).get("name"):
             out.append("storage.external.credentialsSecretRef.name is required")
         tls = external.get("tls")
@@ -142,11 +196,14 @@ def problems(spec: dict[str, Any]) -> list[str]:
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 600:
         out.append("sidecar.ttftBudgetSeconds: must be a number of seconds above 0 and at most 600")
 
+    out += resources_problems("sidecar.resources", spec["sidecar"].get("resources"))
+    out += _size_problem("sidecar.shmSize", spec["sidecar"]["shmSize"])
+
     retention = spec["retention"]
     if not isinstance(retention["ttlDays"], int) or not 1 <= retention["ttlDays"] <= 3650:
         out.append("retention.ttlDays: must be between 1 and 3650")
-    if "maxSize" in retention and not _QUANTITY.match(str(retention["maxSize"])):
-        out.append(f"retention.maxSize: {retention['maxSize']!r} is not a quantity such as 500Gi")
+    if "maxSize" in retention:
+        out += _size_problem("retention.maxSize", retention["maxSize"])
     if retention["dataPolicy"] not in ("Retain", "Delete"):
         out.append("retention.dataPolicy: must be Retain or Delete")
 
@@ -155,6 +212,8 @@ def problems(spec: dict[str, Any]) -> list[str]:
         out.append("tenancy.saltFrom: must be Pool, PodLabel or Secret")
     if tenancy["saltFrom"] == "PodLabel" and not tenancy.get("labelKey"):
         out.append("tenancy.labelKey is required when saltFrom is PodLabel")
+    if "labelKey" in tenancy and not _LABEL_KEY.match(str(tenancy["labelKey"])):
+        out.append(f"tenancy.labelKey: {tenancy['labelKey']!r} is not a label key")
     if tenancy["saltFrom"] == "Secret" and not tenancy.get("secretRef"):
         out.append("tenancy.secretRef is required when saltFrom is Secret")
     return out

@@ -26,7 +26,9 @@ def declare_resources(kmock: kmocklib.KubernetesEmulator) -> None:
         kind="KVCachePool", singular="kvcachepool", namespaced=True, shortnames={"kvp"},
         verbs={"list", "watch", "get", "create", "patch", "update", "delete"}, subresources={"status"})
     for res, kind in [("v1/pods", "Pod"), ("v1/secrets", "Secret"), ("v1/services", "Service"),
-                      ("v1/events", "Event"), ("apps/v1/statefulsets", "StatefulSet")]:
+                      ("v1/events", "Event"), ("apps/v1/statefulsets", "StatefulSet"),
+                      ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget"),
+                      ("networking.k8s.io/v1/networkpolicies", "NetworkPolicy")]:
         kmock.resources[res] = kmocklib.ResourceInfo(
             kind=kind, namespaced=True, verbs={"list", "watch", "get", "create", "patch", "update", "delete"})
     kmock.resources["admissionregistration.k8s.io/v1/mutatingwebhookconfigurations"] = kmocklib.ResourceInfo(
@@ -114,8 +116,12 @@ def free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def run_operator(request: pytest.FixtureRequest) -> AsyncIterator[dict[str, Any]]:
-    """The operator, cluster-wide, against the emulator; yields where its webhook and metrics listen."""
+async def run_operator(request: pytest.FixtureRequest, **env: str) -> AsyncIterator[dict[str, Any]]:
+    """The operator, cluster-wide, against the emulator; yields where its webhook and metrics listen.
+
+    The S3 server is on loopback, which the operator refuses by default: the tests allow
+    127.0.0.1 only (`env` overrides any setting).
+    """
     import kopf
 
     from kvfetcher_operator import handlers  # noqa: F401  (registers the handlers)
@@ -140,6 +146,9 @@ async def run_operator(request: pytest.FixtureRequest) -> AsyncIterator[dict[str
     monkeypatch.setenv("KVFETCHER_METRICS_ADDR", "127.0.0.1")
     monkeypatch.setenv("KVFETCHER_METRICS_PORT", str(ports["metrics"]))
     monkeypatch.setenv("KVFETCHER_RETRY_SECONDS", "0.3")
+    monkeypatch.setenv("KVFETCHER_ENDPOINT_ALLOW", "127.0.0.1/32")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
 
     # kopf owns its event loop (it cancels every task left in it when it stops): give it a thread.
     stop, ready = threading.Event(), threading.Event()

@@ -7,6 +7,7 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+from pod_security import restricted_violations
 
 from kvfetcher_operator import builders, conditions, injection, minio
 
@@ -63,8 +64,10 @@ def test_secret_values_are_kept_and_completed() -> None:
 
 
 def test_names_have_limits() -> None:
-    assert builders.name_problems("x" * 40) == []
-    assert builders.name_problems("x" * 41)
+    assert builders.name_problems("x" * 40, MANAGED) == []
+    assert builders.name_problems("x" * 41, MANAGED)
+    # A managed pool's Services need a DNS label (defect 16); an external pool only needs a Secret name.
+    assert builders.name_problems("1st.pool", MANAGED) and builders.name_problems("1st.pool", EXTERNAL) == []
 
 
 def gpu_pod(**extra: Any) -> dict[str, Any]:
@@ -89,7 +92,9 @@ def test_injection_into_a_device_plugin_pod() -> None:
     assert env["KVFETCHER_CHUNK_TOKENS"]["value"] == "256" and env["KVFETCHER_PRESET"]["value"] == "auto"
     assert env["KVFETCHER_MAX_BYTES"]["value"] == str(2**40)
     assert "KVFETCHER_DECODE_PROCS" not in env and "KVFETCHER_TTFT_BUDGET_S" not in env  # the sidecar's defaults
-    assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
+    # Defect 2: a device-plugin GPU cannot be shared, so the sidecar gets none, explicitly, and the pod says so.
+    assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "void"
+    assert out["metadata"]["annotations"][injection.GPU_ANNOTATION].startswith("none")
     assert env["NVIDIA_DRIVER_CAPABILITIES"]["value"] == "compute,utility,video"
     assert side["args"] == ["serve", "--port", "8500", "--socket", "/run/kvfetcher/kvfetcher.sock"]
     assert side["readinessProbe"]["httpGet"]["path"] == "/readyz"
@@ -100,7 +105,7 @@ def test_injection_into_a_device_plugin_pod() -> None:
     assert "volumeMounts" not in out["spec"]["containers"][0]  # the GPU container, not the first one
     assert {"name": "kvfetcher-shm", "mountPath": "/dev/shm"} in model["volumeMounts"]
     assert {"name": "kvfetcher-shm", "mountPath": "/dev/shm"} in side["volumeMounts"]
-    assert {"name": "kvfetcher-shm", "emptyDir": {"medium": "Memory"}} in out["spec"]["volumes"]
+    assert {"name": "kvfetcher-shm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}} in out["spec"]["volumes"]
     assert injection.mutate(out, pool(MANAGED)).outcome == "unchanged"
 
 
@@ -121,6 +126,7 @@ def test_injection_with_dra_claims_external_storage_and_label_salt() -> None:
     assert {"name": "kvfetcher-s3-ca", "mountPath": "/etc/kvfetcher/s3-ca", "readOnly": True} in side["volumeMounts"]
     assert {"name": "dshm", "mountPath": "/dev/shm"} in side["volumeMounts"]  # the model's own /dev/shm
     assert [v["name"] for v in out["spec"]["volumes"]] == ["dshm", "kvfetcher-socket", "kvfetcher-s3-ca"]
+    assert out["metadata"]["annotations"][injection.GPU_ANNOTATION] == "shares the model container's resource claims"
 
 
 @pytest.mark.parametrize("the_pool,pod_change,reason", [
@@ -152,3 +158,89 @@ def test_conditions_keep_transition_time_until_status_flips() -> None:
     assert conditions.changed(c, c2, "Ready") and not conditions.changed(c2, c2, "Ready")
     c3 = conditions.put(c2, "ConfigValid", True, "Valid", "", 2, at="t3")
     assert [x["type"] for x in c3] == ["Ready", "ConfigValid"]
+
+
+def restricted_pod(**model: Any) -> dict[str, Any]:
+    pod = gpu_pod(**model)
+    pod["spec"]["securityContext"] = {"runAsNonRoot": True, "runAsUser": 2000, "runAsGroup": 2000,
+                                      "seccompProfile": {"type": "RuntimeDefault"}}
+    for c in pod["spec"]["containers"]:
+        c["securityContext"] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    return pod
+
+
+def test_injected_pod_stays_pod_security_restricted() -> None:
+    """Defect 3 (and 17): a restricted model pod is still restricted once injected; the model joins the socket's group."""
+    pod = restricted_pod(resources={"limits": {"nvidia.com/gpu": "1"}})
+    assert restricted_violations(pod["spec"]) == []
+    out = injection.apply_merge_patch(pod, injection.mutate(pod, pool(MANAGED)).patch)
+    valid(out)
+    assert restricted_violations(out["spec"]) == []
+    assert out["spec"]["securityContext"]["supplementalGroups"] == [injection.SIDECAR_UID]
+    assert out["spec"]["securityContext"]["runAsUser"] == 2000  # the pod's own settings stay
+    # Without the pod-level settings, the sidecar alone is still compliant.
+    bare = gpu_pod()
+    out = injection.apply_merge_patch(bare, injection.mutate(bare, pool(MANAGED)).patch)
+    assert [v for v in restricted_violations(out["spec"]) if v.startswith("kvfetcher")] == []
+
+
+def test_restricted_check_catches_what_the_profile_forbids() -> None:
+    pod = restricted_pod()
+    pod["spec"]["containers"][0]["securityContext"] = {"allowPrivilegeEscalation": False}
+    pod["spec"]["volumes"] = [{"name": "host", "hostPath": {"path": "/"}}]
+    found = restricted_violations(pod["spec"])
+    assert any("capabilities must drop ALL" in v for v in found) and any("hostPath" in v for v in found)
+
+
+def test_gpu_access_follows_the_models_allocation() -> None:
+    """Defect 2: never NVIDIA_VISIBLE_DEVICES=all; the model's own device list is shared, 'all' is not."""
+    listed = gpu_pod(env=[{"name": "NVIDIA_VISIBLE_DEVICES", "value": "GPU-1234"}], resources={"limits": {"nvidia.com/gpu": "1"}})
+    side = injection.apply_merge_patch(listed, injection.mutate(listed, pool(MANAGED)).patch)["spec"]["initContainers"][0]
+    assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "GPU-1234"} in side["env"]
+    everything = gpu_pod(env=[{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}], resources={"limits": {"nvidia.com/gpu": "1"}})
+    side = injection.apply_merge_patch(everything, injection.mutate(everything, pool(MANAGED)).patch)
+    assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"} in side["spec"]["initContainers"][0]["env"]
+
+
+@pytest.mark.parametrize("change,reason", [
+    (lambda p: p["spec"].update(volumes=[{"name": "kvfetcher-socket", "emptyDir": {}}]), "volume name kvfetcher-socket"),
+    (lambda p: p["spec"]["containers"][0].update(volumeMounts=[{"name": "x", "mountPath": "/run/kvfetcher/"}]),
+     "mount path /run/kvfetcher"),
+    (lambda p: p["spec"]["containers"][0].update(ports=[{"containerPort": 8500}]), "port 8500"),
+    (lambda p: p["metadata"]["labels"].pop("tenant"), "pod label tenant, which the pod lacks"),
+], ids=["volume", "mount", "port", "tenant-label"])
+def test_collisions_and_missing_tenant_label_skip_with_a_reason(change, reason) -> None:
+    """Defects 3 and 18: the webhook never makes a pod the API server rejects, nor one that shares an empty salt."""
+    pod = gpu_pod()
+    change(pod)
+    decision = injection.mutate(pod, pool({**MANAGED, "tenancy": EXTERNAL["tenancy"]}))
+    assert decision.outcome == "skipped" and reason in decision.reason
+    assert "initContainers" not in injection.apply_merge_patch(pod, decision.patch)["spec"]
+
+
+def test_the_patch_never_removes_an_absent_annotation() -> None:
+    """Defect 12: kopf turns a None into a JSON-patch remove, which the API server rejects for a missing key."""
+    pod = gpu_pod()
+    patch = injection.mutate(pod, pool(MANAGED)).patch
+    assert injection.SKIPPED_ANNOTATION not in patch["metadata"]["annotations"]
+    pod["metadata"]["annotations"][injection.SKIPPED_ANNOTATION] = "earlier skip"
+    assert injection.mutate(pod, pool(MANAGED)).patch["metadata"]["annotations"][injection.SKIPPED_ANNOTATION] is None
+
+
+def test_minio_is_restricted_spread_and_fenced() -> None:
+    """Defects 6 and 11: restricted, no token, spread over nodes; no console; S3 only from peers, pods, operator."""
+    p = pool(MANAGED)
+    sts = minio.statefulset(p)
+    spec = sts["spec"]["template"]["spec"]
+    assert restricted_violations(spec) == []
+    assert spec["automountServiceAccountToken"] is False
+    assert spec["topologySpreadConstraints"][0]["topologyKey"] == "kubernetes.io/hostname"
+    env = {e["name"]: e.get("value") for e in spec["containers"][0]["env"]}
+    assert "MINIO_PROMETHEUS_AUTH_TYPE" not in env and env["MINIO_BROWSER"] == "off"
+    assert all(port["port"] == 9000 for s in minio.services(p) for port in s["spec"]["ports"])
+    pdb, netpol = minio.guards(p, "kvfetcher-system")
+    for obj in (pdb, netpol):
+        valid(obj)
+    sources = netpol["spec"]["ingress"][0]["from"]
+    assert {"podSelector": {"matchLabels": {"kvfetcher.io/inject": "true"}}} in sources
+    assert sources[2]["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "kvfetcher-system"}}

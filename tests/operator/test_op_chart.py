@@ -13,6 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from cryptography import x509
+from pod_security import restricted_violations, workload_pod_spec
 
 from kvfetcher_operator import handlers, injection
 
@@ -30,6 +31,9 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "grafanaDashboard": {"enabled": False},
         "operator": {"verbose": True, "retrySeconds": 5},
     },
+    "namespaced": {"watchNamespaces": ["ml", "team-b"], "image": {"digest": "sha256:" + "a" * 64},
+                   "networkPolicy": {"metricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]},
+                   "operator": {"endpoints": {"deny": ["10.96.0.0/12"], "hosts": ["s3.example.com"]}}},
     "cert-manager-self-signed": {
         "webhook": {"certificates": {"mode": "certManager"}},
         "serviceAccount": {"create": False, "name": "kvf-operator"},
@@ -68,6 +72,9 @@ def test_renders_lint_clean_and_valid_for_kubernetes_1_30(chart: helm_python.Cha
     kinds = {d["kind"] for d in docs}
     assert {"Deployment", "ClusterRole", "ClusterRoleBinding", "Service", "MutatingWebhookConfiguration"} <= kinds
     for doc in docs:
+        pod_spec = workload_pod_spec(doc)
+        if pod_spec is not None:  # defect 3/11: every workload passes Pod Security "restricted"
+            assert restricted_violations(pod_spec) == [], doc["metadata"]["name"]
         if doc["kind"] in FOREIGN:
             assert doc["apiVersion"] in ("cert-manager.io/v1", "monitoring.coreos.com/v1") and doc["spec"]
         else:
@@ -121,17 +128,46 @@ def test_rbac_is_least_privilege(chart: helm_python.Chart) -> None:
                for g in rule["apiGroups"] for r in rule["resources"]}
     assert not any("*" in str(rule) for rule in role["rules"])
     assert granted[("", "secrets")] == {"get", "create", "patch"}  # never list or watch every Secret
+    assert granted[("policy", "poddisruptionbudgets")] == granted[("networking.k8s.io", "networkpolicies")] == \
+        {"get", "create", "patch"}
     assert granted[("", "pods")] == {"list", "watch"}
     assert "delete" not in set().union(*granted.values())  # children go by owner references
     (hooks,) = [r for r in role["rules"] if r["resources"] == ["mutatingwebhookconfigurations"]]
     assert hooks["verbs"] == ["get"] and hooks["resourceNames"] == ["kvf-kvfetcher"]
 
 
+def test_namespaced_mode_grants_nothing_cluster_wide_on_namespaced_objects(chart: helm_python.Chart) -> None:
+    """Defect 10: with watchNamespaces, Secrets, Services and StatefulSets are writable only there."""
+    docs = render(chart, VALUE_SETS["namespaced"])
+    (cluster_role,) = by_kind(docs, "ClusterRole")
+    assert {r for rule in cluster_role["rules"] for r in rule["resources"]} == {
+        "mutatingwebhookconfigurations", "customresourcedefinitions"}
+    roles = by_kind(docs, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["ml", "team-b"]
+    assert any("secrets" in rule["resources"] for rule in roles[0]["rules"])
+    bindings = by_kind(docs, "RoleBinding")
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["ml", "team-b"]
+    container = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
+    assert "--namespace=ml" in container["args"] and "--namespace=team-b" in container["args"]
+    assert container["image"] == "ghcr.io/kvfetcher/kvfetcher-operator@sha256:" + "a" * 64  # defect 19
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["KVFETCHER_ENDPOINT_DENY"] == "10.96.0.0/12" and env["KVFETCHER_ENDPOINT_HOSTS"] == "s3.example.com"
+
+
+def test_network_policy_opens_only_the_webhook_and_listed_metrics_peers(chart: helm_python.Chart) -> None:
+    """Defect 6: the chart ships a NetworkPolicy for the operator and webhook pod."""
+    (policy,) = by_kind(render(chart, {}), "NetworkPolicy")
+    assert policy["spec"]["ingress"] == [{"ports": [{"port": "webhook", "protocol": "TCP"}]}]
+    (policy,) = by_kind(render(chart, VALUE_SETS["namespaced"]), "NetworkPolicy")
+    assert policy["spec"]["ingress"][1]["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    assert policy["spec"]["ingress"][1]["from"][0]["namespaceSelector"]["matchLabels"] == {"name": "monitoring"}
+
+
 def test_deployment_wires_the_operator(chart: helm_python.Chart) -> None:
     docs = render(chart, VALUE_SETS["cert-manager-own-issuer"])
     (deployment,) = by_kind(docs, "Deployment")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["KVFETCHER_WEBHOOK_PORT"] == "10443" and env["KVFETCHER_METRICS_PORT"] == "9090"
     assert env["KVFETCHER_RETRY_SECONDS"] == "5"
     assert env["KVFETCHER_WEBHOOK_CONFIGURATION"] == by_kind(docs, "MutatingWebhookConfiguration")[0]["metadata"]["name"]

@@ -102,6 +102,22 @@ BAD = [
     ("bad policy", _with(MANAGED, "retention.dataPolicy", "Archive"), "dataPolicy"),
     ("label salt without label", _with(MANAGED, "tenancy.saltFrom", "PodLabel"), "labelKey"),
     ("secret salt without secret", _with(MANAGED, "tenancy.saltFrom", "Secret"), "secretRef"),
+    # Defect 3: what the webhook copies into a pod must be valid there.
+    ("label key not a qualified name", _with(_with(MANAGED, "tenancy.saltFrom", "PodLabel"), "tenancy.labelKey",
+                                             "team']; x['"), "labelKey"),
+    ("sidecar resources not quantities", _with(MANAGED, "sidecar.resources", {"limits": {"memory": "lots"}}),
+     "sidecar.resources"),
+    ("MinIO resources not quantities", _with(MANAGED, "storage.managed.resources", {"requests": {"cpu": "1 core"}}),
+     "storage.managed.resources"),
+    # Defect 16: sizes above zero, endpoints without user info or query, S3's bucket rules.
+    ("zero size", _with(MANAGED, "storage.managed.size", "0"), "size"),
+    ("zero maxSize", _with(MANAGED, "retention.maxSize", "0Gi"), "maxSize"),
+    ("zero shm", _with(MANAGED, "sidecar.shmSize", "0"), "shmSize"),
+    ("endpoint with user info", _with(EXTERNAL, "storage.external.endpoint", "https://u:p@s3.example.com"), "endpoint"),
+    ("endpoint with query", _with(EXTERNAL, "storage.external.endpoint", "https://s3.example.com?x=1"), "endpoint"),
+    ("bucket with double dot", _with(EXTERNAL, "storage.external.bucket", "kv..cache"), "bucket"),
+    ("bucket like an IP", _with(EXTERNAL, "storage.external.bucket", "192.168.5.4"), "bucket"),
+    ("bucket with xn-- prefix", _with(MANAGED, "storage.managed.bucket", "xn--cache"), "bucket"),
 ]
 
 
@@ -119,7 +135,21 @@ def test_long_names_are_refused(pool_schema: dict[str, Any]) -> None:
     assert validate(pool_schema, pool(MANAGED, name="x" * 40)) == []
 
 
+def test_valid_quantities_and_names_are_accepted(pool_schema: dict[str, Any]) -> None:
+    """Defect 16: everything Kubernetes calls a quantity is one here too."""
+    for size in ("1e3", "500m", "1Ei", "50Gi", "1.5T", "+2Gi"):
+        spec = _with(MANAGED, "retention.maxSize", size)
+        assert validate(pool_schema, pool(spec)) == [] and specs.problems(spec) == [], size
+    spec = _with(MANAGED, "sidecar.resources", {"requests": {"cpu": "500m", "memory": "2Gi"}, "limits": {"cpu": 2}})
+    assert validate(pool_schema, pool(spec)) == [] and specs.problems(spec) == []
+    assert validate(pool_schema, pool(EXTERNAL, name="1st.pool")) == []  # external: no Service to name
+    assert validate(pool_schema, pool(MANAGED, name="1st.pool")) and \
+        validate(pool_schema, pool(MANAGED, name="first-pool")) == []
+
+
 def test_quantities() -> None:
+    assert specs.quantity_bytes("1e3") == 1000 and specs.quantity_bytes("1Ei") == 2**60
+    assert specs.quantity_bytes("500m") == 1  # rounded up to whole bytes
     assert specs.quantity_bytes("50Gi") == 50 * 2**30
     assert specs.quantity_bytes("1.5T") == 1_500_000_000_000
     with pytest.raises(ValueError):

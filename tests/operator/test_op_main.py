@@ -33,7 +33,7 @@ async def test_kvfetcher_operator_process(api: Api, kmock, tls: dict[str, Path],
     env = {**os.environ, "KUBECONFIG": str(kubeconfig), "KVFETCHER_METRICS_PORT": str(metrics),
            "KVFETCHER_METRICS_ADDR": "127.0.0.1", "KVFETCHER_WEBHOOK_ADDR": "127.0.0.1",
            "KVFETCHER_WEBHOOK_PORT": str(hook), "KVFETCHER_WEBHOOK_CERT": str(tls["cert"]),
-           "KVFETCHER_WEBHOOK_KEY": str(tls["key"])}
+           "KVFETCHER_WEBHOOK_KEY": str(tls["key"]), "KVFETCHER_ENDPOINT_ALLOW": "127.0.0.1/32"}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvfetcher_operator", "--standalone", "--verbose", f"--liveness=http://127.0.0.1:{live}/healthz",
         env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)

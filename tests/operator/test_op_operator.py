@@ -85,12 +85,17 @@ async def test_managed_pool_builds_minio_and_waits_for_it(operator, api: Api) ->
     await api.create(POOLS, managed_pool("mgd", retention={"dataPolicy": "Delete"}))
     pool = await api.wait_for(POOLS, "default", "mgd", lambda o: cond(o, "StorageReady").get("reason") == "MinIOStarting")
     assert pool["status"]["phase"] == "Provisioning"
-    assert cond(pool, "StorageReady")["message"] == "0/1 MinIO replicas ready"
+    # Not just a count: why no replica is ready (here: no pod was ever created).
+    assert cond(pool, "StorageReady")["message"].startswith("0/1 MinIO replicas ready; 0 of 1 pods exist")
     sts = await api.get("apps/v1/statefulsets", "default", "mgd-minio")
     assert sts["spec"]["persistentVolumeClaimRetentionPolicy"]["whenDeleted"] == "Delete"
     assert sts["metadata"]["ownerReferences"][0]["kind"] == "KVCachePool"
     for name in ("mgd-minio", "mgd-minio-hl"):
-        assert (await api.get("v1/services", "default", name))["metadata"]["ownerReferences"]
+        service = await api.get("v1/services", "default", name)
+        assert service["metadata"]["ownerReferences"] and [p["port"] for p in service["spec"]["ports"]] == [9000]
+    assert (await api.get("policy/v1/poddisruptionbudgets", "default", "mgd-minio"))["spec"]["maxUnavailable"] == 1
+    netpol = await api.get("networking.k8s.io/v1/networkpolicies", "default", "mgd-minio")
+    assert netpol["spec"]["ingress"][0]["ports"] == [{"port": 9000, "protocol": "TCP"}]
     creds = builders.decode_secret_data((await api.get("v1/secrets", "default", "mgd-kvfetcher"))["data"])
     assert creds["accessKey"] and creds["secretKey"] and creds["endpoint"] == "http://mgd-minio.default.svc:9000"
 
@@ -125,7 +130,7 @@ async def test_update_and_delete_with_data_policy(operator, api: Api, s3: str) -
     await api.create(POOLS, external_pool("gone", s3, "doomed", retention={"dataPolicy": "Delete"}))
     await api.wait_for(POOLS, "default", "gone", is_ready)
     assert bucket.ttl_days(target) == 7
-    bucket.client(target).put_object("doomed", "chunk/1", __import__("io").BytesIO(b"kv"), 2)
+    bucket.client(target).put_object("doomed", bucket.PREFIX + "ab/abc/raw.kvfc", __import__("io").BytesIO(b"kv"), 2)
 
     await api.patch(POOLS, "default", "gone", {"spec": {"retention": {"ttlDays": 30}}, "metadata": {"generation": 2}})
     await api.wait_for(POOLS, "default", "gone", lambda o: (o["status"].get("observedGeneration") == 2
@@ -315,3 +320,32 @@ async def test_metrics_report_pools_by_phase_and_errors(operator, api: Api) -> N
             text = await r.text()
     assert 'kvfetcher_operator_pools{phase="Failed"} 1.0' in text
     assert 'kvfetcher_operator_reconcile_errors_total{reason="InvalidSpec"}' in text
+
+
+async def post_raw(operator: dict[str, Any], body: bytes) -> int:
+    context = ssl.create_default_context(cafile=str(operator["ca"]))
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{operator['webhook']}/inject-sidecar", data=body, ssl=context,
+                                headers={"Content-Type": "application/json"}) as r:
+            return r.status
+
+
+async def test_webhook_answers_malformed_reviews_400_and_takes_big_pods(operator, api: Api, s3: str) -> None:
+    """Defects 13 and 14: malformed reviews are the caller's error (400), not ours (500); a pod
+    over aiohttp's 1 MiB default is still injected, up to the API server's own ~3 MiB limit."""
+    import json
+    good = review(model_pod("big"))
+    for bad in ([], {}, {"request": None}, {"request": {**good["request"], "resource": None}},
+                {"request": {**good["request"], "object": []}},
+                {"request": {**good["request"], "object": {"metadata": "x"}}}):
+        assert await post_raw(operator, json.dumps(bad).encode()) == 400, bad
+    assert await post_raw(operator, b"{not json") == 400
+
+    await api.create("v1/secrets", s3_secret())
+    await api.create(POOLS, external_pool("big", s3, "big"))
+    await api.wait_for(POOLS, "default", "big", is_ready)
+    pod = model_pod("big")
+    pod["metadata"]["annotations"]["filler"] = "x" * (2 * 2**20)
+    response, patched = await admit_until(operator, pod, lambda p: "initContainers" in p["spec"])
+    assert patched["spec"]["initContainers"][0]["name"] == "kvfetcher"
+    assert await post_raw(operator, b" " * (4 * 2**20)) == 413

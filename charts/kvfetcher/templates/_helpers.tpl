@@ -35,3 +35,11 @@ app.kubernetes.io/component: operator
 {{- define "kvfetcher.tlsSecret" -}}
 {{- printf "%s-webhook-tls" (include "kvfetcher.fullname" .) -}}
 {{- end -}}
+
+{{- define "kvfetcher.image" -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+{{- end -}}
