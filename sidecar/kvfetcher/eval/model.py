@@ -75,7 +75,7 @@ def load(dtype: str = "float32") -> LoadedModel:
 
 
 def rope_theta(lm: LoadedModel) -> float | None:
-    """The model's RoPE base when it uses default RoPE (what rope.py implements), else None."""
+    """The model's RoPE base when it uses default RoPE (what ``codec.rope`` implements), else None."""
     c = lm.config
     params = getattr(c, "rope_parameters", None) or {"rope_theta": getattr(c, "rope_theta", None), "rope_type": "default"}
     if params.get("rope_type", "default") != "default" or c.hidden_size // c.num_attention_heads != getattr(c, "head_dim", c.hidden_size // c.num_attention_heads):
