@@ -34,7 +34,7 @@ def _backend_name(preset: str, caps: dict) -> str:
     if fmt == "raw":
         return "raw"
     enc = "nvenc" if caps.get("nvenc") else "x265"
-    dec = "libavcodec"  # eval restores on the CPU; NVDEC is measured by bench/nvdec_bench.py
+    dec = "libavcodec"  # eval restores on the CPU; NVDEC rates are the GPU benchmarks' business
     return f"{enc}+{dec}"
 
 

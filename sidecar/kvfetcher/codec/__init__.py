@@ -1,7 +1,7 @@
 """codecs: pick a backend for a bitstream format, probing the GPU's video engines once.
 
-``encoder(fmt)`` prefers NVENC when the GPU has one, else libx265 on the CPU (A100/H100/H200
-have NVDEC but no NVENC: encoding there runs on CPU cores, off the request path).
+``encoder(fmt)`` prefers NVENC when the GPU has one, else libx265 on the CPU (many data-centre
+GPUs have NVDEC but no NVENC: encoding there runs on CPU cores, off the request path).
 ``decoder(fmt, device)`` prefers NVDEC for a CUDA device, else libavcodec.
 """
 

@@ -6,21 +6,19 @@ whether or not it is redundant with its neighbours. What the model sees of a key
 is the logit error ``q . dk``, and of a value error ``dv`` the output ``W_o dv``: an error of
 weighted size ``dk^T W dk`` with ``W = E[q q^T]`` (keys) or ``W_o^T W_o`` (values), per KV head.
 Transform coding in that metric (the KLT of ``W^1/2 C W^1/2``, ``C`` the channels' covariance)
-with one uniform step for every component gives the least weighted error per bit. Measured on
-the shipped model (bench/basis_probe.py): pre-RoPE keys are strongly correlated and their
-queries' energy concentrated, a high-rate gain of 1.1-3.8 bits per key, 0.1-1.8 per value, and
-a basis calibrated on some texts kept >90% of it on others.
+with one uniform step for every component gives the least weighted error per bit. It pays
+most for pre-RoPE keys, which are strongly correlated and whose queries' energy is
+concentrated; a basis calibrated on some texts keeps most of its gain on others.
 
 A basis is ``enc`` and ``dec``, ``[layers, 2, kv_heads, head_dim, head_dim]`` with
 ``dec = enc^-1``, and ``mean`` ``[layers, 2, kv_heads, head_dim]``: the layout codes
 ``y = enc @ x - mean`` per head and restores ``x = dec @ (y + mean)``. The mean (of the
 calibration KV) keeps the per-chunk offsets small: some components sit thousands of steps from
 zero (pre-RoPE keys' massive channels), where an fp16 offset could not place the quantisation
-grid within a step, and near-constant components then came back off by up to half a step for
-every token of a chunk (measured: KL 0.0010 against 0.00075 with the mean,
-docs/benchmarks/compression.md). It is
-calibrated once per model (``bench/kv_basis.py``) and shipped under a content-derived name, like
-the sensitivity table; a per-chunk basis would cost ``head_dim**2`` values per head and chunk.
+grid within a step, and near-constant components would come back off by up to half a step
+for every token of a chunk. A basis is calibrated once per model and shipped as data under a
+content-derived name, like the sensitivity table; a per-chunk basis would cost ``head_dim**2``
+values per head and chunk.
 """
 
 from __future__ import annotations
@@ -59,7 +57,7 @@ def key_metric(queries: list[torch.Tensor], kv_heads: int, theta: float, deltas:
     a KV head (GQA). A pre-RoPE key at position n meets a query at m through ``R_(m-n)``, so its
     error's metric averages the query over the offsets it will be seen at. ``weights``
     (``[tokens, q_heads]`` per entry) weigh each query, e.g. by how far a logit error moves the
-    layer's output (bench/kv_basis.py --attention).
+    layer's output.
     """
     d = queries[0].shape[-1]
     g = queries[0].shape[1] // kv_heads

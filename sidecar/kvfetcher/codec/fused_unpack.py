@@ -3,10 +3,8 @@
 Why: ``layout.unpack`` in torch runs about 30 elementwise passes over float32 copies of a chunk
 (trellis parities and their prefix sums, reconstruction, scale and offset, sparse corrections,
 basis, RoPE, cast, permuted copy into the buffer): ~4 GB of GPU memory traffic for a 33.5 MB
-Llama-3-8B chunk, where reading the samples and writing the KV needs ~50 MB. At 3.5 GB/s of KV
-restored that is ~14% of an H100's memory bandwidth taken from the model decoding beside it,
-which is in line with the 9-10% slowdown of a decode loop measured under MPS with 8 decode
-workers (docs/benchmarks/interference_matrix_h100.md). This kernel reads each sample once and
+Llama-3-8B chunk, where reading the samples and writing the KV needs ~50 MB, all of it memory
+bandwidth taken from the model decoding beside it. This kernel reads each sample once and
 writes each value once, straight into the destination view (any strides).
 
 One program per (layer, k|v, KV head) walks the chunk's tokens in blocks, carrying the trellis'
@@ -15,11 +13,8 @@ RoPE rotates together. Sparse corrections are added before the basis, as in ``la
 the exact leading tokens are copied by the caller. Same arithmetic as the torch path in float32;
 the results can differ in the last bit of the KV dtype where the compiler fuses a multiply-add.
 
-Measured on an H100 (docs/benchmarks/fused_unpack_h100.md): per Llama-3-8B chunk 0.20 ms of GPU
-kernel time instead of 1.31 (16 launches instead of 42, most of them the small side-information
-steps around the kernel); with 8 decode workers under MPS, a busy decode loop slowed by 7.9%
-instead of 20.2% while restoring 11% more. So it is the default for CUDA frames;
-``KVFETCHER_FUSED_UNPACK=0`` turns it off. Without Triton the torch path runs.
+It is the default for CUDA frames; ``KVFETCHER_FUSED_UNPACK=0`` turns it off. Without Triton
+the torch path runs.
 """
 
 from __future__ import annotations
@@ -78,8 +73,8 @@ if triton is not None:
         return v, carry_e, carry_o
 
     # b0 is 1 in a prefix's first chunk (its exact sink token) and 0 in every other: Triton would
-    # specialise on the 1 and compile a second variant (~1 s) inside the first fetch that reaches
-    # position 0 -- the slow first fetches seen on an H100 (auto70b_estimator_h100.md)
+    # specialise on the 1 and compile a second variant inside the first fetch that reaches
+    # position 0
     @triton.jit(do_not_specialize=["b0"])
     def _unpack_kernel(
         frames_ptr, lo_ptr, scale_ptr, cos_ptr, sin_ptr, dec_ptr, mean_ptr, sidx_ptr, srows_ptr, out_ptr,

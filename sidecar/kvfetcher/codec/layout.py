@@ -19,15 +19,13 @@ neighbours, so the layout decides what sits next to what:
   quantised modes map each channel's range over the chunk's tokens onto ``2**bits`` levels.
   The first ``exact_tokens`` tokens of a chunk stay exact in the side information and out of
   the ranges: at position 0 that is the attention sink, whose outlier values would otherwise
-  coarsen every step and whose own error changed greedy output (measured: with it exact, q8
-  restored 32/32 greedy tokens on the prompt where plain q8 diverged at token 28).
+  coarsen every step and whose own error changes greedy output.
 * ``sigma_steps`` (rate control) replaces the ``2**bits`` levels over each channel's range by
   a step of ``s`` standard deviations of the channel, centred on its mean (level 128), with
   ``s`` chosen per layer and per keys/values. The lossless codec then spends roughly the
   entropy of the symbols, which a fixed step in sigma units sets directly, and the error
-  lands where the model tolerates it: measured sensitivity differs by more than 10x between
-  layers (docs/benchmarks/compression.md). Side information keeps its form (offset, step
-  per channel), so ``unpack`` is the same for both.
+  lands where the model tolerates it (layers differ widely in how much error they tolerate).
+  Side information keeps its form (offset, step per channel), so ``unpack`` is the same for both.
 * ``basis`` (with ``sigma_steps``) codes each head's channels through a per-model linear
   transform minus its calibration mean (basis.py: the KLT in the metric the model sees errors
   in) and quantises every
@@ -44,9 +42,8 @@ neighbours, so the layout decides what sits next to what:
   logit the metric's queries give them: the attention-sink-like tokens, delimiters and the like,
   a rule on KV alone) in side information: their key and value rows' error after the video's
   quantisation, in integer units of ``sparse_step`` times the rows' step (int8), with the token
-  indices (int16). ``unpack`` adds them back with one scatter before the inverse basis.
-  Measured: these rows carry several times their share of the model's error
-  (docs/benchmarks/compression.md).
+  indices (int16). ``unpack`` adds them back with one scatter before the inverse basis:
+  these rows carry several times their share of the model's error.
 
 Pure torch, no I/O: the same code runs on CPU and on the GPU, and ``unpack`` can write straight
 into a destination view of the model's KV buffers.
@@ -289,7 +286,7 @@ def levels(params: LayoutParams, layers: int, device: torch.device | str = "cpu"
 def sigma_profile(params: LayoutParams, layers: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Step in channel standard deviations per (layer, k|v): ``[layers, 2]`` float32.
 
-    Entry ``i * N // layers`` of an N-entry profile serves layer ``i``: a profile measured on one
+    Entry ``i * N // layers`` of an N-entry profile serves layer ``i``: a profile calibrated on one
     model keeps its shape (sensitive first layers, tolerant middle) on a deeper or shallower one.
     """
     if params.sigma_steps is None:

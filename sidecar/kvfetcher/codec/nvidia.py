@@ -5,12 +5,13 @@ model. Decoded frames stay in GPU memory and are copied (one device-to-device co
 into the uint8 planes the layout unpacks; with ``OutputColorType.NATIVE`` a 4:4:4 frame comes
 back planar as ``[3*H, W]`` and a 4:2:0 frame as NV12 ``[H*3/2, W]`` whose first ``H`` rows
 are luma. The bitstream is handed to PyNvVideoCodec's demuxer from memory, so no file is
-written. NVENC is absent on A100/H100/H200; :func:`probe` finds out rather than assumes.
+written. Many data-centre GPUs have no NVENC; :func:`probe` finds out rather than assumes.
 
 Decoders are created in torch's own CUDA context (the device's primary context,
-:func:`torch_context`). With ``cudacontext=0`` (PyNvVideoCodec's default), torch work done later
-in a thread that had decoded (a pinned copy's event, a side stream) failed with "invalid resource
-handle" on an H100: a context other than torch's was left current there.
+:func:`torch_context`), and decoding puts back whatever context was current before it
+(:func:`_same_context`). Invariant: a thread that decoded can go on doing torch work (a pinned
+copy's event, a side stream); with PyNvVideoCodec's default ``cudacontext=0`` another context is
+left current and such work fails with "invalid resource handle".
 """
 
 from __future__ import annotations
@@ -102,8 +103,8 @@ class NvdecDecoder:
     ``feed="packets"`` hands the whole Annex B stream to the decoder as one packet (the
     hardware parser finds the NAL units itself), then an empty end-of-stream packet to flush;
     ``feed="demuxer"`` goes through PyNvVideoCodec's FFmpeg demuxer reading from memory.
-    ``reuse`` keeps one decoder per thread, GPU and frame geometry instead of creating one
-    (~20 ms) per stream; a decoder is not reused across geometries (4:2:0 vs 4:4:4, sizes).
+    ``reuse`` keeps one decoder per thread, GPU and frame geometry instead of creating one (a
+    costly step) per stream; a decoder is not reused across geometries (4:2:0 vs 4:4:4, sizes).
     """
 
     name = "nvdec"
@@ -189,7 +190,7 @@ class NvdecDecoder:
 
 
 class NvencEncoder:
-    """NVENC encode (GPUs with NVENC only: L4, L40S, RTX; none on A100/H100/H200)."""
+    """NVENC encode, on GPUs that have NVENC (e.g. L4, L40S, RTX; :func:`probe` tells)."""
 
     name = "nvenc"
     format = "hevc"

@@ -2,9 +2,8 @@
 
 RoPE rotates each channel pair of a key by an angle that grows with the token's position. A
 key channel with a large, steady value before RoPE therefore swings over twice that value
-after it, and per-channel quantisation ranges pay for the swing. Quantising keys in the
-pre-RoPE frame (positions are known at store time) bought about one bit of keys at equal
-greedy agreement on the shipped model (docs/benchmarks/compression_research.md).
+after it, and per-channel quantisation ranges pay for the swing. So keys are quantised in the
+pre-RoPE frame (positions are known at store time, and the container header carries them).
 
 Default RoPE as in Llama-family models: inverse frequencies ``theta ** (-2i / head_dim)`` over
 the whole head dimension, the two halves of the head as the pairs ("rotate half").

@@ -7,14 +7,9 @@ index ``k`` at ``2k D`` (even multiples), Q1 at ``(2k - sgn k) D`` (zero and odd
 one codes a value is set by a 4-state machine driven by the parity of the previous indices (the
 dependent quantisation of H.266/VVC). The two together form a grid of step ``D``, yet each
 index chooses only among points ``2D`` apart, so indices are about half as wide; the encoder
-picks the whole sequence by a Viterbi search over the states that minimises the squared error.
-(A rate term in the search, which pulls indices toward zero like a dead zone, saved bits at
-equal squared error but shrank the small components toward their mean, and the model's KL
-rose: 4.15x at KL 0.00096 against 0.00075 without it; docs/benchmarks/compression.md.)
-
-Measured on ``balanced``'s basis components (docs/benchmarks/compression.md): at equal squared
-error, x265 lossless spends about 0.13 bit per value less on the indices than on uniformly
-quantised symbols (3.4% of the size).
+picks the whole sequence by a Viterbi search over the states that minimises the squared error
+alone: a rate term, which pulls indices toward zero like a dead zone, would shrink the small
+components toward their mean, which the model notices more than the bits saved.
 
 The state is linear over GF(2): with ``state = 2a + b`` and ``p`` the parity of an index,
 ``a' = b xor p`` and ``b' = a``, so ``a`` (Q1 in use) before index ``t`` is the parity of

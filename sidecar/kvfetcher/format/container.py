@@ -11,9 +11,8 @@ Byte layout (all integers little-endian)::
             parameters, frame shape, and an index of the side-information and video segments)
     16+N    segments back to back; offsets in the index are relative to this point
 
-The side information (quantised layouts: offsets, steps, exact tokens) is stored zstd-compressed
-(layout v5 on): with a basis its steps repeat and its offsets are small, and compressed it costs
-about a third of its raw 0.125-0.19 bits per value (bench/side_info_probe.py).
+The side information (quantised layouts: offsets, steps, exact tokens, sparse corrections) is
+stored zstd-compressed: with a basis its steps repeat and its offsets are small.
 
 Each video segment is an independent bitstream (it starts with its own parameter sets and an
 IDR frame) covering a run of frames, i.e. a run of layers, with its own CRC-32. A reader does
@@ -31,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import zstandard
 
-try:  # ISA-L's CRC-32 is zlib's checksum, ~3.9x faster (bench/crc_bench.py): a fetch checks GBs of segments
+try:  # ISA-L's CRC-32 is zlib's checksum, several times faster: a fetch checks GBs of segments
     from isal.isal_zlib import crc32
 except ImportError:  # pragma: no cover - isal is a dependency; zlib gives the same numbers
     from zlib import crc32

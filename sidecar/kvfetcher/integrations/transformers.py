@@ -62,7 +62,7 @@ class CachedLM:
         device = next(model.parameters()).device
         self.buffer = ipc.allocate((self.layers, 2, heads, capacity_tokens, head_dim), kv_dtype, device)
         self.buffer_id = client.register(self.buffer.handle, fingerprint, tp_rank)
-        #: the model's prefill rate (tokens/s), told to the sidecar's cost model; measured as we go
+        #: the model's prefill rate (tokens/s), told to the sidecar's cost model; timed as we go
         self.recompute_tps = recompute_tps
 
     def close(self) -> None:
