@@ -19,8 +19,9 @@ zero (pre-RoPE keys' massive channels), where an fp16 offset could not place the
 grid within a step, and near-constant components then came back off by up to half a step for
 every token of a chunk (measured: KL 0.0010 against 0.00075 with the mean,
 docs/benchmarks/compression.md). It is
-calibrated once per model (``bench/kv_basis.py``) and shipped under a content-derived name, like
-the sensitivity table; a per-chunk basis would cost ``head_dim**2`` values per head and chunk.
+calibrated once per model (``bench/kv_basis.py``) and shipped under a content-derived name, which
+the model's calibration data names (format/calibration.py); a per-chunk basis would cost
+``head_dim**2`` values per head and chunk.
 """
 
 from __future__ import annotations
@@ -167,13 +168,3 @@ def fits(name: str, shape: tuple[int, ...], fingerprint: str) -> bool:
 
 def available() -> list[str]:
     return sorted(p.stem for p in BASES_DIR.glob("*.pt"))
-
-
-def for_shape(layers: int, kv_heads: int, head_dim: int, model_tag: str | None = None) -> str | None:
-    """The shipped basis fitting KV of this shape (and model tag, when given), if any."""
-    for name in available():
-        if model_tag is not None and not name.startswith(model_tag + "-"):
-            continue
-        if load(name).shape == (layers, kv_heads, head_dim):
-            return name
-    return None
