@@ -125,7 +125,8 @@ MEASURED_FILE = Path(__file__).parent.parent / "data" / "presets_measured.json"
 
 
 def measured(name: str) -> dict | None:
-    """The last benchmarked ratio/accuracy/throughput of a preset, or None if never measured."""
+    """The last benchmarked ratio/accuracy/throughput of a preset on the default calibration's model,
+    or None if never measured."""
     try:
         return json.loads(MEASURED_FILE.read_text()).get(name)
     except FileNotFoundError:
