@@ -6,13 +6,14 @@ import pytest
 import torch
 
 from kvfetcher.codec import basis, layout, rope
-from kvfetcher.format import presets
+from kvfetcher.format import calibration
 
 THETA = 100000.0
+BASIS = calibration.default().basis  # the shipped model's
 
 
 def _kv(tokens: int, dtype: torch.dtype, outlier: int | None = 37) -> torch.Tensor:
-    L, _, H, D, _ = basis.load(presets.SMOLLM2_BASIS).enc.shape
+    L, _, H, D, _ = basis.load(BASIS).enc.shape
     g = torch.Generator().manual_seed(1)
     kv = torch.randn(L, 2, H, tokens, D, generator=g) * 2
     if outlier is not None:
@@ -21,12 +22,12 @@ def _kv(tokens: int, dtype: torch.dtype, outlier: int | None = 37) -> torch.Tens
 
 
 def _params(k: int, step: float = 0.25) -> layout.LayoutParams:
-    return layout.LayoutParams(mode="quant", sigma_steps=((0.3, 0.3),), basis=presets.SMOLLM2_BASIS, trellis=True,
+    return layout.LayoutParams(mode="quant", sigma_steps=((0.3, 0.3),), basis=BASIS, trellis=True,
                                sparse_tokens=k, sparse_step=step, rope_theta=THETA)
 
 
 def _in_basis(kv: torch.Tensor, start: int) -> torch.Tensor:
-    enc, _, _ = basis.on_device(presets.SMOLLM2_BASIS, "cpu")
+    enc, _, _ = basis.on_device(BASIS, "cpu")
     x = kv.float().clone()
     cos, sin = rope.rotation(start, x.shape[3], x.shape[-1], THETA)
     x[:, 0] = rope.apply(x[:, 0], cos, sin, inverse=True)

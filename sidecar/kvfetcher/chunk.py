@@ -28,9 +28,10 @@ def encode_chunk(
     """KV ``[layers, 2, kv_heads, tokens, head_dim]`` -> one self-describing stored object.
 
     ``start`` is the chunk's first token position; ``rope_theta`` the model's RoPE base,
-    needed by presets that quantise keys before RoPE (and written into the header).
+    needed by presets that quantise keys before RoPE (and written into the header). A preset
+    given by name is the one for this model (``presets.get(name, fingerprint)``).
     """
-    p = get(preset) if isinstance(preset, str) else preset
+    p = get(preset, fingerprint) if isinstance(preset, str) else preset
     lp = p.layout
     if p.pre_rope:
         if rope_theta is None:

@@ -17,8 +17,8 @@ calibration KV) keeps the per-chunk offsets small: some components sit thousands
 zero (pre-RoPE keys' massive channels), where an fp16 offset could not place the quantisation
 grid within a step, and near-constant components would come back off by up to half a step
 for every token of a chunk. A basis is calibrated once per model and shipped as data under a
-content-derived name, like the sensitivity table; a per-chunk basis would cost ``head_dim**2``
-values per head and chunk.
+content-derived name, which the model's calibration data names (format/calibration.py); a
+per-chunk basis would cost ``head_dim**2`` values per head and chunk.
 """
 
 from __future__ import annotations
@@ -165,13 +165,3 @@ def fits(name: str, shape: tuple[int, ...], fingerprint: str) -> bool:
 
 def available() -> list[str]:
     return sorted(p.stem for p in BASES_DIR.glob("*.pt"))
-
-
-def for_shape(layers: int, kv_heads: int, head_dim: int, model_tag: str | None = None) -> str | None:
-    """The shipped basis fitting KV of this shape (and model tag, when given), if any."""
-    for name in available():
-        if model_tag is not None and not name.startswith(model_tag + "-"):
-            continue
-        if load(name).shape == (layers, kv_heads, head_dim):
-            return name
-    return None

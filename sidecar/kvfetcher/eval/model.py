@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DATA_DIR = Path(__file__).parent.parent / "data"
+DATA_DIR = Path(__file__).parent / "data"
 
 
 def cache_dir() -> Path:

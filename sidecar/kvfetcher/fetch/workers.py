@@ -302,7 +302,7 @@ def warmup_object(preset: str, shape: tuple[int, int, int, int] | None = None, d
     head size and chunk length, with or without the basis)."""
     from kvfetcher.chunk import encode_chunk  # chunk needs the encoders, which the workers never import
 
-    p = presets.get(preset)
+    p = presets.get(preset, fingerprint)
     if shape is None:
         layers, heads, tokens, head_dim, fingerprint = 2, 2, WARM_TOKENS, 64, "kvfetcher-warmup"
         if p.layout.basis is not None and p.layout.basis in basis.available():
