@@ -21,6 +21,13 @@ class Config:
     retry_seconds: float = env_field(settings.RETRY_SECONDS)
     # The MutatingWebhookConfiguration that routes pods here (the chart sets it); None: not checked.
     webhook_configuration: str | None = env_field(settings.WEBHOOK_CONFIGURATION)
+    # External endpoints: CIDRs denied on top of the built-in list, CIDRs allowed despite it,
+    # and (when set) the only hosts allowed; comma-separated.
+    endpoint_deny: str = env_field(settings.ENDPOINT_DENY)
+    endpoint_allow: str = env_field(settings.ENDPOINT_ALLOW)
+    endpoint_hosts: str = env_field(settings.ENDPOINT_HOSTS)
+    # The operator's own namespace (the chart sets it): MinIO's NetworkPolicy lets it in.
+    namespace: str | None = env_field(settings.NAMESPACE)
 
     @classmethod
     def from_env(cls) -> Config:

@@ -185,6 +185,13 @@ METRICS_ADDR = Setting("KVFETCHER_METRICS_ADDR", str, "0.0.0.0", "`/metrics` lis
 METRICS_PORT = Setting("KVFETCHER_METRICS_PORT", int, 8080, "`/metrics` port.")
 RETRY_SECONDS = Setting("KVFETCHER_RETRY_SECONDS", float, 10.0, "Delay before a failed reconcile is retried.")
 RESYNC_SECONDS = Setting("KVFETCHER_RESYNC_SECONDS", float, 60.0, "Interval of the periodic pool resync.")
+ENDPOINT_DENY = Setting("KVFETCHER_ENDPOINT_DENY", str, "",
+                        "CIDRs an external endpoint may not reach, on top of the built-in list (comma-separated).")
+ENDPOINT_ALLOW = Setting("KVFETCHER_ENDPOINT_ALLOW", str, "",
+                         "CIDRs an external endpoint may reach despite the deny list (comma-separated).")
+ENDPOINT_HOSTS = Setting("KVFETCHER_ENDPOINT_HOSTS", str, "",
+                         "The only hosts an external endpoint may name, when set (comma-separated).")
+NAMESPACE = Setting("KVFETCHER_NAMESPACE", str, None, "The operator's own namespace: MinIO's NetworkPolicy lets it in.")
 
 #: component -> the settings it reads; the operator sets those marked ``inject`` of the sidecar's
 #: table in the sidecar's container, and those of the model side's table in the model's
@@ -196,7 +203,8 @@ TABLES: dict[str, tuple[Setting, ...]] = {
     "Model side (`KVClient`, shared buffers)": (SOCKET, URL, SHM_DIR),
     "Evaluation (`kvfetcher demo`, tests)": (CACHE,),
     "Operator": (WEBHOOK_ADDR, WEBHOOK_PORT, WEBHOOK_CERT, WEBHOOK_KEY, WEBHOOK_CONFIGURATION,
-                 METRICS_ADDR, METRICS_PORT, RETRY_SECONDS, RESYNC_SECONDS),
+                 METRICS_ADDR, METRICS_PORT, RETRY_SECONDS, RESYNC_SECONDS, ENDPOINT_DENY, ENDPOINT_ALLOW,
+                 ENDPOINT_HOSTS, NAMESPACE),
 }
 SIDECAR, CLIENT, EVAL, OPERATOR = TABLES.values()
 
