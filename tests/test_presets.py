@@ -21,8 +21,9 @@ def test_every_preset_is_consistent():
 def test_a_pre_rope_preset_needs_the_models_theta():
     assert presets.get("lean").pre_rope
     with pytest.raises(ValueError, match="KVFETCHER_ROPE_THETA"):
-        Config.from_env({"KVFETCHER_PRESET": "q8,lean"})
+        Config.from_env({"KVFETCHER_PRESET": "q8,lean"}).validate(presets.PRESETS)
     c = Config.from_env({"KVFETCHER_PRESET": "q8,lean", "KVFETCHER_ROPE_THETA": "500000"})
+    c.validate(presets.PRESETS)
     assert c.rope_theta == 500000.0 and c.presets == ("q8", "lean")
 
 
@@ -37,7 +38,8 @@ def test_the_operator_offers_exactly_the_data_planes_presets():
 
     assert set(spec.PRESETS) == set(presets.PRESETS)
     for default in spec.DEFAULT_PRESETS:  # every default a pool may carry starts a sidecar
-        Config.from_env({"KVFETCHER_PRESET": default, "KVFETCHER_ALLOWED_PRESETS": ",".join(spec.PRESETS)})
+        env = {"KVFETCHER_PRESET": default, "KVFETCHER_ALLOWED_PRESETS": ",".join(spec.PRESETS)}
+        Config.from_env(env).validate(presets.PRESETS)
 
 
 def test_balanced_and_compact_are_sensitivity_profiles_with_compact_coarser():

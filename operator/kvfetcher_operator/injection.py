@@ -35,6 +35,9 @@ from __future__ import annotations
 import copy
 from typing import Any, NamedTuple
 
+from kvfetcher import config as settings
+from kvfetcher.config import Setting
+
 from . import builders, conditions
 from . import spec as specs
 
@@ -67,8 +70,12 @@ def _skip(reason: str) -> Decision:
     return Decision({"metadata": {"annotations": {SKIPPED_ANNOTATION: reason}}}, "skipped", reason)
 
 
-def _secret_env(name: str, secret: str, key: str) -> dict[str, Any]:
-    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+def _secret_env(setting: Setting, secret: str, key: str) -> dict[str, Any]:
+    return {"name": setting.name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+
+
+def _value_env(setting: Setting, value: Any) -> dict[str, Any]:
+    return {"name": setting.name, "value": str(value)}
 
 
 def _model_container(containers: list[dict[str, Any]], wanted: str | None) -> dict[str, Any] | None:
@@ -81,7 +88,9 @@ def _model_container(containers: list[dict[str, Any]], wanted: str | None) -> di
 
 
 def sidecar_env(pool: dict[str, Any]) -> list[dict[str, Any]]:
-    """The sidecar's environment: everything secret by reference, the codec settings as values."""
+    """The sidecar's environment: everything secret by reference, the codec settings as values.
+    Every variable is a setting of the sidecar's table in :mod:`kvfetcher.config` that is marked
+    injected (and the NVIDIA runtime's)."""
     spec = specs.with_defaults(pool["spec"])
     secret = builders.secret_name(pool["metadata"]["name"])
     storage, codec = spec["storage"], spec["codec"]
@@ -91,42 +100,39 @@ def sidecar_env(pool: dict[str, Any]) -> list[dict[str, Any]]:
         ref = storage["external"]["credentialsSecretRef"]
         access, secret_key = (ref["name"], ref["accessKeyKey"]), (ref["name"], ref["secretKeyKey"])
     env = [
-        _secret_env("KVFETCHER_S3_ENDPOINT", secret, "endpoint"),
-        _secret_env("KVFETCHER_S3_BUCKET", secret, "bucket"),
-        _secret_env("KVFETCHER_S3_ACCESS_KEY", *access),
-        _secret_env("KVFETCHER_S3_SECRET_KEY", *secret_key),
-        _secret_env("KVFETCHER_AUTH_TOKEN", secret, "authToken"),
+        _secret_env(settings.S3_ENDPOINT, secret, "endpoint"),
+        _secret_env(settings.S3_BUCKET, secret, "bucket"),
+        _secret_env(settings.S3_ACCESS_KEY, *access),
+        _secret_env(settings.S3_SECRET_KEY, *secret_key),
+        _secret_env(settings.AUTH_TOKEN, secret, "authToken"),
     ]
     tenancy = spec["tenancy"]
     if tenancy["saltFrom"] == "Pool":
-        env.append(_secret_env("KVFETCHER_TENANT", secret, "tenantSalt"))
+        env.append(_secret_env(settings.TENANT, secret, "tenantSalt"))
     elif tenancy["saltFrom"] == "Secret":
-        env.append(_secret_env("KVFETCHER_TENANT", tenancy["secretRef"]["name"], tenancy["secretRef"]["key"]))
+        env.append(_secret_env(settings.TENANT, tenancy["secretRef"]["name"], tenancy["secretRef"]["key"]))
     else:
         label = tenancy["labelKey"]
-        env.append({"name": "KVFETCHER_TENANT",
+        env.append({"name": settings.TENANT.name,
                     "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{label}']"}}})
     env += [
-        {"name": "KVFETCHER_POOL", "value": pool["metadata"]["name"]},
-        {"name": "KVFETCHER_PRESET", "value": codec["defaultPreset"]},
-        {"name": "KVFETCHER_ALLOWED_PRESETS", "value": ",".join(codec["allowedPresets"])},
-        {"name": "KVFETCHER_CHUNK_TOKENS", "value": str(codec["chunkTokens"])},
-        {"name": "KVFETCHER_TTL_DAYS", "value": str(spec["retention"]["ttlDays"])},
+        _value_env(settings.POOL, pool["metadata"]["name"]),
+        _value_env(settings.PRESET, codec["defaultPreset"]),
+        _value_env(settings.ALLOWED_PRESETS, ",".join(codec["allowedPresets"])),
+        _value_env(settings.CHUNK_TOKENS, codec["chunkTokens"]),
     ]
-    if "maxSize" in spec["retention"]:
-        env.append({"name": "KVFETCHER_MAX_BYTES", "value": str(specs.quantity_bytes(spec["retention"]["maxSize"]))})
     external = storage.get("external") or {}
     if external.get("region"):
-        env.append({"name": "KVFETCHER_S3_REGION", "value": external["region"]})
+        env.append(_value_env(settings.S3_REGION, external["region"]))
     tls = external.get("tls") or {}
     if tls.get("caSecretRef"):
-        env.append({"name": "KVFETCHER_S3_CA_FILE", "value": f"{CA_DIR}/{tls['caSecretRef']['key']}"})
+        env.append(_value_env(settings.S3_CA_FILE, f"{CA_DIR}/{tls['caSecretRef']['key']}"))
     if tls.get("insecureSkipVerify"):
-        env.append({"name": "KVFETCHER_S3_INSECURE", "value": "true"})
+        env.append(_value_env(settings.S3_INSECURE, "true"))
     if "decodeProcesses" in spec["sidecar"]:
-        env.append({"name": "KVFETCHER_DECODE_PROCS", "value": str(spec["sidecar"]["decodeProcesses"])})
+        env.append(_value_env(settings.DECODE_PROCS, spec["sidecar"]["decodeProcesses"]))
     if "ttftBudgetSeconds" in spec["sidecar"]:
-        env.append({"name": "KVFETCHER_TTFT_BUDGET_S", "value": str(spec["sidecar"]["ttftBudgetSeconds"])})
+        env.append(_value_env(settings.TTFT_BUDGET_S, spec["sidecar"]["ttftBudgetSeconds"]))
     env.append({"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "compute,utility,video"})
     return env
 
@@ -254,7 +260,7 @@ def _spec_patch(spec: dict[str, Any], pool: dict[str, Any], pool_spec: dict[str,
             mounts.append({"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR})
             if shm is None:
                 mounts.append({"name": SHM_VOLUME, "mountPath": SHM_DIR})
-            c.setdefault("env", []).append({"name": "KVFETCHER_SOCKET", "value": SOCKET})
+            c.setdefault("env", []).append(_value_env(settings.SOCKET, SOCKET))
     volumes = copy.deepcopy(spec.get("volumes") or [])
     volumes.append({"name": SOCKET_VOLUME, "emptyDir": {}})
     if shm is None:

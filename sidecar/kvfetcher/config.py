@@ -1,77 +1,291 @@
-"""config: the sidecar's settings, read once from the environment."""
+"""config: every setting of kvfetcher, declared once; the sidecar's :class:`Config` built from them.
+
+Each :class:`Setting` is one environment variable: its name, type, default, a one-line doc and,
+where the operator sets it, where the value comes from. The sidecar, the client, the evaluation
+code and the operator read their settings through these declarations (no other module reads a
+``KVFETCHER_*`` variable), the operator names what it injects by them, and
+``python -m kvfetcher.config`` renders them as ``docs/configuration.md``.
+
+Invariants: an unset or empty variable takes its default; a malformed one raises ``ValueError``
+naming the variable. Importing this module imports only the standard library (the operator's
+image has no torch): defaults that need more are computed when first read.
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
 
-import torch
+T = TypeVar("T")
 
-from kvfetcher import keys
-from kvfetcher.format.presets import PRESETS
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _flag(text: str) -> bool:
+    word = text.strip().lower()
+    if word not in _TRUE + _FALSE:
+        raise ValueError(text)
+    return word in _TRUE
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(n.strip() for n in text.split(",") if n.strip())
+
+
+#: type -> (its name in the docs, what an error says was expected, the parser of a variable's text)
+_TYPES: dict[type, tuple[str, str, Callable[[str], Any]]] = {
+    int: ("integer", "an integer", int),
+    float: ("number", "a number", float),
+    bool: ("flag", "a flag (1/0, true/false, yes/no, on/off)", _flag),
+    str: ("string", "a string", str),
+    tuple: ("list", "a comma-separated list", _names),
+}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One environment variable. Unset or empty, it reads as ``fallback``'s value when there is a
+    fallback, else ``default`` (called when callable: such a default's docstring documents it).
+    ``inject`` says where the operator takes the value from when it sets the variable in a pod;
+    ``parse`` replaces the type's parser."""
+
+    name: str
+    type: type
+    default: Any
+    doc: str
+    inject: str = ""
+    fallback: Setting | None = None
+    parse: Callable[[str], Any] | None = None
+
+    def read(self, env: Mapping[str, str] | None = None) -> Any:
+        """The value in ``env`` (default: the process environment)."""
+        env = os.environ if env is None else env
+        text = env.get(self.name, "")
+        if not text:
+            if self.fallback is not None:
+                return self.fallback.read(env)
+            return self.default() if callable(self.default) else self.default
+        _, expected, parse = _TYPES[self.type]
+        try:
+            return (self.parse or parse)(text)
+        except ValueError:
+            raise ValueError(f"{self.name}: expected {expected}, got {text!r}") from None
+
+    def shown_default(self) -> str:
+        """The default as the docs show it."""
+        if self.fallback is not None:
+            return f"`{self.fallback.name}`"
+        if callable(self.default):
+            return self.default.__doc__ or ""
+        if self.default is None or self.default == "":
+            return "unset"
+        if isinstance(self.default, tuple):
+            return f"`{','.join(self.default)}`"
+        return f"`{str(self.default).lower() if isinstance(self.default, bool) else self.default}`"
+
+
+def _cuda() -> bool:
+    import torch  # only when a default needs it: the operator reads this module without torch
+
+    return torch.cuda.is_available()
+
+
+def _decode_procs() -> int:
+    """8 with CUDA, else 0"""
+    return 8 if _cuda() else 0
+
+
+def _device() -> str:
+    """`cuda` with CUDA, else `cpu`"""
+    return "cuda" if _cuda() else "cpu"
+
+
+def _home_cache(*parts: str) -> Callable[[], str]:
+    def default() -> str:
+        return os.path.join(os.path.expanduser("~"), ".cache", "kvfetcher", *parts)
+
+    default.__doc__ = f"`{'/'.join(('~/.cache/kvfetcher',) + parts)}`"
+    return default
+
+
+def _shm_dir() -> str:
+    """`/dev/shm`, else `/tmp`"""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+
+
+DEFAULT_PRESETS = ("q8",)
+
+
+def _presets(text: str) -> tuple[str, ...]:
+    return DEFAULT_PRESETS if text.strip() == "auto" else _names(text)
+
+
+# -- the sidecar ------------------------------------------------------------------------------
+CHUNK_TOKENS = Setting("KVFETCHER_CHUNK_TOKENS", int, 256, "Tokens per stored chunk.",
+                       inject="`spec.codec.chunkTokens`")
+PRESET = Setting("KVFETCHER_PRESET", tuple, DEFAULT_PRESETS,
+                 "Representations written for each chunk (`auto`: the default).",
+                 inject="`spec.codec.defaultPreset`", parse=_presets)
+ALLOWED_PRESETS = Setting("KVFETCHER_ALLOWED_PRESETS", tuple, None,
+                          "Representations a fetch may choose among (unset: any known).",
+                          inject="`spec.codec.allowedPresets`")
+POOL = Setting("KVFETCHER_POOL", str, "", "The KVCachePool's name.", inject="the pool's name")
+TENANT = Setting("KVFETCHER_TENANT", str, "", "Key salt: prompts under different salts share no chunk.",
+                 inject="the pool's Secret, a Secret or a pod label (`spec.tenancy`)", fallback=POOL)
+RECOMPUTE_TPS = Setting("KVFETCHER_RECOMPUTE_TPS", float, 5000.0,
+                        "Model prefill rate (tokens/s) when a request gives none.")
+ROPE_THETA = Setting("KVFETCHER_ROPE_THETA", float, None, "The model's RoPE base: needed to store pre-RoPE presets.")
+TTFT_BUDGET_S = Setting("KVFETCHER_TTFT_BUDGET_S", float, None,
+                        "Prefer a fetch within this TTFT (s) to a faster recompute (unset: the fastest wins).",
+                        inject="`spec.sidecar.ttftBudgetSeconds`")
+DECODE_PROCS = Setting("KVFETCHER_DECODE_PROCS", int, _decode_procs,
+                       "Decode worker processes (0: decode in the sidecar's threads).",
+                       inject="`spec.sidecar.decodeProcesses`")
+WARM_UP = Setting("KVFETCHER_WARM_UP", bool, True, "Decode workers meet CUDA, NVDEC and each registered "
+                  "buffer at start, not on the first fetch.")
+S3_ENDPOINT = Setting("KVFETCHER_S3_ENDPOINT", str, "", "S3 endpoint URL (unset: the local `KVFETCHER_STORE_DIR`).",
+                      inject="the pool's Secret")
+S3_BUCKET = Setting("KVFETCHER_S3_BUCKET", str, "kvfetcher", "S3 bucket.", inject="the pool's Secret")
+S3_ACCESS_KEY = Setting("KVFETCHER_S3_ACCESS_KEY", str, "", "S3 access key.",
+                        inject="the pool's Secret or `spec.storage.external.credentialsSecretRef`")
+S3_SECRET_KEY = Setting("KVFETCHER_S3_SECRET_KEY", str, "", "S3 secret key.",
+                        inject="the pool's Secret or `spec.storage.external.credentialsSecretRef`")
+S3_REGION = Setting("KVFETCHER_S3_REGION", str, "us-east-1", "S3 region.", inject="`spec.storage.external.region`")
+S3_CA_FILE = Setting("KVFETCHER_S3_CA_FILE", str, None, "CA bundle the S3 endpoint's certificate is checked against.",
+                     inject="`spec.storage.external.tls.caSecretRef`, mounted")
+S3_INSECURE = Setting("KVFETCHER_S3_INSECURE", bool, False, "Skip the S3 endpoint's TLS certificate check.",
+                      inject="`spec.storage.external.tls.insecureSkipVerify`")
+STORE_DIR = Setting("KVFETCHER_STORE_DIR", str, _home_cache("store"), "Local store directory, without S3.")
+AUTH_TOKEN = Setting("KVFETCHER_AUTH_TOKEN", str, "", "Bearer token of `/v1` over TCP (the Unix socket needs none).",
+                     inject="the pool's Secret")
+AUTH_TOKEN_FILE = Setting("KVFETCHER_AUTH_TOKEN_FILE", str, None, "File holding the token, when "
+                          "`KVFETCHER_AUTH_TOKEN` is unset.")
+SHM_DIR = Setting("KVFETCHER_SHM_DIR", str, _shm_dir, "Directory of host-memory KV buffers shared with the model.")
+FUSED_UNPACK = Setting("KVFETCHER_FUSED_UNPACK", bool, True, "Unpack CUDA frames with the fused Triton kernel.")
+
+# -- the model side (client) ------------------------------------------------------------------
+SOCKET = Setting("KVFETCHER_SOCKET", str, None, "The sidecar's Unix socket (wins over `KVFETCHER_URL`).",
+                 inject="the injected sidecar's socket path, in the model's container")
+URL = Setting("KVFETCHER_URL", str, "http://127.0.0.1:8500",
+              "The sidecar's HTTP address (with the sidecar's `KVFETCHER_AUTH_TOKEN`).")
+
+# -- evaluation -------------------------------------------------------------------------------
+CACHE = Setting("KVFETCHER_CACHE", str, _home_cache(), "Where the evaluation model's plain copy is kept.")
+
+# -- the operator -----------------------------------------------------------------------------
+WEBHOOK_ADDR = Setting("KVFETCHER_WEBHOOK_ADDR", str, "0.0.0.0", "Admission webhook listen address.")
+WEBHOOK_PORT = Setting("KVFETCHER_WEBHOOK_PORT", int, 9443, "Admission webhook port (HTTPS).")
+WEBHOOK_CERT = Setting("KVFETCHER_WEBHOOK_CERT", str, "/etc/kvfetcher/webhook/tls.crt", "Webhook TLS certificate.")
+WEBHOOK_KEY = Setting("KVFETCHER_WEBHOOK_KEY", str, "/etc/kvfetcher/webhook/tls.key", "Webhook TLS key.")
+WEBHOOK_CONFIGURATION = Setting("KVFETCHER_WEBHOOK_CONFIGURATION", str, None,
+                                "The MutatingWebhookConfiguration routing pods here (unset: not checked).")
+METRICS_ADDR = Setting("KVFETCHER_METRICS_ADDR", str, "0.0.0.0", "`/metrics` listen address.")
+METRICS_PORT = Setting("KVFETCHER_METRICS_PORT", int, 8080, "`/metrics` port.")
+RETRY_SECONDS = Setting("KVFETCHER_RETRY_SECONDS", float, 10.0, "Delay before a failed reconcile is retried.")
+RESYNC_SECONDS = Setting("KVFETCHER_RESYNC_SECONDS", float, 60.0, "Interval of the periodic pool resync.")
+ENDPOINT_DENY = Setting("KVFETCHER_ENDPOINT_DENY", str, "",
+                        "CIDRs an external endpoint may not reach, on top of the built-in list (comma-separated).")
+ENDPOINT_ALLOW = Setting("KVFETCHER_ENDPOINT_ALLOW", str, "",
+                         "CIDRs an external endpoint may reach despite the deny list (comma-separated).")
+ENDPOINT_HOSTS = Setting("KVFETCHER_ENDPOINT_HOSTS", str, "",
+                         "The only hosts an external endpoint may name, when set (comma-separated).")
+NAMESPACE = Setting("KVFETCHER_NAMESPACE", str, None, "The operator's own namespace: MinIO's NetworkPolicy lets it in.")
+
+#: component -> the settings it reads; the operator sets those marked ``inject`` of the sidecar's
+#: table in the sidecar's container, and those of the model side's table in the model's
+TABLES: dict[str, tuple[Setting, ...]] = {
+    "Sidecar (`kvfetcher serve`)": (
+        CHUNK_TOKENS, PRESET, ALLOWED_PRESETS, TENANT, POOL, RECOMPUTE_TPS, ROPE_THETA, TTFT_BUDGET_S,
+        DECODE_PROCS, WARM_UP, S3_ENDPOINT, S3_BUCKET, S3_ACCESS_KEY, S3_SECRET_KEY, S3_REGION, S3_CA_FILE,
+        S3_INSECURE, STORE_DIR, AUTH_TOKEN, AUTH_TOKEN_FILE, SHM_DIR, FUSED_UNPACK),
+    "Model side (`KVClient`, shared buffers)": (SOCKET, URL, SHM_DIR),
+    "Evaluation (`kvfetcher demo`, tests)": (CACHE,),
+    "Operator": (WEBHOOK_ADDR, WEBHOOK_PORT, WEBHOOK_CERT, WEBHOOK_KEY, WEBHOOK_CONFIGURATION,
+                 METRICS_ADDR, METRICS_PORT, RETRY_SECONDS, RESYNC_SECONDS, ENDPOINT_DENY, ENDPOINT_ALLOW,
+                 ENDPOINT_HOSTS, NAMESPACE),
+}
+SIDECAR, CLIENT, EVAL, OPERATOR = TABLES.values()
+
+
+def env_field(setting: Setting) -> Any:
+    """A dataclass field that :func:`read_fields` reads from ``setting``; its default is the
+    setting's value in an empty environment."""
+    return field(default_factory=lambda: setting.read({}), metadata={"setting": setting})
+
+
+def read_fields(cls: type[T], env: Mapping[str, str] | None = None) -> T:
+    """An instance of the dataclass ``cls`` whose :func:`env_field` fields are read from ``env``
+    (default: the process environment); its other fields keep their defaults."""
+    return cls(**{f.name: f.metadata["setting"].read(env) for f in fields(cls) if "setting" in f.metadata})
 
 
 @dataclass
 class Config:
-    """Sidecar settings. From the environment (:meth:`from_env`): ``KVFETCHER_CHUNK_TOKENS``,
-    ``KVFETCHER_PRESET`` (comma-separated: every listed representation is stored),
-    ``KVFETCHER_ALLOWED_PRESETS`` (what a fetch may choose among), ``KVFETCHER_TENANT`` (key salt;
-    defaults to ``KVFETCHER_POOL``), ``KVFETCHER_RECOMPUTE_TPS``, ``KVFETCHER_ROPE_THETA`` (for pre-RoPE presets),
-    ``KVFETCHER_TTFT_BUDGET_S`` (prefer a fetch within this TTFT to a faster recompute: see :mod:`choice`),
-    ``KVFETCHER_WARM_UP`` (``0``: decode workers meet CUDA, NVDEC and a registered buffer on the first fetch)."""
+    """The sidecar's settings. Fields with a :class:`Setting` come from the environment in
+    :meth:`from_env`; the others are tuning constants. :meth:`validate` holds the invariants."""
 
-    chunk_tokens: int = keys.DEFAULT_CHUNK_TOKENS
-    presets: tuple[str, ...] = ("q8",)  # representations written for each chunk
-    allowed_presets: tuple[str, ...] | None = None  # representations a fetch may use (None: any known)
-    tenant: str = ""
-    recompute_tps: float = 5000.0  # model prefill rate when a request does not say
-    rope_theta: float | None = None  # the model's RoPE base: needed to store pre-RoPE presets
+    chunk_tokens: int = env_field(CHUNK_TOKENS)
+    presets: tuple[str, ...] = env_field(PRESET)  # representations written for each chunk
+    allowed_presets: tuple[str, ...] | None = env_field(ALLOWED_PRESETS)  # None: any known
+    tenant: str = env_field(TENANT)
+    recompute_tps: float = env_field(RECOMPUTE_TPS)
+    rope_theta: float | None = env_field(ROPE_THETA)
     deadline_s: float = 30.0  # default fetch deadline
-    ttft_budget_s: float | None = None  # default TTFT budget (None: the fastest option wins)
+    ttft_budget_s: float | None = env_field(TTFT_BUDGET_S)  # None: the fastest option wins
     store_queue_chunks: int = 256  # bound of the store queue, in chunks
     decode_workers: int = 2
-    decode_procs: int = 8 if torch.cuda.is_available() else 0
-    device: str = "cuda" if torch.cuda.is_available() else "cpu"  # where the KV buffers live: decode workers warm up there
-    # decode workers: restore a tiny chunk of each served preset at start, map a buffer when it is registered
-    warm_up: bool = True
+    decode_procs: int = env_field(DECODE_PROCS)
+    device: str = field(default_factory=_device)  # where the KV buffers live: decode workers warm up there
+    warm_up: bool = env_field(WARM_UP)
     io_workers: int = 32
     window: int = 4  # chunks in flight per fetch
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "Config":
-        env = dict(os.environ if env is None else env)
-        c = cls()
-        if env.get("KVFETCHER_CHUNK_TOKENS"):
-            c.chunk_tokens = int(env["KVFETCHER_CHUNK_TOKENS"])
-        names = lambda v: tuple(p.strip() for p in v.split(",") if p.strip())  # noqa: E731
-        if env.get("KVFETCHER_PRESET") and env["KVFETCHER_PRESET"] != "auto":  # auto: the default set
-            c.presets = names(env["KVFETCHER_PRESET"])
-        if env.get("KVFETCHER_ALLOWED_PRESETS"):
-            c.allowed_presets = names(env["KVFETCHER_ALLOWED_PRESETS"])
-        c.tenant = env.get("KVFETCHER_TENANT", env.get("KVFETCHER_POOL", ""))
-        if env.get("KVFETCHER_RECOMPUTE_TPS"):
-            c.recompute_tps = float(env["KVFETCHER_RECOMPUTE_TPS"])
-        if env.get("KVFETCHER_ROPE_THETA"):
-            c.rope_theta = float(env["KVFETCHER_ROPE_THETA"])
-        if env.get("KVFETCHER_DECODE_PROCS"):
-            c.decode_procs = int(env["KVFETCHER_DECODE_PROCS"])
-        if env.get("KVFETCHER_TTFT_BUDGET_S"):
-            c.ttft_budget_s = float(env["KVFETCHER_TTFT_BUDGET_S"])
-        if env.get("KVFETCHER_WARM_UP"):
-            c.warm_up = env["KVFETCHER_WARM_UP"].strip().lower() not in ("0", "false", "no", "off")
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
+        """The settings in ``env`` (default: the process environment), validated without presets."""
+        c = read_fields(cls, env)
         c.validate()
         return c
 
-    def validate(self) -> None:
+    def validate(self, known_presets: Mapping[str, Any] | None = None) -> None:
+        """Raise ``ValueError`` unless the settings can be served. With ``known_presets`` (name ->
+        preset with a ``pre_rope`` flag) the preset names are checked too, and that a pre-RoPE
+        preset has the model's RoPE base."""
         if self.chunk_tokens <= 0:
             raise ValueError(f"chunk tokens must be positive, not {self.chunk_tokens}")
         if self.decode_procs < 0:
             raise ValueError(f"decode processes must be >= 0, not {self.decode_procs}")
         if self.ttft_budget_s is not None and not self.ttft_budget_s > 0:
             raise ValueError(f"the TTFT budget must be positive seconds, not {self.ttft_budget_s}")
-        unknown = [p for p in self.presets + (self.allowed_presets or ()) if p not in PRESETS]
-        if unknown or not self.presets:
-            raise ValueError(f"unknown preset(s) {unknown}; known: {', '.join(PRESETS)}")
-        need_theta = [p for p in self.presets if PRESETS[p].pre_rope]
+        if not self.presets:
+            raise ValueError(f"{PRESET.name} names no preset")
+        if known_presets is None:
+            return
+        unknown = [p for p in self.presets + (self.allowed_presets or ()) if p not in known_presets]
+        if unknown:
+            raise ValueError(f"unknown preset(s) {unknown}; known: {', '.join(known_presets)}")
+        need_theta = [p for p in self.presets if known_presets[p].pre_rope]
         if need_theta and self.rope_theta is None:
-            raise ValueError(f"preset(s) {need_theta} quantise keys before RoPE: set KVFETCHER_ROPE_THETA")
+            raise ValueError(f"preset(s) {need_theta} quantise keys before RoPE: set {ROPE_THETA.name}")
+
+
+def render() -> str:
+    """``docs/configuration.md``: one table per component."""
+    out = ["# Configuration", "",
+           "Generated from `sidecar/kvfetcher/config.py` by `python -m kvfetcher.config > docs/configuration.md`.",
+           "Every setting is an environment variable; unset or empty, it takes its default.", ""]
+    for title, table in TABLES.items():
+        injected = any(s.inject for s in table)
+        head = ["Variable", "Type", "Default", "Meaning"] + (["Set by the operator from"] if injected else [])
+        out += [f"## {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for s in table:
+            row = [f"`{s.name}`", _TYPES[s.type][0], s.shown_default(), s.doc]
+            out.append("| " + " | ".join(row + ([s.inject] if injected else [])) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(render(), end="")

@@ -22,14 +22,14 @@ from pathlib import Path
 
 import torch
 
+from kvfetcher import config
 from kvfetcher.kvbuffer import DTYPES, dtype_name
 
 SHM_PREFIX = "kvfetcher-"
 
 
 def shm_dir() -> Path:
-    d = os.environ.get("KVFETCHER_SHM_DIR") or ("/dev/shm" if os.path.isdir("/dev/shm") else "/tmp")
-    return Path(d)
+    return Path(config.SHM_DIR.read())
 
 
 @dataclass

@@ -50,7 +50,7 @@ class Sidecar:
     def __init__(self, store: Store, config: Config | None = None, metrics: Metrics | None = None):
         self.store = store
         self.config = config or Config()
-        self.config.validate()
+        self.config.validate(PRESETS)
         self.metrics = metrics or Metrics()
         self.estimator = choice.Estimator(gpu=torch.cuda.is_available())
         self.buffers: dict[str, Buffer] = {}

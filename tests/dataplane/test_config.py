@@ -1,9 +1,17 @@
-"""The environment the operator injects maps onto the sidecar's and the client's settings."""
+"""The settings table: parsing, the sidecar's and the client's settings from the environment the
+operator injects, the generated docs, and an import that needs no torch."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+from kvfetcher import config
 from kvfetcher.api.client import KVClient
 from kvfetcher.config import Config
+from kvfetcher.format.presets import PRESETS
 from kvfetcher.store import from_env
 from kvfetcher.store.local import LocalStore
 from kvfetcher.store.s3 import S3Store
@@ -35,11 +43,62 @@ def test_sidecar_config_from_the_operators_env():
     assert Config.from_env({}).warm_up and not Config.from_env({"KVFETCHER_WARM_UP": "0"}).warm_up
 
 
-@pytest.mark.parametrize("env", [{"KVFETCHER_PRESET": "q3000"}, {"KVFETCHER_ALLOWED_PRESETS": "raw,nope"}, {"KVFETCHER_CHUNK_TOKENS": "0"},
-                                 {"KVFETCHER_DECODE_PROCS": "-1"}, {"KVFETCHER_TTFT_BUDGET_S": "0"}])
+@pytest.mark.parametrize("env", [{"KVFETCHER_CHUNK_TOKENS": "0"}, {"KVFETCHER_DECODE_PROCS": "-1"},
+                                 {"KVFETCHER_TTFT_BUDGET_S": "0"}, {"KVFETCHER_PRESET": ","}])
 def test_bad_config_is_refused_at_start(env):
     with pytest.raises(ValueError):
         Config.from_env(env)
+
+
+@pytest.mark.parametrize("env", [{"KVFETCHER_PRESET": "q3000"}, {"KVFETCHER_ALLOWED_PRESETS": "raw,nope"}])
+def test_unknown_presets_are_refused_by_validation_against_the_known_ones(env):
+    c = Config.from_env(env)  # the table knows no presets
+    with pytest.raises(ValueError, match="unknown preset"):
+        c.validate(PRESETS)
+
+
+@pytest.mark.parametrize("name, text, expected", [
+    ("KVFETCHER_CHUNK_TOKENS", "abc", "KVFETCHER_CHUNK_TOKENS: expected an integer, got 'abc'"),
+    ("KVFETCHER_TTFT_BUDGET_S", "1,5", "KVFETCHER_TTFT_BUDGET_S: expected a number, got '1,5'"),
+    ("KVFETCHER_WARM_UP", "maybe", "KVFETCHER_WARM_UP: expected a flag"),
+])
+def test_a_malformed_variable_is_named_with_what_was_expected(name, text, expected):
+    with pytest.raises(ValueError) as e:
+        Config.from_env({name: text})
+    assert str(e.value).startswith(expected)
+
+
+def test_unset_or_empty_takes_the_default():
+    assert config.S3_BUCKET.read({}) == config.S3_BUCKET.read({"KVFETCHER_S3_BUCKET": ""}) == "kvfetcher"
+    assert config.PRESET.read({"KVFETCHER_PRESET": "auto"}) == config.PRESET.read({}) == ("q8",)
+    assert config.PRESET.read({"KVFETCHER_PRESET": " q8, raw ,"}) == ("q8", "raw")
+    assert [config.WARM_UP.read({"KVFETCHER_WARM_UP": w}) for w in ("0", "off", "False", "1", "yes")] == [False] * 3 + [True] * 2
+    assert config.SHM_DIR.read({"KVFETCHER_SHM_DIR": "/x"}) == "/x" and config.SHM_DIR.read({}) in ("/dev/shm", "/tmp")
+
+
+def test_config_fields_default_to_their_settings():
+    assert Config() == Config.from_env({})
+    assert Config().chunk_tokens == config.CHUNK_TOKENS.default
+
+
+def test_the_table_imports_no_torch():
+    """The operator's image has no torch: the table, and the operator's modules using it, import without it."""
+    code = ("import sys, kvfetcher.config, kvfetcher_operator.injection, kvfetcher_operator.config; "
+            "print(sorted({'torch', 'numpy', 'av'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_the_configuration_docs_are_the_tables_rendering():
+    committed = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+    assert committed.read_text() == config.render(), "regenerate: python -m kvfetcher.config > docs/configuration.md"
+    assert all(f"`{s.name}`" in committed.read_text() for table in config.TABLES.values() for s in table)
+
+
+def test_every_setting_is_declared_once():
+    settings = [s for s in vars(config).values() if isinstance(s, config.Setting)]
+    assert len({s.name for s in settings}) == len(settings)
+    assert {s.name for table in config.TABLES.values() for s in table} == {s.name for s in settings}
 
 
 def test_store_from_env(tmp_path):
@@ -57,3 +116,29 @@ def test_client_from_env():
     assert c.token == "t"
     with pytest.raises(OSError):  # nothing listens there: a clear connection error
         c.lookup("b", [1])
+
+
+def test_every_variable_the_code_and_chart_name_is_declared():
+    """No KVFETCHER_* variable is read, injected or set outside the table (a typo, or one nothing reads)."""
+    root = Path(__file__).resolve().parents[2]
+    files = [p for d in ("sidecar", "operator", "charts") for p in (root / d).rglob("*") if p.suffix in (".py", ".yaml", ".tpl")]
+    named = {m for p in files + sorted(root.glob("Dockerfile.*")) for m in re.findall(r"KVFETCHER_[A-Z0-9_]*[A-Z0-9]\b", p.read_text())}
+    declared = {s.name for table in config.TABLES.values() for s in table}
+    assert named and named <= declared, sorted(named - declared)
+
+
+def test_only_the_table_names_a_variable_in_code():
+    """Modules read settings through the table: none but config.py spells a variable as a string."""
+    root = Path(__file__).resolve().parents[2]
+    table = root / "sidecar" / "kvfetcher" / "config.py"
+    spelled = [p.name for d in ("sidecar", "operator") for p in (root / d).rglob("*.py")
+               if p != table and re.search(r"[\"']KVFETCHER_", p.read_text())]
+    assert spelled == []
+
+
+@pytest.mark.parametrize("cfg", [Config(presets=("nope",)), Config(presets=("balanced",), rope_theta=None)])
+def test_a_sidecar_refuses_presets_it_cannot_store(tmp_path, cfg):
+    from kvfetcher.service import Sidecar
+
+    with pytest.raises(ValueError):
+        Sidecar(LocalStore(str(tmp_path)), cfg)

@@ -9,6 +9,7 @@ import kubernetes_validate
 import pytest
 from pod_security import restricted_violations
 
+from kvfetcher import config as settings
 from kvfetcher_operator import builders, conditions, injection, minio
 
 
@@ -90,7 +91,6 @@ def test_injection_into_a_device_plugin_pod() -> None:
                  "KVFETCHER_S3_SECRET_KEY", "KVFETCHER_AUTH_TOKEN", "KVFETCHER_TENANT"):
         assert env[name]["valueFrom"]["secretKeyRef"]["name"] == "cache-kvfetcher", name
     assert env["KVFETCHER_CHUNK_TOKENS"]["value"] == "256" and env["KVFETCHER_PRESET"]["value"] == "auto"
-    assert env["KVFETCHER_MAX_BYTES"]["value"] == str(2**40)
     assert "KVFETCHER_DECODE_PROCS" not in env and "KVFETCHER_TTFT_BUDGET_S" not in env  # the sidecar's defaults
     # Defect 2: a device-plugin GPU cannot be shared, so the sidecar gets none, explicitly, and the pod says so.
     assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "void"
@@ -107,6 +107,24 @@ def test_injection_into_a_device_plugin_pod() -> None:
     assert {"name": "kvfetcher-shm", "mountPath": "/dev/shm"} in side["volumeMounts"]
     assert {"name": "kvfetcher-shm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}} in out["spec"]["volumes"]
     assert injection.mutate(out, pool(MANAGED)).outcome == "unchanged"
+
+
+def test_the_operator_injects_exactly_the_settings_marked_injected() -> None:
+    """Across pools that use every optional field, the operator sets in each container exactly the
+    settings that container's table marks injected (and the NVIDIA runtime's variables)."""
+    external = EXTERNAL["storage"]["external"]
+    insecure = {"storage": {"external": {**external, "tls": {"insecureSkipVerify": True}}},
+                "tenancy": {"saltFrom": "Secret", "secretRef": {"name": "t", "key": "salt"}}}
+    tuned = {**EXTERNAL, "sidecar": {"decodeProcesses": 4, "ttftBudgetSeconds": 1.5}}
+    sidecar: set[str] = set()
+    model: set[str] = set()
+    for spec in (MANAGED, tuned, insecure):
+        pod = gpu_pod(resources={"limits": {"nvidia.com/gpu": "1"}})
+        out = injection.apply_merge_patch(pod, injection.mutate(pod, pool(spec)).patch)
+        sidecar |= {e["name"] for e in out["spec"]["initContainers"][0]["env"]}
+        model |= {e["name"] for e in out["spec"]["containers"][1]["env"]}
+    assert {n for n in sidecar if not n.startswith("NVIDIA_")} == {s.name for s in settings.SIDECAR if s.inject}
+    assert model == {s.name for s in settings.CLIENT if s.inject}
 
 
 def test_injection_with_dra_claims_external_storage_and_label_salt() -> None:

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
-from kvfetcher import ipc
+from kvfetcher import config, ipc
 from kvfetcher.api import schemas
 from kvfetcher.fetch.plan import FetchPlan, LoadReply
 
@@ -60,19 +59,18 @@ class KVClient:
             self._connect = lambda: http.client.HTTPConnection(u.hostname, u.port or 80, timeout=timeout_s)
         else:
             self._connect = lambda: _UnixConnection(socket_path, timeout_s)
-        self.token = token if token is not None else os.environ.get("KVFETCHER_AUTH_TOKEN")
+        self.token = token if token is not None else config.AUTH_TOKEN.read()
         self._conn: http.client.HTTPConnection | None = None
         self._lock = threading.Lock()
         self.chunk_tokens: int | None = None  # learnt from the sidecar's replies
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "KVClient":
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "KVClient":
         """The sidecar the environment names: ``KVFETCHER_SOCKET`` (what the operator injects into
         the model container), else ``KVFETCHER_URL`` with ``KVFETCHER_AUTH_TOKEN``."""
-        env = dict(os.environ if env is None else env)
-        if env.get("KVFETCHER_SOCKET"):
-            return cls(socket_path=env["KVFETCHER_SOCKET"], token=env.get("KVFETCHER_AUTH_TOKEN", ""))
-        return cls(env.get("KVFETCHER_URL", "http://127.0.0.1:8500"), token=env.get("KVFETCHER_AUTH_TOKEN", ""))
+        if config.SOCKET.read(env):
+            return cls(socket_path=config.SOCKET.read(env), token=config.AUTH_TOKEN.read(env))
+        return cls(config.URL.read(env), token=config.AUTH_TOKEN.read(env))
 
     def _request(self, method: str, path: str, body: dict | None = None) -> dict:
         data = json.dumps(body).encode() if body is not None else None

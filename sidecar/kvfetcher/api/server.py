@@ -19,10 +19,12 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 
 from aiohttp import web
 
+from kvfetcher import config
 from kvfetcher.api import schemas
 from kvfetcher.config import Config
 from kvfetcher.errors import Reason, RequestError
@@ -35,13 +37,11 @@ SIDECAR = web.AppKey("sidecar", Sidecar)
 TOKEN = web.AppKey("token", str)
 
 
-def token_from_env(env: dict[str, str] | None = None) -> str | None:
-    env = dict(os.environ if env is None else env)
-    if env.get("KVFETCHER_AUTH_TOKEN"):
-        return env["KVFETCHER_AUTH_TOKEN"].strip()
-    if env.get("KVFETCHER_AUTH_TOKEN_FILE"):
-        return Path(env["KVFETCHER_AUTH_TOKEN_FILE"]).read_text().strip() or None
-    return None
+def token_from_env(env: Mapping[str, str] | None = None) -> str | None:
+    token, path = config.AUTH_TOKEN.read(env), config.AUTH_TOKEN_FILE.read(env)
+    if token:
+        return token.strip()
+    return (Path(path).read_text().strip() or None) if path else None
 
 
 def _over_unix_socket(request: web.Request) -> bool:

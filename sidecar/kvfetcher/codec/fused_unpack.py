@@ -23,6 +23,8 @@ import os
 
 import torch
 
+from kvfetcher import config
+
 try:
     import triton
     import triton.language as tl
@@ -36,7 +38,7 @@ BLOCK_TOKENS = 32
 def enabled(frames: torch.Tensor) -> bool:
     """Whether to unpack ``frames`` with the kernel: CUDA frames (or any, under Triton's CPU
     interpreter, which the tests use), Triton present, and not switched off."""
-    if triton is None or os.environ.get("KVFETCHER_FUSED_UNPACK", "1") == "0":
+    if triton is None or not config.FUSED_UNPACK.read():
         return False
     return frames.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import secrets
 import tempfile
 import time
@@ -25,7 +24,7 @@ from kvfetcher.api.client import KVClient
 from kvfetcher.integrations.transformers import CachedLM
 from kvfetcher.format.presets import get
 from kvfetcher.api.server import Embedded
-from kvfetcher.config import Config
+from kvfetcher.config import CHUNK_TOKENS, S3_ENDPOINT, Config
 from kvfetcher.service import Sidecar
 from kvfetcher.store import from_env
 from kvfetcher.store.local import LocalStore
@@ -38,7 +37,7 @@ def run(prompt_tokens: int = 1800, new_tokens: int = 32, chunk_tokens: int = 256
     if preset:
         config.presets = (get(preset).name,)
     tmp = None
-    if os.environ.get("KVFETCHER_S3_ENDPOINT"):
+    if S3_ENDPOINT.read():
         store = from_env()
     else:
         tmp = tempfile.TemporaryDirectory(prefix="kvfetcher-demo-")
@@ -113,7 +112,7 @@ def register_cli(sub) -> None:
     p = sub.add_parser("demo", help="two sidecars on loopback: prefill+store on one, fetch+generate on the other")
     p.add_argument("--tokens", type=int, default=1800, help="prompt length")
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--chunk-tokens", type=int, default=int(os.environ.get("KVFETCHER_CHUNK_TOKENS", 256)))
+    p.add_argument("--chunk-tokens", type=int, default=CHUNK_TOKENS.read())
     p.add_argument("--preset", default=None, help="stored representation (default: KVFETCHER_PRESET or q8)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 

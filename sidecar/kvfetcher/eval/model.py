@@ -19,14 +19,15 @@ from pathlib import Path
 
 import torch
 
+from kvfetcher.config import CACHE
+
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DATA_DIR = Path(__file__).parent / "data"
 
 
 def cache_dir() -> Path:
     """Where the plain model copy lives; ``KVFETCHER_CACHE`` overrides."""
-    base = os.environ.get("KVFETCHER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "kvfetcher")
-    return Path(base)
+    return Path(CACHE.read())
 
 
 def gguf_dir() -> Path:

@@ -12,10 +12,12 @@ direct path lands raw KV in reusable (pinned) host memory without an intermediat
 
 from __future__ import annotations
 
-import os
+from collections.abc import Mapping
 from typing import Protocol
 
 import numpy as np
+
+from kvfetcher import config
 
 
 class StoreError(RuntimeError):
@@ -89,27 +91,25 @@ def read_into(store: Store, name: str, offset: int, buf: memoryview) -> int:
     return n
 
 
-def from_env(env: dict[str, str] | None = None) -> Store:
-    """The store the environment names: S3 when ``KVFETCHER_S3_ENDPOINT`` is set (with
-    ``_BUCKET``, ``_ACCESS_KEY``, ``_SECRET_KEY``, ``_REGION``, ``_CA_FILE``, ``_INSECURE``), else
-    the directory ``KVFETCHER_STORE_DIR``."""
-    env = dict(os.environ if env is None else env)
-    if env.get("KVFETCHER_S3_ENDPOINT"):
+def from_env(env: Mapping[str, str] | None = None) -> Store:
+    """The store the environment names (default: the process environment): S3 when
+    ``KVFETCHER_S3_ENDPOINT`` is set, else the local directory ``KVFETCHER_STORE_DIR``."""
+    endpoint = config.S3_ENDPOINT.read(env)
+    if endpoint:
         from kvfetcher.store.s3 import S3Store
 
         return S3Store(
-            env["KVFETCHER_S3_ENDPOINT"],
-            env.get("KVFETCHER_S3_BUCKET", "kvfetcher"),
-            env.get("KVFETCHER_S3_ACCESS_KEY", ""),
-            env.get("KVFETCHER_S3_SECRET_KEY", ""),
-            region=env.get("KVFETCHER_S3_REGION") or "us-east-1",
-            ca_file=env.get("KVFETCHER_S3_CA_FILE") or None,
-            verify_tls=env.get("KVFETCHER_S3_INSECURE", "").lower() not in ("1", "true", "yes"),
+            endpoint,
+            config.S3_BUCKET.read(env),
+            config.S3_ACCESS_KEY.read(env),
+            config.S3_SECRET_KEY.read(env),
+            region=config.S3_REGION.read(env),
+            ca_file=config.S3_CA_FILE.read(env),
+            verify_tls=not config.S3_INSECURE.read(env),
         )
     from kvfetcher.store.local import LocalStore
 
-    root = env.get("KVFETCHER_STORE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvfetcher", "store")
-    return LocalStore(root)
+    return LocalStore(config.STORE_DIR.read(env))
 
 
 __all__ = ["Store", "StoreError", "NotFound", "Unavailable", "fill", "from_env", "read_into"]
