@@ -64,10 +64,13 @@ class Sidecar:
     # --- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Start the decode workers and the writer. No GPU is touched here: a GPU is warmed only
+        once a model registers a buffer on it (:meth:`register`), so the sidecar never opens a
+        device that is not its model's."""
         if self.workers is not None:  # seconds of process start-up and warm-up: not on a request's path
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, self.workers.start)
-            if self.config.warm_up:
+            if self.config.warm_up and self.config.device == "cpu":
                 await loop.run_in_executor(None, self.warm_workers)
         self.writer.start()
 
@@ -93,8 +96,8 @@ class Sidecar:
         """Restore a chunk of every preset this sidecar may load in each decode worker, so that the
         first load neither waits for CUDA and NVDEC set-up nor teaches the cost model a cold rate:
         at start a tiny one; for a registered buffer ``buf`` one of its model's chunk geometry (NVDEC
-        decoders and the fused unpack are per geometry). Best effort: failures are logged and
-        counted, and the sidecar serves anyway. Blocking."""
+        decoders and the fused unpack are per geometry), on that buffer's device. Best effort:
+        failures are logged and counted, and the sidecar serves anyway. Blocking."""
         assert self.workers is not None
         names = [p for p in self._served_presets() if PRESETS[p].layout.mode != "native"]  # native chunks need no worker
         if not names:
@@ -105,7 +108,8 @@ class Sidecar:
             else:
                 L, _, H, _, D = buf.tensor.shape
                 objects = [warmup_object(p, (L, H, self.config.chunk_tokens, D), buf.tensor.dtype, buf.ns.model) for p in names]
-            w = self.workers.warm(self.config.device, objects)
+            device = self.config.device if buf is None else str(buf.tensor.device)
+            w = self.workers.warm(device, objects)
         except Exception:
             log.exception("decode worker warm-up failed")
             self.metrics.errors.labels(Reason.WARM_UP).inc()
@@ -113,7 +117,7 @@ class Sidecar:
         if w.errors:
             self.metrics.errors.labels(Reason.WARM_UP).inc(len(w.errors))
         self.metrics.warm_up_seconds.set(max(w.seconds))
-        log.warning("decode workers warmed on %s with %s in %s s%s", self.config.device, ",".join(names),
+        log.warning("decode workers warmed on %s with %s in %s s%s", device, ",".join(names),
                     " ".join(f"{x:.2f}" for x in w.seconds), f"; {len(w.errors)} failed: {w.errors[0]}" if w.errors else "")
 
     async def close(self, drain_s: float = 10.0) -> None:

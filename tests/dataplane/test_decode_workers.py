@@ -321,3 +321,13 @@ async def test_a_sidecar_warms_its_workers_and_maps_a_buffer_when_it_is_register
         assert r.loaded_tokens == 64 and "exact" in sc.estimator.rates(sc.store.endpoint, 1.0).decode_Bps
     finally:
         await sc.close()
+
+
+async def test_a_gpu_sidecar_touches_no_gpu_before_a_model_registers_one(tmp_path):
+    sc = Sidecar(LocalStore(tmp_path), Config(chunk_tokens=32, presets=("exact",), decode_procs=1, device="cuda"))
+    await sc.start()
+    try:  # a warm-up at start would have opened a GPU of the sidecar's choosing (and failed here on a CPU)
+        assert sc.metrics.registry.get_sample_value("kvfetcher_errors_total", {"reason": "warm_up"}) is None
+        assert sc.metrics.registry.get_sample_value("kvfetcher_decode_warm_up_seconds") == 0
+    finally:
+        await sc.close()
