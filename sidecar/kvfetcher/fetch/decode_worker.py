@@ -32,7 +32,7 @@ MAX_OPEN_BUFFERS = 8  # handles a worker keeps open (least recently used are dro
 
 @dataclass(frozen=True)
 class IntoBuffer:
-    """Restore into the KV buffer an IPC ``handle`` names (``key``: :func:`handle_key`)."""
+    """Restore into the KV buffer an IPC ``handle`` names (``key``: :func:`workers.handle_key`)."""
 
     key: str
     handle: dict
@@ -220,5 +220,7 @@ def serve(conn) -> None:
                     log.warning("decode worker %d cannot open buffer %s: %s", os.getpid(), key, e)
             case Forget(key):
                 state.forget(key)
-            case _:  # Stop
+            case Stop():
                 return
+            case _:
+                raise TypeError(f"not a decode worker message: {msg!r}")
