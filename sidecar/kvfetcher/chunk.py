@@ -81,7 +81,7 @@ def decode_chunk(
     """A whole stored object -> KV on ``device`` (or written into ``out``, which it returns).
 
     A bad object raises a :class:`container.ContainerError` and leaves ``out`` unchanged
-    (:func:`restore_chunk`).
+    (:func:`restore_chunk`); so does an ``out`` not of the chunk's shape and dtype.
     """
     h = container.parse_header(obj)
     container.check_fingerprint(h, expected_fingerprint)

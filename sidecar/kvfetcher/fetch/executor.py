@@ -95,10 +95,10 @@ async def fetch(
     """
     if workers is not None and dest.handle is None:
         raise ValueError("decode workers need the destination buffer's IPC handle")
-    run = _Fetch(store, chunks, dest, fingerprint=fingerprint, io_pool=io_pool, decode_pool=decode_pool, device=device,
+    job = _Fetch(store, chunks, dest, fingerprint=fingerprint, io_pool=io_pool, decode_pool=decode_pool, device=device,
                  window=chunks_in_flight(window, workers), io_concurrency=io_concurrency, workers=workers,
                  staging_pool=staging_pool or staging.shared())
-    return await run.run(deadline_s)
+    return await job.run(deadline_s)
 
 
 class _Busy:
