@@ -9,7 +9,8 @@ import torch
 
 from kvtest import synthetic_kv
 from kvfetcher.format import container
-from kvfetcher.chunk import decode_chunk, encode_chunk
+from kvfetcher.chunk import decode_chunk, encode_chunk, restore_chunk
+from kvfetcher.kvbuffer import ChunkRef, Destination
 
 FP = "test-model/fp16"
 
@@ -248,3 +249,36 @@ def test_an_unknown_or_misfitting_basis_is_refused_before_decoding():
     for edit in (unknown, misfit):
         with pytest.raises(container.CorruptError, match="basis"):
             decode_chunk(_rewrite_header(obj, edit), fp)
+
+
+@pytest.mark.parametrize("part", ["side", "first segment", "last segment"])
+@pytest.mark.parametrize("scattered", [False, True])
+def test_restore_chunk_writes_nothing_unless_every_part_verifies(part, scattered):
+    """The one restore of a chunk (whole objects, decode workers and the fetch executor use it):
+    a bad part raises before the buffer is touched; good parts land in the chunk's slots only."""
+    from dataclasses import replace
+
+    from kvfetcher.format import presets
+
+    q8 = presets.get("q8")  # a frame per tile, a segment per frame: several segments
+    obj = encode_chunk(synthetic_kv(layers=12, tokens=64), replace(q8, layout=replace(q8.layout, max_rows=64), segment_frames=1), FP)
+    h = container.parse_header(obj)
+    assert len(h.segments) > 1 and h.side is not None
+    L, _, H, T, D = h.shape
+    buf = torch.full((L, 2, H, 100, D), 7.0, dtype=h.torch_dtype)
+    slots = torch.randperm(100, generator=torch.Generator().manual_seed(0))[:T].tolist() if scattered else list(range(20, 20 + T))
+    dest, ref = Destination(buf, slots=slots), ChunkRef("x", len(obj), 0, T)
+
+    def parts(o: bytes):
+        cut = lambda s: memoryview(o)[h.header_size + s.offset : h.header_size + s.offset + s.length]  # noqa: E731
+        return cut(h.side), [cut(s) for s in h.segments]
+
+    seg = {"side": h.side, "first segment": h.segments[0], "last segment": h.segments[-1]}[part]
+    at = h.header_size + seg.offset + seg.length // 2
+    bad = obj[:at] + bytes([obj[at] ^ 0x40]) + obj[at + 1 :]
+    with pytest.raises(container.CorruptError):
+        restore_chunk(dest, ref, h, *parts(bad))
+    assert bool((buf == 7.0).all())
+    assert restore_chunk(dest, ref, h, *parts(obj)) == L * 2 * H * T * D * buf.element_size()
+    assert torch.equal(buf[:, :, :, slots], decode_chunk(obj, FP))
+    assert bool((buf[:, :, :, sorted(set(range(100)) - set(slots))] == 7.0).all())

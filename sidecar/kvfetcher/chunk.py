@@ -1,12 +1,21 @@
-"""chunk: the whole path for one chunk — pack, encode, wrap; and unwrap, decode, unpack.
+"""chunk: the whole path for one chunk — pack, encode, wrap; and verify, decode, unpack.
 
-This is the seam between the pure parts (layout, container) and the codec backends; the
-fetch pipeline uses the same per-segment steps to overlap downloads with decoding.
+This is the seam between the pure parts (layout, container) and the codec backends.
+:func:`restore_chunk` is the one restore of a chunk into a KV :class:`Destination`: a whole
+object in memory (:func:`decode_chunk`), a decode worker's request and the fetch executor's
+in-process path all go through it (the executor calls its two halves,
+:func:`verify_and_decode` then :meth:`Decoded.write`, so that a fetch given up on between them
+writes nothing).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -14,7 +23,9 @@ from kvfetcher.codec import basis, layout
 from kvfetcher import codec
 from kvfetcher.format import container
 from kvfetcher.format.presets import Preset, get
-from kvfetcher.kvbuffer import dtype_name
+from kvfetcher.kvbuffer import ChunkRef, Destination, bytes_per_value, dtype_name
+
+Bytes = bytes | memoryview  # a part's stored bytes as read (a worker reads them in place from shared memory)
 
 
 def encode_chunk(
@@ -68,16 +79,80 @@ def decode_chunk(
     out: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """A stored object -> KV on ``device`` (or written into ``out``).
+    """A whole stored object -> KV on ``device`` (or written into ``out``, which it returns).
 
-    Every checksum is verified and every segment decoded before ``out`` is touched, so a bad
-    object raises a :class:`container.ContainerError` and leaves the destination unchanged.
+    A bad object raises a :class:`container.ContainerError` and leaves ``out`` unchanged
+    (:func:`restore_chunk`); so does an ``out`` not of the chunk's shape and dtype.
     """
     h = container.parse_header(obj)
     container.check_fingerprint(h, expected_fingerprint)
     container.check_size(h, len(obj))
-    side = container.side_tensor(h, container.slice_segment(obj, h, h.side)) if h.side else None
+    if out is None:
+        out = torch.empty(h.shape, dtype=h.torch_dtype, device=device)
+    mem = memoryview(obj)
+    part = lambda s: mem[h.header_size + s.offset : h.header_size + s.offset + s.length]  # noqa: E731
+    side = part(h.side) if h.side else None
+    restore_chunk(Destination(out, tokens=h.tokens), ChunkRef("", len(obj), 0, h.tokens), h, side,
+                  [part(s) for s in h.segments], device=device, backend=backend)
+    return out
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """A chunk whose side information and segments all verified and decoded: nothing of it has
+    reached a KV buffer yet."""
+
+    header: container.Header
+    frames: torch.Tensor  # uint8 frames of every segment, in order
+    side: torch.Tensor | None
+
+    def write(self, dest: Destination, ref: ChunkRef) -> int:
+        """Unpack into the chunk's slots of ``dest`` (its view in place, or a scatter), then
+        :meth:`Destination.finish`; returns the KV bytes written. ``dest.check`` must have passed."""
+        h = self.header
+        frames = self.frames.to(dest.buffer.device)
+        unpack = functools.partial(layout.unpack, frames, self.side, h.shape, h.torch_dtype, h.layout, start=h.start)
+        view = dest.view(ref)
+        if view is not None:
+            unpack(out=view)
+        else:
+            dest.scatter(ref, unpack())
+        dest.finish()
+        return math.prod(h.shape) * bytes_per_value(h.torch_dtype)
+
+
+def verify_and_decode(h: container.Header, side: Bytes | None, segments: Sequence[Bytes],
+                      device: torch.device | str = "cpu", backend: str | None = None) -> Decoded:
+    """Check the checksum of the side information and of every segment, then decode every segment
+    (frames on ``device``). Raises a :class:`container.ContainerError` for a bad part; touches no buffer.
+    ``side`` and ``segments`` are the parts' stored bytes, unverified, in header order."""
+    if h.side is not None:
+        container.check(h.side, side)
+    for seg, data in zip(h.segments, segments, strict=True):
+        container.check(seg, data)
+    side_t = container.side_tensor(h, bytes(side)) if h.side else None
     dec = codec.decoder(h.codec.format, device, backend)
-    frames = [container.decode_segment(h, s, container.slice_segment(obj, h, s), dec, device) for s in h.segments]
-    allframes = frames[0] if len(frames) == 1 else torch.cat(frames)
-    return layout.unpack(allframes, side, h.shape, h.torch_dtype, h.layout, out=out, start=h.start)
+    in_place = getattr(dec, "name", "") in ("nvdec", "raw")  # these read a buffer in place; libav wants bytes
+    frames = [container.decode_segment(h, s, d if in_place else bytes(d), dec, device) for s, d in zip(h.segments, segments)]
+    return Decoded(h, frames[0] if len(frames) == 1 else torch.cat(frames), side_t)
+
+
+def restore_chunk(dest: Destination, ref: ChunkRef, h: container.Header, side: Bytes | None, segments: Sequence[Bytes],
+                  *, device: torch.device | str | None = None, backend: str | None = None,
+                  times: dict[str, float] | None = None) -> int:
+    """The restore of one chunk: check that it fits ``dest``, verify every part, decode every
+    segment, and only then write it into ``ref``'s slots; returns the KV bytes written.
+
+    Nothing unverified or undecodable reaches the buffer: a bad part raises (a
+    :class:`container.ContainerError`) before the first write. ``device`` is where frames are
+    decoded (default: the buffer's device). ``times``, if given, receives the seconds spent
+    verifying and decoding (``decode_s``) and writing (``write_s``).
+    """
+    dest.check(h, ref)
+    t0 = time.perf_counter()
+    decoded = verify_and_decode(h, side, segments, dest.buffer.device if device is None else device, backend)
+    t1 = time.perf_counter()
+    n = decoded.write(dest, ref)
+    if times is not None:
+        times.update(decode_s=t1 - t0, write_s=time.perf_counter() - t1)
+    return n

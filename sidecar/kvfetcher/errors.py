@@ -1,7 +1,13 @@
 """errors: why a fetch fell back, a store failed or a request was refused — one vocabulary.
 
 Every :class:`Reason` value is a metrics label (``kvfetcher_errors_total{reason=...}``,
-``kvfetcher_fallbacks_total{reason=...}``) and the ``reason`` field of an API reply.
+``kvfetcher_fallbacks_total{reason=...}``) and the ``reason`` field of an API reply. Every error
+class with a ``reason`` attribute holds one of its members; being a ``str`` enum, a member equals
+its plain string value.
+
+The refusals of a stored object (:class:`ContainerError` and its subclasses) live here, at the
+bottom, because both the container parser and a KV destination that a chunk does not fit raise
+them.
 """
 
 from __future__ import annotations
@@ -41,6 +47,42 @@ class Reason(str, Enum):
 
 #: reasons that mean the stored object itself is bad (not the link, not a newer writer)
 BAD_OBJECT = frozenset({Reason.CORRUPT, Reason.TRUNCATED, Reason.FOREIGN, Reason.FINGERPRINT})
+
+
+class ContainerError(ValueError):
+    """Base of every reason a stored object is refused."""
+
+    reason = Reason.INVALID
+
+
+class ForeignObjectError(ContainerError):
+    """Not a kvfetcher chunk at all (wrong magic)."""
+
+    reason = Reason.FOREIGN
+
+
+class FutureVersionError(ContainerError):
+    """Written by a newer kvfetcher: refuse rather than guess."""
+
+    reason = Reason.VERSION
+
+
+class TruncatedError(ContainerError):
+    """Fewer bytes than the header and its index promise."""
+
+    reason = Reason.TRUNCATED
+
+
+class CorruptError(ContainerError):
+    """A checksum does not match, or the header or a bitstream does not parse."""
+
+    reason = Reason.CORRUPT
+
+
+class FingerprintMismatchError(ContainerError):
+    """A valid chunk, but of another model / dtype / layout namespace, or not of the buffer's geometry."""
+
+    reason = Reason.FINGERPRINT
 
 
 class RequestError(ValueError):

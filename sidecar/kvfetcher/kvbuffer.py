@@ -3,7 +3,8 @@
 A KV buffer is ``[layers, 2, kv_heads, capacity, head_dim]`` (K and V on axis 1, token slots on
 axis 3) in one of :data:`DTYPES`; a chunk is the same shape with ``tokens`` in place of
 ``capacity``. Token ``i`` of a prompt lives in slot ``slots[i]``: contiguous slots form a plain
-view of the buffer, scattered ones (a paged cache) are written through ``index_copy_``.
+view of the buffer, scattered ones (a paged cache) are written through ``index_copy_``
+(:class:`Destination`). This is the bottom layer: it knows shapes and slots, not codecs.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from kvfetcher.errors import FingerprintMismatchError
 
 #: dtypes a chunk may have, by name as written in container headers.
 DTYPES: dict[str, torch.dtype] = {
@@ -72,3 +75,67 @@ def contiguous(idx: Sequence[int]) -> bool:
     if isinstance(idx, range):
         return idx.step == 1 or len(idx) <= 1
     return idx == list(range(idx[0], idx[0] + len(idx)))
+
+
+class Destination:
+    """Where a fetch writes: token ``i`` of the prompt goes to slot ``slots[i]`` of ``buffer``.
+
+    ``buffer`` is ``[layers, 2, kv_heads, capacity, head_dim]``; the slots are ``slots[:tokens]``
+    or ``range(offset, offset + tokens)`` (:func:`slot_list`). A chunk's contiguous slots are
+    written in place through :meth:`view` (no copy), scattered ones (a paged cache) through
+    :meth:`scatter`; every write ends with :meth:`finish`. ``handle`` is the buffer's IPC handle
+    (:mod:`ipc`), which decode worker processes open to write into the same memory.
+    """
+
+    def __init__(self, buffer: torch.Tensor, slots: Sequence[int] | None = None, offset: int = 0, tokens: int | None = None,
+                 handle: dict | None = None):
+        check_shape(buffer)
+        self.buffer = buffer
+        self.handle = handle
+        if tokens is None:
+            if slots is None:
+                raise ValueError("give the destination's slots or its number of tokens")
+            tokens = len(slots)
+        self.slots = slot_list(buffer.shape[3], tokens, slots, offset)
+
+    def check(self, h, c: ChunkRef) -> None:
+        """Refuse a chunk (``h``: its header's ``shape``, ``dtype`` and ``torch_dtype``) that does not
+        fit: wrong geometry or dtype is a foreign chunk here; slots beyond the destination a ValueError."""
+        L, _, H, _, D = self.buffer.shape
+        if tuple(h.shape) != (L, 2, H, c.tokens, D) or h.torch_dtype != self.buffer.dtype:
+            raise FingerprintMismatchError(
+                f"chunk {tuple(h.shape)} {h.dtype} does not fit buffer {tuple(self.buffer.shape)} {self.buffer.dtype}"
+            )
+        if c.start + c.tokens > len(self.slots):
+            raise ValueError(f"no destination slots for tokens {c.start}..{c.start + c.tokens}")
+
+    def view(self, c: ChunkRef) -> torch.Tensor | None:
+        """The buffer view the chunk's slots form when they are contiguous, else None (scatter)."""
+        idx = self.slots[c.start : c.start + c.tokens]
+        return self.buffer[:, :, :, idx[0] : idx[0] + len(idx)] if contiguous(idx) else None
+
+    def scatter(self, c: ChunkRef, kv: torch.Tensor) -> None:
+        """Write the chunk's KV ``[layers, 2, kv_heads, tokens, head_dim]`` into its slots, wherever they are."""
+        idx = torch.tensor(self.slots[c.start : c.start + c.tokens], device=self.buffer.device)
+        self.buffer.index_copy_(3, idx, kv.to(self.buffer.device, non_blocking=True))
+
+    def finish(self) -> None:
+        """Wait until the writes queued on the GPU are done: the model (another process) reads the
+        buffer once the fetch answers."""
+        if self.buffer.is_cuda:
+            torch.cuda.current_stream(self.buffer.device).synchronize()
+
+    def write_kv(self, c: ChunkRef, kv: torch.Tensor) -> None:
+        """Copy a verified chunk ``[layers, 2, kv_heads, tokens, head_dim]`` (host memory) into its
+        slots. On a GPU the copy is non-blocking from pinned memory and waited for, so the chunk is
+        in the buffer when this returns and the host memory may be reused.
+
+        It runs on the calling thread's current stream, not a dedicated one: in the sidecar's own
+        process nothing else queues on the GPU, and a dedicated stream failed ("invalid resource
+        handle") in threads that had run NVDEC."""
+        view = self.view(c)
+        if view is not None:
+            view.copy_(kv, non_blocking=True)
+        else:
+            self.scatter(c, kv)
+        self.finish()

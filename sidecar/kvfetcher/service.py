@@ -28,10 +28,10 @@ from kvfetcher import ipc, keys, kvbuffer
 from kvfetcher.config import Config
 from kvfetcher.errors import Reason, RequestError
 from kvfetcher.fetch import choice, executor, staging
-from kvfetcher.fetch.executor import Destination
 from kvfetcher.fetch.plan import Costs, FetchPlan, LoadDecision, LoadReply, LOOKUP_PARALLEL, make_plan, seal, sealed
 from kvfetcher.fetch.workers import DecodeWorkers, warmup_object
 from kvfetcher.format.presets import PRESETS
+from kvfetcher.kvbuffer import Destination
 from kvfetcher.metrics import Metrics
 from kvfetcher.save.writer import Job, Writer, copy_prefix
 from kvfetcher.store import Store, StoreError

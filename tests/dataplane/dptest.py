@@ -12,7 +12,8 @@ from contextlib import contextmanager
 
 from aiohttp import ClientSession, web
 
-from kvfetcher.fetch import executor as pipeline
+from kvfetcher.fetch import executor
+from kvfetcher.kvbuffer import ChunkRef
 from kvfetcher.chunk import encode_chunk
 from kvfetcher.api.server import Embedded
 from kvfetcher.config import Config
@@ -108,10 +109,10 @@ def put_chunks(store, kv, chunk, preset="raw", fingerprint="fp"):
         obj = encode_chunk(kv[:, :, :, i * chunk : (i + 1) * chunk].contiguous(), preset, fingerprint)
         name = f"kv/{i:04d}/{preset}.kvfc"
         store.put(name, obj)
-        refs.append(pipeline.ChunkRef(name, len(obj), i * chunk, chunk))
+        refs.append(ChunkRef(name, len(obj), i * chunk, chunk))
     return refs
 
 
 async def fetch(store, refs, dest, **kw):
     with ThreadPoolExecutor(8) as io, ThreadPoolExecutor(2) as dec:
-        return await pipeline.fetch(store, refs, dest, fingerprint=kw.pop("fingerprint", "fp"), io_pool=io, decode_pool=dec, **kw)
+        return await executor.fetch(store, refs, dest, fingerprint=kw.pop("fingerprint", "fp"), io_pool=io, decode_pool=dec, **kw)

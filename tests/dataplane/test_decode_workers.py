@@ -15,16 +15,16 @@ import torch
 from kvfetcher.codec import basis
 from kvfetcher.format import container
 from kvfetcher import ipc
-from kvfetcher.fetch import executor as pipeline
-from kvfetcher.chunk import decode_chunk, encode_chunk
+from kvfetcher.chunk import decode_chunk
 from kvfetcher.fetch.workers import DecodeWorkers, warmup_object
 from kvfetcher.config import Config
+from kvfetcher.kvbuffer import Destination
 from kvfetcher.service import Sidecar
 from kvfetcher.store.local import LocalStore
 
 from dptest import SENTINEL, fetch, put_chunks
 from kvtest import synthetic_kv
-from test_pipeline import corrupt_segment, foreign, truncate_after_listing
+from test_pipeline import corrupt_segment, corrupt_side, foreign, garbage_bitstream, truncate_after_listing, undecodable
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ async def test_workers_restore_what_threads_restore_and_raw_bypasses_them(tmp_pa
     refs = put_chunks(store, kv, 32, preset=preset)
     slots = torch.randperm(130)[:96].tolist()  # scattered, as in a paged cache
     buf = shared(kv, capacity=130)
-    dest = pipeline.Destination(buf.tensor, slots=slots, handle=buf.handle)
+    dest = Destination(buf.tensor, slots=slots, handle=buf.handle)
     before = workers.stats["chunks"]
     out = await fetch(store, refs, dest, workers=workers)
     assert out.error is None and out.loaded_tokens == 96, out.detail
@@ -75,30 +75,13 @@ async def test_workers_restore_what_threads_restore_and_raw_bypasses_them(tmp_pa
     assert bool((buf.tensor[:, :, :, untouched] == SENTINEL).all())
 
 
-def undecodable(obj: bytes) -> bytes:
-    """The object, well-formed and with matching checksums, but with HEVC that does not decode."""
-    h = container.parse_header(obj)
-    fields = {k: v for k, v in h.to_json().items() if k not in ("layout_version", "side", "segments")}
-    side = container.side_tensor(h, container.slice_segment(obj, h, h.side)) if h.side else None
-    segs = [(s.frames, b"\x00\x00\x01" + os.urandom(s.length)) for s in h.segments]
-    return container.build(fields, side, segs)
-
-
-def garbage_bitstream(store, ref):
-    """A stored object replaced by its :func:`undecodable` twin."""
-    bad = undecodable(store.get(ref.name))
-    store.delete(ref.name)
-    store.put(ref.name, bad)
-    return pipeline.ChunkRef(ref.name, len(bad), ref.start, ref.tokens)
-
-
 async def test_undecodable_chunk_in_a_worker_is_never_written(tmp_path, workers, shared):
     kv = synthetic_kv(layers=2, heads=2, tokens=96, head_dim=32)
     store = LocalStore(tmp_path)
     refs = put_chunks(store, kv, 32, preset="q8")
     refs[1] = garbage_bitstream(store, refs[1])
     buf = shared(kv)
-    out = await fetch(store, refs, pipeline.Destination(buf.tensor, tokens=96, handle=buf.handle), window=1, workers=workers)
+    out = await fetch(store, refs, Destination(buf.tensor, tokens=96, handle=buf.handle), window=1, workers=workers)
     assert out.error == "corrupt", out.detail
     assert out.loaded_tokens == 32
     assert bool((buf.tensor[:, :, :, 32:64] == SENTINEL).all())
@@ -114,7 +97,7 @@ async def test_a_dead_worker_fails_the_fetch_and_is_replaced(tmp_path, shared):
         os.kill(w._workers[0].proc.pid, signal.SIGKILL)
         w._workers[0].proc.join(5)
         buf = shared(kv)
-        dest = pipeline.Destination(buf.tensor, tokens=64, handle=buf.handle)
+        dest = Destination(buf.tensor, tokens=64, handle=buf.handle)
         out = await fetch(store, refs, dest, workers=w)
         # the chunk the dead worker held fails; one that reached the replacement may have landed
         assert out.error == "decoder" and out.loaded_tokens < 64, out
@@ -130,10 +113,11 @@ async def test_workers_need_the_buffer_handle(tmp_path, workers):
     store = LocalStore(tmp_path)
     refs = put_chunks(store, kv, 32)
     with pytest.raises(ValueError, match="IPC handle"):
-        await fetch(store, refs, pipeline.Destination(torch.zeros_like(kv), tokens=32), workers=workers)
+        await fetch(store, refs, Destination(torch.zeros_like(kv), tokens=32), workers=workers)
 
 
-@pytest.mark.parametrize("damage, reason", [(corrupt_segment, "corrupt"), (truncate_after_listing, "truncated"), (foreign, "foreign")])
+@pytest.mark.parametrize("damage, reason", [(corrupt_segment, "corrupt"), (corrupt_side, "corrupt"), (truncate_after_listing, "truncated"),
+                                            (foreign, "foreign")])
 async def test_a_damaged_chunk_is_caught_before_any_worker_writes(tmp_path, workers, shared, damage, reason):
     """Checksums are computed in the workers on this path: still nothing unverified is written."""
     kv = synthetic_kv(layers=2, heads=2, tokens=96, head_dim=32)
@@ -142,7 +126,7 @@ async def test_a_damaged_chunk_is_caught_before_any_worker_writes(tmp_path, work
     first = expected(store, refs[:1])
     refs[1] = damage(store, refs[1])
     buf = shared(kv)
-    out = await fetch(store, refs, pipeline.Destination(buf.tensor, tokens=96, handle=buf.handle), window=1, workers=workers)
+    out = await fetch(store, refs, Destination(buf.tensor, tokens=96, handle=buf.handle), window=1, workers=workers)
     assert out.error == reason, out.detail
     assert out.loaded_tokens == 32 and torch.equal(buf.tensor[:, :, :, :32], first)
     assert bool((buf.tensor[:, :, :, 32:64] == SENTINEL).all())
@@ -156,7 +140,7 @@ async def test_a_buffer_the_workers_cannot_open_is_restored_in_process(tmp_path,
     refs = put_chunks(store, kv, 32, preset="q8")
     buf = shared(kv)
     gone = dict(buf.handle, path=str(tmp_path / "no-such-shm-file"))  # a handle no worker can open
-    out = await fetch(store, refs, pipeline.Destination(buf.tensor, tokens=64, handle=gone), workers=workers)
+    out = await fetch(store, refs, Destination(buf.tensor, tokens=64, handle=gone), workers=workers)
     assert out.error is None and out.loaded_tokens == 64, out.detail
     assert torch.equal(buf.tensor, expected(store, refs))
     assert out.bytes_read == sum(r.size for r in refs)  # nothing downloaded twice
@@ -205,7 +189,7 @@ async def test_a_bad_warm_up_object_is_reported_and_the_workers_still_serve(tmp_
     refs = put_chunks(store, kv, 32, preset="q8")
     buf = shared(kv)
     before = workers.stats["chunks"]
-    out = await fetch(store, refs, pipeline.Destination(buf.tensor, tokens=64, handle=buf.handle), workers=workers)
+    out = await fetch(store, refs, Destination(buf.tensor, tokens=64, handle=buf.handle), workers=workers)
     assert out.error is None and workers.stats["chunks"] - before == 2
     assert torch.equal(buf.tensor, expected(store, refs))
 
@@ -235,7 +219,7 @@ async def test_an_opened_buffer_is_held_by_the_workers(tmp_path, workers, shared
     buf.close()  # unlinked: a worker that had not mapped it could not any more
     try:
         before = workers.stats["chunks"]
-        out = await fetch(store, refs, pipeline.Destination(buf.tensor, tokens=64, handle=buf.handle), workers=workers)
+        out = await fetch(store, refs, Destination(buf.tensor, tokens=64, handle=buf.handle), workers=workers)
         assert out.error is None and workers.stats["chunks"] - before == 2, out
         assert torch.equal(buf.tensor, expected(store, refs))
     finally:
@@ -255,7 +239,7 @@ async def test_a_buffer_that_failed_to_open_is_remembered_until_forgotten(tmp_pa
     round_trip(workers)
     os.link(buf.handle["path"], later)  # now it could be opened
     try:
-        dest = pipeline.Destination(buf.tensor, tokens=64, handle=handle)
+        dest = Destination(buf.tensor, tokens=64, handle=handle)
         before = workers.stats["chunks"]
         out = await fetch(store, refs, dest, workers=workers)
         assert out.error is None and workers.stats["chunks"] == before, out  # restored here, not retried

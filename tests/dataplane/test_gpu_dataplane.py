@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from kvfetcher import codec, ipc
-from kvfetcher.fetch import executor as pipeline
+from kvfetcher.fetch import executor
+from kvfetcher.kvbuffer import Destination
 from kvfetcher.chunk import decode_chunk
 from kvfetcher.api.client import KVClient
 from kvfetcher.store.local import LocalStore
@@ -29,7 +30,7 @@ def test_fetch_into_a_cuda_buffer_matches_the_cpu_path(tmp_path, preset):
     store = LocalStore(tmp_path)
     refs = put_chunks(store, kv, 128, preset=preset)
     buf = torch.full((6, 2, 2, 300, 64), SENTINEL, dtype=torch.float16, device="cuda")
-    out = asyncio.run(fetch(store, refs, pipeline.Destination(buf, offset=20, tokens=256), device=torch.device("cuda")))
+    out = asyncio.run(fetch(store, refs, Destination(buf, offset=20, tokens=256), device=torch.device("cuda")))
     assert out.error is None and out.loaded_tokens == 256, out
     expect = torch.cat([decode_chunk(store.get(r.name), "fp") for r in refs], dim=3)
     assert torch.equal(buf[:, :, :, 20:276].cpu(), expect)
@@ -51,7 +52,7 @@ def test_raw_direct_path_copies_pinned_host_memory_into_a_cuda_buffer(tmp_path, 
     refs = put_chunks(store, kv, 128)
     buf = torch.full((6, 2, 2, 700, 64), SENTINEL, dtype=dtype, device="cuda")
     slots = torch.randperm(700, generator=g)[:512].tolist() if scattered else list(range(90, 602))
-    dest = pipeline.Destination(buf, slots=slots)
+    dest = Destination(buf, slots=slots)
     pool = StagingPool()
     for _ in range(2):  # the second fetch reuses the first one's pinned buffers
         out = asyncio.run(fetch(store, refs, dest, device=torch.device("cuda"), staging_pool=pool, window=2))
@@ -76,7 +77,7 @@ def test_decode_worker_processes_write_through_cuda_ipc(tmp_path, preset):
     buf.tensor.fill_(SENTINEL)
     workers = DecodeWorkers(3)
     try:
-        dest = pipeline.Destination(buf.tensor, offset=40, tokens=512, handle=buf.handle)
+        dest = Destination(buf.tensor, offset=40, tokens=512, handle=buf.handle)
         out = asyncio.run(fetch(store, refs, dest, device=torch.device("cuda"), workers=workers))
     finally:
         workers.close()

@@ -1,13 +1,15 @@
 """The fetch pipeline on a local store: streaming, exactness, and every way a chunk can be bad."""
 
 import asyncio
+import os
 import time
 
 import pytest
 import torch
 
 from kvfetcher.format import container
-from kvfetcher.fetch import executor as pipeline
+from kvfetcher.fetch import executor
+from kvfetcher.kvbuffer import ChunkRef, Destination, contiguous, slot_list
 from kvfetcher.chunk import decode_chunk, encode_chunk
 from kvfetcher.store.local import LocalStore
 
@@ -39,18 +41,14 @@ class Recording(LocalStore):
         return super().get_into(name, offset, buf)
 
 
-class RecordingDest(pipeline.Destination):
+class RecordingDest(Destination):
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.writes = []
 
-    def write(self, c, frames, side, h):
-        super().write(c, frames, side, h)
-        self.writes.append((time.perf_counter(), c.start))
-
-    def write_kv(self, c, kv):
-        super().write_kv(c, kv)
-        self.writes.append((time.perf_counter(), c.start))
+    def finish(self):  # the end of every chunk's write, on every path
+        super().finish()
+        self.writes.append(time.perf_counter())
 
 
 def empty_like(kv, capacity=None):
@@ -72,9 +70,9 @@ async def test_a_hundred_chunks_stream_through_a_bounded_window(tmp_path):
     for t, name, _ in store.gets:
         first_get.setdefault(name, t)
     # streaming: chunk 0 was in the buffers long before the last chunk was even requested
-    assert dest.writes[0][0] < first_get[refs[-1].name]
+    assert dest.writes[0] < first_get[refs[-1].name]
     # bounded: never more than `window` chunks between their first GET and their write
-    events = sorted([(t, +1) for t in first_get.values()] + [(t, -1) for t, _ in dest.writes])
+    events = sorted([(t, +1) for t in first_get.values()] + [(t, -1) for t in dest.writes])
     open_, peak = 0, 0
     for _, d in events:
         open_ += d
@@ -89,7 +87,7 @@ async def test_scattered_slots_and_hevc(tmp_path):
     refs = put_chunks(store, kv, 32, preset="q8")
     slots = torch.randperm(100)[:64].tolist()
     buf = empty_like(kv, capacity=100)
-    out = await fetch(store, refs, pipeline.Destination(buf, slots=slots))
+    out = await fetch(store, refs, Destination(buf, slots=slots))
     assert out.error is None and out.loaded_tokens == 64
     expect = torch.cat([decode_chunk(store.get(r.name), "fp") for r in refs], dim=3)
     assert torch.equal(buf[:, :, :, slots], expect)
@@ -123,7 +121,7 @@ def truncate(store, ref):
     obj = store.get(ref.name)
     store.delete(ref.name)
     store.put(ref.name, obj[: len(obj) - 1000])
-    return pipeline.ChunkRef(ref.name, len(obj) - 1000, ref.start, ref.tokens)  # as a fresh listing says
+    return ChunkRef(ref.name, len(obj) - 1000, ref.start, ref.tokens)  # as a fresh listing says
 
 
 def truncate_after_listing(store, ref):
@@ -146,6 +144,31 @@ def other_model(store, ref):
     return ref
 
 
+def corrupt_side(store, ref):
+    obj = store.get(ref.name)
+    h = container.parse_header(obj)
+    store.delete(ref.name)
+    store.put(ref.name, _flip(obj, h.header_size + h.side.offset + h.side.length // 2))
+    return ref
+
+
+def undecodable(obj: bytes) -> bytes:
+    """The object, well-formed and with matching checksums, but with HEVC that does not decode."""
+    h = container.parse_header(obj)
+    fields = {k: v for k, v in h.to_json().items() if k not in ("layout_version", "side", "segments")}
+    side = container.side_tensor(h, container.slice_segment(obj, h, h.side)) if h.side else None
+    segs = [(s.frames, b"\x00\x00\x01" + os.urandom(s.length)) for s in h.segments]
+    return container.build(fields, side, segs)
+
+
+def garbage_bitstream(store, ref):
+    """A stored object replaced by its :func:`undecodable` twin."""
+    bad = undecodable(store.get(ref.name))
+    store.delete(ref.name)
+    store.put(ref.name, bad)
+    return ChunkRef(ref.name, len(bad), ref.start, ref.tokens)
+
+
 #: every way a stored chunk can be bad, with the reason a fetch must report
 DAMAGES = [
     (corrupt_segment, "corrupt"),
@@ -155,19 +178,23 @@ DAMAGES = [
     (foreign, "foreign"),
     (other_model, "fingerprint"),
 ]
+#: and the ways only a coded chunk can be bad
+CODED_DAMAGES = [(corrupt_side, "corrupt"), (garbage_bitstream, "corrupt")]
 
 
-@pytest.mark.parametrize("damage, reason", DAMAGES)
-async def test_a_bad_chunk_stops_the_fetch_and_is_never_written(tmp_path, damage, reason):
+@pytest.mark.parametrize("preset, damage, reason", [("raw", *d) for d in DAMAGES] + [("q8", *d) for d in DAMAGES + CODED_DAMAGES])
+async def test_a_bad_chunk_stops_the_fetch_and_is_never_written(tmp_path, preset, damage, reason):
+    """Raw chunks take the direct path, q8 ones are verified and decoded in the decode pool."""
     kv = synthetic_kv(layers=2, heads=2, tokens=128, head_dim=32)
     store = LocalStore(tmp_path)
-    refs = put_chunks(store, kv, 32)
+    refs = put_chunks(store, kv, 32, preset=preset)
+    first = torch.cat([decode_chunk(store.get(r.name), "fp") for r in refs[:2]], dim=3)
     refs[2] = damage(store, refs[2])
     buf = empty_like(kv)
-    out = await fetch(store, refs, pipeline.Destination(buf, tokens=128), window=1)
+    out = await fetch(store, refs, Destination(buf, tokens=128), window=1)
     assert out.error == reason, out.detail
     assert out.loaded_tokens == 64
-    assert torch.equal(buf[:, :, :, :64], kv[:, :, :, :64])
+    assert torch.equal(buf[:, :, :, :64], first)
     assert bool((buf[:, :, :, 64:96] == SENTINEL).all())  # the bad chunk never reached the buffer
 
 
@@ -181,9 +208,9 @@ async def test_object_deleted_mid_fetch(tmp_path, monkeypatch):
     store = Recording(tmp_path)
     refs = put_chunks(store, kv, 32, preset="q8")  # q8: side info and segments after the header
     store.hook = delete_after_header
-    monkeypatch.setattr(pipeline, "HEADER_GUESS", 64)  # the first read stops before the segments
+    monkeypatch.setattr(executor, "HEADER_GUESS", 64)  # the first read stops before the segments
     buf = empty_like(kv)
-    out = await fetch(store, refs, pipeline.Destination(buf, tokens=96), window=1)
+    out = await fetch(store, refs, Destination(buf, tokens=96), window=1)
     assert out.error == "missing"
     assert out.loaded_tokens == 32
     assert bool((buf[:, :, :, 32:] == SENTINEL).all())
@@ -195,7 +222,7 @@ async def test_deadline_on_a_slow_store_and_nothing_written_after_return(tmp_pat
     refs = put_chunks(store, kv, 32)
     buf = empty_like(kv)
     t = time.perf_counter()
-    out = await fetch(store, refs, pipeline.Destination(buf, tokens=256), deadline_s=0.5, window=2)
+    out = await fetch(store, refs, Destination(buf, tokens=256), deadline_s=0.5, window=2)
     assert time.perf_counter() - t < 1.5
     assert out.error == "deadline"
     assert 0 <= out.loaded_tokens < 256
@@ -211,7 +238,7 @@ async def test_cancellation_leaves_no_late_writes(tmp_path):
     store = Recording(tmp_path, delay_s=0.1)
     refs = put_chunks(store, kv, 32)
     buf = empty_like(kv)
-    task = asyncio.create_task(fetch(store, refs, pipeline.Destination(buf, tokens=256), window=2))
+    task = asyncio.create_task(fetch(store, refs, Destination(buf, tokens=256), window=2))
     await asyncio.sleep(0.35)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -227,17 +254,17 @@ async def test_chunk_that_does_not_fit_the_buffer_is_refused(tmp_path):
     store = LocalStore(tmp_path)
     refs = put_chunks(store, kv, 32)
     buf = torch.full((2, 2, 4, 64, 32), SENTINEL, dtype=torch.float16)  # 4 heads, not 2
-    out = await fetch(store, refs, pipeline.Destination(buf, tokens=64))
+    out = await fetch(store, refs, Destination(buf, tokens=64))
     assert out.error == "fingerprint" and out.loaded_tokens == 0
     assert bool((buf == SENTINEL).all())
 
 
 def test_slot_lists_check_the_buffer_and_stay_cheap_when_contiguous():
-    assert pipeline.slot_list(100, 10, offset=90) == range(90, 100)
-    assert pipeline.contiguous(pipeline.slot_list(100, 10, offset=90))
-    assert pipeline.slot_list(100, 3, slots=[5, 2, 7, 9]) == [5, 2, 7]
-    assert not pipeline.contiguous([5, 2, 7])
-    assert pipeline.contiguous([4, 5, 6])
+    assert slot_list(100, 10, offset=90) == range(90, 100)
+    assert contiguous(slot_list(100, 10, offset=90))
+    assert slot_list(100, 3, slots=[5, 2, 7, 9]) == [5, 2, 7]
+    assert not contiguous([5, 2, 7])
+    assert contiguous([4, 5, 6])
     for kw in ({"offset": 91}, {"offset": -1}, {"slots": [1, 2]}, {"slots": list(range(9)) + [100]}, {"slots": [1] * 10}):
         with pytest.raises(ValueError):
-            pipeline.slot_list(100, 10, **kw)
+            slot_list(100, 10, **kw)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kvfetcher.format import container
-from kvfetcher.fetch import executor as pipeline
+from kvfetcher.fetch import executor
+from kvfetcher.kvbuffer import Destination
 from kvfetcher.store import read_into
 from kvfetcher.store.local import LocalStore
 
@@ -33,7 +34,7 @@ def segments_arrive_by_ranged_reads(monkeypatch):
     from kvfetcher.format import presets
 
     monkeypatch.setitem(presets.PRESETS, "raw", replace(presets.get("raw"), segment_bytes=1))
-    monkeypatch.setattr(pipeline, "HEADER_GUESS", 1024)
+    monkeypatch.setattr(executor, "HEADER_GUESS", 1024)
 
 
 def random_bits(dtype: torch.dtype, tokens: int = TOKENS, seed: int = 0) -> torch.Tensor:
@@ -63,12 +64,12 @@ async def test_raw_round_trip_is_bit_exact(store, dtype, where):
     refs = put_chunks(store, kv, CHUNK)
     big = torch.full((L, 2, H, 300, D), SENTINEL, dtype=dtype)
     if where == "offset":  # contiguous slots: a strided view buffer[:, :, :, a:a+T]
-        dest, slots = pipeline.Destination(big, offset=17, tokens=TOKENS), list(range(17, 17 + TOKENS))
+        dest, slots = Destination(big, offset=17, tokens=TOKENS), list(range(17, 17 + TOKENS))
     elif where == "scattered":  # a paged cache: index_copy_
         slots = torch.randperm(300, generator=torch.Generator().manual_seed(1))[:TOKENS].tolist()
-        dest = pipeline.Destination(big, slots=slots)
+        dest = Destination(big, slots=slots)
     else:  # the registered buffer is itself a non-contiguous view of a larger allocation
-        dest, slots = pipeline.Destination(big[:, :, :, 100:250], offset=10, tokens=TOKENS), list(range(110, 110 + TOKENS))
+        dest, slots = Destination(big[:, :, :, 100:250], offset=10, tokens=TOKENS), list(range(110, 110 + TOKENS))
     out = await fetch(store, refs, dest)
     assert out.error is None and out.loaded_tokens == TOKENS, out.detail
     assert out.direct_chunks == len(refs) and out.kv_bytes == kv.numel() * kv.element_size()
@@ -84,7 +85,7 @@ async def test_a_bad_raw_chunk_never_touches_the_buffer(store, damage, reason):
     refs = put_chunks(store, kv, CHUNK)
     refs[2] = damage(store, refs[2])
     buf = torch.full((L, 2, H, 128, D), SENTINEL, dtype=torch.float16)
-    out = await fetch(store, refs, pipeline.Destination(buf, tokens=128), window=1)
+    out = await fetch(store, refs, Destination(buf, tokens=128), window=1)
     assert out.error == reason, out.detail
     assert out.loaded_tokens == 64 and same_bits(buf[:, :, :, :64], kv[:, :, :, :64])
     assert bool((buf[:, :, :, 64:] == SENTINEL).all())  # the bad chunk (and what follows) never written
@@ -98,7 +99,7 @@ async def test_a_corrupt_last_segment_is_caught_with_wide_windows(tmp_path):
     refs = put_chunks(store, kv, CHUNK)
     corrupt_segment(store, refs[5])
     buf = torch.full((L, 2, H, 256, D), SENTINEL, dtype=torch.bfloat16)
-    out = await fetch(store, refs, pipeline.Destination(buf, tokens=256), window=8)
+    out = await fetch(store, refs, Destination(buf, tokens=256), window=8)
     assert out.error == "corrupt" and out.loaded_tokens == 5 * CHUNK
     assert same_bits(buf[:, :, :, : 5 * CHUNK], kv[:, :, :, : 5 * CHUNK])
     assert bool((buf[:, :, :, 5 * CHUNK : 6 * CHUNK] == SENTINEL).all())
@@ -134,7 +135,7 @@ async def test_staging_buffers_are_reused_across_chunks_and_fetches(tmp_path):
     pool = StagingPool()
     for _ in range(2):
         buf = torch.full((L, 2, H, 256, D), SENTINEL, dtype=torch.float16)
-        out = await fetch(store, refs, pipeline.Destination(buf, tokens=256), window=2, staging_pool=pool)
+        out = await fetch(store, refs, Destination(buf, tokens=256), window=2, staging_pool=pool)
         assert out.error is None and same_bits(buf, kv)
     assert pool.allocated <= 2  # at most one per chunk in flight, then reused: 8 chunks x 2 fetches
 
@@ -158,10 +159,10 @@ async def test_a_read_abandoned_at_the_deadline_never_lands_in_a_reused_buffer(t
     kv = random_bits(torch.float16, tokens=128)
     store = SlowSegments(tmp_path)
     refs = put_chunks(store, kv, CHUNK)
-    monkeypatch.setattr(pipeline, "HEADER_GUESS", 64)  # the header read brings no segment bytes: all slow
+    monkeypatch.setattr(executor, "HEADER_GUESS", 64)  # the header read brings no segment bytes: all slow
     pool = StagingPool()
     buf = torch.full((L, 2, H, 128, D), SENTINEL, dtype=torch.float16)
-    out = await fetch(store, refs, pipeline.Destination(buf, tokens=128), deadline_s=0.2, staging_pool=pool, window=4)
+    out = await fetch(store, refs, Destination(buf, tokens=128), deadline_s=0.2, staging_pool=pool, window=4)
     assert out.error == "deadline" and out.loaded_tokens == 0 and store.targets
     free = [b for bufs in pool._free.values() for b in bufs]
     for addr in store.targets:  # no free buffer contains an address a running read writes to

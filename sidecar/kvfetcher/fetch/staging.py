@@ -1,12 +1,12 @@
 """staging: reusable host buffers that raw chunks are read into before their one copy to the KV.
 
-Why reuse: a fresh 32 MB buffer per chunk costs its page faults on first touch — reading a
-file into fresh memory ran at 1.4 GB/s on the 2-core CPU machine, into reused memory at
-5–10 GB/s — and pinned memory (what a GPU copies from by DMA, without a bounce buffer) is
-slower still to allocate. Why pinned on a GPU: a non-blocking host-to-device copy needs it.
+Why reuse: a fresh buffer per chunk pays its page faults on first touch, which makes reading
+into it several times slower than into reused memory, and pinned memory (what a GPU copies from
+by DMA, without a bounce buffer) is slower still to allocate. Why pinned on a GPU: a
+non-blocking host-to-device copy needs it.
 
-A buffer is handed back only when no thread can still touch it (see ``pipeline``: a read
-abandoned at a deadline keeps running in its thread; its buffer is then dropped, not reused).
+A buffer is handed back only when no thread can still touch it (see :mod:`fetch.executor`: a
+read abandoned at a deadline keeps running in its thread; its buffer is then dropped, not reused).
 """
 
 from __future__ import annotations
@@ -42,9 +42,8 @@ class StagingPool:
     def reserve(self, nbytes: int, pinned: bool, count: int) -> int:
         """Allocate ahead, off any request's path, until ``count`` free buffers of this kind wait
         (at most ``keep``); returns how many were added. Unpinned ones are touched, so their page
-        faults are paid here, not in the first fetch's reads. Why: a process' first raw fetch
-        otherwise allocates its whole window (on an H100, a process' first raw fetch, 4K tokens of
-        a 70B model, 1.34 GB, took 1.25-1.45 s: 1.2 GB/s read where later raw fetches read 7.3)."""
+        faults are paid here, not in the first fetch's reads. Why: a process's first raw fetch
+        otherwise allocates its whole window, and reads at a fraction of the later fetches' rate."""
         added, want = 0, min(count, self.keep)
         for _ in range(want):
             with self._lock:
@@ -59,8 +58,8 @@ class StagingPool:
         return added
 
     def give(self, buf: torch.Tensor, pinned: bool) -> None:
-        """Return a buffer no one uses any more (``pinned`` as it was taken: ``Tensor.is_pinned``
-        costs ~0.3 ms a call without CUDA)."""
+        """Return a buffer no one uses any more (``pinned`` as it was taken: asking the tensor,
+        ``Tensor.is_pinned``, is slow without CUDA)."""
         with self._lock:
             free = self._free[(buf.numel(), pinned)]
             if len(free) < self.keep:

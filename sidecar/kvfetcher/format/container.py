@@ -37,6 +37,14 @@ except ImportError:  # pragma: no cover - isal is a dependency; zlib gives the s
 
 from kvfetcher.codec import basis, layout
 from kvfetcher.codec.base import FORMATS, CodecError, CodecParams
+from kvfetcher.errors import (  # noqa: F401  (the format's refusals, as container.CorruptError etc.)
+    ContainerError,
+    CorruptError,
+    FingerprintMismatchError,
+    ForeignObjectError,
+    FutureVersionError,
+    TruncatedError,
+)
 from kvfetcher.kvbuffer import DTYPES, bytes_per_value
 
 MAGIC = b"KVFC"
@@ -44,42 +52,6 @@ FORMAT_VERSION = 1
 PREFIX = struct.Struct("<4sHHII")
 PREFIX_SIZE = PREFIX.size  # 16
 MAX_HEADER = 1 << 20
-
-
-class ContainerError(ValueError):
-    """Base of every reason a stored object is refused."""
-
-    reason = "invalid"
-
-
-class ForeignObjectError(ContainerError):
-    """Not a kvfetcher chunk at all (wrong magic)."""
-
-    reason = "foreign"
-
-
-class FutureVersionError(ContainerError):
-    """Written by a newer kvfetcher: refuse rather than guess."""
-
-    reason = "version"
-
-
-class TruncatedError(ContainerError):
-    """Fewer bytes than the header and its index promise."""
-
-    reason = "truncated"
-
-
-class CorruptError(ContainerError):
-    """A checksum does not match, or the header or a bitstream does not parse."""
-
-    reason = "corrupt"
-
-
-class FingerprintMismatchError(ContainerError):
-    """A valid chunk, but of another model / dtype / layout namespace."""
-
-    reason = "fingerprint"
 
 
 @dataclass(frozen=True)

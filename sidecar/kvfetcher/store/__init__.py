@@ -18,22 +18,23 @@ from typing import Protocol
 import numpy as np
 
 from kvfetcher import config
+from kvfetcher.errors import Reason
 
 
 class StoreError(RuntimeError):
     """A store operation failed; ``reason`` is the metrics label."""
 
-    reason = "store_error"
+    reason = Reason.STORE_ERROR
 
 
 class NotFound(StoreError):
-    reason = "missing"
+    reason = Reason.MISSING
 
 
 class Unavailable(StoreError):
     """The store cannot be reached (down, refused, timed out)."""
 
-    reason = "store_down"
+    reason = Reason.STORE_DOWN
 
 
 class Store(Protocol):

@@ -1,0 +1,226 @@
+"""decode_worker: a decode worker process — the messages on its pipe and its loop.
+
+The coordinator (:mod:`fetch.workers`) writes a chunk's stored bytes into the worker's *slab*, a
+file in shared memory, and sends a small :class:`Restore`; the worker restores the chunk with
+:func:`chunk.restore_chunk` (every checksum verified and every segment decoded before a byte is
+written) into the KV buffer an IPC handle names, which it maps once and keeps, and answers
+:class:`Restored` or :class:`Failed`. :class:`Open`, :class:`Forget` and :class:`Stop` are
+one-way. One definition of each message serves both ends of the pipe.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from kvfetcher.chunk import restore_chunk
+from kvfetcher.errors import ContainerError
+from kvfetcher.format import container
+from kvfetcher.kvbuffer import ChunkRef, Destination
+
+log = logging.getLogger("kvfetcher.fetch.decode_worker")
+
+MAX_OPEN_BUFFERS = 8  # handles a worker keeps open (least recently used are dropped)
+
+
+@dataclass(frozen=True)
+class IntoBuffer:
+    """Restore into the KV buffer an IPC ``handle`` names (``key``: :func:`workers.handle_key`)."""
+
+    key: str
+    handle: dict
+
+
+@dataclass(frozen=True)
+class IntoScratch:
+    """Restore into a fresh tensor of the chunk's own shape on ``device`` (a warm-up)."""
+
+    device: str
+
+
+@dataclass(frozen=True)
+class Restore:
+    """Restore one chunk: its prefix + header bytes, its parts at ``spans`` of the slab file
+    (side information first), written to ``slots`` of ``target``. Answered by :class:`Restored`
+    or :class:`Failed`."""
+
+    target: IntoBuffer | IntoScratch
+    header: bytes
+    slab: tuple[str, int]  # path and size of the worker's slab file
+    spans: tuple[tuple[int, int], ...]
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Open:
+    """Map a buffer now (one-way); a failure is remembered and reported for its chunks."""
+
+    key: str
+    handle: dict
+
+
+@dataclass(frozen=True)
+class Forget:
+    """Drop a buffer and any remembered failure to open it (one-way)."""
+
+    key: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Exit the worker's loop (one-way)."""
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The worker has started (its first message)."""
+
+    cuda: bool
+
+
+@dataclass(frozen=True)
+class Restored:
+    """The chunk is in its slots: KV bytes written, seconds per step (``prepare_s``, ``decode_s``, ``write_s``)."""
+
+    kv_bytes: int
+    seconds: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The chunk was not written. ``kind``: ``object`` (the stored object is bad; ``error`` names
+    its :class:`ContainerError` class), ``open`` (the buffer cannot be mapped) or ``worker``."""
+
+    kind: Literal["object", "open", "worker"]
+    error: str  # the exception's class name
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.error}: {self.message}"
+
+
+class Slab:
+    """A file in shared memory, mapped: the coordinator writes a chunk's bytes, a worker reads them."""
+
+    def __init__(self, path: str, size: int, create: bool):
+        with open(path, "w+b" if create else "r+b") as f:
+            if create:
+                f.truncate(size)
+            self.mm = mmap.mmap(f.fileno(), size)
+        self.path, self.size = path, size
+
+    def close(self, unlink: bool = False) -> None:
+        self.mm.close()
+        if unlink:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+class _OpenFailed(Exception):
+    pass
+
+
+class _WorkerState:
+    """What a worker keeps between requests: the buffers it mapped (and those it could not), its slab."""
+
+    def __init__(self) -> None:
+        self.buffers: OrderedDict = OrderedDict()
+        self.unopenable: dict[str, str] = {}
+        self.slab: Slab | None = None
+
+    def buffer(self, key: str, handle: dict) -> torch.Tensor:
+        from kvfetcher import ipc
+
+        if key in self.unopenable:
+            raise _OpenFailed(self.unopenable[key])
+        buf = self.buffers.get(key)
+        if buf is None:
+            try:
+                buf = self.buffers[key] = ipc.open_handle(handle)
+            except Exception as e:
+                self.unopenable[key] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+                raise _OpenFailed(self.unopenable[key]) from e
+            while len(self.buffers) > MAX_OPEN_BUFFERS:
+                self.buffers.popitem(last=False)
+        self.buffers.move_to_end(key)
+        return buf
+
+    def forget(self, key: str) -> None:
+        self.buffers.pop(key, None)
+        self.unopenable.pop(key, None)
+
+    def target(self, target: IntoBuffer | IntoScratch, h: container.Header) -> torch.Tensor:
+        if isinstance(target, IntoScratch):
+            return torch.empty(h.shape, dtype=h.torch_dtype, device=target.device)
+        return self.buffer(target.key, target.handle)
+
+    def view(self, path: str, size: int) -> memoryview:
+        if self.slab is None or self.slab.path != path:
+            if self.slab is not None:
+                self.slab.close()
+            self.slab = Slab(path, size, create=False)
+        return memoryview(self.slab.mm)
+
+
+def _restore(state: _WorkerState, req: Restore) -> Restored:
+    """In a worker: restore one chunk from the slab into its target (:func:`chunk.restore_chunk`)."""
+    t0 = time.perf_counter()
+    h = container.parse_header(req.header)
+    dest = Destination(state.target(req.target, h), slots=req.slots)
+    mem = state.view(*req.slab)
+    parts = [mem[a:b] for a, b in req.spans]
+    side = parts.pop(0) if h.side else None
+    times: dict[str, float] = {"prepare_s": time.perf_counter() - t0}
+    try:
+        n = restore_chunk(dest, ChunkRef("", 0, 0, len(req.slots)), h, side, parts, times=times)
+    finally:
+        del parts, side  # no view of the slab may outlive the request (it can be remapped)
+        mem.release()
+    return Restored(n, times)
+
+
+def _answer(state: _WorkerState, req: Restore) -> Restored | Failed:
+    try:
+        return _restore(state, req)
+    except ContainerError as e:
+        return Failed("object", type(e).__name__, str(e))
+    except _OpenFailed as e:
+        return Failed("open", "BufferOpenError", str(e))
+    except Exception as e:  # CUDA / decoder failure: not the object's fault
+        log.exception("decode worker %d failed", os.getpid())
+        return Failed("worker", type(e).__name__, str(e))
+
+
+def serve(conn) -> None:
+    """Worker main loop: one message at a time; a :class:`Restore` is answered, the others are not."""
+    torch.set_num_threads(1)
+    state = _WorkerState()
+    conn.send(Ready(torch.cuda.is_available()))
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        match msg:
+            case Restore():
+                conn.send(_answer(state, msg))
+            case Open(key, handle):
+                try:
+                    state.buffer(key, handle)
+                except _OpenFailed as e:  # remembered: every chunk for this buffer will say so
+                    log.warning("decode worker %d cannot open buffer %s: %s", os.getpid(), key, e)
+            case Forget(key):
+                state.forget(key)
+            case Stop():
+                return
+            case _:
+                raise TypeError(f"not a decode worker message: {msg!r}")
