@@ -288,6 +288,11 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, injected_pods
     except kube.NameConflict as e:
         error = NotReady("NameConflict", str(e))
         conds = conditions.put(conds, STORAGE_READY, False, error.reason, str(error), gen)
+    except kube.ApiError as e:
+        error = (NotReady("Forbidden", f"the operator may not act in namespace {meta['namespace']} (HTTP 403): "
+                                       f"bind its pool-namespace ClusterRole there (docs/security.md)")
+                 if e.status == 403 else NotReady("ApplyFailed", f"ApiError: {e}"))
+        conds = conditions.put(conds, STORAGE_READY, False, error.reason, str(error), gen)
     except Exception as e:  # an API call failed: say so, and let kopf retry
         error = NotReady("ApplyFailed", f"{type(e).__name__}: {e}")
         conds = conditions.put(conds, STORAGE_READY, False, error.reason, str(error), gen)
