@@ -279,14 +279,15 @@ async def test_webhook_injects_into_pods_of_a_ready_pool(operator, api: Api, s3:
 async def test_webhook_never_blocks_a_pod_for_a_missing_or_unready_pool(operator, api: Api) -> None:
     response, pod = await admit(operator, model_pod("nowhere"))
     assert response["allowed"] is True
-    assert pod["metadata"]["annotations"][injection.SKIPPED_ANNOTATION] == "KVCachePool default/nowhere not found"
+    assert pod["metadata"]["annotations"][injection.SKIPPED_ANNOTATION] == \
+        "no Ready KVCachePool default/nowhere with injection enabled"
     assert pod["spec"] == model_pod("nowhere")["spec"]
 
     await api.create(POOLS, managed_pool("starting"))
     await api.wait_for(POOLS, "default", "starting", lambda o: (o or {}).get("status", {}).get("phase"))
-    response, pod = await admit_until(operator, model_pod("starting"), lambda p: "not found" not in skipped(p))
+    response, pod = await admit(operator, model_pod("starting"))
     assert response["allowed"] is True and "initContainers" not in pod["spec"]
-    assert skipped(pod) == "KVCachePool default/starting is not Ready (phase Provisioning)"
+    assert skipped(pod) == "no Ready KVCachePool default/starting with injection enabled"  # as if absent
 
     response, pod = await admit(operator, model_pod(None))
     assert response["allowed"] is True and "no kvfetcher.io/pool annotation" in \
