@@ -25,7 +25,7 @@ import urllib3
 from minio import Minio
 from minio.commonconfig import ENABLED, Filter, Tags
 from minio.deleteobjects import DeleteObject
-from minio.error import InvalidResponseError, S3Error, ServerError
+from minio.error import InvalidResponseError, MinioAdminException, S3Error, ServerError
 from minio.lifecycleconfig import Expiration, LifecycleConfig, Rule
 
 RULE_ID = "kvfetcher-ttl"
@@ -55,17 +55,20 @@ class Target:
     insecure: bool = False
 
 
-def client(target: Target) -> Minio:
-    url = urlsplit(target.endpoint)
-    secure = url.scheme == "https"
-    http = urllib3.PoolManager(
+def http_client(target: Target) -> urllib3.PoolManager:
+    """Short timeouts, one retry, the target's TLS settings (shared by the S3 and MinIO admin clients)."""
+    return urllib3.PoolManager(
         timeout=urllib3.Timeout(connect=3.0, read=15.0),
         retries=urllib3.Retry(total=1, backoff_factor=0.2),
         cert_reqs="CERT_NONE" if target.insecure else "CERT_REQUIRED",
         ca_certs=target.ca_file,
     )
-    return Minio(url.netloc, access_key=target.access_key, secret_key=target.secret_key,
-                 secure=secure, region=target.region, http_client=http, cert_check=not target.insecure)
+
+
+def client(target: Target) -> Minio:
+    url = urlsplit(target.endpoint)
+    return Minio(url.netloc, access_key=target.access_key, secret_key=target.secret_key, secure=url.scheme == "https",
+                 region=target.region, http_client=http_client(target), cert_check=not target.insecure)
 
 
 def describe(error: Exception) -> str:
@@ -76,6 +79,8 @@ def describe(error: Exception) -> str:
         return "the endpoint's answer is not an S3 response"
     if isinstance(error, ServerError):
         return f"S3 server error (HTTP {error.status_code})"
+    if isinstance(error, MinioAdminException):  # its message carries the body: only the status
+        return f"MinIO admin API error (HTTP {error._code})"
     if isinstance(error, (Claimed, NotS3)):
         return str(error)
     return f"{type(error).__name__} (the endpoint cannot be reached or does not speak S3)"

@@ -36,6 +36,11 @@ def minio_name(pool_name: str) -> str:
     return f"{pool_name}-minio"
 
 
+def root_secret_name(pool_name: str) -> str:
+    """Managed MinIO's root credentials: for MinIO and the operator, never referenced by a sidecar."""
+    return f"{pool_name}-minio-root"
+
+
 def labels(pool_name: str, component: str) -> dict[str, str]:
     return {
         "app.kubernetes.io/name": "kvfetcher",
@@ -79,15 +84,22 @@ def storage_location(pool: dict[str, Any]) -> tuple[str, str]:
     return external["endpoint"].rstrip("/"), external["bucket"]
 
 
+def _access_key(token: Callable[[int], str]) -> str:
+    return "kvf" + token(12).replace("-", "").replace("_", "").lower()[:13]
+
+
 def secret_values(
     pool: dict[str, Any],
     existing: dict[str, str] | None,
     token: Callable[[int], str] = secrets.token_urlsafe,
+    root_user: str | None = None,
 ) -> dict[str, str]:
     """What the pool's Secret holds: kept values stay (rotating them would strand data), missing ones are made.
 
-    Managed storage gets generated MinIO root credentials; every pool gets the sidecar's auth
-    token and a tenant salt; endpoint and bucket are here so that pods read them by reference.
+    Managed storage gets the sidecars' own MinIO user (never `root_user`, MinIO's root: a
+    Secret that still holds the root user gets a new sidecar user); every pool gets the
+    sidecar's auth token and a tenant salt; endpoint and bucket are here so that pods read
+    them by reference.
     """
     existing = dict(existing or {})
     endpoint, bucket = storage_location(pool)
@@ -96,18 +108,40 @@ def secret_values(
         "tenantSalt": lambda: token(16),
     }
     if "managed" in pool["spec"]["storage"]:
-        wanted["accessKey"] = lambda: "kvf" + token(12).replace("-", "").replace("_", "").lower()[:13]
+        if root_user and existing.get("accessKey") == root_user:
+            del existing["accessKey"], existing["secretKey"]
+        wanted["accessKey"] = lambda: _access_key(token)
         wanted["secretKey"] = lambda: token(30)
     values = {key: existing.get(key) or make() for key, make in wanted.items()}
     values.update(endpoint=endpoint, bucket=bucket)
     return values
 
 
-def secret(pool: dict[str, Any], values: dict[str, str]) -> dict[str, Any]:
+def root_values(
+    existing_root: dict[str, str] | None,
+    pool_values: dict[str, str] | None,
+    token: Callable[[int], str] = secrets.token_urlsafe,
+) -> dict[str, str]:
+    """Managed MinIO's root credentials, kept once made.
+
+    A pool made before sidecars had their own user kept MinIO's root in its own Secret
+    (`accessKey`, `secretKey`): without a root Secret, those are the root (MinIO's data was
+    made with them).
+    """
+    kept = dict(existing_root or {})
+    if not kept.get("rootUser") and (pool_values or {}).get("accessKey"):
+        kept = {"rootUser": pool_values["accessKey"], "rootPassword": pool_values.get("secretKey", "")}
+    return {"rootUser": kept.get("rootUser") or _access_key(token),
+            "rootPassword": kept.get("rootPassword") or token(30)}
+
+
+def secret(pool: dict[str, Any], values: dict[str, str], name: str | None = None) -> dict[str, Any]:
+    """The pool's Secret (or, named, another Secret it owns) holding `values`."""
+    pool_name = pool["metadata"]["name"]
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": child_meta(pool, secret_name(pool["metadata"]["name"]), "credentials"),
+        "metadata": child_meta(pool, name or secret_name(pool_name), "credentials"),
         "type": "Opaque",
         "data": {k: base64.b64encode(v.encode()).decode() for k, v in sorted(values.items())},
     }

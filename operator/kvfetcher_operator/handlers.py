@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 import kopf
 
-from . import bucket, builders, conditions, endpoints, injection, kube, metrics, minio, webhook
+from . import bucket, builders, conditions, endpoints, injection, kube, metrics, minio, users, webhook
 from . import spec as specs
 from .conditions import CONFIG_VALID, INJECTION_READY, READY, STORAGE_READY
 from .config import RESYNC_SECONDS, Config
@@ -127,8 +127,8 @@ def _ca_file(pool: dict[str, Any], k: kube.Kube, ref: dict[str, Any]) -> str:
     return path
 
 
-def storage_target(pool: dict[str, Any], k: kube.Kube, values: dict[str, str]) -> bucket.Target:
-    """Where the bucket is and the credentials to reach it; NotReady while it cannot be reached."""
+def storage_target(pool: dict[str, Any], k: kube.Kube, root: dict[str, str] | None) -> bucket.Target:
+    """Where the bucket is and the operator's credentials (managed: MinIO's `root`); NotReady while unreachable."""
     spec = specs.with_defaults(pool["spec"])
     endpoint, bucket_name = builders.storage_location(pool)
     namespace = pool["metadata"]["namespace"]
@@ -139,7 +139,7 @@ def storage_target(pool: dict[str, Any], k: kube.Kube, values: dict[str, str]) -
             pods = k.list("v1", "pods", namespace, minio.selector(pool))
             raise NotReady("MinIOStarting", f"{ready}/{wanted or spec['storage']['managed']['replicas']} "
                                             f"MinIO replicas ready{minio.pods_waiting(pods, wanted)}")
-        return bucket.Target(endpoint, bucket_name, values["accessKey"], values["secretKey"])
+        return bucket.Target(endpoint, bucket_name, root["rootUser"], root["rootPassword"])
     external = spec["storage"]["external"]
     ref = external["credentialsSecretRef"]
     secret = k.get("v1", "secrets", namespace, ref["name"])
@@ -219,7 +219,9 @@ def provision(body: kopf.Body, pool: dict[str, Any], k: kube.Kube, memo: kopf.Me
     endpoint, bucket_name = builders.storage_location(pool)
     check_references(pool, k, memo.endpoints)
     existing = k.get("v1", "secrets", meta["namespace"], builders.secret_name(meta["name"]))
-    values = builders.secret_values(pool, builders.decode_secret_data((existing or {}).get("data")))
+    current = builders.decode_secret_data((existing or {}).get("data"))
+    root = root_credentials(pool, k, current) if "managed" in spec["storage"] else None
+    values = builders.secret_values(pool, current, root_user=root and root["rootUser"])
     k.apply(builders.secret(pool, values))
     if "managed" in spec["storage"]:
         for child in minio.services(pool) + minio.guards(pool, memo.cfg.namespace):
@@ -228,13 +230,28 @@ def provision(body: kopf.Body, pool: dict[str, Any], k: kube.Kube, memo: kopf.Me
         applied = k.apply(desired, mutable_spec=minio.MUTABLE_FIELDS)
         for drift in minio.volume_drift(applied, desired) if announce else []:
             kopf.warn(body, reason="VolumeChangeNotApplied", message=drift)
-    target = storage_target(pool, k, values)
+    target = storage_target(pool, k, root)
     try:
         bucket.ensure(target, spec["retention"]["ttlDays"], owner_id(pool))
     except bucket.Claimed as e:
         raise NotReady("BucketInUse", str(e)) from e
     except Exception as e:
         raise NotReady("BucketUnavailable", f"bucket {bucket_name} at {endpoint}: {bucket.describe(e)}") from e
+    if root is not None:
+        try:
+            users.ensure_sidecar_user(target, values["accessKey"], values["secretKey"])
+        except Exception as e:
+            raise NotReady("SidecarUserFailed", f"MinIO user for the sidecars at {endpoint}: {bucket.describe(e)}") from e
+
+
+def root_credentials(pool: dict[str, Any], k: kube.Kube, pool_values: dict[str, str]) -> dict[str, str]:
+    """Managed MinIO's root credentials, in their own Secret (made, or kept as they are)."""
+    meta = pool["metadata"]
+    name = builders.root_secret_name(meta["name"])
+    found = k.get("v1", "secrets", meta["namespace"], name)
+    root = builders.root_values(builders.decode_secret_data((found or {}).get("data")), pool_values)
+    k.apply(builders.secret(pool, root, name))
+    return root
 
 
 def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, injected_pods: kopf.Index,
@@ -270,6 +287,11 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, injected_pods
         conds = conditions.put(conds, STORAGE_READY, False, e.reason, str(e), gen)
     except kube.NameConflict as e:
         error = NotReady("NameConflict", str(e))
+        conds = conditions.put(conds, STORAGE_READY, False, error.reason, str(error), gen)
+    except kube.ApiError as e:
+        error = (NotReady("Forbidden", f"the operator may not act in namespace {meta['namespace']} (HTTP 403): "
+                                       f"bind its pool-namespace ClusterRole there (docs/security.md)")
+                 if e.status == 403 else NotReady("ApplyFailed", f"ApiError: {e}"))
         conds = conditions.put(conds, STORAGE_READY, False, error.reason, str(error), gen)
     except Exception as e:  # an API call failed: say so, and let kopf retry
         error = NotReady("ApplyFailed", f"{type(e).__name__}: {e}")
@@ -337,26 +359,27 @@ def finalize(body: kopf.Body, memo: kopf.Memo, injected_pods: kopf.Index, retry:
 
 
 def release_secret(body: kopf.Body, pool: dict[str, Any], k: kube.Kube) -> None:
+    """Let go of the pool's Secrets (its own, and managed MinIO's root) so that they outlive it."""
     meta = pool["metadata"]
-    name = builders.secret_name(meta["name"])
     owner = builders.owner_reference(pool)
-    secret = k.get("v1", "secrets", meta["namespace"], name)
-    if secret is None or (kube.controller(secret) or {}).get("uid") != owner["uid"]:
-        return
-    k.patch("v1", "secrets", meta["namespace"], name, {"metadata": {
-        "ownerReferences": None, "annotations": {kube.RELEASED_ANNOTATION: kube.released_mark(owner)}}})
-    kopf.info(body, reason="DataRetained",
-              message=f"data and Secret {name} (credentials, tenant salt) are kept (dataPolicy Retain)")
+    released = []
+    for name in (builders.secret_name(meta["name"]), builders.root_secret_name(meta["name"])):
+        secret = k.get("v1", "secrets", meta["namespace"], name)
+        if secret is None or (kube.controller(secret) or {}).get("uid") != owner["uid"]:
+            continue
+        k.patch("v1", "secrets", meta["namespace"], name, {"metadata": {
+            "ownerReferences": None, "annotations": {kube.RELEASED_ANNOTATION: kube.released_mark(owner)}}})
+        released.append(name)
+    if released:
+        kopf.info(body, reason="DataRetained", message=f"data and Secret(s) {', '.join(released)} (credentials, "
+                                                       f"tenant salt) are kept (dataPolicy Retain)")
 
 
 def delete_data(body: kopf.Body, pool: dict[str, Any], memo: kopf.Memo, retry: int) -> None:
     k: kube.Kube = memo.kube
-    meta = pool["metadata"]
-    secret = k.get("v1", "secrets", meta["namespace"], builders.secret_name(meta["name"]))
     try:
         check_references(pool, k, memo.endpoints)
-        removed, done = bucket.remove(storage_target(pool, k, builders.decode_secret_data((secret or {}).get("data"))),
-                                      owner_id(pool))
+        removed, done = bucket.remove(storage_target(pool, k, None), owner_id(pool))
     except bucket.Claimed as e:
         kopf.warn(body, reason="DataNotDeleted", message=str(e))
         return

@@ -70,6 +70,13 @@ def _skip(reason: str) -> Decision:
     return Decision({"metadata": {"annotations": {SKIPPED_ANNOTATION: reason}}}, "skipped", reason)
 
 
+def _unavailable(namespace: str, pool_name: str, why: str) -> Decision:
+    """A pool absent, disabled or not Ready: one answer for all three, so that a review (which anyone
+    reaching the webhook port can send) cannot tell whether a pool exists; `why` goes to the log only."""
+    decision = _skip(f"no Ready KVCachePool {namespace}/{pool_name} with injection enabled")
+    return decision._replace(reason=f"{decision.reason} ({why})")
+
+
 def _secret_env(setting: Setting, secret: str, key: str) -> dict[str, Any]:
     return {"name": setting.name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
 
@@ -209,13 +216,13 @@ def mutate(pod: dict[str, Any], pool: dict[str, Any] | None) -> Decision:
         return _skip(f"no {POOL_ANNOTATION} annotation names a KVCachePool")
     namespace = meta.get("namespace") or "default"
     if pool is None:
-        return _skip(f"KVCachePool {namespace}/{pool_name} not found")
+        return _unavailable(namespace, pool_name, "not found")
     pool_spec = specs.with_defaults(pool.get("spec") or {})
     if not pool_spec["injection"]["enabled"]:
-        return _skip(f"KVCachePool {namespace}/{pool_name} has injection disabled")
+        return _unavailable(namespace, pool_name, "injection disabled")
     status = pool.get("status") or {}
     if not conditions.is_true(status.get("conditions"), conditions.READY):
-        return _skip(f"KVCachePool {namespace}/{pool_name} is not Ready (phase {status.get('phase', 'Pending')})")
+        return _unavailable(namespace, pool_name, f"not Ready (phase {status.get('phase', 'Pending')})")
     model = _model_container(containers, pool_spec["injection"].get("modelContainer"))
     if model is None:
         wanted = pool_spec["injection"].get("modelContainer")

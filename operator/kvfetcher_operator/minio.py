@@ -6,6 +6,8 @@ peers finding each other through the headless Service. The StatefulSet's PVC ret
 policy carries the pool's data policy, so that `Delete` removes the volumes with the pool
 and `Retain` keeps them for a later pool of the same name.
 
+MinIO runs with root credentials from their own Secret (`<pool>-minio-root`), which only MinIO
+and the operator read; the sidecars get a MinIO user limited to the pool's bucket (users.py).
 MinIO pods are Pod Security "restricted" compliant, mount no service account token, spread
 over nodes, and take S3 traffic only from their peers, the pool's injected pods and the
 operator; the console is not served, metrics need a token.
@@ -64,7 +66,7 @@ def statefulset(pool: dict[str, Any]) -> dict[str, Any]:
     name = meta["name"]
     managed = _managed(pool)
     policy = specs.with_defaults(pool["spec"])["retention"]["dataPolicy"]
-    secret = builders.secret_name(name)
+    root = builders.root_secret_name(name)
     pod_labels = builders.labels(name, "minio")
     probe = {"httpGet": {"path": "/minio/health/ready", "port": "s3"}, "periodSeconds": 10, "failureThreshold": 3}
     claim_spec: dict[str, Any] = {
@@ -78,8 +80,8 @@ def statefulset(pool: dict[str, Any]) -> dict[str, Any]:
         "image": managed["image"],
         "args": server_args(pool),
         "env": [
-            {"name": "MINIO_ROOT_USER", "valueFrom": {"secretKeyRef": {"name": secret, "key": "accessKey"}}},
-            {"name": "MINIO_ROOT_PASSWORD", "valueFrom": {"secretKeyRef": {"name": secret, "key": "secretKey"}}},
+            {"name": "MINIO_ROOT_USER", "valueFrom": {"secretKeyRef": {"name": root, "key": "rootUser"}}},
+            {"name": "MINIO_ROOT_PASSWORD", "valueFrom": {"secretKeyRef": {"name": root, "key": "rootPassword"}}},
             {"name": "MINIO_BROWSER", "value": "off"},
         ],
         "ports": [{"name": "s3", "containerPort": builders.S3_PORT, "protocol": "TCP"}],

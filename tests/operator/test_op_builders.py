@@ -148,9 +148,9 @@ def test_injection_with_dra_claims_external_storage_and_label_salt() -> None:
 
 
 @pytest.mark.parametrize("the_pool,pod_change,reason", [
-    (None, None, "not found"),
-    (pool(MANAGED, ready=False), None, "is not Ready (phase Provisioning)"),
-    (pool({**MANAGED, "injection": {"enabled": False}}), None, "injection disabled"),
+    (None, None, "no Ready KVCachePool ml/cache with injection enabled"),
+    (pool(MANAGED, ready=False), None, "no Ready KVCachePool ml/cache with injection enabled"),
+    (pool({**MANAGED, "injection": {"enabled": False}}), None, "no Ready KVCachePool ml/cache with injection enabled"),
     (pool({**MANAGED, "injection": {"modelContainer": "llm"}}), None, "'llm' not found"),
     (pool(MANAGED), "no-annotation", "no kvfetcher.io/pool annotation"),
 ])
@@ -262,3 +262,12 @@ def test_minio_is_restricted_spread_and_fenced() -> None:
     sources = netpol["spec"]["ingress"][0]["from"]
     assert {"podSelector": {"matchLabels": {"kvfetcher.io/inject": "true"}}} in sources
     assert sources[2]["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "kvfetcher-system"}}
+
+
+def test_a_review_cannot_tell_a_missing_pool_from_an_unusable_one() -> None:
+    """Defect 15: anyone reaching the webhook port can send reviews naming any namespace; an absent,
+    a disabled and a not-Ready pool get the same patch (the reason differs in the operator's log only)."""
+    decisions = [injection.mutate(gpu_pod(), p) for p in (
+        None, pool(MANAGED, ready=False), pool({**MANAGED, "injection": {"enabled": False}}))]
+    assert decisions[0].patch == decisions[1].patch == decisions[2].patch
+    assert len({d.reason for d in decisions}) == 3

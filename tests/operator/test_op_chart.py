@@ -30,6 +30,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "metrics": {"port": 9090, "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
         "grafanaDashboard": {"enabled": False},
         "operator": {"verbose": True, "retrySeconds": 5},
+        "poolNamespaces": ["ml", "team-b"],
     },
     "namespaced": {"watchNamespaces": ["ml", "team-b"], "image": {"digest": "sha256:" + "a" * 64},
                    "networkPolicy": {"metricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]},
@@ -122,18 +123,34 @@ def test_cert_manager_mode_injects_the_ca_instead(chart: helm_python.Chart) -> N
     assert not by_kind(own, "Issuer") and by_kind(own, "Certificate")[0]["spec"]["issuerRef"]["kind"] == "ClusterIssuer"
 
 
+def rules_of(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
+    return {(g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
+
+
 def test_rbac_is_least_privilege(chart: helm_python.Chart) -> None:
-    (role,) = by_kind(render(chart, {}), "ClusterRole")
-    granted = {(g, r): set(rule["verbs"]) for rule in role["rules"]
-               for g in rule["apiGroups"] for r in rule["resources"]}
-    assert not any("*" in str(rule) for rule in role["rules"])
-    assert granted[("", "secrets")] == {"get", "create", "patch"}  # never list or watch every Secret
-    assert granted[("policy", "poddisruptionbudgets")] == granted[("networking.k8s.io", "networkpolicies")] == \
-        {"get", "create", "patch"}
-    assert granted[("", "pods")] == {"list", "watch"}
-    assert "delete" not in set().union(*granted.values())  # children go by owner references
-    (hooks,) = [r for r in role["rules"] if r["resources"] == ["mutatingwebhookconfigurations"]]
+    """Defect 10: cluster-wide, the operator reads and writes Secrets (and MinIO's objects) only in
+    namespaces bound to its pool-namespace ClusterRole; what is bound cluster-wide reads no Secret."""
+    docs = render(chart, {"poolNamespaces": ["ml"]})
+    roles = {r["metadata"]["name"]: r for r in by_kind(docs, "ClusterRole")}
+    assert not any("*" in str(rule) for role in roles.values() for rule in role["rules"])
+    (binding,) = by_kind(docs, "ClusterRoleBinding")
+    cluster_wide = rules_of(roles[binding["roleRef"]["name"]])
+    assert not {r for _, r in cluster_wide} & {"secrets", "services", "statefulsets", "poddisruptionbudgets",
+                                               "networkpolicies", "configmaps"}
+    assert cluster_wide[("", "pods")] == {"list", "watch"}
+    (hooks,) = [r for r in roles["kvf-kvfetcher"]["rules"] if r["resources"] == ["mutatingwebhookconfigurations"]]
     assert hooks["verbs"] == ["get"] and hooks["resourceNames"] == ["kvf-kvfetcher"]
+
+    per_namespace = rules_of(roles["kvf-kvfetcher-pool-namespace"])
+    assert per_namespace[("", "secrets")] == {"get", "create", "patch"}  # never list or watch every Secret
+    assert per_namespace[("policy", "poddisruptionbudgets")] == per_namespace[("networking.k8s.io", "networkpolicies")] \
+        == {"get", "create", "patch"}
+    assert "delete" not in set().union(*per_namespace.values(), *cluster_wide.values())  # owner references do it
+    (bound,) = by_kind(docs, "RoleBinding")
+    assert bound["metadata"]["namespace"] == "ml" and bound["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "kvf-kvfetcher-pool-namespace"}
+    assert bound["subjects"] == [{"kind": "ServiceAccount", "name": "kvf-kvfetcher", "namespace": NAMESPACE}]
+    assert not by_kind(render(chart, {}), "RoleBinding")  # nothing bound until a namespace is named
 
 
 def test_namespaced_mode_grants_nothing_cluster_wide_on_namespaced_objects(chart: helm_python.Chart) -> None:
@@ -144,9 +161,11 @@ def test_namespaced_mode_grants_nothing_cluster_wide_on_namespaced_objects(chart
         "mutatingwebhookconfigurations", "customresourcedefinitions"}
     roles = by_kind(docs, "Role")
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["ml", "team-b"]
-    assert any("secrets" in rule["resources"] for rule in roles[0]["rules"])
+    assert rules_of(roles[0])[("", "secrets")] == {"get", "create", "patch"}
+    assert rules_of(roles[0])[("kvfetcher.io", "kvcachepools")] >= {"list", "watch"}
     bindings = by_kind(docs, "RoleBinding")
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["ml", "team-b"]
+    assert {b["roleRef"]["kind"] for b in bindings} == {"Role"}
     container = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
     assert "--namespace=ml" in container["args"] and "--namespace=team-b" in container["args"]
     assert container["image"] == "ghcr.io/kvfetcher/kvfetcher-operator@sha256:" + "a" * 64  # defect 19

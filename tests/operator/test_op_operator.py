@@ -98,6 +98,10 @@ async def test_managed_pool_builds_minio_and_waits_for_it(operator, api: Api) ->
     assert netpol["spec"]["ingress"][0]["ports"] == [{"port": 9000, "protocol": "TCP"}]
     creds = builders.decode_secret_data((await api.get("v1/secrets", "default", "mgd-kvfetcher"))["data"])
     assert creds["accessKey"] and creds["secretKey"] and creds["endpoint"] == "http://mgd-minio.default.svc:9000"
+    # Defect 6: MinIO's root is in its own Secret, the pool's Secret holds the sidecars' user.
+    root = await api.get("v1/secrets", "default", "mgd-minio-root")
+    assert root["metadata"]["ownerReferences"][0]["uid"] == "uid-mgd"
+    assert builders.decode_secret_data(root["data"])["rootUser"] != creds["accessKey"]
 
     # The emulator runs no StatefulSet controller: report the replica ready as one would.
     # MinIO itself cannot run here, so the bucket call to the in-cluster name must fail, and say so.
@@ -148,8 +152,9 @@ async def test_retain_policy_releases_the_credentials(operator, api: Api) -> Non
     await api.wait_for("v1/secrets", "default", "kept-kvfetcher", lambda o: o is not None)
     await api.delete(POOLS, "default", "kept")
     await api.wait_for(POOLS, "default", "kept", lambda o: o is None)
-    secret = await api.get("v1/secrets", "default", "kept-kvfetcher")
-    assert not secret["metadata"].get("ownerReferences")  # kept for the retained volumes
+    for name in ("kept-kvfetcher", "kept-minio-root"):  # kept for the retained volumes
+        secret = await api.get("v1/secrets", "default", name)
+        assert not secret["metadata"].get("ownerReferences")
 
 
 async def test_missing_credentials_are_explained(operator, api: Api, s3: str) -> None:
@@ -274,14 +279,15 @@ async def test_webhook_injects_into_pods_of_a_ready_pool(operator, api: Api, s3:
 async def test_webhook_never_blocks_a_pod_for_a_missing_or_unready_pool(operator, api: Api) -> None:
     response, pod = await admit(operator, model_pod("nowhere"))
     assert response["allowed"] is True
-    assert pod["metadata"]["annotations"][injection.SKIPPED_ANNOTATION] == "KVCachePool default/nowhere not found"
+    assert pod["metadata"]["annotations"][injection.SKIPPED_ANNOTATION] == \
+        "no Ready KVCachePool default/nowhere with injection enabled"
     assert pod["spec"] == model_pod("nowhere")["spec"]
 
     await api.create(POOLS, managed_pool("starting"))
     await api.wait_for(POOLS, "default", "starting", lambda o: (o or {}).get("status", {}).get("phase"))
-    response, pod = await admit_until(operator, model_pod("starting"), lambda p: "not found" not in skipped(p))
+    response, pod = await admit(operator, model_pod("starting"))
     assert response["allowed"] is True and "initContainers" not in pod["spec"]
-    assert skipped(pod) == "KVCachePool default/starting is not Ready (phase Provisioning)"
+    assert skipped(pod) == "no Ready KVCachePool default/starting with injection enabled"  # as if absent
 
     response, pod = await admit(operator, model_pod(None))
     assert response["allowed"] is True and "no kvfetcher.io/pool annotation" in \

@@ -1,0 +1,22 @@
+#!/bin/sh
+# Regenerates the hash-locked requirements the images install with `pip install --require-hashes`
+# (run from the repository root after changing pyproject.toml's dependencies; needs uv).
+# operator.txt: the `operator` extra; sidecar.txt: the core dependencies and the `gpu` extra, with
+# torch held to PyPI's CUDA 12.8 builds (the sidecar image's CUDA runtime; 2.11 moved to CUDA 13).
+# Both are resolved for the images' interpreter (CPython 3.12, x86_64 Linux), and include the
+# build backend so that the project itself installs without fetching anything unpinned.
+set -eu
+deps() {
+    echo "$PINS"
+    python3 -c "import sys, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']
+for extra in sys.argv[1:]: print('\n'.join(p['dependencies'] if extra == 'core' else p['optional-dependencies'][extra]))
+print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['build-system']['requires']))" "$@"
+}
+compile() {
+    out=$1; shift
+    deps "$@" | uv pip compile - --generate-hashes --python-version 3.12 \
+        --python-platform x86_64-manylinux_2_28 --custom-compile-command requirements/compile.sh \
+        --quiet -o "$out"
+}
+PINS= compile requirements/operator.txt operator
+PINS="torch<2.11" compile requirements/sidecar.txt core gpu
