@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from kvtest import synthetic_kv
-from kvfetcher.codec import layout
+from kvfetcher.codec import layout, tiling
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -95,7 +95,7 @@ def test_bits_map_sets_levels_per_layer_and_kv():
     kv = synthetic_kv(layers=3, tokens=64, dtype=torch.float32)
     p = layout.LayoutParams(mode="quant", bits_map=((8, 8), (4, 6), (2, 8)))
     packed = layout.pack(kv, p)
-    tiles = layout._frames_to_tiles(packed.frames, packed.geometry, 64, kv.shape[2] * kv.shape[4]).view(3, 2, 64, -1)
+    tiles = tiling.frames_to_tiles(packed.frames, packed.geometry, 64, kv.shape[2] * kv.shape[4]).view(3, 2, 64, -1)
     assert int(tiles[1, 0].max()) == 15 and int(tiles[1, 1].max()) == 63 and int(tiles[2, 0].max()) == 3
     back = layout.unpack(packed.frames, packed.side, kv.shape, kv.dtype, p)
     step = layout.split_side(packed.side, kv.shape, p)[0][..., 1].unsqueeze(3)
@@ -168,7 +168,7 @@ def test_sigma_steps_error_is_within_half_a_step_and_centred(dtype):
     assert torch.allclose(ratio[:, 0][plain[:, 0]], torch.tensor(0.05), rtol=2e-3)  # keys: 0.05 sigma
     assert torch.allclose(ratio[:, 1], torch.tensor(0.5), rtol=2e-3)  # values: 0.5 sigma
     assert ratio[0, 0, 0, 3] > 0.06  # the outlier's channel: widened to fit in 8 bits
-    tiles = layout._frames_to_tiles(packed.frames, packed.geometry, kv.shape[3], kv.shape[2] * kv.shape[4])
+    tiles = tiling.frames_to_tiles(packed.frames, packed.geometry, kv.shape[3], kv.shape[2] * kv.shape[4])
     assert abs(float(tiles.float().mean()) - 128) < 2  # channels centred on level 128
 
 

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from kvfetcher.codec.layout import LAYOUT_VERSION
+from kvfetcher.codec.params import LAYOUT_VERSION
 from kvfetcher.config import CHUNK_TOKENS
 
 DEFAULT_CHUNK_TOKENS: int = CHUNK_TOKENS.default

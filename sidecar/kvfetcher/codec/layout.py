@@ -51,164 +51,17 @@ into a destination view of the model's KV buffers.
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
 from kvfetcher.codec import basis as kvbasis
-from kvfetcher.codec import fused_unpack, rope, trellis
+from kvfetcher.codec import fused_unpack, rope, tiling, trellis
+from kvfetcher.codec.params import LAYOUT_VERSION, LOSSLESS_MODES, MIN_READABLE_LAYOUT, LayoutParams  # noqa: F401 (the header's record)
+from kvfetcher.codec.tiling import Geometry, geometry
 from kvfetcher.kvbuffer import bytes_per_value, dtype_name
 
-LAYOUT_VERSION = 7  # 2: exact leading tokens in the side information; 3: sigma_steps in the header;
-#                    4: native mode (raw); 5: per-model basis, zstd-compressed side information;
-#                    6: trellis-coded quantisation; 7: sparse corrections of outlier-key tokens
-#: oldest layout whose objects this code still decodes (side information is compressed since v5;
-#: a v5 header has no ``trellis`` field, a v5/v6 header no ``sparse_tokens``, and means what it meant)
-MIN_READABLE_LAYOUT = 5
-#: modes that restore the stored values bit for bit and carry no side information
-LOSSLESS_MODES = ("exact", "native")
-
 _INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
-
-
-@dataclass(frozen=True)
-class LayoutParams:
-    """How a chunk becomes planes. Stored verbatim in the container header."""
-
-    mode: str = "quant"  # "native" (the buffer's bytes), "exact" (bytes of the original dtype as planes) or "quant"
-    bits: int = 8  # quantisation levels = 2**bits (quant mode); samples stay 8-bit
-    planes: int = 3  # colour planes per frame: 3 (4:4:4) or 1 (luma only)
-    max_rows: int = 1024  # tiles are stacked until a plane is this tall
-    kv_bits: tuple[int, int] | None = None  # (key_bits, value_bits) for every layer, overriding ``bits``
-    # optional per-layer (key_bits, value_bits), overriding both: rate control by sensitivity
-    bits_map: tuple[tuple[int, int], ...] | None = None
-    exact_tokens: int = 1  # leading tokens of each chunk kept exact (quant mode)
-    rope_theta: float | None = None  # quantise keys before RoPE (the model's theta; see rope.py)
-    # per-layer (key_step, value_step) in standard deviations of each channel, replacing the
-    # range-based levels; a profile of N entries is stretched over the chunk's layers by depth
-    sigma_steps: tuple[tuple[float, float], ...] | None = None
-    # name of a shipped per-model channel transform (basis.py), applied before quantisation
-    basis: str | None = None
-    # dependent (trellis-coded) quantisation along tokens (trellis.py); sigma_steps then set its grid
-    trellis: bool = False
-    # per (layer, KV head) of a chunk, this many tokens with the largest keys in the basis get their
-    # key and value rows' error corrected in side information (int8 in units of sparse_step x step)
-    sparse_tokens: int = 0
-    sparse_step: float = 0.25
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("native", "exact", "quant"):
-            raise ValueError(f"layout mode must be 'native', 'exact' or 'quant', not {self.mode!r}")
-        if self.mode == "native" and self.planes != 1:
-            raise ValueError("native layout has no colour planes: planes must be 1")
-        for b in (self.bits, *(self.kv_bits or ()), *(b for kv in self.bits_map or () for b in kv)):
-            if not 1 <= b <= 8:
-                raise ValueError(f"bits must be in 1..8, not {b}")
-        if self.rope_theta is not None and (self.mode != "quant" or self.rope_theta <= 1):
-            raise ValueError("rope_theta (pre-RoPE keys) needs quant mode and a theta > 1")
-        if self.exact_tokens < 0:
-            raise ValueError("exact_tokens must be >= 0")
-        if self.planes not in (1, 3):
-            raise ValueError(f"planes must be 1 or 3, not {self.planes}")
-        if self.sigma_steps is not None:
-            if self.mode != "quant" or self.kv_bits is not None or self.bits_map is not None:
-                raise ValueError("sigma_steps needs quant mode and excludes kv_bits and bits_map")
-            if not self.sigma_steps or any(len(kv) != 2 for kv in self.sigma_steps):
-                raise ValueError("sigma_steps must be a non-empty sequence of (key_step, value_step)")
-            if not all(0.01 <= st <= 16 for kv in self.sigma_steps for st in kv):
-                raise ValueError("sigma steps must be in [0.01, 16] standard deviations")
-        if self.basis is not None and self.sigma_steps is None:
-            raise ValueError("basis needs sigma_steps (one step per component)")
-        if self.trellis and self.sigma_steps is None:
-            raise ValueError("trellis needs sigma_steps (its grid step per component)")
-        if self.sparse_tokens < 0 or (self.sparse_tokens and self.basis is None):
-            raise ValueError("sparse_tokens must be >= 0 and needs a basis (keys are ranked by their norm in it)")
-        if not 0.01 <= self.sparse_step <= 1:
-            raise ValueError("sparse_step must be in [0.01, 1] steps")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "LayoutParams":
-        d = dict(d)
-        if d.get("kv_bits") is not None:
-            d["kv_bits"] = tuple(d["kv_bits"])
-        for f in ("bits_map", "sigma_steps"):
-            if d.get(f) is not None:
-                d[f] = tuple(tuple(kv) for kv in d[f])
-        return cls(**d)
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """Where tiles land: derived from the chunk shape and the layout, never stored separately."""
-
-    n_tiles: int
-    tile_rows: int  # tokens, padded to a multiple of 8
-    tile_cols: int  # kv_heads * head_dim, padded to a multiple of 8
-    tiles_per_plane: int
-    planes: int
-
-    @property
-    def tiles_per_frame(self) -> int:
-        return self.tiles_per_plane * self.planes
-
-    @property
-    def n_frames(self) -> int:
-        return math.ceil(self.n_tiles / self.tiles_per_frame)
-
-    @property
-    def height(self) -> int:
-        return self.tile_rows * self.tiles_per_plane
-
-    @property
-    def width(self) -> int:
-        return self.tile_cols
-
-    @property
-    def frame_shape(self) -> tuple[int, int, int, int]:
-        """``[frames, planes, height, width]`` of the uint8 planes."""
-        return (self.n_frames, self.planes, self.height, self.width)
-
-
-def _round8(n: int) -> int:
-    return max(8, (n + 7) // 8 * 8)
-
-
-def geometry(shape: tuple[int, ...], dtype: torch.dtype, params: LayoutParams) -> Geometry:
-    layers, two, heads, tokens, head_dim = shape
-    if two != 2:
-        raise ValueError(f"KV chunk must be [layers, 2, kv_heads, tokens, head_dim], got {tuple(shape)}")
-    if params.mode == "native":  # one frame per layer: a single row of that layer's bytes
-        return Geometry(layers, 1, 2 * heads * tokens * head_dim * bytes_per_value(dtype), 1, 1)
-    per_value = bytes_per_value(dtype) if params.mode == "exact" else 1
-    rows, cols = _round8(tokens), _round8(heads * head_dim)
-    # NVDEC needs planes of at least 144 x 144 (HEVC); stacking tiles grows the height.
-    n_tiles = layers * 2 * per_value
-    per_plane = min(max(1, params.max_rows // rows), math.ceil(n_tiles / params.planes))
-    per_plane = max(per_plane, math.ceil(144 / rows))
-    return Geometry(n_tiles, rows, max(cols, 144), per_plane, params.planes)
-
-
-def _tiles_to_frames(tiles: torch.Tensor, geo: Geometry) -> torch.Tensor:
-    """``[n_tiles, rows, cols]`` -> ``[frames, planes, height, width]`` (zero padded)."""
-    n, rows, cols = tiles.shape
-    total = geo.n_frames * geo.tiles_per_frame
-    out = torch.zeros((total, geo.tile_rows, geo.tile_cols), dtype=torch.uint8, device=tiles.device)
-    out[:n, :rows, :cols] = tiles
-    if rows < geo.tile_rows:  # repeat the last token row: cheaper to code than a step to zero
-        out[:n, rows:, :cols] = tiles[:, rows - 1 : rows, :]
-    out = out.view(geo.n_frames, geo.planes, geo.tiles_per_plane, geo.tile_rows, geo.tile_cols)
-    return out.reshape(geo.n_frames, geo.planes, geo.height, geo.width)
-
-
-def _frames_to_tiles(frames: torch.Tensor, geo: Geometry, rows: int, cols: int) -> torch.Tensor:
-    """Inverse of :func:`_tiles_to_frames`; a view where possible."""
-    t = frames.reshape(geo.n_frames, geo.planes, geo.tiles_per_plane, geo.tile_rows, geo.tile_cols)
-    t = t.reshape(geo.n_frames * geo.tiles_per_frame, geo.tile_rows, geo.tile_cols)
-    return t[: geo.n_tiles, :rows, :cols]
 
 
 @dataclass
@@ -341,7 +194,7 @@ def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
         ints = tok_major.contiguous().view(_INT_VIEW[kv.dtype])
         planes = [((ints >> (8 * b)) & 0xFF).to(torch.uint8) for b in reversed(range(nbytes))]
         tiles = torch.stack(planes, dim=2)  # [layers, 2, bytes, tokens, C]
-        return Packed(_tiles_to_frames(tiles.reshape(-1, tokens, heads * head_dim), geo), None, geo)
+        return Packed(tiling.tiles_to_frames(tiles.reshape(-1, tokens, heads * head_dim), geo), None, geo)
 
     e = min(params.exact_tokens, tokens)
     x = kv.to(torch.float32, copy=True)  # never a view of the caller's tensor (fp32 KV)
@@ -380,7 +233,7 @@ def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
         parts.append(_sparse_pack(x, q, lo_r, scale_r, params, b0, ks, bytes_per_value(kv.dtype)).view(kv.dtype))
     side = torch.cat(parts)
     tiles = q.permute(0, 1, 3, 2, 4).reshape(layers * 2, tokens, heads * head_dim)
-    return Packed(_tiles_to_frames(tiles, geo), side, geo)
+    return Packed(tiling.tiles_to_frames(tiles, geo), side, geo)
 
 
 def _dequantise(t: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, params: LayoutParams, b0: int) -> torch.Tensor:
@@ -434,7 +287,7 @@ def unpack(
         raise ValueError(f"frames {tuple(frames.shape)} {frames.dtype} do not match layout {geo.frame_shape} uint8")
     if params.mode == "native":
         return _restore(frames.contiguous().view(dtype).view(tuple(shape)), shape, dtype, out)
-    tiles = _frames_to_tiles(frames, geo, tokens, heads * head_dim)
+    tiles = tiling.frames_to_tiles(frames, geo, tokens, heads * head_dim)
     if params.mode == "exact":
         nbytes = bytes_per_value(dtype)
         idt = _INT_VIEW[dtype]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvfetcher.codec.base import CodecParams
-from kvfetcher.codec.layout import LayoutParams
+from kvfetcher.codec.params import LayoutParams
 from kvfetcher.format import calibration
 from kvfetcher.format.calibration import Calibration, Table
 
