@@ -12,27 +12,22 @@
 * ``overhead``: x265 lossless on synthetic i.i.d. Gaussian symbols of growing spread against
   their plug-in entropy: where the coder's overhead over the entropy comes from.
 
-    .venv/bin/python bench/basis_probes.py [coders side range overhead] [--kv-cache /tmp/kv.pt]
+    python -m research.basis_probes [coders side range overhead] [--kv-cache /tmp/kv.pt]
 
-Prints its findings (docs/benchmarks/basis_probes.txt holds a run).
+Prints its findings (research/results/basis_probes.txt holds a run).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 import zstandard
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "sidecar"))
-sys.path.insert(0, str(ROOT / "bench"))
-
-import compression_bench as cb  # noqa: E402
-import compression_probes as cp  # noqa: E402
-from kvfetcher.codec import basis, layout, rope  # noqa: E402
+from benchmarks.compression import compression_bench as cb
+from research import compression_probes as cp
+from kvfetcher.codec import basis, layout, rope
 from kvfetcher.eval import model
 from kvfetcher.format import presets
 

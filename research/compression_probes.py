@@ -11,27 +11,23 @@ No model runs here except for the margins probe; each probe quantises real chunk
 * ``margins``: the reference model's top-1 vs top-2 logit margin along the greedy
   continuation of each prompt: where a margin is ~0.01, any lossy cache flips that token.
 
-    .venv/bin/python bench/compression_probes.py [lossy layout coders margins]
+    python -m research.compression_probes [lossy layout coders margins]
 
-Prints its findings (docs/benchmarks/compression_probes.txt holds a run).
+Prints its findings (research/results/compression_probes.txt holds a run).
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 import zstandard
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "sidecar"))
-
-from kvfetcher.eval import accuracy, model  # noqa: E402
+from kvfetcher.eval import accuracy, model
 from kvfetcher import codec
 from kvfetcher.codec import layout, rope
 from kvfetcher.format import presets
-from kvfetcher.codec.base import CodecParams  # noqa: E402
+from kvfetcher.codec.base import CodecParams
 
 
 def tiles_prerope(kv: torch.Tensor, theta: float) -> torch.Tensor:

@@ -3,7 +3,7 @@
 Each point is a layout + codec setting run through the accuracy harness over the shipped
 prompts: ratio vs fp16 (all overheads counted), greedy agreement, NLL increase.
 
-    .venv/bin/python bench/compression_sweep.py [--points q6,q5,q8qp12]
+    python -m research.compression_sweep [--points q6,q5,q8qp12]
 """
 
 from __future__ import annotations
@@ -16,12 +16,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "sidecar"))
 
-from kvfetcher.eval import accuracy  # noqa: E402
-from kvfetcher.codec.base import CodecParams  # noqa: E402
-from kvfetcher.codec.layout import LayoutParams  # noqa: E402
-from kvfetcher.format.presets import Preset  # noqa: E402
+from kvfetcher.eval import accuracy
+from kvfetcher.codec.base import CodecParams
+from kvfetcher.codec.layout import LayoutParams
+from kvfetcher.format.presets import Preset
 
 POINTS = {
     "q7": Preset("q7", LayoutParams(mode="quant", bits=7), CodecParams(lossless=True), False, "7-bit, lossless HEVC"),
@@ -42,7 +41,7 @@ POINTS = {
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--points", default=",".join(POINTS))
-    ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "compression_sweep.json"))
+    ap.add_argument("--out", default=str(ROOT / "research" / "results" / "compression_sweep.json"))
     args = ap.parse_args()
     out = {"date": datetime.date.today().isoformat(), "device": "CPU (2 shared cores)", "prompts": len(accuracy.PROMPTS), "tokens": 512, "points": {}}
     if Path(args.out).exists():  # extend earlier points rather than forget them

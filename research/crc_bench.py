@@ -1,9 +1,9 @@
 """CRC-32 throughput: zlib vs ISA-L (``isal``), which compute the same checksum.
 
 Every fetched segment is checksummed before it is decoded, so a fetch checks GBs: this is
-why ``container`` uses ISA-L when it is installed. Writes docs/benchmarks/crc.json.
+why ``container`` uses ISA-L when it is installed. Writes research/results/crc.json.
 
-    python bench/crc_bench.py
+    python -m research.crc_bench
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from isal import isal_zlib
 
-OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "crc.json"
+OUT = Path(__file__).resolve().parent / "results" / "crc.json"
 
 
 def rate(fn, data: bytes, repeats: int = 7) -> float:

@@ -6,7 +6,7 @@ real quantised KV values (a ``.npy`` of 6-bit tiles) both ways — 8-bit samples
 value, 12-bit samples holding two — as lossless 4:4:4 1024x1024 frames, checks NVDEC's output
 against the source, and times decoding in N worker processes (NVML utilisation alongside).
 
-    python bench/nvdec_depth_probe.py --tiles q6_tiles.npy --out depth.json
+    python -m research.nvdec_depth_probe --tiles q6_tiles.npy --out depth.json
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ import av
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from nvdec_bench import run_workers  # noqa: E402
+from benchmarks.lib.nvml import run_workers
 
 SIDE = 1024
 

@@ -1,17 +1,13 @@
 """NVDEC feeding strategies, one process: FFmpeg demuxer vs whole stream as one packet,
 new decoder per stream vs reused (run on the GPU machine; a Llama-3-8B-shaped q8 chunk).
 
-Run on an H200 on 2026-11-22; its printed output is recorded in docs/benchmarks/nvdec_feed_h200.md.
+Run on an H200 on 2026-11-22; its printed output is recorded in research/results/nvdec_feed_h200.md.
 """
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "sidecar"))
 from kvfetcher.codec import layout
-from kvfetcher import codec
 from kvfetcher.codec.nvidia import NvdecDecoder
 from kvfetcher.codec.pyav import X265Encoder, LibavDecoder
 from kvfetcher.codec.base import CodecParams

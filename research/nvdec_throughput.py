@@ -7,7 +7,7 @@ buffer, either one call per segment (4 frames, one flush each) or with the segme
 ``--batch`` chunks concatenated into one elementary stream (each segment starts with its own
 parameter sets and IDR, so the concatenation is itself a valid stream: one flush per batch).
 
-    python bench/nvdec_throughput.py --out results.json
+    python -m research.nvdec_throughput --out results.json
 """
 
 from __future__ import annotations
@@ -22,14 +22,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "sidecar"))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from kvfetcher.codec import layout  # noqa: E402
-from kvfetcher.codec.base import CodecParams  # noqa: E402
-from kvfetcher.codec.pyav import X265Encoder  # noqa: E402
-from nvdec_bench import run_workers  # noqa: E402
+from kvfetcher.codec import layout
+from kvfetcher.codec.base import CodecParams
+from kvfetcher.codec.pyav import X265Encoder
+from benchmarks.lib.nvml import run_workers
 
 SHAPE = (32, 2, 8, 256, 128)
 P = layout.LayoutParams(mode="quant")

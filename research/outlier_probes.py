@@ -1,9 +1,9 @@
 """Probes for issue 6's last gap (per-token precision, bit allocation), on 24 windows.
 
-Setup (cached under --cache): the 24 screening windows of bench/trellis_probes.py (kl24: the
+Setup (cached under --cache): the 24 screening windows of research/trellis_probes.py (kl24: the
 harness's 8 prompts + 16 more), their fp16 KV, reference log-probs of the 64-token
 continuation, and the restored KV of ``balanced`` as the cache first saw it (whole stored
-objects, so sizes are real; the runs in docs/benchmarks/outlier_probes.txt cached layout v6's).
+objects, so sizes are real; the runs in research/results/outlier_probes.txt cached layout v6's).
 
 * ``rows``: how much KL do selected (layer, k|v, head, token) rows, restored exactly after
   ``balanced``, remove? Selection rules the encoder can compute from KV alone (per head and
@@ -17,9 +17,9 @@ objects, so sizes are real; the runs in docs/benchmarks/outlier_probes.txt cache
   at ``4:0.25:1.04`` (/tmp/comp7/steps_a1.0.pt in the run: steps sqrt(slope / (share / step^2)),
   normalised to the same rate).
 
-    .venv/bin/python bench/outlier_probes.py rows|sparse|alone|groups [--configs ...]
+    python -m research.outlier_probes rows|sparse|alone|groups [--configs ...]
 
-docs/benchmarks/outlier_probes.txt holds the runs.
+research/results/outlier_probes.txt holds the runs.
 """
 
 from __future__ import annotations
@@ -32,13 +32,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "sidecar"))
-sys.path.insert(0, str(ROOT / "bench"))
-
-import compression_bench as cb  # noqa: E402
-from trellis_probes import EXTRA  # noqa: E402
-from kvfetcher.eval import accuracy, model  # noqa: E402
+from benchmarks.compression import compression_bench as cb
+from research.trellis_probes import EXTRA
+from kvfetcher.eval import accuracy, model
 from kvfetcher.codec import basis, rope
 from kvfetcher.format import presets
 

@@ -7,23 +7,19 @@ positions (SmolLM2: default RoPE, theta 1e5, rotate-half pairs), quantised per c
 256-token chunks (first token exact), re-rotated, and judged by greedy agreement over the
 shipped prompts; sizes are real libx265 lossless bitstreams plus side information.
 
-    .venv/bin/python bench/prerope_probe.py k6v8 k5v6 k4v6 k5v4
+    python -m research.prerope_probe k6v8 k5v6 k4v6 k5v4
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "sidecar"))
-
-from kvfetcher.eval import accuracy, model  # noqa: E402
+from kvfetcher.eval import accuracy, model
 from kvfetcher.codec import layout
-from kvfetcher.codec.base import CodecParams  # noqa: E402
-from kvfetcher.codec.pyav import X265Encoder  # noqa: E402
+from kvfetcher.codec.base import CodecParams
+from kvfetcher.codec.pyav import X265Encoder
 
 
 def rotation(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

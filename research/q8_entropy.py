@@ -6,7 +6,7 @@ q8_lossless.py for estimates a coder can reach), zstd -9 on the same
 bytes, and libx265 lossless at several speed presets — all in bits per value, side
 information excluded.
 
-    .venv/bin/python bench/q8_entropy.py [--prompts 2]
+    python -m research.q8_entropy [--prompts 2]
 """
 
 from __future__ import annotations
@@ -22,13 +22,12 @@ import torch
 import zstandard
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "sidecar"))
 
-from kvfetcher.eval import accuracy, model  # noqa: E402
+from kvfetcher.eval import accuracy, model
 from kvfetcher.codec import layout
 from kvfetcher.format import presets
-from kvfetcher.codec.base import CodecParams  # noqa: E402
-from kvfetcher.codec.pyav import X265Encoder  # noqa: E402
+from kvfetcher.codec.base import CodecParams
+from kvfetcher.codec.pyav import X265Encoder
 
 
 def channel_entropy(q: torch.Tensor) -> float:
@@ -45,7 +44,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--speeds", default="ultrafast,fast,slow")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "q8_entropy.json"))
+    ap.add_argument("--out", default=str(ROOT / "research" / "results" / "q8_entropy.json"))
     args = ap.parse_args()
     lm = model.load()
     p = presets.get("q8").layout

@@ -13,9 +13,9 @@ same bytes. This measures why it does not, on real KV (the first 256-token chunk
 * the same coders on synthetic i.i.d. Gaussian samples, whose entropy is known: how far above
   the entropy x265's lossless residual coding lands as the spread grows.
 
-    .venv/bin/python bench/q8_lossless.py [--prompts 4]
+    python -m research.q8_lossless [--prompts 4]
 
-Writes docs/benchmarks/q8_lossless.json (the table in q8_lossless.md is written from it by hand).
+Writes research/results/q8_lossless.json (the table in q8_lossless.md is written from it by hand).
 """
 
 from __future__ import annotations
@@ -34,13 +34,12 @@ import torch
 import zstandard
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "sidecar"))
 
-from kvfetcher.eval import accuracy, model  # noqa: E402
+from kvfetcher.eval import accuracy, model
 from kvfetcher.codec import layout
 from kvfetcher.format import presets
-from kvfetcher.codec.base import CodecParams  # noqa: E402
-from kvfetcher.codec.pyav import X265Encoder, _x265_params  # noqa: E402
+from kvfetcher.codec.base import CodecParams
+from kvfetcher.codec.pyav import X265Encoder, _x265_params
 
 ZC = zstandard.ZstdCompressor(level=9)
 
@@ -134,7 +133,7 @@ def gaussian_per_channel(x: torch.Tensor) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "q8_lossless.json"))
+    ap.add_argument("--out", default=str(ROOT / "research" / "results" / "q8_lossless.json"))
     args = ap.parse_args()
     torch.set_num_threads(1)
     lm = model.load()

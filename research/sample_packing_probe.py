@@ -12,7 +12,7 @@ and 63-i (the basis orders a head's components by variance). Every packed stream
 and checked. The packed ratio keeps the stored object's side information and header and ignores
 what the clamped symbols would cost to correct, so it is an upper bound.
 
-    .venv/bin/python bench/sample_packing_probe.py   # -> docs/benchmarks/sample_packing.json, .md
+    python -m research.sample_packing_probe   # -> research/results/sample_packing.json, .md
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ SEGMENT_FRAMES = 4
 PLANE_ROWS = 1024  # tiles stacked per plane, as the presets' layout does
 X265 = "log-level=error:repeat-headers=1:info=0:lossless=1:rd=3:keyint=100000:min-keyint=100000:scenecut=0:open-gop=0:bframes=0"
 PAIRINGS = ("tokens 2t and 2t+1", "components i and i+32", "components i and 63-i")
-OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "sample_packing"
+OUT = Path(__file__).resolve().parent / "results" / "sample_packing"
 
 
 def x265(frames: np.ndarray, bits: int) -> int:
@@ -182,7 +182,7 @@ def reading(summ: dict) -> str:
 
 def markdown(res: dict) -> str:
     lines = [f"# Two quantised values per 10/12-bit sample? ({res['device']}, {res['date']})", "",
-             f"`bench/sample_packing_probe.py`: {res['what']}", "",
+             f"`research/sample_packing_probe.py`: {res['what']}", "",
              "| preset | samples | pairs | bits/value | vs 8-bit | ratio (upper bound) | samples/value | pairs clipped |",
              "|---|---|---|---|---|---|---|---|"]
     for preset, s in res["summary"].items():

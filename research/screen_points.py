@@ -4,9 +4,9 @@ Each argument is a Python expression building a Preset; ``pt(name, scale, bas=BA
 profile=None, sink=False)`` is balanced's family: sigma steps ``profile`` (default the v3 base
 profile) times ``scale``, in basis ``bas`` (None: per-channel), exact first token only at
 position 0 with ``sink``. ``SB`` is the basis sensitivity table. Prints ratio, greedy agreement,
-NLL increase and KL per point (the runs behind docs/benchmarks/basis_screening.txt).
+NLL increase and KL per point (the runs behind research/results/basis_screening.txt).
 
-    .venv/bin/python bench/screen_points.py all 'pt("basis x0.7", 0.7)' \\
+    python -m research.screen_points all 'pt("basis x0.7", 0.7)' \\
         'pt("t", 1.0, profile=presets.sigma_steps(0.0024, lo=0.03, hi=2.0, table=SB), sink=True)'
 """
 
@@ -14,20 +14,15 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "sidecar"))
-sys.path.insert(0, str(ROOT / "bench"))
-
-import compression_bench as cb  # noqa: E402
-from kvfetcher.codec import layout  # noqa: E402,F401
+from benchmarks.compression import compression_bench as cb
+from kvfetcher.codec import layout
 from kvfetcher.eval import model
 from kvfetcher.format import presets
-from kvfetcher.codec.base import CodecParams  # noqa: E402
-from kvfetcher.format.presets import Preset  # noqa: E402
+from kvfetcher.codec.base import CodecParams
+from kvfetcher.format.presets import Preset
 
 BASIS = presets.SMOLLM2_BASIS
 SB = presets.SENSITIVITY_BASIS

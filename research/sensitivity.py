@@ -6,7 +6,7 @@ over the shipped prompts, the rest of the cache untouched. Cheap (one forward pa
 continuation per group and prompt), so every group can be measured; the greedy-agreement
 harness then checks the allocation built from it.
 
-    .venv/bin/python bench/sensitivity.py --bits 4 --out docs/benchmarks/sensitivity.json
+    python -m research.sensitivity --bits 4 --out docs/benchmarks/sensitivity.json
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "sidecar"))
 
-from kvfetcher.eval import accuracy, model  # noqa: E402
+from kvfetcher.eval import accuracy, model
 from kvfetcher.codec import layout
 
 
@@ -41,7 +40,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bits", default="4")
     ap.add_argument("--tokens", type=int, default=512)
-    ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "sensitivity.json"))
+    ap.add_argument("--out", default=str(ROOT / "research" / "results" / "sensitivity.json"))
     args = ap.parse_args()
     lm = model.load()
     cases = []

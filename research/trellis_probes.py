@@ -19,9 +19,9 @@
   more of the shipped texts, for a smoother comparison than the harness's 8 (its KL is
   dominated by one prompt, license.txt@1200, that swings 2x between neighbouring settings).
 
-    .venv/bin/python bench/trellis_probes.py [predict proxy x265 kl24] [--kv-cache /tmp/kv.pt]
+    python -m research.trellis_probes [predict proxy x265 kl24] [--kv-cache /tmp/kv.pt]
 
-docs/benchmarks/trellis_probes.txt holds a run.
+research/results/trellis_probes.txt holds a run.
 """
 
 from __future__ import annotations
@@ -31,19 +31,14 @@ import dataclasses
 import fractions
 import sys
 import time
-from pathlib import Path
 
 import av
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "sidecar"))
-sys.path.insert(0, str(ROOT / "bench"))
-
-import compression_bench as cb  # noqa: E402
-import compression_probes as cp  # noqa: E402
-from kvfetcher.eval import accuracy, model  # noqa: E402
+from benchmarks.compression import compression_bench as cb
+from research import compression_probes as cp
+from kvfetcher.eval import accuracy, model
 from kvfetcher.codec import basis, layout, rope, trellis
 from kvfetcher.format import presets
 

@@ -8,19 +8,19 @@ raw fetch (bytes straight into the buffer, ``fetchkit.fetch_raw_direct``) and re
 
 What is real and what is not:
 * Recompute: a 70B model does not fit one GPU, so prefill is timed on 4 and 8 contiguous
-  layers of the 70B shape (random bf16 weights) and scaled to 80 (``scale_bench.full_depth``)
+  layers of the 70B shape (random bf16 weights) and scaled to 80 (``llama_shape.full_depth``)
   in this run. The auto choice is given that time as its recompute rate; when it picks
   recompute, its time is its lookup plus that prefill time.
 * KV: real SmolLM2-135M KV tiled into the 70B shape (``kvsource.real_chunks``), a few distinct
   chunks stored under every chunk's name; stored presets raw, q8 and balanced (what a pool
   holding the accuracy-preserving presets would have).
 * Link: ``linkstore`` (in-process store behind a paced FIFO link with 2 ms latency): loopback
-  HTTP in Python delivers at most ~24 Gbit/s here (ttft_h200.md), this one delivers the set rate.
+  HTTP in Python delivers at most ~24 Gbit/s here (ttft_bench's link probe), this one delivers the set rate.
 * TTFT here is the time to KV in the buffers (the first decode step is the same for all).
 A cell whose least possible time (stored bytes / link) exceeds its box (2x recompute) is not run.
 
-    python bench/auto_scale_bench.py measure --kvsrc kvsrc.pt --out auto70b.json
-    python bench/auto_scale_bench.py report auto70b.json      # -> .md and .png beside it
+    python -m benchmarks.auto_70b.auto_scale_bench measure --kvsrc kvsrc.pt --out auto70b.json
+    python -m benchmarks.auto_70b.auto_scale_bench report auto70b.json      # -> .md and .png beside it
 """
 
 from __future__ import annotations
@@ -31,24 +31,18 @@ import datetime
 import json
 import multiprocessing as mp
 import random
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "sidecar"), str(ROOT / "tests"), str(ROOT / "bench")]
+from benchmarks.lib import fetchkit, kvsource, linkstore
+from benchmarks.lib.llama_shape import full_depth, sweep_prefill
 
-import fetchkit  # noqa: E402
-import kvsource  # noqa: E402
-import linkstore  # noqa: E402
-from scale_bench import full_depth, sweep_prefill  # noqa: E402
-
-from kvfetcher import ipc, keys, service  # noqa: E402
-from kvfetcher.chunk import encode_chunk  # noqa: E402
-from kvfetcher.eval.costmodel import SHAPES, ModelShape  # noqa: E402
+from kvfetcher import ipc, keys, service
+from kvfetcher.chunk import encode_chunk
+from kvfetcher.eval.costmodel import SHAPES, ModelShape
 
 CHUNK = 256
 FINGERPRINT = "auto-scale-bench"
@@ -196,7 +190,7 @@ def _fmt(x) -> str:
 def report(args) -> None:
     res = json.loads(Path(args.json).read_text())
     rows = [f"# Automatic choice on {res['shape']}-shaped KV, end to end ({res['device']}, {res['date']})", "",
-            "Produced by `bench/auto_scale_bench.py` (what is real and what is emulated: its docstring and below). "
+            "Produced by `benchmarks/auto_70b/auto_scale_bench.py` (what is real and what is emulated: its docstring and below). "
             "Seconds until the prefix's KV is in the GPU buffers; recompute is the 70B prefill, timed on 4 and 8 "
             "of its layers in this run and scaled to 80. `auto` is the real sidecar choosing among recompute and the "
             "stored presets " + ", ".join(res["stored"]) + "; its time includes the lookup. `—`: not run (the link "

@@ -4,11 +4,11 @@ Per preset: size ratio vs fp16 (headers and side information counted), encode an
 throughput in fp16-equivalent MB/s on this machine's CPU, greedy agreement and NLL increase
 over the shipped prompts. Beside the presets, the same quantised bytes through zstd -9 (the
 lossless general-purpose baseline q8 has to beat). NVDEC figures come from
-bench/nvdec_bench.py on a GPU machine and are merged in with ``--nvdec-json``.
+benchmarks/codec/nvdec_bench.py on a GPU machine and are merged in with ``--nvdec-json``.
 
-    .venv/bin/python bench/codec_bench.py [--tokens 512] [--export DIR] [--nvdec-json FILE]
+    python -m benchmarks.codec.codec_bench [--tokens 512] [--export DIR] [--nvdec-json FILE]
 
-Writes docs/benchmarks/codec.json and codec.md, and the package's presets_measured.json.
+Writes result_cpu.json and result_cpu.md beside it, and the package's presets_measured.json.
 """
 
 from __future__ import annotations
@@ -25,15 +25,12 @@ from pathlib import Path
 import torch
 import zstandard
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "sidecar"))
-
-from kvfetcher.eval import accuracy, model  # noqa: E402
+from kvfetcher.eval import accuracy, model
 from kvfetcher.codec import layout
 from kvfetcher.format import presets
-from kvfetcher.chunk import encode_chunk  # noqa: E402
+from kvfetcher.chunk import encode_chunk
 
-OUT = ROOT / "docs" / "benchmarks"
+OUT = Path(__file__).resolve().parent  # result_cpu.json / .md beside this file
 
 
 def zstd_on_quantised(kvs: list[torch.Tensor], chunk_tokens: int) -> dict:
@@ -75,7 +72,7 @@ def main() -> int:
     ap.add_argument("--presets", default=",".join(presets.PRESETS))
     ap.add_argument("--export", help="also write each prompt's stored chunks here (for the NVDEC bench)")
     ap.add_argument("--export-prompts", type=int, default=2)
-    ap.add_argument("--nvdec-json", help="merge NVDEC results from bench/nvdec_bench.py")
+    ap.add_argument("--nvdec-json", help="merge NVDEC results from benchmarks/codec/nvdec_bench.py")
     args = ap.parse_args()
 
     lm = model.load()
@@ -115,15 +112,15 @@ def main() -> int:
         results["nvdec"] = json.loads(Path(args.nvdec_json).read_text())
 
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "codec.json").write_text(json.dumps(results, indent=2))
-    (OUT / "codec.md").write_text(render_md(results))
+    (OUT / "result_cpu.json").write_text(json.dumps(results, indent=2))
+    (OUT / "result_cpu.md").write_text(render_md(results))
     measured = {
         k: {f: v[f] for f in ("ratio_vs_fp16", "greedy_agreement", "nll_increase", "encode_mb_s", "decode_mb_s")}
         | {"date": results["date"]}
         for k, v in results["presets"].items()
     }
     presets.MEASURED_FILE.write_text(json.dumps(measured, indent=2))
-    print((OUT / "codec.md").read_text())
+    print((OUT / "result_cpu.md").read_text())
     return 0
 
 
@@ -150,7 +147,7 @@ def render_md(r: dict) -> str:
         lines += ["", f"## NVDEC ({n['device']}, {n['date']})", "", n.get("summary_md", ""), "",
                   "Each point ran well under a second, so its utilisation samples are sparse; "
                   "[nvdec_throughput.md](nvdec_throughput.md) has 3-second runs."]
-    lines += ["", "Rerun: `.venv/bin/python bench/codec_bench.py` (CPU) and `bench/nvdec_bench.py` on a GPU machine."]
+    lines += ["", "Rerun: `python -m benchmarks.codec.codec_bench` (CPU) and `benchmarks/codec/nvdec_bench.py` on a GPU machine."]
     return "\n".join(lines) + "\n"
 
 

@@ -1,6 +1,6 @@
 """NVDEC decode + GPU restore benchmark (run on the GPU machine).
 
-Inputs: stored chunk objects made on the CPU by ``bench/codec_bench.py --export DIR`` (real KV
+Inputs: stored chunk objects made on the CPU by ``benchmarks/codec/codec_bench.py --export DIR`` (real KV
 of the shipped model) — and, for a serving-sized shape, a synthetic Llama-3-8B-shaped chunk
 encoded here with libx265 (timing only: its values are random, its entropy like real q8).
 
@@ -9,7 +9,7 @@ decode + unpack into a preallocated GPU KV buffer, in fp16-equivalent GB/s, with
 processes (threads of one process did not scale in the first probe), and NVDEC utilisation
 sampled through NVML meanwhile.
 
-    python bench/nvdec_bench.py --objects DIR --out results.json
+    python -m benchmarks.codec.nvdec_bench --objects DIR --out results.json
 """
 
 from __future__ import annotations
@@ -17,20 +17,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import multiprocessing as mp
-import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "sidecar"))
+from benchmarks.lib.nvml import run_workers
 
-from kvfetcher.format import container  # noqa: E402
-from kvfetcher.chunk import decode_chunk, encode_chunk  # noqa: E402
+from kvfetcher.format import container
+from kvfetcher.chunk import decode_chunk, encode_chunk
 
 
 def _kv_bytes(obj: bytes) -> int:
@@ -39,39 +35,6 @@ def _kv_bytes(obj: bytes) -> int:
     for s in h.shape:
         n *= s
     return n * 2
-
-
-class NvmlSampler:
-    """Mean and peak NVDEC utilisation (%) while the block runs."""
-
-    def __init__(self, period: float = 0.05):
-        self.period, self.samples, self._stop = period, [], threading.Event()
-
-    def __enter__(self):
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self._h = pynvml.nvmlDeviceGetHandleByIndex(0)
-            self._get = lambda: pynvml.nvmlDeviceGetDecoderUtilization(self._h)[0]
-            self._t = threading.Thread(target=self._run, daemon=True)
-            self._t.start()
-        except Exception as e:  # no NVML: report that instead of a number
-            self.error = str(e)
-        return self
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.samples.append(self._get())
-            time.sleep(self.period)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-
-    def result(self) -> dict:
-        if not self.samples:
-            return {"nvdec_util_mean": None, "nvdec_util_max": None}
-        return {"nvdec_util_mean": statistics.mean(self.samples), "nvdec_util_max": max(self.samples)}
 
 
 def _worker(objs: list[bytes], rounds: int, start, q):
@@ -94,24 +57,6 @@ def _worker(objs: list[bytes], rounds: int, start, q):
             decode_chunk(o, device="cuda", out=out)
     torch.cuda.synchronize()
     q.put(time.perf_counter() - t)
-
-
-def run_workers(target, args: tuple, procs: int) -> tuple[list, float, dict]:
-    """Start ``procs`` spawned workers ``target(*args, start_barrier, result_queue)``, release
-    them together, and return their results, the wall time and NVDEC utilisation meanwhile."""
-    ctx = mp.get_context("spawn")
-    start, q = ctx.Barrier(procs + 1), ctx.Queue()
-    ps = [ctx.Process(target=target, args=(*args, start, q)) for _ in range(procs)]
-    for p in ps:
-        p.start()
-    start.wait()
-    t = time.perf_counter()
-    with NvmlSampler() as s:
-        results = [q.get(timeout=600) for _ in ps]
-    wall = time.perf_counter() - t
-    for p in ps:
-        p.join()
-    return results, wall, s.result()
 
 
 def throughput(objs: list[bytes], procs: int, rounds: int) -> dict:

@@ -17,8 +17,8 @@ ready, and its warm-up gauge.
 The stored prefix is synthetic KV of a model shape (``fetchkit.encode_objects``: a few distinct
 chunks cycled); the store is a local directory, so the link is not what is measured.
 
-    python bench/cold_start_bench.py --device cpu --procs 2
-    python bench/cold_start_bench.py --device cuda     # 8 workers, Llama-3-8B's KV shape
+    python -m benchmarks.cold_start.cold_start_bench --device cpu --procs 2
+    python -m benchmarks.cold_start.cold_start_bench --device cuda     # 8 workers, Llama-3-8B's KV shape
 """
 
 from __future__ import annotations
@@ -38,16 +38,15 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "sidecar"), str(ROOT / "tests"), str(ROOT / "bench")]
+ROOT = Path(__file__).resolve().parents[2]
 
-import fetchkit  # noqa: E402
+from benchmarks.lib import fetchkit
 from kvtest import free_port  # noqa: E402
 
-from kvfetcher import ipc, keys  # noqa: E402
-from kvfetcher.api.client import KVClient  # noqa: E402
-from kvfetcher.eval.costmodel import ModelShape  # noqa: E402
-from kvfetcher.store.local import LocalStore  # noqa: E402
+from kvfetcher import ipc, keys
+from kvfetcher.api.client import KVClient
+from kvfetcher.eval.costmodel import ModelShape
+from kvfetcher.store.local import LocalStore
 
 TOKEN = "cold-start-bench"
 MODES = {"cold": "0", "warm": "1"}  # KVFETCHER_WARM_UP
@@ -150,7 +149,7 @@ def report(res: dict) -> str:
     s = res["summary"]
     gb = lambda x: "—" if x is None else f"{x / 1e9:.3g}"  # noqa: E731
     rows = [f"# First fetch after a fresh sidecar start, with and without warm-up ({res['device']}, {res['date']})", "",
-            f"Produced by `bench/cold_start_bench.py` (`{res['command']}`): {res['starts']} fresh `kvfetcher serve` processes per mode, "
+            f"Produced by `benchmarks/cold_start/cold_start_bench.py` (`{res['command']}`): {res['starts']} fresh `kvfetcher serve` processes per mode, "
             f"modes alternating, medians. {res['procs']} decode worker processes; a prefix of {res['chunks']} chunks x "
             f"{res['chunk_tokens']} tokens of synthetic bf16 KV shaped {res['shape']} (layers, KV heads, head dim), stored as "
             f"{'/'.join(res['presets'])}, fetched as `{res['preset']}` from a local directory; the buffer registered "
@@ -184,7 +183,7 @@ def main() -> None:
     ap.add_argument("--starts", type=int, default=3, help="fresh sidecar starts per mode")
     ap.add_argument("--gap-s", type=float, default=8.0,
                     help="seconds between registering the buffer and the first fetch (the registration warm-up encodes a chunk of the model per preset on the CPU first: ~2 s each for the 8B shape)")
-    ap.add_argument("--out-dir", default=str(ROOT / "docs" / "benchmarks"))
+    ap.add_argument("--out-dir", default=".", help="writes result_<device>.json and .md there")
     ap.add_argument("--from-log", default=None,
                     help="build the report from the rounds a cut-short run printed (its stdout), with the same other options")
     ap.add_argument("--device-name", default=None, help="with --from-log on another machine: the GPU the rounds ran on")
@@ -196,13 +195,13 @@ def main() -> None:
     a.chunks = a.chunks or 2 * a.procs
     if a.preset not in a.presets:
         ap.error(f"--preset {a.preset} must be one of the stored --presets")
-    command = "python bench/cold_start_bench.py " + " ".join(sys.argv[1:])
+    command = "python -m benchmarks.cold_start.cold_start_bench " + " ".join(sys.argv[1:])
     name = a.device_name or (torch.cuda.get_device_name() if a.device == "cuda" else "cpu")
     tag = device_tag(name)
     res = {"device": name, "date": datetime.date.today().isoformat(),
            "torch": torch.__version__, "command": command, "procs": a.procs, "shape": a.shape.name, "presets": a.presets,
            "preset": a.preset, "chunks": a.chunks, "chunk_tokens": a.chunk_tokens, "starts": a.starts, "gap_s": a.gap_s, "rounds": []}
-    out = Path(a.out_dir) / f"cold_start_{tag}.json"
+    out = Path(a.out_dir) / f"result_{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     res["json"] = out.name
     if a.from_log:  # rounds printed one JSON line each; the device must be the one they ran on
@@ -210,7 +209,7 @@ def main() -> None:
         res["starts"] = min(sum(r["mode"] == m for r in res["rounds"]) for m in MODES)
         argv = sys.argv[1:]
         drop = {i + k for i, x in enumerate(argv) if x in ("--from-log", "--device-name") for k in (0, 1)}
-        res["command"] = "python bench/cold_start_bench.py " + " ".join(x for i, x in enumerate(argv) if i not in drop)
+        res["command"] = "python -m benchmarks.cold_start.cold_start_bench " + " ".join(x for i, x in enumerate(argv) if i not in drop)
         res["command"] += f"`, cut short at its time limit; the report rebuilt from the {len(res['rounds'])} rounds it printed, with `--from-log"
     else:
         run_rounds(a, res, L, H, D)

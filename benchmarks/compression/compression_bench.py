@@ -17,9 +17,9 @@ the KL divergence of next-token distributions over it (a smoother signal than gr
   information LMCache stores (int16 CDF per (layer, channel), int32 length per (layer,
   channel), fp16 max per (layer, token)); the entropy alone is reported too.
 
-    .venv/bin/python bench/compression_bench.py [--points a,b] [--kv-cache /tmp/kv.pt]
+    python -m benchmarks.compression.compression_bench [--points a,b] [--kv-cache /tmp/kv.pt]
 
-Writes docs/benchmarks/compression.json (points merged with earlier runs), the tables in
+Writes benchmarks/compression/result_cpu.json (points merged with earlier runs), the tables in
 compression.md (between the ``curve`` markers), compression.png, and the measured figures of
 the shipped presets into the package's presets_measured.json.
 """
@@ -37,16 +37,13 @@ from pathlib import Path
 import torch
 import zstandard
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "sidecar"))
-
-from kvfetcher.eval import accuracy, model  # noqa: E402
+from kvfetcher.eval import accuracy, model
 from kvfetcher.codec import layout
 from kvfetcher.format import presets
-from kvfetcher.codec.base import CodecParams  # noqa: E402
-from kvfetcher.format.presets import Preset  # noqa: E402
+from kvfetcher.codec.base import CodecParams
+from kvfetcher.format.presets import Preset
 
-OUT = ROOT / "docs" / "benchmarks"
+OUT = Path(__file__).resolve().parent  # result_cpu.json / .md / .png beside this file
 CHUNK = 256
 
 
@@ -247,13 +244,13 @@ def main() -> int:
     ap.add_argument("--points", default="balanced,compact,lean,q8,trellis x0.8,trellis x1.25,trellis x1.6,trellis x2.2,basis x0.7,basis x0.85,basis x1,basis x1.4,basis x2,profile x0.7,profile x1,profile x1.4,profile x2,flat0.3,zstd q8,zstd q6,zstd q5,cachegen")
     ap.add_argument("--kv-cache", help="cache the prefilled prompts here (reused when present)")
     ap.add_argument("--measured", default="balanced,compact",
-                    help="presets whose figures go to presets_measured.json (q8/lean/exact/raw: bench/codec_bench.py)")
+                    help="presets whose figures go to presets_measured.json (q8/lean/exact/raw: benchmarks/codec/codec_bench.py)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     lm = model.load()
     theta = model.rope_theta(lm)
     cases = load_cases(lm, args.kv_cache)
-    path = OUT / "compression.json"
+    path = OUT / "result_cpu.json"
     res = json.loads(path.read_text()) if path.exists() else {"points": {}}
     res.update({
         "date": datetime.date.today().isoformat(),
@@ -297,7 +294,7 @@ def write_measured(res: dict, names: list[str]) -> None:
         if name in presets.PRESETS and name in names:
             measured[name] = {f: r[f] for f in ("ratio_vs_fp16", "greedy_agreement", "nll_increase", "encode_mb_s", "decode_mb_s")} | {
                 "min_first_divergence": r["min_first_divergence"], "kl": r["kl"], "date": r["date"],
-                "source": "bench/compression_bench.py"}
+                "source": "benchmarks/compression/compression_bench.py"}
     presets.MEASURED_FILE.write_text(json.dumps(measured, indent=2))
 
 
@@ -319,7 +316,7 @@ def render(res: dict) -> None:
         cg = res["points"]["cachegen"]
         rows += ["", f"CacheGen's size is an estimate (see above); its symbols alone, at their entropy, would be "
                      f"{cg['ratio_symbols_entropy_only']:.2f}x."]
-    md = OUT / "compression.md"
+    md = OUT / "result_cpu.md"
     text = md.read_text() if md.exists() else "# Compression: size vs accuracy\n\n<!-- curve -->\n<!-- /curve -->\n"
     head, rest = text.split("<!-- curve -->", 1)
     tail = rest.split("<!-- /curve -->", 1)[1]
@@ -365,7 +362,7 @@ def plot(res: dict) -> None:
     axes[1].legend(fontsize=7, loc="lower right")  # the KL panel has room there
     fig.suptitle(f"{res['model']}: size vs accuracy ({res['device']}, {res['date']})", fontsize=9)
     fig.tight_layout()
-    fig.savefig(OUT / "compression.png", dpi=120)
+    fig.savefig(OUT / "result_cpu.png", dpi=120)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ W^1/2 C W^1/2. The high-rate gain over per-channel sigma steps is
 ``0.5 * log2(AM(w_c s_c^2) / GM(eigenvalues))`` bits per value; it is reported on the harness's
 own prompts (held out) beside the diagonal-only gain (weights without rotation).
 
-    .venv/bin/python bench/kv_basis.py [--save]
+    python -m benchmarks.compression.kv_basis [--save]
 
-Prints the gains (docs/benchmarks/kv_basis.txt holds a run); ``--save`` writes the basis to
+Prints the gains (benchmarks/compression/kv_basis.txt holds a run); ``--save`` writes the basis to
 sidecar/kvfetcher/data/bases/.
 """
 
@@ -22,14 +22,10 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "sidecar"))
-
-from kvfetcher.eval import accuracy, model  # noqa: E402
+from kvfetcher.eval import accuracy, model
 from kvfetcher.codec import basis, rope
 
 #: (text, token offset) of the calibration windows, disjoint from accuracy.PROMPTS' windows.

@@ -7,12 +7,12 @@ continuation against the fp16 cache. KL is additive over small independent error
 with the square of the step, so these 60 numbers set a step per layer: minimising
 ``sum w_l (s_l / s0)**2`` at a fixed ``sum log2 s_l`` (the rate) gives ``s_l ~ w_l**-0.5``.
 
-    .venv/bin/python bench/layer_sensitivity.py [--prompts 0,2,4,6] [--step 0.7] [--basis NAME]
+    python -m benchmarks.compression.layer_sensitivity [--prompts 0,2,4,6] [--step 0.7] [--basis NAME]
 
 With ``--basis`` the layer is quantised as the layout does with a basis (kvfetcher/basis.py):
 components ``enc @ x`` per head, one step of ``--step`` times their pooled standard deviation.
 
-Writes docs/benchmarks/layer_sensitivity.json (``--out`` for another file).
+Writes benchmarks/compression/layer_sensitivity.json (``--out`` for another file).
 """
 
 from __future__ import annotations
@@ -26,10 +26,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "sidecar"))
-
-from kvfetcher.eval import accuracy, model  # noqa: E402
+from kvfetcher.eval import accuracy, model
 from kvfetcher.codec import basis, rope
 
 
@@ -75,7 +72,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", default="0,2,4,6", help="indices into accuracy.PROMPTS")
     ap.add_argument("--step", type=float, default=0.7)
-    ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "layer_sensitivity.json"))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "layer_sensitivity.json"))
     ap.add_argument("--basis", help="quantise in this shipped basis (kvfetcher/basis.py)")
     args = ap.parse_args()
     torch.set_num_threads(1)

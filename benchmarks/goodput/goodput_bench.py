@@ -19,8 +19,8 @@ The link is emulated (``linkstore``: a shared FIFO pipe of the set speed plus 2 
 latency), objects are synthetic (timing only). Goodput = requests meeting the TTFT and TPOT
 SLOs per second of the arrival window.
 
-    python bench/goodput_bench.py measure --out docs/benchmarks/goodput_h200.json
-    python bench/goodput_bench.py report docs/benchmarks/goodput_h200.json
+    python -m benchmarks.goodput.goodput_bench measure --out benchmarks/goodput/result_h100.json
+    python -m benchmarks.goodput.goodput_bench report benchmarks/goodput/result_h100.json
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import asyncio
 import datetime
 import json
 import queue
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -41,17 +40,13 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "sidecar"), str(ROOT / "tests"), str(ROOT / "bench")]
+from benchmarks.lib import fetchkit, linkstore
+from benchmarks.lib.llama_shape import LlamaShape
 
-import fetchkit  # noqa: E402
-import linkstore  # noqa: E402
-from llama_shape import LlamaShape  # noqa: E402
-
-from kvfetcher.fetch import choice  # noqa: E402
+from kvfetcher.fetch import choice
 from kvfetcher.eval import costmodel
 from kvfetcher import ipc
-from kvfetcher.fetch.workers import DecodeWorkers  # noqa: E402
+from kvfetcher.fetch.workers import DecodeWorkers
 
 CHUNK = 256
 AUTO_SET = ("raw", "q8")  # kvfetcher presets auto may pick (greedy agreement 1.000)
@@ -421,7 +416,7 @@ def report(args) -> None:
     rec = best.get(("recompute", 0))
     f = lambda x, p=3: "—" if x is None else f"{x:.{p}f}"  # noqa: E731
     L = [f"# Goodput on a busy GPU ({res['device']}, {res['date']})", "",
-         f"`bench/goodput_bench.py`: one GPU serves a {c['shape']} shape (random bf16 weights); {c['background']} requests decode "
+         f"`benchmarks/goodput/goodput_bench.py`: one GPU serves a {c['shape']} shape (random bf16 weights); {c['background']} requests decode "
          f"throughout; new requests arrive (Poisson) with a {c['prefix']}-token prefix shared by all (no local prefix cache) plus "
          f"{c['suffix']} unique tokens, and generate {c['output']} tokens. Recompute prefills prefix + suffix between decode steps; "
          "the fetch methods load the prefix in a sidecar process (kvfetcher: `pipeline.fetch` with decode worker processes; "

@@ -14,10 +14,10 @@ plays the sidecar: for each (workers, preset) it restores a 16K-token 8B-shaped 
 local store in tmpfs (no link limit) into an IPC-registered buffer, over and over, for
 ``--seconds``. The KV is real SmolLM2 KV tiled into the shape (``kvsource``).
 
-    python bench/interference_matrix.py measure --kvsrc kvsrc.pt --procs 1,4,8 --presets lean,balanced --out ts.json
-    bench/with_mps.sh python bench/interference_matrix.py measure --kvsrc kvsrc.pt --label mps --out mps.json
-    bench/with_mps.sh python bench/interference_matrix.py measure --kvsrc kvsrc.pt --label mps --sm-percent 10 --out mps10.json
-    python bench/interference_matrix.py report ts.json mps.json mps10.json --out docs/benchmarks/interference_matrix_h100.md
+    python -m benchmarks.interference.interference_matrix measure --kvsrc kvsrc.pt --procs 1,4,8 --presets lean,balanced --out ts.json
+    benchmarks/lib/with_mps.sh python -m benchmarks.interference.interference_matrix measure --kvsrc kvsrc.pt --label mps --out mps.json
+    benchmarks/lib/with_mps.sh python -m benchmarks.interference.interference_matrix measure --kvsrc kvsrc.pt --label mps --sm-percent 10 --out mps10.json
+    python -m benchmarks.interference.interference_matrix report ts.json mps.json mps10.json --out research/results/interference_matrix_h100.md
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from pathlib import Path
 
 import torch
 
-import kvsource
-from fetch_bench import fetch_once
-from interference_bench import _decoder, _stats
+from benchmarks.lib import kvsource
+from benchmarks.lib.fetchkit import fetch_once
+from benchmarks.lib.interference import decode_loop, stats
 
 from kvfetcher import ipc
 from kvfetcher.fetch import executor as pipeline
@@ -63,7 +63,7 @@ def objects(kvsrc: str, preset: str, distinct: int) -> list[bytes]:
 def measure(args) -> None:
     ctx = mp.get_context("spawn")
     ready, stop, q = ctx.Event(), ctx.Event(), ctx.Queue()
-    loop = ctx.Process(target=_decoder, args=(16, 2048, ready, stop, q), daemon=True)
+    loop = ctx.Process(target=decode_loop, args=(16, 2048, ready, stop, q), daemon=True)
     loop.start()
     L, _, H, _, D = kvsource.SHAPE
     chunks = args.context // CHUNK
@@ -121,7 +121,7 @@ def measure(args) -> None:
     base_p90 = sorted(idle)[int(0.9 * (len(idle) - 1))]
     for p in phases:
         xs = [d for s, d in zip(starts, durs) if p["t0"] <= s and s + d <= p["t1"]]
-        st = _stats(xs) | {k: p[k] for k in ("method", "procs", "fetches")}
+        st = stats(xs) | {k: p[k] for k in ("method", "procs", "fetches")}
         st["restore_GBps"] = round(p["kv_bytes"] / (p["t1"] - p["t0"]) / 1e9, 3)
         if xs:
             st["slowdown_median_pct"] = round(100 * (st["median_ms"] / 1e3 / base - 1), 1)
@@ -142,7 +142,7 @@ def report(args) -> None:
     label = lambda r: r["sharing"] + (f", workers at {r['sm_percent']}% of SMs" if r.get("sm_percent") else "")  # noqa: E731
     r0 = runs[0]
     rows = [f"# Interference against restore rate ({r0['device']}, {r0['date']})", "",
-            "Produced by `bench/interference_matrix.py` (its docstring says how). A decode loop "
+            "Produced by `benchmarks/interference/interference_matrix.py` (its docstring says how). A decode loop "
             f"({r0['decode_loop']}) runs in its own process while this process restores a {r0['context'] // 1024}K-token "
             "8B-shaped context (real SmolLM2 KV tiled into the shape) over and over through N decode worker "
             f"processes, {r0['phase_s']} s per phase. Slowdown = the loop's time per step against its idle phases, "
@@ -178,7 +178,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("measure")
-    m.add_argument("--kvsrc", required=True, help="real KV saved by bench/kvsource.py")
+    m.add_argument("--kvsrc", required=True, help="real KV saved by benchmarks/lib/kvsource.py")
     m.add_argument("--procs", default="1,4,8")
     m.add_argument("--presets", default="lean,balanced")
     m.add_argument("--context", type=int, default=16384)

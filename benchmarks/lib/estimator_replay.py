@@ -6,7 +6,7 @@ they show what that estimator would have predicted at each automatic decision: a
 estimator can be checked on real GPU timings without the GPU. Predictions are for 64K-token
 fetches of ``raw`` and ``balanced`` with the sizes of that run.
 
-    python bench/estimator_replay.py docs/benchmarks/auto70b_estimator_h100_run1.json
+    python -m benchmarks.lib.estimator_replay tests/data/estimator_journals/auto70b_64k_h100_a.json
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 * CacheGen (LMCache 0.5.x, ``lmcache.storage_backend.serde``): its GPU encoder and decoder as
   a peer codec, fetched by a plain pipelined loop (downloads in threads, decode on the GPU).
 
-Timing only: values are synthetic (``kvtest.synthetic_kv``) and a prefix reuses a few distinct
+Timing only: values are synthetic (``kvsource.synthetic_kv``) and a prefix reuses a few distinct
 chunks cyclically (byte-identical objects decode in the same time), because encoding gigabytes
 with libx265 on CPU would take longer than the measurement. Compression ratios of real KV come
 from ``kvfetcher/data/presets_measured.json``; the ratios of these objects are reported too.
@@ -24,7 +24,7 @@ import torch
 from kvfetcher.fetch import executor as pipeline
 from kvfetcher.chunk import encode_chunk
 from kvfetcher.eval.costmodel import ModelShape
-from kvtest import synthetic_kv
+from benchmarks.lib.kvsource import synthetic_kv
 
 FINGERPRINT = "scale-bench"
 
@@ -178,3 +178,11 @@ def fetch_cachegen(store, refs, buffer: torch.Tensor, offset: int, codec: CacheG
 def run(coro):
     """``asyncio.run`` for a coroutine from plain code."""
     return asyncio.run(coro)
+
+
+async def fetch_once(store, refs, buf, device, window, decode_workers, workers=None, fingerprint: str = "bench"):
+    """One ``pipeline.fetch`` of ``refs`` into the registered buffer ``buf`` (its tensor and IPC handle)."""
+    with ThreadPoolExecutor(16) as io, ThreadPoolExecutor(decode_workers) as dec:
+        dest = pipeline.Destination(buf.tensor, tokens=sum(r.tokens for r in refs), handle=buf.handle)
+        return await pipeline.fetch(store, refs, dest, fingerprint=fingerprint, io_pool=io, decode_pool=dec, device=device,
+                                    window=window, workers=workers)

@@ -10,9 +10,10 @@ pre-RoPE frame with Smol's RoPE base and rotated again with Llama-3's (500000) o
 the pre-RoPE presets rely on). The statistics are real Smol channels; the 8B model's own KV
 would differ, which the results say.
 
-Step 1 (where the small model is, once): ``python bench/kvsource.py --out kvsrc.pt`` saves
+Step 1 (where the small model is, once): ``python -m benchmarks.lib.kvsource --out kvsrc.pt`` saves
 the Smol KV (pre-RoPE keys, values; bf16). Step 2 (anywhere): :func:`chunks` tiles it, or
 :func:`own_chunks` gives it back at Smol's own shape (where its shipped basis fits).
+:func:`synthetic_kv` is the stand-in where values do not matter (timing only).
 """
 
 from __future__ import annotations
@@ -26,6 +27,17 @@ from kvfetcher.codec import rope
 SHAPE = (32, 2, 8, 256, 128)  # layers, K/V, kv_heads, tokens, head_dim of one chunk
 LLAMA3_THETA = 500000.0
 TEXTS = ("license.txt", "code.txt")
+
+
+def synthetic_kv(layers=4, heads=2, tokens=100, head_dim=64, dtype=torch.float16, seed=0) -> torch.Tensor:
+    """Per-channel offsets and scales, smooth along tokens plus noise: like RoPE'd keys."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(layers, 2, heads, 1, head_dim, generator=g) * 3
+    scale = torch.rand(layers, 2, heads, 1, head_dim, generator=g) + 0.2
+    t = torch.arange(tokens).view(1, 1, 1, tokens, 1).float()
+    freq = torch.rand(1, 1, 1, 1, head_dim, generator=g) * 0.3
+    kv = base + scale * (torch.sin(t * freq) + 0.3 * torch.randn(layers, 2, heads, tokens, head_dim, generator=g))
+    return kv.to(dtype)
 
 
 def save_source(out: str, tokens: int = 256) -> None:

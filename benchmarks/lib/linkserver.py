@@ -11,7 +11,7 @@ go out with ``sendfile`` in slices of a few milliseconds' worth of bytes, so hig
 Control: ``POST /_link?rate=BYTES_PER_S`` (0: unlimited) sets the rate; ``GET /_link`` returns
 ``{"rate": ..., "bytes_sent": ...}``. Requests are not authenticated (signatures are ignored).
 
-    python bench/linkserver.py --root DIR --port 9000 --rate 1.25e9
+    python -m benchmarks.lib.linkserver --root DIR --port 9000 --rate 1.25e9
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Only the shape matters for time: RMSNorm, RoPE, GQA attention through SDPA (flas
 efficient kernels on CUDA), a SwiGLU MLP and the LM head, as Llama-3 has them. ``layers``
 overrides the depth so that a contiguous subset of a 70B model's layers fits one GPU; time and
 KV then scale by the layer count (``costmodel.kv_bytes`` exactly; prefill time is k layers' time
-x total/k, plus embedding and head once).
+x total/k, plus embedding and head once: :func:`sweep_prefill` times subsets, :func:`full_depth`
+scales them).
 
 KV lives in caller-owned buffers in kvfetcher's layout ``[layers, 2, kv_heads, capacity,
 head_dim]`` — the very buffers ``pipeline.fetch`` writes into — one per request, stacked as a
@@ -14,16 +15,14 @@ pool ``[slots, layers, 2, kv_heads, capacity, head_dim]`` for batched decode ste
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
+import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sidecar"))
-from kvfetcher.eval.costmodel import SHAPES, ModelShape  # noqa: E402
+from kvfetcher.eval.costmodel import SHAPES, ModelShape
 
-__all__ = ["SHAPES", "ModelShape", "LlamaShape", "subset"]
+__all__ = ["SHAPES", "ModelShape", "LlamaShape", "subset", "time_prefill", "sweep_prefill", "full_depth"]
 
 
 def subset(shape: ModelShape, layers: int) -> ModelShape:
@@ -148,3 +147,55 @@ class LlamaShape(torch.nn.Module):
             x = x + o.reshape(B, -1) @ L["o"].T
             x = self._mlp(x, L)
         return (_rms(x, self.norm) @ self.head.T).argmax(-1)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_prefill(model: LlamaShape, tokens: int, repeats: int) -> float:
+    kv = torch.empty((model.shape.layers, 2, model.shape.kv_heads, tokens, model.shape.head_dim), dtype=model.dtype, device=model.device)
+    ids = torch.randint(0, model.shape.vocab, (tokens,), device=model.device)
+    best = float("inf")
+    for _ in range(repeats):
+        _sync()
+        t = time.perf_counter()
+        model.prefill(ids, kv)
+        _sync()
+        best = min(best, time.perf_counter() - t)
+    del kv
+    return best
+
+
+def sweep_prefill(shape, layer_counts, contexts, device) -> dict:
+    """{layers: {tokens: seconds}} for each layer count; stops a count at its first OOM."""
+    res: dict = {}
+    for k in layer_counts:
+        model = LlamaShape(subset(shape, k), device)
+        time_prefill(model, min(2048, contexts[0]), 2)  # kernels, allocator
+        res[k] = {}
+        for T in contexts:
+            try:
+                res[k][T] = time_prefill(model, T, 2 if T <= 32768 else 1)
+            except torch.OutOfMemoryError:
+                res[k][T] = None
+                break
+            print(f"prefill {shape.name} layers={k} tokens={T}: {res[k][T]:.3f} s", flush=True)
+        del model
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return res
+
+
+def full_depth(shape, sweep: dict) -> dict:
+    """Prefill of all ``shape.layers`` from two subset depths: fixed + layers x per-layer."""
+    (k1, a), (k2, b) = sorted(sweep.items())[:2]
+    out = {}
+    for T in a:
+        if a.get(T) is None or b.get(T) is None:
+            continue
+        per_layer = (b[T] - a[T]) / (k2 - k1)
+        fixed = max(0.0, a[T] - k1 * per_layer)
+        out[T] = fixed + shape.layers * per_layer
+    return out

@@ -23,8 +23,8 @@ header's basis and frame shape. Before timing, each preset is fetched once whole
 worker process has started its CUDA context and decoders; worker statistics count the timed
 repeats only.
 
-    python bench/fetch_bench.py --device cuda --chunks 64 --shape 32,8,128 --kv real.pt --procs 0,8 --presets raw,raw-direct,q8,lean
-    python bench/fetch_bench.py --device cuda --chunks 64 --shape 30,3,64 --kvsrc kvsrc.pt --distinct 2 \
+    python -m benchmarks.restore_rate.fetch_bench --device cuda --chunks 64 --shape 32,8,128 --kv real.pt --procs 0,8 --presets raw,raw-direct,q8,lean
+    python -m benchmarks.restore_rate.fetch_bench --device cuda --chunks 64 --shape 30,3,64 --kvsrc kvsrc.pt --distinct 2 \
         --fingerprint smollm2-135m-instruct-q4_1/float32 --procs 8 --presets balanced,compact --max-rows 4096
 """
 
@@ -35,7 +35,6 @@ import asyncio
 import dataclasses
 import json
 import statistics
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -43,18 +42,17 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import kvsource  # noqa: E402
-from kvtest import synthetic_kv  # noqa: E402
-from nvdec_bench import NvmlSampler  # noqa: E402
+from benchmarks.lib import kvsource
+from benchmarks.lib.fetchkit import fetch_once
+from benchmarks.lib.kvsource import synthetic_kv
+from benchmarks.lib.nvml import NvmlSampler
 
-from kvfetcher.format import container, presets  # noqa: E402
+from kvfetcher.format import container, presets
 from kvfetcher import ipc
 from kvfetcher.fetch import executor as pipeline
-from kvfetcher.chunk import decode_chunk, encode_chunk  # noqa: E402
-from kvfetcher.fetch.workers import DecodeWorkers  # noqa: E402
-from kvfetcher.store.local import LocalStore  # noqa: E402
+from kvfetcher.chunk import decode_chunk, encode_chunk
+from kvfetcher.fetch.workers import DecodeWorkers
+from kvfetcher.store.local import LocalStore
 
 ROPE_THETA = kvsource.LLAMA3_THETA  # of the tiled and synthetic KV; used by pre-RoPE presets
 
@@ -101,13 +99,6 @@ def ceilings(kv_chunk: torch.Tensor, buf: torch.Tensor, repeats: int = 5) -> dic
             ("h2d_pinned_GB_s" if buf.is_cuda else "host_copy_GB_s"): round(n / min(copy_s) / 1e9, 2)}
 
 
-async def fetch_once(store, refs, buf, device, window, decode_workers, workers=None, fingerprint: str = "bench"):
-    with ThreadPoolExecutor(16) as io, ThreadPoolExecutor(decode_workers) as dec:
-        dest = pipeline.Destination(buf.tensor, tokens=sum(r.tokens for r in refs), handle=buf.handle)
-        return await pipeline.fetch(store, refs, dest, fingerprint=fingerprint, io_pool=io, decode_pool=dec, device=device,
-                                    window=window, workers=workers)
-
-
 def preset_with(name: str, max_rows: int | None) -> presets.Preset:
     """A preset, its planes ``max_rows`` tall if given (the header stores the layout, so decoding needs nothing else)."""
     p = presets.get(name)
@@ -130,15 +121,15 @@ def restored_bit_exact(buf: torch.Tensor, chunk_of, args) -> bool:
 
 
 def linked(gbps: float):
-    """An in-memory store behind an emulated link of ``gbps`` (bench/linkstore.py; it has no ``get_into``)."""
-    from linkstore import Link, LinkStore
+    """An in-memory store behind an emulated link of ``gbps`` (benchmarks/lib/linkstore.py; it has no ``get_into``)."""
+    from benchmarks.lib.linkstore import Link, LinkStore
 
     return LinkStore(Link(gbps * 1e9 / 8))
 
 
 def raw_direct(store, chunk_of, args, buf, kv_bytes: int) -> dict:
     """The plain baseline: KV bytes stored as they are, ranged GETs copied into the buffer (fetchkit)."""
-    from fetchkit import fetch_raw_direct
+    from benchmarks.lib.fetchkit import fetch_raw_direct
 
     objs = [chunk_of(i).contiguous().view(torch.uint8).numpy().tobytes() for i in range(args.distinct or args.chunks)]
     refs = []
@@ -168,7 +159,7 @@ def main() -> None:
     ap.add_argument("--procs", default="0", help="comma-separated decode worker process counts to compare (0: threads)")
     ap.add_argument("--kv", help="real KV tensor (torch.save) to tile into the shape (pre-RoPE presets take its keys "
                     "as rotated with Llama-3's base; a model's own KV at its shape: --kvsrc)")
-    ap.add_argument("--kvsrc", help="real KV saved by bench/kvsource.py: at its own shape as it is, at 8B heads tiled as the TTFT benchmark does")
+    ap.add_argument("--kvsrc", help="real KV saved by benchmarks/lib/kvsource.py: at its own shape as it is, at 8B heads tiled as the TTFT benchmark does")
     ap.add_argument("--fingerprint", default="bench", help="the chunks' model fingerprint; one starting with a shipped basis' "
                     "model tag (smollm2-135m) keeps the basis where the KV's shape fits it")
     ap.add_argument("--max-rows", type=int, help="stack tiles until a plane is this tall (default: each preset's layout)")

@@ -5,16 +5,16 @@ a link, which choice wins and by how much, checked against measured points. This
 ``costmodel.compare`` (which is ``choice.choose``, the sidecar's own decision) with what was measured
 on the H100 and nothing else:
 
-* restore rate per preset: ``fetch_bench`` on a 16K-token 8B-shaped prefix (fetch_v6_h100.json);
+* restore rate per preset: ``fetch_bench`` on a 16K-token 8B-shaped prefix (``costmodel_inputs/fetch_v6_h100.json``);
 * stored bytes per chunk, recompute time and each option's measured time:
-  ``auto_scale_bench`` on 70B-shaped KV (auto70b_h100.json);
-* the 8B prefill times: ``ttft_bench`` (ttft_h100.json).
+  ``auto_scale_bench`` on 70B-shaped KV (``../auto_70b/result_h100.json``);
+* the 8B prefill times: ``ttft_bench`` (``costmodel_inputs/ttft_h100.json``).
 
 It then compares the predicted winner and times with the measured ones, cell by cell. Other GPUs
 scale the H100's measured prefill by peak bf16 throughput, and keep the H100's restore rates. That is
 a lead, not a measurement: NVDEC engines and copy bandwidth differ per GPU.
 
-    python bench/costmodel_check.py --out docs/benchmarks/costmodel_h100.md
+    python -m benchmarks.scale.costmodel_check --out benchmarks/scale/costmodel_h100.md
 """
 
 from __future__ import annotations
@@ -22,16 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "sidecar")]
+from kvfetcher.eval import costmodel
+from kvfetcher.fetch.choice import RECOMPUTE
 
-from kvfetcher.eval import costmodel  # noqa: E402
-from kvfetcher.fetch.choice import RECOMPUTE  # noqa: E402
-
-BENCH = ROOT / "docs" / "benchmarks"
+HERE = Path(__file__).resolve().parent
 GPUS = {"H100": 989.0, "A100": 312.0, "L4": 121.0}  # dense bf16 TFLOP/s
 LINKS = (1.0, 5.0, 10.0, 25.0, 100.0)
 LATENCY_S = 0.002  # the emulated link's first-byte latency
@@ -102,9 +98,9 @@ def elsewhere(prefill: dict[str, dict[int, float]], reps: dict) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--auto", default=str(BENCH / "auto70b_h100.json"))
-    ap.add_argument("--fetch", default=str(BENCH / "fetch_v6_h100.json"))
-    ap.add_argument("--ttft", default=str(BENCH / "ttft_h100.json"))
+    ap.add_argument("--auto", default=str(HERE.parent / "auto_70b" / "result_h100.json"))
+    ap.add_argument("--fetch", default=str(HERE / "costmodel_inputs" / "fetch_v6_h100.json"))
+    ap.add_argument("--ttft", default=str(HERE / "costmodel_inputs" / "ttft_h100.json"))
     ap.add_argument("--out", required=True, help="the .md to write (a .json beside it)")
     a = ap.parse_args()
     measured, fetch, ttft = (json.loads(Path(p).read_text()) for p in (a.auto, a.fetch, a.ttft))
@@ -115,10 +111,10 @@ def main() -> None:
     prefill = {"llama3-8b": {int(k): v for k, v in ttft["recompute_s"].items()},
                "llama3-70b": {int(k): v for k, v in measured["prefill_s"].items()}}
     L = [f"# Cost model vs measured ({measured['device']}, {measured['date']})", "",
-         "Produced by `bench/costmodel_check.py` from the measured JSON beside this file (its docstring: what feeds what). "
+         "Produced by `benchmarks/scale/costmodel_check.py` from the measured JSON beside this file (its docstring: what feeds what). "
          "Restore rates: " + ", ".join(f"{p} {r.decode_Bps / 1e9:.2f} GB/s" for p, r in reps["llama3-8b"].items()) +
          "; ratios: " + "; ".join(f"{s}: " + ", ".join(f"{p} {r.ratio:.2f}x" for p, r in rr.items()) for s, rr in reps.items()) +
-         f"; link latency {LATENCY_S * 1e3:.0f} ms. 70B cells: auto70b_h100.json (the link at its set rate); 8B cells: ttft_h100.json "
+         f"; link latency {LATENCY_S * 1e3:.0f} ms. 70B cells: {Path(a.auto).name} (the link at its set rate); 8B cells: {Path(a.ttft).name} "
          "(the link at the rate its probe delivered, the decode step after a fetch taken off).", ""]
     for shape in reps:
         sel = [r for r in rows if r["shape"] == shape]

@@ -11,8 +11,8 @@
 ``costmodel.compare`` (= ``choice.choose``, what the sidecar decides) with the measured prefill
 times, the real-KV compression ratios of ``presets_measured.json`` and the measured restore rates.
 
-    python bench/scale_bench.py measure --out docs/benchmarks/scale_h200.json
-    python bench/scale_bench.py report docs/benchmarks/scale_h200.json
+    python -m benchmarks.scale.scale_bench measure --out benchmarks/scale/result_h200.json
+    python -m benchmarks.scale.scale_bench report benchmarks/scale/result_h200.json
 """
 
 from __future__ import annotations
@@ -27,73 +27,19 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "sidecar"), str(ROOT / "tests"), str(ROOT / "bench")]
+ROOT = Path(__file__).resolve().parents[2]
 
-import fetchkit  # noqa: E402
-import linkstore  # noqa: E402
-from llama_shape import LlamaShape, subset  # noqa: E402
+from benchmarks.lib import fetchkit, linkstore
+from benchmarks.lib.llama_shape import full_depth, sweep_prefill
 
-from kvfetcher.eval import costmodel  # noqa: E402
+from kvfetcher.eval import costmodel
 from kvfetcher import ipc
-from kvfetcher.fetch.workers import DecodeWorkers  # noqa: E402
-from kvfetcher.eval.costmodel import LLAMA3_8B, LLAMA3_70B, SHAPES  # noqa: E402
+from kvfetcher.fetch.workers import DecodeWorkers
+from kvfetcher.eval.costmodel import LLAMA3_8B, LLAMA3_70B, SHAPES
 
 CONTEXTS = [4096, 8192, 16384, 32768, 65536, 131072]
 LINKS_GBPS = [1, 5, 10, 25, 40, 100]
 CHUNK = 256
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def time_prefill(model: LlamaShape, tokens: int, repeats: int) -> float:
-    kv = torch.empty((model.shape.layers, 2, model.shape.kv_heads, tokens, model.shape.head_dim), dtype=model.dtype, device=model.device)
-    ids = torch.randint(0, model.shape.vocab, (tokens,), device=model.device)
-    best = float("inf")
-    for _ in range(repeats):
-        _sync()
-        t = time.perf_counter()
-        model.prefill(ids, kv)
-        _sync()
-        best = min(best, time.perf_counter() - t)
-    del kv
-    return best
-
-
-def sweep_prefill(shape, layer_counts, contexts, device) -> dict:
-    """{layers: {tokens: seconds}} for each layer count; stops a count at its first OOM."""
-    res: dict = {}
-    for k in layer_counts:
-        model = LlamaShape(subset(shape, k), device)
-        time_prefill(model, min(2048, contexts[0]), 2)  # kernels, allocator
-        res[k] = {}
-        for T in contexts:
-            try:
-                res[k][T] = time_prefill(model, T, 2 if T <= 32768 else 1)
-            except torch.OutOfMemoryError:
-                res[k][T] = None
-                break
-            print(f"prefill {shape.name} layers={k} tokens={T}: {res[k][T]:.3f} s", flush=True)
-        del model
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    return res
-
-
-def full_depth(shape, sweep: dict) -> dict:
-    """Prefill of all ``shape.layers`` from two subset depths: fixed + layers x per-layer."""
-    (k1, a), (k2, b) = sorted(sweep.items())[:2]
-    out = {}
-    for T in a:
-        if a.get(T) is None or b.get(T) is None:
-            continue
-        per_layer = (b[T] - a[T]) / (k2 - k1)
-        fixed = max(0.0, a[T] - k1 * per_layer)
-        out[T] = fixed + shape.layers * per_layer
-    return out
 
 
 def measure_fetch(shape, device: str, presets: list[str], chunks: int, decode_workers: int, window: int, cachegen: bool, procs: int,
@@ -311,7 +257,7 @@ def report(args) -> None:
     gpu = costmodel.Gpu(dev, args.peak_tflops, *eff)
     f = res["fetch"]
     L = [f"# Recompute vs fetch at scale ({dev}, {res['date']})", "",
-         f"`bench/scale_bench.py` on an {dev} (torch {res['torch']}), {res['date']}.", "",
+         f"`benchmarks/scale/scale_bench.py` on an {dev} (torch {res['torch']}), {res['date']}.", "",
          "* **Measured**: prefill of a Llama-3-8B shape (random bf16 weights, SDPA; best of 2 passes up to 32K, one above) and of a "
          f"Llama-3-70B shape through a contiguous subset of {' and '.join(res['prefill_70b_subset'])} of its 80 layers (all 80 are 140 GB in bf16): "
          "70B prefill = fixed part + 80 x the per-layer time from those two depths (embedding and head counted once), "

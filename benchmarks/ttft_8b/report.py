@@ -1,6 +1,6 @@
-"""bench_report: turn ttft_bench/interference_bench JSON into the committed Markdown and plot.
+"""report: turn ttft_bench JSON (and its interference run) into the committed Markdown and plot.
 
-    python bench/bench_report.py RESULTS_DIR docs/benchmarks [ttft=NOTES.md] [interference=NOTES.md]
+    python -m benchmarks.ttft_8b.report RESULTS_DIR OUT_DIR [ttft=NOTES.md] [interference=NOTES.md]
 
 writes ``ttft_<device>.json/.md/.png`` and ``interference_<device>.json/.md`` (device: h200, h100...).
 """
@@ -48,7 +48,7 @@ def ttft_md(r: dict, notes: str = "") -> str:
     out = [
         f"# Time to first token: recompute vs fetch ({r['device']}, {r['date'][:10]})",
         "",
-        "Produced by `bench/ttft_bench.py` (see README, Benchmarks); raw numbers in the JSON beside this file.",
+        "Produced by `benchmarks/ttft_8b/ttft_bench.py` (see its README); raw numbers in the JSON beside this file.",
         "",
         notes,
         "**What is real and what is emulated.**",
@@ -157,7 +157,7 @@ def interference_md(r: dict, notes: str = "") -> str:
         f"over and over for {r['phase_s']:g} s per method, through the link server set to {r['link_gbps']:g} Gbit/s "
         "(what it delivers is in the TTFT results); `recompute` runs that context's prefill over and over instead. "
         "Two processes share the GPU by time-slicing (no MPS), as a model server and a sidecar container would. "
-        "Produced by `bench/ttft_bench.py --interference` (`bench/interference_bench.py`).",
+        "Produced by `benchmarks/ttft_8b/ttft_bench.py --interference` (`benchmarks/ttft_8b/interference.py`).",
         "",
         notes,
         "| method | TPOT median ms | TPOT p90 ms | slowdown median | slowdown p90 | fetches in the phase | KV restored GB/s |",

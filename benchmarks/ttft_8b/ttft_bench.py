@@ -15,7 +15,7 @@ encoded once per preset and stored under the names of every chunk of the context
 and decode work are those of real, distinct chunks. A cell slower than its time-box (a
 multiple of recompute) is stopped at the box and reported as "> box".
 
-    python bench/ttft_bench.py --kvsrc kvsrc.pt --out results/ [--smoke]
+    python -m benchmarks.ttft_8b.ttft_bench --kvsrc kvsrc.pt --out results/ [--smoke]
 """
 
 from __future__ import annotations
@@ -38,18 +38,14 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "sidecar"))
 
-import kvsource  # noqa: E402
-import linkserver  # noqa: E402
-import peers  # noqa: E402
-from llama8b import Config, Llama  # noqa: E402
+from benchmarks.lib import kvsource, linkserver, peers
+from benchmarks.lib.llama8b import Config, Llama
 
-from kvfetcher import ipc, keys, service  # noqa: E402
+from kvfetcher import ipc, keys, service
 from kvfetcher.format import presets
-from kvfetcher.chunk import encode_chunk  # noqa: E402
-from kvfetcher.store.s3 import S3Store  # noqa: E402
+from kvfetcher.chunk import encode_chunk
+from kvfetcher.store.s3 import S3Store
 
 FINGERPRINT = "llama-3-8b-shape/random-bf16"
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run of the harness only
@@ -335,7 +331,7 @@ def main() -> int:
                     help="what auto may choose among: the accuracy-preserving presets (compression.md)")
     ap.add_argument("--shared-buffer", action="store_true", help="one registered KV buffer for all contexts")
     ap.add_argument("--check-workers", action="store_true", help="fall back to decode threads if workers fail on the largest context")
-    ap.add_argument("--interference", action="store_true", help="then run interference_bench on the same store")
+    ap.add_argument("--interference", action="store_true", help="then measure interference (interference.py) on the same store")
     ap.add_argument("--interference-ctx", type=int, default=16384)
     ap.add_argument("--interference-link", type=float, default=100.0)
     ap.add_argument("--interference-s", type=float, default=4.0)
@@ -352,8 +348,8 @@ def main() -> int:
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
         "model": "Llama-3-8B shape (32 layers, 32 heads, 8 KV heads, head_dim 128, hidden 4096, inter 14336, vocab 128256), random bf16 weights, SDPA",
-        "kv": "bf16; 8B-shaped chunks tiled from real SmolLM2-135M KV (bench/kvsource.py), a few distinct chunks stored under every chunk name",
-        "link": "bench/linkserver.py: S3-compatible server on loopback, one token bucket shared by all connections, no added latency",
+        "kv": "bf16; 8B-shaped chunks tiled from real SmolLM2-135M KV (benchmarks/lib/kvsource.py), a few distinct chunks stored under every chunk name",
+        "link": "benchmarks/lib/linkserver.py: S3-compatible server on loopback, one token bucket shared by all connections, no added latency",
         "contexts": contexts, "links_gbps": links, "chunk_tokens": CHUNK, "presets_on_main": list(presets.PRESETS),
         "decode_workers": a.decode_workers, "cheap_s": a.cheap_s,
     }
@@ -458,7 +454,7 @@ def main() -> int:
     log(f"TTFT done in {res['wall_s']:.0f} s")
 
     if a.interference:
-        import interference_bench
+        from benchmarks.ttft_8b import interference
 
         del race.bufs
         if getattr(race.sidecar, "workers", None) is not None:
@@ -466,7 +462,7 @@ def main() -> int:
         if DEV == "cuda":
             torch.cuda.empty_cache()
         linkserver.set_rate(url, a.interference_link * 1e9 / 8)
-        ires = interference_bench.run(model, url, tokens, a.interference_ctx, peer_objs, methods, a.decode_workers, a.interference_s,
+        ires = interference.run(model, url, tokens, a.interference_ctx, peer_objs, methods, a.decode_workers, a.interference_s,
                                       decode_procs=res["decode_procs"], shared_buffer=a.shared_buffer)
         ires |= {k: res[k] for k in ("date", "device", "torch", "model", "kv", "link")}
         ires["link_gbps"] = a.interference_link

@@ -6,13 +6,13 @@ what a model decoding beside it feels. This times that second step per chunk, bo
 side in one run: wall time (CUDA events, median), and the summed duration and number of the GPU
 kernels it launched (torch profiler), on real KV:
 
-* ``8b``: Llama-3-8B-shaped chunks tiled from real SmolLM2 KV (bench/kvsource.py; no basis fits);
+* ``8b``: Llama-3-8B-shaped chunks tiled from real SmolLM2 KV (benchmarks/lib/kvsource.py; no basis fits);
 * ``smol``: SmolLM2-135M's own KV at its shape, where ``balanced``/``compact`` use the shipped basis.
 
 The frames are decoded once (NVDEC on a GPU) and reused, so only the unpack is timed. Writes JSON
 and a Markdown table to ``--out`` (a path stem). Both paths' outputs are compared as well.
 
-    python bench/unpack_bench.py --kvsrc .kvsrc/kvsrc.pt --out docs/benchmarks/unpack_h100
+    python -m benchmarks.unpack.unpack_bench --kvsrc .kvsrc/kvsrc.pt --out benchmarks/unpack/result_h100
 """
 
 from __future__ import annotations
@@ -22,19 +22,17 @@ import datetime
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import kvsource  # noqa: E402
+from benchmarks.lib import kvsource
 
-from kvfetcher import codec  # noqa: E402
+from kvfetcher import codec
 from kvfetcher.format import container
 from kvfetcher.codec import fused_unpack, layout, rope
-from kvfetcher.chunk import encode_chunk  # noqa: E402
+from kvfetcher.chunk import encode_chunk
 
 SMOL_FINGERPRINT = "smollm2-135m-instruct-q4_1/float32"  # the shipped basis' model: balanced/compact use it
 
@@ -89,7 +87,7 @@ def time_unpack(h: container.Header, frames: torch.Tensor, side, out: torch.Tens
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kvsrc", required=True, help="real Smol KV saved by bench/kvsource.py")
+    ap.add_argument("--kvsrc", required=True, help="real Smol KV saved by benchmarks/lib/kvsource.py")
     ap.add_argument("--out", required=True, help="path stem for .json and .md")
     ap.add_argument("--presets", default="balanced,compact,q8")
     ap.add_argument("--repeats", type=int, default=20)
@@ -123,7 +121,7 @@ def main() -> None:
     os.environ.pop("KVFETCHER_FUSED_UNPACK", None)
     Path(a.out + ".json").write_text(json.dumps(res, indent=1))
     md = [f"# Unpack per chunk: torch path vs fused kernel ({res['device']}, {res['date']})", "",
-          "Produced by `bench/unpack_bench.py` (what it times: its docstring). One 256-token chunk of real KV, "
+          "Produced by `benchmarks/unpack/unpack_bench.py` (what it times: its docstring). One 256-token chunk of real KV, "
           "frames decoded once and reused; wall time is the median of CUDA-event timings, kernel time the summed "
           "duration of the GPU kernels one unpack launched.", "",
           "| shape | preset | basis | KV MB | " + " | ".join(f"{w} ms | {w} GB/s | {w} kernels | {w} kernel ms" for w in ways) + " |",
