@@ -41,7 +41,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 from benchmarks.lib import fetchkit
-from kvtest import free_port  # noqa: E402
+from benchmarks.lib.linkserver import free_port
 
 from kvfetcher import ipc, keys
 from kvfetcher.api.client import KVClient

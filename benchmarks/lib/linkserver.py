@@ -23,6 +23,7 @@ import json
 import multiprocessing as mp
 import os
 import re
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -270,6 +271,13 @@ class LinkServer(ThreadingHTTPServer):
     @property
     def url(self) -> str:
         return f"http://{self.server_address[0]}:{self.server_address[1]}"
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (the OS's pick, released at once)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def start_thread(root: str | Path, rate: float = 0.0) -> LinkServer:

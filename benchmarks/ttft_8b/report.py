@@ -2,11 +2,12 @@
 
     python -m benchmarks.ttft_8b.report RESULTS_DIR OUT_DIR [ttft=NOTES.md] [interference=NOTES.md]
 
-writes ``ttft_<device>.json/.md/.png`` and ``interference_<device>.json/.md`` (device: h200, h100...).
+writes ``result_<device>.json/.md/.png`` and ``interference_<device>.json/.md`` (device: h200, h100...).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import shutil
@@ -175,18 +176,23 @@ def interference_md(r: dict, notes: str = "") -> str:
 
 
 def main() -> int:
-    src, dst = Path(sys.argv[1]), Path(sys.argv[2])
-    notes = {k: Path(v).read_text() for k, v in (a.split("=", 1) for a in sys.argv[3:])}  # ttft=FILE interference=FILE
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("src", type=Path, help="ttft_bench's --out directory (ttft.json, interference.json)")
+    ap.add_argument("dst", type=Path, help="where the report goes (this suite's directory for the canonical result)")
+    ap.add_argument("notes", nargs="*", help="ttft=NOTES.md / interference=NOTES.md: prose put above the tables")
+    a = ap.parse_args()
+    src, dst = a.src, a.dst
+    notes = {k: Path(v).read_text() for k, v in (n.split("=", 1) for n in a.notes)}
     r = json.loads((src / "ttft.json").read_text())
     s = slug(r["device"])
-    shutil.copy(src / "ttft.json", dst / f"ttft_{s}.json")
-    (dst / f"ttft_{s}.md").write_text(ttft_md(r, notes.get("ttft", "")))
-    plot(r, dst / f"ttft_{s}.png")
+    shutil.copy(src / "ttft.json", dst / f"result_{s}.json")
+    (dst / f"result_{s}.md").write_text(ttft_md(r, notes.get("ttft", "")))
+    plot(r, dst / f"result_{s}.png")
     if (src / "interference.json").exists():
         i = json.loads((src / "interference.json").read_text())
         shutil.copy(src / "interference.json", dst / f"interference_{s}.json")
         (dst / f"interference_{s}.md").write_text(interference_md(i, notes.get("interference", "")))
-    print(f"wrote {dst}/ttft_{s}.* and interference_{s}.*")
+    print(f"wrote {dst}/result_{s}.* and interference_{s}.*")
     return 0
 
 
