@@ -6,7 +6,7 @@ over the shipped prompts, the rest of the cache untouched. Cheap (one forward pa
 continuation per group and prompt), so every group can be measured; the greedy-agreement
 harness then checks the allocation built from it.
 
-    python -m research.sensitivity --bits 4 --out docs/benchmarks/sensitivity.json
+    python -m research.sensitivity --bits 4 --out /tmp/sensitivity.json
 """
 
 from __future__ import annotations
