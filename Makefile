@@ -23,7 +23,7 @@ test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -ra
 
 bench-codec: $(STAMP)
-	$(VENV)/bin/python bench/codec_bench.py
+	$(VENV)/bin/python -m benchmarks.codec.codec_bench
 
 clean:
 	rm -rf $(VENV)

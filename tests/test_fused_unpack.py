@@ -89,7 +89,7 @@ def check(res: dict[str, dict[str, float]]) -> None:
 def test_fused_unpack_matches_the_torch_path_under_the_interpreter():
     code = ("import json, torch, test_fused_unpack as t; "
             "print(json.dumps(t.compare('cpu', (torch.float16, torch.float32))))")
-    path = [str(ROOT / d) for d in ("sidecar", "tests", "bench")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    path = [str(ROOT / d) for d in ("sidecar", "tests", ".")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(path))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -1,18 +1,15 @@
 """The benchmark's link server: S3 subset through the real S3Store, ranges, and the shared rate."""
 
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 pytest.importorskip("minio")
 
-import linkserver  # noqa: E402
-from kvfetcher.store import NotFound  # noqa: E402
-from kvfetcher.store.s3 import S3Store  # noqa: E402
+from benchmarks.lib import linkserver
+from kvfetcher.store import NotFound
+from kvfetcher.store.s3 import S3Store
 
 
 @pytest.fixture

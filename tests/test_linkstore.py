@@ -1,16 +1,13 @@
 """linkstore (bench): the emulated link paces bytes and is shared by concurrent GETs."""
 
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from linkstore import Link, LinkStore  # noqa: E402
+from benchmarks.lib.linkstore import Link, LinkStore
 
-from kvfetcher.store import NotFound  # noqa: E402
+from kvfetcher.store import NotFound
 
 
 def test_ranged_get_and_missing():

@@ -1,15 +1,11 @@
 """llama_shape (bench): the timing model must compute what a Llama computes, so that a fetched
 prefix plus a suffix prefill and batched decode steps equal one long prefill."""
 
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from llama_shape import SHAPES, LlamaShape, subset  # noqa: E402
+from benchmarks.lib.llama_shape import SHAPES, LlamaShape, subset
 
-from kvtest import gpu  # noqa: E402
+from kvtest import gpu
 
 TINY = SHAPES["tiny"]
 

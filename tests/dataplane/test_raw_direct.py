@@ -2,9 +2,7 @@
 checksums per segment, one copy into the destination. On a local directory and on a real S3
 server (moto on loopback), and through a store without ``get_into`` (the benchmarks' LinkStore)."""
 
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +16,7 @@ from kvfetcher.store.local import LocalStore
 from dptest import SENTINEL, fetch, new_bucket, put_chunks
 from test_pipeline import DAMAGES, corrupt_segment
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from linkstore import LinkStore  # noqa: E402
+from benchmarks.lib.linkstore import LinkStore
 
 L, H, D, TOKENS, CHUNK = 3, 2, 32, 96, 32
 
