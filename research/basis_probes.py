@@ -30,8 +30,10 @@ from research import compression_probes as cp
 from kvfetcher.codec import basis, layout, rope
 from kvfetcher.eval import model
 from kvfetcher.format import presets
+from kvfetcher.codec import tiling
+from kvfetcher.format import calibration
 
-STEPS = presets.scaled(presets.BASE_PROFILE, 0.7)
+STEPS = presets.scaled(presets.sigma_steps(0.003, table=calibration.default().table("channel")), 0.7)
 
 
 def probe_coders(kvs: list[torch.Tensor], theta: float, name: str) -> None:
@@ -42,7 +44,7 @@ def probe_coders(kvs: list[torch.Tensor], theta: float, name: str) -> None:
         for kv in kvs:
             L, _, H, T, D = kv.shape
             pk = layout.pack(kv, lp, 0)
-            q = layout._frames_to_tiles(pk.frames, pk.geometry, T, H * D)[:, 1:].contiguous()
+            q = tiling.frames_to_tiles(pk.frames, pk.geometry, T, H * D)[:, 1:].contiguous()
             syms.append(q)
             comp_major.append(q.reshape(2 * L, T - 1, H, D).transpose(2, 3).reshape(2 * L, T - 1, H * D).contiguous())
             steps = layout.split_side(pk.side, tuple(kv.shape), lp)[0][..., 1].float().flatten(2)

@@ -28,6 +28,7 @@ from kvfetcher import codec
 from kvfetcher.codec import layout, rope
 from kvfetcher.format import presets
 from kvfetcher.codec.base import CodecParams
+from kvfetcher.codec import tiling
 
 
 def tiles_prerope(kv: torch.Tensor, theta: float) -> torch.Tensor:
@@ -57,7 +58,7 @@ def hevc(tiles: torch.Tensor, lossless: bool = True, qp: int | None = None, plan
     """uint8 tiles ``[n, rows, cols]`` -> (bytes, decoded tiles), frames stacked as the layout does."""
     n, rows, cols = tiles.shape
     geo = layout.geometry((n // 2, 2, 1, rows, cols), torch.float16, layout.LayoutParams(mode="quant", planes=planes, max_rows=max_rows))
-    frames = layout._tiles_to_frames(tiles, geo)
+    frames = tiling.tiles_to_frames(tiles, geo)
     enc, dec = codec.encoder("hevc"), codec.decoder("hevc", "cpu")
     size, out = 0, []
     step = max(1, 12 // planes)
@@ -65,7 +66,7 @@ def hevc(tiles: torch.Tensor, lossless: bool = True, qp: int | None = None, plan
         data = enc.encode(frames[a : a + step], CodecParams(lossless=lossless, qp=qp, speed=speed))
         size += len(data)
         out.append(dec.decode(data, tuple(frames[a : a + step].shape)))
-    return size, layout._frames_to_tiles(torch.cat(out), geo, rows, cols)
+    return size, tiling.frames_to_tiles(torch.cat(out), geo, rows, cols)
 
 
 def probe_lossy(kvs, theta) -> None:

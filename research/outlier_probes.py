@@ -37,6 +37,8 @@ from research.trellis_probes import EXTRA
 from kvfetcher.eval import accuracy, model
 from kvfetcher.codec import basis, rope
 from kvfetcher.format import presets
+from kvfetcher.codec import tiling
+from kvfetcher.format import calibration
 
 
 def windows(lm, path: Path, kv_cache: str | None):
@@ -70,7 +72,7 @@ def restored(lm, ws, p, path: Path, theta):
 
 def basis_coords(kv: torch.Tensor, theta: float) -> torch.Tensor:
     """Pre-RoPE keys / values of a whole window in the shipped basis, less its mean: [L,2,H,T,D]."""
-    enc, _, mean = basis.on_device(presets.SMOLLM2_BASIS, "cpu")
+    enc, _, mean = basis.on_device(calibration.default().basis, "cpu")
     x = kv.float().clone()
     cos, sin = rope.rotation(0, x.shape[3], x.shape[-1], theta)
     x[:, 0] = rope.apply(x[:, 0], cos, sin, inverse=True)
@@ -206,7 +208,7 @@ def probe_groups(lm, ws, theta, k: int, sstep: float, scale: float, out: Path, a
     def entropy(frames_list, geo_list, tokens=256):
         h = torch.zeros(L, 2)
         for fr, geo in zip(frames_list, geo_list):
-            t = layout._frames_to_tiles(fr, geo, tokens, geo.tile_cols).reshape(L, 2, tokens, -1).long()
+            t = tiling.frames_to_tiles(fr, geo, tokens, geo.tile_cols).reshape(L, 2, tokens, -1).long()
             for a in range(L):
                 for b in (0, 1):
                     x = t[a, b]

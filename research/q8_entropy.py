@@ -28,6 +28,7 @@ from kvfetcher.codec import layout
 from kvfetcher.format import presets
 from kvfetcher.codec.base import CodecParams
 from kvfetcher.codec.pyav import X265Encoder
+from kvfetcher.codec import tiling
 
 
 def channel_entropy(q: torch.Tensor) -> float:
@@ -57,7 +58,7 @@ def main() -> int:
         for s in range(0, kv.shape[3], 256):
             piece = kv[:, :, :, s : s + 256].contiguous()
             packed = layout.pack(piece, p)
-            tiles = layout._frames_to_tiles(packed.frames, packed.geometry, piece.shape[3], piece.shape[2] * piece.shape[4])
+            tiles = tiling.frames_to_tiles(packed.frames, packed.geometry, piece.shape[3], piece.shape[2] * piece.shape[4])
             n = tiles.numel()
             values += n
             ent += n * sum(channel_entropy(t) for t in tiles) / len(tiles)

@@ -40,6 +40,7 @@ from kvfetcher.codec import layout
 from kvfetcher.format import presets
 from kvfetcher.codec.base import CodecParams
 from kvfetcher.codec.pyav import X265Encoder, _x265_params
+from kvfetcher.codec import tiling
 
 ZC = zstandard.ZstdCompressor(level=9)
 
@@ -147,7 +148,7 @@ def main() -> int:
         pair = []
         for p in (q8, pre):
             packed = layout.pack(kv, p)
-            pair.append(layout._frames_to_tiles(packed.frames, packed.geometry, *shape).contiguous())
+            pair.append(tiling.frames_to_tiles(packed.frames, packed.geometry, *shape).contiguous())
         chunks.append(pair)
         if len(chunks) == 1:  # the helper codes what the shipped encoder codes
             ref = 8 * len(X265Encoder().encode(packed.frames, CodecParams(lossless=True)))

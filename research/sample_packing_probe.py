@@ -32,6 +32,7 @@ from kvfetcher.format import container, presets
 from kvfetcher.codec import layout
 from kvfetcher.eval import model
 from kvfetcher.chunk import encode_chunk
+from kvfetcher.codec import tiling
 
 TEXTS = ("license.txt", "code.txt")
 PRESETS = ("balanced", "compact")
@@ -108,7 +109,7 @@ def probe_chunk(kv: torch.Tensor, preset: str, start: int, theta: float, fingerp
     assert h.layout == lp and lp.basis is not None, "the probe must code what the preset stores, basis included"
     pk = layout.pack(kv, lp, start)
     video = sum(s.length for s in h.segments)
-    k = layout._frames_to_tiles(pk.frames, pk.geometry, kv.shape[3], kv.shape[2] * kv.shape[4]).to(torch.int32) - 128
+    k = tiling.frames_to_tiles(pk.frames, pk.geometry, kv.shape[3], kv.shape[2] * kv.shape[4]).to(torch.int32) - 128
     values, kv_bytes = k.numel(), kv.numel() * kv.element_size()
     base = x265(pk.frames.numpy(), 8)
     row = {"kv_bytes": kv_bytes, "video_bytes": video, "baseline_is_stored_video": base == video, "symbol_range": [int(k.min()), int(k.max())],

@@ -23,13 +23,14 @@ from kvfetcher.eval import model
 from kvfetcher.format import presets
 from kvfetcher.codec.base import CodecParams
 from kvfetcher.format.presets import Preset
+from kvfetcher.format import calibration
 
-BASIS = presets.SMOLLM2_BASIS
-SB = presets.SENSITIVITY_BASIS
+BASIS = calibration.default().basis
+SB = calibration.default().table("basis")
 
 
 def pt(name: str, scale: float, bas: str | None = BASIS, profile=None, sink: bool = False) -> Preset:
-    steps = presets.scaled(profile or presets.BASE_PROFILE, scale)
+    steps = presets.scaled(profile or presets.sigma_steps(0.003, table=calibration.default().table("channel")), scale)
     return Preset(name, layout.LayoutParams(mode="quant", sigma_steps=steps, basis=bas),
                   CodecParams(lossless=True, speed="ultrafast"), False, name, pre_rope=True, sink_exact_only=sink)
 

@@ -41,6 +41,7 @@ from research import compression_probes as cp
 from kvfetcher.eval import accuracy, model
 from kvfetcher.codec import basis, layout, rope, trellis
 from kvfetcher.format import presets
+from kvfetcher.codec import tiling
 
 EXTRA = [("license.txt", 300), ("license.txt", 800), ("license.txt", 1700), ("code.txt", 300), ("code.txt", 1000),
          ("code.txt", 1500), ("code.txt", 2600), ("code.txt", 3600), ("numbers.txt", 500), ("numbers.txt", 1800),
@@ -168,7 +169,7 @@ def probe_x265(kvs: list[torch.Tensor], theta: float) -> None:
 
 def probe_arrange(kvs: list[torch.Tensor], theta: float) -> None:
     packed, n = packed_chunks(kvs, theta)
-    tiles = [layout._frames_to_tiles(pk.frames, pk.geometry, 256, pk.geometry.tile_cols).contiguous() for pk in packed]
+    tiles = [tiling.frames_to_tiles(pk.frames, pk.geometry, 256, pk.geometry.tile_cols).contiguous() for pk in packed]
 
     def rate(ts, planes=3):
         return sum(cp.hevc(t, speed="ultrafast", planes=planes)[0] for t in ts) * 8 / n

@@ -1,7 +1,7 @@
 """auto_scale_bench: the sidecar's automatic choice, end to end, on Llama-3-70B-shaped KV.
 
 ``scale_bench`` found where fetching pays (70B, 5-10 Gbit/s links) by a model fed with
-measured parts. This measures it: the real ``Sidecar.fetch`` (lookup, cost model, pipelined
+measured parts. This measures it: the real ``Sidecar.load`` (lookup, cost model, pipelined
 fetch through decode worker processes into an IPC-registered GPU buffer) on 70B-shaped
 contexts over emulated links, beside a forced raw fetch through the same sidecar, the plain
 raw fetch (bytes straight into the buffer, ``fetchkit.fetch_raw_direct``) and recompute.
@@ -44,6 +44,7 @@ from benchmarks.lib.llama_shape import full_depth, sweep_prefill
 from kvfetcher import ipc, keys, service
 from kvfetcher.chunk import encode_chunk
 from kvfetcher.eval.costmodel import SHAPES, ModelShape
+from kvfetcher import kvbuffer
 
 CHUNK = 256
 FINGERPRINT = "auto-scale-bench"
@@ -116,7 +117,7 @@ class Bench:
         return out | {"seconds": None, "error": r.get("error"), "detail": r.get("detail")}
 
     def raw_direct(self, ctx: int) -> float:
-        refs = [fetchkit.pipeline.ChunkRef(f"raw-direct/{i}.kvfc", len(self.raw[i % 2]), i * CHUNK, CHUNK) for i in range(ctx // CHUNK)]
+        refs = [kvbuffer.ChunkRef(f"raw-direct/{i}.kvfc", len(self.raw[i % 2]), i * CHUNK, CHUNK) for i in range(ctx // CHUNK)]
         return fetchkit.fetch_raw_direct(self.sidecar.store, refs, self.shared.tensor, 0, self.io, window=16)
 
 

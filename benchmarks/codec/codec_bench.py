@@ -29,6 +29,7 @@ from kvfetcher.eval import accuracy, model
 from kvfetcher.codec import layout
 from kvfetcher.format import presets
 from kvfetcher.chunk import encode_chunk
+from kvfetcher.codec import tiling
 
 OUT = Path(__file__).resolve().parent  # result_cpu.json / .md beside this file
 
@@ -45,7 +46,7 @@ def zstd_on_quantised(kvs: list[torch.Tensor], chunk_tokens: int) -> dict:
             packed = layout.pack(piece, p)
             t = time.perf_counter()
             # the planes hold padding; zstd gets only the real values, in the same token-major order
-            q = layout._frames_to_tiles(packed.frames, packed.geometry, piece.shape[3], piece.shape[2] * piece.shape[4])
+            q = tiling.frames_to_tiles(packed.frames, packed.geometry, piece.shape[3], piece.shape[2] * piece.shape[4])
             z = zc.compress(q.contiguous().numpy().tobytes())
             t_enc += time.perf_counter() - t
             stored += len(z) + packed.side.numel() * packed.side.element_size()

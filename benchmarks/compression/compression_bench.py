@@ -42,6 +42,8 @@ from kvfetcher.codec import layout
 from kvfetcher.format import presets
 from kvfetcher.codec.base import CodecParams
 from kvfetcher.format.presets import Preset
+from kvfetcher.codec import tiling
+from kvfetcher.format import calibration
 
 OUT = Path(__file__).resolve().parent  # result_cpu.json / .md / .png beside this file
 CHUNK = 256
@@ -50,13 +52,13 @@ CHUNK = 256
 def sigma_point(name: str, scale: float, profile=None) -> Preset:
     """A curve point of the per-channel sigma steps (no basis): the capped base profile (or a flat
     one) times ``scale``; the ``balanced`` of layout v3 was x0.7."""
-    steps = presets.scaled(profile or presets.BASE_PROFILE, scale)
+    steps = presets.scaled(profile or presets.sigma_steps(0.003, table=calibration.default().table("channel")), scale)
     return Preset(name, layout.LayoutParams(mode="quant", sigma_steps=steps), CodecParams(lossless=True), False,
                   f"sigma steps x{scale}", pre_rope=True)
 
 
 #: layout v5's ``balanced`` steps (uniform rounding in the basis; the ``basis xS`` curve)
-V5_STEPS = presets.sigma_steps(0.0024, lo=0.03, hi=2.0, table=presets.SENSITIVITY_BASIS)
+V5_STEPS = presets.sigma_steps(0.0024, lo=0.03, hi=2.0, table=calibration.default().table("basis"))
 
 
 def basis_point(name: str, scale: float) -> Preset:
@@ -69,7 +71,7 @@ def basis_point(name: str, scale: float) -> Preset:
 
 
 #: layout v6's ``balanced`` steps (trellis, the 0.7-sigma basis table; the ``trellis xS`` curve)
-V6_STEPS = presets.sigma_steps(0.001224, lo=0.015, hi=1.0, table=presets.SENSITIVITY_BASIS)
+V6_STEPS = presets.sigma_steps(0.001224, lo=0.015, hi=1.0, table=calibration.default().table("basis"))
 
 
 def trellis_point(name: str, scale: float) -> Preset:
@@ -175,7 +177,7 @@ def run_zstd(lm, cases: list[Case], bits: int) -> dict:
         for s in range(0, c.kv.shape[3], CHUNK):
             piece = c.kv[:, :, :, s : s + CHUNK].contiguous()
             pk = layout.pack(piece, p)
-            q = layout._frames_to_tiles(pk.frames, pk.geometry, piece.shape[3], piece.shape[2] * piece.shape[4])
+            q = tiling.frames_to_tiles(pk.frames, pk.geometry, piece.shape[3], piece.shape[2] * piece.shape[4])
             size += len(zc.compress(q.contiguous().numpy().tobytes())) + pk.side.numel() * pk.side.element_size()
             parts.append(layout.unpack(pk.frames, pk.side, tuple(piece.shape), piece.dtype, p))
         restored.append(torch.cat(parts, 3))

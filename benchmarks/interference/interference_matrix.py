@@ -40,7 +40,8 @@ from benchmarks.lib.fetchkit import fetch_once
 from benchmarks.lib.interference import decode_loop, stats
 
 from kvfetcher import ipc
-from kvfetcher.fetch import executor as pipeline
+from kvfetcher import kvbuffer
+from kvfetcher.fetch import executor
 from kvfetcher.chunk import encode_chunk
 from kvfetcher.fetch.workers import DecodeWorkers
 from kvfetcher.store.local import LocalStore
@@ -78,7 +79,7 @@ def measure(args) -> None:
         for i in range(chunks):
             obj = objs[i % len(objs)]
             store.put(f"{preset}/{i}.kvfc", obj)
-            refs[preset].append(pipeline.ChunkRef(f"{preset}/{i}.kvfc", len(obj), i * CHUNK, CHUNK))
+            refs[preset].append(kvbuffer.ChunkRef(f"{preset}/{i}.kvfc", len(obj), i * CHUNK, CHUNK))
     if not ready.wait(600):
         raise RuntimeError("decode loop did not start")
     phases: list[dict] = []

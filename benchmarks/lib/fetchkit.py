@@ -1,6 +1,6 @@
 """fetchkit: stored prefixes of a model shape and the ways to fetch them, for the benchmarks.
 
-* kvfetcher: objects from ``chunk.encode_chunk`` (any preset), fetched by ``pipeline.fetch``.
+* kvfetcher: objects from ``chunk.encode_chunk`` (any preset), fetched by ``executor.fetch``.
 * CacheGen (LMCache 0.5.x, ``lmcache.storage_backend.serde``): its GPU encoder and decoder as
   a peer codec, fetched by a plain pipelined loop (downloads in threads, decode on the GPU).
 
@@ -21,7 +21,8 @@ from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 
 import torch
 
-from kvfetcher.fetch import executor as pipeline
+from kvfetcher import kvbuffer
+from kvfetcher.fetch import executor
 from kvfetcher.chunk import encode_chunk
 from kvfetcher.eval.costmodel import ModelShape
 from benchmarks.lib.kvsource import synthetic_kv
@@ -45,23 +46,23 @@ def encode_objects(shape: ModelShape, preset: str, chunk_tokens: int = 256, dist
         return list(pool.map(_encode_one, jobs))
 
 
-def put_prefix(store, tag: str, objects: Sequence[bytes], chunks: int, chunk_tokens: int = 256) -> list[pipeline.ChunkRef]:
+def put_prefix(store, tag: str, objects: Sequence[bytes], chunks: int, chunk_tokens: int = 256) -> list[kvbuffer.ChunkRef]:
     """Store a prefix of ``chunks`` chunks cycling over ``objects``; its refs, in order."""
     refs = []
     for i in range(chunks):
         obj = objects[i % len(objects)]
         name = f"{tag}/{i}.kvfc"
         store.put(name, obj)
-        refs.append(pipeline.ChunkRef(name, len(obj), i * chunk_tokens, chunk_tokens))
+        refs.append(kvbuffer.ChunkRef(name, len(obj), i * chunk_tokens, chunk_tokens))
     return refs
 
 
 async def fetch_kvfetcher(store, refs, buffer: torch.Tensor, offset: int, io_pool: Executor, decode_pool: Executor, window: int = 8,
-                          workers=None, handle: dict | None = None) -> pipeline.Outcome:
-    """``pipeline.fetch`` into ``buffer``; with ``workers`` (``decode_workers.DecodeWorkers``) and the
+                          workers=None, handle: dict | None = None) -> executor.Outcome:
+    """``executor.fetch`` into ``buffer``; with ``workers`` (``decode_workers.DecodeWorkers``) and the
     buffer's IPC ``handle``, chunks are decoded and restored in worker processes (main's NVDEC path)."""
-    dest = pipeline.Destination(buffer, offset=offset, tokens=sum(r.tokens for r in refs), handle=handle)
-    return await pipeline.fetch(store, refs, dest, fingerprint=FINGERPRINT, io_pool=io_pool, decode_pool=decode_pool,
+    dest = kvbuffer.Destination(buffer, offset=offset, tokens=sum(r.tokens for r in refs), handle=handle)
+    return await executor.fetch(store, refs, dest, fingerprint=FINGERPRINT, io_pool=io_pool, decode_pool=decode_pool,
                                 device=buffer.device, window=window, workers=workers if handle is not None else None)
 
 
@@ -181,8 +182,8 @@ def run(coro):
 
 
 async def fetch_once(store, refs, buf, device, window, decode_workers, workers=None, fingerprint: str = "bench"):
-    """One ``pipeline.fetch`` of ``refs`` into the registered buffer ``buf`` (its tensor and IPC handle)."""
+    """One ``executor.fetch`` of ``refs`` into the registered buffer ``buf`` (its tensor and IPC handle)."""
     with ThreadPoolExecutor(16) as io, ThreadPoolExecutor(decode_workers) as dec:
-        dest = pipeline.Destination(buf.tensor, tokens=sum(r.tokens for r in refs), handle=buf.handle)
-        return await pipeline.fetch(store, refs, dest, fingerprint=fingerprint, io_pool=io, decode_pool=dec, device=device,
+        dest = kvbuffer.Destination(buf.tensor, tokens=sum(r.tokens for r in refs), handle=buf.handle)
+        return await executor.fetch(store, refs, dest, fingerprint=fingerprint, io_pool=io, decode_pool=dec, device=device,
                                     window=window, workers=workers)

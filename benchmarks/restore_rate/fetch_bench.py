@@ -1,7 +1,7 @@
 """Fetch pipeline throughput: N stored chunks -> KV buffer (CPU, or CUDA with NVDEC), per preset.
 
 Stores KV of a model shape in a local directory (so the link is not the limit), then times
-``pipeline.fetch`` into a buffer on the chosen device: decoding in threads (``--procs 0``) or
+``executor.fetch`` into a buffer on the chosen device: decoding in threads (``--procs 0``) or
 in decode worker processes that write through the buffer's IPC handle (``--procs N``), with
 NVDEC utilisation sampled alongside. The KV is synthetic, or real KV (``--kv``: a saved
 ``[L, 2, H, T, D]`` tensor, e.g. SmolLM2-135M's) tiled into the model shape, so that
@@ -49,7 +49,8 @@ from benchmarks.lib.nvml import NvmlSampler
 
 from kvfetcher.format import container, presets
 from kvfetcher import ipc
-from kvfetcher.fetch import executor as pipeline
+from kvfetcher import kvbuffer
+from kvfetcher.fetch import executor
 from kvfetcher.chunk import decode_chunk, encode_chunk
 from kvfetcher.fetch.workers import DecodeWorkers
 from kvfetcher.store.local import LocalStore
@@ -136,7 +137,7 @@ def raw_direct(store, chunk_of, args, buf, kv_bytes: int) -> dict:
     for i in range(args.chunks):
         name = f"kv/{i}/{RAW_DIRECT}.bin"
         store.put(name, objs[i % len(objs)])
-        refs.append(pipeline.ChunkRef(name, len(objs[i % len(objs)]), i * args.chunk_tokens, args.chunk_tokens))
+        refs.append(kvbuffer.ChunkRef(name, len(objs[i % len(objs)]), i * args.chunk_tokens, args.chunk_tokens))
     with ThreadPoolExecutor(16) as io:
         fetch_raw_direct(store, refs, buf.tensor, 0, io, args.window)  # warm-up
         buf.tensor.zero_()
@@ -218,7 +219,7 @@ def main() -> None:
                 name = f"kv/{i}/{preset}.kvfc"
                 store.put(name, obj)
                 stored += len(obj)
-                refs.append(pipeline.ChunkRef(name, len(obj), i * args.chunk_tokens, args.chunk_tokens))
+                refs.append(kvbuffer.ChunkRef(name, len(obj), i * args.chunk_tokens, args.chunk_tokens))
             row = results["presets"][preset] = {"stored_bytes": stored, "ratio": round(kv_bytes / stored, 3),
                                                 "encode_MB_s": round(distinct * kv_bytes / args.chunks / encode_s / 1e6, 1),
                                                 "basis": h.layout.basis, "frame_shape": list(h.frame_shape), "runs": []}

@@ -4,7 +4,7 @@
   * prefill of the 8B shape and of a contiguous subset of the 70B shape's layers (k and k/2
     layers, so the per-layer time and the fixed part — embedding, head — separate; 80 layers =
     fixed + 80 x per-layer). KV bytes are exact by layer count.
-  * the end-to-end restore rate of each fetch path (``pipeline.fetch`` into a GPU KV buffer from
+  * the end-to-end restore rate of each fetch path (``executor.fetch`` into a GPU KV buffer from
     memory: download free, decode + restore measured) for raw, q8, lean, and LMCache's CacheGen.
   * a few fetches over an emulated link (``linkstore``) to check the predicted fetch times.
 ``report`` (anywhere) turns that JSON into the per-link comparison: each option's time from
@@ -36,6 +36,7 @@ from kvfetcher.eval import costmodel
 from kvfetcher import ipc
 from kvfetcher.fetch.workers import DecodeWorkers
 from kvfetcher.eval.costmodel import LLAMA3_8B, LLAMA3_70B, SHAPES
+from kvfetcher import kvbuffer
 
 CONTEXTS = [4096, 8192, 16384, 32768, 65536, 131072]
 LINKS_GBPS = [1, 5, 10, 25, 40, 100]
@@ -114,7 +115,7 @@ def link_checks(shape, fetch: dict, device: str, points: list[tuple[str, float]]
                 continue
             store = linkstore.LinkStore(linkstore.Link(gbps * 1e9 / 8, latency_s=0.002))
             store.objects = {k: v for k, v in src.objects.items() if k.startswith(preset + "/")}
-            refs = [fetchkit.pipeline.ChunkRef(f"{preset}/{i}.kvfc", len(store.objects[f"{preset}/{i}.kvfc"]), i * CHUNK, CHUNK) for i in range(chunks)]
+            refs = [kvbuffer.ChunkRef(f"{preset}/{i}.kvfc", len(store.objects[f"{preset}/{i}.kvfc"]), i * CHUNK, CHUNK) for i in range(chunks)]
             stored = sum(r.size for r in refs)
             if preset == "cachegen":
                 codec = fetchkit.CacheGen(shape, device)
@@ -264,7 +265,7 @@ def report(args) -> None:
          "KV bytes exactly by layer count. The restore rate of each fetch path: "
          f"{f['chunks']} chunks of 256 tokens of the 8B shape ({f['kv_bytes'] / 1e9:.2f} GB of KV) into a GPU KV buffer, downloads free "
          "(q8 and the raw baseline again over 96 chunks, 3.2 GB, in a second fetch-only run whose figures are used); "
-         f"kvfetcher's presets through `pipeline.fetch` with main's decode worker processes ({f['decode_procs']}; NVDEC), "
+         f"kvfetcher's presets through `executor.fetch` with main's decode worker processes ({f['decode_procs']}; NVDEC), "
          "the raw baseline as ranged GETs copied straight to the GPU. A few fetches over an emulated link check the fetch model.",
          "* **Modelled**: the fetch time at each link speed, `latency + max(stored bytes / link, KV bytes / restore rate)` — "
          "the sidecar's own cost model (`choice.choose`, via `costmodel.compare`) — with real-KV compression ratios from "

@@ -3,7 +3,7 @@
 One GPU, a Llama-3-8B-shaped model with random bf16 weights (timing only), contexts of 4K,
 16K and 32K tokens, links of 1-100 Gbit/s emulated by ``linkserver`` (an S3-compatible
 server on loopback, one token bucket shared by all connections). kvfetcher fetches through
-the real sidecar (``service.Sidecar.fetch``: LIST lookup, cost model, ``pipeline.fetch`` over
+the real sidecar (``service.Sidecar.load``: LIST lookup, cost model, ``pipeline.fetch`` over
 ``S3Store``); the peers (``peers``) through the same store and link. TTFT is the time until
 the first output token's logits exist: a full prefill for recompute; for a fetch, the fetch
 plus one decode step over the restored KV. ``auto`` is the sidecar's own choice with its
