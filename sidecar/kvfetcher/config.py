@@ -163,6 +163,16 @@ AUTH_TOKEN = Setting("KVFETCHER_AUTH_TOKEN", str, "", "Bearer token of `/v1` ove
 AUTH_TOKEN_FILE = Setting("KVFETCHER_AUTH_TOKEN_FILE", str, None, "File holding the token, when "
                           "`KVFETCHER_AUTH_TOKEN` is unset.")
 SHM_DIR = Setting("KVFETCHER_SHM_DIR", str, _shm_dir, "Directory of host-memory KV buffers shared with the model.")
+DEADLINE_S = Setting("KVFETCHER_DEADLINE_S", float, 30.0,
+                     "Seconds a lookup or fetch may take when the request gives none; also the store's read timeout.")
+MAX_REQUEST_TOKENS = Setting("KVFETCHER_MAX_REQUEST_TOKENS", int, 262144,
+                             "Most tokens one lookup, fetch or store request may name (more: a 400).")
+STORE_QUEUE_CHUNKS = Setting("KVFETCHER_STORE_QUEUE_CHUNKS", int, 256,
+                             "Bound of the store queue in chunks: a store queues the leading chunks that fit, "
+                             "the rest are dropped and counted.")
+IO_WORKERS = Setting("KVFETCHER_IO_WORKERS", int, 32, "Threads for store data I/O (GET, PUT).")
+META_IO_WORKERS = Setting("KVFETCHER_META_IO_WORKERS", int, 8,
+                          "Threads for store metadata I/O (LIST, HEAD, DELETE, readiness), apart from data I/O.")
 FUSED_UNPACK = Setting("KVFETCHER_FUSED_UNPACK", bool, True, "Unpack CUDA frames with the fused Triton kernel.")
 
 # -- the model side (client) ------------------------------------------------------------------
@@ -199,7 +209,8 @@ TABLES: dict[str, tuple[Setting, ...]] = {
     "Sidecar (`kvfetcher serve`)": (
         CHUNK_TOKENS, PRESET, ALLOWED_PRESETS, TENANT, POOL, RECOMPUTE_TPS, ROPE_THETA, TTFT_BUDGET_S,
         DECODE_PROCS, WARM_UP, S3_ENDPOINT, S3_BUCKET, S3_ACCESS_KEY, S3_SECRET_KEY, S3_REGION, S3_CA_FILE,
-        S3_INSECURE, STORE_DIR, AUTH_TOKEN, AUTH_TOKEN_FILE, SHM_DIR, FUSED_UNPACK),
+        S3_INSECURE, STORE_DIR, AUTH_TOKEN, AUTH_TOKEN_FILE, SHM_DIR, FUSED_UNPACK, DEADLINE_S, MAX_REQUEST_TOKENS,
+        STORE_QUEUE_CHUNKS, IO_WORKERS, META_IO_WORKERS),
     "Model side (`KVClient`, shared buffers)": (SOCKET, URL, SHM_DIR),
     "Evaluation (`kvfetcher demo`, tests)": (CACHE,),
     "Operator": (WEBHOOK_ADDR, WEBHOOK_PORT, WEBHOOK_CERT, WEBHOOK_KEY, WEBHOOK_CONFIGURATION,
@@ -232,14 +243,16 @@ class Config:
     tenant: str = env_field(TENANT)
     recompute_tps: float = env_field(RECOMPUTE_TPS)
     rope_theta: float | None = env_field(ROPE_THETA)
-    deadline_s: float = 30.0  # default fetch deadline
+    deadline_s: float = env_field(DEADLINE_S)  # default deadline of a lookup or fetch
+    max_request_tokens: int = env_field(MAX_REQUEST_TOKENS)
     ttft_budget_s: float | None = env_field(TTFT_BUDGET_S)  # None: the fastest option wins
-    store_queue_chunks: int = 256  # bound of the store queue, in chunks
+    store_queue_chunks: int = env_field(STORE_QUEUE_CHUNKS)
     decode_workers: int = 2
     decode_procs: int = env_field(DECODE_PROCS)
     device: str = field(default_factory=_device)  # where the KV buffers live: decode workers warm up there
     warm_up: bool = env_field(WARM_UP)
-    io_workers: int = 32
+    io_workers: int = env_field(IO_WORKERS)  # data I/O threads
+    meta_io_workers: int = env_field(META_IO_WORKERS)  # metadata I/O threads
     window: int = 4  # chunks in flight per fetch
 
     @classmethod
@@ -255,6 +268,11 @@ class Config:
         preset has the model's RoPE base."""
         if self.chunk_tokens <= 0:
             raise ValueError(f"chunk tokens must be positive, not {self.chunk_tokens}")
+        if not 0 < self.deadline_s < float("inf"):
+            raise ValueError(f"the deadline must be positive, finite seconds, not {self.deadline_s}")
+        for name in ("max_request_tokens", "store_queue_chunks", "io_workers", "meta_io_workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', ' ')} must be >= 1, not {getattr(self, name)}")
         if self.decode_procs < 0:
             raise ValueError(f"decode processes must be >= 0, not {self.decode_procs}")
         if self.ttft_budget_s is not None and not self.ttft_budget_s > 0:

@@ -24,10 +24,13 @@ class Reason(str, Enum):
     # the object is fine but not for this reader
     VERSION = "version"
     INVALID = "invalid"
+    GEOMETRY = "geometry"  # a chunk that does not fit the buffer's shape or dtype: the request's fault, never deleted
     # the store
     STORE_ERROR = "store_error"
     MISSING = "missing"
     STORE_DOWN = "store_down"
+    STORE_FULL = "store_full"
+    STORE_READ_ONLY = "store_read_only"
     # the fetch
     DEADLINE = "deadline"
     DECODER = "decoder"
@@ -80,9 +83,16 @@ class CorruptError(ContainerError):
 
 
 class FingerprintMismatchError(ContainerError):
-    """A valid chunk, but of another model / dtype / layout namespace, or not of the buffer's geometry."""
+    """A valid chunk, but of another model / dtype / layout namespace than its key names."""
 
     reason = Reason.FINGERPRINT
+
+
+class GeometryMismatchError(ContainerError):
+    """A chunk whose shape or dtype does not fit the destination buffer: not the object's fault
+    (its key names its geometry), so it is a miss for this reader and is never deleted."""
+
+    reason = Reason.GEOMETRY
 
 
 class RequestError(ValueError):

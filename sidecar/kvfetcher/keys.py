@@ -2,8 +2,11 @@
 
 A chunk's key is ``sha256(parent key || its token ids)``, and the first parent is the hash
 of a namespace (model fingerprint, KV dtype, layout version, tensor-parallel rank, tenant
-salt). So a key names a chunk *and everything before it*: two prompts share a key exactly
-when they share the whole prefix up to that chunk, in the same model and tenant. Token ids
+salt, the KV geometry ``(layers, kv_heads, head_dim)``) and the chunk size. So a key names a
+chunk *and everything before it*: two prompts share a key exactly when they share the whole
+prefix up to that chunk, in the same model, tenant and geometry. Buffers of different shapes
+therefore never share an object: a chunk that does not fit its reader's buffer is that reader's
+miss, never a bad object. Token ids
 are hashed as little-endian int64 bytes — never Python's ``hash()``, which is salted per
 process — so keys agree across processes and machines.
 
@@ -34,10 +37,11 @@ class Namespace:
     layout_version: int = LAYOUT_VERSION
     tp_rank: int = 0
     tenant: str = ""
+    shape: tuple[int, ...] = ()  # (layers, kv_heads, head_dim) of the KV buffer; the sidecar always sets it
 
-    def root(self) -> str:
-        """The parent key of a prompt's first chunk."""
-        canon = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+    def root(self, chunk_tokens: int) -> str:
+        """The parent key of a prompt's first chunk, for chunks of ``chunk_tokens`` tokens."""
+        canon = json.dumps({**asdict(self), "chunk_tokens": chunk_tokens}, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(b"kvfetcher/ns\0" + canon.encode()).hexdigest()
 
 
@@ -48,7 +52,7 @@ def chunk_keys(ns: Namespace, tokens: Sequence[int], chunk_tokens: int = DEFAULT
     ids = np.asarray(tokens, dtype="<i8")
     if ids.ndim != 1:
         raise ValueError(f"tokens must be a flat sequence of ids, got shape {ids.shape}")
-    keys, parent = [], ns.root()
+    keys, parent = [], ns.root(chunk_tokens)
     for start in range(0, len(ids) - chunk_tokens + 1, chunk_tokens):
         h = hashlib.sha256(bytes.fromhex(parent))
         h.update(ids[start : start + chunk_tokens].tobytes())

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfetcher.errors import FingerprintMismatchError
+from kvfetcher.errors import GeometryMismatchError
 
 #: dtypes a chunk may have, by name as written in container headers.
 DTYPES: dict[str, torch.dtype] = {
@@ -100,10 +100,11 @@ class Destination:
 
     def check(self, h, c: ChunkRef) -> None:
         """Refuse a chunk (``h``: its header's ``shape``, ``dtype`` and ``torch_dtype``) that does not
-        fit: wrong geometry or dtype is a foreign chunk here; slots beyond the destination a ValueError."""
+        fit: wrong geometry or dtype is :class:`GeometryMismatchError` (a miss here, not a bad object); slots
+        beyond the destination a ValueError."""
         L, _, H, _, D = self.buffer.shape
         if tuple(h.shape) != (L, 2, H, c.tokens, D) or h.torch_dtype != self.buffer.dtype:
-            raise FingerprintMismatchError(
+            raise GeometryMismatchError(
                 f"chunk {tuple(h.shape)} {h.dtype} does not fit buffer {tuple(self.buffer.shape)} {self.buffer.dtype}"
             )
         if c.start + c.tokens > len(self.slots):

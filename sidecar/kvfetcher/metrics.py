@@ -54,7 +54,9 @@ class Metrics:
             "kvfetcher_decode_warm_up_seconds", "Seconds the slowest decode worker took to warm up at start", registry=r
         )
         self.store_queue_depth = Gauge("kvfetcher_store_queue_depth", "Chunks waiting to be encoded and uploaded", registry=r)
-        self.store_dropped = Counter("kvfetcher_store_dropped_total", "Store requests dropped because the queue was full", registry=r)
+        self.store_dropped_chunks = Counter(
+            "kvfetcher_store_dropped_chunks_total", "Chunks of store requests dropped because the store queue was full", registry=r
+        )
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

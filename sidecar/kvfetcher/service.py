@@ -5,8 +5,14 @@
 * :meth:`Sidecar.load` executes a plan into a registered buffer; given none, it plans first (one
   listing). A plan that travelled through a client is checked against its seal, the buffer's
   namespace and the tokens; object names are always re-derived here, never taken from a plan.
-* :meth:`Sidecar.save` copies a prefix's KV out of the buffer and queues it for the background
-  writer (:mod:`kvfetcher.save.writer`); it never waits.
+* :meth:`Sidecar.save` skips the leading chunks already stored, copies the KV of the next ones
+  that fit the store queue out of the buffer and queues them for the background writer
+  (:mod:`kvfetcher.save.writer`); it never waits for encoding or upload.
+
+Store I/O runs in two bounded pools: ``meta_pool`` (LIST, HEAD, DELETE, readiness) and
+``data_pool`` (GET, PUT), so that stalled reads cannot starve lookups. Every lookup and load has a
+deadline (``config.deadline_s`` unless the request gives one); work still queued at the deadline is
+cancelled. A request names at most ``config.max_request_tokens`` tokens.
 
 ``api.server`` puts a sidecar behind aiohttp; tests and the demo may call it directly.
 """
@@ -28,7 +34,7 @@ from kvfetcher import ipc, keys, kvbuffer
 from kvfetcher.config import Config
 from kvfetcher.errors import Reason, RequestError
 from kvfetcher.fetch import choice, executor, staging
-from kvfetcher.fetch.plan import Costs, FetchPlan, LoadDecision, LoadReply, LOOKUP_PARALLEL, make_plan, seal, sealed
+from kvfetcher.fetch.plan import Costs, FetchPlan, LoadDecision, LoadReply, list_prefix, listing_rounds, make_plan, seal, sealed
 from kvfetcher.fetch.workers import DecodeWorkers, warmup_object
 from kvfetcher.format.presets import PRESETS
 from kvfetcher.kvbuffer import Destination
@@ -54,10 +60,11 @@ class Sidecar:
         self.metrics = metrics or Metrics()
         self.estimator = choice.Estimator(gpu=torch.cuda.is_available())
         self.buffers: dict[str, Buffer] = {}
-        self.io_pool = ThreadPoolExecutor(self.config.io_workers, thread_name_prefix="kvf-io")
+        self.data_pool = ThreadPoolExecutor(self.config.io_workers, thread_name_prefix="kvf-io")
+        self.meta_pool = ThreadPoolExecutor(self.config.meta_io_workers, thread_name_prefix="kvf-meta")
         self.decode_pool = ThreadPoolExecutor(self.config.decode_workers, thread_name_prefix="kvf-decode")
         self.workers = DecodeWorkers(self.config.decode_procs) if self.config.decode_procs else None
-        self.writer = Writer(store, self.config, self.metrics, self.io_pool)
+        self.writer = Writer(store, self.config, self.metrics, self.data_pool, self.meta_pool)
         self._warming: asyncio.Future | None = None  # the latest registered buffer's warm-up
         self._seal_key = secrets.token_bytes(32)  # plans this process issued carry its seal
 
@@ -125,13 +132,15 @@ class Sidecar:
         await self.writer.close(drain_s)
         if self._warming is not None:  # the decode workers are still in use until it ends
             await asyncio.gather(self._warming, return_exceptions=True)
-        for pool in (self.io_pool, self.decode_pool):
+        for pool in (self.data_pool, self.meta_pool, self.decode_pool):
             pool.shutdown(wait=False, cancel_futures=True)
         if self.workers is not None:
             self.workers.close()
 
     async def ready(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(self.io_pool, self.store.ping)
+        """Raise a :class:`StoreError` unless the store answers and takes writes (see ``Store.ping``)."""
+        async with asyncio.timeout(self.config.deadline_s):
+            await asyncio.get_running_loop().run_in_executor(self.meta_pool, self.store.ping)
 
     # --- buffers ---------------------------------------------------------------------------
 
@@ -145,7 +154,8 @@ class Sidecar:
         if t.dim() != 5 or t.shape[1] != 2:
             raise RequestError(f"KV buffer must be [layers, 2, kv_heads, capacity, head_dim], got {tuple(t.shape)}")
         bid = uuid.uuid4().hex
-        self.buffers[bid] = Buffer(t, self.namespace(model, kvbuffer.dtype_name(t.dtype), tp_rank), handle)
+        L, _, H, _, D = t.shape
+        self.buffers[bid] = Buffer(t, self.namespace(model, kvbuffer.dtype_name(t.dtype), tp_rank, (L, H, D)), handle)
         if self.config.warm_up:
             if self.workers is not None:  # mapped now (CUDA IPC), not on the first load into it
                 self.workers.open(handle)
@@ -170,11 +180,24 @@ class Sidecar:
         L, _, H, _, D = buf.tensor.shape
         return L * 2 * H * self.config.chunk_tokens * D * buf.tensor.element_size()
 
-    def namespace(self, model: str, dtype: str, tp_rank: int = 0) -> keys.Namespace:
-        """The namespace of a model's KV in this sidecar's tenant."""
+    def namespace(self, model: str, dtype: str, tp_rank: int = 0, shape: Sequence[int] | None = None) -> keys.Namespace:
+        """The namespace of a model's KV of geometry ``shape`` = (layers, kv_heads, head_dim) in this
+        sidecar's tenant; without ``shape``, that of a registered buffer of the model, dtype and rank."""
         if dtype not in kvbuffer.DTYPES:
             raise RequestError(f"unsupported dtype {dtype!r}; supported: {sorted(kvbuffer.DTYPES)}")
-        return keys.Namespace(model=model, dtype=dtype, tp_rank=tp_rank, tenant=self.config.tenant)
+        if shape is None:
+            shapes = {b.ns.shape for b in self.buffers.values() if (b.ns.model, b.ns.dtype, b.ns.tp_rank) == (model, dtype, tp_rank)}
+            if len(shapes) != 1:
+                raise RequestError("give the KV geometry (layers, kv_heads, head_dim): "
+                                   f"{'no' if not shapes else 'more than one'} registered buffer of this model, dtype and rank names it")
+            (shape,) = shapes
+        if len(shape) != 3 or not all(isinstance(n, int) and n > 0 for n in shape):
+            raise RequestError(f"the KV geometry must be 3 positive integers (layers, kv_heads, head_dim), not {list(shape)}")
+        return keys.Namespace(model=model, dtype=dtype, tp_rank=tp_rank, tenant=self.config.tenant, shape=tuple(shape))
+
+    def _check_length(self, tokens: Sequence[int]) -> None:
+        if len(tokens) > self.config.max_request_tokens:
+            raise RequestError(f"{len(tokens)} tokens in one request; at most {self.config.max_request_tokens}")
 
     # --- plan ------------------------------------------------------------------------------
 
@@ -184,6 +207,7 @@ class Sidecar:
         geometry, and without one leaves the preset unchosen). Keywords: ``recompute_tps``,
         ``presets``, ``ttft_budget_s``, ``deadline_s`` (of the listing), ``may_skip_listing`` (see
         :func:`~kvfetcher.fetch.plan.make_plan`; default False: the plan's hit count is the store's)."""
+        self._check_length(tokens)
         if isinstance(target, str):
             buf = self._buffer(target)
             ns = buf.ns
@@ -203,12 +227,13 @@ class Sidecar:
         rates = self.estimator.rates(self.store.endpoint, recompute_tps or self.config.recompute_tps)
         allowed = frozenset(presets or PRESETS) & frozenset(self.config.allowed_presets or PRESETS)
         costs = Costs(rates, self._chunk_kv_bytes(buf) if buf else None, allowed, budget)
-        p = await make_plan(self.store, ns, tokens, self.config.chunk_tokens, costs, io_pool=self.io_pool,
+        p = await make_plan(self.store, ns, tokens, self.config.chunk_tokens, costs, io_pool=self.meta_pool,
                             deadline_s=self.config.deadline_s if deadline_s is None else deadline_s, may_skip_listing=may_skip_listing)
         if p.error:
             self.metrics.errors.labels(p.error).inc()
         elif p.lookup_s is not None:
-            self.estimator.observe_lookup(self.store.endpoint, p.lookup_s, -(-p.requested_tokens // p.chunk_tokens // LOOKUP_PARALLEL))
+            listed = min(p.hit_tokens // p.chunk_tokens + 1, p.requested_tokens // p.chunk_tokens)  # it stops at the first miss
+            self.estimator.observe_lookup(self.store.endpoint, p.lookup_s, listing_rounds(listed))
             self.metrics.lookup_seconds.observe(p.lookup_s)
         return seal(p, self._seal_key)
 
@@ -232,6 +257,7 @@ class Sidecar:
         problem: the reply says how many leading tokens were loaded and which to recompute."""
         t0 = time.perf_counter()
         deadline_s = self.config.deadline_s if deadline_s is None else deadline_s
+        self._check_length(tokens)
         buf = self._buffer(bid)
         N = self.config.chunk_tokens
         n_req = len(tokens) // N * N
@@ -256,7 +282,7 @@ class Sidecar:
             return self._fallback(reply, plan.reason, plan.detail)
         refs = [kvbuffer.ChunkRef(keys.object_name(ck[i], preset), size, i * N, N) for i, (preset, size) in enumerate(plan.chunks)]
         quiet = self._warming is None or self._warming.done()  # else the warm-up shares the decode workers
-        out = await executor.fetch(self.store, refs, dest, fingerprint=buf.ns.model, io_pool=self.io_pool, decode_pool=self.decode_pool,
+        out = await executor.fetch(self.store, refs, dest, fingerprint=buf.ns.model, io_pool=self.data_pool, decode_pool=self.decode_pool,
                                    device=buf.tensor.device, deadline_s=max(0.0, deadline_s - (time.perf_counter() - t0)),
                                    window=self.config.window, workers=self.workers)
         self._observe(plan, out, learn=quiet)
@@ -274,7 +300,7 @@ class Sidecar:
     async def _drop(self, name: str) -> None:
         """Delete an object that failed verification, so that the next save writes it anew."""
         try:
-            await asyncio.get_running_loop().run_in_executor(self.io_pool, self.store.delete, name)
+            await asyncio.get_running_loop().run_in_executor(self.meta_pool, self.store.delete, name)
             log.warning("deleted bad object %s", name)
             self.metrics.errors.labels(Reason.BAD_OBJECT_DELETED).inc()
         except StoreError as e:
@@ -319,20 +345,45 @@ class Sidecar:
 
     # --- save ------------------------------------------------------------------------------
 
-    def save(self, bid: str, tokens: Sequence[int], *, slots: Sequence[int] | None = None, offset: int = 0) -> dict:
-        """Queue the complete chunks of ``tokens`` (whose KV is in the buffer) for storing. Never waits."""
+    async def save(self, bid: str, tokens: Sequence[int], *, slots: Sequence[int] | None = None, offset: int = 0) -> dict:
+        """Queue the complete chunks of ``tokens`` (whose KV is in the buffer) for storing: the
+        leading chunks already stored in every configured preset are skipped (one listing, which
+        stops at the first chunk not stored; a failed listing skips none), the next ones are queued
+        as far as the queue has room and the rest are dropped and counted. Never waits for encoding
+        or upload; the KV is copied before this returns."""
+        self._check_length(tokens)
         buf = self._buffer(bid)
-        ck = keys.chunk_keys(buf.ns, tokens, self.config.chunk_tokens)
-        if not ck:
-            return {"queued_chunks": 0, "dropped": False}
-        if not self.writer.room_for(len(ck)):
-            return {"queued_chunks": 0, "dropped": True}
+        N = self.config.chunk_tokens
+        ck = keys.chunk_keys(buf.ns, tokens, N)
         try:
-            kv = copy_prefix(buf.tensor, len(ck) * self.config.chunk_tokens, slots, offset)
+            idx = kvbuffer.slot_list(buf.tensor.shape[3], len(ck) * N, slots, offset)
         except ValueError as e:
             raise RequestError(str(e)) from e
-        self.writer.submit(Job(buf.ns, ck, kv))
-        return {"queued_chunks": len(ck), "dropped": False}
+        known = await self._stored_run(ck)
+        take = min(len(ck) - known, self.writer.room())
+        dropped = len(ck) - known - take
+        if dropped:
+            self.writer.dropped(dropped)
+        if take:
+            kv = copy_prefix(buf.tensor, take * N, idx[known * N : (known + take) * N])
+            self.writer.submit(Job(buf.ns, ck[known : known + take], kv, first=known))
+        return {"queued_chunks": take, "skipped_chunks": known, "dropped_chunks": dropped, "dropped": dropped > 0}
+
+    async def _stored_run(self, chunk_keys: Sequence[str]) -> int:
+        """How many leading chunks are stored in every preset this sidecar writes (0 when the store
+        cannot say within the deadline)."""
+        if not chunk_keys:
+            return 0
+        try:
+            async with asyncio.timeout(self.config.deadline_s):
+                run = await list_prefix(self.store, chunk_keys, self.meta_pool)
+        except (StoreError, TimeoutError) as e:
+            self.metrics.errors.labels(getattr(e, "reason", Reason.DEADLINE)).inc()
+            return 0
+        n = 0
+        while n < len(run) and all(p in run[n] for p in self.config.presets):
+            n += 1
+        return n
 
     async def flush(self) -> None:
         """Wait until every queued save has been written (or has failed)."""

@@ -262,7 +262,7 @@ async def test_a_fetch_beside_a_warm_up_does_not_teach_the_estimator(tmp_path, s
         buf = shared(kv)
         buf.tensor.copy_(kv)
         bid = sc.register(buf.handle, "m")
-        sc.save(bid, list(range(64)))
+        await sc.save(bid, list(range(64)))
         await sc.flush()
         learned = lambda: "exact" in sc.estimator.rates(sc.store.endpoint, 1.0).decode_Bps  # noqa: E731
         warming = asyncio.get_running_loop().create_future()
@@ -292,7 +292,7 @@ async def test_a_sidecar_warms_its_workers_and_maps_a_buffer_when_it_is_register
         bid = sc.register(buf.handle, "m")
         await sc._warming  # this model's chunk geometry, in the background
         assert sc.metrics.registry.get_sample_value("kvfetcher_errors_total", {"reason": "warm_up"}) is None
-        sc.save(bid, list(range(64)))
+        await sc.save(bid, list(range(64)))
         await sc.flush()
         round_trip(sc.workers)
         buf.close()  # only a worker that mapped it at registration can still write it

@@ -47,7 +47,7 @@ def test_store_then_fetch_gives_identical_generation(lm, prompt, s3):
 def objects(lm, prompt):
     """The prompt's chunks as stored objects (raw: quick to make), by chunk key."""
     ids, kv, _ = prompt
-    ns = keys.Namespace(model=lm.fingerprint, dtype="float16")
+    ns = keys.Namespace(model=lm.fingerprint, dtype="float16", shape=(kv.shape[0], kv.shape[2], kv.shape[4]))
     ck = keys.chunk_keys(ns, ids.tolist(), CHUNK)
     return [(keys.object_name(k, "raw"), encode_chunk(kv[:, :, :, i * CHUNK : (i + 1) * CHUNK].contiguous(), "raw", lm.fingerprint)) for i, k in enumerate(ck)]
 

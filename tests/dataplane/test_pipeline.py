@@ -255,7 +255,7 @@ async def test_chunk_that_does_not_fit_the_buffer_is_refused(tmp_path):
     refs = put_chunks(store, kv, 32)
     buf = torch.full((2, 2, 4, 64, 32), SENTINEL, dtype=torch.float16)  # 4 heads, not 2
     out = await fetch(store, refs, Destination(buf, tokens=64))
-    assert out.error == "fingerprint" and out.loaded_tokens == 0
+    assert out.error == "geometry" and out.loaded_tokens == 0 and out.bad_object is None  # the request's fault: never deleted
     assert bool((buf == SENTINEL).all())
 
 

@@ -195,7 +195,7 @@ async def test_a_registered_buffer_has_its_raw_staging_before_the_first_fetch(tm
         bid = sc.register(buf.handle, "m")
         await sc._warming
         before = staging.shared().allocated
-        sc.save(bid, list(range(128)))
+        await sc.save(bid, list(range(128)))
         await sc.flush()
         buf.tensor.fill_(SENTINEL)
         r = await sc.load(bid, list(range(128)), recompute_tps=1e-9)

@@ -37,7 +37,7 @@ def test_store_then_load_round_trip_and_metrics(s3, buf):
         c.flush()
         assert c.lookup(bid, tokens) == 192
         assert c.lookup(None, tokens, model=FP, dtype="float16") == 192  # a scheduler without buffers
-        assert c.lookup(None, tokens, model=FP, dtype="float16", tp_rank=1) == 0  # another TP rank's namespace
+        assert c.lookup(None, tokens, model=FP, dtype="float16", tp_rank=1, kv_shape=(2, 2, 32)) == 0  # another TP rank's namespace
         assert len(s3.list("kv/")) == 6  # two representations of three chunks
         raw = json.loads(raw_request(sc.where["port"], "POST", "/v1/fetch", json.dumps({"buffer": bid, "tokens": tokens, "offset": 0, "recompute_tokens_per_s": 1}),
                                      {"Authorization": f"Bearer {TOKEN}"})[1])
@@ -211,7 +211,7 @@ def test_store_queue_is_bounded_and_never_blocks(s3, buf):
         replies = [c.save(bid, list(range(i, i + 256))) for i in range(3)]  # 4 chunks each
         assert time.perf_counter() - t < 1.0  # encoding runs in the background
         assert [r.dropped for r in replies] == [False, True, True]
-        assert "kvfetcher_store_dropped_total 2.0" in c.metrics()
+        assert "kvfetcher_store_dropped_chunks_total 8.0" in c.metrics()
         c.flush()
         assert "kvfetcher_store_queue_depth 0.0" in c.metrics()
         assert len(s3.list("kv/")) == 4
@@ -257,7 +257,7 @@ def test_a_load_given_a_plan_does_not_list_again(s3, buf):
         # without one, the listing only; a load given that plan chooses for its buffer, listing again
         c.unregister(bid)
         lists.clear()
-        listed = c.plan(None, tokens, model=FP, dtype="float16", recompute_tokens_per_s=1.0)
+        listed = c.plan(None, tokens, model=FP, dtype="float16", kv_shape=(2, 2, 32), recompute_tokens_per_s=1.0)
         assert (listed.preset, listed.hit_tokens, listed.chunks, len(lists)) == (None, 192, (), 3)
         r = c.load(c.register(buf.handle, FP), tokens, listed, recompute_tokens_per_s=1.0)
         assert (r.loaded_tokens, r.decision.preset, len(lists)) == (192, "raw", 6)

@@ -125,27 +125,30 @@ class KVClient:
         self._call(schemas.UNREGISTER, path=f"/v1/buffers/{buffer}")
 
     def plan(self, buffer: str | None, tokens: Sequence[int], *, model: str | None = None, dtype: str = "float16", tp_rank: int = 0,
-             recompute_tokens_per_s: float | None = None, presets: Sequence[str] | None = None, ttft_budget_s: float | None = None,
+             kv_shape: Sequence[int] | None = None, recompute_tokens_per_s: float | None = None, presets: Sequence[str] | None = None, ttft_budget_s: float | None = None,
              deadline_s: float | None = None, may_skip_listing: bool = False) -> FetchPlan:
         """What a load of ``tokens`` would do: pass it to :meth:`load` unchanged.
 
         Name the namespace by a registered ``buffer``, or (a scheduler with no buffers) by
-        ``model``, ``dtype`` and ``tp_rank``. ``ttft_budget_s``: on a busy GPU, a load predicted
+        ``model``, ``dtype``, ``tp_rank`` and ``kv_shape`` (layers, kv_heads, head_dim; default: that
+        of the sidecar's registered buffer of the model, dtype and rank). ``ttft_budget_s``: on a busy GPU, a load predicted
         within this many seconds is planned even where recomputing would be faster (it leaves the
         GPU to the running requests). ``deadline_s`` bounds the listing. ``may_skip_listing``: when
         no load could pay, the plan is a recompute and the store is not asked (a load's planner wants
         that; a hit count does not).
         """
-        return self._lookup(buffer, tokens, model, dtype, tp_rank, recompute_tokens_per_s, presets, ttft_budget_s, deadline_s,
+        return self._lookup(buffer, tokens, model, dtype, tp_rank, kv_shape, recompute_tokens_per_s, presets, ttft_budget_s, deadline_s,
                             may_skip_listing).plan
 
-    def lookup(self, buffer: str | None, tokens: Sequence[int], *, model: str | None = None, dtype: str = "float16", tp_rank: int = 0) -> int:
+    def lookup(self, buffer: str | None, tokens: Sequence[int], *, model: str | None = None, dtype: str = "float16", tp_rank: int = 0,
+               kv_shape: Sequence[int] | None = None) -> int:
         """How many leading tokens of ``tokens`` are stored (a multiple of the chunk size); see :meth:`plan`."""
-        return self._lookup(buffer, tokens, model, dtype, tp_rank).tokens
+        return self._lookup(buffer, tokens, model, dtype, tp_rank, kv_shape).tokens
 
-    def _lookup(self, buffer, tokens, model, dtype, tp_rank, recompute_tps=None, presets=None, budget=None, deadline_s=None,
+    def _lookup(self, buffer, tokens, model, dtype, tp_rank, kv_shape=None, recompute_tps=None, presets=None, budget=None, deadline_s=None,
                 may_skip_listing=False) -> schemas.LookupReply:
-        ns = dict(buffer=buffer) if buffer is not None else dict(model=model, dtype=dtype, tp_rank=tp_rank)
+        ns = dict(buffer=buffer) if buffer is not None else dict(model=model, dtype=dtype, tp_rank=tp_rank,
+                                                                 kv_shape=tuple(map(int, kv_shape)) if kv_shape else None)
         return self._call(schemas.LOOKUP, schemas.LookupRequest(list(map(int, tokens)), **ns, recompute_tokens_per_s=recompute_tps,
                                                                 presets=list(presets) if presets else None, ttft_budget_s=budget,
                                                                 deadline_s=deadline_s, may_skip_listing=may_skip_listing))

@@ -1,8 +1,11 @@
 """schemas: the HTTP API's messages — one definition that the server, the client and docs/api.md use.
 
-Every message is a dataclass whose fields carry their doc (``metadata["doc"]``). :func:`from_json`
+Every message is a dataclass whose fields carry their doc (``metadata["doc"]``) and, for numbers,
+an optional lower bound (``metadata["min"]``, with ``metadata["open"]``: exclusive). :func:`from_json`
 checks a decoded JSON value against a message's field types and raises :class:`RequestError`
-naming the offending field; :func:`to_json` is its inverse. Requests refuse unknown fields;
+naming the offending field: integers must be JSON integers within int64 (never a float truncated),
+numbers finite, lists lists (a string is not a list of names), values within their bound, and the
+whole value at most :data:`MAX_DEPTH` deep (:func:`check_depth`). :func:`to_json` is its inverse. Requests refuse unknown fields;
 replies (``strict=False``) ignore them, so that a newer sidecar may add some. :func:`render`
 writes docs/api.md from :data:`ENDPOINTS`.
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import types
 import typing
 from dataclasses import MISSING, dataclass, field
@@ -21,8 +25,21 @@ from kvfetcher.errors import RequestError
 from kvfetcher.fetch.plan import FetchPlan, LoadDecision, LoadReply
 
 
-def doc(text: str, default: Any = MISSING) -> Any:
-    return field(default=default, metadata={"doc": text})
+MAX_DEPTH = 16  # nesting of JSON arrays and objects a request may have
+INT64 = (-(2**63), 2**63 - 1)
+
+
+def doc(text: str, default: Any = MISSING, *, min: float | None = None, open: bool = False) -> Any:
+    """A documented field; ``min``: every number in it must be >= ``min`` (> with ``open``)."""
+    return field(default=default, metadata={"doc": text, "min": min, "open": open})
+
+
+def positive(text: str, default: Any = MISSING) -> Any:
+    return doc(text, default, min=0, open=True)
+
+
+def natural(text: str, default: Any = MISSING) -> Any:
+    return doc(text, default, min=0)
 
 
 # --- requests and the replies not defined by the service ---------------------------------------
@@ -32,7 +49,7 @@ def doc(text: str, default: Any = MISSING) -> Any:
 class RegisterRequest:
     handle: dict = doc("the buffer's IPC handle (`kvfetcher.ipc`): a `/dev/shm` file or a CUDA IPC handle")
     model: str = doc("model fingerprint")
-    tp_rank: int = doc("tensor-parallel rank", 0)
+    tp_rank: int = natural("tensor-parallel rank", 0)
 
 
 @dataclass
@@ -46,11 +63,13 @@ class LookupRequest:
     buffer: str | None = doc("a registered buffer's id; or name the namespace by `model` and `dtype`", None)
     model: str | None = doc("model fingerprint (without `buffer`)", None)
     dtype: str | None = doc("KV dtype, e.g. `float16` (without `buffer`)", None)
-    tp_rank: int = doc("tensor-parallel rank (without `buffer`)", 0)
-    recompute_tokens_per_s: float | None = doc("the model's prefill rate (default: the sidecar's setting)", None)
+    tp_rank: int = natural("tensor-parallel rank (without `buffer`)", 0)
+    kv_shape: tuple[int, int, int] | None = positive("KV geometry `[layers, kv_heads, head_dim]` (without `buffer`; default: that of "
+                                                     "the registered buffer of `model`, `dtype` and `tp_rank`)", None)
+    recompute_tokens_per_s: float | None = positive("the model's prefill rate (default: the sidecar's setting)", None)
     presets: list[str] | None = doc("presets the load may use (within the sidecar's allowed ones)", None)
-    ttft_budget_s: float | None = doc("prefer a load predicted within this many seconds to a faster recompute", None)
-    deadline_s: float | None = doc("seconds the listing may take", None)
+    ttft_budget_s: float | None = positive("prefer a load predicted within this many seconds to a faster recompute", None)
+    deadline_s: float | None = positive("seconds the listing may take (default: the sidecar's `KVFETCHER_DEADLINE_S`)", None)
     may_skip_listing: bool = doc("true: when no load could pay, plan a recompute without listing the store (`tokens` is then 0)", False)
 
 
@@ -68,26 +87,29 @@ class FetchRequest:
     buffer: str = doc("a registered buffer's id")
     tokens: list[int] = doc("prompt token ids; whole chunks of them are loaded")
     plan: FetchPlan | None = doc("a plan from `/v1/lookup` for this buffer's namespace and these tokens; without one the sidecar plans (one listing)", None)
-    offset: int = doc("token `i` goes to slot `offset + i` of the buffer's token axis", 0)
-    slots: list[int] | None = doc("token `i` goes to slot `slots[i]` (instead of `offset`)", None)
-    deadline_s: float | None = doc("seconds the load (and its listing, without a plan) may take", None)
-    recompute_tokens_per_s: float | None = doc("without a plan: as in `/v1/lookup`", None)
+    offset: int = natural("token `i` goes to slot `offset + i` of the buffer's token axis", 0)
+    slots: list[int] | None = natural("token `i` goes to slot `slots[i]` (instead of `offset`)", None)
+    deadline_s: float | None = positive("seconds the load (and its listing, without a plan) may take (default: the sidecar's "
+                                        "`KVFETCHER_DEADLINE_S`)", None)
+    recompute_tokens_per_s: float | None = positive("without a plan: as in `/v1/lookup`", None)
     presets: list[str] | None = doc("without a plan: as in `/v1/lookup`", None)
-    ttft_budget_s: float | None = doc("without a plan: as in `/v1/lookup`", None)
+    ttft_budget_s: float | None = positive("without a plan: as in `/v1/lookup`", None)
 
 
 @dataclass
 class StoreRequest:
     buffer: str = doc("a registered buffer's id")
     tokens: list[int] = doc("prompt token ids whose KV is in the buffer; whole chunks of them are stored")
-    offset: int = doc("token `i` is in slot `offset + i`", 0)
-    slots: list[int] | None = doc("token `i` is in slot `slots[i]` (instead of `offset`)", None)
+    offset: int = natural("token `i` is in slot `offset + i`", 0)
+    slots: list[int] | None = natural("token `i` is in slot `slots[i]` (instead of `offset`)", None)
 
 
 @dataclass
 class StoreReply:
-    queued_chunks: int = doc("chunks queued for storing")
-    dropped: bool = doc("true: the store queue was full and the request was dropped (counted in the metrics)")
+    queued_chunks: int = doc("chunks queued for storing (those after the skipped ones that fit the queue)")
+    dropped: bool = doc("true: some chunks did not fit the store queue and were dropped (counted in the metrics)")
+    skipped_chunks: int = doc("leading chunks already stored in every preset this sidecar writes", 0)
+    dropped_chunks: int = doc("chunks dropped because the queue was full", 0)
 
 
 @dataclass
@@ -131,8 +153,8 @@ MESSAGES = (FetchPlan, LoadDecision, ErrorReply)  # nested or shared, documented
 
 _SCALARS = {
     bool: lambda v: isinstance(v, bool),
-    int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-    float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    int: lambda v: isinstance(v, int) and not isinstance(v, bool) and INT64[0] <= v <= INT64[1],
+    float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
     str: lambda v: isinstance(v, str),
     dict: lambda v: isinstance(v, dict),
 }
@@ -147,32 +169,46 @@ def _fail(where: str, want: str, value: Any) -> typing.NoReturn:
     raise RequestError(f"'{where}' must be {want}, not {type(value).__name__} {str(value)[:40]}")
 
 
-def _check(tp: Any, value: Any, where: str, strict: bool, want: str | None = None) -> Any:
-    """``value`` as a ``tp``; ``want``: the type named when it is not one (an optional's)."""
+def _check(tp: Any, value: Any, where: str, strict: bool, want: str | None = None, bound: tuple | None = None) -> Any:
+    """``value`` as a ``tp``; ``want``: the type named when it is not one (an optional's); ``bound``:
+    ``(min, open)`` for every number in it."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     want = want or type_name(tp)
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:
             return None
         (inner,) = [a for a in args if a is not type(None)]
-        return _check(inner, value, where, strict, want)
+        return _check(inner, value, where, strict, want, bound)
     if dataclasses.is_dataclass(tp):
         return from_json(tp, value, strict, where)
     if tp in _SCALARS:
         if not _SCALARS[tp](value):
             _fail(where, want, value)
+        if bound is not None and tp in (int, float) and (value < bound[0] or (bound[1] and value == bound[0])):
+            _fail(where, f"{'>' if bound[1] else '>='} {bound[0]}", value)
         return float(value) if tp is float else value
     if origin in (list, tuple, dict) and not isinstance(value, dict if origin is dict else list):
         _fail(where, want, value)
     if origin is dict:
-        return {k: _check(args[1], v, f"{where}.{k}", strict) for k, v in value.items()}
+        return {k: _check(args[1], v, f"{where}.{k}", strict, bound=bound) for k, v in value.items()}
     if origin is list or (origin is tuple and args[-1] is Ellipsis):
-        return origin(_check(args[0], v, f"{where}[{i}]", strict) for i, v in enumerate(value))
+        return origin(_check(args[0], v, f"{where}[{i}]", strict, bound=bound) for i, v in enumerate(value))
     if origin is tuple:
         if len(value) != len(args):
             _fail(where, want, value)
-        return tuple(_check(a, v, f"{where}[{i}]", strict) for i, (a, v) in enumerate(zip(args, value)))
+        return tuple(_check(a, v, f"{where}[{i}]", strict, bound=bound) for i, (a, v) in enumerate(zip(args, value)))
     raise TypeError(f"no JSON form for {tp!r}")
+
+
+def check_depth(value: Any, limit: int = MAX_DEPTH) -> None:
+    """Raise :class:`RequestError` if ``value`` nests arrays and objects deeper than ``limit``."""
+    level, depth = [value], 0
+    while level:
+        level = [v for x in level for v in (x.values() if isinstance(x, dict) else x if isinstance(x, list) else ())
+                 if isinstance(v, (dict, list))]
+        depth += 1
+        if depth > limit:
+            raise RequestError(f"the body nests deeper than {limit} levels")
 
 
 def from_json(cls: type, obj: Any, strict: bool = True, where: str = "body") -> Any:
@@ -186,7 +222,9 @@ def from_json(cls: type, obj: Any, strict: bool = True, where: str = "body") -> 
     kw = {}
     for name, f in fields.items():
         if name in obj:
-            kw[name] = _check(_hints(cls)[name], obj[name], name if where == "body" else f"{where}.{name}", strict)
+            lo = f.metadata.get("min")
+            kw[name] = _check(_hints(cls)[name], obj[name], name if where == "body" else f"{where}.{name}", strict,
+                              bound=None if lo is None else (lo, f.metadata.get("open", False)))
         elif f.default is MISSING:
             raise RequestError(f"'{name}' is required in {where}")
     return cls(**kw)
@@ -228,8 +266,10 @@ def render() -> str:
         "Generated from `sidecar/kvfetcher/api/schemas.py` by `python -m kvfetcher.api.schemas > docs/api.md`;",
         "a test checks that this file matches. Bodies are JSON. `/v1/*` over TCP needs",
         "`Authorization: Bearer <token>`; over the Unix socket the socket's permissions are the",
-        "authentication. A malformed request is a 400 with an [ErrorReply](#errorreply).",
-        "`GET /healthz`, `GET /readyz` (the store is reachable) and `GET /metrics` (Prometheus) are open.",
+        "authentication (the scheme is case-insensitive). A malformed request (wrong types, integers beyond",
+        f"int64, non-finite numbers, nesting deeper than {MAX_DEPTH}) is a 400 with an [ErrorReply](#errorreply).",
+        "`GET /healthz`, `GET /readyz` (the store is reachable and takes writes; a 503 names only the",
+        "reason) and `GET /metrics` (Prometheus) are open.",
     ]
     for e in ENDPOINTS:
         out += ["", f"## `{e.method} {e.path}`", "", e.doc, ""]

@@ -3,11 +3,14 @@
 The endpoints and their messages are defined once, in :mod:`kvfetcher.api.schemas` (rendered as
 docs/api.md); each handler parses its request with the schema and answers with a schema message.
 
-Authentication: ``/v1`` requests over TCP need ``Authorization: Bearer <token>``, the token
-coming from ``KVFETCHER_AUTH_TOKEN`` or the file named by ``KVFETCHER_AUTH_TOKEN_FILE`` (a
-mounted Secret). Without a token configured, TCP ``/v1`` requests are refused. Requests over
-the Unix socket are trusted: the socket file's permissions (0660) are the authentication.
-Probes and ``/metrics`` are open, as kubelet and Prometheus expect.
+Authentication: ``/v1`` requests over TCP need ``Authorization: Bearer <token>`` (the scheme in
+any case), the token coming from ``KVFETCHER_AUTH_TOKEN`` or the file named by
+``KVFETCHER_AUTH_TOKEN_FILE`` (a mounted Secret, re-read when it changes: rotation needs no
+restart). Without a token configured, TCP ``/v1`` requests are refused. Checking a header never
+raises, whatever its bytes. Requests over the Unix socket are trusted: the socket file's
+permissions (0660) are the authentication. Probes and ``/metrics`` are open, as kubelet and
+Prometheus expect; an unready ``/readyz`` names only the reason, never the store's endpoint,
+bucket or error text (those are logged).
 """
 
 from __future__ import annotations
@@ -33,15 +36,41 @@ from kvfetcher.store import from_env
 
 log = logging.getLogger("kvfetcher.api.server")
 
-SIDECAR = web.AppKey("sidecar", Sidecar)
-TOKEN = web.AppKey("token", str)
+class Token:
+    """The bearer token: a fixed ``value``, or the contents of the file ``path``, read again
+    whenever the file changes (its inode, size or modification time). A file that cannot be read
+    keeps the last token read; "" means no token."""
+
+    def __init__(self, value: str | None = None, path: str | None = None):
+        self.path, self._value, self._seen = path, (value or "").strip(), None
+        if path:
+            self.current()
+
+    def current(self) -> str:
+        if self.path:
+            try:
+                st = os.stat(self.path)
+                seen = (st.st_ino, st.st_size, st.st_mtime_ns)
+                if seen != self._seen:
+                    self._value, self._seen = Path(self.path).read_text().strip(), seen
+            except (OSError, UnicodeDecodeError) as e:
+                log.warning("cannot read the token file %s (%s): keeping the last token", self.path, e)
+        return self._value
 
 
-def token_from_env(env: Mapping[str, str] | None = None) -> str | None:
+def token_from_env(env: Mapping[str, str] | None = None) -> Token:
     token, path = config.AUTH_TOKEN.read(env), config.AUTH_TOKEN_FILE.read(env)
-    if token:
-        return token.strip()
-    return (Path(path).read_text().strip() or None) if path else None
+    return Token(token) if token else Token(path=path)
+
+
+SIDECAR = web.AppKey("sidecar", Sidecar)
+TOKEN = web.AppKey("token", Token)
+
+
+def _bearer(header: str) -> bytes | None:
+    """The credentials of an ``Authorization: Bearer ...`` header (any case), as bytes; None for another scheme."""
+    scheme, _, credentials = header.strip().partition(" ")
+    return credentials.strip().encode("utf-8", "surrogatepass") if scheme.lower() == "bearer" else None
 
 
 def _over_unix_socket(request: web.Request) -> bool:
@@ -52,11 +81,11 @@ def _over_unix_socket(request: web.Request) -> bool:
 async def auth(request: web.Request, handler):
     if not request.path.startswith("/v1/") or _over_unix_socket(request):
         return await handler(request)
-    token = request.app[TOKEN]
-    given = request.headers.get("Authorization", "")
+    token = request.app[TOKEN].current()
     if not token:
         return _error(401, "unauthenticated", "no token is configured: use the Unix socket or set KVFETCHER_AUTH_TOKEN")
-    if not given.startswith("Bearer ") or not hmac.compare_digest(given[7:].encode(), token.encode()):
+    given = _bearer(request.headers.get("Authorization", ""))
+    if given is None or not hmac.compare_digest(given, token.encode()):
         return _error(401, "unauthenticated", "missing or wrong bearer token")
     return await handler(request)
 
@@ -70,6 +99,9 @@ async def _parse(request: web.Request, cls: type):
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise RequestError("body must be JSON") from None
+    except RecursionError:
+        raise RequestError(f"the body nests deeper than {schemas.MAX_DEPTH} levels") from None
+    schemas.check_depth(body)
     return schemas.from_json(cls, body)
 
 
@@ -102,7 +134,7 @@ async def lookup(request: web.Request) -> web.Response:
     if r.buffer is not None:
         target = r.buffer
     elif r.model is not None and r.dtype is not None:
-        target = sc.namespace(r.model, r.dtype, r.tp_rank)
+        target = sc.namespace(r.model, r.dtype, r.tp_rank, r.kv_shape)
     else:
         raise RequestError("give 'buffer', or 'model' and 'dtype' (and 'tp_rank')")
     plan = await sc.plan(target, r.tokens, recompute_tps=r.recompute_tokens_per_s, presets=r.presets, ttft_budget_s=r.ttft_budget_s,
@@ -121,7 +153,7 @@ async def fetch(request: web.Request) -> web.Response:
 
 async def store(request: web.Request) -> web.Response:
     r = await _parse(request, schemas.StoreRequest)
-    return _reply(schemas.StoreReply(**request.app[SIDECAR].save(r.buffer, r.tokens, slots=r.slots, offset=r.offset)), status=202)
+    return _reply(schemas.StoreReply(**await request.app[SIDECAR].save(r.buffer, r.tokens, slots=r.slots, offset=r.offset)), status=202)
 
 
 async def flush(request: web.Request) -> web.Response:
@@ -136,8 +168,10 @@ async def healthz(request: web.Request) -> web.Response:
 async def readyz(request: web.Request) -> web.Response:
     try:
         await request.app[SIDECAR].ready()
-    except Exception as e:
-        return web.Response(status=503, text=f"store not ready: {e}\n")
+    except Exception as e:  # the detail (endpoint, bucket, error text) goes to the log, not to an unauthenticated caller
+        reason = getattr(e, "reason", Reason.DEADLINE if isinstance(e, TimeoutError) else Reason.INTERNAL)
+        log.warning("not ready (%s): %s: %s", reason, type(e).__name__, e)
+        return web.Response(status=503, text=f"store not ready: {reason}\n")
     return web.Response(text="ready\n")
 
 
@@ -145,10 +179,10 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=request.app[SIDECAR].metrics.exposition(), content_type="text/plain", charset="utf-8")
 
 
-def make_app(sidecar: Sidecar, token: str | None) -> web.Application:
+def make_app(sidecar: Sidecar, token: str | Token | None) -> web.Application:
     app = web.Application(middlewares=[auth, errors], client_max_size=64 * 1024 * 1024)
     app[SIDECAR] = sidecar
-    app[TOKEN] = token or ""
+    app[TOKEN] = token if isinstance(token, Token) else Token(token)
 
     async def lifecycle(app: web.Application):
         await sidecar.start()
@@ -192,7 +226,7 @@ async def serve_forever(host: str, port: int | None, socket_path: str | None) ->
     """``kvfetcher serve``: configuration from the environment the operator injects."""
     sidecar = Sidecar(from_env(), Config.from_env())
     token = token_from_env()
-    if port is not None and not token:
+    if port is not None and not token.current():
         log.warning("no KVFETCHER_AUTH_TOKEN: the TCP API refuses /v1 requests; use the Unix socket")
     runner, where = await start(make_app(sidecar, token), host, port, socket_path)
     log.warning("kvfetcher sidecar listening on %s (store %s)", where, sidecar.store.endpoint)

@@ -1,7 +1,7 @@
 """plan: what a fetch would load, decided before any KV moves — and what a load answered.
 
-:func:`make_plan` lists the prefix's chunks once (one LIST per chunk, :data:`LOOKUP_PARALLEL` in
-flight) and runs the cost model (:func:`choice.hopeless` first, which may skip the store, then
+:func:`make_plan` lists the prefix's chunks once (one LIST per chunk, in growing batches of up to
+:data:`LOOKUP_PARALLEL`, stopping at the first chunk not stored) and runs the cost model (:func:`choice.hopeless` first, which may skip the store, then
 :func:`choice.choose`). It has no side effect but the listing: whoever calls it records metrics
 and teaches the estimator from the returned plan.
 
@@ -95,27 +95,41 @@ class Costs:
     budget_s: float | None  # TTFT budget (see choice)
 
 
+def _representations(store: Store, key: str) -> dict[str, int]:
+    """The chunk's stored representations: preset -> object size. Blocking."""
+    reps = {}
+    for name, size in store.list(keys.chunk_prefix(key)).items():
+        try:
+            reps[keys.preset_of(name)] = size
+        except ValueError:
+            continue
+    return reps
+
+
+def listing_rounds(chunks: int) -> int:
+    """Rounds of LISTs (batches of 1, 2, 4, … up to :data:`LOOKUP_PARALLEL`) that list ``chunks`` chunks."""
+    rounds, batch = 0, 1
+    while chunks > 0:
+        chunks, rounds, batch = chunks - batch, rounds + 1, min(2 * batch, LOOKUP_PARALLEL)
+    return rounds
+
+
 async def list_prefix(store: Store, chunk_keys: Sequence[str], io_pool: Executor) -> list[dict[str, int]]:
-    """For the leading run of chunks stored in a known preset: preset -> object size."""
+    """For the leading run of chunks stored in a known preset: preset -> object size.
+
+    Lists in growing batches (1, 2, 4, … up to :data:`LOOKUP_PARALLEL` LISTs in flight) and stops
+    at the batch holding the first chunk that is not stored: a miss costs one LIST however long the
+    prompt, a hit of ``n`` chunks about ``n`` LISTs."""
     loop = asyncio.get_running_loop()
-    sem = asyncio.Semaphore(LOOKUP_PARALLEL)
-
-    async def one(key: str) -> dict[str, int]:
-        async with sem:
-            listing = await loop.run_in_executor(io_pool, store.list, keys.chunk_prefix(key))
-        reps = {}
-        for name, size in listing.items():
-            try:
-                reps[keys.preset_of(name)] = size
-            except ValueError:
-                continue
-        return reps
-
-    run = []
-    for reps in await asyncio.gather(*(one(k) for k in chunk_keys)):
-        if not any(p in PRESETS for p in reps):
-            break
-        run.append(reps)
+    run: list[dict[str, int]] = []
+    i, batch = 0, 1
+    while i < len(chunk_keys):
+        listed = await asyncio.gather(*(loop.run_in_executor(io_pool, _representations, store, k) for k in chunk_keys[i : i + batch]))
+        for reps in listed:
+            if not any(p in PRESETS for p in reps):
+                return run
+            run.append(reps)
+        i, batch = i + batch, min(2 * batch, LOOKUP_PARALLEL)
     return run
 
 

@@ -1,9 +1,11 @@
 """writer: a bounded queue of prefixes to store, and the background task that encodes and uploads them.
 
-A store request never blocks the model: the caller hands over a private copy of the prefix's KV
-and :meth:`Writer.submit` queues it or, when the queue is full, drops it and counts the drop — a
-lost store costs a future recompute, a blocked model costs latency now. One task writes the
-queue in order: every configured preset of every chunk, skipping objects already stored.
+A store request never blocks the model on encoding or upload: admission is by chunks. The caller
+skips the leading chunks already stored, asks :meth:`Writer.room` how many more fit the bound
+(``config.store_queue_chunks``), hands over a private copy of the leading chunks that fit and
+counts the rest as dropped (:meth:`Writer.dropped`, in chunks) — a lost store costs a future
+recompute, a blocked model costs latency now. One task writes the queue in order: every configured
+preset of every chunk, skipping objects already stored.
 """
 
 from __future__ import annotations
@@ -41,14 +43,17 @@ class Job:
     ns: keys.Namespace
     keys: list[str]  # one per chunk of ``kv``
     kv: torch.Tensor  # [layers, 2, heads, tokens, head_dim], a private copy
+    first: int = 0  # the prompt's chunk index of ``keys[0]`` (its tokens' positions matter to RoPE)
     queued_at: float = field(default_factory=time.perf_counter)
 
 
 class Writer:
-    """The store queue (bounded by ``config.store_queue_chunks``) and its writing task."""
+    """The store queue (bounded by ``config.store_queue_chunks``) and its writing task. HEADs run
+    in ``meta_pool``, PUTs in ``data_pool``."""
 
-    def __init__(self, store: Store, config: Config, metrics: Metrics, io_pool: Executor):
-        self.store, self.config, self.metrics, self.io_pool = store, config, metrics, io_pool
+    def __init__(self, store: Store, config: Config, metrics: Metrics, data_pool: Executor, meta_pool: Executor):
+        self.store, self.config, self.metrics = store, config, metrics
+        self.data_pool, self.meta_pool = data_pool, meta_pool
         self.encode_pool = ThreadPoolExecutor(1, thread_name_prefix="kvf-encode")
         self._queue: asyncio.Queue[Job] | None = None
         self._task: asyncio.Task | None = None
@@ -58,17 +63,19 @@ class Writer:
         self._queue = asyncio.Queue()
         self._task = asyncio.create_task(self._run())
 
-    def room_for(self, chunks: int) -> bool:
-        """Whether ``chunks`` more fit; if not, the drop is counted."""
-        if self.pending_chunks + chunks <= self.config.store_queue_chunks:
-            return True
-        self.metrics.store_dropped.inc()
+    def room(self) -> int:
+        """How many more chunks the queue takes now."""
+        return max(0, self.config.store_queue_chunks - self.pending_chunks)
+
+    def dropped(self, chunks: int) -> None:
+        """Count ``chunks`` chunks of one request that did not fit."""
+        self.metrics.store_dropped_chunks.inc(chunks)
         self.metrics.fallbacks.labels(Reason.STORE_QUEUE_FULL).inc()
-        return False
 
     def submit(self, job: Job) -> None:
-        """Queue ``job`` (after :meth:`room_for` said yes). Never waits."""
+        """Queue ``job`` (no more chunks than :meth:`room` allows). Never waits."""
         assert self._queue is not None, "Writer.start() was not called"
+        assert len(job.keys) <= self.room(), "a job larger than the room left"
         self._queue.put_nowait(job)
         self.pending_chunks += len(job.keys)
         self.metrics.store_queue_depth.set(self.pending_chunks)
@@ -114,13 +121,14 @@ class Writer:
         for i, key in enumerate(job.keys):
             for preset in self.config.presets:
                 name = keys.object_name(key, preset)
-                if await loop.run_in_executor(self.io_pool, self.store.exists, name):
+                if await loop.run_in_executor(self.meta_pool, self.store.exists, name):
                     continue  # already stored (by us or another sidecar): a cheap no-op
                 t = time.perf_counter()
                 piece = job.kv[:, :, :, i * N : (i + 1) * N].contiguous()
-                encode = functools.partial(encode_chunk, piece, preset, job.ns.model, start=i * N, rope_theta=self.config.rope_theta)
+                encode = functools.partial(encode_chunk, piece, preset, job.ns.model, start=(job.first + i) * N,
+                                           rope_theta=self.config.rope_theta)
                 obj = await loop.run_in_executor(self.encode_pool, encode)
-                if await loop.run_in_executor(self.io_pool, self.store.put, name, obj):
+                if await loop.run_in_executor(self.data_pool, self.store.put, name, obj):
                     self.metrics.bytes_written.inc(len(obj))
                     self.metrics.compression_ratio.labels(preset).set(piece.numel() * piece.element_size() / len(obj))
                 self.metrics.store_seconds.observe(time.perf_counter() - t)

@@ -12,6 +12,7 @@ direct path lands raw KV in reusable (pinned) host memory without an intermediat
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -37,6 +38,30 @@ class Unavailable(StoreError):
     reason = Reason.STORE_DOWN
 
 
+class StoreFull(StoreError):
+    """The store has no room for a write (disk full, quota)."""
+
+    reason = Reason.STORE_FULL
+
+
+class ReadOnly(StoreError):
+    """The store refuses writes (read-only file system, no permission)."""
+
+    reason = Reason.STORE_READ_ONLY
+
+
+_OS_ERRORS: dict[int, type[StoreError]] = {
+    errno.ENOENT: NotFound, errno.ENOSPC: StoreFull, errno.EDQUOT: StoreFull, errno.EFBIG: StoreFull,
+    errno.EROFS: ReadOnly, errno.EACCES: ReadOnly, errno.EPERM: ReadOnly,
+}
+
+
+def from_os_error(e: OSError, what: str) -> StoreError:
+    """The typed :class:`StoreError` of an ``OSError`` raised while doing ``what``: a store never
+    lets an ``OSError`` out, so every caller handles one exception type with a reason."""
+    return _OS_ERRORS.get(e.errno, StoreError)(f"{what}: {e.strerror or e}")
+
+
 class Store(Protocol):
     #: names the endpoint for the throughput estimator (one estimate per endpoint)
     endpoint: str
@@ -58,7 +83,8 @@ class Store(Protocol):
     def delete(self, name: str) -> None: ...
 
     def ping(self) -> None:
-        """Raise :class:`Unavailable` unless the store answers (readiness)."""
+        """Raise a :class:`StoreError` unless the store answers and, where the backend can tell
+        cheaply, accepts writes (readiness: :class:`StoreFull`, :class:`ReadOnly`)."""
         ...
 
     # Optional: ``get_into(name, offset, buf) -> int`` reads bytes ``[offset, offset + len(buf))``
@@ -107,10 +133,11 @@ def from_env(env: Mapping[str, str] | None = None) -> Store:
             region=config.S3_REGION.read(env),
             ca_file=config.S3_CA_FILE.read(env),
             verify_tls=not config.S3_INSECURE.read(env),
+            read_timeout_s=config.DEADLINE_S.read(env),  # a stalled read ends with the request it serves
         )
     from kvfetcher.store.local import LocalStore
 
     return LocalStore(config.STORE_DIR.read(env))
 
 
-__all__ = ["Store", "StoreError", "NotFound", "Unavailable", "fill", "from_env", "read_into"]
+__all__ = ["Store", "StoreError", "NotFound", "Unavailable", "StoreFull", "ReadOnly", "fill", "from_env", "from_os_error", "read_into"]
