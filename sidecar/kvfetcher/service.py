@@ -30,6 +30,7 @@ from kvfetcher.errors import Reason, RequestError
 from kvfetcher.fetch import choice, executor, staging
 from kvfetcher.fetch.plan import Costs, FetchPlan, LoadDecision, LoadReply, LOOKUP_PARALLEL, make_plan, seal, sealed
 from kvfetcher.fetch.workers import DecodeWorkers, warmup_object
+from kvfetcher.format import mac
 from kvfetcher.format.presets import PRESETS
 from kvfetcher.kvbuffer import Destination
 from kvfetcher.metrics import Metrics
@@ -60,6 +61,7 @@ class Sidecar:
         self.writer = Writer(store, self.config, self.metrics, self.io_pool)
         self._warming: asyncio.Future | None = None  # the latest registered buffer's warm-up
         self._seal_key = secrets.token_bytes(32)  # plans this process issued carry its seal
+        self._object_key = mac.key_from(self.config.object_key)  # None: objects unauthenticated
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -171,7 +173,10 @@ class Sidecar:
         return L * 2 * H * self.config.chunk_tokens * D * buf.tensor.element_size()
 
     def namespace(self, model: str, dtype: str, tp_rank: int = 0) -> keys.Namespace:
-        """The namespace of a model's KV in this sidecar's tenant."""
+        """The namespace of a model's KV in this sidecar's tenant; a model other than the deployment's
+        (``config.model``, when set) is refused."""
+        if self.config.model and model != self.config.model:
+            raise RequestError(f"this sidecar serves model {self.config.model!r}, not {model!r}")
         if dtype not in kvbuffer.DTYPES:
             raise RequestError(f"unsupported dtype {dtype!r}; supported: {sorted(kvbuffer.DTYPES)}")
         return keys.Namespace(model=model, dtype=dtype, tp_rank=tp_rank, tenant=self.config.tenant)
@@ -258,7 +263,7 @@ class Sidecar:
         quiet = self._warming is None or self._warming.done()  # else the warm-up shares the decode workers
         out = await executor.fetch(self.store, refs, dest, fingerprint=buf.ns.model, io_pool=self.io_pool, decode_pool=self.decode_pool,
                                    device=buf.tensor.device, deadline_s=max(0.0, deadline_s - (time.perf_counter() - t0)),
-                                   window=self.config.window, workers=self.workers)
+                                   window=self.config.window, workers=self.workers, object_key=self._object_key)
         self._observe(plan, out, learn=quiet)
         reply.loaded_tokens, reply.bytes_read, reply.kv_bytes, reply.seconds = out.loaded_tokens, out.bytes_read, out.kv_bytes, out.seconds
         reply.decision.actual_s = out.seconds

@@ -3,7 +3,8 @@
 A store request never blocks the model: the caller hands over a private copy of the prefix's KV
 and :meth:`Writer.submit` queues it or, when the queue is full, drops it and counts the drop — a
 lost store costs a future recompute, a blocked model costs latency now. One task writes the
-queue in order: every configured preset of every chunk, skipping objects already stored.
+queue in order: every configured preset of every chunk, skipping objects already stored. With an
+object key configured every object is written with its tags, bound to its name (:mod:`format.mac`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kvfetcher import keys, kvbuffer
 from kvfetcher.chunk import encode_chunk
 from kvfetcher.config import Config
 from kvfetcher.errors import Reason
+from kvfetcher.format import mac
 from kvfetcher.metrics import Metrics
 from kvfetcher.store import Store, StoreError
 
@@ -53,6 +55,7 @@ class Writer:
         self._queue: asyncio.Queue[Job] | None = None
         self._task: asyncio.Task | None = None
         self.pending_chunks = 0
+        self.object_key = mac.key_from(config.object_key)  # None: objects are written without tags
 
     def start(self) -> None:
         self._queue = asyncio.Queue()
@@ -118,7 +121,9 @@ class Writer:
                     continue  # already stored (by us or another sidecar): a cheap no-op
                 t = time.perf_counter()
                 piece = job.kv[:, :, :, i * N : (i + 1) * N].contiguous()
-                encode = functools.partial(encode_chunk, piece, preset, job.ns.model, start=i * N, rope_theta=self.config.rope_theta)
+                auth = mac.ObjectMAC(self.object_key, name) if self.object_key else None
+                encode = functools.partial(encode_chunk, piece, preset, job.ns.model, start=i * N, rope_theta=self.config.rope_theta,
+                                           auth=auth)
                 obj = await loop.run_in_executor(self.encode_pool, encode)
                 if await loop.run_in_executor(self.io_pool, self.store.put, name, obj):
                     self.metrics.bytes_written.inc(len(obj))
