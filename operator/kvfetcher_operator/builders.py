@@ -98,7 +98,7 @@ def secret_values(
 
     Managed storage gets the sidecars' own MinIO user (never `root_user`, MinIO's root: a
     Secret that still holds the root user gets a new sidecar user); every pool gets the
-    sidecar's auth token and a tenant salt; endpoint and bucket are here so that pods read
+    sidecar's auth token, a tenant salt and the key that authenticates its stored objects; endpoint and bucket are here so that pods read
     them by reference.
     """
     existing = dict(existing or {})
@@ -106,6 +106,7 @@ def secret_values(
     wanted: dict[str, Callable[[], str]] = {
         "authToken": lambda: token(32),
         "tenantSalt": lambda: token(16),
+        "objectKey": lambda: token(32),
     }
     if "managed" in pool["spec"]["storage"]:
         if root_user and existing.get("accessKey") == root_user:

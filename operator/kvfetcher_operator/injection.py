@@ -18,8 +18,10 @@ What the sidecar gets, and why:
   process visible, hence shareProcessNamespace. The Unix socket lives on a shared emptyDir, and
   host-memory KV buffers on a memory-backed /dev/shm that both containers mount (the model's own
   /dev/shm volume when it has one; the runtime's default 64 MiB one is far too small).
-- Endpoint, bucket, credentials, token and tenant salt come from Secret references, never
-  literals (with `tenancy.saltFrom: PodLabel` the salt is the value of a pod label instead).
+- Endpoint, bucket, credentials, token, tenant salt and object key come from Secret references,
+  never literals (with `tenancy.saltFrom: PodLabel` the salt is the value of a pod label instead).
+- The model fingerprint the sidecar serves is the pod's `kvfetcher.io/model` annotation: set by
+  whoever creates the pod, not claimed by the model process per request.
 
 - It is Pod Security "restricted" compliant (non-root, no privilege escalation, no
   capabilities, RuntimeDefault seccomp), and the pod gets the sidecar's group as a
@@ -43,6 +45,7 @@ from . import spec as specs
 
 INJECT_LABEL = "kvfetcher.io/inject"
 POOL_ANNOTATION = "kvfetcher.io/pool"
+MODEL_ANNOTATION = "kvfetcher.io/model"  # the model fingerprint the sidecar serves (absent: any)
 INJECTED_ANNOTATION = "kvfetcher.io/injected"
 SKIPPED_ANNOTATION = "kvfetcher.io/injection-skipped"
 GPU_ANNOTATION = "kvfetcher.io/gpu-access"
@@ -112,6 +115,8 @@ def sidecar_env(pool: dict[str, Any]) -> list[dict[str, Any]]:
         _secret_env(settings.S3_ACCESS_KEY, *access),
         _secret_env(settings.S3_SECRET_KEY, *secret_key),
         _secret_env(settings.AUTH_TOKEN, secret, "authToken"),
+        _secret_env(settings.OBJECT_KEY, secret, "objectKey"),
+        {"name": settings.MODEL.name, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{MODEL_ANNOTATION}']"}}},
     ]
     tenancy = spec["tenancy"]
     if tenancy["saltFrom"] == "Pool":

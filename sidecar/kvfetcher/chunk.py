@@ -6,6 +6,11 @@ object in memory (:func:`decode_chunk`), a decode worker's request and the fetch
 in-process path all go through it (the executor calls its two halves,
 :func:`verify_and_decode` then :meth:`Decoded.write`, so that a fetch given up on between them
 writes nothing).
+
+Checks before a byte reaches a buffer: every part's CRC-32 and, with an
+:class:`~format.mac.ObjectMAC` (``auth``), its tag; and no NaN or infinity where one can come
+from the object — the side information's ranges and exact rows (quantised layouts compute every
+value from them and from 8-bit samples) and the whole payload of the lossless layouts.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from kvfetcher.codec import basis, layout
 from kvfetcher import codec
 from kvfetcher.format import container
+from kvfetcher.format.mac import ObjectMAC
 from kvfetcher.format.presets import Preset, get
 from kvfetcher.kvbuffer import ChunkRef, Destination, bytes_per_value, dtype_name
 
@@ -35,12 +41,14 @@ def encode_chunk(
     meta: dict | None = None,
     start: int = 0,
     rope_theta: float | None = None,
+    auth: ObjectMAC | None = None,
 ) -> bytes:
     """KV ``[layers, 2, kv_heads, tokens, head_dim]`` -> one self-describing stored object.
 
     ``start`` is the chunk's first token position; ``rope_theta`` the model's RoPE base,
     needed by presets that quantise keys before RoPE (and written into the header). A preset
-    given by name is the one for this model (``presets.get(name, fingerprint)``).
+    given by name is the one for this model (``presets.get(name, fingerprint)``). With ``auth``
+    (the object key and the name the object will be stored at) the object carries its tags.
     """
     p = get(preset, fingerprint) if isinstance(preset, str) else preset
     lp = p.layout
@@ -69,7 +77,7 @@ def encode_chunk(
         "frame_shape": list(packed.geometry.frame_shape),
         "meta": dict(meta or {}, encoder=enc.name),
     }
-    return container.build(fields, packed.side, segments)
+    return container.build(fields, packed.side, segments, auth)
 
 
 def decode_chunk(
@@ -78,13 +86,15 @@ def decode_chunk(
     device: torch.device | str = "cpu",
     out: torch.Tensor | None = None,
     backend: str | None = None,
+    auth: ObjectMAC | None = None,
 ) -> torch.Tensor:
     """A whole stored object -> KV on ``device`` (or written into ``out``, which it returns).
 
     A bad object raises a :class:`container.ContainerError` and leaves ``out`` unchanged
-    (:func:`restore_chunk`); so does an ``out`` not of the chunk's shape and dtype.
+    (:func:`restore_chunk`); so does an ``out`` not of the chunk's shape and dtype. With ``auth``
+    the object must be authenticated for the name it names.
     """
-    h = container.parse_header(obj)
+    h = container.parse_header(obj, auth)
     container.check_fingerprint(h, expected_fingerprint)
     container.check_size(h, len(obj))
     if out is None:
@@ -93,7 +103,7 @@ def decode_chunk(
     part = lambda s: mem[h.header_size + s.offset : h.header_size + s.offset + s.length]  # noqa: E731
     side = part(h.side) if h.side else None
     restore_chunk(Destination(out, tokens=h.tokens), ChunkRef("", len(obj), 0, h.tokens), h, side,
-                  [part(s) for s in h.segments], device=device, backend=backend)
+                  [part(s) for s in h.segments], device=device, backend=backend, auth=auth)
     return out
 
 
@@ -105,11 +115,15 @@ class Decoded:
     header: container.Header
     frames: torch.Tensor  # uint8 frames of every segment, in order
     side: torch.Tensor | None
+    values: torch.Tensor | None = None  # a lossless layout's KV, already checked finite
 
     def write(self, dest: Destination, ref: ChunkRef) -> int:
         """Unpack into the chunk's slots of ``dest`` (its view in place, or a scatter), then
         :meth:`Destination.finish`; returns the KV bytes written. ``dest.check`` must have passed."""
         h = self.header
+        if self.values is not None:
+            dest.write_kv(ref, self.values)
+            return math.prod(h.shape) * bytes_per_value(h.torch_dtype)
         frames = self.frames.to(dest.buffer.device)
         unpack = functools.partial(layout.unpack, frames, self.side, h.shape, h.torch_dtype, h.layout, start=h.start)
         view = dest.view(ref)
@@ -122,35 +136,47 @@ class Decoded:
 
 
 def verify_and_decode(h: container.Header, side: Bytes | None, segments: Sequence[Bytes],
-                      device: torch.device | str = "cpu", backend: str | None = None) -> Decoded:
-    """Check the checksum of the side information and of every segment, then decode every segment
-    (frames on ``device``). Raises a :class:`container.ContainerError` for a bad part; touches no buffer.
-    ``side`` and ``segments`` are the parts' stored bytes, unverified, in header order."""
+                      device: torch.device | str = "cpu", backend: str | None = None,
+                      auth: ObjectMAC | None = None) -> Decoded:
+    """Check the checksum (and with ``auth`` the tag) of the side information and of every segment,
+    then decode every segment (frames on ``device``) and check that no value can come out NaN or
+    infinite (module doc). Raises a :class:`container.ContainerError` for a bad part; touches no
+    buffer. ``h`` was parsed with the same ``auth``; ``side`` and ``segments`` are the parts' stored
+    bytes, unverified, in header order."""
     if h.side is not None:
-        container.check(h.side, side)
+        container.check(h.side, side, auth)
     for seg, data in zip(h.segments, segments, strict=True):
-        container.check(seg, data)
+        container.check(seg, data, auth)
     side_t = container.side_tensor(h, bytes(side)) if h.side else None
+    if side_t is not None:  # (its sparse corrections are integers: any bits are valid)
+        for part in layout.split_side(side_t, h.shape, h.layout):
+            container.check_finite(part, h.torch_dtype)
     dec = codec.decoder(h.codec.format, device, backend)
     in_place = getattr(dec, "name", "") in ("nvdec", "raw")  # these read a buffer in place; libav wants bytes
     frames = [container.decode_segment(h, s, d if in_place else bytes(d), dec, device) for s, d in zip(h.segments, segments)]
-    return Decoded(h, frames[0] if len(frames) == 1 else torch.cat(frames), side_t)
+    frames_t = frames[0] if len(frames) == 1 else torch.cat(frames)
+    values = None
+    if h.layout.mode in layout.LOSSLESS_MODES:  # the values are the payload's: check them all
+        values = layout.unpack(frames_t, None, h.shape, h.torch_dtype, h.layout)
+        container.check_finite(values, h.torch_dtype)
+    return Decoded(h, frames_t, side_t, values)
 
 
 def restore_chunk(dest: Destination, ref: ChunkRef, h: container.Header, side: Bytes | None, segments: Sequence[Bytes],
                   *, device: torch.device | str | None = None, backend: str | None = None,
-                  times: dict[str, float] | None = None) -> int:
+                  times: dict[str, float] | None = None, auth: ObjectMAC | None = None) -> int:
     """The restore of one chunk: check that it fits ``dest``, verify every part, decode every
     segment, and only then write it into ``ref``'s slots; returns the KV bytes written.
 
     Nothing unverified or undecodable reaches the buffer: a bad part raises (a
     :class:`container.ContainerError`) before the first write. ``device`` is where frames are
     decoded (default: the buffer's device). ``times``, if given, receives the seconds spent
-    verifying and decoding (``decode_s``) and writing (``write_s``).
+    verifying and decoding (``decode_s``) and writing (``write_s``). ``h`` was parsed with ``auth``,
+    which every part's tag must then verify under.
     """
     dest.check(h, ref)
     t0 = time.perf_counter()
-    decoded = verify_and_decode(h, side, segments, dest.buffer.device if device is None else device, backend)
+    decoded = verify_and_decode(h, side, segments, dest.buffer.device if device is None else device, backend, auth)
     t1 = time.perf_counter()
     n = decoded.write(dest, ref)
     if times is not None:

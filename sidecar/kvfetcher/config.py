@@ -134,6 +134,13 @@ ALLOWED_PRESETS = Setting("KVFETCHER_ALLOWED_PRESETS", tuple, None,
 POOL = Setting("KVFETCHER_POOL", str, "", "The KVCachePool's name.", inject="the pool's name")
 TENANT = Setting("KVFETCHER_TENANT", str, "", "Key salt: prompts under different salts share no chunk.",
                  inject="the pool's Secret, a Secret or a pod label (`spec.tenancy`)", fallback=POOL)
+OBJECT_KEY = Setting("KVFETCHER_OBJECT_KEY", str, "",
+                     "Secret (16+ characters) that authenticates stored objects, each bound to its name "
+                     "(unset: CRC-32 only: the store and everyone who can write to it are trusted).",
+                     inject="the pool's Secret")
+MODEL = Setting("KVFETCHER_MODEL", str, "", "The model fingerprint this sidecar serves: a register or plan "
+                "naming another is refused (unset: whatever the client names).",
+                inject="the pod's annotation `kvfetcher.io/model`")
 RECOMPUTE_TPS = Setting("KVFETCHER_RECOMPUTE_TPS", float, 5000.0,
                         "Model prefill rate (tokens/s) when a request gives none.")
 ROPE_THETA = Setting("KVFETCHER_ROPE_THETA", float, None, "The model's RoPE base: needed to store pre-RoPE presets.")
@@ -207,7 +214,7 @@ NAMESPACE = Setting("KVFETCHER_NAMESPACE", str, None, "The operator's own namesp
 #: table in the sidecar's container, and those of the model side's table in the model's
 TABLES: dict[str, tuple[Setting, ...]] = {
     "Sidecar (`kvfetcher serve`)": (
-        CHUNK_TOKENS, PRESET, ALLOWED_PRESETS, TENANT, POOL, RECOMPUTE_TPS, ROPE_THETA, TTFT_BUDGET_S,
+        CHUNK_TOKENS, PRESET, ALLOWED_PRESETS, TENANT, POOL, OBJECT_KEY, MODEL, RECOMPUTE_TPS, ROPE_THETA, TTFT_BUDGET_S,
         DECODE_PROCS, WARM_UP, S3_ENDPOINT, S3_BUCKET, S3_ACCESS_KEY, S3_SECRET_KEY, S3_REGION, S3_CA_FILE,
         S3_INSECURE, STORE_DIR, AUTH_TOKEN, AUTH_TOKEN_FILE, SHM_DIR, FUSED_UNPACK, DEADLINE_S, MAX_REQUEST_TOKENS,
         STORE_QUEUE_CHUNKS, IO_WORKERS, META_IO_WORKERS),
@@ -220,10 +227,10 @@ TABLES: dict[str, tuple[Setting, ...]] = {
 SIDECAR, CLIENT, EVAL, OPERATOR = TABLES.values()
 
 
-def env_field(setting: Setting) -> Any:
+def env_field(setting: Setting, repr: bool = True) -> Any:
     """A dataclass field that :func:`read_fields` reads from ``setting``; its default is the
-    setting's value in an empty environment."""
-    return field(default_factory=lambda: setting.read({}), metadata={"setting": setting})
+    setting's value in an empty environment. ``repr`` False keeps a secret out of the repr."""
+    return field(default_factory=lambda: setting.read({}), metadata={"setting": setting}, repr=repr)
 
 
 def read_fields(cls: type[T], env: Mapping[str, str] | None = None) -> T:
@@ -241,6 +248,8 @@ class Config:
     presets: tuple[str, ...] = env_field(PRESET)  # representations written for each chunk
     allowed_presets: tuple[str, ...] | None = env_field(ALLOWED_PRESETS)  # None: any known
     tenant: str = env_field(TENANT)
+    object_key: str = env_field(OBJECT_KEY, repr=False)  # "": objects unauthenticated
+    model: str = env_field(MODEL)  # "": any model fingerprint a client names
     recompute_tps: float = env_field(RECOMPUTE_TPS)
     rope_theta: float | None = env_field(ROPE_THETA)
     deadline_s: float = env_field(DEADLINE_S)  # default deadline of a lookup or fetch
@@ -273,6 +282,8 @@ class Config:
         for name in ("max_request_tokens", "store_queue_chunks", "io_workers", "meta_io_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', ' ')} must be >= 1, not {getattr(self, name)}")
+        if self.object_key and len(self.object_key) < 16:
+            raise ValueError(f"{OBJECT_KEY.name} must be at least 16 characters")
         if self.decode_procs < 0:
             raise ValueError(f"decode processes must be >= 0, not {self.decode_procs}")
         if self.ttft_budget_s is not None and not self.ttft_budget_s > 0:

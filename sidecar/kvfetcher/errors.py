@@ -21,6 +21,7 @@ class Reason(str, Enum):
     TRUNCATED = "truncated"
     FOREIGN = "foreign"
     FINGERPRINT = "fingerprint"
+    UNAUTHENTICATED = "unauthenticated"
     # the object is fine but not for this reader
     VERSION = "version"
     INVALID = "invalid"
@@ -49,7 +50,7 @@ class Reason(str, Enum):
 
 
 #: reasons that mean the stored object itself is bad (not the link, not a newer writer)
-BAD_OBJECT = frozenset({Reason.CORRUPT, Reason.TRUNCATED, Reason.FOREIGN, Reason.FINGERPRINT})
+BAD_OBJECT = frozenset({Reason.CORRUPT, Reason.TRUNCATED, Reason.FOREIGN, Reason.FINGERPRINT, Reason.UNAUTHENTICATED})
 
 
 class ContainerError(ValueError):
@@ -80,6 +81,13 @@ class CorruptError(ContainerError):
     """A checksum does not match, or the header or a bitstream does not parse."""
 
     reason = Reason.CORRUPT
+
+
+class UnauthenticatedError(ContainerError):
+    """With an object key configured: a tag does not verify under the name the object was read
+    from (forged without the key, altered, copied from another name, or written without the key)."""
+
+    reason = Reason.UNAUTHENTICATED
 
 
 class FingerprintMismatchError(ContainerError):

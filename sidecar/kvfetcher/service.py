@@ -36,6 +36,7 @@ from kvfetcher.errors import Reason, RequestError
 from kvfetcher.fetch import choice, executor, staging
 from kvfetcher.fetch.plan import Costs, FetchPlan, LoadDecision, LoadReply, list_prefix, listing_rounds, make_plan, seal, sealed
 from kvfetcher.fetch.workers import DecodeWorkers, warmup_object
+from kvfetcher.format import mac
 from kvfetcher.format.presets import PRESETS
 from kvfetcher.kvbuffer import Destination
 from kvfetcher.metrics import Metrics
@@ -67,6 +68,7 @@ class Sidecar:
         self.writer = Writer(store, self.config, self.metrics, self.data_pool, self.meta_pool)
         self._warming: asyncio.Future | None = None  # the latest registered buffer's warm-up
         self._seal_key = secrets.token_bytes(32)  # plans this process issued carry its seal
+        self._object_key = mac.key_from(self.config.object_key)  # None: objects unauthenticated
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -182,7 +184,10 @@ class Sidecar:
 
     def namespace(self, model: str, dtype: str, tp_rank: int = 0, shape: Sequence[int] | None = None) -> keys.Namespace:
         """The namespace of a model's KV of geometry ``shape`` = (layers, kv_heads, head_dim) in this
-        sidecar's tenant; without ``shape``, that of a registered buffer of the model, dtype and rank."""
+        sidecar's tenant; without ``shape``, that of a registered buffer of the model, dtype and rank.
+        A model other than the deployment's (``config.model``, when set) is refused."""
+        if self.config.model and model != self.config.model:
+            raise RequestError(f"this sidecar serves model {self.config.model!r}, not {model!r}")
         if dtype not in kvbuffer.DTYPES:
             raise RequestError(f"unsupported dtype {dtype!r}; supported: {sorted(kvbuffer.DTYPES)}")
         if shape is None:
@@ -284,7 +289,7 @@ class Sidecar:
         quiet = self._warming is None or self._warming.done()  # else the warm-up shares the decode workers
         out = await executor.fetch(self.store, refs, dest, fingerprint=buf.ns.model, io_pool=self.data_pool, decode_pool=self.decode_pool,
                                    device=buf.tensor.device, deadline_s=max(0.0, deadline_s - (time.perf_counter() - t0)),
-                                   window=self.config.window, workers=self.workers)
+                                   window=self.config.window, workers=self.workers, object_key=self._object_key)
         self._observe(plan, out, learn=quiet)
         reply.loaded_tokens, reply.bytes_read, reply.kv_bytes, reply.seconds = out.loaded_tokens, out.bytes_read, out.kv_bytes, out.seconds
         reply.decision.actual_s = out.seconds

@@ -51,7 +51,7 @@ def test_secret_values_are_kept_and_completed() -> None:
     p = pool(MANAGED)
     tokens = iter(f"token{i}" * 8 for i in range(10))
     first = builders.secret_values(p, None, token=lambda n: next(tokens))
-    assert set(first) == {"authToken", "tenantSalt", "accessKey", "secretKey", "endpoint", "bucket"}
+    assert set(first) == {"authToken", "tenantSalt", "objectKey", "accessKey", "secretKey", "endpoint", "bucket"}
     assert first["endpoint"] == "http://cache-minio.ml.svc:9000" and first["bucket"] == "kvcache"
     again = builders.secret_values(p, {k: v for k, v in first.items() if k != "tenantSalt"},
                                    token=lambda n: "fresh")
@@ -88,8 +88,10 @@ def test_injection_into_a_device_plugin_pod() -> None:
     side = out["spec"]["initContainers"][0]
     env = {e["name"]: e for e in side["env"]}
     for name in ("KVFETCHER_S3_ENDPOINT", "KVFETCHER_S3_BUCKET", "KVFETCHER_S3_ACCESS_KEY",
-                 "KVFETCHER_S3_SECRET_KEY", "KVFETCHER_AUTH_TOKEN", "KVFETCHER_TENANT"):
+                 "KVFETCHER_S3_SECRET_KEY", "KVFETCHER_AUTH_TOKEN", "KVFETCHER_TENANT", "KVFETCHER_OBJECT_KEY"):
         assert env[name]["valueFrom"]["secretKeyRef"]["name"] == "cache-kvfetcher", name
+    assert env["KVFETCHER_OBJECT_KEY"]["valueFrom"]["secretKeyRef"]["key"] == "objectKey"
+    assert env["KVFETCHER_MODEL"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.annotations['kvfetcher.io/model']"
     assert env["KVFETCHER_CHUNK_TOKENS"]["value"] == "256" and env["KVFETCHER_PRESET"]["value"] == "auto"
     assert "KVFETCHER_DECODE_PROCS" not in env and "KVFETCHER_TTFT_BUDGET_S" not in env  # the sidecar's defaults
     # Defect 2: a device-plugin GPU cannot be shared, so the sidecar gets none, explicitly, and the pod says so.

@@ -23,6 +23,7 @@ import torch
 from kvfetcher.chunk import restore_chunk
 from kvfetcher.errors import ContainerError
 from kvfetcher.format import container
+from kvfetcher.format.mac import ObjectMAC
 from kvfetcher.kvbuffer import ChunkRef, Destination
 
 log = logging.getLogger("kvfetcher.fetch.decode_worker")
@@ -48,14 +49,15 @@ class IntoScratch:
 @dataclass(frozen=True)
 class Restore:
     """Restore one chunk: its prefix + header bytes, its parts at ``spans`` of the slab file
-    (side information first), written to ``slots`` of ``target``. Answered by :class:`Restored`
-    or :class:`Failed`."""
+    (side information first), written to ``slots`` of ``target``; with ``auth`` its header and
+    parts must verify under it. Answered by :class:`Restored` or :class:`Failed`."""
 
     target: IntoBuffer | IntoScratch
     header: bytes
     slab: tuple[str, int]  # path and size of the worker's slab file
     spans: tuple[tuple[int, int], ...]
     slots: tuple[int, ...]
+    auth: ObjectMAC | None = None
 
 
 @dataclass(frozen=True)
@@ -174,14 +176,14 @@ class _WorkerState:
 def _restore(state: _WorkerState, req: Restore) -> Restored:
     """In a worker: restore one chunk from the slab into its target (:func:`chunk.restore_chunk`)."""
     t0 = time.perf_counter()
-    h = container.parse_header(req.header)
+    h = container.parse_header(req.header, req.auth)
     dest = Destination(state.target(req.target, h), slots=req.slots)
     mem = state.view(*req.slab)
     parts = [mem[a:b] for a, b in req.spans]
     side = parts.pop(0) if h.side else None
     times: dict[str, float] = {"prepare_s": time.perf_counter() - t0}
     try:
-        n = restore_chunk(dest, ChunkRef("", 0, 0, len(req.slots)), h, side, parts, times=times)
+        n = restore_chunk(dest, ChunkRef("", 0, 0, len(req.slots)), h, side, parts, times=times, auth=req.auth)
     finally:
         del parts, side  # no view of the slab may outlive the request (it can be remapped)
         mem.release()

@@ -13,7 +13,11 @@ GETs straight into one host staging buffer (:mod:`fetch.staging`: reused, pinned
 destination is on a GPU), each checksummed by the thread that read it, and once all have
 verified the chunk is copied into the destination by one non-blocking host-to-device copy — no
 decoder, no worker process, no reshuffle. The chunk counts as written only once that copy has
-completed.
+completed. Each segment is also checked for NaN and infinities there.
+
+Authentication: with ``object_key`` (:mod:`format.mac`), every object's header tag is verified
+for the name it was read from before its header is trusted, and every part's tag with its CRC-32
+(by the thread that read it, a decode worker, or the decode pool) before anything is decoded.
 
 Failure semantics: the result is the longest run of *leading* chunks that were written; the
 caller recomputes the rest. On the first failure, at the deadline or on cancellation, the chunks
@@ -41,6 +45,7 @@ from kvfetcher.errors import BAD_OBJECT, ContainerError, Reason, TruncatedError
 from kvfetcher.fetch import staging
 from kvfetcher.fetch.workers import BufferOpenError, DecodeWorkers, WorkerError
 from kvfetcher.format import container
+from kvfetcher.format.mac import ObjectMAC
 from kvfetcher.kvbuffer import ChunkRef, Destination
 from kvfetcher.store import Store, StoreError, read_into
 
@@ -85,19 +90,21 @@ async def fetch(
     io_concurrency: int = 8,
     workers: DecodeWorkers | None = None,
     staging_pool: staging.StagingPool | None = None,
+    object_key: bytes | None = None,
 ) -> Outcome:
     """Load ``chunks`` (consecutive, from the first) into ``dest``; see the module doc for failures.
 
     With ``workers`` (and ``dest.handle``), each chunk is restored by a worker process instead of
     ``decode_pool`` threads; the window grows to keep them all busy. Native raw chunks take the
     direct path whatever ``workers`` is, staged in ``staging_pool`` (default: the process's
-    shared pool).
+    shared pool). ``object_key`` (:func:`format.mac.key_from`): refuse every object whose tags do
+    not verify under it for the name it is read from (None: CRC-32 only).
     """
     if workers is not None and dest.handle is None:
         raise ValueError("decode workers need the destination buffer's IPC handle")
     job = _Fetch(store, chunks, dest, fingerprint=fingerprint, io_pool=io_pool, decode_pool=decode_pool, device=device,
                  window=chunks_in_flight(window, workers), io_concurrency=io_concurrency, workers=workers,
-                 staging_pool=staging_pool or staging.shared())
+                 staging_pool=staging_pool or staging.shared(), object_key=object_key)
     return await job.run(deadline_s)
 
 
@@ -141,11 +148,14 @@ def _copy_threads() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(4, thread_name_prefix="kvf-copy")
 
 
-def _read_verified(store: Store, name: str, offset: int, part: memoryview, have: int, seg: container.Segment) -> int:
-    """Fill ``part`` (a segment whose first ``have`` bytes are there) from ``name`` at ``offset``,
-    then check its length and CRC-32; returns the bytes read. Blocking: runs in an I/O thread."""
+def _read_verified(store: Store, name: str, offset: int, part: memoryview, have: int, seg: container.Segment,
+                   h: container.Header, auth: ObjectMAC | None) -> int:
+    """Fill ``part`` (a native segment of ``h`` whose first ``have`` bytes are there) from ``name`` at
+    ``offset``, then check its length, CRC-32, tag (with ``auth``) and that it holds no NaN or
+    infinity; returns the bytes read. Blocking: runs in an I/O thread."""
     n = read_into(store, name, offset + have, part[have:]) if have < len(part) else 0
-    container.check(seg, part[: have + n])
+    container.check(seg, part[: have + n], auth)
+    container.check_finite(part, h.torch_dtype)
     return n
 
 
@@ -165,10 +175,10 @@ class _Fetch:
 
     def __init__(self, store: Store, chunks: Sequence[ChunkRef], dest: Destination, *, fingerprint: str, io_pool: Executor,
                  decode_pool: Executor, device: torch.device | str, window: int, io_concurrency: int,
-                 workers: DecodeWorkers | None, staging_pool: staging.StagingPool):
+                 workers: DecodeWorkers | None, staging_pool: staging.StagingPool, object_key: bytes | None = None):
         self.store, self.chunks, self.dest, self.fingerprint = store, chunks, dest, fingerprint
         self.io_pool, self.decode_pool, self.device = io_pool, decode_pool, device
-        self.workers, self.staging = workers, staging_pool
+        self.workers, self.staging, self.object_key = workers, staging_pool, object_key
         self.window, self.io = asyncio.Semaphore(window), asyncio.Semaphore(io_concurrency)
         self.reads, self.decodes = _Busy(), _Busy()
         self.out = Outcome(0, sum(c.tokens for c in chunks))
@@ -221,6 +231,10 @@ class _Fetch:
             e.object_name = c.name  # type: ignore[attr-defined]  # so the caller can drop a bad object
             raise
 
+    def _auth(self, c: ChunkRef) -> ObjectMAC | None:
+        """What the chunk's tags must verify under: the key and the name the object is read from."""
+        return ObjectMAC(self.object_key, c.name) if self.object_key else None
+
     async def _get(self, name: str, offset: int, length: int) -> bytes:
         async with self.io:
             with self.reads:
@@ -243,7 +257,7 @@ class _Fetch:
         need = container.header_length(head[: container.PREFIX_SIZE])
         if len(head) < need:
             head += await self._get(c.name, len(head), need - len(head))
-        h = container.parse_header(head)
+        h = container.parse_header(head, self._auth(c))
         container.check_fingerprint(h, self.fingerprint)
         self.dest.check(h, c)
         if c.size and c.size != h.total_size:
@@ -265,7 +279,7 @@ class _Fetch:
         side, segments = (parts[0], parts[1:]) if h.side else (None, parts)
         if self.workers is not None:
             slots = self.dest.slots[c.start : c.start + c.tokens]
-            restore = self.workers.restore(self.dest.handle, head[: h.header_size], side, segments, slots)
+            restore = self.workers.restore(self.dest.handle, head[: h.header_size], side, segments, slots, self._auth(c))
             try:
                 n = await self._write(i, asyncio.ensure_future(_timed(self.decodes, restore)))
             except BufferOpenError as e:
@@ -275,7 +289,8 @@ class _Fetch:
                 return
         loop = asyncio.get_running_loop()
         with self.decodes:  # abandoned at a failure, this writes nothing: only the write below is awaited
-            decoded = await loop.run_in_executor(self.decode_pool, chunk.verify_and_decode, h, side, segments, self.device)
+            verify = functools.partial(chunk.verify_and_decode, h, side, segments, self.device, auth=self._auth(c))
+            decoded = await loop.run_in_executor(self.decode_pool, verify)
         # Everything of this chunk verified and decoded: only now touch the KV buffers.
         n = await self._write(i, loop.run_in_executor(self.decode_pool, decoded.write, self.dest, c))
         self.out.kv_bytes += n
@@ -311,5 +326,6 @@ class _Fetch:
         part[: len(have)] = have
         async with self.io:
             with self.reads:  # (the CRC reads bytes still in cache)
-                n = await _submit(started, self.io_pool, _read_verified, self.store, c.name, a, part, len(have), seg)
+                n = await _submit(started, self.io_pool, _read_verified, self.store, c.name, a, part, len(have), seg, h,
+                                  self._auth(c))
         self.out.bytes_read += n

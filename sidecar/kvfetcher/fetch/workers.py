@@ -55,6 +55,7 @@ from kvfetcher.fetch.decode_worker import (
     serve,
 )
 from kvfetcher.format import container, presets
+from kvfetcher.format.mac import ObjectMAC
 
 log = logging.getLogger("kvfetcher.fetch.workers")
 
@@ -117,7 +118,7 @@ class _Worker:
         return self.slab
 
     def call(self, target: IntoBuffer | IntoScratch, header: bytes, blobs: Sequence[bytes], slots: Sequence[int],
-             timeout: float | None = None) -> Restored | Failed:
+             timeout: float | None = None, auth: ObjectMAC | None = None) -> Restored | Failed:
         """Restore one chunk (``blobs``: its parts, side information first) into ``slots`` of ``target``;
         the worker's reply. Past ``timeout`` seconds the worker is given up on (WorkerError): replace it."""
         with self.lock:
@@ -129,7 +130,7 @@ class _Worker:
                 at += len(b)
             try:
                 with self.send_lock:
-                    self.conn.send(Restore(target, header, (slab.path, slab.size), tuple(spans), tuple(int(s) for s in slots)))
+                    self.conn.send(Restore(target, header, (slab.path, slab.size), tuple(spans), tuple(int(s) for s in slots), auth))
                 if timeout is not None and not self.conn.poll(timeout):
                     raise WorkerError(f"decode worker {self.proc.pid} did not answer within {timeout:g} s")
                 return self.conn.recv()
@@ -234,11 +235,13 @@ class DecodeWorkers:
             for w in self._workers:
                 w.ready()
 
-    async def restore(self, handle: dict, header: bytes, side: bytes | None, segments: Sequence[bytes], slots: Sequence[int]) -> int:
+    async def restore(self, handle: dict, header: bytes, side: bytes | None, segments: Sequence[bytes], slots: Sequence[int],
+                      auth: ObjectMAC | None = None) -> int:
         """Restore one chunk in a worker (:func:`chunk.restore_chunk`) into ``slots`` of the buffer
         ``handle`` names; the KV bytes written.
 
-        ``header`` is the object's prefix and header; ``side`` and ``segments`` its (unverified) parts.
+        ``header`` is the object's prefix and header; ``side`` and ``segments`` its (unverified) parts;
+        with ``auth`` the worker verifies every tag under it.
         Raises the object's :class:`ContainerError`, :class:`BufferOpenError` or :class:`WorkerError`."""
         loop = asyncio.get_running_loop()
         if not self._workers:
@@ -252,7 +255,8 @@ class DecodeWorkers:
         w = await idle.get()
         try:
             blobs = ([side] if side is not None else []) + list(segments)
-            reply = await loop.run_in_executor(self._threads, w.call, IntoBuffer(handle_key(handle), handle), bytes(header), blobs, slots)
+            call = functools.partial(w.call, IntoBuffer(handle_key(handle), handle), bytes(header), blobs, slots, auth=auth)
+            reply = await loop.run_in_executor(self._threads, call)
         except WorkerError:
             w = self._replace(w)
             raise

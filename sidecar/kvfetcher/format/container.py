@@ -1,15 +1,24 @@
-"""container: the stored object for one chunk — versioned, self-describing, checksummed.
+"""container: the stored object for one chunk — versioned, self-describing, checksummed, and
+authenticated where a key is configured.
 
 Byte layout (all integers little-endian)::
 
     0   4s  magic  b"KVFC"
     4   u16 format version (FORMAT_VERSION)
-    6   u16 flags (0)
+    6   u16 flags (FLAG_AUTHENTICATED, or 0)
     8   u32 header length N
-    12  u32 CRC-32 of the header bytes
-    16  N   header: UTF-8 JSON (model fingerprint, dtype, shape, preset + layout + codec
-            parameters, frame shape, and an index of the side-information and video segments)
-    16+N    segments back to back; offsets in the index are relative to this point
+    12  u32 CRC-32 of bytes 16..48+N (the tag and the header)
+    16  32s header tag (:mod:`format.mac`), zeros when not authenticated
+    48  N   header: UTF-8 JSON (model fingerprint, dtype, shape, preset + layout + codec
+            parameters, frame shape, and an index of the side-information and video segments,
+            each with its CRC-32 and, when authenticated, its tag)
+    48+N    segments back to back; offsets in the index are relative to this point
+
+Authentication (:mod:`format.mac`): a reader given an :class:`~format.mac.ObjectMAC` (the key
+and the name it read the object from) refuses, as :class:`UnauthenticatedError`, an object whose
+header tag or any part's tag does not verify, including every unauthenticated object; a reader
+given none checks CRC-32s only and reads both kinds. Objects of format v1 (before tags) are
+refused as foreign: a fetch deletes them and the next store writes them anew.
 
 The side information (quantised layouts: offsets, steps, exact tokens, sparse corrections) is
 stored zstd-compressed: with a basis its steps repeat and its offsets are small.
@@ -27,6 +36,7 @@ import json
 import struct
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import zstandard
 
@@ -44,13 +54,17 @@ from kvfetcher.errors import (  # noqa: F401  (the format's refusals, as contain
     ForeignObjectError,
     FutureVersionError,
     TruncatedError,
+    UnauthenticatedError,
 )
+from kvfetcher.format.mac import TAG_SIZE, ObjectMAC
 from kvfetcher.kvbuffer import DTYPES, bytes_per_value
 
 MAGIC = b"KVFC"
-FORMAT_VERSION = 1
-PREFIX = struct.Struct("<4sHHII")
-PREFIX_SIZE = PREFIX.size  # 16
+FORMAT_VERSION = 2  # 2: header and part tags
+FLAG_AUTHENTICATED = 1
+PREFIX = struct.Struct(f"<4sHHII{TAG_SIZE}s")
+PREFIX_SIZE = PREFIX.size  # 48
+_TAGGED = struct.Struct("<4sHHI")  # the prefix's fields the header tag covers (magic .. header length)
 MAX_HEADER = 1 << 20
 
 
@@ -60,6 +74,7 @@ class Segment:
     length: int
     crc32: int
     frames: tuple[int, int] = (0, 0)  # [start, end) frame indices; side info has (0, 0)
+    mac: bytes | None = None  # the part's tag (:meth:`ObjectMAC.part`), when authenticated
 
 
 @dataclass(frozen=True)
@@ -76,6 +91,7 @@ class Header:
     meta: dict = field(default_factory=dict)
     start: int = 0  # position of the chunk's first token (pre-RoPE keys depend on it)
     header_size: int = 0  # prefix + JSON: where segment offsets start
+    authenticated: bool = False  # written with a key (its tags verified only if read with one)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -93,7 +109,8 @@ class Header:
         return self.shape[3]
 
     def to_json(self) -> dict:
-        seg = lambda s: {"offset": s.offset, "length": s.length, "crc32": s.crc32, "frames": list(s.frames)}  # noqa: E731
+        seg = lambda s: {"offset": s.offset, "length": s.length, "crc32": s.crc32, "frames": list(s.frames),  # noqa: E731
+                         **({"mac": s.mac.hex()} if s.mac is not None else {})}
         return {
             "fingerprint": self.fingerprint,
             "dtype": self.dtype,
@@ -121,24 +138,25 @@ def build(
     header_fields: dict,
     side: torch.Tensor | None,
     segments: list[tuple[tuple[int, int], bytes]],
+    auth: ObjectMAC | None = None,
 ) -> bytes:
-    """Assemble an object from already-coded parts. ``segments``: ``[((f0, f1), bitstream)]``."""
+    """Assemble an object from already-coded parts. ``segments``: ``[((f0, f1), bitstream)]``.
+    With ``auth`` (the key and the name it will be stored at) the object carries its tags."""
     blobs: list[bytes] = []
-    offset = 0
-    side_seg = None
-    sb = _side_bytes(side)
-    if side is not None:
-        side_seg = {"offset": 0, "length": len(sb), "crc32": crc32(sb), "frames": [0, 0]}
-        blobs.append(sb)
-        offset = len(sb)
-    index = []
-    for (f0, f1), data in segments:
-        index.append({"offset": offset, "length": len(data), "crc32": crc32(data), "frames": [f0, f1]})
+
+    def entry(data: bytes, frames: list[int]) -> dict:
+        offset = sum(len(b) for b in blobs)
         blobs.append(data)
-        offset += len(data)
+        return {"offset": offset, "length": len(data), "crc32": crc32(data), "frames": frames,
+                **({"mac": auth.part(offset, data).hex()} if auth else {})}
+
+    side_seg = entry(_side_bytes(side), [0, 0]) if side is not None else None
+    index = [entry(data, [f0, f1]) for (f0, f1), data in segments]
     head = dict(header_fields, layout_version=layout.LAYOUT_VERSION, side=side_seg, segments=index)
     hb = json.dumps(head, separators=(",", ":"), sort_keys=True).encode()
-    prefix = PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(hb), crc32(hb))
+    flags = FLAG_AUTHENTICATED if auth else 0
+    tag = auth.header(_TAGGED.pack(MAGIC, FORMAT_VERSION, flags, len(hb)), hb) if auth else bytes(TAG_SIZE)
+    prefix = PREFIX.pack(MAGIC, FORMAT_VERSION, flags, len(hb), crc32(tag + hb), tag)
     return b"".join([prefix, hb, *blobs])
 
 
@@ -146,34 +164,70 @@ def header_length(prefix: bytes) -> int:
     """Total bytes of prefix + header, from the first :data:`PREFIX_SIZE` bytes."""
     if len(prefix) < PREFIX_SIZE:
         raise TruncatedError(f"object is {len(prefix)} bytes, shorter than the {PREFIX_SIZE}-byte prefix")
-    magic, version, _flags, hlen, _crc = PREFIX.unpack_from(prefix)
+    magic, version, _flags, hlen, _crc, _tag = PREFIX.unpack_from(prefix)
     if magic != MAGIC:
         raise ForeignObjectError(f"not a kvfetcher chunk (magic {magic!r})")
     if version > FORMAT_VERSION:
         raise FutureVersionError(f"chunk format v{version} is newer than this reader (v{FORMAT_VERSION})")
     if version < 1:
         raise CorruptError(f"chunk format version {version} is invalid")
+    if version < FORMAT_VERSION:
+        raise ForeignObjectError(f"chunk format v{version} predates this reader's (v{FORMAT_VERSION})")
     if hlen > MAX_HEADER:
         raise CorruptError(f"header length {hlen} exceeds {MAX_HEADER}")
     return PREFIX_SIZE + hlen
 
 
+def _int(x) -> int:
+    """A JSON integer (not a bool, float or string that ``int`` would accept)."""
+    if type(x) is not int:
+        raise ValueError(f"{x!r} is not an integer")
+    return x
+
+
+def _ints(xs, n: int) -> tuple[int, ...]:
+    """A JSON list of exactly ``n`` integers."""
+    if not isinstance(xs, list) or len(xs) != n:
+        raise ValueError(f"{xs!r} is not a list of {n} integers")
+    return tuple(_int(x) for x in xs)
+
+
 def _segment(d: dict) -> Segment:
-    s = Segment(int(d["offset"]), int(d["length"]), int(d["crc32"]), tuple(int(x) for x in d["frames"]))
+    mac = d.get("mac")
+    s = Segment(_int(d["offset"]), _int(d["length"]), _int(d["crc32"]), _ints(d["frames"], 2),
+                None if mac is None else bytes.fromhex(mac))
     if s.offset < 0 or s.length < 0:
         raise CorruptError("negative segment offset or length")
     return s
 
 
-def parse_header(data: bytes) -> Header:
-    """Parse and verify the prefix and header (``data`` may hold more, e.g. the whole object)."""
+def _verify_tag(data: bytes, hb: bytes, auth: ObjectMAC | None) -> bool:
+    """Whether the object says it is authenticated; with ``auth``, raise unless its header tag verifies."""
+    magic, version, flags, hlen, _crc, tag = PREFIX.unpack_from(data)
+    if flags & ~FLAG_AUTHENTICATED:
+        raise CorruptError(f"unknown flags {flags:#x}")
+    authenticated = bool(flags & FLAG_AUTHENTICATED)
+    if auth is not None:
+        if not authenticated:
+            raise UnauthenticatedError("the object carries no tags (written without the object key)")
+        if not auth.same(auth.header(_TAGGED.pack(magic, version, flags, hlen), hb), tag):
+            raise UnauthenticatedError(f"header tag does not verify for {auth.name}")
+    return authenticated
+
+
+def parse_header(data: bytes, auth: ObjectMAC | None = None) -> Header:
+    """Parse and verify the prefix and header (``data`` may hold more, e.g. the whole object).
+
+    With ``auth`` the header tag must verify (the parts' tags are checked by :func:`check`).
+    Any malformed or inconsistent header raises a :class:`ContainerError`, never anything else."""
     size = header_length(data)
     if len(data) < size:
         raise TruncatedError(f"header needs {size} bytes, got {len(data)}")
-    _, _, _, hlen, crc = PREFIX.unpack_from(data)
+    crc, tag = PREFIX.unpack_from(data)[4:]
     hb = bytes(data[PREFIX_SIZE:size])
-    if crc32(hb) != crc:
+    if crc32(tag + hb) != crc:
         raise CorruptError("header checksum mismatch")
+    authenticated = _verify_tag(data, hb, auth)
     try:
         d = json.loads(hb)
         if d["layout_version"] > layout.LAYOUT_VERSION:
@@ -188,29 +242,36 @@ def parse_header(data: bytes) -> Header:
         header = Header(
             fingerprint=str(d["fingerprint"]),
             dtype=d["dtype"],
-            shape=tuple(int(x) for x in d["shape"]),
+            shape=_ints(d["shape"], 5),
             preset=str(d["preset"]),
             layout=lp,
             codec=CodecParams.from_dict(d["codec"]),
-            frame_shape=tuple(int(x) for x in d["frame_shape"]),
+            frame_shape=_ints(d["frame_shape"], 4),
             side=_segment(d["side"]) if d["side"] else None,
             segments=tuple(_segment(s) for s in d["segments"]),
             meta=dict(d.get("meta") or {}),
-            start=int(d.get("start", 0)),
+            start=_int(d.get("start", 0)),
             header_size=size,
+            authenticated=authenticated,
         )
+        _check_consistent(header)
     except ContainerError:
         raise
-    except (KeyError, TypeError, ValueError) as e:
-        raise CorruptError(f"malformed header: {e}") from e
-    _check_consistent(header)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError, RecursionError) as e:
+        raise CorruptError(f"malformed header: {type(e).__name__}: {e}") from e
     return header
 
 
 def _check_consistent(h: Header) -> None:
-    """The header must describe exactly the frames its layout implies, covered once."""
+    """The header must describe exactly the frames its layout implies, covered once; an
+    authenticated one tags every part."""
     if h.start < 0:
         raise CorruptError(f"negative start position {h.start}")
+    if min(h.shape) <= 0 or min(h.frame_shape) <= 0 or h.shape[1] != 2:
+        raise CorruptError(f"shape {h.shape} or frame shape {h.frame_shape} is not a chunk's")
+    parts = ([h.side] if h.side else []) + list(h.segments)
+    if any((p.mac is not None) != h.authenticated or (p.mac is not None and len(p.mac) != TAG_SIZE) for p in parts):
+        raise CorruptError("part tags present/absent contrary to the header's flags")
     if h.codec.format not in FORMATS:
         raise CorruptError(f"unknown bitstream format {h.codec.format!r}")
     try:
@@ -266,23 +327,48 @@ def check_size(h: Header, size: int) -> None:
         raise CorruptError(f"object has {size - h.total_size} unexpected trailing bytes")
 
 
-def check(seg: Segment, data: bytes | memoryview) -> None:
-    """Raise unless the segment's bytes are complete and match their checksum (no copy)."""
+def check(seg: Segment, data: bytes | memoryview, auth: ObjectMAC | None = None) -> None:
+    """Raise unless the segment's bytes are complete and match their checksum and, with ``auth``,
+    their tag (no copy). ``seg`` must come from a header parsed with the same ``auth``."""
     if len(data) != seg.length:
         raise TruncatedError(f"segment is {len(data)} bytes, expected {seg.length}")
     if crc32(data) != seg.crc32:
         raise CorruptError(f"segment checksum mismatch at offset {seg.offset}")
+    if auth is not None and not auth.same(auth.part(seg.offset, data), seg.mac):
+        raise UnauthenticatedError(f"tag of the part at offset {seg.offset} does not verify for {auth.name}")
 
 
-def verify(seg: Segment, data: bytes | memoryview) -> bytes:
-    """Return the segment's bytes if they are complete and match their checksum."""
-    check(seg, data)
+def verify(seg: Segment, data: bytes | memoryview, auth: ObjectMAC | None = None) -> bytes:
+    """Return the segment's bytes if they are complete and match their checksum (and tag)."""
+    check(seg, data, auth)
     return bytes(data)
 
 
-def slice_segment(obj: bytes, h: Header, seg: Segment) -> bytes:
+def slice_segment(obj: bytes, h: Header, seg: Segment, auth: ObjectMAC | None = None) -> bytes:
     start = h.header_size + seg.offset
-    return verify(seg, memoryview(obj)[start : start + seg.length])
+    return verify(seg, memoryview(obj)[start : start + seg.length], auth)
+
+
+#: dtype -> (the unsigned integer of its size, its exponent bits): a value is NaN or infinite
+#: exactly when all its exponent bits are set
+_EXPONENT = {torch.float16: (np.uint16, 0x7C00), torch.bfloat16: (np.uint16, 0x7F80),
+             torch.float32: (np.uint32, 0x7F800000)}
+
+
+def check_finite(values: torch.Tensor | bytes | memoryview, dtype: torch.dtype) -> None:
+    """Raise :class:`CorruptError` if ``values`` (a tensor of ``dtype``, or its bytes: whole values)
+    hold a NaN or an infinity. On the CPU a bit test of the exponents (numpy; torch's ``isfinite``
+    on float16 is over ten times slower there)."""
+    if isinstance(values, torch.Tensor) and values.is_cuda:
+        ok = bool(torch.isfinite(values.contiguous().view(torch.uint8).reshape(-1).view(dtype)).all())
+    else:
+        if isinstance(values, torch.Tensor):
+            values = values.contiguous().view(torch.uint8).reshape(-1).numpy()
+        uint, bits = _EXPONENT[dtype]
+        a = np.frombuffer(values, dtype=uint)
+        ok = not bool(((a & uint(bits)) == bits).any())
+    if not ok:
+        raise CorruptError("non-finite values (NaN or infinity) in the chunk")
 
 
 def side_tensor(h: Header, data: bytes) -> torch.Tensor | None:

@@ -5,7 +5,8 @@ skips the leading chunks already stored, asks :meth:`Writer.room` how many more 
 (``config.store_queue_chunks``), hands over a private copy of the leading chunks that fit and
 counts the rest as dropped (:meth:`Writer.dropped`, in chunks) — a lost store costs a future
 recompute, a blocked model costs latency now. One task writes the queue in order: every configured
-preset of every chunk, skipping objects already stored.
+preset of every chunk, skipping objects already stored. With an
+object key configured every object is written with its tags, bound to its name (:mod:`format.mac`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kvfetcher import keys, kvbuffer
 from kvfetcher.chunk import encode_chunk
 from kvfetcher.config import Config
 from kvfetcher.errors import Reason
+from kvfetcher.format import mac
 from kvfetcher.metrics import Metrics
 from kvfetcher.store import Store, StoreError
 
@@ -58,6 +60,7 @@ class Writer:
         self._queue: asyncio.Queue[Job] | None = None
         self._task: asyncio.Task | None = None
         self.pending_chunks = 0
+        self.object_key = mac.key_from(config.object_key)  # None: objects are written without tags
 
     def start(self) -> None:
         self._queue = asyncio.Queue()
@@ -125,8 +128,9 @@ class Writer:
                     continue  # already stored (by us or another sidecar): a cheap no-op
                 t = time.perf_counter()
                 piece = job.kv[:, :, :, i * N : (i + 1) * N].contiguous()
+                auth = mac.ObjectMAC(self.object_key, name) if self.object_key else None
                 encode = functools.partial(encode_chunk, piece, preset, job.ns.model, start=(job.first + i) * N,
-                                           rope_theta=self.config.rope_theta)
+                                           rope_theta=self.config.rope_theta, auth=auth)
                 obj = await loop.run_in_executor(self.encode_pool, encode)
                 if await loop.run_in_executor(self.data_pool, self.store.put, name, obj):
                     self.metrics.bytes_written.inc(len(obj))
