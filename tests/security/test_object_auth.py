@@ -295,7 +295,7 @@ async def test_a_sidecar_with_the_key_tags_what_it_stores_and_drops_what_it_cann
         await sc.start()
         buf.tensor.copy_(kv)
         bid = sc.register(buf.handle, FP)
-        sc.save(bid, tokens)
+        await sc.save(bid, tokens)
         await sc.flush()
         names = [keys.object_name(k, "raw") for k in keys.chunk_keys(sc.buffers[bid].ns, tokens, CHUNK)]
         for n in names:  # written with tags bound to the name
