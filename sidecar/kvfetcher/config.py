@@ -110,11 +110,6 @@ def _home_cache(*parts: str) -> Callable[[], str]:
     return default
 
 
-def _shm_dir() -> str:
-    """`/dev/shm`, else `/tmp`"""
-    return "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
-
-
 DEFAULT_PRESETS = ("q8",)
 
 
@@ -162,7 +157,6 @@ AUTH_TOKEN = Setting("KVFETCHER_AUTH_TOKEN", str, "", "Bearer token of `/v1` ove
                      inject="the pool's Secret")
 AUTH_TOKEN_FILE = Setting("KVFETCHER_AUTH_TOKEN_FILE", str, None, "File holding the token, when "
                           "`KVFETCHER_AUTH_TOKEN` is unset.")
-SHM_DIR = Setting("KVFETCHER_SHM_DIR", str, _shm_dir, "Directory of host-memory KV buffers shared with the model.")
 FUSED_UNPACK = Setting("KVFETCHER_FUSED_UNPACK", bool, True, "Unpack CUDA frames with the fused Triton kernel.")
 
 # -- the model side (client) ------------------------------------------------------------------
@@ -199,8 +193,8 @@ TABLES: dict[str, tuple[Setting, ...]] = {
     "Sidecar (`kvfetcher serve`)": (
         CHUNK_TOKENS, PRESET, ALLOWED_PRESETS, TENANT, POOL, RECOMPUTE_TPS, ROPE_THETA, TTFT_BUDGET_S,
         DECODE_PROCS, WARM_UP, S3_ENDPOINT, S3_BUCKET, S3_ACCESS_KEY, S3_SECRET_KEY, S3_REGION, S3_CA_FILE,
-        S3_INSECURE, STORE_DIR, AUTH_TOKEN, AUTH_TOKEN_FILE, SHM_DIR, FUSED_UNPACK),
-    "Model side (`KVClient`, shared buffers)": (SOCKET, URL, SHM_DIR),
+        S3_INSECURE, STORE_DIR, AUTH_TOKEN, AUTH_TOKEN_FILE, FUSED_UNPACK),
+    "Model side (`KVClient`, shared buffers)": (SOCKET, URL),
     "Evaluation (`kvfetcher demo`, tests)": (CACHE,),
     "Operator": (WEBHOOK_ADDR, WEBHOOK_PORT, WEBHOOK_CERT, WEBHOOK_KEY, WEBHOOK_CONFIGURATION,
                  METRICS_ADDR, METRICS_PORT, RETRY_SECONDS, RESYNC_SECONDS, ENDPOINT_DENY, ENDPOINT_ALLOW,
