@@ -10,9 +10,9 @@ object; the sidecar opens the handle and gets a tensor aliasing the same memory:
   :func:`receive_buffer`), never as a number or a path. So a peer can neither swap the memory
   between a check and an open, nor make a mapped page vanish (a shrunk file would SIGBUS whoever
   touches the page past its end). The handle names the fd in the process that holds it
-  (``pid``, ``fd``, and the inode it must be); that process and its children open it through
-  ``/proc/<pid>/fd/<fd>``, checked to be that inode, a tmpfs memfd of exactly the buffer's size
-  with those seals.
+  (``pid``, ``fd``, and the inode it must be); that process opens it by ``dup`` and its
+  children through ``/proc/<pid>/fd/<fd>``, checked to be that inode, a tmpfs memfd of exactly
+  the buffer's size with those seals, mapped read-write (a read-only fd is refused, never upgraded).
 * GPU: a CUDA IPC handle of the buffer's storage, as produced by
   ``torch.multiprocessing.reductions.reduce_tensor`` and opened with its rebuild function;
   the arguments are encoded field by field (no pickle crosses the socket).
@@ -121,12 +121,14 @@ def _nbytes(shape, dtype: torch.dtype) -> int:
 
 
 def _reopen(h: dict) -> int:
-    """A new fd of this process for the memfd handle ``h`` names, checked to be its inode."""
+    """A new fd of this process for the memfd handle ``h`` names, checked to be its inode: a dup of
+    this process's fd (same access mode), or a parent's reopened through ``/proc`` (read-write: a
+    parent hands its children only buffers it mapped read-write itself)."""
     pid, fd, inode = int(h["pid"]), int(h["fd"]), list(h["inode"])
     if pid not in (os.getpid(), os.getppid()):
         raise ValueError("a memfd handle opens only in the process that holds it or its children: pass the fd itself")
     try:
-        new = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+        new = os.dup(fd) if pid == os.getpid() else os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
     except OSError as e:
         raise ValueError(f"memfd handle {pid}/{fd} cannot be opened: {e.strerror}") from None
     st = os.fstat(new)
