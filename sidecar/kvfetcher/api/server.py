@@ -128,8 +128,9 @@ async def _register_passed(sidecar: Sidecar, conn: socket.socket) -> None:
             os.close(fd)  # the sidecar holds its own (ipc.adopt)
     try:
         await loop.run_in_executor(None, conn.sendall, json.dumps(schemas.to_json(reply)).encode())
-    except OSError:
-        pass  # the client is gone: its registration, if any, is unreachable and leaks only until shutdown
+    except OSError:  # the client is gone: no one can name its registration any more
+        if isinstance(reply, schemas.RegisterReply):
+            sidecar.unregister(reply.buffer)
     finally:
         conn.close()
 
