@@ -110,11 +110,6 @@ def _home_cache(*parts: str) -> Callable[[], str]:
     return default
 
 
-def _shm_dir() -> str:
-    """`/dev/shm`, else `/tmp`"""
-    return "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
-
-
 DEFAULT_PRESETS = ("q8",)
 
 
@@ -169,7 +164,6 @@ AUTH_TOKEN = Setting("KVFETCHER_AUTH_TOKEN", str, "", "Bearer token of `/v1` ove
                      inject="the pool's Secret")
 AUTH_TOKEN_FILE = Setting("KVFETCHER_AUTH_TOKEN_FILE", str, None, "File holding the token, when "
                           "`KVFETCHER_AUTH_TOKEN` is unset.")
-SHM_DIR = Setting("KVFETCHER_SHM_DIR", str, _shm_dir, "Directory of host-memory KV buffers shared with the model.")
 DEADLINE_S = Setting("KVFETCHER_DEADLINE_S", float, 30.0,
                      "Seconds a lookup or fetch may take when the request gives none; also the store's read timeout.")
 MAX_REQUEST_TOKENS = Setting("KVFETCHER_MAX_REQUEST_TOKENS", int, 262144,
@@ -216,9 +210,9 @@ TABLES: dict[str, tuple[Setting, ...]] = {
     "Sidecar (`kvfetcher serve`)": (
         CHUNK_TOKENS, PRESET, ALLOWED_PRESETS, TENANT, POOL, OBJECT_KEY, MODEL, RECOMPUTE_TPS, ROPE_THETA, TTFT_BUDGET_S,
         DECODE_PROCS, WARM_UP, S3_ENDPOINT, S3_BUCKET, S3_ACCESS_KEY, S3_SECRET_KEY, S3_REGION, S3_CA_FILE,
-        S3_INSECURE, STORE_DIR, AUTH_TOKEN, AUTH_TOKEN_FILE, SHM_DIR, FUSED_UNPACK, DEADLINE_S, MAX_REQUEST_TOKENS,
+        S3_INSECURE, STORE_DIR, AUTH_TOKEN, AUTH_TOKEN_FILE, FUSED_UNPACK, DEADLINE_S, MAX_REQUEST_TOKENS,
         STORE_QUEUE_CHUNKS, IO_WORKERS, META_IO_WORKERS),
-    "Model side (`KVClient`, shared buffers)": (SOCKET, URL, SHM_DIR),
+    "Model side (`KVClient`, shared buffers)": (SOCKET, URL),
     "Evaluation (`kvfetcher demo`, tests)": (CACHE,),
     "Operator": (WEBHOOK_ADDR, WEBHOOK_PORT, WEBHOOK_CERT, WEBHOOK_KEY, WEBHOOK_CONFIGURATION,
                  METRICS_ADDR, METRICS_PORT, RETRY_SECONDS, RESYNC_SECONDS, ENDPOINT_DENY, ENDPOINT_ALLOW,

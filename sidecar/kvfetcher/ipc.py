@@ -1,11 +1,18 @@
 """ipc: share the model's KV buffers with the sidecar, without copying them.
 
 One protocol, two transports. The model side allocates (or already has) a buffer
-``[layers, 2, kv_heads, capacity, head_dim]`` and sends the sidecar a *handle*, a small JSON
+``[layers, 2, kv_heads, capacity, head_dim]`` and gives the sidecar a *handle*, a small JSON
 object; the sidecar opens the handle and gets a tensor aliasing the same memory:
 
-* CPU: the buffer lives in a file under ``/dev/shm`` (``KVFETCHER_SHM_DIR``), memory-mapped by
-  both processes. (In Kubernetes both containers mount the same memory-backed ``emptyDir``.)
+* CPU: a memfd (anonymous shared memory, never a name in a directory) sealed against shrinking
+  and growing, its seals sealed (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``). Its fd crosses to
+  the sidecar only as ``SCM_RIGHTS`` over the sidecar's buffer socket (:func:`pass_buffer`,
+  :func:`receive_buffer`), never as a number or a path. So a peer can neither swap the memory
+  between a check and an open, nor make a mapped page vanish (a shrunk file would SIGBUS whoever
+  touches the page past its end). The handle names the fd in the process that holds it
+  (``pid``, ``fd``, and the inode it must be); that process opens it by ``dup`` and its
+  children through ``/proc/<pid>/fd/<fd>``, checked to be that inode, a tmpfs memfd of exactly
+  the buffer's size with those seals, mapped read-write (a read-only fd is refused, never upgraded).
 * GPU: a CUDA IPC handle of the buffer's storage, as produced by
   ``torch.multiprocessing.reductions.reduce_tensor`` and opened with its rebuild function;
   the arguments are encoded field by field (no pickle crosses the socket).
@@ -14,81 +21,206 @@ object; the sidecar opens the handle and gets a tensor aliasing the same memory:
 from __future__ import annotations
 
 import base64
+import ctypes
+import fcntl
+import functools
+import json
 import mmap
 import os
-import uuid
-from dataclasses import dataclass
-from pathlib import Path
+import socket
+import stat
+from dataclasses import dataclass, field
 
 import torch
 
-from kvfetcher import config
 from kvfetcher.kvbuffer import DTYPES, dtype_name
 
-SHM_PREFIX = "kvfetcher-"
-
-
-def shm_dir() -> Path:
-    return Path(config.SHM_DIR.read())
+#: the seals a registered memfd must carry: it cannot shrink or grow, and no seal can be added or removed
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+_TMPFS_MAGIC = 0x01021994  # hugetlbfs is refused: a fault in a hole there may SIGBUS when the pool is empty
+MAX_MESSAGE = 64 << 10  # bytes of a registration message on the buffer socket
 
 
 @dataclass
 class SharedBuffer:
-    """A buffer allocated for sharing, and the handle that names it. ``close`` frees it."""
+    """A buffer allocated for sharing, and the handle that names it. ``close`` drops this
+    process's fd (the memory lives as long as a mapping or another fd of it)."""
 
     tensor: torch.Tensor
     handle: dict
-    _mm: mmap.mmap | None = None
-    _path: Path | None = None
+    _fd: int | None = field(default=None, repr=False)
 
     def close(self) -> None:
-        if self._path is not None:
-            self._path.unlink(missing_ok=True)
-            self._path = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device = "cpu") -> SharedBuffer:
-    """Model side: a zeroed buffer the sidecar can open (shared memory on CPU, CUDA IPC on GPU)."""
+    """Model side: a zeroed buffer the sidecar can open (a sealed memfd on CPU, CUDA IPC on GPU)."""
     dev = torch.device(device)
     if dev.type == "cuda":
         t = torch.zeros(shape, dtype=dtype, device=dev)
         return SharedBuffer(t, cuda_handle(t))
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    path = shm_dir() / f"{SHM_PREFIX}{uuid.uuid4().hex}"
-    with open(path, "w+b") as f:
-        f.truncate(nbytes)
-        mm = mmap.mmap(f.fileno(), nbytes)
-    t = torch.frombuffer(mm, dtype=dtype).view(shape)
-    handle = {"kind": "shm", "path": str(path), "shape": list(shape), "dtype": dtype_name(dtype)}
-    return SharedBuffer(t, handle, mm, path)
+    fd = os.memfd_create("kvfetcher-kv", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, _nbytes(shape, dtype))
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+        handle = memfd_handle(fd, shape, dtype_name(dtype))
+        t = _map(fd, handle)
+    except BaseException:
+        os.close(fd)
+        raise
+    return SharedBuffer(t, handle, fd)
+
+
+def memfd_handle(fd: int, shape, dtype: str) -> dict:
+    """The handle of memfd ``fd`` of this process, holding a ``shape`` buffer of ``dtype``."""
+    st = os.fstat(fd)
+    return {"kind": "memfd", "pid": os.getpid(), "fd": fd, "inode": [st.st_dev, st.st_ino], "shape": list(shape), "dtype": dtype}
 
 
 def open_handle(handle: dict) -> torch.Tensor:
-    """Sidecar side: the tensor a handle names. Raises ``ValueError`` for a bad handle."""
+    """The tensor a handle names: a CUDA handle, or a memfd of this process or its parent. Raises
+    ``ValueError`` for a bad handle (``KeyError`` / ``TypeError`` for a malformed one)."""
     kind = handle.get("kind")
-    if kind == "shm":
-        return _open_shm(handle)
+    if kind == "memfd":
+        fd = _reopen(handle)
+        try:
+            return _map(fd, handle)
+        finally:
+            os.close(fd)
     if kind == "cuda":
         return _open_cuda(handle)
-    raise ValueError(f"unknown buffer handle kind {kind!r} (expected 'shm' or 'cuda')")
+    raise ValueError(f"unknown buffer handle kind {kind!r} (expected 'memfd' or 'cuda')")
 
 
-def _open_shm(h: dict) -> torch.Tensor:
-    path = Path(h["path"]).resolve()
-    if path.parent != shm_dir().resolve() or not path.name.startswith(SHM_PREFIX):
-        raise ValueError(f"shared buffer must be a {SHM_PREFIX}* file in {shm_dir()}, not {path}")
+def adopt(handle: dict) -> tuple[torch.Tensor, dict]:
+    """The sidecar's side of a registration: the tensor ``handle`` names, and a handle of its own
+    that this process and its children (the decode workers) open. For a memfd that is a new fd of
+    this process, held until :func:`release`; a CUDA handle is its own."""
+    if handle.get("kind") != "memfd":
+        return open_handle(handle), handle
+    fd = _reopen(handle)
+    try:
+        t = _map(fd, handle)
+        return t, memfd_handle(fd, handle["shape"], handle["dtype"])
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def release(handle: dict) -> None:
+    """Close the fd of a handle :func:`adopt` returned (its mappings stay valid)."""
+    if handle.get("kind") == "memfd":
+        os.close(handle["fd"])
+
+
+def _nbytes(shape, dtype: torch.dtype) -> int:
+    return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+
+
+def _reopen(h: dict) -> int:
+    """A new fd of this process for the memfd handle ``h`` names, checked to be its inode: a dup of
+    this process's fd (same access mode), or a parent's reopened through ``/proc`` (read-write: a
+    parent hands its children only buffers it mapped read-write itself)."""
+    pid, fd, inode = int(h["pid"]), int(h["fd"]), list(h["inode"])
+    if pid not in (os.getpid(), os.getppid()):
+        raise ValueError("a memfd handle opens only in the process that holds it or its children: pass the fd itself")
+    try:
+        new = os.dup(fd) if pid == os.getpid() else os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    except OSError as e:
+        raise ValueError(f"memfd handle {pid}/{fd} cannot be opened: {e.strerror}") from None
+    st = os.fstat(new)
+    if [st.st_dev, st.st_ino] != inode:
+        os.close(new)
+        raise ValueError(f"memfd handle {pid}/{fd} names another file now")
+    return new
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _fs_type(fd: int) -> int:
+    buf = ctypes.create_string_buffer(512)  # struct statfs; f_type is its first word
+    if _libc().fstatfs(fd, buf) != 0:
+        raise OSError(ctypes.get_errno(), "fstatfs failed")
+    return ctypes.c_long.from_buffer(buf).value
+
+
+def check_memfd(fd: int, nbytes: int) -> None:
+    """Refuse (``ValueError``) an fd that is not a tmpfs memfd of ``nbytes`` bytes carrying :data:`SEALS`:
+    only such memory can be mapped without a peer being able to fault the mapping."""
+    st = os.fstat(fd)
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0  # not a memfd
+    if not stat.S_ISREG(st.st_mode) or seals & SEALS != SEALS or _fs_type(fd) != _TMPFS_MAGIC:
+        raise ValueError("a host buffer must be a tmpfs memfd sealed with F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_SEAL (ipc.allocate)")
+    if st.st_size != nbytes:
+        raise ValueError(f"shared buffer is {st.st_size} bytes, not {nbytes}")
+
+
+def _map(fd: int, h: dict) -> torch.Tensor:
     if h.get("dtype") not in DTYPES:
         raise ValueError(f"unsupported buffer dtype {h.get('dtype')!r}")
     dtype, shape = DTYPES[h["dtype"]], tuple(int(x) for x in h["shape"])
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    nbytes = _nbytes(shape, dtype)
+    check_memfd(fd, nbytes)
     try:
-        with open(path, "r+b") as f:
-            if os.fstat(f.fileno()).st_size != nbytes:
-                raise ValueError(f"shared buffer {path} is not {nbytes} bytes")
-            mm = mmap.mmap(f.fileno(), nbytes)
-    except FileNotFoundError:
-        raise ValueError(f"shared buffer {path} does not exist") from None
+        mm = mmap.mmap(fd, nbytes)
+    except OSError as e:  # e.g. an fd opened read-only
+        raise ValueError(f"shared buffer cannot be mapped read-write: {e.strerror}") from None
     return torch.frombuffer(mm, dtype=dtype).view(shape)
+
+
+# --- the buffer socket: a registration message with its memfd (SCM_RIGHTS) ------------------------
+
+def fd_socket(api_socket: str) -> str:
+    """The buffer socket beside the sidecar's API socket ``api_socket``."""
+    return f"{api_socket}.fd"
+
+
+def pass_buffer(path: str, message: dict, handle: dict, timeout: float) -> dict:
+    """Client side: send ``message`` (JSON) with the memfd ``handle`` names to the buffer socket at
+    ``path``; the sidecar's JSON reply."""
+    fd = _reopen(handle)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(timeout)
+            s.connect(path)
+            socket.send_fds(s, [json.dumps(message).encode()], [fd])
+            s.shutdown(socket.SHUT_WR)
+            return json.loads(_read_all(s) or b"{}")
+    finally:
+        os.close(fd)
+
+
+def receive_buffer(conn: socket.socket) -> tuple[dict, int | None]:
+    """Sidecar side, blocking (``conn`` has a timeout): a client's message and the fd it passed
+    (None without one; the caller closes it). Raises ``ValueError`` for a malformed message."""
+    data, fds, flags, _ = socket.recv_fds(conn, MAX_MESSAGE, 1)
+    try:
+        if flags & socket.MSG_CTRUNC:
+            raise ValueError("one fd per registration")
+        message = json.loads(data + _read_all(conn, MAX_MESSAGE - len(data)))
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return message, (fds[0] if fds else None)
+
+
+def _read_all(s: socket.socket, limit: int = MAX_MESSAGE) -> bytes:
+    out = b""
+    while chunk := s.recv(65536):
+        out += chunk
+        if len(out) > limit:
+            raise ValueError(f"message over {limit} bytes")
+    return out
 
 
 # --- CUDA IPC -------------------------------------------------------------------------------

@@ -23,7 +23,6 @@ import asyncio
 import logging
 import secrets
 import time
-import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -50,7 +49,7 @@ log = logging.getLogger("kvfetcher.service")
 class Buffer:
     tensor: torch.Tensor  # [layers, 2, kv_heads, capacity, head_dim], aliasing the model's memory
     ns: keys.Namespace
-    handle: dict | None = None  # what decode worker processes open to write into the same memory
+    handle: dict | None = None  # this process's handle (ipc.adopt): what decode worker processes open to write into the same memory
 
 
 class Sidecar:
@@ -136,6 +135,8 @@ class Sidecar:
             await asyncio.gather(self._warming, return_exceptions=True)
         for pool in (self.data_pool, self.meta_pool, self.decode_pool):
             pool.shutdown(wait=False, cancel_futures=True)
+        for bid in list(self.buffers):
+            self.unregister(bid)
         if self.workers is not None:
             self.workers.close()
 
@@ -147,15 +148,22 @@ class Sidecar:
     # --- buffers ---------------------------------------------------------------------------
 
     def register(self, handle: dict, model: str, tp_rank: int = 0) -> str:
+        """Map the buffer ``handle`` names (:mod:`kvfetcher.ipc`; a memfd handle must name an fd of
+        this process: the API passes only fds its buffer socket received) and return its id.
+
+        The id is the registration's capability: unguessable, given only to the registering peer,
+        never logged or listed; whoever presents it may load into, store from and unregister the
+        buffer, and nothing else names the buffer."""
         try:
-            t = ipc.open_handle(handle)
+            t, handle = ipc.adopt(handle)
         except (KeyError, TypeError) as e:
             raise RequestError(f"malformed buffer handle: {e}") from e
         except ValueError as e:
             raise RequestError(str(e)) from e
         if t.dim() != 5 or t.shape[1] != 2:
+            ipc.release(handle)
             raise RequestError(f"KV buffer must be [layers, 2, kv_heads, capacity, head_dim], got {tuple(t.shape)}")
-        bid = uuid.uuid4().hex
+        bid = secrets.token_urlsafe(24)
         L, _, H, _, D = t.shape
         self.buffers[bid] = Buffer(t, self.namespace(model, kvbuffer.dtype_name(t.dtype), tp_rank, (L, H, D)), handle)
         if self.config.warm_up:
@@ -169,8 +177,10 @@ class Sidecar:
 
     def unregister(self, bid: str) -> None:
         buf = self.buffers.pop(bid, None)
-        if buf is not None and buf.handle is not None and self.workers is not None:
-            self.workers.forget(buf.handle)
+        if buf is not None and buf.handle is not None:
+            if self.workers is not None:
+                self.workers.forget(buf.handle)
+            ipc.release(buf.handle)
 
     def _buffer(self, bid: str) -> Buffer:
         try:

@@ -1,4 +1,4 @@
-"""Decode worker processes: fetches restored by other processes into a shared buffer (CPU: /dev/shm).
+"""Decode worker processes: fetches restored by other processes into a shared buffer (CPU: a memfd).
 
 The same code drives NVDEC in worker processes on a GPU (tests/dataplane/test_gpu_dataplane.py);
 here the workers decode with libavcodec and write through the buffer's shared-memory handle.
@@ -7,7 +7,6 @@ here the workers decode with libavcodec and write through the buffer's shared-me
 import asyncio
 import os
 import signal
-import uuid
 
 import pytest
 import torch
@@ -233,11 +232,11 @@ async def test_a_buffer_that_failed_to_open_is_remembered_until_forgotten(tmp_pa
     store = LocalStore(tmp_path)
     refs = put_chunks(store, kv, 32, preset="q8")
     buf = shared(kv)
-    later = ipc.shm_dir() / f"{ipc.SHM_PREFIX}{uuid.uuid4().hex}"
-    handle = dict(buf.handle, path=str(later))
+    later = 1000  # an fd number not open yet
+    handle = dict(buf.handle, fd=later)
     workers.open(handle)
     round_trip(workers)
-    os.link(buf.handle["path"], later)  # now it could be opened
+    os.dup2(buf.handle["fd"], later)  # now it could be opened
     try:
         dest = Destination(buf.tensor, tokens=64, handle=handle)
         before = workers.stats["chunks"]
@@ -251,7 +250,7 @@ async def test_a_buffer_that_failed_to_open_is_remembered_until_forgotten(tmp_pa
         assert torch.equal(buf.tensor, expected(store, refs))
     finally:
         workers.forget(handle)
-        later.unlink()
+        os.close(later)
 
 
 async def test_a_fetch_beside_a_warm_up_does_not_teach_the_estimator(tmp_path, shared):

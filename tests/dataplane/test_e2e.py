@@ -21,18 +21,18 @@ pytestmark = pytest.mark.slow
 SLOW_MODEL_TPS = 50.0  # tell the cost model prefill is slow, so that a fetch is always attempted
 
 
-def cached_lm(lm, url, **kw):
-    return CachedLM(lm.model, lm.fingerprint, KVClient(url, token=TOKEN), capacity_tokens=512, **kw)
+def cached_lm(lm, sc, **kw):
+    return CachedLM(lm.model, lm.fingerprint, KVClient(socket_path=sc.socket), capacity_tokens=512, **kw)
 
 
 def test_store_then_fetch_gives_identical_generation(lm, prompt, s3):
     ids, _, reference = prompt
     with sidecar(s3, presets=("q8",)) as a, sidecar(s3, presets=("q8",)) as b:
-        ga = cached_lm(lm, a.url).generate(ids, NEW)
+        ga = cached_lm(lm, a).generate(ids, NEW)
         assert ga.loaded_tokens == 0 and ga.tokens == reference
         assert ga.store.queued_chunks == len(ids) // CHUNK
         KVClient(a.url, token=TOKEN).flush()
-        gb = cached_lm(lm, b.url, recompute_tps=SLOW_MODEL_TPS).generate(ids, NEW, store=False)
+        gb = cached_lm(lm, b, recompute_tps=SLOW_MODEL_TPS).generate(ids, NEW, store=False)
         assert "kvfetcher_lookup_seconds_count 1.0" in KVClient(b.url, token=TOKEN).metrics()  # the prefix listed once
     assert gb.load.error is None and gb.load.decision.preset == "q8"
     assert gb.loaded_tokens == (len(ids) - 1) // CHUNK * CHUNK
@@ -67,7 +67,7 @@ def test_fault_store_down(lm, prompt):
     ids, _, reference = prompt
     dead = S3Store(f"http://127.0.0.1:{closed_port()}", "bucket", "k", "s")
     with sidecar(dead) as sc:
-        g = cached_lm(lm, sc.url, recompute_tps=SLOW_MODEL_TPS).generate(ids, NEW, store=False)
+        g = cached_lm(lm, sc, recompute_tps=SLOW_MODEL_TPS).generate(ids, NEW, store=False)
         assert g.loaded_tokens == 0 and g.tokens == reference
         assert 'kvfetcher_errors_total{reason="store_down"}' in KVClient(sc.url, token=TOKEN).metrics()
 
@@ -76,7 +76,7 @@ def test_fault_sidecar_gone(lm, prompt, s3):
     ids = prompt[0][:CHUNK + 16]  # shorter: this case needs a full prefill twice
     reference = model.greedy(lm, ids, model.prefill(lm, ids)[0], NEW)
     with sidecar(s3) as sc:
-        m = cached_lm(lm, sc.url, recompute_tps=SLOW_MODEL_TPS)
+        m = cached_lm(lm, sc, recompute_tps=SLOW_MODEL_TPS)
     g = m.generate(ids, NEW)  # the sidecar has stopped: lookup, load and store all fail to connect
     assert (g.loaded_tokens, g.load, g.store) == (0, None, None)
     assert g.tokens == reference
@@ -113,7 +113,7 @@ def test_fault_falls_back_to_recompute(lm, prompt, objects, s3_endpoint, slow_pr
         proxy.hook = delete_once
     store = S3Store(proxy.endpoint, direct.bucket, "testing", "testing")
     with sidecar(store) as sc:
-        g = cached_lm(lm, sc.url, recompute_tps=SLOW_MODEL_TPS).generate(ids, NEW, store=False)
+        g = cached_lm(lm, sc, recompute_tps=SLOW_MODEL_TPS).generate(ids, NEW, store=False)
         metrics = KVClient(sc.url, token=TOKEN).metrics()
     assert g.load is not None and g.load.error == reason, g.load
     assert g.loaded_tokens == CHUNK  # chunk 0 is good; chunk 1 is not, so it and what follows are recomputed
@@ -132,7 +132,7 @@ def test_fault_slow_link_past_the_deadline(lm, prompt, objects, s3_endpoint, slo
     proxy = slow_proxy(bytes_per_s=2e6)  # a raw chunk is ~3 MB: 1.5 s each
     store = S3Store(proxy.endpoint, direct.bucket, "testing", "testing")
     with sidecar(store) as sc:
-        g = cached_lm(lm, sc.url, recompute_tps=SLOW_MODEL_TPS).generate(ids, NEW, store=False, deadline_s=0.5)
+        g = cached_lm(lm, sc, recompute_tps=SLOW_MODEL_TPS).generate(ids, NEW, store=False, deadline_s=0.5)
     assert g.load.error == "deadline"
     assert g.load.seconds < 1.5
     assert g.loaded_tokens < len(ids) // CHUNK * CHUNK
@@ -147,7 +147,7 @@ def test_a_dropped_bad_object_is_repaired_by_the_next_store(lm, prompt, objects,
     s3.delete(bad_name)
     s3.put(bad_name, flip(bad_data, len(bad_data) // 2))
     with sidecar(s3) as sc:
-        m = cached_lm(lm, sc.url, recompute_tps=SLOW_MODEL_TPS)
+        m = cached_lm(lm, sc, recompute_tps=SLOW_MODEL_TPS)
         first = m.generate(ids, NEW)  # falls back at chunk 1, then stores the prompt again
         KVClient(sc.url, token=TOKEN).flush()
         second = m.generate(ids, NEW, store=False)
@@ -172,7 +172,7 @@ def test_16_concurrent_fetches_of_different_prefixes_never_cross_talk(lm, prompt
     # distinct real KV per prefix: the model's KV shifted along the tokens by a different amount
     kvs = [torch.roll(kv[:, :, :, :length], shifts=7 * i + 1, dims=3).contiguous() for i in range(n)]
     with sidecar(s3, chunk_tokens=chunk, window=2) as sc:
-        writer = KVClient(sc.url, token=TOKEN)
+        writer = KVClient(socket_path=sc.socket)
         wbuf = ipc.allocate((L, 2, H, length, D), torch.float16)
         wid = writer.register(wbuf.handle, lm.fingerprint)
         for p, k in zip(prompts, kvs):
@@ -183,7 +183,7 @@ def test_16_concurrent_fetches_of_different_prefixes_never_cross_talk(lm, prompt
         results = [None] * n
 
         def fetch(i):
-            c = KVClient(sc.url, token=TOKEN)
+            c = KVClient(socket_path=sc.socket)
             bid = c.register(bufs[i].handle, lm.fingerprint)
             results[i] = c.load(bid, prompts[i], offset=i % 32, recompute_tokens_per_s=SLOW_MODEL_TPS)
 

@@ -53,7 +53,7 @@ def test_serve_from_the_operators_environment(s3_endpoint, tmp_path):
             c.flush()
             assert sorted(n.rsplit("/", 1)[1] for n in bucket.list("kv/")) == ["raw.kvfc", "raw.kvfc"]  # KVFETCHER_PRESET
             t = KVClient(f"http://127.0.0.1:{port}", token="s3cret")
-            assert t.lookup(t.register(buf.handle, "m"), list(range(64))) == 64
+            assert t.lookup(None, list(range(64)), model="m", dtype="float16") == 64
             assert c.save(bid, list(range(100, 164))).queued_chunks == 2  # queued, then SIGTERM at once
         finally:
             buf.close()

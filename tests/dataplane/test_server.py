@@ -28,7 +28,7 @@ def test_store_then_load_round_trip_and_metrics(s3, buf):
     kv = synthetic_kv(layers=2, heads=2, tokens=256, head_dim=32)
     tokens = list(range(1000, 1256))
     with sidecar(s3, chunk_tokens=64, presets=("raw", "q8")) as sc:
-        c = KVClient(sc.url, token=TOKEN)
+        c = KVClient(socket_path=sc.socket)
         bid = c.register(buf.handle, FP)
         assert c.lookup(bid, tokens) == 0
         buf.tensor[:, :, :, :256] = kv
@@ -81,7 +81,7 @@ def test_cost_model_can_choose_recompute(s3, buf):
     kv = synthetic_kv(layers=2, heads=2, tokens=128, head_dim=32)
     tokens = list(range(128))
     with sidecar(s3, chunk_tokens=64) as sc:
-        c = KVClient(sc.url, token=TOKEN)
+        c = KVClient(socket_path=sc.socket)
         bid = c.register(buf.handle, FP)
         buf.tensor[:, :, :, :128] = kv
         c.save(bid, tokens)
@@ -104,7 +104,7 @@ def test_allowed_presets_bound_the_choice(s3, buf):
     kv = synthetic_kv(layers=2, heads=2, tokens=128, head_dim=32)
     tokens = list(range(128))
     with sidecar(s3, chunk_tokens=64, presets=("raw", "q8"), allowed_presets=("q8",)) as sc:
-        c = KVClient(sc.url, token=TOKEN)
+        c = KVClient(socket_path=sc.socket)
         bid = c.register(buf.handle, FP)
         buf.tensor[:, :, :, :128] = kv
         c.save(bid, tokens)
@@ -132,7 +132,8 @@ def test_auth_tcp_token_and_unix_socket(s3, buf, tmp_path):
         with pytest.raises(SidecarError) as e:
             KVClient(sc.url, token="nope").lookup("x", [1])
         assert e.value.status == 401
-        assert KVClient(sc.url, token=TOKEN).register(buf.handle, FP)
+        with pytest.raises(ValueError, match="Unix socket"):  # a host buffer's fd is passed, never over TCP
+            KVClient(sc.url, token=TOKEN).register(buf.handle, FP)
         # over the Unix socket, the socket's permissions are the authentication
         assert oct(__import__("os").stat(sock).st_mode & 0o777) == "0o660"
         u = KVClient(socket_path=sock, token="")
@@ -151,7 +152,7 @@ def test_no_configured_token_refuses_tcp(s3, buf):
 
     with Embedded(Sidecar(s3, Config()), token=None) as sc:
         with pytest.raises(SidecarError, match="no token is configured"):
-            KVClient(sc.url, token="anything").register(buf.handle, FP)
+            KVClient(sc.url, token="anything").lookup("x", [1])
 
 
 @pytest.mark.parametrize(
@@ -166,8 +167,8 @@ def test_no_configured_token_refuses_tcp(s3, buf):
         ("/v1/fetch", json.dumps({"buffer": "b", "tokens": [1], "recompute_tps": 5}).encode(), "unknown field(s) ['recompute_tps']"),
         ("/v1/fetch", json.dumps({"buffer": "b", "tokens": [1], "plan": {"model": "m"}}).encode(), "'dtype' is required in plan"),
         ("/v1/store", json.dumps({"tokens": [1]}).encode(), "'buffer' is required"),
-        ("/v1/buffers", json.dumps({"handle": {"kind": "shm", "path": "/etc/passwd", "shape": [1], "dtype": "float16"}, "model": "m"}).encode(), "shared buffer"),
-        ("/v1/buffers", json.dumps({"handle": {"kind": "shm"}, "model": "m"}).encode(), "malformed"),
+        ("/v1/buffers", json.dumps({"handle": {"kind": "shm", "path": "/etc/passwd", "shape": [1], "dtype": "float16"}, "model": "m"}).encode(), "only a CUDA handle"),
+        ("/v1/buffers", json.dumps({"handle": {"kind": "memfd", "pid": 1, "fd": 3}, "model": "m"}).encode(), "only a CUDA handle"),
     ],
 )
 def test_bad_requests_get_clear_400s(s3, path, body, detail):
@@ -179,7 +180,7 @@ def test_bad_requests_get_clear_400s(s3, path, body, detail):
 
 def test_bad_slots_are_refused(s3, buf):
     with sidecar(s3, chunk_tokens=64) as sc:
-        c = KVClient(sc.url, token=TOKEN)
+        c = KVClient(socket_path=sc.socket)
         bid = c.register(buf.handle, FP)
         with pytest.raises(SidecarError, match="slots"):
             c.load(bid, list(range(128)), offset=200)  # 200 + 128 > 256 slots
@@ -192,7 +193,7 @@ def test_store_down_readyz_lookup_and_store(buf):
     with sidecar(dead, chunk_tokens=64) as sc:
         assert raw_request(sc.where["port"], "GET", "/readyz")[0] == 503
         assert raw_request(sc.where["port"], "GET", "/healthz")[0] == 200
-        c = KVClient(sc.url, token=TOKEN)
+        c = KVClient(socket_path=sc.socket)
         bid = c.register(buf.handle, FP)
         assert c.lookup(bid, list(range(128))) == 0
         r = c.load(bid, list(range(128)))
@@ -204,7 +205,7 @@ def test_store_down_readyz_lookup_and_store(buf):
 
 def test_store_queue_is_bounded_and_never_blocks(s3, buf):
     with sidecar(s3, chunk_tokens=64, presets=("q8",), store_queue_chunks=4) as sc:
-        c = KVClient(sc.url, token=TOKEN)
+        c = KVClient(socket_path=sc.socket)
         bid = c.register(buf.handle, FP)
         buf.tensor.copy_(synthetic_kv(layers=2, heads=2, tokens=256, head_dim=32))
         t = time.perf_counter()
@@ -235,7 +236,7 @@ def test_a_load_given_a_plan_does_not_list_again(s3, buf):
     tokens = list(range(192))
     lists = counting_lists(s3)
     with sidecar(s3, chunk_tokens=64, presets=("raw",)) as sc:
-        c = KVClient(sc.url, token=TOKEN)
+        c = KVClient(socket_path=sc.socket)
         bid = c.register(buf.handle, FP)
         buf.tensor[:, :, :, :192] = kv
         c.save(bid, tokens)
@@ -269,14 +270,14 @@ def test_a_plan_is_checked_before_it_is_trusted(s3, buf):
     kv = synthetic_kv(layers=2, heads=2, tokens=128, head_dim=32)
     tokens = list(range(128))
     with sidecar(s3, chunk_tokens=64) as sc, sidecar(s3, chunk_tokens=64) as other:
-        c = KVClient(sc.url, token=TOKEN)
+        c = KVClient(socket_path=sc.socket)
         bid = c.register(buf.handle, FP)
         buf.tensor[:, :, :, :128] = kv
         c.save(bid, tokens)
         c.flush()
         plan = c.plan(bid, tokens, recompute_tokens_per_s=1.0)
         assert plan.loaded_tokens == 128
-        o = KVClient(other.url, token=TOKEN)
+        o = KVClient(socket_path=other.socket)
         forged = [
             (tokens[:64] + [7] * 64, plan, "other tokens"),  # another prompt's plan
             (tokens, replace(plan, chunks=((plan.preset, 10**9),) * 2), "not issued by this sidecar"),  # sizes changed

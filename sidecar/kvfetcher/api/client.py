@@ -59,6 +59,7 @@ class KVClient:
             self._connect = lambda: http.client.HTTPConnection(u.hostname, u.port or 80, timeout=timeout_s)
         else:
             self._connect = lambda: _UnixConnection(socket_path, timeout_s)
+        self._socket_path, self._timeout_s = (None if url else socket_path), timeout_s
         self.token = token if token is not None else config.AUTH_TOKEN.read()
         self._conn: http.client.HTTPConnection | None = None
         self._lock = threading.Lock()
@@ -114,8 +115,22 @@ class KVClient:
     # --- the connector verbs -----------------------------------------------------------------
 
     def register(self, handle: dict, model: str, tp_rank: int = 0) -> str:
-        """Register a KV buffer (see :mod:`kvfetcher.ipc`); returns its id for the other calls."""
-        return self._call(schemas.REGISTER, schemas.RegisterRequest(handle, model, tp_rank)).buffer
+        """Register a KV buffer (see :mod:`kvfetcher.ipc`); returns its id for the other calls.
+
+        The id is the registration's capability: whoever holds it may load into, store from and
+        unregister the buffer, so keep it in this process. A host-memory buffer (a memfd handle
+        from :func:`ipc.allocate`) is registered only over the Unix socket: its fd is passed on the
+        sidecar's buffer socket, never named. A CUDA handle goes over either transport."""
+        request = schemas.RegisterRequest(handle, model, tp_rank)
+        if handle.get("kind") != "memfd":
+            return self._call(schemas.REGISTER, request).buffer
+        if self._socket_path is None:
+            raise ValueError("a host-memory buffer is registered over the sidecar's Unix socket (its fd is passed), not TCP")
+        described = {**schemas.to_json(request), "handle": {k: handle[k] for k in ("kind", "shape", "dtype")}}
+        reply = ipc.pass_buffer(ipc.fd_socket(self._socket_path), described, handle, self._timeout_s)
+        if "error" in reply:
+            raise SidecarError(400, reply["error"], reply.get("detail", ""))
+        return schemas.from_json(schemas.RegisterReply, reply, strict=False).buffer
 
     def register_tensor(self, t: torch.Tensor, model: str, tp_rank: int = 0) -> str:
         """Register a CUDA tensor by IPC handle (CPU buffers must come from :func:`ipc.allocate`)."""

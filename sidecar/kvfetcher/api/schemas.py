@@ -47,7 +47,7 @@ def natural(text: str, default: Any = MISSING) -> Any:
 
 @dataclass
 class RegisterRequest:
-    handle: dict = doc("the buffer's IPC handle (`kvfetcher.ipc`): a `/dev/shm` file or a CUDA IPC handle")
+    handle: dict = doc("the buffer's IPC handle (`kvfetcher.ipc`): over HTTP a CUDA IPC handle; a host-memory buffer's `memfd` handle (`kind`, `shape`, `dtype`) goes to the buffer socket with its fd")
     model: str = doc("model fingerprint")
     tp_rank: int = natural("tensor-parallel rank", 0)
 

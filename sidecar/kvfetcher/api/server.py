@@ -8,9 +8,16 @@ any case), the token coming from ``KVFETCHER_AUTH_TOKEN`` or the file named by
 ``KVFETCHER_AUTH_TOKEN_FILE`` (a mounted Secret, re-read when it changes: rotation needs no
 restart). Without a token configured, TCP ``/v1`` requests are refused. Checking a header never
 raises, whatever its bytes. Requests over the Unix socket are trusted: the socket file's
-permissions (0660) are the authentication. Probes and ``/metrics`` are open, as kubelet and
+permissions (0660) are the authentication, and it is never connectable by anyone else, not
+even between bind and chmod (:func:`bind_unix`). Probes and ``/metrics`` are open, as kubelet and
 Prometheus expect; an unready ``/readyz`` names only the reason, never the store's endpoint,
 bucket or error text (those are logged).
+
+Buffers: ``POST /v1/buffers`` registers CUDA handles only. A host-memory buffer is a sealed
+memfd whose fd is passed (``SCM_RIGHTS``) on the *buffer socket* beside the Unix socket
+(:func:`kvfetcher.ipc.fd_socket`, same permissions), one connection per registration: the
+client sends a ``RegisterRequest`` with the fd and gets a ``RegisterReply`` or ``ErrorReply``.
+No request can name memory by a path or by a number.
 """
 
 from __future__ import annotations
@@ -21,13 +28,15 @@ import json
 import logging
 import os
 import signal
+import socket
+import tempfile
 import threading
 from collections.abc import Mapping
 from pathlib import Path
 
 from aiohttp import web
 
-from kvfetcher import config
+from kvfetcher import config, ipc
 from kvfetcher.api import schemas
 from kvfetcher.config import Config
 from kvfetcher.errors import Reason, RequestError
@@ -56,6 +65,10 @@ class Token:
             except (OSError, UnicodeDecodeError) as e:
                 log.warning("cannot read the token file %s (%s): keeping the last token", self.path, e)
         return self._value
+
+
+LISTENERS = web.AppKey("listeners", list)  # buffer-socket accept loops, ended at cleanup
+RECEIVE_TIMEOUT_S = 10.0  # a client on the buffer socket that sends its registration slower is dropped
 
 
 def token_from_env(env: Mapping[str, str] | None = None) -> Token:
@@ -120,7 +133,52 @@ async def errors(request: web.Request, handler):
 
 async def register(request: web.Request) -> web.Response:
     r = await _parse(request, schemas.RegisterRequest)
+    if r.handle.get("kind") != "cuda":  # a memfd handle names the holder's fd: only the buffer socket passes one
+        raise RequestError("over HTTP only a CUDA handle registers; a host-memory buffer is a sealed memfd passed "
+                           "on the sidecar's buffer socket (KVClient over the Unix socket does it)")
     return _reply(schemas.RegisterReply(request.app[SIDECAR].register(r.handle, r.model, r.tp_rank)))
+
+
+async def _register_passed(sidecar: Sidecar, conn: socket.socket) -> None:
+    """One registration on the buffer socket: a ``RegisterRequest`` whose handle gives ``shape`` and
+    ``dtype``, the memfd itself passed with it; answered with a ``RegisterReply`` or ``ErrorReply``."""
+    loop, fd = asyncio.get_running_loop(), None
+    try:
+        conn.settimeout(RECEIVE_TIMEOUT_S)
+        message, fd = await loop.run_in_executor(None, ipc.receive_buffer, conn)
+        r = schemas.from_json(schemas.RegisterRequest, message)
+        if fd is None or r.handle.get("kind") != "memfd":
+            raise RequestError("pass exactly one memfd with a registration whose handle is of kind 'memfd'")
+        handle = ipc.memfd_handle(fd, r.handle.get("shape", []), r.handle.get("dtype"))
+        reply = schemas.RegisterReply(sidecar.register(handle, r.model, r.tp_rank))
+    except (RequestError, ValueError, TypeError, OSError) as e:
+        sidecar.metrics.errors.labels(Reason.BAD_REQUEST).inc()
+        reply = schemas.ErrorReply(Reason.BAD_REQUEST.value, str(e))
+    except Exception as e:  # never the accept loop's end
+        log.exception("buffer registration failed")
+        reply = schemas.ErrorReply(Reason.INTERNAL.value, f"{type(e).__name__}: {e}")
+    finally:
+        if fd is not None:
+            os.close(fd)  # the sidecar holds its own (ipc.adopt)
+    try:
+        await loop.run_in_executor(None, conn.sendall, json.dumps(schemas.to_json(reply)).encode())
+    except OSError:  # the client is gone: no one can name its registration any more
+        if isinstance(reply, schemas.RegisterReply):
+            sidecar.unregister(reply.buffer)
+    finally:
+        conn.close()
+
+
+async def _serve_buffer_socket(sidecar: Sidecar, server: socket.socket) -> None:
+    loop, pending = asyncio.get_running_loop(), set()
+    try:
+        while True:
+            conn, _ = await loop.sock_accept(server)
+            task = asyncio.ensure_future(_register_passed(sidecar, conn))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+    finally:
+        server.close()
 
 
 async def unregister(request: web.Request) -> web.Response:
@@ -183,10 +241,13 @@ def make_app(sidecar: Sidecar, token: str | Token | None) -> web.Application:
     app = web.Application(middlewares=[auth, errors], client_max_size=64 * 1024 * 1024)
     app[SIDECAR] = sidecar
     app[TOKEN] = token if isinstance(token, Token) else Token(token)
+    app[LISTENERS] = []
 
     async def lifecycle(app: web.Application):
         await sidecar.start()
         yield
+        for task in app[LISTENERS]:
+            task.cancel()
         await sidecar.close()
 
     app.cleanup_ctx.append(lifecycle)
@@ -214,12 +275,35 @@ async def start(
         await web.TCPSite(runner, host, port).start()
         where["port"] = runner.addresses[0][1]
     if socket_path:
-        Path(socket_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(socket_path).unlink(missing_ok=True)
-        await web.UnixSite(runner, socket_path).start()
-        os.chmod(socket_path, 0o660)
+        await web.SockSite(runner, bind_unix(socket_path)).start()
+        buffers = bind_unix(ipc.fd_socket(socket_path))
+        runner.app[LISTENERS].append(asyncio.ensure_future(_serve_buffer_socket(runner.app[SIDECAR], buffers)))
         where["socket"] = socket_path
     return runner, where
+
+
+def bind_unix(path: str, mode: int = 0o660) -> socket.socket:
+    """A listening Unix socket at ``path`` that no one outside ``mode`` can connect to at any instant:
+    bound in a fresh 0700 directory beside ``path``, given ``mode``, then renamed into place (over
+    whatever was there, never through it)."""
+    parent = Path(path).parent
+    parent.mkdir(parents=True, exist_ok=True)
+    private = tempfile.mkdtemp(prefix=".kvfetcher-", dir=parent)  # 0700 under any umask
+    bound = os.path.join(private, "s")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(bound)
+        os.chmod(bound, mode)
+        os.rename(bound, path)
+        sock.listen()
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        Path(bound).unlink(missing_ok=True)
+        os.rmdir(private)
+    return sock
 
 
 async def serve_forever(host: str, port: int | None, socket_path: str | None) -> None:
@@ -253,10 +337,14 @@ def register_cli(sub) -> None:
 
 
 class Embedded:
-    """A sidecar serving on loopback from a background thread (the demo; tests with sync clients)."""
+    """A sidecar serving on loopback from a background thread (the demo; tests with sync clients).
+    Without ``socket_path`` its Unix socket is in a private temporary directory: ``socket`` names
+    it (host-memory buffers register over it)."""
 
     def __init__(self, sidecar: Sidecar, token: str | None = None, socket_path: str | None = None, port: int | None = 0):
         self.sidecar, self.token = sidecar, token
+        self._tmp = None if socket_path else tempfile.TemporaryDirectory(prefix="kvfetcher-")
+        self.socket = socket_path = socket_path or os.path.join(self._tmp.name, "kvfetcher.sock")
         self.loop = asyncio.new_event_loop()
         self._stop: asyncio.Event | None = None
         started = threading.Event()
@@ -289,6 +377,8 @@ class Embedded:
             self.loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(timeout=30)
         self.loop.close()
+        if self._tmp is not None:
+            self._tmp.cleanup()
 
     def __enter__(self) -> "Embedded":
         return self

@@ -49,12 +49,12 @@ def run(prompt_tokens: int = 1800, new_tokens: int = 32, chunk_tokens: int = 256
     token = secrets.token_urlsafe(24)
     capacity = prompt_tokens + new_tokens
     with Embedded(Sidecar(store, config), token) as sa, Embedded(Sidecar(store, config), token) as sb:
-        a = CachedLM(lm.model, lm.fingerprint, KVClient(sa.url, token=token), capacity)
+        a = CachedLM(lm.model, lm.fingerprint, KVClient(socket_path=sa.socket), capacity)
         ga = a.generate(ids, new_tokens)  # nothing stored yet: a full prefill
         t = time.perf_counter()
         a.client.flush()  # wait for A's sidecar to encode and upload (off the request path)
         store_s = time.perf_counter() - t
-        b = CachedLM(lm.model, lm.fingerprint, KVClient(sb.url, token=token), capacity, recompute_tps=a.recompute_tps)
+        b = CachedLM(lm.model, lm.fingerprint, KVClient(socket_path=sb.socket), capacity, recompute_tps=a.recompute_tps)
         gb = b.generate(ids, new_tokens, store=False)
         bytes_stored = sum(store.list("kv/").values())
         a.close()

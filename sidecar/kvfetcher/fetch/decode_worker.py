@@ -1,7 +1,7 @@
 """decode_worker: a decode worker process — the messages on its pipe and its loop.
 
 The coordinator (:mod:`fetch.workers`) writes a chunk's stored bytes into the worker's *slab*, a
-file in shared memory, and sends a small :class:`Restore`; the worker restores the chunk with
+memfd of the coordinator (:class:`Slab`), and sends a small :class:`Restore`; the worker restores the chunk with
 :func:`chunk.restore_chunk` (every checksum verified and every segment decoded before a byte is
 written) into the KV buffer an IPC handle names, which it maps once and keeps, and answers
 :class:`Restored` or :class:`Failed`. :class:`Open`, :class:`Forget` and :class:`Stop` are
@@ -54,7 +54,7 @@ class Restore:
 
     target: IntoBuffer | IntoScratch
     header: bytes
-    slab: tuple[str, int]  # path and size of the worker's slab file
+    slab: tuple[str, int]  # path and size of the worker's slab (Slab.path)
     spans: tuple[tuple[int, int], ...]
     slots: tuple[int, ...]
     auth: ObjectMAC | None = None
@@ -109,22 +109,31 @@ class Failed:
 
 
 class Slab:
-    """A file in shared memory, mapped: the coordinator writes a chunk's bytes, a worker reads them."""
+    """Shared memory the coordinator writes a chunk's bytes into and a worker reads them from: a
+    memfd of the coordinator (``path`` None creates one), which the worker opens by ``path``,
+    ``/proc/<coordinator pid>/fd/<fd>``. No file in a shared directory: nothing another process
+    can name, replace or shrink."""
 
-    def __init__(self, path: str, size: int, create: bool):
-        with open(path, "w+b" if create else "r+b") as f:
-            if create:
-                f.truncate(size)
-            self.mm = mmap.mmap(f.fileno(), size)
-        self.path, self.size = path, size
+    def __init__(self, size: int, path: str | None = None):
+        self.fd = os.memfd_create("kvfetcher-slab", os.MFD_CLOEXEC) if path is None else None
+        fd = self.fd if self.fd is not None else os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            if self.fd is not None:
+                os.ftruncate(fd, size)
+            self.mm = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        if self.fd is None:
+            os.close(fd)  # the mapping keeps the memory
+        self.path, self.size = path or f"/proc/{os.getpid()}/fd/{fd}", size
 
-    def close(self, unlink: bool = False) -> None:
+    def close(self) -> None:
+        """Unmap; the coordinator's slab also closes its memfd (a worker's mapping stays valid)."""
         self.mm.close()
-        if unlink:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 class _OpenFailed(Exception):
@@ -169,7 +178,7 @@ class _WorkerState:
         if self.slab is None or self.slab.path != path:
             if self.slab is not None:
                 self.slab.close()
-            self.slab = Slab(path, size, create=False)
+            self.slab = Slab(size, path)
         return memoryview(self.slab.mm)
 
 

@@ -2,7 +2,7 @@
 
 Why processes: NVDEC sessions driven from threads of one process do not scale, one session per
 process does. So each worker owns its decoders and opens the destination KV buffer itself, once,
-through the buffer's IPC handle (CUDA IPC on a GPU, ``/dev/shm`` on a CPU: :mod:`ipc`): decoded
+through the buffer's IPC handle (CUDA IPC on a GPU, a sealed memfd on a CPU: :mod:`ipc`): decoded
 values go straight into the model's memory. The compressed bytes cross the process boundary
 through a shared-memory *slab* per worker (one copy in; NVDEC reads them in place) and only a
 small typed message goes through the pipe (:mod:`fetch.decode_worker`: the worker's side).
@@ -32,7 +32,6 @@ import logging
 import multiprocessing as mp
 import threading
 import time
-import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -106,15 +105,12 @@ class _Worker:
         self.slab: Slab | None = None
 
     def _slab_for(self, size: int) -> Slab:
-        """This worker's slab, grown (a new file; the worker remaps on the next request) if too small."""
-        from kvfetcher.ipc import shm_dir
-
+        """This worker's slab, grown (a new memfd; the worker remaps on the next request) if too small."""
         if self.slab is None or self.slab.size < size:
             old = self.slab
-            path = str(shm_dir() / f"kvfetcher-slab-{uuid.uuid4().hex}")
-            self.slab = Slab(path, max(MIN_SLAB, 1 << (size - 1).bit_length()), create=True)
-            if old is not None:  # the worker maps the old one until its next request: unlinking is safe
-                old.close(unlink=True)
+            self.slab = Slab(max(MIN_SLAB, 1 << (size - 1).bit_length()))  # a new fd: a path the worker has not mapped
+            if old is not None:  # the worker maps the old one until its next request: closing it is safe
+                old.close()
         return self.slab
 
     def call(self, target: IntoBuffer | IntoScratch, header: bytes, blobs: Sequence[bytes], slots: Sequence[int],
@@ -156,7 +152,7 @@ class _Worker:
         if self.proc.is_alive():
             self.proc.kill()
         if self.slab is not None:
-            self.slab.close(unlink=True)
+            self.slab.close()
             self.slab = None
 
 

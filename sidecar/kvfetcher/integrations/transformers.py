@@ -6,6 +6,9 @@ says into a shared KV buffer, builds a ``DynamicCache`` from it, prefills only t
 prefill hands the prompt's KV back to the sidecar to store. The buffer is in the storage dtype
 (fp16 by default, what a GPU server's cache holds); the model may run in another dtype.
 
+A model on the CPU needs a client on the sidecar's Unix socket: its buffer is a sealed memfd whose
+fd is passed at registration (:mod:`kvfetcher.ipc`); on a GPU either transport registers it.
+
 The last prompt token is always computed (its logits give the first new token), so at most
 ``len(prompt) - 1`` tokens are fetched.
 """
