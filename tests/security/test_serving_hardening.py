@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvfetcher import ipc, keys
+from kvfetcher.api.client import KVClient
 from kvfetcher.api.server import Embedded, Token
 from kvfetcher.chunk import encode_chunk
 from kvfetcher.config import Config
@@ -270,9 +271,10 @@ async def test_a_long_store_queues_the_leading_chunks_that_fit_and_skips_stored_
 def served(tmp_path, shm):
     sc = sidecar(LocalStore(tmp_path / "store"))
     with Embedded(sc, "secret") as e:
-        bid = json.loads(request(e.where["port"], "POST", "/v1/buffers", {"handle": shm().handle, "model": FP},
-                                 {"Authorization": "Bearer secret"})[1])["buffer"]
+        client = KVClient(socket_path=e.socket)  # a host-memory buffer registers over the Unix socket
+        bid = client.register(shm().handle, FP)
         yield e.where["port"], bid
+        client.close()
 
 
 BAD = [
