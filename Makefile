@@ -1,10 +1,11 @@
-# The two commands of the README: `make demo` (main job) and `make test` (whole suite).
-# Both build .venv from nothing but this repo on first use.
+# The two commands of the README: `make demo` (main job) and `make test` (whole suite, as CI runs it);
+# `make test-fast` leaves out the tests marked slow (the real model, the Triton interpreter) for local work.
+# Each builds .venv from nothing but this repo on first use.
 VENV  := .venv
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench-codec clean
+.PHONY: demo test test-fast bench-codec clean
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -21,6 +22,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -ra
+
+test-fast: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -ra -m "not slow"
 
 bench-codec: $(STAMP)
 	$(VENV)/bin/python -m benchmarks.codec.codec_bench

@@ -1,18 +1,26 @@
-"""Shared fixtures: the real model, loaded once per test session."""
+"""Shared fixtures: a real S3 server, stores, shared KV buffers, the real model and its KV; and the
+``gpu`` marker's skip on a machine without CUDA. Plain helpers are in ``kvtest``.
 
-import sys
-from pathlib import Path
+Heavy imports (torch, the data plane) happen inside the fixtures, so that the operator's tests,
+which need none of them, do not pay for them.
+"""
+
+from __future__ import annotations
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # kvtest helpers
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` are skipped where CUDA is not available (CI); they run on a GPU machine."""
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu:
+        return
+    import torch
 
-@pytest.fixture(scope="session")
-def lm():
-    from kvfetcher.eval import model
-
-    return model.load()
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs CUDA (runs on the GPU machine)")
+        for item in gpu:
+            item.add_marker(skip)
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -22,3 +30,102 @@ def pytest_sessionfinish(session, exitstatus):
     import gc
 
     gc.collect()
+
+
+# --- object storage -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A real S3 server (moto) on loopback for the whole session: its endpoint URL."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_endpoint):
+    """An S3Store on a fresh bucket of the session's S3 server."""
+    from kvtest import new_bucket
+
+    return new_bucket(s3_endpoint)
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request):
+    """Each store backend in turn, empty: a test using it holds for both."""
+    from kvtest import open_store
+
+    return open_store(request.param, request)
+
+
+@pytest.fixture
+def slow_proxy(s3_endpoint):
+    """A factory of rate-limited HTTP proxies in front of the S3 server (kvtest.SlowProxy)."""
+    from kvtest import SlowProxy
+
+    proxies = []
+
+    def make(bytes_per_s=float("inf")):
+        p = SlowProxy(s3_endpoint, bytes_per_s)
+        proxies.append(p)
+        return p
+
+    yield make
+    for p in proxies:
+        p.close()
+
+
+# --- KV buffers -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def shm():
+    """A factory of shared KV buffers as a model allocates them (``ipc.allocate``: /dev/shm on the
+    CPU, CUDA IPC with ``device="cuda"``), optionally filled with ``fill``; all closed after the test."""
+    from kvfetcher import ipc
+
+    made = []
+
+    def allocate(shape, dtype=None, device="cpu", fill=None):
+        import torch
+
+        b = ipc.allocate(tuple(shape), dtype or torch.float16, device)
+        if fill is not None:
+            b.tensor.fill_(fill)
+        made.append(b)
+        return b
+
+    yield allocate
+    for b in made:
+        b.close()
+
+
+# --- the real model -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def lm():
+    """The shipped small model (SmolLM2), loaded once per session."""
+    from kvfetcher.eval import model
+
+    return model.load()
+
+
+@pytest.fixture(scope="session")
+def prompt(lm):
+    """A short real prompt, its model KV (fp16, as a server's cache holds it) and the reference
+    continuation generated from a plain full prefill."""
+    import torch
+
+    from kvfetcher.eval import model
+    from kvtest import NEW, PROMPT_TOKENS
+
+    ids = model.tokenize(lm, model.sample_text("license.txt"), PROMPT_TOKENS)
+    kv, _ = model.prefill(lm, ids)
+    reference = model.greedy(lm, ids, kv, NEW)
+    return ids, kv.to(torch.float16), reference

@@ -1,6 +1,6 @@
 """Fixtures for the control-plane tests: real servers on loopback, nothing patched in.
 
-- `s3`: a moto S3 server process-thread (real HTTP, speaks the S3 API the MinIO SDK uses).
+- `s3`: the session's moto S3 server (tests/conftest.py: real HTTP, the S3 API the MinIO SDK uses), its endpoint.
 - `kmock` (from the kmock plugin): a Kubernetes API emulator over real HTTP.
 - `operator`: the kopf operator with this repo's handlers, run cluster-wide against kmock
   through a kubeconfig, its webhook on HTTPS with a certificate made here, its /metrics on
@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,6 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from moto.server import ThreadedMotoServer
 from op_helpers import Api, declare_resources, run_operator
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,12 +42,8 @@ def pool_schema(crd: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
-def s3() -> Iterator[str]:
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
+def s3(s3_endpoint: str) -> str:
+    return s3_endpoint
 
 
 @pytest.fixture(scope="session")

@@ -17,11 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtest import gpu, synthetic_kv
+from kvtest import REPO, synthetic_kv
 from kvfetcher.codec import basis, fused_unpack, layout
 from kvfetcher.format import presets
 
-ROOT = Path(__file__).resolve().parents[1]
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
 
 
@@ -85,11 +84,13 @@ def check(res: dict[str, dict[str, float]]) -> None:
         assert r["ulps"] <= 2 and r["frac"] < 0.001, f"{name}: {r}"
 
 
+@pytest.mark.slow  # minutes under the interpreter
 @needs_triton
 def test_fused_unpack_matches_the_torch_path_under_the_interpreter():
     code = ("import json, torch, test_fused_unpack as t; "
             "print(json.dumps(t.compare('cpu', (torch.float16, torch.float32))))")
-    path = [str(ROOT / d) for d in ("sidecar", "tests", ".")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    here = str(Path(__file__).parent)  # this module, imported by the subprocess
+    path = [here] + [str(REPO / d) for d in ("sidecar", "tests", ".")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(path))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -108,13 +109,13 @@ def test_the_kernel_serves_cuda_frames_unless_switched_off(monkeypatch):
     assert not fused_unpack.supports(48, 256) and not fused_unpack.supports(16, 256) and fused_unpack.supports(64, 256)
 
 
-@gpu
+@pytest.mark.gpu
 @needs_triton
 def test_fused_unpack_matches_the_torch_path_on_the_gpu():
     check(compare("cuda", (torch.bfloat16, torch.float16, torch.float32)))
 
 
-@gpu
+@pytest.mark.gpu
 @needs_triton
 def test_fused_unpack_addresses_buffers_past_2_to_the_31_values(monkeypatch):
     """A 70B model's 128K-token buffer holds 2**32 values: the kernel's offsets must be 64-bit."""
@@ -140,7 +141,7 @@ def _compiled(kernel) -> int:
     return sum(len(cache[0]) for cache in kernel.device_caches.values())
 
 
-@gpu
+@pytest.mark.gpu
 @needs_triton
 def test_a_prefixs_first_chunk_reuses_the_compiled_kernel(monkeypatch):
     """The first chunk keeps its sink token exact (body from row 1), later chunks do not (row 0):

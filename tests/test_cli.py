@@ -11,13 +11,12 @@ import torch
 from kvfetcher import ipc
 from kvfetcher.api.client import KVClient
 
-from dptest import closed_port, new_bucket
-from dptest import raw_request
+from kvtest import free_port, new_bucket, raw_request
 
 
 def test_serve_from_the_operators_environment(s3_endpoint, tmp_path):
     bucket = new_bucket(s3_endpoint)
-    port, sock = closed_port(), str(tmp_path / "run" / "kvfetcher.sock")
+    port, sock = free_port(), str(tmp_path / "run" / "kvfetcher.sock")
     env = dict(
         os.environ,
         KVFETCHER_S3_ENDPOINT=s3_endpoint,

@@ -6,7 +6,7 @@ Skipped without CUDA (CI); run on the lent H100/H200 and reported in the issue n
 import pytest
 import torch
 
-from kvtest import gpu, synthetic_kv
+from kvtest import synthetic_kv
 from kvfetcher import codec
 from kvfetcher.format import container
 from kvfetcher.codec import layout
@@ -14,7 +14,7 @@ from kvfetcher.chunk import decode_chunk, encode_chunk
 from kvfetcher.codec.base import CodecParams
 from kvfetcher.codec.pyav import LibavDecoder, X265Encoder
 
-pytestmark = gpu
+pytestmark = pytest.mark.gpu
 
 
 def test_nvdec_is_detected():
@@ -61,30 +61,3 @@ def test_truncated_object_never_reaches_nvdec():
     with pytest.raises(container.TruncatedError):
         decode_chunk(obj[: len(obj) // 2], "fp", device="cuda", out=out)
     assert torch.all(out == 3.0)
-
-
-@pytest.mark.parametrize("preset", ["q8", "balanced"])
-def test_warmed_decode_workers_restore_a_chunk_as_decode_chunk_does(preset):
-    """Workers warmed on the GPU (NVDEC, unpack kernels and the basis in each, on scratch tensors),
-    then a chunk restored through CUDA IPC: the bytes of decode_chunk on the GPU, nothing else touched."""
-    import asyncio
-
-    from kvfetcher import ipc
-    from kvfetcher.fetch.workers import DecodeWorkers, warmup_object
-
-    kv = synthetic_kv(layers=6, tokens=256, dtype=torch.float16)
-    obj = encode_chunk(kv, preset, "fp", start=256, rope_theta=10000.0)
-    h = container.parse_header(obj)
-    buf = ipc.allocate((6, 2, kv.shape[2], 512, kv.shape[4]), torch.float16, "cuda")
-    workers = DecodeWorkers(2)
-    try:
-        w = workers.warm("cuda", [warmup_object(p) for p in ("q8", "balanced")])
-        assert w.restored == [2, 2] and not w.errors, w
-        side = container.slice_segment(obj, h, h.side) if h.side else None
-        segments = [container.slice_segment(obj, h, s) for s in h.segments]
-        n = asyncio.run(workers.restore(buf.handle, obj[: h.header_size], side, segments, range(100, 356)))
-    finally:
-        workers.close()
-    assert n == kv.numel() * kv.element_size()
-    assert torch.equal(buf.tensor[:, :, :, 100:356], decode_chunk(obj, "fp", device="cuda"))
-    assert buf.tensor[:, :, :, :100].abs().sum() == 0 and buf.tensor[:, :, :, 356:].abs().sum() == 0

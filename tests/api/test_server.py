@@ -6,22 +6,17 @@ import time
 import pytest
 import torch
 
-from kvfetcher import ipc
 from kvfetcher.api.client import KVClient, SidecarError
 from kvfetcher.api.schemas import StoreReply
-from kvfetcher.store.s3 import S3Store
 
-from dptest import TOKEN, closed_port, raw_request, sidecar
-from kvtest import synthetic_kv
+from kvtest import TOKEN, raw_request, sidecar, synthetic_kv, unreachable_s3
 
 FP = "test-model"
 
 
 @pytest.fixture
-def buf():
-    b = ipc.allocate((2, 2, 2, 256, 32), torch.float16)
-    yield b
-    b.close()
+def buf(shm):
+    return shm((2, 2, 2, 256, 32))
 
 
 def test_store_then_load_round_trip_and_metrics(s3, buf):
@@ -117,13 +112,7 @@ def test_allowed_presets_bound_the_choice(s3, buf):
 
 def test_auth_tcp_token_and_unix_socket(s3, buf, tmp_path):
     sock = str(tmp_path / "run" / "kvfetcher.sock")
-    with sidecar(s3) as _:
-        pass
-    from kvfetcher.api.server import Embedded
-    from kvfetcher.config import Config
-    from kvfetcher.service import Sidecar
-
-    with Embedded(Sidecar(s3, Config(chunk_tokens=64, presets=("raw",))), TOKEN, socket_path=sock) as sc:
+    with sidecar(s3, socket_path=sock, chunk_tokens=64) as sc:
         port = sc.where["port"]
         body = json.dumps({"handle": buf.handle, "model": FP})
         assert raw_request(port, "POST", "/v1/buffers", body)[0] == 401
@@ -146,11 +135,7 @@ def test_auth_tcp_token_and_unix_socket(s3, buf, tmp_path):
 
 
 def test_no_configured_token_refuses_tcp(s3, buf):
-    from kvfetcher.api.server import Embedded
-    from kvfetcher.config import Config
-    from kvfetcher.service import Sidecar
-
-    with Embedded(Sidecar(s3, Config()), token=None) as sc:
+    with sidecar(s3, token=None) as sc:
         with pytest.raises(SidecarError, match="no token is configured"):
             KVClient(sc.url, token="anything").lookup("x", [1])
 
@@ -189,8 +174,7 @@ def test_bad_slots_are_refused(s3, buf):
 
 
 def test_store_down_readyz_lookup_and_store(buf):
-    dead = S3Store(f"http://127.0.0.1:{closed_port()}", "bucket", "k", "s")
-    with sidecar(dead, chunk_tokens=64) as sc:
+    with sidecar(unreachable_s3(), chunk_tokens=64) as sc:
         assert raw_request(sc.where["port"], "GET", "/readyz")[0] == 503
         assert raw_request(sc.where["port"], "GET", "/healthz")[0] == 200
         c = KVClient(socket_path=sc.socket)

@@ -6,8 +6,6 @@ import torch
 
 from kvfetcher import ipc
 
-from kvtest import gpu
-
 
 def test_shared_memory_aliases_across_processes():
     b = ipc.allocate((2, 2, 1, 8, 4), torch.float16)
@@ -49,7 +47,7 @@ def test_size_mismatch_is_refused():
         b.close()
 
 
-@gpu
+@pytest.mark.gpu
 def test_cuda_ipc_handle_round_trips_in_another_process():
     b = ipc.allocate((2, 2, 1, 8, 4), torch.float16, "cuda")
     import json

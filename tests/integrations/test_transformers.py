@@ -14,7 +14,7 @@ from kvfetcher.api.client import KVClient
 from kvfetcher.integrations.transformers import CachedLM
 from kvfetcher.store.s3 import S3Store
 
-from dptest import CHUNK, NEW, TOKEN, closed_port, new_bucket, sidecar
+from kvtest import CHUNK, NEW, TOKEN, flip, new_bucket, sidecar, unreachable_s3
 
 pytestmark = pytest.mark.slow
 
@@ -57,16 +57,9 @@ def put_all(store, objects):
         store.put(name, data)
 
 
-def flip(data, at):
-    b = bytearray(data)
-    b[at] ^= 0xFF
-    return bytes(b)
-
-
 def test_fault_store_down(lm, prompt):
     ids, _, reference = prompt
-    dead = S3Store(f"http://127.0.0.1:{closed_port()}", "bucket", "k", "s")
-    with sidecar(dead) as sc:
+    with sidecar(unreachable_s3()) as sc:
         g = cached_lm(lm, sc, recompute_tps=SLOW_MODEL_TPS).generate(ids, NEW, store=False)
         assert g.loaded_tokens == 0 and g.tokens == reference
         assert 'kvfetcher_errors_total{reason="store_down"}' in KVClient(sc.url, token=TOKEN).metrics()

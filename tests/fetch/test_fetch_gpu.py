@@ -12,16 +12,16 @@ import pytest
 import torch
 
 from kvfetcher import codec, ipc
-from kvfetcher.fetch import executor
+from kvfetcher.fetch.workers import DecodeWorkers, warmup_object
 from kvfetcher.kvbuffer import Destination
-from kvfetcher.chunk import decode_chunk
+from kvfetcher.chunk import decode_chunk, encode_chunk
+from kvfetcher.format import container
 from kvfetcher.api.client import KVClient
 from kvfetcher.store.local import LocalStore
 
-from dptest import SENTINEL, closed_port, fetch, put_chunks, raw_request
-from kvtest import gpu, synthetic_kv
+from kvtest import SENTINEL, decoded, fetch, free_port, put_chunks, raw_request, synthetic_kv
 
-pytestmark = gpu
+pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("preset", ["raw", "exact", "q8"])
@@ -32,8 +32,7 @@ def test_fetch_into_a_cuda_buffer_matches_the_cpu_path(tmp_path, preset):
     buf = torch.full((6, 2, 2, 300, 64), SENTINEL, dtype=torch.float16, device="cuda")
     out = asyncio.run(fetch(store, refs, Destination(buf, offset=20, tokens=256), device=torch.device("cuda")))
     assert out.error is None and out.loaded_tokens == 256, out
-    expect = torch.cat([decode_chunk(store.get(r.name), "fp") for r in refs], dim=3)
-    assert torch.equal(buf[:, :, :, 20:276].cpu(), expect)
+    assert torch.equal(buf[:, :, :, 20:276].cpu(), decoded(store, refs))
     assert bool((buf[:, :, :, :20] == SENTINEL).all()) and bool((buf[:, :, :, 276:] == SENTINEL).all())
     if preset != "raw":
         assert codec.decoder("hevc", "cuda").name.startswith("nvdec")
@@ -68,8 +67,6 @@ def test_raw_direct_path_copies_pinned_host_memory_into_a_cuda_buffer(tmp_path, 
 @pytest.mark.parametrize("preset", ["raw", "q8"])
 def test_decode_worker_processes_write_through_cuda_ipc(tmp_path, preset):
     """NVDEC in worker processes, each opening the buffer's CUDA IPC handle: same bytes as in-process."""
-    from kvfetcher.fetch.workers import DecodeWorkers
-
     kv = synthetic_kv(layers=6, heads=2, tokens=512, head_dim=64)
     store = LocalStore(tmp_path)
     refs = put_chunks(store, kv, 128, preset=preset)
@@ -82,15 +79,14 @@ def test_decode_worker_processes_write_through_cuda_ipc(tmp_path, preset):
     finally:
         workers.close()
     assert out.error is None and out.loaded_tokens == 512, out
-    expect = torch.cat([decode_chunk(store.get(r.name), "fp") for r in refs], dim=3)
-    assert torch.equal(buf.tensor[:, :, :, 40:552].cpu(), expect)
+    assert torch.equal(buf.tensor[:, :, :, 40:552].cpu(), decoded(store, refs))
     assert bool((buf.tensor[:, :, :, :40] == SENTINEL).all()) and bool((buf.tensor[:, :, :, 552:] == SENTINEL).all())
 
 
 def test_cuda_ipc_buffer_through_a_sidecar_process(tmp_path):
     """The GPU protocol end to end: a sidecar process opens the model's CUDA buffer by IPC handle,
     stores from it and restores into it (NVDEC), over HTTP."""
-    port = closed_port()
+    port = free_port()
     env = dict(os.environ, KVFETCHER_STORE_DIR=str(tmp_path / "store"), KVFETCHER_AUTH_TOKEN="t", KVFETCHER_PRESET="q8,raw", KVFETCHER_CHUNK_TOKENS="64")
     env.pop("KVFETCHER_S3_ENDPOINT", None)
     proc = subprocess.Popen([sys.executable, "-m", "kvfetcher.cli", "serve", "--host", "127.0.0.1", "--port", str(port)], env=env)
@@ -131,8 +127,6 @@ def test_a_thread_that_ran_nvdec_still_runs_torch_stream_work(tmp_path):
     decoders in a context of their own this failed with 'invalid resource handle')."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from kvfetcher.chunk import encode_chunk
-
     obj = encode_chunk(synthetic_kv(layers=4, heads=2, tokens=128, head_dim=64), "q8", "fp")
 
     def work() -> bool:
@@ -148,3 +142,25 @@ def test_a_thread_that_ran_nvdec_still_runs_torch_stream_work(tmp_path):
     with ThreadPoolExecutor(1) as pool:
         assert pool.submit(work).result()
     assert work()  # and in the main thread
+
+
+@pytest.mark.parametrize("preset", ["q8", "balanced"])
+def test_warmed_decode_workers_restore_a_chunk_as_decode_chunk_does(preset):
+    """Workers warmed on the GPU (NVDEC, unpack kernels and the basis in each, on scratch tensors),
+    then a chunk restored through CUDA IPC: the bytes of decode_chunk on the GPU, nothing else touched."""
+    kv = synthetic_kv(layers=6, tokens=256, dtype=torch.float16)
+    obj = encode_chunk(kv, preset, "fp", start=256, rope_theta=10000.0)
+    h = container.parse_header(obj)
+    buf = ipc.allocate((6, 2, kv.shape[2], 512, kv.shape[4]), torch.float16, "cuda")
+    workers = DecodeWorkers(2)
+    try:
+        w = workers.warm("cuda", [warmup_object(p) for p in ("q8", "balanced")])
+        assert w.restored == [2, 2] and not w.errors, w
+        side = container.slice_segment(obj, h, h.side) if h.side else None
+        segments = [container.slice_segment(obj, h, s) for s in h.segments]
+        n = asyncio.run(workers.restore(buf.handle, obj[: h.header_size], side, segments, range(100, 356)))
+    finally:
+        workers.close()
+    assert n == kv.numel() * kv.element_size()
+    assert torch.equal(buf.tensor[:, :, :, 100:356], decode_chunk(obj, "fp", device="cuda"))
+    assert buf.tensor[:, :, :, :100].abs().sum() == 0 and buf.tensor[:, :, :, 356:].abs().sum() == 0

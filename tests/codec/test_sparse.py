@@ -104,7 +104,7 @@ def test_balanced_on_a_model_without_a_basis_drops_the_corrections_with_it():
     assert back.shape == kv.shape and float((back.float() - kv.float()).abs().mean()) < 0.2 * float(kv.float().abs().mean())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_sparse_corrections_restore_the_same_on_the_gpu_as_on_the_cpu():
     """Layout v7's decode (trellis cumsum, scatter of the corrections, inverse basis, RoPE) on a GPU,
     into a strided view of a KV buffer: the CPU's result up to float rounding, nothing else touched."""

@@ -9,14 +9,7 @@ from kvfetcher.store import NotFound, StoreError, Unavailable
 from kvfetcher.store.local import LocalStore
 from kvfetcher.store.s3 import S3Store
 
-from dptest import closed_port, new_bucket
-
-
-@pytest.fixture(params=["local", "s3"])
-def store(request, tmp_path):
-    if request.param == "local":
-        return LocalStore(tmp_path / "store")
-    return new_bucket(request.getfixturevalue("s3_endpoint"))
+from kvtest import unreachable_s3
 
 
 def test_put_get_ranges_list(store):
@@ -76,7 +69,7 @@ def test_local_store_refuses_escaping_names(tmp_path):
 
 
 def test_s3_down_fails_fast_and_clearly():
-    s = S3Store(f"http://127.0.0.1:{closed_port()}", "bucket", "k", "s")
+    s = unreachable_s3()
     t = time.perf_counter()
     with pytest.raises(Unavailable, match="unreachable"):
         s.get("kv/x")

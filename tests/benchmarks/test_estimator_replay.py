@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks.lib import estimator_replay
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 JOURNALS = ROOT / "tests" / "data" / "estimator_journals"
 CURRENT = ROOT / "benchmarks" / "auto_70b" / "result_128k_h100.json"  # the suite's current 128K run
 # (journal, context, settle): 64k_h100_a was journalled before the sidecar left each format's first

@@ -4,7 +4,6 @@ operator injects, the generated docs, and an import that needs no torch."""
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -16,7 +15,7 @@ from kvfetcher.store import from_env
 from kvfetcher.store.local import LocalStore
 from kvfetcher.store.s3 import S3Store
 
-from dptest import closed_port
+from kvtest import REPO, free_port
 
 OPERATOR_ENV = {
     "KVFETCHER_S3_ENDPOINT": "https://minio.pool-a.svc:9000",
@@ -89,7 +88,7 @@ def test_the_table_imports_no_torch():
 
 
 def test_the_configuration_docs_are_the_tables_rendering():
-    committed = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+    committed = REPO / "docs" / "configuration.md"
     assert committed.read_text() == config.render(), "regenerate: python -m kvfetcher.config > docs/configuration.md"
     assert all(f"`{s.name}`" in committed.read_text() for table in config.TABLES.values() for s in table)
 
@@ -111,7 +110,7 @@ def test_store_from_env(tmp_path):
 def test_client_from_env():
     c = KVClient.from_env({"KVFETCHER_SOCKET": "/run/kvfetcher/kvfetcher.sock"})
     assert c.token == ""
-    c = KVClient.from_env({"KVFETCHER_URL": f"http://127.0.0.1:{closed_port()}", "KVFETCHER_AUTH_TOKEN": "t"})
+    c = KVClient.from_env({"KVFETCHER_URL": f"http://127.0.0.1:{free_port()}", "KVFETCHER_AUTH_TOKEN": "t"})
     assert c.token == "t"
     with pytest.raises(OSError):  # nothing listens there: a clear connection error
         c.lookup("b", [1])
@@ -119,18 +118,16 @@ def test_client_from_env():
 
 def test_every_variable_the_code_and_chart_name_is_declared():
     """No KVFETCHER_* variable is read, injected or set outside the table (a typo, or one nothing reads)."""
-    root = Path(__file__).resolve().parents[2]
-    files = [p for d in ("sidecar", "operator", "charts") for p in (root / d).rglob("*") if p.suffix in (".py", ".yaml", ".tpl")]
-    named = {m for p in files + sorted(root.glob("Dockerfile.*")) for m in re.findall(r"KVFETCHER_[A-Z0-9_]*[A-Z0-9]\b", p.read_text())}
+    files = [p for d in ("sidecar", "operator", "charts") for p in (REPO / d).rglob("*") if p.suffix in (".py", ".yaml", ".tpl")]
+    named = {m for p in files + sorted(REPO.glob("Dockerfile.*")) for m in re.findall(r"KVFETCHER_[A-Z0-9_]*[A-Z0-9]\b", p.read_text())}
     declared = {s.name for table in config.TABLES.values() for s in table}
     assert named and named <= declared, sorted(named - declared)
 
 
 def test_only_the_table_names_a_variable_in_code():
     """Modules read settings through the table: none but config.py spells a variable as a string."""
-    root = Path(__file__).resolve().parents[2]
-    table = root / "sidecar" / "kvfetcher" / "config.py"
-    spelled = [p.name for d in ("sidecar", "operator") for p in (root / d).rglob("*.py")
+    table = REPO / "sidecar" / "kvfetcher" / "config.py"
+    spelled = [p.name for d in ("sidecar", "operator") for p in (REPO / d).rglob("*.py")
                if p != table and re.search(r"[\"']KVFETCHER_", p.read_text())]
     assert spelled == []
 

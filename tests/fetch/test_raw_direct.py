@@ -13,10 +13,8 @@ from kvfetcher.kvbuffer import Destination
 from kvfetcher.store import read_into
 from kvfetcher.store.local import LocalStore
 
-from dptest import SENTINEL, fetch, new_bucket, put_chunks
-from test_pipeline import DAMAGES, corrupt_segment
-
 from benchmarks.lib.linkstore import LinkStore
+from kvtest import DAMAGES, SENTINEL, corrupt_segment, fetch, open_store, put_chunks, running
 
 L, H, D, TOKENS, CHUNK = 3, 2, 32, 96, 32
 
@@ -47,12 +45,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.fixture(params=["local", "s3", "linkstore"])
-def store(request, tmp_path):
-    if request.param == "local":
-        return LocalStore(tmp_path / "store")
-    if request.param == "s3":
-        return new_bucket(request.getfixturevalue("s3_endpoint"))
-    return LinkStore()  # no get_into: the fallback (get, then one copy)
+def store(request):
+    """Both store backends, and a store without get_into: the fallback (get, then one copy)."""
+    return LinkStore() if request.param == "linkstore" else open_store(request.param, request)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -179,19 +174,14 @@ def test_reserve_allocates_ahead_once_and_within_keep():
     assert pool.reserve(4096, False, 10) == 4 and pool.allocated == 7  # at most ``keep`` wait
 
 
-async def test_a_registered_buffer_has_its_raw_staging_before_the_first_fetch(tmp_path):
+async def test_a_registered_buffer_has_its_raw_staging_before_the_first_fetch(tmp_path, shm):
     """Registration reserves the direct path's staging in the background, so the first raw fetch
     allocates none (on an H100 a first raw fetch ran 7x slower than the next)."""
-    from kvfetcher import ipc
     from kvfetcher.fetch import staging
-    from kvfetcher.config import Config
-    from kvfetcher.service import Sidecar
 
     kv = random_bits(torch.float16, tokens=128)
-    sc = Sidecar(LocalStore(tmp_path), Config(chunk_tokens=CHUNK, presets=("raw",), decode_procs=0, device="cpu"))
-    await sc.start()
-    buf = ipc.allocate(tuple(kv.shape), kv.dtype)
-    try:
+    buf = shm(kv.shape, kv.dtype)
+    async with running(LocalStore(tmp_path), chunk_tokens=CHUNK, presets=("raw",), decode_procs=0, device="cpu") as sc:
         buf.tensor.copy_(kv)
         bid = sc.register(buf.handle, "m")
         await sc._warming
@@ -202,6 +192,3 @@ async def test_a_registered_buffer_has_its_raw_staging_before_the_first_fetch(tm
         r = await sc.load(bid, list(range(128)), recompute_tps=1e-9)
         assert (r.error, r.loaded_tokens, r.decision.preset) == (None, 128, "raw"), r
         assert same_bits(buf.tensor, kv) and staging.shared().allocated == before
-    finally:
-        await sc.close()
-        buf.close()

@@ -4,9 +4,8 @@ import pytest
 
 from kvfetcher import cli
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow
 def test_demo_json(monkeypatch, capsys):
     monkeypatch.delenv("KVFETCHER_S3_ENDPOINT", raising=False)
     monkeypatch.delenv("KVFETCHER_PRESET", raising=False)

@@ -1,21 +1,16 @@
 """The fetch pipeline on a local store: streaming, exactness, and every way a chunk can be bad."""
 
 import asyncio
-import os
 import time
 
 import pytest
 import torch
 
-from kvfetcher.format import container
 from kvfetcher.fetch import executor
-from kvfetcher.kvbuffer import ChunkRef, Destination, contiguous, slot_list
-from kvfetcher.chunk import decode_chunk, encode_chunk
+from kvfetcher.kvbuffer import Destination
 from kvfetcher.store.local import LocalStore
 
-from dptest import SENTINEL, fetch, put_chunks
-from kvtest import synthetic_kv
-
+from kvtest import CODED_DAMAGES, DAMAGES, SENTINEL, decoded, fetch, put_chunks, sentinel_like, synthetic_kv
 
 
 class Recording(LocalStore):
@@ -51,17 +46,12 @@ class RecordingDest(Destination):
         self.writes.append(time.perf_counter())
 
 
-def empty_like(kv, capacity=None):
-    L, _, H, T, D = kv.shape
-    return torch.full((L, 2, H, capacity or T, D), SENTINEL, dtype=kv.dtype)
-
-
 async def test_a_hundred_chunks_stream_through_a_bounded_window(tmp_path):
     kv = synthetic_kv(layers=4, heads=2, tokens=800, head_dim=64)
     store = Recording(tmp_path)
     refs = put_chunks(store, kv, 8)
     assert len(refs) == 100
-    buf = empty_like(kv)
+    buf = sentinel_like(kv)
     dest = RecordingDest(buf, tokens=800)
     out = await fetch(store, refs, dest, window=4)
     assert out.error is None and out.loaded_tokens == 800
@@ -86,100 +76,12 @@ async def test_scattered_slots_and_hevc(tmp_path):
     store = LocalStore(tmp_path)
     refs = put_chunks(store, kv, 32, preset="q8")
     slots = torch.randperm(100)[:64].tolist()
-    buf = empty_like(kv, capacity=100)
+    buf = sentinel_like(kv, capacity=100)
     out = await fetch(store, refs, Destination(buf, slots=slots))
     assert out.error is None and out.loaded_tokens == 64
-    expect = torch.cat([decode_chunk(store.get(r.name), "fp") for r in refs], dim=3)
-    assert torch.equal(buf[:, :, :, slots], expect)
+    assert torch.equal(buf[:, :, :, slots], decoded(store, refs))
     untouched = sorted(set(range(100)) - set(slots))
     assert bool((buf[:, :, :, untouched] == SENTINEL).all())
-
-
-def _flip(data: bytes, at: int) -> bytes:
-    b = bytearray(data)
-    b[at] ^= 0x40
-    return bytes(b)
-
-
-def corrupt_segment(store, ref):
-    obj = store.get(ref.name)
-    h = container.parse_header(obj)
-    seg = h.segments[-1]
-    store.delete(ref.name)
-    store.put(ref.name, _flip(obj, h.header_size + seg.offset + seg.length // 2))
-    return ref
-
-
-def corrupt_header(store, ref):
-    obj = store.get(ref.name)
-    store.delete(ref.name)
-    store.put(ref.name, _flip(obj, 40))
-    return ref
-
-
-def truncate(store, ref):
-    obj = store.get(ref.name)
-    store.delete(ref.name)
-    store.put(ref.name, obj[: len(obj) - 1000])
-    return ChunkRef(ref.name, len(obj) - 1000, ref.start, ref.tokens)  # as a fresh listing says
-
-
-def truncate_after_listing(store, ref):
-    truncate(store, ref)
-    return ref  # the listing said the old size: the short segment read must be caught
-
-
-def foreign(store, ref):
-    store.delete(ref.name)
-    store.put(ref.name, b"\x89PNG\r\n\x1a\n" + bytes(ref.size - 8))
-    return ref
-
-
-def other_model(store, ref):
-    obj = store.get(ref.name)
-    h = container.parse_header(obj)
-    kv = decode_chunk(obj)
-    store.delete(ref.name)
-    store.put(ref.name, encode_chunk(kv, h.preset, "another-model"))
-    return ref
-
-
-def corrupt_side(store, ref):
-    obj = store.get(ref.name)
-    h = container.parse_header(obj)
-    store.delete(ref.name)
-    store.put(ref.name, _flip(obj, h.header_size + h.side.offset + h.side.length // 2))
-    return ref
-
-
-def undecodable(obj: bytes) -> bytes:
-    """The object, well-formed and with matching checksums, but with HEVC that does not decode."""
-    h = container.parse_header(obj)
-    fields = {k: v for k, v in h.to_json().items() if k not in ("layout_version", "side", "segments")}
-    side = container.side_tensor(h, container.slice_segment(obj, h, h.side)) if h.side else None
-    segs = [(s.frames, b"\x00\x00\x01" + os.urandom(s.length)) for s in h.segments]
-    return container.build(fields, side, segs)
-
-
-def garbage_bitstream(store, ref):
-    """A stored object replaced by its :func:`undecodable` twin."""
-    bad = undecodable(store.get(ref.name))
-    store.delete(ref.name)
-    store.put(ref.name, bad)
-    return ChunkRef(ref.name, len(bad), ref.start, ref.tokens)
-
-
-#: every way a stored chunk can be bad, with the reason a fetch must report
-DAMAGES = [
-    (corrupt_segment, "corrupt"),
-    (corrupt_header, "corrupt"),
-    (truncate, "truncated"),
-    (truncate_after_listing, "truncated"),
-    (foreign, "foreign"),
-    (other_model, "fingerprint"),
-]
-#: and the ways only a coded chunk can be bad
-CODED_DAMAGES = [(corrupt_side, "corrupt"), (garbage_bitstream, "corrupt")]
 
 
 @pytest.mark.parametrize("preset, damage, reason", [("raw", *d) for d in DAMAGES] + [("q8", *d) for d in DAMAGES + CODED_DAMAGES])
@@ -188,9 +90,9 @@ async def test_a_bad_chunk_stops_the_fetch_and_is_never_written(tmp_path, preset
     kv = synthetic_kv(layers=2, heads=2, tokens=128, head_dim=32)
     store = LocalStore(tmp_path)
     refs = put_chunks(store, kv, 32, preset=preset)
-    first = torch.cat([decode_chunk(store.get(r.name), "fp") for r in refs[:2]], dim=3)
+    first = decoded(store, refs[:2])
     refs[2] = damage(store, refs[2])
-    buf = empty_like(kv)
+    buf = sentinel_like(kv)
     out = await fetch(store, refs, Destination(buf, tokens=128), window=1)
     assert out.error == reason, out.detail
     assert out.loaded_tokens == 64
@@ -209,7 +111,7 @@ async def test_object_deleted_mid_fetch(tmp_path, monkeypatch):
     refs = put_chunks(store, kv, 32, preset="q8")  # q8: side info and segments after the header
     store.hook = delete_after_header
     monkeypatch.setattr(executor, "HEADER_GUESS", 64)  # the first read stops before the segments
-    buf = empty_like(kv)
+    buf = sentinel_like(kv)
     out = await fetch(store, refs, Destination(buf, tokens=96), window=1)
     assert out.error == "missing"
     assert out.loaded_tokens == 32
@@ -220,7 +122,7 @@ async def test_deadline_on_a_slow_store_and_nothing_written_after_return(tmp_pat
     kv = synthetic_kv(layers=2, heads=2, tokens=256, head_dim=32)
     store = Recording(tmp_path, delay_s=0.15)
     refs = put_chunks(store, kv, 32)
-    buf = empty_like(kv)
+    buf = sentinel_like(kv)
     t = time.perf_counter()
     out = await fetch(store, refs, Destination(buf, tokens=256), deadline_s=0.5, window=2)
     assert time.perf_counter() - t < 1.5
@@ -237,7 +139,7 @@ async def test_cancellation_leaves_no_late_writes(tmp_path):
     kv = synthetic_kv(layers=2, heads=2, tokens=256, head_dim=32)
     store = Recording(tmp_path, delay_s=0.1)
     refs = put_chunks(store, kv, 32)
-    buf = empty_like(kv)
+    buf = sentinel_like(kv)
     task = asyncio.create_task(fetch(store, refs, Destination(buf, tokens=256), window=2))
     await asyncio.sleep(0.35)
     task.cancel()
@@ -257,14 +159,3 @@ async def test_chunk_that_does_not_fit_the_buffer_is_refused(tmp_path):
     out = await fetch(store, refs, Destination(buf, tokens=64))
     assert out.error == "geometry" and out.loaded_tokens == 0 and out.bad_object is None  # the request's fault: never deleted
     assert bool((buf == SENTINEL).all())
-
-
-def test_slot_lists_check_the_buffer_and_stay_cheap_when_contiguous():
-    assert slot_list(100, 10, offset=90) == range(90, 100)
-    assert contiguous(slot_list(100, 10, offset=90))
-    assert slot_list(100, 3, slots=[5, 2, 7, 9]) == [5, 2, 7]
-    assert not contiguous([5, 2, 7])
-    assert contiguous([4, 5, 6])
-    for kw in ({"offset": 91}, {"offset": -1}, {"slots": [1, 2]}, {"slots": list(range(9)) + [100]}, {"slots": [1] * 10}):
-        with pytest.raises(ValueError):
-            slot_list(100, 10, **kw)

@@ -1,6 +1,6 @@
 """Decode worker processes: fetches restored by other processes into a shared buffer (CPU: a memfd).
 
-The same code drives NVDEC in worker processes on a GPU (tests/dataplane/test_gpu_dataplane.py);
+The same code drives NVDEC in worker processes on a GPU (tests/fetch/test_fetch_gpu.py);
 here the workers decode with libavcodec and write through the buffer's shared-memory handle.
 """
 
@@ -14,16 +14,12 @@ import torch
 from kvfetcher.codec import basis
 from kvfetcher.format import container
 from kvfetcher import ipc
-from kvfetcher.chunk import decode_chunk
 from kvfetcher.fetch.workers import DecodeWorkers, warmup_object
-from kvfetcher.config import Config
 from kvfetcher.kvbuffer import Destination
-from kvfetcher.service import Sidecar
 from kvfetcher.store.local import LocalStore
 
-from dptest import SENTINEL, fetch, put_chunks
-from kvtest import synthetic_kv
-from test_pipeline import corrupt_segment, corrupt_side, foreign, garbage_bitstream, truncate_after_listing, undecodable
+from kvtest import (SENTINEL, buffer_shape, corrupt_segment, corrupt_side, decoded, fetch, foreign, garbage_bitstream, put_chunks, running,
+                    synthetic_kv, truncate_after_listing, undecodable)
 
 
 @pytest.fixture(scope="module")
@@ -35,23 +31,9 @@ def workers():
 
 
 @pytest.fixture
-def shared():
-    bufs = []
-
-    def make(kv, capacity=None):
-        L, _, H, T, D = kv.shape
-        b = ipc.allocate((L, 2, H, capacity or T, D), kv.dtype)
-        b.tensor.fill_(SENTINEL)
-        bufs.append(b)
-        return b
-
-    yield make
-    for b in bufs:
-        b.close()
-
-
-def expected(store, refs):
-    return torch.cat([decode_chunk(store.get(r.name), "fp") for r in refs], dim=3)
+def shared(shm):
+    """A shared buffer for ``kv`` (``capacity`` slots) holding SENTINEL: ``shared(kv, capacity)``."""
+    return lambda kv, capacity=None: shm(buffer_shape(kv, capacity), kv.dtype, fill=SENTINEL)
 
 
 @pytest.mark.parametrize("preset", ["raw", "q8"])
@@ -69,7 +51,7 @@ async def test_workers_restore_what_threads_restore_and_raw_bypasses_them(tmp_pa
     direct = preset == "raw"
     assert (out.direct_chunks, workers.stats["chunks"] - before) == ((3, 0) if direct else (0, 3))
     assert out.kv_bytes == kv.numel() * kv.element_size()
-    assert torch.equal(buf.tensor[:, :, :, slots], expected(store, refs))
+    assert torch.equal(buf.tensor[:, :, :, slots], decoded(store, refs))
     untouched = sorted(set(range(130)) - set(slots))
     assert bool((buf.tensor[:, :, :, untouched] == SENTINEL).all())
 
@@ -100,9 +82,9 @@ async def test_a_dead_worker_fails_the_fetch_and_is_replaced(tmp_path, shared):
         out = await fetch(store, refs, dest, workers=w)
         # the chunk the dead worker held fails; one that reached the replacement may have landed
         assert out.error == "decoder" and out.loaded_tokens < 64, out
-        assert torch.equal(buf.tensor[:, :, :, : out.loaded_tokens], expected(store, refs)[:, :, :, : out.loaded_tokens])
+        assert torch.equal(buf.tensor[:, :, :, : out.loaded_tokens], decoded(store, refs)[:, :, :, : out.loaded_tokens])
         out = await fetch(store, refs, dest, workers=w)  # a fresh worker took its place
-        assert out.error is None and torch.equal(buf.tensor, expected(store, refs))
+        assert out.error is None and torch.equal(buf.tensor, decoded(store, refs))
     finally:
         w.close()
 
@@ -122,7 +104,7 @@ async def test_a_damaged_chunk_is_caught_before_any_worker_writes(tmp_path, work
     kv = synthetic_kv(layers=2, heads=2, tokens=96, head_dim=32)
     store = LocalStore(tmp_path)
     refs = put_chunks(store, kv, 32, preset="q8")
-    first = expected(store, refs[:1])
+    first = decoded(store, refs[:1])
     refs[1] = damage(store, refs[1])
     buf = shared(kv)
     out = await fetch(store, refs, Destination(buf.tensor, tokens=96, handle=buf.handle), window=1, workers=workers)
@@ -141,7 +123,7 @@ async def test_a_buffer_the_workers_cannot_open_is_restored_in_process(tmp_path,
     gone = dict(buf.handle, path=str(tmp_path / "no-such-shm-file"))  # a handle no worker can open
     out = await fetch(store, refs, Destination(buf.tensor, tokens=64, handle=gone), workers=workers)
     assert out.error is None and out.loaded_tokens == 64, out.detail
-    assert torch.equal(buf.tensor, expected(store, refs))
+    assert torch.equal(buf.tensor, decoded(store, refs))
     assert out.bytes_read == sum(r.size for r in refs)  # nothing downloaded twice
 
 
@@ -190,7 +172,7 @@ async def test_a_bad_warm_up_object_is_reported_and_the_workers_still_serve(tmp_
     before = workers.stats["chunks"]
     out = await fetch(store, refs, Destination(buf.tensor, tokens=64, handle=buf.handle), workers=workers)
     assert out.error is None and workers.stats["chunks"] - before == 2
-    assert torch.equal(buf.tensor, expected(store, refs))
+    assert torch.equal(buf.tensor, decoded(store, refs))
 
 
 def test_a_worker_that_dies_before_its_warm_up_is_replaced():
@@ -220,7 +202,7 @@ async def test_an_opened_buffer_is_held_by_the_workers(tmp_path, workers, shared
         before = workers.stats["chunks"]
         out = await fetch(store, refs, Destination(buf.tensor, tokens=64, handle=buf.handle), workers=workers)
         assert out.error is None and workers.stats["chunks"] - before == 2, out
-        assert torch.equal(buf.tensor, expected(store, refs))
+        assert torch.equal(buf.tensor, decoded(store, refs))
     finally:
         workers.forget(buf.handle)
 
@@ -242,12 +224,12 @@ async def test_a_buffer_that_failed_to_open_is_remembered_until_forgotten(tmp_pa
         before = workers.stats["chunks"]
         out = await fetch(store, refs, dest, workers=workers)
         assert out.error is None and workers.stats["chunks"] == before, out  # restored here, not retried
-        assert torch.equal(buf.tensor, expected(store, refs))
+        assert torch.equal(buf.tensor, decoded(store, refs))
         workers.forget(handle)
         buf.tensor.fill_(SENTINEL)
         out = await fetch(store, refs, dest, workers=workers)
         assert out.error is None and workers.stats["chunks"] - before == 2, out
-        assert torch.equal(buf.tensor, expected(store, refs))
+        assert torch.equal(buf.tensor, decoded(store, refs))
     finally:
         workers.forget(handle)
         os.close(later)
@@ -255,9 +237,7 @@ async def test_a_buffer_that_failed_to_open_is_remembered_until_forgotten(tmp_pa
 
 async def test_a_fetch_beside_a_warm_up_does_not_teach_the_estimator(tmp_path, shared):
     kv = synthetic_kv(layers=2, heads=2, tokens=64, head_dim=32)
-    sc = Sidecar(LocalStore(tmp_path), Config(chunk_tokens=32, presets=("exact",), decode_procs=1, device="cpu", warm_up=False))
-    await sc.start()
-    try:
+    async with running(LocalStore(tmp_path), chunk_tokens=32, presets=("exact",), decode_procs=1, device="cpu", warm_up=False) as sc:
         buf = shared(kv)
         buf.tensor.copy_(kv)
         bid = sc.register(buf.handle, "m")
@@ -275,15 +255,11 @@ async def test_a_fetch_beside_a_warm_up_does_not_teach_the_estimator(tmp_path, s
         r = await sc.load(bid, list(range(64)), presets=["exact"], recompute_tps=1e-9)
         assert r.loaded_tokens == 64 and learned(), r
         buf.close()
-    finally:
-        await sc.close()
 
 
 async def test_a_sidecar_warms_its_workers_and_maps_a_buffer_when_it_is_registered(tmp_path, shared):
     kv = synthetic_kv(layers=2, heads=2, tokens=64, head_dim=32)
-    sc = Sidecar(LocalStore(tmp_path), Config(chunk_tokens=32, presets=("exact",), decode_procs=1, device="cpu"))
-    await sc.start()
-    try:
+    async with running(LocalStore(tmp_path), chunk_tokens=32, presets=("exact",), decode_procs=1, device="cpu") as sc:
         assert sc.metrics.registry.get_sample_value("kvfetcher_decode_warm_up_seconds") > 0
         assert sc.metrics.registry.get_sample_value("kvfetcher_errors_total", {"reason": "warm_up"}) is None
         buf = shared(kv)
@@ -302,15 +278,10 @@ async def test_a_sidecar_warms_its_workers_and_maps_a_buffer_when_it_is_register
         assert "exact" not in sc.estimator.rates(sc.store.endpoint, 1.0).decode_Bps  # a first fetch pays set-up: not learned
         r = await sc.load(bid, list(range(64)), presets=["exact"], recompute_tps=1e-9)
         assert r.loaded_tokens == 64 and "exact" in sc.estimator.rates(sc.store.endpoint, 1.0).decode_Bps
-    finally:
-        await sc.close()
 
 
 async def test_a_gpu_sidecar_touches_no_gpu_before_a_model_registers_one(tmp_path):
-    sc = Sidecar(LocalStore(tmp_path), Config(chunk_tokens=32, presets=("exact",), decode_procs=1, device="cuda"))
-    await sc.start()
-    try:  # a warm-up at start would have opened a GPU of the sidecar's choosing (and failed here on a CPU)
+    async with running(LocalStore(tmp_path), chunk_tokens=32, presets=("exact",), decode_procs=1, device="cuda") as sc:
+        # a warm-up at start would have opened a GPU of the sidecar's choosing (and failed here on a CPU)
         assert sc.metrics.registry.get_sample_value("kvfetcher_errors_total", {"reason": "warm_up"}) is None
         assert sc.metrics.registry.get_sample_value("kvfetcher_decode_warm_up_seconds") == 0
-    finally:
-        await sc.close()

@@ -1,11 +1,10 @@
 """llama_shape (bench): the timing model must compute what a Llama computes, so that a fetched
 prefix plus a suffix prefill and batched decode steps equal one long prefill."""
 
+import pytest
 import torch
 
 from benchmarks.lib.llama_shape import SHAPES, LlamaShape, subset
-
-from kvtest import gpu
 
 TINY = SHAPES["tiny"]
 
@@ -54,7 +53,7 @@ def test_layer_subset_has_fewer_layers():
     assert len(LlamaShape(subset(TINY, 1), "cpu").layers) == 1
 
 
-@gpu
+@pytest.mark.gpu
 def test_bf16_cuda_prefill_and_decode_run():
     m = LlamaShape(TINY, "cuda")
     pool = torch.zeros((2, TINY.layers, 2, TINY.kv_heads, 64, TINY.head_dim), dtype=torch.bfloat16, device="cuda")
