@@ -38,6 +38,20 @@ def test_fetch_into_a_cuda_buffer_matches_the_cpu_path(tmp_path, preset):
         assert codec.decoder("hevc", "cuda").name.startswith("nvdec")
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_raw_chunk_with_non_finite_values_never_reaches_a_cuda_buffer(tmp_path, bad):
+    """The direct path checks a GPU buffer's chunks finite on the device, before the copy into the slots."""
+    kv = synthetic_kv(layers=2, heads=2, tokens=256, head_dim=64)
+    kv[1, 0, 1, 130, 7] = bad  # in the second chunk
+    store = LocalStore(tmp_path)
+    refs = put_chunks(store, kv, 128)
+    buf = torch.full((2, 2, 2, 256, 64), SENTINEL, dtype=kv.dtype, device="cuda")
+    out = asyncio.run(fetch(store, refs, Destination(buf, offset=0, tokens=256), device=torch.device("cuda")))
+    assert (out.error, out.loaded_tokens, out.bad_object) == ("corrupt", 128, refs[1].name), out
+    assert torch.equal(buf[:, :, :, :128].cpu(), kv[:, :, :, :128])
+    assert bool((buf[:, :, :, 128:] == SENTINEL).all())
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("scattered", [False, True])
 def test_raw_direct_path_copies_pinned_host_memory_into_a_cuda_buffer(tmp_path, dtype, scattered):
@@ -47,6 +61,7 @@ def test_raw_direct_path_copies_pinned_host_memory_into_a_cuda_buffer(tmp_path, 
 
     g = torch.Generator().manual_seed(0)
     kv = torch.randint(0, 256, (6 * 2 * 2 * 512 * 64 * 2,), dtype=torch.uint8, generator=g).view(dtype).view(6, 2, 2, 512, 64)
+    kv = kv.masked_fill(~torch.isfinite(kv), 0)  # every finite bit pattern (a restore refuses NaNs and infinities)
     store = LocalStore(tmp_path)
     refs = put_chunks(store, kv, 128)
     buf = torch.full((6, 2, 2, 700, 64), SENTINEL, dtype=dtype, device="cuda")
@@ -102,13 +117,13 @@ def test_cuda_ipc_buffer_through_a_sidecar_process(tmp_path):
         buf.tensor[:, :, :, :192] = kv.cuda()
         c = KVClient(f"http://127.0.0.1:{port}", token="t")
         bid = c.register(buf.handle, "m")
-        assert c.save(bid, list(range(192)))["queued_chunks"] == 3
+        assert c.save(bid, list(range(192))).queued_chunks == 3
         c.flush()
         for preset in ("q8", "raw"):
             buf.tensor.fill_(SENTINEL)
             torch.cuda.synchronize()
             r = c.load(bid, list(range(192)), offset=32, presets=[preset], recompute_tokens_per_s=1.0)
-            assert (r.error, r.loaded_tokens, r.decision["preset"]) == (None, 192, preset), r
+            assert (r.error, r.loaded_tokens, r.decision.preset) == (None, 192, preset), r
             got = buf.tensor[:, :, :, 32:224].cpu()
             if preset == "raw":
                 assert torch.equal(got, kv)

@@ -149,14 +149,25 @@ def _copy_threads() -> ThreadPoolExecutor:
 
 
 def _read_verified(store: Store, name: str, offset: int, part: memoryview, have: int, seg: container.Segment,
-                   h: container.Header, auth: ObjectMAC | None) -> int:
+                   h: container.Header, auth: ObjectMAC | None, finite: bool) -> int:
     """Fill ``part`` (a native segment of ``h`` whose first ``have`` bytes are there) from ``name`` at
-    ``offset``, then check its length, CRC-32, tag (with ``auth``) and that it holds no NaN or
-    infinity; returns the bytes read. Blocking: runs in an I/O thread."""
+    ``offset``, then check its length, CRC-32, tag (with ``auth``) and, with ``finite``, that it holds
+    no NaN or infinity; returns the bytes read. Blocking: runs in an I/O thread."""
     n = read_into(store, name, offset + have, part[have:]) if have < len(part) else 0
     container.check(seg, part[: have + n], auth)
-    container.check_finite(part, h.torch_dtype)
+    if finite:
+        container.check_finite(part, h.torch_dtype)
     return n
+
+
+def _write_native(dest: Destination, c: ChunkRef, kv: torch.Tensor) -> None:
+    """Copy a verified native chunk (host memory) into its slots. For a GPU buffer it is staged on
+    the device and checked finite there (the host checks each segment only for a CPU buffer: on
+    the GPU the check costs nothing next to the copy), so no NaN or infinity reaches the buffer."""
+    if dest.buffer.is_cuda:
+        kv = kv.to(dest.buffer.device, non_blocking=True)
+        container.check_finite(kv, kv.dtype)
+    dest.write_kv(c, kv)
 
 
 def _submit(started: list[concurrent.futures.Future], executor: Executor, fn, *args) -> asyncio.Future:
@@ -307,7 +318,7 @@ class _Fetch:
             await asyncio.gather(*reads)
             # Every segment verified: only now touch the KV buffers.
             kv = host.view(h.torch_dtype).view(h.shape)
-            await _timed(self.decodes, self._write(i, _submit(started, _copy_threads(), self.dest.write_kv, c, kv)))
+            await _timed(self.decodes, self._write(i, _submit(started, _copy_threads(), _write_native, self.dest, c, kv)))
             self.out.kv_bytes += nbytes
             self.out.direct_chunks += 1
         finally:
@@ -327,5 +338,5 @@ class _Fetch:
         async with self.io:
             with self.reads:  # (the CRC reads bytes still in cache)
                 n = await _submit(started, self.io_pool, _read_verified, self.store, c.name, a, part, len(have), seg, h,
-                                  self._auth(c))
+                                  self._auth(c), not self.dest.buffer.is_cuda)
         self.out.bytes_read += n
