@@ -77,3 +77,12 @@ async def test_the_operator_process_becomes_ready_with_its_index(api: Api, kmock
         proc.send_signal(signal.SIGTERM)
         output, _ = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 0, output.decode()[-3000:]
+
+
+def test_the_chart_probes_readiness_of_the_index() -> None:
+    from test_op_chart import CHART, render
+    import helm_python
+    (deployment,) = [d for d in render(helm_python.Chart.load(str(CHART)), {}) if d["kind"] == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert "--readiness=http://0.0.0.0:8082/readyz" in container["args"]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "ready"}
