@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 import kopf
 
-from . import bucket, builders, conditions, endpoints, injection, kube, metrics, minio, users, webhook
+from . import bucket, builders, conditions, endpoints, injection, kube, metrics, minio, readiness, users, webhook
 from . import spec as specs
 from .conditions import CONFIG_VALID, INJECTION_READY, READY, STORAGE_READY
 from .config import RESYNC_SECONDS, Config
@@ -63,6 +63,21 @@ def endpoint_policy(cfg: Config, k: kube.Kube) -> endpoints.Policy:
         api_addresses = set()
     return endpoints.Policy().extended(deny=[*cfg.endpoint_deny.split(","), *api_addresses],
                                        allow=cfg.endpoint_allow.split(","), hosts=cfg.endpoint_hosts.split(","))
+
+
+@kopf.on.startup()
+async def serve_readiness(memo: kopf.Memo, pools: kopf.Index, **_: Any) -> None:
+    """With a readiness URL (`--readiness`), serve it: ready once the pool index is loaded."""
+    url = memo.get("readiness_url")
+    if url:
+        memo.readiness_server = await readiness.Readiness(memo.kube, memo.get("namespaces") or (), pools).serve(url)
+
+
+@kopf.on.cleanup()
+async def stop_readiness(memo: kopf.Memo, **_: Any) -> None:
+    server = memo.get("readiness_server")
+    if server is not None:
+        await server.cleanup()
 
 
 @kopf.on.login()

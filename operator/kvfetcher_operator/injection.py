@@ -15,9 +15,9 @@ What the sidecar gets, and why:
   `kvfetcher.io/gpu-access` annotation says so.
 - NVIDIA_DRIVER_CAPABILITIES includes `video`, without which the runtime mounts no NVDEC library.
 - The pod's IPC namespace is shared by its containers already; CUDA IPC also needs the peer
-  process visible, hence shareProcessNamespace. The Unix socket lives on a shared emptyDir, and
-  host-memory KV buffers on a memory-backed /dev/shm that both containers mount (the model's own
-  /dev/shm volume when it has one; the runtime's default 64 MiB one is far too small).
+  process visible, hence shareProcessNamespace. The Unix socket lives on a shared emptyDir;
+  host-memory KV buffers are sealed memfds passed over it (never files), so no /dev/shm volume
+  is added: a memfd counts against the pod's memory, not against any volume's size.
 - Endpoint, bucket, credentials, token, tenant salt and object key come from Secret references,
   never literals (with `tenancy.saltFrom: PodLabel` the salt is the value of a pod label instead).
 - The model fingerprint the sidecar serves is the pod's `kvfetcher.io/model` annotation: set by
@@ -52,8 +52,6 @@ GPU_ANNOTATION = "kvfetcher.io/gpu-access"
 CONTAINER = "kvfetcher"
 SOCKET_VOLUME = "kvfetcher-socket"
 CA_VOLUME = "kvfetcher-s3-ca"
-SHM_VOLUME = "kvfetcher-shm"
-SHM_DIR = "/dev/shm"
 SOCKET_DIR = "/run/kvfetcher"
 SOCKET = f"{SOCKET_DIR}/kvfetcher.sock"
 CA_DIR = "/etc/kvfetcher/s3-ca"
@@ -149,11 +147,6 @@ def sidecar_env(pool: dict[str, Any]) -> list[dict[str, Any]]:
     return env
 
 
-def _shm_volume(model: dict[str, Any]) -> str | None:
-    """The volume the model container already mounts at /dev/shm, if any."""
-    return next((m["name"] for m in model.get("volumeMounts") or [] if m.get("mountPath") == SHM_DIR), None)
-
-
 def gpu_access(model: dict[str, Any] | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
     """How the sidecar reaches the model's GPU: (resource claims, env, what the pod's annotation says)."""
     claims = ((model or {}).get("resources") or {}).get("claims")
@@ -175,7 +168,7 @@ SECURITY_CONTEXT = {
 }
 
 
-def sidecar_container(pool: dict[str, Any], model: dict[str, Any] | None, shm_volume: str = SHM_VOLUME) -> dict[str, Any]:
+def sidecar_container(pool: dict[str, Any], model: dict[str, Any] | None) -> dict[str, Any]:
     spec = specs.with_defaults(pool["spec"])
     side = spec["sidecar"]
     port = side["port"]
@@ -187,7 +180,7 @@ def sidecar_container(pool: dict[str, Any], model: dict[str, Any] | None, shm_vo
     env = sidecar_env(pool) + gpu_env
     if claims:
         resources["claims"] = claims
-    mounts = [{"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR}, {"name": shm_volume, "mountPath": SHM_DIR}]
+    mounts = [{"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR}]
     if ((spec["storage"].get("external") or {}).get("tls") or {}).get("caSecretRef"):
         mounts.append({"name": CA_VOLUME, "mountPath": CA_DIR, "readOnly": True})
     return {
@@ -250,7 +243,7 @@ def mutate(pod: dict[str, Any], pool: dict[str, Any] | None) -> Decision:
 
 def collisions(spec: dict[str, Any], model: dict[str, Any], port: int) -> str | None:
     """What of the sidecar's the pod already uses (volume name, mount path, port), or None."""
-    ours = {SOCKET_VOLUME, SHM_VOLUME, CA_VOLUME}
+    ours = {SOCKET_VOLUME, CA_VOLUME}
     taken = sorted(ours & {v.get("name") for v in spec.get("volumes") or []})
     if taken:
         return f"volume name {taken[0]}"
@@ -264,27 +257,20 @@ def collisions(spec: dict[str, Any], model: dict[str, Any], port: int) -> str | 
 
 def _spec_patch(spec: dict[str, Any], pool: dict[str, Any], pool_spec: dict[str, Any],
                 model: dict[str, Any]) -> dict[str, Any]:
-    shm = _shm_volume(model)
     new_containers = copy.deepcopy(spec.get("containers") or [])
     for c in new_containers:
         if c.get("name") == model.get("name"):
-            mounts = c.setdefault("volumeMounts", [])
-            mounts.append({"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR})
-            if shm is None:
-                mounts.append({"name": SHM_VOLUME, "mountPath": SHM_DIR})
+            c.setdefault("volumeMounts", []).append({"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR})
             c.setdefault("env", []).append(_value_env(settings.SOCKET, SOCKET))
     volumes = copy.deepcopy(spec.get("volumes") or [])
     volumes.append({"name": SOCKET_VOLUME, "emptyDir": {}})
-    if shm is None:
-        volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory",
-                                                         "sizeLimit": pool_spec["sidecar"]["shmSize"]}})
     ca = ((pool_spec["storage"].get("external") or {}).get("tls") or {}).get("caSecretRef")
     if ca:
         volumes.append({"name": CA_VOLUME, "secret": {"secretName": ca["name"],
                                                       "items": [{"key": ca["key"], "path": ca["key"]}]}})
     groups = list((spec.get("securityContext") or {}).get("supplementalGroups") or [])
     return {
-        "initContainers": [sidecar_container(pool, model, shm or SHM_VOLUME)]
+        "initContainers": [sidecar_container(pool, model)]
                           + copy.deepcopy(spec.get("initContainers") or []),
         "containers": new_containers,
         "volumes": volumes,

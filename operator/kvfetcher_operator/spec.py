@@ -30,7 +30,6 @@ DEFAULTS: dict[str, Any] = {
         "image": "ghcr.io/kvfetcher/kvfetcher-sidecar:0.1.0",
         "imagePullPolicy": "IfNotPresent",
         "port": 8500,
-        "shmSize": "8Gi",
     },
     "retention": {"ttlDays": 7, "dataPolicy": "Retain"},
     "tenancy": {"saltFrom": "Pool"},
@@ -197,7 +196,6 @@ def problems(spec: dict[str, Any]) -> list[str]:
         out.append("sidecar.ttftBudgetSeconds: must be a number of seconds above 0 and at most 600")
 
     out += resources_problems("sidecar.resources", spec["sidecar"].get("resources"))
-    out += _size_problem("sidecar.shmSize", spec["sidecar"]["shmSize"])
 
     retention = spec["retention"]
     if not isinstance(retention["ttlDays"], int) or not 1 <= retention["ttlDays"] <= 3650:

@@ -112,7 +112,6 @@ BAD = [
     # Defect 16: sizes above zero, endpoints without user info or query, S3's bucket rules.
     ("zero size", _with(MANAGED, "storage.managed.size", "0"), "size"),
     ("zero maxSize", _with(MANAGED, "retention.maxSize", "0Gi"), "maxSize"),
-    ("zero shm", _with(MANAGED, "sidecar.shmSize", "0"), "shmSize"),
     ("endpoint with user info", _with(EXTERNAL, "storage.external.endpoint", "https://u:p@s3.example.com"), "endpoint"),
     ("endpoint with query", _with(EXTERNAL, "storage.external.endpoint", "https://s3.example.com?x=1"), "endpoint"),
     ("bucket with double dot", _with(EXTERNAL, "storage.external.bucket", "kv..cache"), "bucket"),
