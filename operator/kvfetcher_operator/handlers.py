@@ -1,4 +1,5 @@
-"""Thin kopf handlers: validate, build, apply, probe storage, write status. Every step idempotent.
+"""The reconciler role: thin kopf handlers that validate, build, apply, probe storage, write status.
+Every step idempotent; one replica runs them (the webhook is `admission`'s, in its own replicas).
 
 create, update, resume (after an operator restart) and a periodic resync all run the same
 `reconcile`, so that whatever state a pool's children or storage are in, the next pass brings
@@ -8,7 +9,6 @@ change handlers retry; an invalid spec does not (only a new spec can fix it).
 from __future__ import annotations
 
 import copy
-import logging
 import os
 import socket
 import tempfile
@@ -17,13 +17,14 @@ from urllib.parse import urlsplit
 
 import kopf
 
-from . import bucket, builders, conditions, endpoints, injection, kube, metrics, minio, readiness, users, webhook
+from . import bucket, builders, conditions, endpoints, injection, kube, metrics, minio, users
+from . import runtime  # noqa: F401  (registers the shared startup, login and cleanup handlers)
 from . import spec as specs
 from .conditions import CONFIG_VALID, INJECTION_READY, READY, STORAGE_READY
 from .config import RESYNC_SECONDS, Config
+from .webhook import WEBHOOK_ID
 
 POOL = (specs.GROUP, specs.VERSION, specs.PLURAL)
-WEBHOOK_ID = "inject-sidecar"  # the URL path of the webhook: /inject-sidecar
 
 
 class NotReady(Exception):
@@ -35,23 +36,8 @@ class NotReady(Exception):
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    cfg = Config.from_env()
-    # Progress and diff-base live in annotations: status holds only what the CRD declares.
-    settings.persistence.finalizer = "kvfetcher.io/finalizer"
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kvfetcher.io")
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix="kvfetcher.io", key="last-handled-configuration")
-    settings.posting.level = logging.INFO
-    # The chart owns the MutatingWebhookConfiguration (failurePolicy Ignore); kopf only serves.
-    settings.admission.managed = None
-    settings.admission.server = webhook.Server(
-        addr=cfg.webhook_addr, port=cfg.webhook_port, certfile=cfg.webhook_cert, pkeyfile=cfg.webhook_key)
-    memo.cfg = cfg
-    metrics.POOLS.by_pool.clear()  # phases are re-learnt as the pools are resumed
-    memo.kube = kube.Kube.from_environment()
-    memo.endpoints = endpoint_policy(cfg, memo.kube)
-    memo.metrics_server = metrics.serve(cfg.metrics_port, cfg.metrics_addr)
+def configure_endpoints(memo: kopf.Memo, **_: Any) -> None:
+    memo.endpoints = endpoint_policy(memo.cfg, memo.kube)
 
 
 def endpoint_policy(cfg: Config, k: kube.Kube) -> endpoints.Policy:
@@ -65,65 +51,9 @@ def endpoint_policy(cfg: Config, k: kube.Kube) -> endpoints.Policy:
                                        allow=cfg.endpoint_allow.split(","), hosts=cfg.endpoint_hosts.split(","))
 
 
-@kopf.on.startup()
-async def serve_readiness(memo: kopf.Memo, pools: kopf.Index, **_: Any) -> None:
-    """With a readiness URL (`--readiness`), serve it: ready once the pool index is loaded."""
-    url = memo.get("readiness_url")
-    if url:
-        memo.readiness_server = await readiness.Readiness(memo.kube, memo.get("namespaces") or (), pools).serve(url)
-
-
-@kopf.on.cleanup()
-async def stop_readiness(memo: kopf.Memo, **_: Any) -> None:
-    server = memo.get("readiness_server")
-    if server is not None:
-        await server.cleanup()
-
-
-@kopf.on.login()
-def login(**_: Any) -> kopf.ConnectionInfo:
-    return kube.Kube.from_environment().connection_info()
-
-
-@kopf.on.cleanup()
-def stop_metrics(memo: kopf.Memo, **_: Any) -> None:
-    server = memo.get("metrics_server")
-    if server is not None:
-        server.shutdown()
-        server.server_close()
-
-
-@kopf.index(*POOL)
-def pools(namespace: str, name: str, spec: Any, status: Any, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
-    """What the webhook needs of each pool, kept in memory so that admission makes no API call."""
-    return {(namespace, name): {"metadata": {"name": name, "namespace": namespace},
-                                "spec": copy.deepcopy(dict(spec)), "status": copy.deepcopy(dict(status))}}
-
-
 @kopf.index("pods", annotations={injection.INJECTED_ANNOTATION: kopf.PRESENT})
 def injected_pods(namespace: str, name: str, annotations: Any, **_: Any) -> dict[tuple[str, str], str]:
     return {(namespace, annotations[injection.INJECTED_ANNOTATION]): name}
-
-
-def _first(store: Any) -> Any:
-    return next(iter(store), None) if store is not None else None
-
-
-@kopf.on.mutate("pods", id=WEBHOOK_ID, operations=["CREATE"], labels={injection.INJECT_LABEL: "true"},
-                ignore_failures=True)
-def inject(body: kopf.Body, patch: kopf.Patch, pools: kopf.Index, logger: logging.Logger, **_: Any) -> None:
-    pod = {"metadata": copy.deepcopy(dict(body.metadata)), "spec": copy.deepcopy(dict(body.spec))}
-    try:
-        namespace = pod["metadata"].get("namespace") or "default"
-        pool_name = (pod["metadata"].get("annotations") or {}).get(injection.POOL_ANNOTATION, "")
-        decision = injection.mutate(pod, _first(pools.get((namespace, pool_name))))
-    except Exception as e:  # never block a pod on our own bug
-        logger.exception("injection failed")
-        decision = injection.Decision(
-            {"metadata": {"annotations": {injection.SKIPPED_ANNOTATION: f"internal error: {e}"}}}, "error", str(e))
-    patch.update(decision.patch)
-    metrics.INJECTIONS.labels(decision.outcome).inc()
-    logger.info(f"{decision.outcome}: {decision.reason}")
 
 
 def _pool(body: kopf.Body) -> dict[str, Any]:

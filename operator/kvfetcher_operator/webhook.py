@@ -21,6 +21,7 @@ import aiohttp.web
 import kopf
 
 MAX_REVIEW_BYTES = 3 * 2**20
+WEBHOOK_ID = "inject-sidecar"  # the URL path of the webhook: /inject-sidecar
 
 
 def shape_problem(review: Any) -> str | None:

@@ -124,7 +124,7 @@ async def run_operator(request: pytest.FixtureRequest, **env: str) -> AsyncItera
     """
     import kopf
 
-    from kvfetcher_operator import handlers  # noqa: F401  (registers the handlers)
+    from kvfetcher_operator import admission, handlers  # noqa: F401  (registers the handlers: role all)
 
     kmock = request.getfixturevalue("kmock")
     tls: dict[str, Path] = request.getfixturevalue("tls")

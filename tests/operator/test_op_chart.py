@@ -15,7 +15,7 @@ import yaml
 from cryptography import x509
 from pod_security import restricted_violations, workload_pod_spec
 
-from kvfetcher_operator import handlers, injection
+from kvfetcher_operator import injection, webhook
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "kvfetcher"
@@ -91,7 +91,7 @@ def test_webhook_points_at_the_operator_handler_and_never_blocks(chart: helm_pyt
     (config,) = by_kind(docs, "MutatingWebhookConfiguration")
     (hook,) = config["webhooks"]
     assert hook["failurePolicy"] == "Ignore" and hook["sideEffects"] == "None"
-    assert hook["clientConfig"]["service"]["path"] == f"/{handlers.WEBHOOK_ID}"
+    assert hook["clientConfig"]["service"]["path"] == f"/{webhook.WEBHOOK_ID}"
     assert hook["objectSelector"] == {"matchLabels": {injection.INJECT_LABEL: "true"}}
     assert hook["rules"][0]["operations"] == ["CREATE"] and hook["rules"][0]["resources"] == ["pods"]
     assert {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": [NAMESPACE]} in \
