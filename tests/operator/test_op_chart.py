@@ -86,6 +86,11 @@ def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [d for d in docs if d["kind"] == kind]
 
 
+def named(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    (found,) = [d for d in by_kind(docs, kind) if d["metadata"]["name"] == name]
+    return found
+
+
 def test_webhook_points_at_the_operator_handler_and_never_blocks(chart: helm_python.Chart) -> None:
     docs = render(chart, {})
     (config,) = by_kind(docs, "MutatingWebhookConfiguration")
@@ -133,7 +138,7 @@ def test_rbac_is_least_privilege(chart: helm_python.Chart) -> None:
     docs = render(chart, {"poolNamespaces": ["ml"]})
     roles = {r["metadata"]["name"]: r for r in by_kind(docs, "ClusterRole")}
     assert not any("*" in str(rule) for role in roles.values() for rule in role["rules"])
-    (binding,) = by_kind(docs, "ClusterRoleBinding")
+    binding = named(docs, "ClusterRoleBinding", "kvf-kvfetcher")
     cluster_wide = rules_of(roles[binding["roleRef"]["name"]])
     assert not {r for _, r in cluster_wide} & {"secrets", "services", "statefulsets", "poddisruptionbudgets",
                                                "networkpolicies", "configmaps"}
@@ -156,17 +161,17 @@ def test_rbac_is_least_privilege(chart: helm_python.Chart) -> None:
 def test_namespaced_mode_grants_nothing_cluster_wide_on_namespaced_objects(chart: helm_python.Chart) -> None:
     """Defect 10: with watchNamespaces, Secrets, Services and StatefulSets are writable only there."""
     docs = render(chart, VALUE_SETS["namespaced"])
-    (cluster_role,) = by_kind(docs, "ClusterRole")
+    cluster_role = named(docs, "ClusterRole", "kvf-kvfetcher")
     assert {r for rule in cluster_role["rules"] for r in rule["resources"]} == {
         "mutatingwebhookconfigurations", "customresourcedefinitions"}
-    roles = by_kind(docs, "Role")
+    roles = [r for r in by_kind(docs, "Role") if r["metadata"]["name"] == "kvf-kvfetcher"]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["ml", "team-b"]
     assert rules_of(roles[0])[("", "secrets")] == {"get", "create", "patch"}
     assert rules_of(roles[0])[("kvfetcher.io", "kvcachepools")] >= {"list", "watch"}
-    bindings = by_kind(docs, "RoleBinding")
+    bindings = [b for b in by_kind(docs, "RoleBinding") if b["metadata"]["name"] == "kvf-kvfetcher"]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["ml", "team-b"]
     assert {b["roleRef"]["kind"] for b in bindings} == {"Role"}
-    container = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
+    container = named(docs, "Deployment", "kvf-kvfetcher")["spec"]["template"]["spec"]["containers"][0]
     assert "--namespace=ml" in container["args"] and "--namespace=team-b" in container["args"]
     assert container["image"] == "ghcr.io/kvfetcher/kvfetcher-operator@sha256:" + "a" * 64  # defect 19
     env = {e["name"]: e.get("value") for e in container["env"]}
@@ -174,20 +179,22 @@ def test_namespaced_mode_grants_nothing_cluster_wide_on_namespaced_objects(chart
 
 
 def test_network_policy_opens_only_the_webhook_and_listed_metrics_peers(chart: helm_python.Chart) -> None:
-    """Defect 6: the chart ships a NetworkPolicy for the operator and webhook pod."""
-    (policy,) = by_kind(render(chart, {}), "NetworkPolicy")
-    assert policy["spec"]["ingress"] == [{"ports": [{"port": "webhook", "protocol": "TCP"}]}]
-    (policy,) = by_kind(render(chart, VALUE_SETS["namespaced"]), "NetworkPolicy")
+    """Defect 6: the chart ships a NetworkPolicy for the operator and one for the webhook pods."""
+    policy = named(render(chart, {}), "NetworkPolicy", "kvf-kvfetcher-webhook")
+    assert policy["spec"]["ingress"] == [{"ports": [{"port": port, "protocol": "TCP"}
+                                                    for port in ("webhook", "health", "ready")]}]
+    policy = named(render(chart, VALUE_SETS["namespaced"]), "NetworkPolicy", "kvf-kvfetcher-webhook")
     assert policy["spec"]["ingress"][1]["ports"] == [{"port": "metrics", "protocol": "TCP"}]
     assert policy["spec"]["ingress"][1]["from"][0]["namespaceSelector"]["matchLabels"] == {"name": "monitoring"}
 
 
 def test_deployment_wires_the_operator(chart: helm_python.Chart) -> None:
     docs = render(chart, VALUE_SETS["cert-manager-own-issuer"])
-    (deployment,) = by_kind(docs, "Deployment")
-    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    container = named(docs, "Deployment", "kvf-kvfetcher")["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e.get("value") for e in container["env"]}
-    assert env["KVFETCHER_WEBHOOK_PORT"] == "10443" and env["KVFETCHER_METRICS_PORT"] == "9090"
+    hook = named(docs, "Deployment", "kvf-kvfetcher-webhook")["spec"]["template"]["spec"]["containers"][0]
+    assert {e["name"]: e.get("value") for e in hook["env"]}["KVFETCHER_WEBHOOK_PORT"] == "10443"
+    assert env["KVFETCHER_METRICS_PORT"] == "9090"
     assert env["KVFETCHER_RETRY_SECONDS"] == "5"
     assert env["KVFETCHER_WEBHOOK_CONFIGURATION"] == by_kind(docs, "MutatingWebhookConfiguration")[0]["metadata"]["name"]
     assert "--verbose" in container["args"] and "--standalone" in container["args"]

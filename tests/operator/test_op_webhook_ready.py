@@ -80,9 +80,9 @@ async def test_the_operator_process_becomes_ready_with_its_index(api: Api, kmock
 
 
 def test_the_chart_probes_readiness_of_the_index() -> None:
-    from test_op_chart import CHART, render
+    from test_op_chart import CHART, named, render
     import helm_python
-    (deployment,) = [d for d in render(helm_python.Chart.load(str(CHART)), {}) if d["kind"] == "Deployment"]
+    deployment = named(render(helm_python.Chart.load(str(CHART)), {}), "Deployment", "kvf-kvfetcher-webhook")
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     assert "--readiness=http://0.0.0.0:8082/readyz" in container["args"]
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "ready"}

@@ -14,10 +14,22 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 
-{{- define "kvfetcher.selectorLabels" -}}
+{{- /* Every pod of the release (the reconciler and the webhook replicas): the metrics Service. */ -}}
+{{- define "kvfetcher.instanceLabels" -}}
 app.kubernetes.io/name: {{ .Chart.Name }}
 app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- /* The reconciler's pods (one replica). */ -}}
+{{- define "kvfetcher.selectorLabels" -}}
+{{ include "kvfetcher.instanceLabels" . }}
 app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- /* The webhook's pods (its own Deployment, several replicas). */ -}}
+{{- define "kvfetcher.webhookSelectorLabels" -}}
+{{ include "kvfetcher.instanceLabels" . }}
+app.kubernetes.io/component: webhook
 {{- end -}}
 
 {{- define "kvfetcher.serviceAccountName" -}}
@@ -25,6 +37,14 @@ app.kubernetes.io/component: operator
 {{- default (include "kvfetcher.fullname" .) .Values.serviceAccount.name -}}
 {{- else -}}
 {{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvfetcher.webhookServiceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (printf "%s-webhook" (include "kvfetcher.fullname" .)) .Values.serviceAccount.webhookName -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.webhookName -}}
 {{- end -}}
 {{- end -}}
 
@@ -42,4 +62,47 @@ app.kubernetes.io/component: operator
 {{- else -}}
 {{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
 {{- end -}}
+{{- end -}}
+
+{{- /* What the reconciler's and the webhook's pods share: Pod Security "restricted", pull secrets, scheduling. */ -}}
+{{- define "kvfetcher.podCommon" -}}
+automountServiceAccountToken: true  # both talk to the API server
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+securityContext:
+  runAsNonRoot: true
+  runAsUser: 10001
+  runAsGroup: 10001
+  seccompProfile: {type: RuntimeDefault}
+{{- with .Values.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{- define "kvfetcher.containerSecurity" -}}
+securityContext:
+  allowPrivilegeEscalation: false
+  readOnlyRootFilesystem: true
+  capabilities: {drop: [ALL]}
+{{- end -}}
+
+{{- /* The operator's command-line flags every role takes. */ -}}
+{{- define "kvfetcher.commonArgs" -}}
+- --liveness=http://0.0.0.0:8081/healthz
+{{- range .Values.watchNamespaces }}
+- --namespace={{ . }}
+{{- end }}
+{{- if .Values.operator.verbose }}
+- --verbose
+{{- end }}
 {{- end -}}
