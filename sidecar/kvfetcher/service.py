@@ -160,9 +160,11 @@ class Sidecar:
             raise RequestError(f"malformed buffer handle: {e}") from e
         except ValueError as e:
             raise RequestError(str(e)) from e
-        if t.dim() != 5 or t.shape[1] != 2:
+        try:
+            kvbuffer.check_shape(t)
+        except ValueError as e:
             ipc.release(handle)
-            raise RequestError(f"KV buffer must be [layers, 2, kv_heads, capacity, head_dim], got {tuple(t.shape)}")
+            raise RequestError(str(e)) from e
         bid = secrets.token_urlsafe(24)
         L, _, H, _, D = t.shape
         self.buffers[bid] = Buffer(t, self.namespace(model, kvbuffer.dtype_name(t.dtype), tp_rank, (L, H, D)), handle)
@@ -229,11 +231,11 @@ class Sidecar:
         else:
             ns, buf = target, next((b for b in self.buffers.values() if b.ns == target), None)
         self.metrics.lookups.inc()
-        p = await self._plan(ns, tokens, buf, **{"may_skip_listing": False, **opts})
+        p = await self._plan(ns, keys.chunk_keys(ns, tokens, self.config.chunk_tokens), buf, **{"may_skip_listing": False, **opts})
         self.metrics.hit_tokens.inc(p.hit_tokens)
         return p
 
-    async def _plan(self, ns: keys.Namespace, tokens: Sequence[int], buf: Buffer | None, *, recompute_tps: float | None = None,
+    async def _plan(self, ns: keys.Namespace, ck: Sequence[str], buf: Buffer | None, *, recompute_tps: float | None = None,
                     presets: Sequence[str] | None = None, ttft_budget_s: float | None = None, deadline_s: float | None = None,
                     may_skip_listing: bool = True) -> FetchPlan:
         budget = self.config.ttft_budget_s if ttft_budget_s is None else ttft_budget_s
@@ -242,7 +244,7 @@ class Sidecar:
         rates = self.estimator.rates(self.store.endpoint, recompute_tps or self.config.recompute_tps)
         allowed = frozenset(presets or PRESETS) & frozenset(self.config.allowed_presets or PRESETS)
         costs = Costs(rates, self._chunk_kv_bytes(buf) if buf else None, allowed, budget)
-        p = await make_plan(self.store, ns, tokens, self.config.chunk_tokens, costs, io_pool=self.meta_pool,
+        p = await make_plan(self.store, ns, ck, self.config.chunk_tokens, costs, io_pool=self.meta_pool,
                             deadline_s=self.config.deadline_s if deadline_s is None else deadline_s, may_skip_listing=may_skip_listing)
         if p.error:
             self.metrics.errors.labels(p.error).inc()
@@ -287,7 +289,7 @@ class Sidecar:
                 raise RequestError(f"{sorted(opts)} belong to the plan: give them when planning, not with a plan")
             self._check(plan, buf, ck)
         if plan is None or plan.preset is None:  # no plan, or one made without a buffer of its namespace: plan here
-            plan = await self._plan(buf.ns, tokens[:n_req], buf, deadline_s=deadline_s, **opts)
+            plan = await self._plan(buf.ns, ck, buf, deadline_s=deadline_s, **opts)
         reply = LoadReply(n_req, 0, N, lookup_s=plan.lookup_s,
                           decision=LoadDecision(plan.preset, len(plan.chunks), plan.predicted_s, plan.options))
         if plan.error:  # counted in the errors metric when planning

@@ -136,7 +136,7 @@ async def list_prefix(store: Store, chunk_keys: Sequence[str], io_pool: Executor
 async def make_plan(
     store: Store,
     ns: keys.Namespace,
-    tokens: Sequence[int],
+    ck: Sequence[str],
     chunk_tokens: int,
     costs: Costs,
     *,
@@ -144,12 +144,12 @@ async def make_plan(
     deadline_s: float | None = None,
     may_skip_listing: bool = True,
 ) -> FetchPlan:
-    """Plan a load of the whole chunks of ``tokens`` in ``ns``; the listing must end within
+    """Plan a load of the chunks keyed ``ck`` (:func:`keys.chunk_keys` of the prompt in ``ns``, whole
+    chunks only); the listing must end within
     ``deadline_s``. A store failure or a missed deadline is a plan that recomputes, with its reason.
     ``may_skip_listing``: when no load could pay (:func:`choice.hopeless`), plan a recompute without
     asking the store (``hit_tokens`` is then 0)."""
-    n_req = len(tokens) // chunk_tokens * chunk_tokens
-    ck = keys.chunk_keys(ns, tokens[:n_req], chunk_tokens)
+    n_req = len(ck) * chunk_tokens
     recompute = FetchPlan(ns.model, ns.dtype, ns.tp_rank, chunk_tokens, n_req, ck[-1] if ck else "", 0, choice.RECOMPUTE, (), 0.0,
                           {}, None, Reason.MISS.value, "nothing requested" if not ck else None)
     if not ck:
