@@ -177,3 +177,24 @@ async def wait_listening(port: int, timeout: float = 15) -> None:
             if asyncio.get_running_loop().time() > deadline:
                 raise
             await asyncio.sleep(0.1)
+
+
+def kubeconfig(kmock: Any, tmp_path: Path) -> Path:
+    """A kubeconfig file pointing at the API emulator, for an operator run as its own process."""
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "k",
+        "clusters": [{"name": "k", "cluster": {"server": str(kmock.url).rstrip("/")}}],
+        "users": [{"name": "k", "user": {"token": "t"}}],
+        "contexts": [{"name": "k", "context": {"cluster": "k", "user": "k"}}]}))
+    return path
+
+
+async def probe(url: str) -> int | None:
+    """The HTTP status of a GET of ``url``, or None when nothing answers."""
+    try:
+        async with aiohttp.ClientSession() as session, session.get(url) as r:
+            await r.read()
+            return r.status
+    except aiohttp.ClientError:
+        return None

@@ -8,29 +8,12 @@ import signal
 import sys
 from pathlib import Path
 
-import aiohttp
-import yaml
-from op_helpers import POOLS, Api, cond, external_pool, free_port
-
-
-async def get_status(url: str) -> int | None:
-    try:
-        async with aiohttp.ClientSession() as session, session.get(url) as r:
-            await r.read()
-            return r.status
-    except aiohttp.ClientError:
-        return None
+from op_helpers import POOLS, Api, cond, external_pool, free_port, kubeconfig, probe
 
 
 async def test_kvfetcher_operator_process(api: Api, kmock, tls: dict[str, Path], tmp_path: Path) -> None:
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "k",
-        "clusters": [{"name": "k", "cluster": {"server": str(kmock.url).rstrip("/")}}],
-        "users": [{"name": "k", "user": {"token": "t"}}],
-        "contexts": [{"name": "k", "context": {"cluster": "k", "user": "k"}}]}))
     live, metrics, hook = free_port(), free_port(), free_port()
-    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "KVFETCHER_METRICS_PORT": str(metrics),
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig(kmock, tmp_path)), "KVFETCHER_METRICS_PORT": str(metrics),
            "KVFETCHER_METRICS_ADDR": "127.0.0.1", "KVFETCHER_WEBHOOK_ADDR": "127.0.0.1",
            "KVFETCHER_WEBHOOK_PORT": str(hook), "KVFETCHER_WEBHOOK_CERT": str(tls["cert"]),
            "KVFETCHER_WEBHOOK_KEY": str(tls["key"]), "KVFETCHER_ENDPOINT_ALLOW": "127.0.0.1/32"}
@@ -40,11 +23,11 @@ async def test_kvfetcher_operator_process(api: Api, kmock, tls: dict[str, Path],
     output = b""
     try:
         for _ in range(200):
-            if await get_status(f"http://127.0.0.1:{live}/healthz") == 200:
+            if await probe(f"http://127.0.0.1:{live}/healthz") == 200:
                 break
             await asyncio.sleep(0.1)
-        assert await get_status(f"http://127.0.0.1:{live}/healthz") == 200
-        assert await get_status(f"http://127.0.0.1:{metrics}/metrics") == 200
+        assert await probe(f"http://127.0.0.1:{live}/healthz") == 200
+        assert await probe(f"http://127.0.0.1:{metrics}/metrics") == 200
         await api.create(POOLS, external_pool("proc", "http://127.0.0.1:9", "proc"))
         pool = await api.wait_for(POOLS, "default", "proc",
                                   lambda o: cond(o, "StorageReady").get("reason") == "CredentialsMissing")

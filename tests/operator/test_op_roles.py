@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from op_helpers import POOLS, Api, external_pool, free_port, is_ready, s3_secret, wait_listening
+from op_helpers import POOLS, Api, external_pool, free_port, is_ready, kubeconfig, probe, s3_secret, wait_listening
 from test_op_operator import admit, admit_until, model_pod, skipped
-from test_op_webhook_ready import kubeconfig, probe
 
 from kvfetcher_operator import __main__ as entry
 

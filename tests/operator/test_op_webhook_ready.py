@@ -10,31 +10,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
-import yaml
-from op_helpers import POOLS, Api, external_pool, free_port
+from op_helpers import POOLS, Api, external_pool, free_port, kubeconfig, probe
 
 from kvfetcher_operator import kube, readiness
-
-
-def kubeconfig(kmock: Any, tmp_path: Path) -> Path:
-    path = tmp_path / "kubeconfig"
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "k",
-        "clusters": [{"name": "k", "cluster": {"server": str(kmock.url).rstrip("/")}}],
-        "users": [{"name": "k", "user": {"token": "t"}}],
-        "contexts": [{"name": "k", "context": {"cluster": "k", "user": "k"}}]}))
-    return path
-
-
-async def probe(url: str) -> int | None:
-    try:
-        async with aiohttp.ClientSession() as session, session.get(url) as r:
-            await r.read()
-            return r.status
-    except aiohttp.ClientError:
-        return None
 
 
 async def test_not_ready_until_every_listed_pool_is_indexed(api: Api, kmock: Any, tmp_path: Path,
