@@ -85,7 +85,7 @@ def slow_proxy(s3_endpoint):
 
 @pytest.fixture
 def shm():
-    """A factory of shared KV buffers as a model allocates them (``ipc.allocate``: /dev/shm on the
+    """A factory of shared KV buffers as a model allocates them (``ipc.allocate``: a sealed memfd on the
     CPU, CUDA IPC with ``device="cuda"``), optionally filled with ``fill``; all closed after the test."""
     from kvfetcher import ipc
 

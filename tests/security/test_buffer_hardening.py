@@ -242,3 +242,20 @@ def test_a_handle_whose_fd_now_names_other_memory_is_refused():
     finally:
         os.close(stale["fd"])
         b.close()
+
+
+def test_a_buffer_not_shaped_like_kv_is_refused_and_released(tmp_path):
+    """[layers, 2, kv_heads, capacity, head_dim] or a 400; the sidecar keeps no fd of a refused buffer."""
+    sock = str(tmp_path / "run" / "kvfetcher.sock")
+    with Embedded(Sidecar(LocalStore(tmp_path / "store"), Config(chunk_tokens=32, presets=("raw",))), TOKEN, sock) as sc:
+        c = KVClient(socket_path=sock)
+        for shape in ((2, 3, 1, 64, 8), (2, 2, 64, 8)):
+            buf = ipc.allocate(shape, torch.float16)
+            try:
+                before = len(os.listdir("/proc/self/fd"))
+                with pytest.raises(SidecarError, match="KV buffer must be") as e:
+                    c.register(buf.handle, "m")
+                assert e.value.status == 400 and not sc.sidecar.buffers
+                assert len(os.listdir("/proc/self/fd")) <= before  # the received fd was closed again
+            finally:
+                buf.close()
