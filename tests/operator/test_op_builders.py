@@ -67,7 +67,7 @@ def test_secret_values_are_kept_and_completed() -> None:
 def test_names_have_limits() -> None:
     assert builders.name_problems("x" * 40, MANAGED) == []
     assert builders.name_problems("x" * 41, MANAGED)
-    # A managed pool's Services need a DNS label (defect 16); an external pool only needs a Secret name.
+    # A managed pool's Services need a DNS label; an external pool only needs a Secret name.
     assert builders.name_problems("1st.pool", MANAGED) and builders.name_problems("1st.pool", EXTERNAL) == []
 
 
@@ -94,7 +94,7 @@ def test_injection_into_a_device_plugin_pod() -> None:
     assert env["KVFETCHER_MODEL"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.annotations['kvfetcher.io/model']"
     assert env["KVFETCHER_CHUNK_TOKENS"]["value"] == "256" and env["KVFETCHER_PRESET"]["value"] == "auto"
     assert "KVFETCHER_DECODE_PROCS" not in env and "KVFETCHER_TTFT_BUDGET_S" not in env  # the sidecar's defaults
-    # Defect 2: a device-plugin GPU cannot be shared, so the sidecar gets none, explicitly, and the pod says so.
+    # A device-plugin GPU cannot be shared, so the sidecar gets none, explicitly, and the pod says so.
     assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "void"
     assert out["metadata"]["annotations"][injection.GPU_ANNOTATION].startswith("none")
     assert env["NVIDIA_DRIVER_CAPABILITIES"]["value"] == "compute,utility,video"
@@ -188,7 +188,7 @@ def restricted_pod(**model: Any) -> dict[str, Any]:
 
 
 def test_injected_pod_stays_pod_security_restricted() -> None:
-    """Defect 3 (and 17): a restricted model pod is still restricted once injected; the model joins the socket's group."""
+    """A restricted model pod is still restricted once injected; the model joins the socket's group."""
     pod = restricted_pod(resources={"limits": {"nvidia.com/gpu": "1"}})
     assert restricted_violations(pod["spec"]) == []
     out = injection.apply_merge_patch(pod, injection.mutate(pod, pool(MANAGED)).patch)
@@ -211,7 +211,7 @@ def test_restricted_check_catches_what_the_profile_forbids() -> None:
 
 
 def test_gpu_access_follows_the_models_allocation() -> None:
-    """Defect 2: never NVIDIA_VISIBLE_DEVICES=all; the model's own device list is shared, 'all' is not."""
+    """Never NVIDIA_VISIBLE_DEVICES=all; the model's own device list is shared, 'all' is not."""
     listed = gpu_pod(env=[{"name": "NVIDIA_VISIBLE_DEVICES", "value": "GPU-1234"}], resources={"limits": {"nvidia.com/gpu": "1"}})
     side = injection.apply_merge_patch(listed, injection.mutate(listed, pool(MANAGED)).patch)["spec"]["initContainers"][0]
     assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "GPU-1234"} in side["env"]
@@ -228,7 +228,7 @@ def test_gpu_access_follows_the_models_allocation() -> None:
     (lambda p: p["metadata"]["labels"].pop("tenant"), "pod label tenant, which the pod lacks"),
 ], ids=["volume", "mount", "port", "tenant-label"])
 def test_collisions_and_missing_tenant_label_skip_with_a_reason(change, reason) -> None:
-    """Defects 3 and 18: the webhook never makes a pod the API server rejects, nor one that shares an empty salt."""
+    """The webhook never makes a pod the API server rejects, nor one that shares an empty salt."""
     pod = gpu_pod()
     change(pod)
     decision = injection.mutate(pod, pool({**MANAGED, "tenancy": EXTERNAL["tenancy"]}))
@@ -237,7 +237,7 @@ def test_collisions_and_missing_tenant_label_skip_with_a_reason(change, reason) 
 
 
 def test_the_patch_never_removes_an_absent_annotation() -> None:
-    """Defect 12: kopf turns a None into a JSON-patch remove, which the API server rejects for a missing key."""
+    """kopf turns a None into a JSON-patch remove, which the API server rejects for a missing key."""
     pod = gpu_pod()
     patch = injection.mutate(pod, pool(MANAGED)).patch
     assert injection.SKIPPED_ANNOTATION not in patch["metadata"]["annotations"]
@@ -246,7 +246,7 @@ def test_the_patch_never_removes_an_absent_annotation() -> None:
 
 
 def test_minio_is_restricted_spread_and_fenced() -> None:
-    """Defects 6 and 11: restricted, no token, spread over nodes; no console; S3 only from peers, pods, operator."""
+    """Restricted, no token, spread over nodes; no console; S3 only from peers, pods, operator."""
     p = pool(MANAGED)
     sts = minio.statefulset(p)
     spec = sts["spec"]["template"]["spec"]
@@ -265,7 +265,7 @@ def test_minio_is_restricted_spread_and_fenced() -> None:
 
 
 def test_a_review_cannot_tell_a_missing_pool_from_an_unusable_one() -> None:
-    """Defect 15: anyone reaching the webhook port can send reviews naming any namespace; an absent,
+    """Anyone reaching the webhook port can send reviews naming any namespace; an absent,
     a disabled and a not-Ready pool get the same patch (the reason differs in the operator's log only)."""
     decisions = [injection.mutate(gpu_pod(), p) for p in (
         None, pool(MANAGED, ready=False), pool({**MANAGED, "injection": {"enabled": False}}))]

@@ -74,7 +74,7 @@ def test_renders_lint_clean_and_valid_for_kubernetes_1_30(chart: helm_python.Cha
     assert {"Deployment", "ClusterRole", "ClusterRoleBinding", "Service", "MutatingWebhookConfiguration"} <= kinds
     for doc in docs:
         pod_spec = workload_pod_spec(doc)
-        if pod_spec is not None:  # defect 3/11: every workload passes Pod Security "restricted"
+        if pod_spec is not None:  # every workload passes Pod Security "restricted"
             assert restricted_violations(pod_spec) == [], doc["metadata"]["name"]
         if doc["kind"] in FOREIGN:
             assert doc["apiVersion"] in ("cert-manager.io/v1", "monitoring.coreos.com/v1") and doc["spec"]
@@ -133,7 +133,7 @@ def rules_of(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
 
 
 def test_rbac_is_least_privilege(chart: helm_python.Chart) -> None:
-    """Defect 10: cluster-wide, the operator reads and writes Secrets (and MinIO's objects) only in
+    """Cluster-wide, the operator reads and writes Secrets (and MinIO's objects) only in
     namespaces bound to its pool-namespace ClusterRole; what is bound cluster-wide reads no Secret."""
     docs = render(chart, {"poolNamespaces": ["ml"]})
     roles = {r["metadata"]["name"]: r for r in by_kind(docs, "ClusterRole")}
@@ -159,7 +159,7 @@ def test_rbac_is_least_privilege(chart: helm_python.Chart) -> None:
 
 
 def test_namespaced_mode_grants_nothing_cluster_wide_on_namespaced_objects(chart: helm_python.Chart) -> None:
-    """Defect 10: with watchNamespaces, Secrets, Services and StatefulSets are writable only there."""
+    """With watchNamespaces, Secrets, Services and StatefulSets are writable only there."""
     docs = render(chart, VALUE_SETS["namespaced"])
     cluster_role = named(docs, "ClusterRole", "kvf-kvfetcher")
     assert {r for rule in cluster_role["rules"] for r in rule["resources"]} == {
@@ -173,13 +173,13 @@ def test_namespaced_mode_grants_nothing_cluster_wide_on_namespaced_objects(chart
     assert {b["roleRef"]["kind"] for b in bindings} == {"Role"}
     container = named(docs, "Deployment", "kvf-kvfetcher")["spec"]["template"]["spec"]["containers"][0]
     assert "--namespace=ml" in container["args"] and "--namespace=team-b" in container["args"]
-    assert container["image"] == "ghcr.io/kvfetcher/kvfetcher-operator@sha256:" + "a" * 64  # defect 19
+    assert container["image"] == "ghcr.io/kvfetcher/kvfetcher-operator@sha256:" + "a" * 64
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["KVFETCHER_ENDPOINT_DENY"] == "10.96.0.0/12" and env["KVFETCHER_ENDPOINT_HOSTS"] == "s3.example.com"
 
 
 def test_network_policy_opens_only_the_webhook_and_listed_metrics_peers(chart: helm_python.Chart) -> None:
-    """Defect 6: the chart ships a NetworkPolicy for the operator and one for the webhook pods."""
+    """The chart ships a NetworkPolicy for the operator and one for the webhook pods."""
     policy = named(render(chart, {}), "NetworkPolicy", "kvf-kvfetcher-webhook")
     assert policy["spec"]["ingress"] == [{"ports": [{"port": port, "protocol": "TCP"}
                                                     for port in ("webhook", "health", "ready")]}]

@@ -102,14 +102,14 @@ BAD = [
     ("bad policy", _with(MANAGED, "retention.dataPolicy", "Archive"), "dataPolicy"),
     ("label salt without label", _with(MANAGED, "tenancy.saltFrom", "PodLabel"), "labelKey"),
     ("secret salt without secret", _with(MANAGED, "tenancy.saltFrom", "Secret"), "secretRef"),
-    # Defect 3: what the webhook copies into a pod must be valid there.
+    # What the webhook copies into a pod must be valid there.
     ("label key not a qualified name", _with(_with(MANAGED, "tenancy.saltFrom", "PodLabel"), "tenancy.labelKey",
                                              "team']; x['"), "labelKey"),
     ("sidecar resources not quantities", _with(MANAGED, "sidecar.resources", {"limits": {"memory": "lots"}}),
      "sidecar.resources"),
     ("MinIO resources not quantities", _with(MANAGED, "storage.managed.resources", {"requests": {"cpu": "1 core"}}),
      "storage.managed.resources"),
-    # Defect 16: sizes above zero, endpoints without user info or query, S3's bucket rules.
+    # Sizes above zero, endpoints without user info or query, S3's bucket rules.
     ("zero size", _with(MANAGED, "storage.managed.size", "0"), "size"),
     ("zero maxSize", _with(MANAGED, "retention.maxSize", "0Gi"), "maxSize"),
     ("endpoint with user info", _with(EXTERNAL, "storage.external.endpoint", "https://u:p@s3.example.com"), "endpoint"),
@@ -135,7 +135,7 @@ def test_long_names_are_refused(pool_schema: dict[str, Any]) -> None:
 
 
 def test_valid_quantities_and_names_are_accepted(pool_schema: dict[str, Any]) -> None:
-    """Defect 16: everything Kubernetes calls a quantity is one here too."""
+    """Everything Kubernetes calls a quantity is one here too."""
     for size in ("1e3", "500m", "1Ei", "50Gi", "1.5T", "+2Gi"):
         spec = _with(MANAGED, "retention.maxSize", size)
         assert validate(pool_schema, pool(spec)) == [] and specs.problems(spec) == [], size

@@ -22,7 +22,7 @@ def storage_reason(reason: str):
 
 
 async def test_shared_bucket_keeps_what_is_not_the_pools(operator, api: Api, s3: str) -> None:
-    """Defect 1: an existing bucket's rules and other objects survive the pool, a second pool is refused."""
+    """An existing bucket's rules and other objects survive the pool, a second pool is refused."""
     target = bucket.Target(s3, "shared", "testing", "testing")
     s3c = bucket.client(target)
     s3c.make_bucket("shared")
@@ -49,7 +49,7 @@ async def test_shared_bucket_keeps_what_is_not_the_pools(operator, api: Api, s3:
 
 
 async def test_foreign_objects_of_the_same_name_are_not_adopted(operator, api: Api) -> None:
-    """Defect 4: a Service the pool did not create is left alone and the pool says NameConflict."""
+    """A Service the pool did not create is left alone and the pool says NameConflict."""
     foreign = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "taken-minio", "namespace": "default"},
                "spec": {"selector": {"app": "theirs"}, "ports": [{"port": 80}]}}
     await api.create("v1/services", foreign)
@@ -78,7 +78,7 @@ class NotS3(BaseHTTPRequestHandler):
 
 
 async def test_endpoints_the_operator_must_not_call(operator, api: Api) -> None:
-    """Defect 5: link-local endpoints are refused; a non-S3 server is no bucket and its body is not echoed."""
+    """Link-local endpoints are refused; a non-S3 server is no bucket and its body is not echoed."""
     await api.create("v1/secrets", s3_secret())
     await api.create(POOLS, external_pool("imds", "http://169.254.169.254", "creds"))
     pool = await api.wait_for(POOLS, "default", "imds", storage_reason("EndpointRefused"))
@@ -97,7 +97,7 @@ async def test_endpoints_the_operator_must_not_call(operator, api: Api) -> None:
 
 
 async def test_tenancy_secret_is_part_of_readiness(operator, api: Api, s3: str) -> None:
-    """Defect 3: a pool whose tenant salt Secret is missing is not Ready (its pods would not start)."""
+    """A pool whose tenant salt Secret is missing is not Ready (its pods would not start)."""
     await api.create("v1/secrets", s3_secret())
     await api.create(POOLS, external_pool("salty", s3, "salty", tenancy={
         "saltFrom": "Secret", "secretRef": {"name": "tenant-salt"}}))
@@ -111,7 +111,7 @@ async def test_tenancy_secret_is_part_of_readiness(operator, api: Api, s3: str) 
 
 
 async def test_deletion_waits_for_pods_that_use_the_pool(operator, api: Api, s3: str) -> None:
-    """Defect 7: the data and the Secret stay while an injected pod still needs them."""
+    """The data and the Secret stay while an injected pod still needs them."""
     await api.create("v1/secrets", s3_secret())
     await api.create(POOLS, external_pool("busy", s3, "busy", retention={"dataPolicy": "Delete"}))
     await api.wait_for(POOLS, "default", "busy", is_ready)
@@ -135,7 +135,7 @@ async def test_deletion_waits_for_pods_that_use_the_pool(operator, api: Api, s3:
 
 
 async def test_retain_keeps_the_salt_for_a_recreated_pool(operator, api: Api, s3: str) -> None:
-    """Defect 8: an external Retain pool's Secret survives, and a pool of the same name takes it back."""
+    """An external Retain pool's Secret survives, and a pool of the same name takes it back."""
     await api.create("v1/secrets", s3_secret())
     await api.create(POOLS, external_pool("keep", s3, "keep"))
     await api.wait_for(POOLS, "default", "keep", is_ready)
@@ -156,7 +156,7 @@ async def test_retain_keeps_the_salt_for_a_recreated_pool(operator, api: Api, s3
 
 
 def test_bucket_removal_streams_in_bounded_steps(s3: str) -> None:
-    """Defect 22: deletion works a time budget at a time and picks up where it stopped."""
+    """Deletion works a time budget at a time and picks up where it stopped."""
     target = bucket.Target(s3, "many", "testing", "testing")
     bucket.ensure(target, 7, "default/many")
     s3c = bucket.client(target)

@@ -1,4 +1,4 @@
-"""Defect 12: the images install pinned, hash-checked dependencies that satisfy pyproject.toml, and the
+"""The images install pinned, hash-checked dependencies that satisfy pyproject.toml, and the
 operator image gets the kopf these tests run (the floor in pyproject.toml is that version)."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ IMAGES = {"operator": PROJECT["optional-dependencies"]["operator"],
 
 
 def locked(image: str) -> dict[str, tuple[Version, int]]:
-    """name -> (pinned version, number of hashes) of requirements/<image>.txt."""
+    """Name -> (pinned version, number of hashes) of requirements/<image>.txt."""
     text = (REPO / "requirements" / f"{image}.txt").read_text()
     out = {}
     for block in re.split(r"\n(?=[A-Za-z0-9])", text):

@@ -1,4 +1,4 @@
-"""Defects 6 and 18: managed MinIO's sidecars get their own MinIO user, limited to the pool's bucket
+"""Managed MinIO's sidecars get their own MinIO user, limited to the pool's bucket
 and prefix; MinIO's root credentials stay with MinIO and the operator.
 
 No MinIO server runs here. The admin flow is checked on the wire instead: a loopback HTTP server

@@ -98,7 +98,7 @@ async def test_managed_pool_builds_minio_and_waits_for_it(operator, api: Api) ->
     assert netpol["spec"]["ingress"][0]["ports"] == [{"port": 9000, "protocol": "TCP"}]
     creds = builders.decode_secret_data((await api.get("v1/secrets", "default", "mgd-kvfetcher"))["data"])
     assert creds["accessKey"] and creds["secretKey"] and creds["endpoint"] == "http://mgd-minio.default.svc:9000"
-    # Defect 6: MinIO's root is in its own Secret, the pool's Secret holds the sidecars' user.
+    # MinIO's root is in its own Secret, the pool's Secret holds the sidecars' user.
     root = await api.get("v1/secrets", "default", "mgd-minio-root")
     assert root["metadata"]["ownerReferences"][0]["uid"] == "uid-mgd"
     assert builders.decode_secret_data(root["data"])["rootUser"] != creds["accessKey"]
@@ -337,7 +337,7 @@ async def post_raw(operator: dict[str, Any], body: bytes) -> int:
 
 
 async def test_webhook_answers_malformed_reviews_400_and_takes_big_pods(operator, api: Api, s3: str) -> None:
-    """Defects 13 and 14: malformed reviews are the caller's error (400), not ours (500); a pod
+    """Malformed reviews are the caller's error (400), not ours (500); a pod
     over aiohttp's 1 MiB default is still injected, up to the API server's own ~3 MiB limit."""
     import json
     good = review(model_pod("big"))

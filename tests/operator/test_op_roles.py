@@ -1,4 +1,4 @@
-"""Defect 15 (issue 29): the webhook runs as its own replicas. A `--role webhook` process keeps the
+"""The webhook runs as its own replicas. A `--role webhook` process keeps the
 read-only pool index and admits pods, and reconciles nothing (no finalizer, no status, no child
 objects); a `--role reconciler` process reconciles and serves no webhook. Both run side by side
 against the API emulator as the chart deploys them."""

@@ -1,4 +1,4 @@
-"""Defect 15 (issue 29), the chart: the webhook is its own highly available Deployment, with a
+"""The chart: the webhook is its own highly available Deployment, with a
 read-only ServiceAccount; the reconciler stays one replica without a webhook port."""
 from __future__ import annotations
 

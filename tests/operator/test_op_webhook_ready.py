@@ -1,4 +1,4 @@
-"""Defect 15 (issue 29): the webhook is ready only once its pool index is loaded, so a replica that
+"""The webhook is ready only once its pool index is loaded, so a replica that
 is still listing pools is kept out of the webhook Service instead of admitting pods without the
 sidecar. On the API emulator: the readiness endpoint by itself, then in the operator process."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 28, defects 1, 2, 9, 12: a client can neither make the sidecar map memory it names, nor
+"""A client can neither make the sidecar map memory it names, nor
 fault a registered buffer under it, nor register or reach another client's buffer, and the Unix
 socket is never connectable by others. The race and the SIGBUS run against a sidecar in a
 subprocess, as a hostile client would meet it."""
@@ -36,7 +36,7 @@ def _post(port: int, path: str, body: dict) -> tuple[int, dict]:
     return r.status, json.loads(r.read())
 
 
-# --- defect 1: nothing a client names by path is ever mapped ------------------------------------
+# --- nothing a client names by path is ever mapped ------------------------------------
 
 FLIPPER = """
 import os, sys
@@ -81,7 +81,7 @@ def test_a_path_swapped_for_a_symlink_is_never_mapped(tmp_path, monkeypatch):
         flipper.wait()
 
 
-# --- defect 2: a client that shrinks its buffer cannot kill the sidecar --------------------------
+# --- a client that shrinks its buffer cannot kill the sidecar --------------------------
 
 def _shrink(handle: dict) -> None:
     """What a careless or hostile client does to its registered buffer: truncate it."""
@@ -152,7 +152,7 @@ def test_a_buffer_that_could_shrink_is_refused(served):
     assert proc.poll() is None
 
 
-# --- defect 9: a buffer belongs to the client that registered it ---------------------------------
+# --- a buffer belongs to the client that registered it ---------------------------------
 
 def test_another_client_cannot_register_or_reach_a_buffer(tmp_path):
     sock = str(tmp_path / "kvfetcher.sock")
@@ -177,7 +177,7 @@ def test_another_client_cannot_register_or_reach_a_buffer(tmp_path):
             a.close()
 
 
-# --- defect 12: the Unix sockets are never connectable by others -------------------------------
+# --- the Unix sockets are never connectable by others -------------------------------
 
 def test_the_unix_sockets_are_never_world_connectable_even_under_umask_0(tmp_path, monkeypatch):
     run = tmp_path / "run"

@@ -1,4 +1,4 @@
-"""Issue 28, defect 11: a header whose checksum is right but whose fields are not (a short
+"""A header whose checksum is right but whose fields are not (a short
 ``frames`` list, a wrong type, an impossible value) is a corrupt object — a ContainerError, never
 an IndexError or another exception that would be reported as ``internal`` — so a fetch names it
 as a bad object, the sidecar deletes it and the prefix heals at the next store."""

@@ -1,4 +1,4 @@
-"""Issue 28: a bounded fuzz test (hypothesis) of the two parsers a stranger can feed — the stored
+"""A bounded fuzz test (hypothesis) of the two parsers a stranger can feed — the stored
 object container and the HTTP request schemas, the latter through the real aiohttp app.
 
 Invariants: a stored object either decodes to exactly the tensor that was stored or raises a

@@ -1,4 +1,4 @@
-"""Issue 28, defect 6: stored objects are authenticated (a keyed tag bound to the object's name),
+"""Stored objects are authenticated (a keyed tag bound to the object's name),
 non-finite values never reach a KV buffer, and the model fingerprint is the deployment's.
 
 Every path a chunk takes into a buffer is covered: a whole object (``decode_chunk``), the fetch

@@ -1,4 +1,4 @@
-"""Issue 28, defects 3, 4, 5, 7, 8, 10 and 13: the sidecar's serving path against careless and
+"""The sidecar's serving path against careless and
 hostile clients and a failing store. Real sidecars, real local stores, real HTTP."""
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def request(port, method, path, body=None, headers=None):
         conn.close()
 
 
-# --- 3: geometry in the namespace ----------------------------------------------------------------
+# --- geometry in the namespace ----------------------------------------------------------------
 
 
 async def test_differently_shaped_buffers_never_share_or_delete_chunks(tmp_path, shm):
@@ -103,7 +103,7 @@ async def test_a_chunk_that_does_not_fit_is_a_miss_and_is_never_deleted(tmp_path
         await sc.close()
 
 
-# --- 4: separate I/O pools, deadlines, abandoned work cancelled ------------------------------------
+# --- separate I/O pools, deadlines, abandoned work cancelled ------------------------------------
 
 
 class StalledReads(LocalStore):
@@ -147,7 +147,7 @@ async def test_stalled_reads_do_not_starve_lookups_and_abandoned_reads_are_cance
         await sc.close()
 
 
-# --- 5: typed store errors, readiness, _drop on a read-only store ----------------------------------
+# --- typed store errors, readiness, _drop on a read-only store ----------------------------------
 
 
 def test_every_os_error_of_the_local_store_is_a_typed_store_error(tmp_path):
@@ -207,7 +207,7 @@ async def test_a_full_store_is_not_ready_and_its_failed_stores_are_counted_as_su
         await sc.close()
 
 
-# --- 7: lookups stop at the first miss; a cap on tokens ---------------------------------------------
+# --- lookups stop at the first miss; a cap on tokens ---------------------------------------------
 
 
 class CountedLists(LocalStore):
@@ -240,7 +240,7 @@ async def test_a_lookup_stops_at_the_first_miss_and_long_requests_are_refused(tm
         await sc.close()
 
 
-# --- 8: store admission by chunks ---------------------------------------------------------------
+# --- store admission by chunks ---------------------------------------------------------------
 
 
 async def test_a_long_store_queues_the_leading_chunks_that_fit_and_skips_stored_ones(tmp_path, shm):
@@ -264,7 +264,7 @@ async def test_a_long_store_queues_the_leading_chunks_that_fit_and_skips_stored_
         await sc.close()
 
 
-# --- 10, 13: strict schemas, auth that never raises, token rotation ---------------------------------
+# --- strict schemas, auth that never raises, token rotation ---------------------------------
 
 
 @pytest.fixture
