@@ -10,7 +10,7 @@ from kvfetcher.fetch import executor
 from kvfetcher.kvbuffer import Destination
 from kvfetcher.store.local import LocalStore
 
-from kvtest import CODED_DAMAGES, DAMAGES, SENTINEL, decoded, fetch, put_chunks, sentinel_like, synthetic_kv
+from kvtest import CODED_DAMAGES, DAMAGES, SENTINEL, decoded, fetch, put_chunks, rebuild, sentinel_like, synthetic_kv
 
 
 class Recording(LocalStore):
@@ -84,9 +84,10 @@ async def test_scattered_slots_and_hevc(tmp_path):
     assert bool((buf[:, :, :, untouched] == SENTINEL).all())
 
 
-@pytest.mark.parametrize("preset, damage, reason", [("raw", *d) for d in DAMAGES] + [("q8", *d) for d in DAMAGES + CODED_DAMAGES])
+@pytest.mark.parametrize("preset, damage, reason", [("raw", *d) for d in DAMAGES]
+                         + [(p, *d) for p in ("q8", "q8-zstd") for d in DAMAGES + CODED_DAMAGES])
 async def test_a_bad_chunk_stops_the_fetch_and_is_never_written(tmp_path, preset, damage, reason):
-    """Raw chunks take the direct path, q8 ones are verified and decoded in the decode pool."""
+    """Raw chunks take the direct path, q8 and q8-zstd ones are verified and decoded in the decode pool."""
     kv = synthetic_kv(layers=2, heads=2, tokens=128, head_dim=32)
     store = LocalStore(tmp_path)
     refs = put_chunks(store, kv, 32, preset=preset)
@@ -159,3 +160,34 @@ async def test_chunk_that_does_not_fit_the_buffer_is_refused(tmp_path):
     out = await fetch(store, refs, Destination(buf, tokens=64))
     assert out.error == "geometry" and out.loaded_tokens == 0 and out.bad_object is None  # the request's fault: never deleted
     assert bool((buf == SENTINEL).all())
+
+
+async def test_zstd_chunks_stream_into_the_buffer_as_decoded(tmp_path):
+    kv = synthetic_kv(layers=2, heads=2, tokens=128, head_dim=32)
+    store = LocalStore(tmp_path)
+    refs = put_chunks(store, kv, 32, preset="q8-zstd")
+    buf = sentinel_like(kv)
+    out = await fetch(store, refs, Destination(buf, tokens=128), window=2)
+    assert out.error is None and out.loaded_tokens == 128
+    assert torch.equal(buf, decoded(store, refs))
+
+
+async def test_an_ans_chunk_without_a_gpu_is_a_decoder_failure_and_kept(tmp_path):
+    """A reader that cannot decode ans (never planned, but a load may be handed one) recomputes from
+    there; the object is not bad, so it is not named for deletion, and nothing is written."""
+    from kvfetcher import codec
+    from kvfetcher.kvbuffer import ChunkRef
+
+    if codec.decodable("ans"):
+        pytest.skip("this machine decodes ans")
+    kv = synthetic_kv(layers=2, heads=2, tokens=64, head_dim=32)
+    store = LocalStore(tmp_path)
+    refs = put_chunks(store, kv, 32, preset="q8-zstd")
+    obj = rebuild(store.get(refs[1].name), fmt="ans")
+    store.delete(refs[1].name)
+    store.put(refs[1].name, obj)
+    refs[1] = ChunkRef(refs[1].name, len(obj), 32, 32)
+    buf = sentinel_like(kv)
+    out = await fetch(store, refs, Destination(buf, tokens=64), window=1)
+    assert out.error == "decoder" and out.bad_object is None and out.loaded_tokens == 32
+    assert bool((buf[:, :, :, 32:] == SENTINEL).all())
