@@ -191,3 +191,31 @@ async def test_an_ans_chunk_without_a_gpu_is_a_decoder_failure_and_kept(tmp_path
     out = await fetch(store, refs, Destination(buf, tokens=64), window=1)
     assert out.error == "decoder" and out.bad_object is None and out.loaded_tokens == 32
     assert bool((buf[:, :, :, 32:] == SENTINEL).all())
+
+
+async def test_a_sidecar_stores_zstd_and_loads_it_back_through_its_plan(tmp_path, shm):
+    """Writer, plan and executor: a q8-zstd store restores what q8's HEVC object of each chunk
+    restores (the same planes); a sidecar without a GPU refuses to be configured to store ans."""
+    from kvfetcher import chunk, codec
+    from kvfetcher.store.local import LocalStore as Local
+
+    from kvtest import running
+
+    kv = synthetic_kv(layers=2, heads=2, tokens=64, head_dim=32)
+    buf = shm(kv.shape, kv.dtype)
+    async with running(Local(tmp_path), chunk_tokens=32, presets=("q8-zstd",), decode_procs=0, device="cpu") as sc:
+        buf.tensor.copy_(kv)
+        bid = sc.register(buf.handle, "m")
+        await sc.save(bid, list(range(64)))
+        await sc.flush()
+        buf.tensor.fill_(SENTINEL)
+        r = await sc.load(bid, list(range(64)), recompute_tps=1e-9)
+        assert (r.error, r.loaded_tokens, r.decision.preset) == (None, 64, "q8-zstd"), r
+    names = sorted(n for n in Local(tmp_path).list("kv/"))
+    assert len(names) == 2 and all(n.endswith("/q8-zstd.kvfc") for n in names)
+    want = torch.cat([chunk.decode_chunk(chunk.encode_chunk(kv[:, :, :, a : a + 32].contiguous(), "q8", "m")) for a in (0, 32)], 3)
+    assert torch.equal(buf.tensor, want)
+    if not codec.decodable("ans"):
+        with pytest.raises(ValueError, match="GPU"):
+            async with running(Local(tmp_path), chunk_tokens=32, presets=("q8-ans",), decode_procs=0, device="cpu"):
+                pass

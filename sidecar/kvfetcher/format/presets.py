@@ -108,8 +108,8 @@ ENTROPY_BASES = ("q8", "balanced", "compact")
 #: bytes of planes per entropy-coded block (nvCOMP's chunk)
 ENTROPY_BLOCK = 1 << 16
 _ENTROPY_SUMMARY = {
-    "zstd": "entropy-coded in 64 KiB blocks of standard zstd frames: nvCOMP on a GPU, the zstandard package on a CPU",
-    "ans": "entropy-coded in 64 KiB blocks with nvCOMP's ANS on the GPU: smaller and faster than zstd, GPU readers only",
+    "zstd": "blocks of standard zstd frames: nvCOMP on a GPU, the zstandard package on a CPU",
+    "ans": "blocks of nvCOMP's ANS on the GPU: faster than zstd, GPU readers only",
 }
 
 
@@ -117,7 +117,7 @@ def entropy_variant(p: Preset, fmt: str, block_bytes: int = ENTROPY_BLOCK) -> Pr
     """``p``'s layout and quantisation (the same planes, so the same KV after restore) entropy-coded
     as ``fmt`` instead of HEVC: one segment per chunk (a GPU codes its blocks in one batch)."""
     return dataclasses.replace(p, name=f"{p.name}-{fmt}", codec=CodecParams(format=fmt, block_bytes=block_bytes),
-                               summary=f"{p.name}'s planes {_ENTROPY_SUMMARY[fmt]}", segment_bytes=1 << 30)
+                               summary=f"{p.name}'s planes entropy-coded in {block_bytes >> 10} KiB {_ENTROPY_SUMMARY[fmt]}", segment_bytes=1 << 30)
 
 
 #: The presets of the default calibration (what a name means when no model is given).
