@@ -8,6 +8,7 @@ a store and fetching them; every way a stored chunk can be bad; sidecars.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import http.client
 import logging
 import os
@@ -227,11 +228,19 @@ def corrupt_side(store, ref):
 
 
 def undecodable(obj: bytes) -> bytes:
-    """The object, well-formed and with matching checksums, but with HEVC that does not decode."""
+    """The object, well-formed and with matching checksums, but with a bitstream that does not decode."""
+    return rebuild(obj, segment=lambda b: b"\x00\x00\x01" + os.urandom(len(b)))
+
+
+def rebuild(obj: bytes, fmt: str | None = None, segment=None) -> bytes:
+    """``obj`` with its header's codec format or its segments' bytes replaced, checksums valid."""
     h = container.parse_header(obj)
     fields = {k: v for k, v in h.to_json().items() if k not in ("layout_version", "side", "segments")}
+    if fmt:
+        fields["codec"] = dataclasses.replace(h.codec, format=fmt).to_dict()
     side = container.side_tensor(h, container.slice_segment(obj, h, h.side)) if h.side else None
-    segs = [(s.frames, b"\x00\x00\x01" + os.urandom(s.length)) for s in h.segments]
+    segs = [(s.frames, segment(container.slice_segment(obj, h, s)) if segment else container.slice_segment(obj, h, s))
+            for s in h.segments]
     return container.build(fields, side, segs)
 
 

@@ -35,11 +35,13 @@ RECOMPUTE = "recompute"
 #: measured fetch replaces its format's prior. For raw, "decoding" is the direct path minus the
 #: read (its CRC-32 runs in the read's thread, so it counts in the store bandwidth): one copy into
 #: the KV buffer. CPU: HEVC through libavcodec.
-DECODE_PRIOR = {"raw": 3e9, "hevc": 2.5e7}
+DECODE_PRIOR = {"raw": 3e9, "hevc": 2.5e7, "zstd": 1e8}
 #: GPU: HEVC is one NVDEC session (worker processes reach several times more once measured); raw is
 #: the direct path's copy, far above any compressed preset's restore rate: on links faster than
-#: those rates raw wins, on slower ones the smaller representation or recompute.
-GPU_DECODE_PRIOR = {"raw": 1e10, "hevc": 5e8}
+#: those rates raw wins, on slower ones the smaller representation or recompute. The entropy
+#: formats decode on the GPU's SMs with nvCOMP (``ans`` only there), zstd on a CPU with the
+#: zstandard package, each followed by the unpack.
+GPU_DECODE_PRIOR = {"raw": 1e10, "hevc": 5e8, "zstd": 1e10, "ans": 2e10}
 
 
 @dataclass(frozen=True)
