@@ -8,11 +8,15 @@ a store and fetching them; every way a stored chunk can be bad; sidecars.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import http.client
 import logging
 import os
+import subprocess
+import sys
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
@@ -23,6 +27,7 @@ from aiohttp import ClientSession, web
 
 from benchmarks.lib.kvsource import synthetic_kv  # noqa: F401  (shared with the benchmarks)
 from benchmarks.lib.linkserver import free_port  # noqa: F401
+from kvfetcher.api.client import KVClient
 from kvfetcher.api.server import Embedded
 from kvfetcher.chunk import decode_chunk, encode_chunk
 from kvfetcher.config import Config
@@ -276,6 +281,27 @@ def sidecar(store, token: str | None = TOKEN, socket_path: str | None = None, **
     config.setdefault("presets", ("raw",))
     with Embedded(Sidecar(store, Config(**config)), token, socket_path=socket_path) as e:
         yield e
+
+
+@contextmanager
+def served(socket_path: str, env: dict[str, str]):
+    """``kvfetcher serve`` in a subprocess on the Unix socket ``socket_path`` only, configured by the
+    variables ``env`` adds to this process's environment; yields the process once it answers, and
+    kills it when the block ends."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvfetcher.cli", "serve", "--port", "-1", "--socket", socket_path],
+                            env=dict(os.environ, **env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(OSError):
+                KVClient(socket_path=socket_path).metrics()
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, "the sidecar did not start"
+            time.sleep(0.2)
+        yield proc
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
 
 
 @asynccontextmanager
