@@ -168,7 +168,7 @@ def _write(patch: kopf.Patch, pool: dict[str, Any], conds: list[dict[str, Any]],
 
 
 def provision(body: kopf.Body, pool: dict[str, Any], k: kube.Kube, memo: kopf.Memo, announce: bool) -> None:
-    """Children applied, storage claimed and its TTL set, then the evictor; NotReady (or NameConflict) says
+    """Children applied and storage claimed, then the evictor; NotReady (or NameConflict) says
     what is missing."""
     spec = specs.with_defaults(pool["spec"])
     meta = pool["metadata"]
@@ -188,7 +188,7 @@ def provision(body: kopf.Body, pool: dict[str, Any], k: kube.Kube, memo: kopf.Me
             kopf.warn(body, reason="VolumeChangeNotApplied", message=drift)
     target = storage_target(pool, k, root)
     try:
-        bucket.ensure(target, spec["retention"]["ttlDays"], owner_id(pool))
+        bucket.ensure(target, owner_id(pool))
     except bucket.Claimed as e:
         raise NotReady("BucketInUse", str(e)) from e
     except Exception as e:
@@ -237,8 +237,7 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, injected_pods
     try:
         provision(body, pool, k, memo, announce=retry_until_ready)
         conds = conditions.put(conds, STORAGE_READY, True, "BucketReady",
-                               f"bucket {bucket_name} at {endpoint} is ready; objects expire after "
-                               f"{spec['retention']['ttlDays']} days", gen)
+                               f"bucket {bucket_name} at {endpoint} is ready", gen)
     except NotReady as e:
         error = e
         conds = conditions.put(conds, STORAGE_READY, False, e.reason, str(e), gen)
