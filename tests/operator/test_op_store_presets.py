@@ -17,6 +17,7 @@ from kvfetcher.store.local import LocalStore
 from kvfetcher_operator import injection
 from kvfetcher_operator import spec as specs
 from kvtest import running
+from op_helpers import POOLS, Api, cond, external_pool
 from test_op_builders import gpu_pod, pool
 
 MANAGED = {"storage": {"managed": {}}}
@@ -83,6 +84,15 @@ def test_a_bad_store_preset_list_is_refused_with_a_reason(fields: dict[str, Any]
     spec = codec(**fields)
     assert validate(pool_schema, {"metadata": {"name": "p"}, "spec": spec}), "the CRD accepted it"
     assert any(word in problem for problem in specs.problems(spec)), specs.problems(spec)
+
+
+async def test_the_pool_status_says_why_its_store_presets_are_refused(operator, api: Api) -> None:
+    """What the API server would refuse (one that predates the schema, or without CEL) gets a reason."""
+    bad = external_pool("odd", "http://unused", "unused", codec={"storePresets": ["q8", "turbo"]})
+    await api.create(POOLS, bad)
+    obj = await api.wait_for(POOLS, "default", "odd", lambda o: cond(o, "ConfigValid").get("status") == "False")
+    assert "codec.storePresets: ['turbo'] are not presets" in cond(obj, "ConfigValid")["message"]
+    assert await api.get("apps/v1/deployments", "default", "odd-evictor") is None  # nothing built from it
 
 
 def test_a_repeated_store_preset_is_refused() -> None:
