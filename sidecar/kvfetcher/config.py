@@ -111,6 +111,12 @@ def _home_cache(*parts: str) -> Callable[[], str]:
 
 
 DEFAULT_PRESETS = ("q8",)
+#: Every preset a pool may name. The operator checks a pool's presets against these names (it
+#: cannot import the codecs); :mod:`kvfetcher.format.presets` defines them, and a test keeps both equal.
+PRESET_NAMES = ("raw", "exact", "q8", "lean", "balanced", "compact",
+                "q8-ans", "balanced-ans", "compact-ans", "q8-zstd", "balanced-zstd", "compact-zstd")
+#: Those that quantise keys before RoPE: stored only where ``KVFETCHER_ROPE_THETA`` is set.
+PRE_ROPE_PRESETS = ("lean", "balanced", "compact", "balanced-ans", "compact-ans", "balanced-zstd", "compact-zstd")
 
 
 def _presets(text: str) -> tuple[str, ...]:
@@ -121,8 +127,9 @@ def _presets(text: str) -> tuple[str, ...]:
 CHUNK_TOKENS = Setting("KVFETCHER_CHUNK_TOKENS", int, 256, "Tokens per stored chunk.",
                        inject="`spec.codec.chunkTokens`")
 PRESET = Setting("KVFETCHER_PRESET", tuple, DEFAULT_PRESETS,
-                 "Representations written for each chunk (`auto`: the default).",
-                 inject="`spec.codec.defaultPreset`", parse=_presets)
+                 "Representations written for each new chunk (`auto`: the default).",
+                 inject="`spec.codec.storePresets`, less the pre-RoPE ones where the pod gives no RoPE base",
+                 parse=_presets)
 ALLOWED_PRESETS = Setting("KVFETCHER_ALLOWED_PRESETS", tuple, None,
                           "Representations a fetch may choose among (unset: any known).",
                           inject="`spec.codec.allowedPresets`")
@@ -138,7 +145,8 @@ MODEL = Setting("KVFETCHER_MODEL", str, "", "The model fingerprint this sidecar 
                 inject="the pod's annotation `kvfetcher.io/model`")
 RECOMPUTE_TPS = Setting("KVFETCHER_RECOMPUTE_TPS", float, 5000.0,
                         "Model prefill rate (tokens/s) when a request gives none.")
-ROPE_THETA = Setting("KVFETCHER_ROPE_THETA", float, None, "The model's RoPE base: needed to store pre-RoPE presets.")
+ROPE_THETA = Setting("KVFETCHER_ROPE_THETA", float, None, "The model's RoPE base: needed to store pre-RoPE presets.",
+                     inject="the pod's annotation `kvfetcher.io/rope-theta`")
 TTFT_BUDGET_S = Setting("KVFETCHER_TTFT_BUDGET_S", float, None,
                         "Prefer a fetch within this TTFT (s) to a faster recompute (unset: the fastest wins).",
                         inject="`spec.sidecar.ttftBudgetSeconds`")

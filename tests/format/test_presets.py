@@ -32,16 +32,6 @@ def test_unknown_preset_is_refused():
         presets.get("turbo")
 
 
-def test_the_operator_offers_exactly_the_data_planes_presets():
-    """A pool's preset names reach the sidecar as KVFETCHER_PRESET / KVFETCHER_ALLOWED_PRESETS."""
-    from kvfetcher_operator import spec
-
-    assert set(spec.PRESETS) == set(presets.PRESETS)
-    for default in spec.DEFAULT_PRESETS:  # every default a pool may carry starts a sidecar
-        env = {"KVFETCHER_PRESET": default, "KVFETCHER_ALLOWED_PRESETS": ",".join(spec.PRESETS)}
-        Config.from_env(env).validate(presets.PRESETS)
-
-
 def test_balanced_and_compact_are_sensitivity_profiles_with_compact_coarser():
     b, c = presets.get("balanced"), presets.get("compact")
     assert b.pre_rope and c.pre_rope and not b.lossless and not c.lossless
