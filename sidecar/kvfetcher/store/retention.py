@@ -216,36 +216,42 @@ class Evictor:
         self.used: dict[str, float] = {}
 
     def enforce(self, max_bytes: int | None, ttl_s: float | None, now: float | None = None) -> EvictionReport:
-        """One run: list, learn new chunks' headers, merge the access logs, delete what must go.
-        If a header could not be read, nothing is deleted: that chunk's parent is unknown and might
-        look like a leaf."""
+        """One run: list, learn new chunks' headers, merge the access logs, delete what must go,
+        compact the logs. A store error ends the run, reported in ``errors``; so does a header that
+        could not be read, before anything is deleted (that chunk's parent is unknown and might look
+        like a leaf)."""
         t0, now = time.perf_counter(), time.time() if now is None else now
         report = EvictionReport()
-        objects = chunk_objects(self.store)
-        logs = access.merge_logs(self.store, self.used)
-        report.access_logs = len(logs)
-        self._learn(objects, report)
-        index = self._index(objects, now)
-        report.chunks, report.bytes = len(index), index.total
-        horizon = None if ttl_s is None else now - ttl_s
         try:
-            while not report.errors and (b := index.peek()) is not None and index.due(b, max_bytes, horizon):
-                for name in objects[b.key]:  # every representation; a fetch in between misses cleanly
-                    self.store.delete(name)
-                    report.evicted_objects += 1
-                index.remove(b.key)
-                self.used.pop(b.key, None)
-                report.evicted_chunks, report.evicted_bytes = report.evicted_chunks + 1, report.evicted_bytes + b.size
-                report.dead_chunks += b.dead
-                report.expired_chunks += not b.dead and horizon is not None and b.used < horizon
-            for key in set(self.used) - set(objects):  # gone otherwise (a bad object dropped by a fetch)
+            objects = chunk_objects(self.store)
+            logs = access.merge_logs(self.store, self.used)
+            report.access_logs = len(logs)
+            self._learn(objects, report)
+            index = self._index(objects, now)
+            report.chunks, report.bytes = report.kept_chunks, report.kept_bytes = len(index), index.total
+            if not report.errors:
+                self._evict(index, objects, report, max_bytes, None if ttl_s is None else now - ttl_s)
+            for key in set(self.used) - set(objects):  # gone otherwise (e.g. a bad object dropped by a fetch)
                 del self.used[key]
             access.compact(self.store, self.used, logs)
         except StoreError as e:  # children go before parents: stopping anywhere leaves no hole
             report.errors.append(f"{type(e).__name__}: {e}")
-        report.kept_chunks, report.kept_bytes = len(index), index.total
         report.seconds = time.perf_counter() - t0
         return report
+
+    def _evict(self, index: Index, objects: dict[str, dict[str, Stat]], report: EvictionReport,
+               max_bytes: int | None, horizon: float | None) -> None:
+        """Delete every representation of each block due, in the index's order."""
+        while (b := index.peek()) is not None and index.due(b, max_bytes, horizon):
+            for name in objects[b.key]:  # a fetch in between sees the chunk or a clean miss
+                self.store.delete(name)
+                report.evicted_objects += 1
+            index.remove(b.key)
+            self.used.pop(b.key, None)
+            report.evicted_chunks, report.evicted_bytes = report.evicted_chunks + 1, report.evicted_bytes + b.size
+            report.dead_chunks += b.dead
+            report.expired_chunks += not b.dead and horizon is not None and b.used < horizon
+            report.kept_chunks, report.kept_bytes = len(index), index.total
 
     def _learn(self, objects: dict[str, dict[str, Stat]], report: EvictionReport) -> None:
         """Read the header of every chunk not seen before (one representation each, in parallel)."""
