@@ -257,3 +257,43 @@ async def test_concurrent_fetches_only_hit_or_miss_cleanly_while_the_evictor_run
             await asyncio.to_thread(evictor.join)
     assert len(reports) >= 2 and sum(r.evicted_chunks for r in reports) > 0
     assert all(r.errors == [] for r in reports)
+
+
+# --- the command line and store URLs --------------------------------------------------------------
+
+
+def test_evict_command_on_a_store_url(s3_endpoint, tmp_path, capsys, monkeypatch):
+    """``kvfetcher evict --store URL`` reaches a bucket with the environment's credentials and a
+    directory by its path; one JSON report a run; a bound that needs deleting deletes."""
+    from kvfetcher.cli import main
+    from kvfetcher.store import from_url
+    from kvfetcher.store.local import LocalStore
+    from kvfetcher.store.s3 import S3Store
+
+    from kvtest import new_bucket
+
+    monkeypatch.setenv("KVFETCHER_S3_ACCESS_KEY", "testing")
+    monkeypatch.setenv("KVFETCHER_S3_SECRET_KEY", "testing")
+    bucket = new_bucket(s3_endpoint)
+    s3 = from_url(f"{s3_endpoint}/{bucket.bucket}")
+    assert isinstance(s3, S3Store) and s3.endpoint == bucket.endpoint
+    assert isinstance(from_url(f"file://{tmp_path}/d"), LocalStore) and isinstance(from_url(str(tmp_path / "e")), LocalStore)
+    for bad in ("ftp://x/y", f"{s3_endpoint}/", f"{s3_endpoint}/a/b"):
+        with pytest.raises(ValueError):
+            from_url(bad)
+
+    from kvfetcher.chunk import encode_chunk
+
+    kv = synthetic_kv(layers=2, heads=2, tokens=CHUNK, head_dim=16)
+    parent = ""
+    for i, key in enumerate(("aa" + "0" * 62, "bb" + "1" * 62, "cc" + "2" * 62)):  # one prompt of three chunks
+        s3.put(keys.object_name(key, "raw"), encode_chunk(kv, "raw", "fp", {"parent": parent}, start=i * CHUNK))
+        parent = key
+    assert main(["evict", "--store", f"{s3_endpoint}/{bucket.bucket}", "--max-bytes", "1", "--once"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["chunks"], report["evicted_chunks"], report["kept_bytes"], report["errors"]) == (3, 3, 0, [])
+    assert s3.list("kv/") == {}
+    assert main(["evict", "--store", str(tmp_path / "empty"), "--ttl-days", "7"]) == 0
+    assert json.loads(capsys.readouterr().out)["chunks"] == 0
+    with pytest.raises(SystemExit):
+        main(["evict", "--max-bytes", "0"])
