@@ -59,7 +59,7 @@ def _evict(args: argparse.Namespace) -> int:
     from kvfetcher.store import from_env, from_url
     from kvfetcher.store.retention import Evictor
 
-    store = from_url(args.store) if args.store else from_env(record_access=False)
+    store = from_url(args.store) if args.store else from_env()
     evictor = Evictor(store)
     ttl_s = None if args.ttl_days is None else args.ttl_days * 86400.0
     while True:

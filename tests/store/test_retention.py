@@ -297,3 +297,47 @@ def test_evict_command_on_a_store_url(s3_endpoint, tmp_path, capsys, monkeypatch
     assert json.loads(capsys.readouterr().out)["chunks"] == 0
     with pytest.raises(SystemExit):
         main(["evict", "--max-bytes", "0"])
+
+
+def test_a_serving_sidecars_store_writes_access_logs_and_keeps_records_a_failed_write_lost(tmp_path):
+    from kvfetcher.store import StoreError, from_env
+    from kvfetcher.store.local import LocalStore
+
+    env = {"KVFETCHER_STORE_DIR": str(tmp_path / "s"), "KVFETCHER_ACCESS_LOG_S": "0.05"}
+    assert isinstance(from_env(env), LocalStore)  # the evictor's and tools' stores record nothing
+    assert isinstance(from_env(dict(env, KVFETCHER_ACCESS_LOG_S="0"), record_access=True), LocalStore)
+    rec = from_env(env, record_access=True)
+    assert isinstance(rec, access.Recorder)
+    name = keys.object_name("ab" + "9" * 62, "raw")
+    rec.put(name, b"x" * 100)
+    rec.put("kv/_meta/other.json", b"{}")
+    t0 = time.time()
+    rec.get(name, 0, 10)
+    rec.get("kv/_meta/other.json")  # not a chunk
+    deadline = time.time() + 10
+    while not rec.list(access.PREFIX) and time.time() < deadline:
+        time.sleep(0.02)
+    rec.close()
+    (log_name,) = rec.list(access.PREFIX)
+    assert log_name.startswith(f"{access.PREFIX}{rec.writer}/")
+    fetched = json.loads(rec.get(log_name))["fetched"]
+    assert list(fetched) == ["ab" + "9" * 62] and t0 <= fetched["ab" + "9" * 62] <= time.time()
+
+    class Full(LocalStore):
+        fail = True
+
+        def put(self, name, data):
+            if self.fail:
+                raise StoreError("full")
+            return super().put(name, data)
+
+    store = Full(tmp_path / "f")
+    rec = access.Recorder(store, flush_s=3600)
+    store.fail = False
+    store.put(name, b"x" * 100)
+    store.fail = True
+    rec.get(name, 0, 10)
+    assert rec.flush() == 0 and store.list(access.PREFIX) == {}
+    store.fail = False
+    assert rec.flush() == 1 and len(store.list(access.PREFIX)) == 1
+    rec.close()

@@ -130,11 +130,11 @@ def read_into(store: Store, name: str, offset: int, buf: memoryview) -> int:
     return n
 
 
-def from_env(env: Mapping[str, str] | None = None, *, record_access: bool = True) -> Store:
+def from_env(env: Mapping[str, str] | None = None, *, record_access: bool = False) -> Store:
     """The store the environment names (default: the process environment): S3 when
     ``KVFETCHER_S3_ENDPOINT`` is set, else the local directory ``KVFETCHER_STORE_DIR``. With
-    ``record_access`` and ``KVFETCHER_ACCESS_LOG_S`` above 0 it records the chunks it serves in
-    access logs (:mod:`.access`): a sidecar's store does, the evictor's must not."""
+    ``record_access`` (a serving sidecar's store) and ``KVFETCHER_ACCESS_LOG_S`` above 0 it records
+    the chunks it serves in access logs (:mod:`.access`) for the evictor."""
     endpoint = config.S3_ENDPOINT.read(env)
     store = _s3(endpoint, config.S3_BUCKET.read(env), env) if endpoint else _local(config.STORE_DIR.read(env))
     flush_s = config.ACCESS_LOG_S.read(env)

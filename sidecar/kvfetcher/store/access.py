@@ -20,6 +20,7 @@ The evictor (:mod:`kvfetcher.store.retention`) merges every log into its table o
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -58,6 +59,7 @@ class Recorder:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvf-access-log", daemon=True)
         self._thread.start()
+        atexit.register(self.close)  # a sidecar stopped gracefully writes its last records
 
     def __getattr__(self, name: str):  # put, list, exists, delete, ping, get_into, endpoint, ...
         return getattr(self.store, name)
@@ -87,10 +89,12 @@ class Recorder:
         return len(seen)
 
     def close(self) -> None:
-        """Stop the thread and flush what is left."""
-        self._stop.set()
-        self._thread.join()
-        self.flush()
+        """Stop the thread and flush what is left (once)."""
+        if not self._stop.is_set():
+            self._stop.set()
+            self._thread.join()
+            self.flush()
+            atexit.unregister(self.close)
 
     def _run(self) -> None:
         while not self._stop.wait(self.flush_s):
