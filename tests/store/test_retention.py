@@ -204,6 +204,10 @@ async def test_ttl_on_the_local_store_and_orphans(tmp_path, shm):
         ns = sc._buffer(bid).ns
         await _fill(sc, bid, [prompt])
     ck = keys.chunk_keys(ns, prompt, CHUNK)
+    from kvfetcher.format import container
+
+    parents = [container.parse_header(store.get(keys.object_name(k, "raw"))).meta["parent"] for k in ck]
+    assert parents == ["", *ck[:-1]]  # every object names the chunk before it
     # a hole made from outside (e.g. a bucket lifecycle rule): what follows it can never be fetched
     store.delete(keys.object_name(ck[1], "raw"))
     fresh = await asyncio.to_thread(retention.enforce, store, None, None)
@@ -213,6 +217,29 @@ async def test_ttl_on_the_local_store_and_orphans(tmp_path, shm):
     # TTL: nothing used within it (here: created a moment ago, judged a day later)
     assert retention.enforce(store, None, ttl_s=3600, now=time.time() + 86400).expired_chunks == 1
     assert _stored(store) == {}
+
+
+async def test_a_load_planned_before_an_eviction_gets_a_clean_prefix_and_recomputes_the_rest(store, shm):
+    """The lookup saw four chunks; the evictor then took the last two (deepest first); the load,
+    which does not list again, GETs objects that are gone: it answers the two that are left and
+    `missing`, and writes nothing past them."""
+    kv = synthetic_kv(layers=2, heads=2, tokens=4 * CHUNK, head_dim=16)
+    buf = shm(kv.shape, kv.dtype)
+    prompt = _prompt(0, 0, 4)
+    async with running(store, chunk_tokens=CHUNK, presets=("raw",), decode_procs=0, device="cpu") as sc:
+        bid = sc.register(buf.handle, "m")
+        buf.tensor.copy_(kv)
+        await _fill(sc, bid, [prompt])
+        plan = await sc.plan(bid, prompt, recompute_tps=1e-9)
+        assert plan.hit_tokens == 4 * CHUNK and len(plan.chunks) == 4
+        ck = keys.chunk_keys(sc._buffer(bid).ns, prompt, CHUNK)
+        two = sum(st.size for k in ck[:2] for st in retention.chunk_objects(store)[k].values())
+        assert (await asyncio.to_thread(retention.enforce, store, two, None)).evicted_chunks == 2
+        buf.tensor.fill_(0)
+        r = await sc.load(bid, prompt, plan)
+    assert (r.error, r.loaded_tokens, r.not_loaded) == ("missing", 2 * CHUNK, (2 * CHUNK, 4 * CHUNK))
+    assert torch.equal(buf.tensor[:, :, :, : 2 * CHUNK], kv[:, :, :, : 2 * CHUNK])
+    assert bool((buf.tensor[:, :, :, 2 * CHUNK :] == 0).all())
 
 
 @pytest.mark.slow
@@ -246,7 +273,7 @@ async def test_concurrent_fetches_only_hit_or_miss_cleanly_while_the_evictor_run
                 await sc.save(bid, p)
                 buf.tensor.fill_(0)
                 r = await sc.load(bid, rng.choice(prompts), recompute_tps=1e-9, presets=("raw",))  # q8 is lossy
-                outcomes.append(r.error)
+                outcomes.append((r.error, r.loaded_tokens))
                 assert r.error in (None, "missing"), r
                 n = r.loaded_tokens
                 assert torch.equal(buf.tensor[:, :, :, :n], kv[:, :, :, :n])  # what was loaded is right
@@ -256,6 +283,7 @@ async def test_concurrent_fetches_only_hit_or_miss_cleanly_while_the_evictor_run
             stop.set()
             await asyncio.to_thread(evictor.join)
     assert len(reports) >= 2 and sum(r.evicted_chunks for r in reports) > 0
+    assert any(n for _, n in outcomes)  # some loads hit
     assert all(r.errors == [] for r in reports)
 
 
