@@ -27,15 +27,12 @@ logs (:mod:`kvfetcher.store.access`), then deletes the victims' objects, childre
 from __future__ import annotations
 
 import heapq
-import logging
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from kvfetcher.store import NotFound, Stat, Store, StoreError, access
-
-log = logging.getLogger("kvfetcher.store.retention")
 
 DEAD, LIVE = 0, 1  # heap ranks: dead blocks go first
 #: an orphan younger than this is not dead yet: a listing that is not a snapshot may see a chunk
