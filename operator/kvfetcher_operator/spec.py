@@ -19,7 +19,8 @@ PLURAL = "kvcachepools"
 KIND = "KVCachePool"
 
 # The data plane's presets (kvfetcher.presets); a test keeps the two lists equal.
-PRESETS = ("raw", "exact", "q8", "lean", "balanced", "compact")
+PRESETS = ("raw", "exact", "q8", "lean", "balanced", "compact",
+           "q8-zstd", "balanced-zstd", "compact-zstd", "q8-ans", "balanced-ans", "compact-ans")
 # what a pool may store by default: "auto" leaves it to the sidecar; lean, balanced and compact need the model's RoPE theta
 DEFAULT_PRESETS = ("auto", "raw", "exact", "q8")
 

@@ -45,7 +45,9 @@ def encode_chunk(
 ) -> bytes:
     """KV ``[layers, 2, kv_heads, tokens, head_dim]`` -> one self-describing stored object.
 
-    ``start`` is the chunk's first token position; ``rope_theta`` the model's RoPE base,
+    ``kv`` may be on a GPU: the layout packs it there, and an entropy format codes it there too
+    (only the coded bytes reach the host). ``start`` is the chunk's first token position;
+    ``rope_theta`` the model's RoPE base,
     needed by presets that quantise keys before RoPE (and written into the header). A preset
     given by name is the one for this model (``presets.get(name, fingerprint)``). With ``auth``
     (the object key and the name the object will be stored at) the object carries its tags.
@@ -61,7 +63,7 @@ def encode_chunk(
     if lp.basis is not None and not basis.fits(lp.basis, tuple(kv.shape), fingerprint):
         lp = dataclasses.replace(lp, basis=None, sparse_tokens=0)  # another model: plain per-channel sigma steps (the sparse corrections rank keys in the basis)
     packed = layout.pack(kv, lp, start)
-    enc = codec.encoder(p.codec.format)
+    enc = codec.encoder(p.codec.format, packed.frames.device)
     n = packed.frames.shape[0]
     frame_bytes = packed.frames[0].numel()
     step = max(1, p.segment_bytes // frame_bytes if p.segment_bytes else p.segment_frames)
@@ -152,7 +154,7 @@ def verify_and_decode(h: container.Header, side: Bytes | None, segments: Sequenc
         for part in layout.split_side(side_t, h.shape, h.layout):
             container.check_finite(part, h.torch_dtype)
     dec = codec.decoder(h.codec.format, device, backend)
-    in_place = getattr(dec, "name", "") in ("nvdec", "raw")  # these read a buffer in place; libav wants bytes
+    in_place = dec.name in ("nvdec", "raw") or dec.format in codec.ENTROPY_FORMATS  # these read a buffer in place; libav wants bytes
     frames = [container.decode_segment(h, s, d if in_place else bytes(d), dec, device) for s, d in zip(h.segments, segments)]
     frames_t = frames[0] if len(frames) == 1 else torch.cat(frames)
     values = None

@@ -32,8 +32,10 @@ def _backend_name(preset: str, caps: dict) -> str:
     from kvfetcher.format.presets import get
 
     fmt = get(preset).codec.format
-    if fmt == "raw":
-        return "raw"
+    if fmt in ("raw", "zstd"):
+        return fmt  # (zstd: the CPU's here; eval restores on the CPU)
+    if fmt == "ans":
+        return "nvcomp-ans"
     enc = "nvenc" if caps.get("nvenc") else "x265"
     dec = "libavcodec"  # eval restores on the CPU; NVDEC rates are the GPU benchmarks' business
     return f"{enc}+{dec}"
@@ -49,7 +51,7 @@ def _presets(args: argparse.Namespace) -> int:
         for r in rows:
             m = r["measured"]
             fig = f"{m['ratio_vs_fp16']:.2f}x, agreement {m['greedy_agreement']:.3f}" if m else "not measured"
-            print(f"{r['name']:>9}  {fig:<28}  {r['summary']}")
+            print(f"{r['name']:>14}  {fig:<28}  {r['summary']}")
     return 0
 
 

@@ -178,6 +178,10 @@ ACCESS_LOG_S = Setting("KVFETCHER_ACCESS_LOG_S", float, 15.0,
                        "Seconds between the access logs a sidecar writes (which chunks it fetched, for the "
                        "evictor's least-recently-used order; 0: none).")
 FUSED_UNPACK = Setting("KVFETCHER_FUSED_UNPACK", bool, True, "Unpack CUDA frames with the fused Triton kernel.")
+LINK_DIR = Setting("KVFETCHER_LINK_DIR", str, None,
+                   "Directory shared by the sidecars of a node (one per tensor-parallel rank, other pods'): each "
+                   "announces its fetches there, and the cost model splits the node's link among them (unset: "
+                   "each sidecar takes the link as its own).")
 
 # -- the model side (client) ------------------------------------------------------------------
 SOCKET = Setting("KVFETCHER_SOCKET", str, None, "The sidecar's Unix socket (wins over `KVFETCHER_URL`).",
@@ -214,7 +218,7 @@ TABLES: dict[str, tuple[Setting, ...]] = {
         CHUNK_TOKENS, PRESET, ALLOWED_PRESETS, TENANT, POOL, OBJECT_KEY, MODEL, RECOMPUTE_TPS, ROPE_THETA, TTFT_BUDGET_S,
         DECODE_PROCS, WARM_UP, S3_ENDPOINT, S3_BUCKET, S3_ACCESS_KEY, S3_SECRET_KEY, S3_REGION, S3_CA_FILE,
         S3_INSECURE, STORE_DIR, AUTH_TOKEN, AUTH_TOKEN_FILE, FUSED_UNPACK, DEADLINE_S, MAX_REQUEST_TOKENS,
-        STORE_QUEUE_CHUNKS, IO_WORKERS, META_IO_WORKERS, ACCESS_LOG_S),
+        STORE_QUEUE_CHUNKS, IO_WORKERS, META_IO_WORKERS, LINK_DIR, ACCESS_LOG_S),
     "Model side (`KVClient`, shared buffers)": (SOCKET, URL),
     "Evaluation (`kvfetcher demo`, tests)": (CACHE,),
     "Operator": (WEBHOOK_ADDR, WEBHOOK_PORT, WEBHOOK_CERT, WEBHOOK_KEY, WEBHOOK_CONFIGURATION,
@@ -259,6 +263,7 @@ class Config:
     warm_up: bool = env_field(WARM_UP)
     io_workers: int = env_field(IO_WORKERS)  # data I/O threads
     meta_io_workers: int = env_field(META_IO_WORKERS)  # metadata I/O threads
+    link_dir: str | None = env_field(LINK_DIR)  # None: the node's link is not known to be shared
     window: int = 4  # chunks in flight per fetch
 
     @classmethod

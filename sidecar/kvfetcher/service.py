@@ -33,6 +33,7 @@ from kvfetcher import ipc, keys, kvbuffer
 from kvfetcher.config import Config
 from kvfetcher.errors import Reason, RequestError
 from kvfetcher.fetch import choice, executor, staging
+from kvfetcher.fetch.linkshare import LinkShare
 from kvfetcher.fetch.plan import Costs, FetchPlan, LoadDecision, LoadReply, list_prefix, listing_rounds, make_plan, seal, sealed
 from kvfetcher.fetch.workers import DecodeWorkers, warmup_object
 from kvfetcher.format import mac
@@ -65,6 +66,7 @@ class Sidecar:
         self.decode_pool = ThreadPoolExecutor(self.config.decode_workers, thread_name_prefix="kvf-decode")
         self.workers = DecodeWorkers(self.config.decode_procs) if self.config.decode_procs else None
         self.writer = Writer(store, self.config, self.metrics, self.data_pool, self.meta_pool)
+        self.link = LinkShare(self.config.link_dir)  # the node's fetches, which share its link
         self._warming: asyncio.Future | None = None  # the latest registered buffer's warm-up
         self._seal_key = secrets.token_bytes(32)  # plans this process issued carry its seal
         self._object_key = mac.key_from(self.config.object_key)  # None: objects unauthenticated
@@ -223,7 +225,9 @@ class Sidecar:
         buffers: the cost model then uses a registered buffer of that namespace for the KV
         geometry, and without one leaves the preset unchosen). Keywords: ``recompute_tps``,
         ``presets``, ``ttft_budget_s``, ``deadline_s`` (of the listing), ``may_skip_listing`` (see
-        :func:`~kvfetcher.fetch.plan.make_plan`; default False: the plan's hit count is the store's)."""
+        :func:`~kvfetcher.fetch.plan.make_plan`; default False: the plan's hit count is the store's),
+        ``group_size`` (loads that will run at once with this one, e.g. a tensor-parallel group's: the
+        link is predicted shared among them and the fetches the node announces now)."""
         self._check_length(tokens)
         if isinstance(target, str):
             buf = self._buffer(target)
@@ -237,11 +241,12 @@ class Sidecar:
 
     async def _plan(self, ns: keys.Namespace, ck: Sequence[str], buf: Buffer | None, *, recompute_tps: float | None = None,
                     presets: Sequence[str] | None = None, ttft_budget_s: float | None = None, deadline_s: float | None = None,
-                    may_skip_listing: bool = True) -> FetchPlan:
+                    may_skip_listing: bool = True, group_size: int | None = None) -> FetchPlan:
         budget = self.config.ttft_budget_s if ttft_budget_s is None else ttft_budget_s
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0):
             raise RequestError(f"ttft_budget_s must be positive seconds, not {budget!r}")
-        rates = self.estimator.rates(self.store.endpoint, recompute_tps or self.config.recompute_tps)
+        sharers = (group_size or 1) + self.link.active()
+        rates = self.estimator.rates(self.store.endpoint, recompute_tps or self.config.recompute_tps, sharers)
         allowed = frozenset(presets or PRESETS) & frozenset(self.config.allowed_presets or PRESETS)
         costs = Costs(rates, self._chunk_kv_bytes(buf) if buf else None, allowed, budget)
         p = await make_plan(self.store, ns, ck, self.config.chunk_tokens, costs, io_pool=self.meta_pool,
@@ -299,10 +304,11 @@ class Sidecar:
             return self._fallback(reply, plan.reason, plan.detail)
         refs = [kvbuffer.ChunkRef(keys.object_name(ck[i], preset), size, i * N, N) for i, (preset, size) in enumerate(plan.chunks)]
         quiet = self._warming is None or self._warming.done()  # else the warm-up shares the decode workers
-        out = await executor.fetch(self.store, refs, dest, fingerprint=buf.ns.model, io_pool=self.data_pool, decode_pool=self.decode_pool,
-                                   device=buf.tensor.device, deadline_s=max(0.0, deadline_s - (time.perf_counter() - t0)),
-                                   window=self.config.window, workers=self.workers, object_key=self._object_key)
-        self._observe(plan, out, learn=quiet)
+        async with self.link.fetch() as share:
+            out = await executor.fetch(self.store, refs, dest, fingerprint=buf.ns.model, io_pool=self.data_pool, decode_pool=self.decode_pool,
+                                       device=buf.tensor.device, deadline_s=max(0.0, deadline_s - (time.perf_counter() - t0)),
+                                       window=self.config.window, workers=self.workers, object_key=self._object_key)
+        self._observe(plan, out, learn=quiet, sharers=share.sharers)
         reply.loaded_tokens, reply.bytes_read, reply.kv_bytes, reply.seconds = out.loaded_tokens, out.bytes_read, out.kv_bytes, out.seconds
         reply.decision.actual_s = out.seconds
         self.metrics.fetch_seconds.observe(time.perf_counter() - t0)
@@ -323,10 +329,11 @@ class Sidecar:
         except StoreError as e:
             self.metrics.errors.labels(e.reason).inc()
 
-    def _observe(self, plan: FetchPlan, out: executor.Outcome, learn: bool = True) -> None:
+    def _observe(self, plan: FetchPlan, out: executor.Outcome, learn: bool = True, sharers: float = 1.0) -> None:
         """Metrics of a load, and what it teaches the estimator. ``learn`` False: a load that ran
         beside a buffer's background warm-up (the decode workers shared between both) teaches only
-        its latency: its rates are those of shared, partly cold workers, not a later load's."""
+        its latency: its rates are those of shared, partly cold workers, not a later load's.
+        ``sharers``: the fetches that shared the node's link with it, itself included."""
         m, ep, preset = self.metrics, self.store.endpoint, plan.preset
         m.bytes_read.inc(out.bytes_read)
         m.loaded_tokens.inc(out.loaded_tokens)
@@ -335,10 +342,10 @@ class Sidecar:
             if out.header_latency_s:
                 self.estimator.observe_latency(ep, min(out.header_latency_s))
             if self.estimator.settled(fmt) and learn:  # not the process' first load of this format
-                self.estimator.observe_read(ep, out.bytes_read, out.read_busy_s, fmt)
+                self.estimator.observe_read(ep, out.bytes_read, out.read_busy_s, fmt, sharers)
                 self.estimator.observe_decode(preset, out.kv_bytes, out.decode_busy_s)
                 if out.loaded_tokens == plan.loaded_tokens:  # the whole planned load: its time is comparable
-                    fit = self.estimator.observe_fit(ep, preset, fmt, out.bytes_read, out.kv_bytes, out.seconds)
+                    fit = self.estimator.observe_fit(ep, preset, fmt, out.bytes_read, out.kv_bytes, out.seconds, sharers)
                     m.fit.labels(preset).set(fit.scale)
                     m.fit_overhead.labels(preset).set(fit.overhead_s)
             if out.decode_busy_s > 0:

@@ -103,7 +103,8 @@ def test_balanced_and_compact_use_the_shipped_basis_of_the_shipped_model():
 HEADER_DIGESTS = {
     "raw": "925b143014e6ba76", "exact": "1832593fa2f54ccc", "q8": "ebfe073824711109",
     "lean": "c51d807611c99bd6", "balanced": "e0e153eb06235374", "compact": "ca195f31bc5d4689",
-}
+    "q8-zstd": "d4536c514b2c7482", "balanced-zstd": "6dcf780e3e3bcc78", "compact-zstd": "3a3ac942535a3446",
+}  # (the -ans presets code only on a GPU; their headers differ from -zstd's in the format alone)
 
 
 def _header_digest(name: str) -> str:
@@ -123,7 +124,7 @@ def _header_digest(name: str) -> str:
 
 @pytest.mark.parametrize("name", sorted(HEADER_DIGESTS))
 def test_every_preset_codes_chunks_as_before(name):
-    assert set(HEADER_DIGESTS) == set(presets.PRESETS)
+    assert set(HEADER_DIGESTS) == {p for p in presets.PRESETS if not p.endswith("-ans")}
     assert _header_digest(name) == HEADER_DIGESTS[name]
 
 

@@ -141,7 +141,7 @@ class KVClient:
 
     def plan(self, buffer: str | None, tokens: Sequence[int], *, model: str | None = None, dtype: str = "float16", tp_rank: int = 0,
              kv_shape: Sequence[int] | None = None, recompute_tokens_per_s: float | None = None, presets: Sequence[str] | None = None, ttft_budget_s: float | None = None,
-             deadline_s: float | None = None, may_skip_listing: bool = False) -> FetchPlan:
+             deadline_s: float | None = None, may_skip_listing: bool = False, group_size: int = 1) -> FetchPlan:
         """What a load of ``tokens`` would do: pass it to :meth:`load` unchanged.
 
         Name the namespace by a registered ``buffer``, or (a scheduler with no buffers) by
@@ -150,10 +150,11 @@ class KVClient:
         within this many seconds is planned even where recomputing would be faster (it leaves the
         GPU to the running requests). ``deadline_s`` bounds the listing. ``may_skip_listing``: when
         no load could pay, the plan is a recompute and the store is not asked (a load's planner wants
-        that; a hit count does not).
+        that; a hit count does not). ``group_size``: loads that will run at once with this one (a
+        tensor-parallel group's; see :class:`kvfetcher.api.group.RankGroup`), sharing the node's link.
         """
         return self._lookup(buffer, tokens, model, dtype, tp_rank, kv_shape, recompute_tokens_per_s, presets, ttft_budget_s, deadline_s,
-                            may_skip_listing).plan
+                            may_skip_listing, group_size).plan
 
     def lookup(self, buffer: str | None, tokens: Sequence[int], *, model: str | None = None, dtype: str = "float16", tp_rank: int = 0,
                kv_shape: Sequence[int] | None = None) -> int:
@@ -161,12 +162,13 @@ class KVClient:
         return self._lookup(buffer, tokens, model, dtype, tp_rank, kv_shape).tokens
 
     def _lookup(self, buffer, tokens, model, dtype, tp_rank, kv_shape=None, recompute_tps=None, presets=None, budget=None, deadline_s=None,
-                may_skip_listing=False) -> schemas.LookupReply:
+                may_skip_listing=False, group_size=1) -> schemas.LookupReply:
         ns = dict(buffer=buffer) if buffer is not None else dict(model=model, dtype=dtype, tp_rank=tp_rank,
                                                                  kv_shape=tuple(map(int, kv_shape)) if kv_shape else None)
         return self._call(schemas.LOOKUP, schemas.LookupRequest(list(map(int, tokens)), **ns, recompute_tokens_per_s=recompute_tps,
                                                                 presets=list(presets) if presets else None, ttft_budget_s=budget,
-                                                                deadline_s=deadline_s, may_skip_listing=may_skip_listing))
+                                                                deadline_s=deadline_s, may_skip_listing=may_skip_listing,
+                                                                group_size=group_size))
 
     def load(
         self,
@@ -180,6 +182,7 @@ class KVClient:
         recompute_tokens_per_s: float | None = None,
         presets: Sequence[str] | None = None,
         ttft_budget_s: float | None = None,
+        group_size: int | None = None,
     ) -> LoadReply:
         """Load the stored leading chunks of ``tokens`` into the buffer at ``offset`` (or ``slots``).
 
@@ -192,7 +195,7 @@ class KVClient:
         """
         return self._call(schemas.FETCH, schemas.FetchRequest(
             buffer, list(map(int, tokens)), plan, offset, list(map(int, slots)) if slots is not None else None, deadline_s,
-            recompute_tokens_per_s or None, list(presets) if presets else None, ttft_budget_s))
+            recompute_tokens_per_s or None, list(presets) if presets else None, ttft_budget_s, group_size))
 
     def save(self, buffer: str, tokens: Sequence[int], *, offset: int = 0, slots: Sequence[int] | None = None) -> schemas.StoreReply:
         """Queue the prefix whose KV is in the buffer for storing; returns at once.

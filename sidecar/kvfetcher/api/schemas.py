@@ -71,6 +71,8 @@ class LookupRequest:
     ttft_budget_s: float | None = positive("prefer a load predicted within this many seconds to a faster recompute", None)
     deadline_s: float | None = positive("seconds the listing may take (default: the sidecar's `KVFETCHER_DEADLINE_S`)", None)
     may_skip_listing: bool = doc("true: when no load could pay, plan a recompute without listing the store (`tokens` is then 0)", False)
+    group_size: int = doc("loads that will run at once as one group with this one, itself included (a tensor-parallel "
+                          "group's ranks): they share the node's link, beside the fetches the node's sidecars announce", 1, min=1)
 
 
 @dataclass
@@ -94,6 +96,7 @@ class FetchRequest:
     recompute_tokens_per_s: float | None = positive("without a plan: as in `/v1/lookup`", None)
     presets: list[str] | None = doc("without a plan: as in `/v1/lookup`", None)
     ttft_budget_s: float | None = positive("without a plan: as in `/v1/lookup`", None)
+    group_size: int | None = doc("without a plan: as in `/v1/lookup` (default 1)", None, min=1)
 
 
 @dataclass

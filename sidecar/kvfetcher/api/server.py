@@ -196,7 +196,7 @@ async def lookup(request: web.Request) -> web.Response:
     else:
         raise RequestError("give 'buffer', or 'model' and 'dtype' (and 'tp_rank')")
     plan = await sc.plan(target, r.tokens, recompute_tps=r.recompute_tokens_per_s, presets=r.presets, ttft_budget_s=r.ttft_budget_s,
-                         deadline_s=r.deadline_s, may_skip_listing=r.may_skip_listing)
+                         deadline_s=r.deadline_s, may_skip_listing=r.may_skip_listing, group_size=r.group_size)
     return _reply(schemas.LookupReply(plan.hit_tokens, plan.chunk_tokens, plan, plan.error, plan.detail if plan.error else None))
 
 
@@ -205,6 +205,7 @@ async def fetch(request: web.Request) -> web.Response:
     reply = await request.app[SIDECAR].load(
         r.buffer, r.tokens, r.plan, slots=r.slots, offset=r.offset, deadline_s=r.deadline_s,
         recompute_tps=r.recompute_tokens_per_s, presets=r.presets, ttft_budget_s=r.ttft_budget_s,
+        group_size=r.group_size,
     )
     return _reply(reply)
 

@@ -3,7 +3,9 @@
 Per chunk: one ranged GET for the prefix + header (+ side information, usually in the same
 bytes), then one ranged GET per segment still missing; once every part is there the chunk is
 restored (:mod:`chunk`): by a decode worker process (:mod:`fetch.workers`), or here — verified and
-decoded in one call in the decode pool, then written. Up to ``window`` chunks are in flight at
+decoded in one call in the decode pool, then written. Entropy-coded chunks (``zstd``, ``ans``)
+are always restored here: nvCOMP decodes them on the GPU's SMs from this process (a copy to
+the GPU, the decode, the fused unpack into the buffer), which needs no NVDEC worker. Up to ``window`` chunks are in flight at
 once (memory stays ``window`` chunks however long the prefix), so a long prefix streams: chunk 0
 is being restored while chunk 3 downloads.
 
@@ -41,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvfetcher import chunk
+from kvfetcher.codec import ENTROPY_FORMATS, CodecError
 from kvfetcher.errors import BAD_OBJECT, ContainerError, Reason, TruncatedError
 from kvfetcher.fetch import staging
 from kvfetcher.fetch.workers import BufferOpenError, DecodeWorkers, WorkerError
@@ -134,7 +137,7 @@ def _reason(e: Exception) -> Reason:
     """The reason a fetch reports for the exception that stopped it."""
     if isinstance(e, (ContainerError, StoreError)):
         return e.reason
-    if isinstance(e, WorkerError):
+    if isinstance(e, (WorkerError, CodecError)):  # (CodecError: no decoder here, e.g. ans without a GPU)
         return Reason.DECODER
     if isinstance(e, ValueError):
         return Reason.INVALID
@@ -288,7 +291,7 @@ class _Fetch:
         the workers cannot map the buffer (from the same bytes: nothing is read twice)."""
         parts = await asyncio.gather(*(self._part(c, h, head, s) for s in ([h.side] if h.side else []) + list(h.segments)))
         side, segments = (parts[0], parts[1:]) if h.side else (None, parts)
-        if self.workers is not None:
+        if self.workers is not None and h.codec.format not in ENTROPY_FORMATS:
             slots = self.dest.slots[c.start : c.start + c.tokens]
             restore = self.workers.restore(self.dest.handle, head[: h.header_size], side, segments, slots, self._auth(c))
             try:

@@ -20,11 +20,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvfetcher import keys, kvbuffer
+from kvfetcher import codec, keys, kvbuffer
 from kvfetcher.chunk import encode_chunk
+from kvfetcher.codec import ENTROPY_FORMATS, nvcomp
 from kvfetcher.config import Config
 from kvfetcher.errors import Reason
-from kvfetcher.format import mac
+from kvfetcher.format import mac, presets
 from kvfetcher.metrics import Metrics
 from kvfetcher.store import Store, StoreError
 
@@ -38,6 +39,11 @@ def copy_prefix(buffer: torch.Tensor, tokens: int, slots=None, offset: int = 0) 
     if kvbuffer.contiguous(idx):
         return buffer[:, :, :, idx[0] : idx[0] + tokens].to("cpu", copy=True)
     return buffer.index_select(3, torch.tensor(idx, device=buffer.device)).cpu()
+
+
+def _encode(kv: torch.Tensor, device: str | None, *args, **kw) -> bytes:
+    """:func:`encode_chunk` of ``kv``, moved to ``device`` first (in the encode thread)."""
+    return encode_chunk(kv if device is None else kv.to(device), *args, **kw)
 
 
 @dataclass
@@ -62,6 +68,11 @@ class Writer:
         self._task: asyncio.Task | None = None
         self.pending_chunks = 0
         self.object_key = mac.key_from(config.object_key)  # None: objects are written without tags
+        fmts = {p: presets.get(p).codec.format for p in config.presets}
+        if any(f == "ans" for f in fmts.values()) and not codec.decodable("ans"):
+            raise ValueError(f"preset(s) {[p for p, f in fmts.items() if f == 'ans']} need a CUDA GPU with nvCOMP")
+        # where entropy-coded presets are packed and coded: this process's GPU, if nvCOMP runs on it
+        self.gpu_presets = {p for p, f in fmts.items() if f in ENTROPY_FORMATS} if nvcomp.available() else set()
 
     def start(self) -> None:
         self._queue = asyncio.Queue()
@@ -131,8 +142,9 @@ class Writer:
                 t = time.perf_counter()
                 piece = job.kv[:, :, :, i * N : (i + 1) * N].contiguous()
                 auth = mac.ObjectMAC(self.object_key, name) if self.object_key else None
-                encode = functools.partial(encode_chunk, piece, preset, job.ns.model, {"parent": parent},
-                                           start=(job.first + i) * N, rope_theta=self.config.rope_theta, auth=auth)
+                encode = functools.partial(_encode, piece, "cuda" if preset in self.gpu_presets else None, preset,
+                                           job.ns.model, {"parent": parent}, start=(job.first + i) * N,
+                                           rope_theta=self.config.rope_theta, auth=auth)
                 obj = await loop.run_in_executor(self.encode_pool, encode)
                 if await loop.run_in_executor(self.data_pool, self.store.put, name, obj):
                     self.metrics.bytes_written.inc(len(obj))
