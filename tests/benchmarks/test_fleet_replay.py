@@ -66,3 +66,11 @@ def test_the_command_writes_its_json_and_table(tmp_path, capsys):
     assert result["reusable_share_unbounded"] == pytest.approx(_reusable_share(REQUESTS))
     table = (tmp_path / "result_cpu.md").read_text()
     assert "| `raw` |" in table and "| `balanced-ans` |" in table
+
+
+def test_the_replays_presets_are_the_projects():
+    from kvfetcher.format.presets import PRESETS
+
+    real = [p for p in replay.RATIO if p in PRESETS]
+    assert {"raw", "balanced-ans", "compact-ans"} <= set(real)
+    assert all(replay.FORMATS[p] == PRESETS[p].codec.format for p in real)
