@@ -182,6 +182,9 @@ STORE_QUEUE_CHUNKS = Setting("KVFETCHER_STORE_QUEUE_CHUNKS", int, 256,
 IO_WORKERS = Setting("KVFETCHER_IO_WORKERS", int, 32, "Threads for store data I/O (GET, PUT).")
 META_IO_WORKERS = Setting("KVFETCHER_META_IO_WORKERS", int, 8,
                           "Threads for store metadata I/O (LIST, HEAD, DELETE, readiness), apart from data I/O.")
+ACCESS_LOG_S = Setting("KVFETCHER_ACCESS_LOG_S", float, 15.0,
+                       "Seconds between the access logs a sidecar writes (which chunks it fetched, for the "
+                       "evictor's least-recently-used order; 0: none).")
 FUSED_UNPACK = Setting("KVFETCHER_FUSED_UNPACK", bool, True, "Unpack CUDA frames with the fused Triton kernel.")
 LINK_DIR = Setting("KVFETCHER_LINK_DIR", str, None,
                    "Directory shared by the sidecars of a node (one per tensor-parallel rank, other pods'): each "
@@ -223,7 +226,7 @@ TABLES: dict[str, tuple[Setting, ...]] = {
         CHUNK_TOKENS, PRESET, ALLOWED_PRESETS, TENANT, POOL, OBJECT_KEY, MODEL, RECOMPUTE_TPS, ROPE_THETA, TTFT_BUDGET_S,
         DECODE_PROCS, WARM_UP, S3_ENDPOINT, S3_BUCKET, S3_ACCESS_KEY, S3_SECRET_KEY, S3_REGION, S3_CA_FILE,
         S3_INSECURE, STORE_DIR, AUTH_TOKEN, AUTH_TOKEN_FILE, FUSED_UNPACK, DEADLINE_S, MAX_REQUEST_TOKENS,
-        STORE_QUEUE_CHUNKS, IO_WORKERS, META_IO_WORKERS, LINK_DIR),
+        STORE_QUEUE_CHUNKS, IO_WORKERS, META_IO_WORKERS, LINK_DIR, ACCESS_LOG_S),
     "Model side (`KVClient`, shared buffers)": (SOCKET, URL),
     "Evaluation (`kvfetcher demo`, tests)": (CACHE,),
     "Operator": (WEBHOOK_ADDR, WEBHOOK_PORT, WEBHOOK_CERT, WEBHOOK_KEY, WEBHOOK_CONFIGURATION,

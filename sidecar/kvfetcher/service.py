@@ -390,7 +390,7 @@ class Sidecar:
             self.writer.dropped(dropped)
         if take:
             kv = copy_prefix(buf.tensor, take * N, idx[known * N : (known + take) * N])
-            self.writer.submit(Job(buf.ns, ck[known : known + take], kv, first=known))
+            self.writer.submit(Job(buf.ns, ck[known : known + take], kv, first=known, parent=ck[known - 1] if known else ""))
         return {"queued_chunks": take, "skipped_chunks": known, "dropped_chunks": dropped, "dropped": dropped > 0}
 
     async def _stored_run(self, chunk_keys: Sequence[str]) -> int:

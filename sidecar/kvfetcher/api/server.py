@@ -309,7 +309,7 @@ def bind_unix(path: str, mode: int = 0o660) -> socket.socket:
 
 async def serve_forever(host: str, port: int | None, socket_path: str | None) -> None:
     """``kvfetcher serve``: configuration from the environment the operator injects."""
-    sidecar = Sidecar(from_env(), Config.from_env())
+    sidecar = Sidecar(from_env(record_access=True), Config.from_env())
     token = token_from_env()
     if port is not None and not token.current():
         log.warning("no KVFETCHER_AUTH_TOKEN: the TCP API refuses /v1 requests; use the Unix socket")

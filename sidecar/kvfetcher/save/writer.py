@@ -52,6 +52,7 @@ class Job:
     keys: list[str]  # one per chunk of ``kv``
     kv: torch.Tensor  # [layers, 2, heads, tokens, head_dim], a private copy
     first: int = 0  # the prompt's chunk index of ``keys[0]`` (its tokens' positions matter to RoPE)
+    parent: str = ""  # the key of the chunk before ``keys[0]`` ("" for a prompt's first chunk)
     queued_at: float = field(default_factory=time.perf_counter)
 
 
@@ -133,6 +134,7 @@ class Writer:
         loop = asyncio.get_running_loop()
         N = self.config.chunk_tokens
         for i, key in enumerate(job.keys):
+            parent = job.keys[i - 1] if i else job.parent  # in every object: the evictor rebuilds the prefix tree from it
             for preset in self.config.presets:
                 name = keys.object_name(key, preset)
                 if await loop.run_in_executor(self.meta_pool, self.store.exists, name):
@@ -141,7 +143,8 @@ class Writer:
                 piece = job.kv[:, :, :, i * N : (i + 1) * N].contiguous()
                 auth = mac.ObjectMAC(self.object_key, name) if self.object_key else None
                 encode = functools.partial(_encode, piece, "cuda" if preset in self.gpu_presets else None, preset,
-                                           job.ns.model, start=(job.first + i) * N, rope_theta=self.config.rope_theta, auth=auth)
+                                           job.ns.model, {"parent": parent}, start=(job.first + i) * N,
+                                           rope_theta=self.config.rope_theta, auth=auth)
                 obj = await loop.run_in_executor(self.encode_pool, encode)
                 if await loop.run_in_executor(self.data_pool, self.store.put, name, obj):
                     self.metrics.bytes_written.inc(len(obj))
