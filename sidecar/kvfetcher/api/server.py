@@ -133,10 +133,11 @@ async def errors(request: web.Request, handler):
 
 async def register(request: web.Request) -> web.Response:
     r = await _parse(request, schemas.RegisterRequest)
-    if any(h.get("kind") != "cuda" for h in r.handles or [r.handle or {}]):  # a memfd handle names the holder's fd: only the buffer socket passes one
+    handle = r.buffer_handle()
+    if any(h.get("kind") != "cuda" for h in r.handles or [r.handle]):  # a memfd handle names the holder's fd: only the buffer socket passes one
         raise RequestError("over HTTP only a CUDA handle registers (one per paged tensor); a host-memory buffer is a sealed memfd passed "
                            "on the sidecar's buffer socket (KVClient over the Unix socket does it)")
-    return _reply(schemas.RegisterReply(request.app[SIDECAR].register(r.buffer_handle(), r.model, r.tp_rank)))
+    return _reply(schemas.RegisterReply(request.app[SIDECAR].register(handle, r.model, r.tp_rank)))
 
 
 async def _register_passed(sidecar: Sidecar, conn: socket.socket) -> None:
