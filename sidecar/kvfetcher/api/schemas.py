@@ -252,7 +252,10 @@ def from_json(cls: type, obj: Any, strict: bool = True, where: str = "body") -> 
                               bound=None if lo is None else (lo, f.metadata.get("open", False)))
         elif f.default is MISSING:
             raise RequestError(f"'{name}' is required in {where}")
-    return cls(**kw)
+    try:
+        return cls(**kw)
+    except ValueError as e:  # the message's own checks (a PagedLayout's dims)
+        raise RequestError(f"'{where}': {e}") from None
 
 
 def to_json(msg: Any) -> dict:
