@@ -126,7 +126,7 @@ class Decoded:
         if self.values is not None:
             dest.write_kv(ref, self.values)
             return math.prod(h.shape) * bytes_per_value(h.torch_dtype)
-        frames = self.frames.to(dest.buffer.device)
+        frames = self.frames.to(dest.device)
         unpack = functools.partial(layout.unpack, frames, self.side, h.shape, h.torch_dtype, h.layout, start=h.start)
         view = dest.view(ref)
         if view is not None:
@@ -178,7 +178,7 @@ def restore_chunk(dest: Destination, ref: ChunkRef, h: container.Header, side: B
     """
     dest.check(h, ref)
     t0 = time.perf_counter()
-    decoded = verify_and_decode(h, side, segments, dest.buffer.device if device is None else device, backend, auth)
+    decoded = verify_and_decode(h, side, segments, dest.device if device is None else device, backend, auth)
     t1 = time.perf_counter()
     n = decoded.write(dest, ref)
     if times is not None:

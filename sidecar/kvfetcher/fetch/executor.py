@@ -14,8 +14,8 @@ Direct path: a chunk stored in the ``native`` layout without a codec (the ``raw`
 GETs straight into one host staging buffer (:mod:`fetch.staging`: reused, pinned when the
 destination is on a GPU), each checksummed by the thread that read it, and once all have
 verified the chunk is copied into the destination by one non-blocking host-to-device copy — no
-decoder, no worker process, no reshuffle. The chunk counts as written only once that copy has
-completed. Each segment is also checked for NaN and infinities there.
+decoder, no worker process, no reshuffle (into a paged destination: that copy, then one scatter
+into its blocks on the device). The chunk counts as written only once that copy has completed. Each segment is also checked for NaN and infinities there.
 
 Authentication: with ``object_key`` (:mod:`format.mac`), every object's header tag is verified
 for the name it was read from before its header is trusted, and every part's tag with its CRC-32
@@ -164,11 +164,12 @@ def _read_verified(store: Store, name: str, offset: int, part: memoryview, have:
 
 
 def _write_native(dest: Destination, c: ChunkRef, kv: torch.Tensor) -> None:
-    """Copy a verified native chunk (host memory) into its slots. For a GPU buffer it is staged on
+    """Copy a verified native chunk (host memory) into its place. For a GPU buffer it is staged on
     the device and checked finite there (the host checks each segment only for a CPU buffer: on
-    the GPU the check costs nothing next to the copy), so no NaN or infinity reaches the buffer."""
-    if dest.buffer.is_cuda:
-        kv = kv.to(dest.buffer.device, non_blocking=True)
+    the GPU the check costs nothing next to the copy), so no NaN or infinity reaches the buffer;
+    then written in place, or scattered on the device into a paged buffer's blocks."""
+    if dest.device.type == "cuda":
+        kv = kv.to(dest.device, non_blocking=True)
         container.check_finite(kv, kv.dtype)
     dest.write_kv(c, kv)
 
@@ -292,8 +293,7 @@ class _Fetch:
         parts = await asyncio.gather(*(self._part(c, h, head, s) for s in ([h.side] if h.side else []) + list(h.segments)))
         side, segments = (parts[0], parts[1:]) if h.side else (None, parts)
         if self.workers is not None and h.codec.format not in ENTROPY_FORMATS:
-            slots = self.dest.slots[c.start : c.start + c.tokens]
-            restore = self.workers.restore(self.dest.handle, head[: h.header_size], side, segments, slots, self._auth(c))
+            restore = self.workers.restore(self.dest.handle, head[: h.header_size], side, segments, self.dest.where(c), self._auth(c))
             try:
                 n = await self._write(i, asyncio.ensure_future(_timed(self.decodes, restore)))
             except BufferOpenError as e:
@@ -312,7 +312,7 @@ class _Fetch:
     async def _direct(self, i: int, c: ChunkRef, h: container.Header, head: bytes) -> None:
         """A native raw chunk: segments read into one staging buffer, each checksummed, then one copy."""
         nbytes = h.total_size - h.header_size
-        pinned = self.dest.buffer.is_cuda
+        pinned = self.dest.device.type == "cuda"
         host = self.staging.take(nbytes, pinned)
         mem = memoryview(host.numpy())
         started: list[concurrent.futures.Future] = []  # thread work on ``host``
@@ -341,5 +341,5 @@ class _Fetch:
         async with self.io:
             with self.reads:  # (the CRC reads bytes still in cache)
                 n = await _submit(started, self.io_pool, _read_verified, self.store, c.name, a, part, len(have), seg, h,
-                                  self._auth(c), not self.dest.buffer.is_cuda)
+                                  self._auth(c), self.dest.device.type != "cuda")
         self.out.bytes_read += n

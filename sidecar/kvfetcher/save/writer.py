@@ -2,7 +2,8 @@
 
 A store request never blocks the model on encoding or upload: admission is by chunks. The caller
 skips the leading chunks already stored, asks :meth:`Writer.room` how many more fit the bound
-(``config.store_queue_chunks``), hands over a private copy of the leading chunks that fit and
+(``config.store_queue_chunks``), hands over a private copy of the leading chunks that fit
+(``kvbuffer.Destination.read``: from a flat buffer's slots or a paged buffer's blocks) and
 counts the rest as dropped (:meth:`Writer.dropped`, in chunks) — a lost store costs a future
 recompute, a blocked model costs latency now. One task writes the queue in order: every configured
 preset of every chunk, skipping objects already stored. With an
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvfetcher import codec, keys, kvbuffer
+from kvfetcher import codec, keys
 from kvfetcher.chunk import encode_chunk
 from kvfetcher.codec import ENTROPY_FORMATS, nvcomp
 from kvfetcher.config import Config
@@ -30,15 +31,6 @@ from kvfetcher.metrics import Metrics
 from kvfetcher.store import Store, StoreError
 
 log = logging.getLogger("kvfetcher.save")
-
-
-def copy_prefix(buffer: torch.Tensor, tokens: int, slots=None, offset: int = 0) -> torch.Tensor:
-    """A private CPU copy of ``tokens`` tokens of ``buffer`` (``[layers, 2, heads, capacity, head_dim]``)
-    at ``slots`` or from ``offset``; ``ValueError`` for slots outside the buffer."""
-    idx = kvbuffer.slot_list(buffer.shape[3], tokens, slots, offset)
-    if kvbuffer.contiguous(idx):
-        return buffer[:, :, :, idx[0] : idx[0] + tokens].to("cpu", copy=True)
-    return buffer.index_select(3, torch.tensor(idx, device=buffer.device)).cpu()
 
 
 def _encode(kv: torch.Tensor, device: str | None, *args, **kw) -> bytes:
