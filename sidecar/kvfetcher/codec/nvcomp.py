@@ -2,14 +2,17 @@
 
 Every block of a bitstream (entropy.py) is one entry of one nvCOMP batch in the ``RAW`` bitstream
 kind: the algorithm's own block format with no nvCOMP header, so a ``zstd`` block is a standard
-Zstandard frame that the CPU backend reads (and the other way round). Encoding reads planes
-already on the GPU and copies only the coded bytes to the host (compacted on the GPU first, the
-padding zeroed); decoding copies the payload to the GPU in one copy (through a reused pinned
-buffer) and decodes every block straight into the frames' memory.
+Zstandard frame that the CPU backend reads (and the other way round).
+
+Encoding reads planes already on the GPU, waits once for the coded sizes, packs the coded blocks
+back to back on the GPU (one gather, the padding zeroed) and copies only those bytes to the host.
+Decoding copies the payload to the GPU in one copy (straight from a host tensor it is given, such
+as a fetch's pinned staging buffer; bytes go through a reused pinned buffer first) and decodes
+every block straight into the frames' memory.
 
 Each thread has its own CUDA stream and nvCOMP codecs on it; a call orders its stream after the
 caller's current stream and waits for its own work before returning, so the tensors it hands back
-are ready on any stream, and memory it allocated is the caller's stream's.
+are ready on any stream, and memory it allocated for them is the caller's stream's.
 """
 
 from __future__ import annotations
@@ -57,27 +60,55 @@ def _device(device: torch.device | str | None) -> torch.device:
     return d if d.type == "cuda" and d.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
-def _state(dev: torch.device, fmt: str):
-    """This thread's (stream, codec) for ``fmt`` on ``dev``."""
-    cache = getattr(_local, "codecs", None)
-    if cache is None:
-        cache = _local.codecs = {}
-    key = (dev.index, fmt)
-    if key not in cache:
+class _Coder:
+    """One thread's nvCOMP state for one format on one GPU: its stream, its codec (nvCOMP codecs
+    are not to be shared between threads), and the block capacities it has asked for."""
+
+    def __init__(self, dev: torch.device, fmt: str):
         nv = _nvcomp()
-        stream = torch.cuda.Stream(dev)
-        codec = nv.Codec(algorithm=ALGORITHM[fmt], device_id=dev.index, cuda_stream=stream.cuda_stream,
-                         bitstream_kind=nv.BitstreamKind.RAW)
-        cache[key] = (stream, codec)
-    return cache[key]
+        self.device, self.stream = dev, torch.cuda.Stream(dev)
+        self.codec = nv.Codec(algorithm=ALGORITHM[fmt], device_id=dev.index, cuda_stream=self.stream.cuda_stream,
+                              bitstream_kind=nv.BitstreamKind.RAW)
+        self._caps: dict[int, int] = {}
+
+    def capacity(self, block: int) -> int:
+        """Most bytes (padded) one coded block of ``block`` bytes can take."""
+        if block not in self._caps:
+            probe = torch.zeros(block, dtype=torch.uint8, device=self.device)
+            self._caps[block] = entropy.padded(self.codec.get_max_comp_buffer_size(_nvcomp().as_array(probe)))
+        return self._caps[block]
+
+
+def _coder(dev: torch.device, fmt: str) -> _Coder:
+    coders = getattr(_local, "coders", None)
+    if coders is None:
+        coders = _local.coders = {}
+    key = (dev.index, fmt)
+    if key not in coders:
+        coders[key] = _Coder(dev, fmt)
+    return coders[key]
 
 
 def _pinned(nbytes: int) -> torch.Tensor:
-    """This thread's pinned staging buffer, grown to at least ``nbytes`` (reused: pinning is slow)."""
+    """This thread's pinned staging buffer, grown to at least ``nbytes`` (reused: pinning is slow).
+    Its previous contents are no longer needed: every call waits for its own copies."""
     buf = getattr(_local, "pinned", None)
     if buf is None or buf.numel() < nbytes:
         buf = _local.pinned = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, pin_memory=True)
     return buf[:nbytes]
+
+
+def _pack(out: torch.Tensor, cap: int, lengths: list[int]) -> torch.Tensor:
+    """The first ``lengths[i]`` bytes of each ``cap``-byte slot of ``out``, back to back, gathered
+    on the GPU without waiting for it: in rows of :data:`entropy.ALIGN` bytes (every length and
+    ``cap`` are multiples of it), row ``r`` of the output being row ``r + shift[block]`` of ``out``."""
+    rows = [n // entropy.ALIGN for n in lengths]
+    starts = np.concatenate([[0], np.cumsum(rows[:-1])]).astype(np.int64)
+    shift = np.arange(len(rows), dtype=np.int64) * (cap // entropy.ALIGN) - starts
+    total = sum(rows)
+    table = torch.from_numpy(np.stack([shift, np.asarray(rows, dtype=np.int64)])).to(out.device, non_blocking=True)
+    src = torch.repeat_interleave(table[0], table[1], output_size=total) + torch.arange(total, device=out.device)
+    return out.view(-1, entropy.ALIGN).index_select(0, src).view(-1)
 
 
 class NvcompCodec:
@@ -91,58 +122,50 @@ class NvcompCodec:
         self.format, self.name = fmt, f"nvcomp-{fmt}"
         self.device = _device(device)
 
-    def _capacity(self, codec, block: int) -> int:
-        """Most bytes one coded block of ``block`` bytes can take (per codec and size, asked once)."""
-        caps = getattr(_local, "caps", None)
-        if caps is None:
-            caps = _local.caps = {}
-        key = (self.device.index, self.format, block)
-        if key not in caps:
-            probe = torch.zeros(block, dtype=torch.uint8, device=self.device)
-            caps[key] = entropy.padded(codec.get_max_comp_buffer_size(_nvcomp().as_array(probe)))
-        return caps[key]
-
     def encode(self, frames: torch.Tensor, params: CodecParams) -> bytes:
         """Planes (on this GPU, or moved there) -> a bitstream; only coded bytes reach the host."""
         nv = _nvcomp()
-        stream, codec = _state(self.device, self.format)
+        c = _coder(self.device, self.format)
         flat = frames.to(self.device).contiguous().view(-1)
         block = params.block_bytes or entropy.DEFAULT_BLOCK
         if block % entropy.ALIGN:
             raise CodecError(f"block_bytes {block} is not a multiple of {entropy.ALIGN}")
         sizes = entropy.block_sizes(flat.numel(), block)
-        n, cap = len(sizes), self._capacity(codec, block)
-        out = torch.zeros(n * cap, dtype=torch.uint8, device=self.device)  # zeros: the padding stored
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
+        n, cap = len(sizes), c.capacity(block)
+        c.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(c.stream):
+            out = torch.zeros(n * cap, dtype=torch.uint8, device=self.device)  # zeros: the padding stored
             src = nv.as_arrays(flat, [i * block for i in range(n)], sizes)
             dst = nv.as_arrays(out, [i * cap for i in range(n)], [cap] * n)
-            coded = list(codec.encode(src, out=dst).buffer_sizes)  # waits for the coded sizes
-            lens = torch.tensor([entropy.padded(c) for c in coded], device=self.device)
-            packed = out.view(n, cap)[torch.arange(cap, device=self.device) < lens.unsqueeze(1)]  # back to back
+            coded = list(c.codec.encode(src, out=dst).buffer_sizes)  # the one wait: the coded sizes
+            packed = _pack(out, cap, [entropy.padded(s) for s in coded])
             host = _pinned(packed.numel())
             host.copy_(packed, non_blocking=True)
-        stream.synchronize()
-        return entropy.join(block, coded, memoryview(host.numpy()))
+        c.stream.synchronize()
+        return entropy.join(block, coded, host.numpy())
 
-    def decode(self, data: bytes, frame_shape: tuple[int, int, int, int], device: torch.device | str = "cuda") -> torch.Tensor:
-        """A bitstream -> uint8 ``frame_shape`` on ``device`` (decoded on this GPU)."""
+    def decode(self, data: entropy.Bitstream, frame_shape: tuple[int, int, int, int],
+               device: torch.device | str = "cuda") -> torch.Tensor:
+        """A bitstream -> uint8 ``frame_shape`` on ``device`` (decoded on this GPU). ``data`` as a
+        host tensor (best pinned) is copied to the GPU in place."""
         nv = _nvcomp()
         total = math.prod(frame_shape)
         block, sizes, offsets, payload = entropy.split(data, total)
-        stream, codec = _state(self.device, self.format)
-        host = _pinned(len(payload))
-        host.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
+        if isinstance(data, torch.Tensor):
+            src_bytes = data[data.numel() - len(payload) :]
+        else:
+            src_bytes = _pinned(len(payload))
+            src_bytes.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)  # (numpy copies without the GIL)
+        c = _coder(self.device, self.format)
         out = torch.empty(total, dtype=torch.uint8, device=self.device)
-        staged = torch.empty(len(payload), dtype=torch.uint8, device=self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        c.stream.wait_stream(torch.cuda.current_stream(self.device))
         try:
-            with torch.cuda.stream(stream):
-                staged.copy_(host, non_blocking=True)
+            with torch.cuda.stream(c.stream):
+                staged = src_bytes.to(self.device, non_blocking=True)
                 src = nv.as_arrays(staged, offsets, sizes)
                 dst = nv.as_arrays(out, [i * block for i in range(len(sizes))], entropy.block_sizes(total, block))
-                codec.decode(src, out=dst)
-            stream.synchronize()
+                c.codec.decode(src, out=dst)
+            c.stream.synchronize()
         except torch.cuda.OutOfMemoryError:
             raise  # not the object's fault
         except (RuntimeError, ValueError) as e:  # nvCOMP reports what it detects of a bad block this way
