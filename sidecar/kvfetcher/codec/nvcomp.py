@@ -7,8 +7,10 @@ Zstandard frame that the CPU backend reads (and the other way round).
 Encoding reads planes already on the GPU, waits once for the coded sizes, packs the coded blocks
 back to back on the GPU (one gather, the padding zeroed) and copies only those bytes to the host.
 Decoding copies the payload to the GPU in one copy (straight from a host tensor it is given, such
-as a fetch's pinned staging buffer; bytes go through a reused pinned buffer first) and decodes
-every block straight into the frames' memory.
+as a fetch's pinned staging buffer; bytes go through a reused pinned buffer first), decodes every
+block and waits once, for the frames. Both run through per-thread buffers and nvCOMP batches
+and configurations made once per geometry (:class:`_Coder`), so no call waits for the GPU while
+holding the GIL.
 
 Each thread has its own CUDA stream and nvCOMP codecs on it; a call orders its stream after the
 caller's current stream and waits for its own work before returning, so the tensors it hands back
@@ -62,7 +64,12 @@ def _device(device: torch.device | str | None) -> torch.device:
 
 class _Coder:
     """One thread's nvCOMP state for one format on one GPU: its stream, its codec (nvCOMP codecs
-    are not to be shared between threads), and the block capacities it has asked for."""
+    are not to be shared between threads) and, per planes' size and block size, device buffers
+    with the nvCOMP batches and configurations over them, made once.
+
+    Why: wrapping a buffer in a batch (``as_arrays``) waits, holding the GIL, for the GPU work
+    queued before it, and a decode without a configuration waits for the GPU to read every block's
+    header; either wait in one thread stalls every other thread of the process."""
 
     def __init__(self, dev: torch.device, fmt: str):
         nv = _nvcomp()
@@ -70,6 +77,8 @@ class _Coder:
         self.codec = nv.Codec(algorithm=ALGORITHM[fmt], device_id=dev.index, cuda_stream=self.stream.cuda_stream,
                               bitstream_kind=nv.BitstreamKind.RAW)
         self._caps: dict[int, int] = {}
+        self._plans: dict[tuple[str, int, int], _Plan] = {}
+        self._staged = torch.empty(0, dtype=torch.uint8, device=dev)
 
     def capacity(self, block: int) -> int:
         """Most bytes (padded) one coded block of ``block`` bytes can take."""
@@ -77,6 +86,43 @@ class _Coder:
             probe = torch.zeros(block, dtype=torch.uint8, device=self.device)
             self._caps[block] = entropy.padded(self.codec.get_max_comp_buffer_size(_nvcomp().as_array(probe)))
         return self._caps[block]
+
+    def plan(self, way: str, total: int, block: int) -> "_Plan":
+        """The buffers and batches to ``encode`` or ``decode`` ``total`` bytes of planes in blocks of ``block``."""
+        key = (way, total, block)
+        if key not in self._plans:
+            if len(self._plans) >= 8:  # a process sees a few geometries; never grow without bound
+                self._plans.clear()
+            self._plans[key] = _Plan(self, way, total, block)
+        return self._plans[key]
+
+    def staged(self, nbytes: int) -> torch.Tensor:
+        """This thread's device buffer for a coded payload, grown to at least ``nbytes`` (idle
+        between calls: every call waits for its own work)."""
+        if self._staged.numel() < nbytes:
+            self._staged = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, device=self.device)
+        return self._staged
+
+
+class _Plan:
+    """Planes of ``total`` bytes in blocks of ``block``: the planes' buffer and its batch (the
+    encoder's input, the decoder's output), for encoding also the coded slots (``cap`` bytes a
+    block) and their batch, and the codec's configuration."""
+
+    def __init__(self, c: _Coder, way: str, total: int, block: int):
+        nv = _nvcomp()
+        self.sizes = entropy.block_sizes(total, block)
+        n = len(self.sizes)
+        self.planes = torch.empty(total, dtype=torch.uint8, device=c.device)
+        self.planes_batch = nv.as_arrays(self.planes, [i * block for i in range(n)], self.sizes)
+        cfg = c.codec.compression_config(self.sizes)
+        if way == "encode":
+            self.cap = c.capacity(block)
+            self.slots = torch.empty(n * self.cap, dtype=torch.uint8, device=c.device)
+            self.slots_batch = nv.as_arrays(self.slots, [i * self.cap for i in range(n)], [self.cap] * n)
+            self.config = cfg
+        else:
+            self.config = c.codec.decompression_config(cfg)
 
 
 def _coder(dev: torch.device, fmt: str) -> _Coder:
@@ -124,21 +170,18 @@ class NvcompCodec:
 
     def encode(self, frames: torch.Tensor, params: CodecParams) -> bytes:
         """Planes (on this GPU, or moved there) -> a bitstream; only coded bytes reach the host."""
-        nv = _nvcomp()
         c = _coder(self.device, self.format)
         flat = frames.to(self.device).contiguous().view(-1)
         block = params.block_bytes or entropy.DEFAULT_BLOCK
         if block % entropy.ALIGN:
             raise CodecError(f"block_bytes {block} is not a multiple of {entropy.ALIGN}")
-        sizes = entropy.block_sizes(flat.numel(), block)
-        n, cap = len(sizes), c.capacity(block)
+        p = c.plan("encode", flat.numel(), block)
         c.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(c.stream):
-            out = torch.zeros(n * cap, dtype=torch.uint8, device=self.device)  # zeros: the padding stored
-            src = nv.as_arrays(flat, [i * block for i in range(n)], sizes)
-            dst = nv.as_arrays(out, [i * cap for i in range(n)], [cap] * n)
-            coded = list(c.codec.encode(src, out=dst).buffer_sizes)  # the one wait: the coded sizes
-            packed = _pack(out, cap, [entropy.padded(s) for s in coded])
+            p.planes.copy_(flat)
+            p.slots.zero_()  # the padding stored
+            coded = list(c.codec.encode(p.planes_batch, out=p.slots_batch, compression_config=p.config).buffer_sizes)  # the one wait
+            packed = _pack(p.slots, p.cap, [entropy.padded(s) for s in coded])
             host = _pinned(packed.numel())
             host.copy_(packed, non_blocking=True)
         c.stream.synchronize()
@@ -147,27 +190,34 @@ class NvcompCodec:
     def decode(self, data: entropy.Bitstream, frame_shape: tuple[int, int, int, int],
                device: torch.device | str = "cuda") -> torch.Tensor:
         """A bitstream -> uint8 ``frame_shape`` on ``device`` (decoded on this GPU). ``data`` as a
-        host tensor (best pinned) is copied to the GPU in place."""
+        host tensor (best pinned) is copied to the GPU in place.
+
+        nvCOMP does not report a damaged block (it decodes to wrong planes): the checksums of the
+        container are what keeps a damaged bitstream from reaching a buffer."""
         nv = _nvcomp()
         total = math.prod(frame_shape)
         block, sizes, offsets, payload = entropy.split(data, total)
         if isinstance(data, torch.Tensor):
-            src_bytes = data[data.numel() - len(payload) :]
+            src = data[data.numel() - len(payload) :]
         else:
-            src_bytes = _pinned(len(payload))
-            src_bytes.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)  # (numpy copies without the GIL)
+            src = _pinned(len(payload))
+            src.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)  # (numpy copies without the GIL)
         c = _coder(self.device, self.format)
+        if max(sizes) > c.capacity(min(block, total)):
+            raise CodecError(f"{self.name} block of {max(sizes)} bytes, more than a {block}-byte block can code to")
+        p = c.plan("decode", total, block)
+        staged = c.staged(len(payload))
+        coded = nv.as_arrays(staged, offsets, sizes)  # (before any work is queued on it: see _Coder)
         out = torch.empty(total, dtype=torch.uint8, device=self.device)
         c.stream.wait_stream(torch.cuda.current_stream(self.device))
         try:
             with torch.cuda.stream(c.stream):
-                staged = src_bytes.to(self.device, non_blocking=True)
-                src = nv.as_arrays(staged, offsets, sizes)
-                dst = nv.as_arrays(out, [i * block for i in range(len(sizes))], entropy.block_sizes(total, block))
-                c.codec.decode(src, out=dst)
+                staged[: len(payload)].copy_(src, non_blocking=True)
+                c.codec.decode(coded, out=p.planes_batch, decompression_config=p.config)
+                out.copy_(p.planes)
             c.stream.synchronize()
         except torch.cuda.OutOfMemoryError:
             raise  # not the object's fault
-        except (RuntimeError, ValueError) as e:  # nvCOMP reports what it detects of a bad block this way
+        except (RuntimeError, ValueError) as e:  # a bitstream nvCOMP refuses outright
             raise CodecError(f"{self.name} decode failed: {e}") from e
         return out.view(frame_shape).to(device)
