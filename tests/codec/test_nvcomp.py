@@ -136,12 +136,15 @@ def test_a_fetch_restores_ans_chunks_into_a_cuda_buffer_and_stops_at_a_damaged_o
     from kvfetcher.kvbuffer import ChunkRef
     from kvfetcher.store.local import LocalStore
 
-    from kvtest import SENTINEL, fetch, put_chunks
+    from kvtest import SENTINEL, fetch
 
     g = torch.Generator().manual_seed(4)
     kv = (torch.randn(30, 2, 3, 512, 64, generator=g) * 2).to(torch.float16)
-    store = LocalStore(tmp_path)
-    refs = put_chunks(store, kv, 128, preset=preset, fingerprint=SHIPPED_FP)
+    store, refs = LocalStore(tmp_path), []
+    for i in range(4):
+        obj = chunk.encode_chunk(kv[:, :, :, i * 128 : (i + 1) * 128].contiguous(), preset, SHIPPED_FP, start=i * 128, rope_theta=1e5)
+        store.put(f"kv/{i}.kvfc", obj)
+        refs.append(ChunkRef(f"kv/{i}.kvfc", len(obj), i * 128, 128))
     want = [chunk.decode_chunk(store.get(r.name), SHIPPED_FP, device="cuda") for r in refs]
     buf = torch.full((30, 2, 3, 600, 64), SENTINEL, dtype=torch.float16, device="cuda")
     out = asyncio.run(fetch(store, refs, Destination(buf, tokens=512), device=torch.device("cuda"), fingerprint=SHIPPED_FP))
