@@ -5,7 +5,9 @@ This is the seam between the pure parts (layout, container) and the codec backen
 object in memory (:func:`decode_chunk`), a decode worker's request and the fetch executor's
 in-process path all go through it (the executor calls its two halves,
 :func:`verify_and_decode` then :meth:`Decoded.write`, so that a fetch given up on between them
-writes nothing).
+writes nothing; for parts it read and checked itself, :func:`decode_verified` then the write).
+An entropy-coded chunk is unpacked into a GPU buffer on a stream of the writing thread's own, so
+that threads restoring chunks side by side do not wait for each other's kernels.
 
 Checks before a byte reaches a buffer: every part's CRC-32 and, with an
 :class:`~format.mac.ObjectMAC` (``auth``), its tag; and no NaN or infinity where one can come
@@ -15,9 +17,11 @@ value from them and from 8-bit samples) and the whole payload of the lossless la
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -126,30 +130,53 @@ class Decoded:
         if self.values is not None:
             dest.write_kv(ref, self.values)
             return math.prod(h.shape) * bytes_per_value(h.torch_dtype)
-        frames = self.frames.to(dest.device)
-        unpack = functools.partial(layout.unpack, frames, self.side, h.shape, h.torch_dtype, h.layout, start=h.start)
-        view = dest.view(ref)
-        if view is not None:
-            unpack(out=view)
-        else:
-            dest.scatter(ref, unpack())
-        dest.finish()
+        own = h.codec.format in codec.ENTROPY_FORMATS and dest.device.type == "cuda"
+        with torch.cuda.stream(_thread_stream(dest.device)) if own else contextlib.nullcontext():
+            frames = self.frames.to(dest.device)
+            unpack = functools.partial(layout.unpack, frames, self.side, h.shape, h.torch_dtype, h.layout, start=h.start)
+            view = dest.view(ref)
+            if view is not None:
+                unpack(out=view)
+            else:
+                dest.scatter(ref, unpack())
+            dest.finish()  # (waits for this stream: the chunk is in the buffer)
         return math.prod(h.shape) * bytes_per_value(h.torch_dtype)
+
+
+_local = threading.local()
+
+
+def _thread_stream(device: torch.device) -> torch.cuda.Stream:
+    """This thread's own stream on ``device`` for writes into KV buffers."""
+    streams = getattr(_local, "streams", None)
+    if streams is None:
+        streams = _local.streams = {}
+    if device not in streams:
+        streams[device] = torch.cuda.Stream(device)
+    return streams[device]
 
 
 def verify_and_decode(h: container.Header, side: Bytes | None, segments: Sequence[Bytes],
                       device: torch.device | str = "cpu", backend: str | None = None,
                       auth: ObjectMAC | None = None) -> Decoded:
     """Check the checksum (and with ``auth`` the tag) of the side information and of every segment,
-    then decode every segment (frames on ``device``) and check that no value can come out NaN or
-    infinite (module doc). Raises a :class:`container.ContainerError` for a bad part; touches no
-    buffer. ``h`` was parsed with the same ``auth``; ``side`` and ``segments`` are the parts' stored
-    bytes, unverified, in header order."""
+    then :func:`decode_verified`. Raises a :class:`container.ContainerError` for a bad part; touches
+    no buffer. ``h`` was parsed with the same ``auth``; ``side`` and ``segments`` are the parts'
+    stored bytes, unverified, in header order."""
     if h.side is not None:
         container.check(h.side, side, auth)
     for seg, data in zip(h.segments, segments, strict=True):
         container.check(seg, data, auth)
-    side_t = container.side_tensor(h, bytes(side)) if h.side else None
+    return decode_verified(h, side, segments, device, backend)
+
+
+def decode_verified(h: container.Header, side: Bytes | None, segments: Sequence[Bytes | torch.Tensor],
+                    device: torch.device | str = "cpu", backend: str | None = None) -> Decoded:
+    """Decode every segment of a chunk whose parts' checksums (and tags) have all been checked
+    (frames on ``device``), and check that no value can come out NaN or infinite (module doc).
+    Raises a :class:`container.ContainerError` for a bad part; touches no buffer. An entropy-coded
+    segment may be a host uint8 tensor (a fetch's staging buffer: decoded on the GPU from it in place)."""
+    side_t = container.side_tensor(h, side) if h.side else None
     if side_t is not None:  # (its sparse corrections are integers: any bits are valid)
         for part in layout.split_side(side_t, h.shape, h.layout):
             container.check_finite(part, h.torch_dtype)
@@ -161,6 +188,8 @@ def verify_and_decode(h: container.Header, side: Bytes | None, segments: Sequenc
     if h.layout.mode in layout.LOSSLESS_MODES:  # the values are the payload's: check them all
         values = layout.unpack(frames_t, None, h.shape, h.torch_dtype, h.layout)
         container.check_finite(values, h.torch_dtype)
+    elif frames_t.is_cuda:  # the side information goes to the frames' GPU here, off the write's path
+        side_t = side_t.to(frames_t.device)
     return Decoded(h, frames_t, side_t, values)
 
 

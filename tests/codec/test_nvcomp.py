@@ -93,3 +93,69 @@ def test_the_fused_restore_writes_a_scattered_destination():
     chunk.restore_chunk(Destination(buf, tokens=128, slots=slots), ChunkRef("", len(obj), 0, 128), h, part(h.side),
                         [part(s) for s in h.segments])
     assert torch.equal(buf[:, :, :, slots], want)
+
+
+def test_a_bitstream_decodes_alike_from_bytes_a_pinned_tensor_and_a_pageable_one():
+    f = _frames(seed=3).cuda()
+    data = codec.encoder("ans", "cuda").encode(f, codec.CodecParams(format="ans", block_bytes=1 << 16))
+    dec = codec.decoder("ans", "cuda")
+    pinned = torch.empty(len(data), dtype=torch.uint8, pin_memory=True)
+    pinned.numpy()[:] = memoryview(data)
+    for src in (data, memoryview(data), pinned, pinned.clone()):
+        assert torch.equal(dec.decode(src, tuple(f.shape), "cuda"), f)
+
+
+def test_a_block_table_beyond_what_a_block_can_code_to_is_refused():
+    """The decoder is configured once per geometry from the blocks' bound: a table claiming more
+    (sizes still adding up to the payload) is refused before anything is queued on the GPU."""
+    shape, block = (1, 1, 64, 128), 4096  # two blocks
+    data = entropy.join(block, [3 * block, 16], bytes(3 * block + 16))
+    with pytest.raises(codec.CodecError, match="more than"):
+        codec.decoder("ans", "cuda").decode(data, shape, "cuda")
+
+
+def test_threads_decoding_side_by_side_each_get_their_own_planes():
+    from concurrent.futures import ThreadPoolExecutor
+
+    frames = [_frames(shape=(2, 3, 512, 512), seed=s).cuda() for s in range(8)]
+    params = codec.CodecParams(format="ans", block_bytes=1 << 16)
+    datas = [codec.encoder("ans", "cuda").encode(f, params) for f in frames]
+    dec = codec.decoder("ans", "cuda")
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda d: dec.decode(d, tuple(frames[0].shape), "cuda"), datas * 3))
+    assert all(torch.equal(o, frames[i % 8]) for i, o in enumerate(outs))
+
+
+@pytest.mark.parametrize("preset", ["q8-ans", "balanced-ans"])
+def test_a_fetch_restores_ans_chunks_into_a_cuda_buffer_and_stops_at_a_damaged_one(tmp_path, preset):
+    """Through the executor's staged path (pinned staging, checksums in the reading threads, decode
+    from the staging buffer): each chunk as decode_chunk restores it; the chunk whose segment is
+    damaged, and everything after it, is left untouched."""
+    import asyncio
+
+    from kvfetcher.kvbuffer import ChunkRef
+    from kvfetcher.store.local import LocalStore
+
+    from kvtest import SENTINEL, fetch
+
+    g = torch.Generator().manual_seed(4)
+    kv = (torch.randn(30, 2, 3, 512, 64, generator=g) * 2).to(torch.float16)
+    store, refs = LocalStore(tmp_path), []
+    for i in range(4):
+        obj = chunk.encode_chunk(kv[:, :, :, i * 128 : (i + 1) * 128].contiguous(), preset, SHIPPED_FP, start=i * 128, rope_theta=1e5)
+        store.put(f"kv/{i}.kvfc", obj)
+        refs.append(ChunkRef(f"kv/{i}.kvfc", len(obj), i * 128, 128))
+    want = [chunk.decode_chunk(store.get(r.name), SHIPPED_FP, device="cuda") for r in refs]
+    buf = torch.full((30, 2, 3, 600, 64), SENTINEL, dtype=torch.float16, device="cuda")
+    out = asyncio.run(fetch(store, refs, Destination(buf, tokens=512), device=torch.device("cuda"), fingerprint=SHIPPED_FP))
+    assert out.error is None and out.loaded_tokens == 512, out
+    assert all(torch.equal(buf[:, :, :, i * 128 : (i + 1) * 128], w) for i, w in enumerate(want))
+    obj = store.get(refs[2].name)
+    h = container.parse_header(obj)
+    store.delete(refs[2].name)
+    store.put(refs[2].name, flip(obj, h.header_size + h.segments[0].offset + h.segments[0].length // 3))
+    refs[2] = ChunkRef(refs[2].name, len(obj), 256, 128)
+    buf.fill_(SENTINEL)
+    out = asyncio.run(fetch(store, refs, Destination(buf, tokens=512), device=torch.device("cuda"), fingerprint=SHIPPED_FP, window=1))
+    assert out.error == "corrupt" and out.loaded_tokens == 256 and out.bad_object == refs[2].name
+    assert bool((buf[:, :, :, 256:] == SENTINEL).all())

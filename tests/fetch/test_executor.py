@@ -162,14 +162,32 @@ async def test_chunk_that_does_not_fit_the_buffer_is_refused(tmp_path):
     assert bool((buf == SENTINEL).all())
 
 
-async def test_zstd_chunks_stream_into_the_buffer_as_decoded(tmp_path):
-    kv = synthetic_kv(layers=2, heads=2, tokens=128, head_dim=32)
-    store = LocalStore(tmp_path)
+async def test_zstd_chunks_stream_into_the_buffer_as_decoded(tmp_path, monkeypatch):
+    """Entropy-coded chunks are staged as raw ones are: every part past the header read lands in a
+    reused staging buffer by ``get_into`` (no part comes back as bytes), and the KV is each object's."""
+    from kvfetcher.fetch.staging import StagingPool
+
+    class Into(Recording):
+        into = 0
+
+        def get_into(self, name, offset, buf):
+            self.into += 1
+            return super().get_into(name, offset, buf)
+
+    kv = synthetic_kv(layers=2, heads=2, tokens=256, head_dim=32)
+    store = Into(tmp_path)
     refs = put_chunks(store, kv, 32, preset="q8-zstd")
-    buf = sentinel_like(kv)
-    out = await fetch(store, refs, Destination(buf, tokens=128), window=2)
-    assert out.error is None and out.loaded_tokens == 128
-    assert torch.equal(buf, decoded(store, refs))
+    monkeypatch.setattr(executor, "HEADER_GUESS", 64)  # the header read brings no part: all staged
+    pool = StagingPool()
+    for _ in range(2):
+        store.into = 0
+        buf = sentinel_like(kv)
+        out = await fetch(store, refs, Destination(buf, tokens=256), window=2, staging_pool=pool)
+        assert out.error is None and out.loaded_tokens == 256
+        assert torch.equal(buf, decoded(store, refs))
+        assert out.bytes_read == sum(r.size for r in refs)
+        assert store.into == 8 * 2  # per chunk: its side information and its segment
+    assert len({r.size for r in refs}) > 1 and pool.allocated <= 3  # coded sizes differ: size classes still reuse buffers
 
 
 async def test_an_ans_chunk_without_a_gpu_is_a_decoder_failure_and_kept(tmp_path):

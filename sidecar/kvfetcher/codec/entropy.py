@@ -9,7 +9,9 @@ parallel. A bitstream is::
 
 ``n`` is ``ceil(planes' bytes / block_bytes)``; each block is zero-padded to a multiple of
 :data:`ALIGN` bytes (nvCOMP's alignment, so the payload goes to the GPU in one copy), and the
-padded sizes add up to the rest: :func:`split` checks all of it before anything is decoded. A ``zstd`` block is one standard Zstandard frame (RFC
+padded sizes add up to the rest: :func:`split` checks all of it before anything is decoded.
+A bitstream may be handed to a decoder as bytes, a memoryview or a host uint8 tensor (a fetch's
+staging buffer, from which a GPU decoder copies without another host copy). A ``zstd`` block is one standard Zstandard frame (RFC
 8878), so the zstandard package here and nvCOMP's GPU coder (codec/nvcomp.py) read each other's
 blocks; an ``ans`` block is nvCOMP's ANS format, which has no CPU decoder.
 """
@@ -35,9 +37,12 @@ def padded(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+Bitstream = bytes | memoryview | torch.Tensor
+
+
 def join(block_bytes: int, sizes: list[int], payload: bytes | memoryview) -> bytes:
     """A bitstream from its coded blocks' sizes and their bytes, each already padded (:func:`padded`)."""
-    return _HEAD.pack(block_bytes, len(sizes)) + np.asarray(sizes, dtype="<u4").tobytes() + bytes(payload)
+    return b"".join([_HEAD.pack(block_bytes, len(sizes)), np.asarray(sizes, dtype="<u4").tobytes(), payload])  # one copy
 
 
 def join_blocks(block_bytes: int, blocks: list[bytes]) -> bytes:
@@ -45,11 +50,16 @@ def join_blocks(block_bytes: int, blocks: list[bytes]) -> bytes:
     return join(block_bytes, [len(b) for b in blocks], b"".join(b + bytes(padded(len(b)) - len(b)) for b in blocks))
 
 
-def split(data: bytes | memoryview, total: int) -> tuple[int, list[int], list[int], memoryview]:
+def host_bytes(data: Bitstream) -> memoryview:
+    """A bitstream's bytes, whichever form it came in (a tensor: a host one, viewed in place)."""
+    return memoryview(data.numpy() if isinstance(data, torch.Tensor) else data).cast("B")
+
+
+def split(data: Bitstream, total: int) -> tuple[int, list[int], list[int], memoryview]:
     """(block_bytes, coded sizes, their offsets in the payload, payload) of a bitstream coding
     ``total`` bytes of planes; a :class:`CodecError` unless its table is consistent with ``total``
     and its own length."""
-    mem = memoryview(data).cast("B")
+    mem = host_bytes(data)
     if len(mem) < _HEAD.size:
         raise CodecError(f"entropy bitstream of {len(mem)} bytes has no block table")
     block, n = _HEAD.unpack_from(mem)
@@ -58,8 +68,8 @@ def split(data: bytes | memoryview, total: int) -> tuple[int, list[int], list[in
     end = _HEAD.size + 4 * n
     if len(mem) < end:
         raise CodecError("entropy bitstream truncated in its block table")
-    sizes = np.frombuffer(mem[_HEAD.size : end], dtype="<u4").astype(np.int64).tolist()
-    offsets = np.concatenate([[0], np.cumsum([padded(s) for s in sizes])]).tolist()
+    coded = np.frombuffer(mem[_HEAD.size : end], dtype="<u4").astype(np.int64)
+    sizes, offsets = coded.tolist(), np.concatenate([[0], np.cumsum(-(-coded // ALIGN) * ALIGN)]).tolist()
     if offsets[-1] != len(mem) - end or min(sizes, default=1) <= 0:
         raise CodecError(f"entropy blocks add up to {offsets[-1]} bytes, the bitstream holds {len(mem) - end}")
     return block, sizes, offsets[:-1], mem[end:]
@@ -84,7 +94,7 @@ class ZstdCodec:
         out = cctx.multi_compress_to_buffer(pieces, threads=-1)
         return join_blocks(block, [out[i].tobytes() for i in range(len(out))])
 
-    def decode(self, data: bytes, frame_shape: tuple[int, int, int, int], device: torch.device | str = "cpu") -> torch.Tensor:
+    def decode(self, data: Bitstream, frame_shape: tuple[int, int, int, int], device: torch.device | str = "cpu") -> torch.Tensor:
         total = math.prod(frame_shape)
         block, sizes, offsets, payload = split(data, total)
         out = np.empty(total, np.uint8)

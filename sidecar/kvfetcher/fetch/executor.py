@@ -3,9 +3,7 @@
 Per chunk: one ranged GET for the prefix + header (+ side information, usually in the same
 bytes), then one ranged GET per segment still missing; once every part is there the chunk is
 restored (:mod:`chunk`): by a decode worker process (:mod:`fetch.workers`), or here — verified and
-decoded in one call in the decode pool, then written. Entropy-coded chunks (``zstd``, ``ans``)
-are always restored here: nvCOMP decodes them on the GPU's SMs from this process (a copy to
-the GPU, the decode, the fused unpack into the buffer), which needs no NVDEC worker. Up to ``window`` chunks are in flight at
+decoded in one call in the decode pool, then written. Up to ``window`` chunks are in flight at
 once (memory stays ``window`` chunks however long the prefix), so a long prefix streams: chunk 0
 is being restored while chunk 3 downloads.
 
@@ -16,6 +14,11 @@ destination is on a GPU), each checksummed by the thread that read it, and once 
 verified the chunk is copied into the destination by one non-blocking host-to-device copy — no
 decoder, no worker process, no reshuffle (into a paged destination: that copy, then one scatter
 into its blocks on the device). The chunk counts as written only once that copy has completed. Each segment is also checked for NaN and infinities there.
+
+Entropy-coded chunks (``zstd``, ``ans``) are always restored in this process, staged the same
+way: side information and segment read into one staging buffer, each part checksummed by the
+thread that read it; then decoded in the decode pool straight from that buffer (nvCOMP on the
+GPU's SMs: one copy to the GPU, the decode, the fused unpack into the buffer; no NVDEC worker).
 
 Authentication: with ``object_key`` (:mod:`format.mac`), every object's header tag is verified
 for the name it was read from before its header is trusted, and every part's tag with its CRC-32
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import time
@@ -240,6 +244,8 @@ class _Fetch:
                 h, head = await self._header(c)
                 if container.is_native(h):
                     await self._direct(i, c, h, head)
+                elif h.codec.format in ENTROPY_FORMATS:
+                    await self._entropy(i, c, h, head)
                 else:
                     await self._coded(i, c, h, head)
         except ContainerError as e:
@@ -311,35 +317,58 @@ class _Fetch:
 
     async def _direct(self, i: int, c: ChunkRef, h: container.Header, head: bytes) -> None:
         """A native raw chunk: segments read into one staging buffer, each checksummed, then one copy."""
+        async with self._staged(c, h, head, h.segments, finite=self.dest.device.type != "cuda") as (host, started):
+            kv = host.view(h.torch_dtype).view(h.shape)
+            # Every segment verified: only now touch the KV buffers.
+            await _timed(self.decodes, self._write(i, _submit(started, _copy_threads(), _write_native, self.dest, c, kv)))
+        self.out.kv_bytes += host.numel()
+        self.out.direct_chunks += 1
+
+    async def _entropy(self, i: int, c: ChunkRef, h: container.Header, head: bytes) -> None:
+        """An entropy-coded chunk: its parts read into one staging buffer and checksummed there,
+        decoded from it in the decode pool (the buffer's last use), then written."""
+        parts = ([h.side] if h.side else []) + list(h.segments)
+        async with self._staged(c, h, head, parts, finite=False) as (host, started):
+            part = lambda s: host[s.offset : s.offset + s.length]  # noqa: E731
+            side = memoryview(part(h.side).numpy()) if h.side else None
+            decode = functools.partial(chunk.decode_verified, h, side, [part(s) for s in h.segments], self.device)
+            with self.decodes:  # abandoned at a failure, this writes nothing: only the write below is awaited
+                decoded = await _submit(started, self.decode_pool, decode)
+        # Everything of this chunk verified and decoded: only now touch the KV buffers.
+        n = await self._write(i, asyncio.get_running_loop().run_in_executor(self.decode_pool, decoded.write, self.dest, c))
+        self.out.kv_bytes += n
+
+    @contextlib.asynccontextmanager
+    async def _staged(self, c: ChunkRef, h: container.Header, head: bytes, parts: Sequence[container.Segment], finite: bool):
+        """Read ``parts`` of ``c`` to their offsets in one staging buffer (pinned for a GPU buffer),
+        each checked by the thread that read it (:func:`_read_verified`); yields that buffer's
+        payload bytes and the list of thread futures on it, where work on it must be registered
+        (:func:`_submit`): it goes back to the pool only once none of them can touch it."""
         nbytes = h.total_size - h.header_size
         pinned = self.dest.device.type == "cuda"
         host = self.staging.take(nbytes, pinned)
         mem = memoryview(host.numpy())
         started: list[concurrent.futures.Future] = []  # thread work on ``host``
-        reads = [asyncio.ensure_future(self._read_segment(c, h, head, mem, s, started)) for s in h.segments]
+        reads = [asyncio.ensure_future(self._read_segment(c, h, head, mem, s, started, finite)) for s in parts]
         try:
             await asyncio.gather(*reads)
-            # Every segment verified: only now touch the KV buffers.
-            kv = host.view(h.torch_dtype).view(h.shape)
-            await _timed(self.decodes, self._write(i, _submit(started, _copy_threads(), _write_native, self.dest, c, kv)))
-            self.out.kv_bytes += nbytes
-            self.out.direct_chunks += 1
+            yield host[:nbytes], started
         finally:
             for t in reads:  # a cancelled read submits nothing more
                 t.cancel()
             if all(f.done() for f in started):
                 self.staging.give(host, pinned)
-            # else a read or copy abandoned at a failure or deadline still runs in a thread and
-            # owns ``host`` (its memoryview keeps it alive): never reuse it, let it be freed after
+            # else a read, copy or decode abandoned at a failure or deadline still runs in a thread
+            # and owns ``host`` (its memoryview keeps it alive): never reuse it, let it be freed after
 
     async def _read_segment(self, c: ChunkRef, h: container.Header, head: bytes, mem: memoryview, seg: container.Segment,
-                            started: list[concurrent.futures.Future]) -> None:
-        """Land one segment in its place of the staging buffer ``mem``, read and checksummed in one thread hop."""
+                            started: list[concurrent.futures.Future], finite: bool) -> None:
+        """Land one part in its place of the staging buffer ``mem``, read and checked in one thread hop."""
         a, part = h.header_size + seg.offset, mem[seg.offset : seg.offset + seg.length]
         have = head[a : a + seg.length]  # what the header read already brought, if anything
         part[: len(have)] = have
         async with self.io:
             with self.reads:  # (the CRC reads bytes still in cache)
                 n = await _submit(started, self.io_pool, _read_verified, self.store, c.name, a, part, len(have), seg, h,
-                                  self._auth(c), self.dest.device.type != "cuda")
+                                  self._auth(c), finite)
         self.out.bytes_read += n
