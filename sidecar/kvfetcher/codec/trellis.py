@@ -23,6 +23,8 @@ import math
 
 import torch
 
+from kvfetcher.codec import trellis_kernel
+
 #: largest index magnitude: indices are stored as ``k + 128`` in 8-bit samples
 KMAX = 127
 
@@ -39,9 +41,23 @@ def _reconstruct(k: torch.Tensor, q1: torch.Tensor | bool) -> torch.Tensor:
     return 2 * k - torch.sign(k) * (q1.float() if isinstance(q1, torch.Tensor) else float(q1))
 
 
-def quantise(v: torch.Tensor) -> torch.Tensor:
-    """Indices ``[..., T]`` (int16, |k| <= KMAX) for values ``v`` ``[..., T]`` in units of D,
-    centred on their mean; the trellis runs along the last dimension from state 0."""
+def quantise(v: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Indices (int16, |k| <= KMAX, ``v``'s shape) for values ``v`` in units of D, centred on
+    their mean; the trellis runs along ``dim`` from state 0. CUDA values are searched by the
+    kernel (trellis_kernel.py), others by the torch search, with identical results."""
+    dim = dim % v.dim()
+    if not trellis_kernel.enabled(v):
+        return _search(v.movedim(dim, -1)).movedim(-1, dim)
+    t_len = v.shape[dim]
+    g, c = math.prod(v.shape[:dim]), math.prod(v.shape[dim + 1:])
+    x = v.reshape(g, t_len, c)
+    if c == 1:  # along the last dim: components are the rows, put them side by side
+        return trellis_kernel.quantise(x.reshape(1, g, t_len).transpose(1, 2), KMAX).transpose(1, 2).reshape(v.shape)
+    return trellis_kernel.quantise(x, KMAX).reshape(v.shape)
+
+
+def _search(v: torch.Tensor) -> torch.Tensor:
+    """The torch Viterbi search along the last dimension (CPU path and the kernel's oracle)."""
     shape, t_len = v.shape, v.shape[-1]
     v = v.reshape(-1, t_len).float()
     n = v.shape[0]
