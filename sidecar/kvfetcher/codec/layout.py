@@ -217,14 +217,15 @@ def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
     lo_r, scale_r = ranges[..., 0].float(), ranges[..., 1].float()
     safe = torch.where(scale_r > 0, scale_r, torch.ones_like(scale_r))
     b0 = _body_start(params, tokens)  # first row of the body
+    tiles = torch.empty((layers, 2, tokens, heads, head_dim), dtype=torch.uint8, device=kv.device)
+    q = tiles.permute(0, 1, 3, 2, 4)  # the samples [L, 2, H, T, D], written in the tiles' order
     if params.trellis:  # indices along the body's tokens, from the trellis' start state
-        v = (x[:, :, :, b0:] - lo_r.unsqueeze(3)) / safe.unsqueeze(3) - 128
-        k = trellis.quantise(v.transpose(3, 4)).transpose(3, 4)
-        q = torch.empty(x.shape, dtype=torch.uint8, device=kv.device)
-        q[:, :, :, b0:] = (k + 128).to(torch.uint8)
+        g, body_t = layers * 2, tokens - b0
+        trellis.samples(x[:, :, :, b0:].transpose(2, 3).reshape(g, body_t, heads, head_dim), lo_r.reshape(g, 1, heads, head_dim),
+                        safe.view(g, 1, heads, head_dim), tiles[:, :, b0:].view(g, body_t, heads, head_dim))
     else:
-        q = torch.round((x - lo_r.unsqueeze(3)) / safe.unsqueeze(3))
-        q = torch.minimum(q.clamp_(min=0), top.unsqueeze(-1)).to(torch.uint8)
+        u = torch.round((x - lo_r.unsqueeze(3)) / safe.unsqueeze(3))
+        q.copy_(torch.minimum(u.clamp_(min=0), top.unsqueeze(-1)))
     if b0:  # exact rows: repeat the first quantised row, cheapest for the codec
         q[:, :, :, :b0] = q[:, :, :, b0 : b0 + 1]
     parts = [ranges.reshape(-1), kv[:, :, :, :e].reshape(-1)]
@@ -232,8 +233,7 @@ def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
     if ks:
         parts.append(_sparse_pack(x, q, lo_r, scale_r, params, b0, ks, bytes_per_value(kv.dtype)).view(kv.dtype))
     side = torch.cat(parts)
-    tiles = q.permute(0, 1, 3, 2, 4).reshape(layers * 2, tokens, heads * head_dim)
-    return Packed(tiling.tiles_to_frames(tiles, geo), side, geo)
+    return Packed(tiling.tiles_to_frames(tiles.view(layers * 2, tokens, heads * head_dim), geo), side, geo)
 
 
 def _dequantise(t: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, params: LayoutParams, b0: int) -> torch.Tensor:

@@ -48,12 +48,21 @@ def quantise(v: torch.Tensor, dim: int = -1) -> torch.Tensor:
     dim = dim % v.dim()
     if not trellis_kernel.enabled(v):
         return _search(v.movedim(dim, -1)).movedim(-1, dim)
-    t_len = v.shape[dim]
-    g, c = math.prod(v.shape[:dim]), math.prod(v.shape[dim + 1:])
-    x = v.reshape(g, t_len, c)
-    if c == 1:  # along the last dim: components are the rows, put them side by side
-        return trellis_kernel.quantise(x.reshape(1, g, t_len).transpose(1, 2), KMAX).transpose(1, 2).reshape(v.shape)
-    return trellis_kernel.quantise(x, KMAX).reshape(v.shape)
+    g, t_len, c = math.prod(v.shape[:dim]), v.shape[dim], math.prod(v.shape[dim + 1:])
+    x = v.reshape(g, t_len, c, 1)
+    if c == 1:  # along the last dim: the rows are the components, side by side
+        x = x.view(1, g, t_len, 1).transpose(1, 2)
+    k = trellis_kernel.search(x, torch.empty(x.shape, dtype=torch.int16, device=v.device), KMAX)
+    return (k.transpose(1, 2) if c == 1 else k).reshape(v.shape)
+
+
+def samples(x: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Write into ``out`` (uint8) the samples ``128 + k`` of the indices ``k`` of ``(x - lo) /
+    step - 128`` (the layout's: the mean at level 128) and return it; ``x``, ``out`` ``[G, T, A,
+    B]`` (any strides), the trellis along T; ``lo``, ``step`` ``[G, 1, A, B]``. One kernel on CUDA."""
+    if trellis_kernel.enabled(x):
+        return trellis_kernel.search(x, out, KMAX, lo, step)
+    return out.copy_(quantise((x - lo) / step - 128, dim=1) + 128)
 
 
 def _search(v: torch.Tensor) -> torch.Tensor:

@@ -69,23 +69,36 @@ if triton is not None:
         return base, par
 
     @triton.jit
-    def _quantise_kernel(v_ptr, k_ptr, surv_ptr, T, C, nb, sv_g, sv_t, sv_c, sk_g, sk_t, sk_c,
-                         BLOCK: tl.constexpr, KMAX: tl.constexpr):
+    def _value(xp, t, sx_t, live, lo, step, NORM: tl.constexpr):
+        """Token ``t``'s values of the block: ``x``, or with NORM ``(x - lo) / step - 128``."""
+        x = tl.load(xp + t * sx_t, mask=live, other=0.0).to(tl.float32)
+        if NORM:
+            x = tl.math.div_rn(x - lo, step) - 128.0
+        return x
+
+    @triton.jit
+    def _search_kernel(x_ptr, lo_ptr, step_ptr, out_ptr, surv_ptr, T, C, B, nb,
+                       sx_g, sx_t, sx_a, sx_b, so_g, so_t, so_a, so_b,
+                       BLOCK: tl.constexpr, KMAX: tl.constexpr, NORM: tl.constexpr, SAMPLES: tl.constexpr):
         pid = tl.program_id(0)
         g = (pid // nb).to(tl.int64)
-        c = (pid % nb) * BLOCK + tl.arange(0, BLOCK)
+        c = (pid % nb) * BLOCK + tl.arange(0, BLOCK)  # component c = a * B + b
         live = c < C
-        vp = v_ptr + g * sv_g + c.to(tl.int64) * sv_c
+        a = (c // B).to(tl.int64)
+        b = (c % B).to(tl.int64)
+        xp = x_ptr + g * sx_g + a * sx_a + b * sx_b
+        lo = tl.load(lo_ptr + g * C + c, mask=live, other=0.0) if NORM else 0.0
+        step = tl.load(step_ptr + g * C + c, mask=live, other=1.0) if NORM else 1.0
         sp = surv_ptr + g * T * C + c  # scratch [G, T, C] uint8: bit i set when state i's best edge is from set 1
         inf = float("inf")
         cost0 = tl.zeros([BLOCK], dtype=tl.float32)
         cost1 = tl.full([BLOCK], inf, tl.float32)
         cost2 = tl.full([BLOCK], inf, tl.float32)
         cost3 = tl.full([BLOCK], inf, tl.float32)
-        x = tl.load(vp, mask=live, other=0.0).to(tl.float32)
+        x = _value(xp, 0, sx_t, live, lo, step, NORM)
         for t in range(T):
             # the next token's values, loaded ahead (after the last, the first again: unused)
-            nxt = tl.load(vp + ((t + 1) % T) * sv_t, mask=live, other=0.0).to(tl.float32)
+            nxt = _value(xp, (t + 1) % T, sx_t, live, lo, step, NORM)
             base, par = _split(x)
             e00, _k = _edge(x, base, par, 0, 0, KMAX)  # edge costs of (quantiser, parity)
             e01, _k = _edge(x, base, par, 0, 1, KMAX)
@@ -119,27 +132,36 @@ if triton is not None:
         s = tl.where(cost2 < best, 2, s)
         best = tl.minimum(best, cost2)
         s = tl.where(cost3 < best, 3, s)
-        kp = k_ptr + g * sk_g + c.to(tl.int64) * sk_c
+        op = out_ptr + g * so_g + a * so_a + b * so_b
         for i in range(T):
             t = T - 1 - i
-            x = tl.load(vp + t * sv_t, mask=live, other=0.0).to(tl.float32)
+            x = _value(xp, t, sx_t, live, lo, step, NORM)
             pick = (tl.load(sp + t * C, mask=live, other=0).to(tl.int32) >> s) & 1
             base, par = _split(x)
             # into state s = 2i + j: from 2j + pick under quantiser j, index parity i xor pick
             _e, k = _edge(x, base, par, s & 1, (s >> 1) ^ pick, KMAX)
-            tl.store(kp + t * sk_t, k.to(tl.int16), mask=live)
+            if SAMPLES:
+                tl.store(op + t * so_t, (k.to(tl.int32) + 128).to(tl.uint8), mask=live)
+            else:
+                tl.store(op + t * so_t, k.to(tl.int16), mask=live)
             s = 2 * (s & 1) + pick
 
 
-def quantise(v: torch.Tensor, kmax: int) -> torch.Tensor:
-    """Indices ``[G, T, C]`` (int16) of values ``v`` ``[G, T, C]`` (any float dtype and strides),
-    the trellis along ``T`` from state 0, as trellis.quantise."""
-    g, t_len, c = v.shape
-    out = torch.empty((g, t_len, c), dtype=torch.int16, device=v.device)
-    if v.numel() == 0:
+def search(x: torch.Tensor, out: torch.Tensor, kmax: int, lo: torch.Tensor | None = None, step: torch.Tensor | None = None) -> torch.Tensor:
+    """Write into ``out`` the trellis' indices of ``x`` (int16 ``out``), or with ``lo``/``step``
+    the samples ``128 + k`` of the indices of ``(x - lo) / step - 128`` (uint8 ``out``), and
+    return it. ``x``, ``out`` ``[G, T, A, B]`` (any float dtype and strides for ``x``, any
+    strides for ``out``): the trellis along T from state 0, for every (g, a, b); ``lo``, ``step``
+    ``[G, 1, A, B]`` float32."""
+    g, t_len, a, b = x.shape
+    if tuple(out.shape) != (g, t_len, a, b) or out.dtype != (torch.int16 if lo is None else torch.uint8):
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} does not fit values {tuple(x.shape)}")
+    if x.numel() == 0:
         return out
-    surv = torch.empty((g, t_len, c), dtype=torch.uint8, device=v.device)
-    nb = triton.cdiv(c, BLOCK)
-    _quantise_kernel[(g * nb,)](v, out, surv, t_len, c, nb, *v.stride(), *out.stride(), BLOCK=BLOCK, KMAX=kmax,
-                            enable_fp_fusion=False)
+    surv = torch.empty((g, t_len, a * b), dtype=torch.uint8, device=x.device)
+    norm = lo is not None
+    lo, step = (lo.float().expand(g, 1, a, b).contiguous(), step.float().expand(g, 1, a, b).contiguous()) if norm else (x, x)
+    nb = triton.cdiv(a * b, BLOCK)
+    _search_kernel[(g * nb,)](x, lo, step, out, surv, t_len, a * b, b, nb, *x.stride(), *out.stride(),
+                              BLOCK=BLOCK, KMAX=kmax, NORM=norm, SAMPLES=norm, enable_fp_fusion=False)
     return out
