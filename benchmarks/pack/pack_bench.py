@@ -69,7 +69,7 @@ def kernels(fn) -> dict:
 def measure(kv: torch.Tensor, preset: str, fp: str, theta: float, start: int, repeats: int) -> dict:
     """One row: pack (and encode) of ``kv`` both ways."""
     p = presets.get(preset, fp)
-    obj = chunk.encode_chunk(kv, p, fp, start=start, rope_theta=theta)
+    obj = chunk.encode_chunk(kv, presets.entropy_variant(p, "zstd"), fp, start=start, rope_theta=theta)
     lp = container.parse_header(obj).layout  # the layout as the encoder applied it (theta, basis dropped or not)
     kv_bytes = kv.numel() * kv.element_size()
     row = {"preset": preset, "kv_MB": round(kv_bytes / 1e6, 2), "basis": lp.basis is not None, "sparse": lp.sparse_tokens}

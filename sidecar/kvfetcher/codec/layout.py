@@ -51,6 +51,7 @@ into a destination view of the model's KV buffers.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -141,12 +142,17 @@ def sigma_profile(params: LayoutParams, layers: int, device: torch.device | str 
 
     Entry ``i * N // layers`` of an N-entry profile serves layer ``i``: a profile calibrated on one
     model keeps its shape (sensitive first layers, tolerant middle) on a deeper or shallower one.
+    Made once per profile, depth and device (a copy to the GPU waits for it): do not modify it.
     """
     if params.sigma_steps is None:
         raise ValueError("layout has no sigma_steps")
-    prof = torch.tensor(params.sigma_steps, dtype=torch.float32, device=device)
-    idx = torch.arange(layers, device=device) * len(params.sigma_steps) // layers
-    return prof[idx]
+    return _profile(params.sigma_steps, layers, str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=64)
+def _profile(steps: tuple[tuple[float, float], ...], layers: int, device: str) -> torch.Tensor:
+    prof = torch.tensor(steps, dtype=torch.float32, device=device)
+    return prof[torch.arange(layers, device=device) * len(steps) // layers]
 
 
 def _sigma_ranges(body: torch.Tensor, params: LayoutParams) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,12 +162,12 @@ def _sigma_ranges(body: torch.Tensor, params: LayoutParams) -> tuple[torch.Tenso
     With a basis, std is pooled over a (layer, k|v)'s components: the transform has already
     weighted them by how much the model cares, so one step for all is the best allocation."""
     layers = body.shape[0]
-    mu = body.mean(dim=3)
-    sd = body.std(dim=3, correction=0) if body.shape[3] > 1 else torch.zeros_like(mu)
+    sd, mu = torch.std_mean(body, dim=3, correction=0)
     if params.basis is not None:
         sd = sd.square().mean(dim=(2, 3), keepdim=True).sqrt().expand_as(sd)
     steps = sigma_profile(params, layers, body.device).view(layers, 2, 1, 1)
-    reach = torch.maximum(body.amax(dim=3) - mu, mu - body.amin(dim=3))
+    low, high = torch.aminmax(body, dim=3)
+    reach = torch.maximum(high - mu, mu - low)
     # the farthest value must stay on the grid: 128 steps, 254 with trellis (indices reach 127,
     # reconstructions twice that), less headroom for the stored step's rounding
     step = torch.maximum(sd * steps, reach / (250 if params.trellis else 126))

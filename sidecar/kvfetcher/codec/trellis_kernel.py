@@ -69,9 +69,9 @@ if triton is not None:
         return base, par
 
     @triton.jit
-    def _value(xp, t, sx_t, live, lo, step, NORM: tl.constexpr):
-        """Token ``t``'s values of the block: ``x``, or with NORM ``(x - lo) / step - 128``."""
-        x = tl.load(xp + t * sx_t, mask=live, other=0.0).to(tl.float32)
+    def _value(raw, lo, step, NORM: tl.constexpr):
+        """Loaded values as searched: ``x``, or with NORM ``(x - lo) / step - 128``."""
+        x = raw.to(tl.float32)
         if NORM:
             x = tl.math.div_rn(x - lo, step) - 128.0
         return x
@@ -95,10 +95,15 @@ if triton is not None:
         cost1 = tl.full([BLOCK], inf, tl.float32)
         cost2 = tl.full([BLOCK], inf, tl.float32)
         cost3 = tl.full([BLOCK], inf, tl.float32)
-        x = _value(xp, 0, sx_t, live, lo, step, NORM)
+        # rows are loaded four tokens ahead of their use (past the last, the first again: unused),
+        # so that each step's loads are in flight while the steps before them compute
+        r0 = tl.load(xp, mask=live, other=0.0)
+        r1 = tl.load(xp + (1 % T) * sx_t, mask=live, other=0.0)
+        r2 = tl.load(xp + (2 % T) * sx_t, mask=live, other=0.0)
+        r3 = tl.load(xp + (3 % T) * sx_t, mask=live, other=0.0)
         for t in range(T):
-            # the next token's values, loaded ahead (after the last, the first again: unused)
-            nxt = _value(xp, (t + 1) % T, sx_t, live, lo, step, NORM)
+            r4 = tl.load(xp + ((t + 4) % T) * sx_t, mask=live, other=0.0)
+            x = _value(r0, lo, step, NORM)
             base, par = _split(x)
             e00, _k = _edge(x, base, par, 0, 0, KMAX)  # edge costs of (quantiser, parity)
             e01, _k = _edge(x, base, par, 0, 1, KMAX)
@@ -123,7 +128,10 @@ if triton is not None:
             cost1 = tl.where(t1, b1, a1)
             cost2 = tl.where(t2, b2, a2)
             cost3 = tl.where(t3, b3, a3)
-            x = nxt
+            r0 = r1
+            r1 = r2
+            r2 = r3
+            r3 = r4
         # the cheapest final state, the first on a tie
         s = tl.zeros([BLOCK], dtype=tl.int32)
         best = cost0
@@ -133,10 +141,23 @@ if triton is not None:
         best = tl.minimum(best, cost2)
         s = tl.where(cost3 < best, 3, s)
         op = out_ptr + g * so_g + a * so_a + b * so_b
+        # back from the last token, rows and survivor bits loaded as above (row (4T - 1 - i) % T is
+        # token T - 1 - i, and before the first token the last ones again: unused)
+        r0 = tl.load(xp + (T - 1) * sx_t, mask=live, other=0.0)
+        r1 = tl.load(xp + ((4 * T - 2) % T) * sx_t, mask=live, other=0.0)
+        r2 = tl.load(xp + ((4 * T - 3) % T) * sx_t, mask=live, other=0.0)
+        r3 = tl.load(xp + ((4 * T - 4) % T) * sx_t, mask=live, other=0.0)
+        u0 = tl.load(sp + (T - 1) * C, mask=live, other=0)
+        u1 = tl.load(sp + ((4 * T - 2) % T) * C, mask=live, other=0)
+        u2 = tl.load(sp + ((4 * T - 3) % T) * C, mask=live, other=0)
+        u3 = tl.load(sp + ((4 * T - 4) % T) * C, mask=live, other=0)
         for i in range(T):
             t = T - 1 - i
-            x = _value(xp, t, sx_t, live, lo, step, NORM)
-            pick = (tl.load(sp + t * C, mask=live, other=0).to(tl.int32) >> s) & 1
+            ahead = (4 * T - 5 - i) % T
+            r4 = tl.load(xp + ahead * sx_t, mask=live, other=0.0)
+            u4 = tl.load(sp + ahead * C, mask=live, other=0)
+            x = _value(r0, lo, step, NORM)
+            pick = (u0.to(tl.int32) >> s) & 1
             base, par = _split(x)
             # into state s = 2i + j: from 2j + pick under quantiser j, index parity i xor pick
             _e, k = _edge(x, base, par, s & 1, (s >> 1) ^ pick, KMAX)
@@ -145,6 +166,14 @@ if triton is not None:
             else:
                 tl.store(op + t * so_t, k.to(tl.int16), mask=live)
             s = 2 * (s & 1) + pick
+            r0 = r1
+            r1 = r2
+            r2 = r3
+            r3 = r4
+            u0 = u1
+            u1 = u2
+            u2 = u3
+            u3 = u4
 
 
 def search(x: torch.Tensor, out: torch.Tensor, kmax: int, lo: torch.Tensor | None = None, step: torch.Tensor | None = None) -> torch.Tensor:
@@ -163,5 +192,6 @@ def search(x: torch.Tensor, out: torch.Tensor, kmax: int, lo: torch.Tensor | Non
     lo, step = (lo.float().expand(g, 1, a, b).contiguous(), step.float().expand(g, 1, a, b).contiguous()) if norm else (x, x)
     nb = triton.cdiv(a * b, BLOCK)
     _search_kernel[(g * nb,)](x, lo, step, out, surv, t_len, a * b, b, nb, *x.stride(), *out.stride(),
-                              BLOCK=BLOCK, KMAX=kmax, NORM=norm, SAMPLES=norm, enable_fp_fusion=False)
+                              BLOCK=BLOCK, KMAX=kmax, NORM=norm, SAMPLES=norm,
+                              num_warps=max(1, BLOCK // 32), enable_fp_fusion=False)
     return out
