@@ -1,4 +1,7 @@
-"""block_sweep: the trellis kernel alone on one 8B-shaped chunk per components-per-program (tuning)."""
+"""block_sweep: the trellis kernel alone on one 8B-shaped chunk per (components a program, warps): tuning.
+
+    python -m benchmarks.pack.block_sweep
+"""
 import statistics
 
 import torch
@@ -9,8 +12,8 @@ x = torch.randn(64, 256, 8, 128, device="cuda") * 3
 lo, step = torch.zeros(64, 1, 8, 128, device="cuda"), torch.full((64, 1, 8, 128), 0.05, device="cuda")
 out = torch.empty(x.shape, dtype=torch.uint8, device="cuda")
 ref = None
-for block in (32, 64, 128, 256):
-    trellis_kernel.BLOCK = block
+for block, warps in ((32, 1), (64, 1), (64, 2), (128, 1), (128, 2), (128, 4), (256, 2), (256, 4), (256, 8)):
+    trellis_kernel.BLOCK, trellis_kernel.WARPS = block, warps
     trellis.samples(x, lo, step, out)
     ms = []
     for _ in range(20):
@@ -21,4 +24,5 @@ for block in (32, 64, 128, 256):
         b.synchronize()
         ms.append(a.elapsed_time(b))
     ref = out.clone() if ref is None else ref
-    print(f"BLOCK {block}: {statistics.median(ms):.4f} ms, {x.numel() * 2 / statistics.median(ms) / 1e6:.1f} GB/s of bf16 KV, same {torch.equal(out, ref)}")
+    m = statistics.median(ms)
+    print(f"BLOCK {block} WARPS {warps}: {m:.4f} ms, {x.numel() * 2 / m / 1e6:.1f} GB/s of bf16 KV, same {torch.equal(out, ref)}")

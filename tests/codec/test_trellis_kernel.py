@@ -77,9 +77,18 @@ def compare(device: str, small: bool) -> dict[str, int]:
     return res
 
 
+def _interpreter_runs_loops_of_runtime_length() -> bool:
+    """Triton 3.6's interpreter (with NumPy 2) fails ``range(T)`` over a kernel argument ``T``."""
+    import triton
+
+    return tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 9)
+
+
 @pytest.mark.slow  # about a minute under the interpreter
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+@needs_triton
 def test_kernel_equals_the_torch_search_under_the_interpreter():
+    if not _interpreter_runs_loops_of_runtime_length():
+        pytest.skip("this Triton's interpreter cannot loop over a runtime token count")
     code = "import json, test_trellis_kernel as t; print(json.dumps(t.compare('cpu', small=True)))"
     here = str(Path(__file__).parent)  # this module, imported by the subprocess
     path = [here] + [str(REPO / d) for d in ("sidecar", "tests", ".")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]

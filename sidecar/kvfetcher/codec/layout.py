@@ -171,7 +171,7 @@ def _sigma_ranges(body: torch.Tensor, params: LayoutParams) -> tuple[torch.Tenso
     # the farthest value must stay on the grid: 128 steps, 254 with trellis (indices reach 127,
     # reconstructions twice that), less headroom for the stored step's rounding
     step = torch.maximum(sd * steps, reach / (250 if params.trellis else 126))
-    return mu - 128 * step, step
+    return torch.sub(mu, step, alpha=128), step
 
 
 def _basis(params: LayoutParams, layers: int, heads: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -213,15 +213,15 @@ def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
     body = x[:, :, :, e:] if e < tokens else x
     if params.sigma_steps is not None:
         lo, scale = _sigma_ranges(body, params)
-        top = torch.full((layers, 2, 1, 1), 255.0, device=kv.device)
     else:
         lo = body.amin(dim=3)  # [layers, 2, heads, head_dim]
         hi = body.amax(dim=3)
         top = levels(params, layers, kv.device).view(layers, 2, 1, 1)
         scale = (hi - lo) / top
     ranges = torch.stack([lo, scale], dim=-1).to(kv.dtype)  # what the reader will use
-    lo_r, scale_r = ranges[..., 0].float(), ranges[..., 1].float()
-    safe = torch.where(scale_r > 0, scale_r, torch.ones_like(scale_r))
+    rf = ranges.float()
+    lo_r, scale_r = rf[..., 0], rf[..., 1]
+    safe = torch.where(scale_r > 0, scale_r, 1.0)
     b0 = _body_start(params, tokens)  # first row of the body
     tiles = torch.empty((layers, 2, tokens, heads, head_dim), dtype=torch.uint8, device=kv.device)
     q = tiles.permute(0, 1, 3, 2, 4)  # the samples [L, 2, H, T, D], written in the tiles' order
@@ -230,8 +230,8 @@ def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
         trellis.samples(x[:, :, :, b0:].transpose(2, 3).reshape(g, body_t, heads, head_dim), lo_r.reshape(g, 1, heads, head_dim),
                         safe.view(g, 1, heads, head_dim), tiles[:, :, b0:].view(g, body_t, heads, head_dim))
     else:
-        u = torch.round((x - lo_r.unsqueeze(3)) / safe.unsqueeze(3))
-        q.copy_(torch.minimum(u.clamp_(min=0), top.unsqueeze(-1)))
+        u = torch.round((x - lo_r.unsqueeze(3)) / safe.unsqueeze(3)).clamp_(min=0)
+        q.copy_(u.clamp_(max=255) if params.sigma_steps is not None else torch.minimum(u, top.unsqueeze(-1)))
     if b0:  # exact rows: repeat the first quantised row, cheapest for the codec
         q[:, :, :, :b0] = q[:, :, :, b0 : b0 + 1]
     parts = [ranges.reshape(-1), kv[:, :, :, :e].reshape(-1)]

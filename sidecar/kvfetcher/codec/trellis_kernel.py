@@ -27,8 +27,9 @@ try:
 except ImportError:  # CPU-only installs: the torch search serves
     triton = None
 
-#: components per program (one a thread)
+#: components per program, and its warps (BLOCK / (32 WARPS) components a thread)
 BLOCK = 128
+WARPS = 4
 
 
 def enabled(v: torch.Tensor) -> bool:
@@ -193,5 +194,5 @@ def search(x: torch.Tensor, out: torch.Tensor, kmax: int, lo: torch.Tensor | Non
     nb = triton.cdiv(a * b, BLOCK)
     _search_kernel[(g * nb,)](x, lo, step, out, surv, t_len, a * b, b, nb, *x.stride(), *out.stride(),
                               BLOCK=BLOCK, KMAX=kmax, NORM=norm, SAMPLES=norm,
-                              num_warps=max(1, BLOCK // 32), enable_fp_fusion=False)
+                              num_warps=WARPS, enable_fp_fusion=False)
     return out
