@@ -78,19 +78,9 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _search_kernel(x_ptr, lo_ptr, step_ptr, out_ptr, surv_ptr, T, C, B, nb,
-                       sx_g, sx_t, sx_a, sx_b, so_g, so_t, so_a, so_b,
-                       BLOCK: tl.constexpr, KMAX: tl.constexpr, NORM: tl.constexpr, SAMPLES: tl.constexpr):
-        pid = tl.program_id(0)
-        g = (pid // nb).to(tl.int64)
-        c = (pid % nb) * BLOCK + tl.arange(0, BLOCK)  # component c = a * B + b
-        live = c < C
-        a = (c // B).to(tl.int64)
-        b = (c % B).to(tl.int64)
-        xp = x_ptr + g * sx_g + a * sx_a + b * sx_b
-        lo = tl.load(lo_ptr + g * C + c, mask=live, other=0.0) if NORM else 0.0
-        step = tl.load(step_ptr + g * C + c, mask=live, other=1.0) if NORM else 1.0
-        sp = surv_ptr + g * T * C + c  # scratch [G, T, C] uint8: bit i set when state i's best edge is from set 1
+    def _forward(xp, sx_t, sp, T, C, live, lo, step, BLOCK: tl.constexpr, KMAX: tl.constexpr, NORM: tl.constexpr):
+        """The search forward from state 0: token t's survivor bits at ``sp + t C`` (bit i set when
+        state i's best edge is from set 1); returns the cheapest final state (the first on a tie)."""
         inf = float("inf")
         cost0 = tl.zeros([BLOCK], dtype=tl.float32)
         cost1 = tl.full([BLOCK], inf, tl.float32)
@@ -133,17 +123,20 @@ if triton is not None:
             r1 = r2
             r2 = r3
             r3 = r4
-        # the cheapest final state, the first on a tie
         s = tl.zeros([BLOCK], dtype=tl.int32)
         best = cost0
         s = tl.where(cost1 < best, 1, s)
         best = tl.minimum(best, cost1)
         s = tl.where(cost2 < best, 2, s)
         best = tl.minimum(best, cost2)
-        s = tl.where(cost3 < best, 3, s)
-        op = out_ptr + g * so_g + a * so_a + b * so_b
-        # back from the last token, rows and survivor bits loaded as above (row (4T - 1 - i) % T is
-        # token T - 1 - i, and before the first token the last ones again: unused)
+        return tl.where(cost3 < best, 3, s)
+
+    @triton.jit
+    def _backward(xp, sx_t, sp, op, so_t, T, C, live, lo, step, s, KMAX: tl.constexpr, NORM: tl.constexpr,
+                  SAMPLES: tl.constexpr):
+        """Back from final state ``s``: token t's index (or sample) stored at ``op + t so_t``."""
+        # rows and survivor bits loaded four tokens ahead as forward (row (4T - 1 - i) % T is token
+        # T - 1 - i, and before the first token the last ones again: unused)
         r0 = tl.load(xp + (T - 1) * sx_t, mask=live, other=0.0)
         r1 = tl.load(xp + ((4 * T - 2) % T) * sx_t, mask=live, other=0.0)
         r2 = tl.load(xp + ((4 * T - 3) % T) * sx_t, mask=live, other=0.0)
@@ -176,6 +169,22 @@ if triton is not None:
             u2 = u3
             u3 = u4
 
+    @triton.jit
+    def _search_kernel(x_ptr, lo_ptr, step_ptr, out_ptr, surv_ptr, T, C, B, nb,
+                       sx_g, sx_t, sx_a, sx_b, so_g, so_t, so_a, so_b,
+                       BLOCK: tl.constexpr, KMAX: tl.constexpr, NORM: tl.constexpr, SAMPLES: tl.constexpr):
+        pid = tl.program_id(0)
+        g = (pid // nb).to(tl.int64)
+        c = (pid % nb) * BLOCK + tl.arange(0, BLOCK)  # component c = a * B + b
+        live = c < C
+        a = (c // B).to(tl.int64)
+        b = (c % B).to(tl.int64)
+        xp = x_ptr + g * sx_g + a * sx_a + b * sx_b
+        lo = tl.load(lo_ptr + g * C + c, mask=live, other=0.0) if NORM else 0.0
+        step = tl.load(step_ptr + g * C + c, mask=live, other=1.0) if NORM else 1.0
+        sp = surv_ptr + g * T * C + c  # scratch [G, T, C] uint8
+        s = _forward(xp, sx_t, sp, T, C, live, lo, step, BLOCK, KMAX, NORM)
+        _backward(xp, sx_t, sp, out_ptr + g * so_g + a * so_a + b * so_b, so_t, T, C, live, lo, step, s, KMAX, NORM, SAMPLES)
 
 def search(x: torch.Tensor, out: torch.Tensor, kmax: int, lo: torch.Tensor | None = None, step: torch.Tensor | None = None) -> torch.Tensor:
     """Write into ``out`` the trellis' indices of ``x`` (int16 ``out``), or with ``lo``/``step``
