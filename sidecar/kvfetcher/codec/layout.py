@@ -51,6 +51,7 @@ into a destination view of the model's KV buffers.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -141,12 +142,17 @@ def sigma_profile(params: LayoutParams, layers: int, device: torch.device | str 
 
     Entry ``i * N // layers`` of an N-entry profile serves layer ``i``: a profile calibrated on one
     model keeps its shape (sensitive first layers, tolerant middle) on a deeper or shallower one.
+    Made once per profile, depth and device (a copy to the GPU waits for it): do not modify it.
     """
     if params.sigma_steps is None:
         raise ValueError("layout has no sigma_steps")
-    prof = torch.tensor(params.sigma_steps, dtype=torch.float32, device=device)
-    idx = torch.arange(layers, device=device) * len(params.sigma_steps) // layers
-    return prof[idx]
+    return _profile(params.sigma_steps, layers, str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=64)
+def _profile(steps: tuple[tuple[float, float], ...], layers: int, device: str) -> torch.Tensor:
+    prof = torch.tensor(steps, dtype=torch.float32, device=device)
+    return prof[torch.arange(layers, device=device) * len(steps) // layers]
 
 
 def _sigma_ranges(body: torch.Tensor, params: LayoutParams) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,16 +162,16 @@ def _sigma_ranges(body: torch.Tensor, params: LayoutParams) -> tuple[torch.Tenso
     With a basis, std is pooled over a (layer, k|v)'s components: the transform has already
     weighted them by how much the model cares, so one step for all is the best allocation."""
     layers = body.shape[0]
-    mu = body.mean(dim=3)
-    sd = body.std(dim=3, correction=0) if body.shape[3] > 1 else torch.zeros_like(mu)
+    sd, mu = torch.std_mean(body, dim=3, correction=0)
     if params.basis is not None:
         sd = sd.square().mean(dim=(2, 3), keepdim=True).sqrt().expand_as(sd)
     steps = sigma_profile(params, layers, body.device).view(layers, 2, 1, 1)
-    reach = torch.maximum(body.amax(dim=3) - mu, mu - body.amin(dim=3))
+    low, high = torch.aminmax(body, dim=3)
+    reach = torch.maximum(high - mu, mu - low)
     # the farthest value must stay on the grid: 128 steps, 254 with trellis (indices reach 127,
     # reconstructions twice that), less headroom for the stored step's rounding
     step = torch.maximum(sd * steps, reach / (250 if params.trellis else 126))
-    return mu - 128 * step, step
+    return torch.sub(mu, step, alpha=128), step
 
 
 def _basis(params: LayoutParams, layers: int, heads: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -207,24 +213,25 @@ def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
     body = x[:, :, :, e:] if e < tokens else x
     if params.sigma_steps is not None:
         lo, scale = _sigma_ranges(body, params)
-        top = torch.full((layers, 2, 1, 1), 255.0, device=kv.device)
     else:
         lo = body.amin(dim=3)  # [layers, 2, heads, head_dim]
         hi = body.amax(dim=3)
         top = levels(params, layers, kv.device).view(layers, 2, 1, 1)
         scale = (hi - lo) / top
     ranges = torch.stack([lo, scale], dim=-1).to(kv.dtype)  # what the reader will use
-    lo_r, scale_r = ranges[..., 0].float(), ranges[..., 1].float()
-    safe = torch.where(scale_r > 0, scale_r, torch.ones_like(scale_r))
+    rf = ranges.float()
+    lo_r, scale_r = rf[..., 0], rf[..., 1]
+    safe = torch.where(scale_r > 0, scale_r, 1.0)
     b0 = _body_start(params, tokens)  # first row of the body
+    tiles = torch.empty((layers, 2, tokens, heads, head_dim), dtype=torch.uint8, device=kv.device)
+    q = tiles.permute(0, 1, 3, 2, 4)  # the samples [L, 2, H, T, D], written in the tiles' order
     if params.trellis:  # indices along the body's tokens, from the trellis' start state
-        v = (x[:, :, :, b0:] - lo_r.unsqueeze(3)) / safe.unsqueeze(3) - 128
-        k = trellis.quantise(v.transpose(3, 4)).transpose(3, 4)
-        q = torch.empty(x.shape, dtype=torch.uint8, device=kv.device)
-        q[:, :, :, b0:] = (k + 128).to(torch.uint8)
+        g, body_t = layers * 2, tokens - b0
+        trellis.samples(x[:, :, :, b0:].transpose(2, 3).reshape(g, body_t, heads, head_dim), lo_r.reshape(g, 1, heads, head_dim),
+                        safe.view(g, 1, heads, head_dim), tiles[:, :, b0:].view(g, body_t, heads, head_dim))
     else:
-        q = torch.round((x - lo_r.unsqueeze(3)) / safe.unsqueeze(3))
-        q = torch.minimum(q.clamp_(min=0), top.unsqueeze(-1)).to(torch.uint8)
+        u = torch.round((x - lo_r.unsqueeze(3)) / safe.unsqueeze(3)).clamp_(min=0)
+        q.copy_(u.clamp_(max=255) if params.sigma_steps is not None else torch.minimum(u, top.unsqueeze(-1)))
     if b0:  # exact rows: repeat the first quantised row, cheapest for the codec
         q[:, :, :, :b0] = q[:, :, :, b0 : b0 + 1]
     parts = [ranges.reshape(-1), kv[:, :, :, :e].reshape(-1)]
@@ -232,8 +239,7 @@ def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
     if ks:
         parts.append(_sparse_pack(x, q, lo_r, scale_r, params, b0, ks, bytes_per_value(kv.dtype)).view(kv.dtype))
     side = torch.cat(parts)
-    tiles = q.permute(0, 1, 3, 2, 4).reshape(layers * 2, tokens, heads * head_dim)
-    return Packed(tiling.tiles_to_frames(tiles, geo), side, geo)
+    return Packed(tiling.tiles_to_frames(tiles.view(layers * 2, tokens, heads * head_dim), geo), side, geo)
 
 
 def _dequantise(t: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, params: LayoutParams, b0: int) -> torch.Tensor:

@@ -23,6 +23,8 @@ import math
 
 import torch
 
+from kvfetcher.codec import trellis_kernel
+
 #: largest index magnitude: indices are stored as ``k + 128`` in 8-bit samples
 KMAX = 127
 
@@ -39,9 +41,32 @@ def _reconstruct(k: torch.Tensor, q1: torch.Tensor | bool) -> torch.Tensor:
     return 2 * k - torch.sign(k) * (q1.float() if isinstance(q1, torch.Tensor) else float(q1))
 
 
-def quantise(v: torch.Tensor) -> torch.Tensor:
-    """Indices ``[..., T]`` (int16, |k| <= KMAX) for values ``v`` ``[..., T]`` in units of D,
-    centred on their mean; the trellis runs along the last dimension from state 0."""
+def quantise(v: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Indices (int16, |k| <= KMAX, ``v``'s shape) for values ``v`` in units of D, centred on
+    their mean; the trellis runs along ``dim`` from state 0. CUDA values are searched by the
+    kernel (trellis_kernel.py), others by the torch search, with identical results."""
+    dim = dim % v.dim()
+    if not trellis_kernel.enabled(v):
+        return _search(v.movedim(dim, -1)).movedim(-1, dim)
+    g, t_len, c = math.prod(v.shape[:dim]), v.shape[dim], math.prod(v.shape[dim + 1:])
+    x = v.reshape(g, t_len, c, 1)
+    if c == 1:  # along the last dim: the rows are the components, side by side
+        x = x.view(1, g, t_len, 1).transpose(1, 2)
+    k = trellis_kernel.search(x, torch.empty(x.shape, dtype=torch.int16, device=v.device), KMAX)
+    return (k.transpose(1, 2) if c == 1 else k).reshape(v.shape)
+
+
+def samples(x: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Write into ``out`` (uint8) the samples ``128 + k`` of the indices ``k`` of ``(x - lo) /
+    step - 128`` (the layout's: the mean at level 128) and return it; ``x``, ``out`` ``[G, T, A,
+    B]`` (any strides), the trellis along T; ``lo``, ``step`` ``[G, 1, A, B]``. One kernel on CUDA."""
+    if trellis_kernel.enabled(x):
+        return trellis_kernel.search(x, out, KMAX, lo, step)
+    return out.copy_(quantise((x - lo) / step - 128, dim=1) + 128)
+
+
+def _search(v: torch.Tensor) -> torch.Tensor:
+    """The torch Viterbi search along the last dimension (CPU path and the kernel's oracle)."""
     shape, t_len = v.shape, v.shape[-1]
     v = v.reshape(-1, t_len).float()
     n = v.shape[0]
