@@ -19,6 +19,8 @@ the torch path runs.
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 
 import torch
@@ -179,12 +181,14 @@ def unpack_into(
         ks = sidx.shape[-1]
     else:
         sidx, srows, step, ks = f, f, 0.0, 0
-    _unpack_kernel[(layers * 2 * heads,)](
-        f, lo, scale.contiguous(), cos.contiguous(), sin.contiguous(), dec.contiguous(), mean.contiguous(),
-        sidx, srows, out,
-        heads, b0, step,
-        geo.tiles_per_frame, geo.tiles_per_plane, geo.tile_rows, f.stride(0), f.stride(1), f.stride(2),
-        *out.stride(),
-        T=tokens, D=head_dim, BT=BLOCK_TOKENS, TRELLIS=trellis, ROPE=rope_cs is not None, BASIS=basis is not None, KS=ks,
-    )
+    # Triton launches on the current device: make it the buffer's (cuda:1 in a rank-1 worker)
+    with torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext():
+        _unpack_kernel[(layers * 2 * heads,)](
+            f, lo, scale.contiguous(), cos.contiguous(), sin.contiguous(), dec.contiguous(), mean.contiguous(),
+            sidx, srows, out,
+            heads, b0, step,
+            geo.tiles_per_frame, geo.tiles_per_plane, geo.tile_rows, f.stride(0), f.stride(1), f.stride(2),
+            *out.stride(),
+            T=tokens, D=head_dim, BT=BLOCK_TOKENS, TRELLIS=trellis, ROPE=rope_cs is not None, BASIS=basis is not None, KS=ks,
+        )
     return out

@@ -17,6 +17,8 @@ arbitrary indices on both paths.
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 
 import torch
@@ -201,7 +203,8 @@ def search(x: torch.Tensor, out: torch.Tensor, kmax: int, lo: torch.Tensor | Non
     norm = lo is not None
     lo, step = (lo.float().expand(g, 1, a, b).contiguous(), step.float().expand(g, 1, a, b).contiguous()) if norm else (x, x)
     nb = triton.cdiv(a * b, BLOCK)
-    _search_kernel[(g * nb,)](x, lo, step, out, surv, t_len, a * b, b, nb, *x.stride(), *out.stride(),
-                              BLOCK=BLOCK, KMAX=kmax, NORM=norm, SAMPLES=norm,
-                              num_warps=WARPS, enable_fp_fusion=False)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # Triton launches on the current device
+        _search_kernel[(g * nb,)](x, lo, step, out, surv, t_len, a * b, b, nb, *x.stride(), *out.stride(),
+                                  BLOCK=BLOCK, KMAX=kmax, NORM=norm, SAMPLES=norm,
+                                  num_warps=WARPS, enable_fp_fusion=False)
     return out
