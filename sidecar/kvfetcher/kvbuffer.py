@@ -140,3 +140,76 @@ class Destination:
         else:
             self.scatter(c, kv)
         self.finish()
+
+
+# --- paged destinations (a serving engine's block tables) ---------------------------------------
+
+_AXES = "LKBTHD"  # the canonical order paged tensors are viewed in
+
+
+@dataclass(frozen=True)
+class PagedLayout:
+    """How one registered paged KV tensor is laid out: ``dims`` names its axes in order with the
+    letters L (layer), K (0 key, 1 value), B (block), T (token in block), H (kv head), D (head dim),
+    each once; L is optional (without it a tensor holds one layer, and a list of them holds the
+    layers in order). Token ``i`` of a prompt lives at position ``i % block_size`` of block
+    ``block_ids[i // block_size]``. K/V packed into the head-dim axis (``2 * head_dim``) is given
+    as a view that splits it (``t.unflatten(-1, (2, D))``: dims ``...KD``)."""
+
+    dims: str
+    block_size: int
+
+    def __post_init__(self):
+        if sorted(self.dims) not in (sorted(_AXES), sorted(_AXES[1:])) or self.block_size <= 0:
+            raise ValueError(f"paged layout {self.dims!r}/{self.block_size}: dims must name K, B, T, H, D (and L) once each, "
+                             "block_size must be positive")
+
+
+def _canonical(tensors, layout: PagedLayout) -> list[torch.Tensor]:
+    """Views ``[2, blocks, block_size, kv_heads, head_dim]``, one per layer, of the paged tensors."""
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    for t in tensors:
+        if t.dim() != len(layout.dims):
+            raise ValueError(f"a {layout.dims} tensor has {len(layout.dims)} axes, not {t.dim()}")
+        if t.shape[layout.dims.index("T")] != layout.block_size:
+            raise ValueError(f"the T axis is {t.shape[layout.dims.index('T')]} long, not block_size {layout.block_size}")
+    axes = [c for c in _AXES if c in layout.dims]
+    views = [t.permute(*[layout.dims.index(c) for c in axes]) for t in tensors]
+    return [layer for v in views for layer in (v.unbind(0) if "L" in layout.dims else (v,))]
+
+
+def _blocks(layers: list[torch.Tensor], layout: PagedLayout, block_ids, first_token: int, tokens: int) -> torch.Tensor:
+    bs = layout.block_size
+    if first_token < 0 or first_token % bs or tokens % bs:
+        raise ValueError(f"tokens {first_token}..{first_token + tokens} are not whole blocks of {bs}")
+    ids = [int(b) for b in block_ids[first_token // bs : (first_token + tokens) // bs]]
+    if len(ids) * bs != tokens:
+        raise ValueError(f"{len(block_ids)} block ids do not cover tokens {first_token}..{first_token + tokens}")
+    n = layers[0].shape[1]
+    if ids and (min(ids) < 0 or max(ids) >= n):
+        raise ValueError(f"block ids out of range for {n} blocks")
+    if len(set(ids)) != len(ids):
+        raise ValueError("block ids must be distinct")
+    return torch.tensor(ids, dtype=torch.long, device=layers[0].device)
+
+
+def write_blocks(tensors, layout: PagedLayout, block_ids, kv: torch.Tensor, first_token: int = 0) -> None:
+    """Write ``kv`` ``[layers, 2, kv_heads, T, head_dim]``, the KV of tokens ``first_token ..
+    first_token + T`` of a prompt, into its blocks (whole blocks only; ``ValueError`` otherwise)."""
+    layers = _canonical(tensors, layout)
+    L, _, H, T, D = kv.shape
+    if L != len(layers) or (H, D) != tuple(layers[0].shape[3:]):
+        raise ValueError(f"KV {tuple(kv.shape)} does not fit {len(layers)} layers of {tuple(layers[0].shape)}")
+    idx = _blocks(layers, layout, block_ids, first_token, T)
+    src = kv.unflatten(3, (T // layout.block_size, layout.block_size)).permute(0, 1, 3, 4, 2, 5)  # [L, 2, nb, bs, H, D]
+    for layer, s in zip(layers, src):
+        layer.index_copy_(1, idx, s.to(layer.device, layer.dtype))
+
+
+def read_blocks(tensors, layout: PagedLayout, block_ids, first_token: int, tokens: int) -> torch.Tensor:
+    """The KV ``[layers, 2, kv_heads, tokens, head_dim]`` of tokens ``first_token .. first_token +
+    tokens`` of a prompt, read from its blocks (whole blocks only)."""
+    layers = _canonical(tensors, layout)
+    idx = _blocks(layers, layout, block_ids, first_token, tokens)
+    out = torch.stack([layer.index_select(1, idx) for layer in layers])  # [L, 2, nb, bs, H, D]
+    return out.flatten(2, 3).transpose(2, 3).contiguous()
