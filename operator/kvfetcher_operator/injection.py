@@ -23,6 +23,11 @@ What the sidecar gets, and why:
 - The model fingerprint the sidecar serves is the pod's `kvfetcher.io/model` annotation: set by
   whoever creates the pod, not claimed by the model process per request.
 
+- A model container that runs vLLM (`vllm serve ...`, `python -m vllm.entrypoints...`, or an image
+  named vllm-openai) without its own `--kv-transfer-config` gets one naming the kvfetcher connector
+  on the sidecar's socket (its image must have the `kvfetcher` package); the pod annotation
+  `kvfetcher.io/vllm-connector: "false"` leaves its arguments alone.
+
 - It is Pod Security "restricted" compliant (non-root, no privilege escalation, no
   capabilities, RuntimeDefault seccomp), and the pod gets the sidecar's group as a
   supplemental group, so a non-root model can connect to the socket (mode 0660).
@@ -35,6 +40,7 @@ adds anything the API server would reject.
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any, NamedTuple
 
 from kvfetcher import config as settings
@@ -49,6 +55,7 @@ MODEL_ANNOTATION = "kvfetcher.io/model"  # the model fingerprint the sidecar ser
 INJECTED_ANNOTATION = "kvfetcher.io/injected"
 SKIPPED_ANNOTATION = "kvfetcher.io/injection-skipped"
 GPU_ANNOTATION = "kvfetcher.io/gpu-access"
+VLLM_ANNOTATION = "kvfetcher.io/vllm-connector"  # "false": do not add the connector to a vLLM container
 CONTAINER = "kvfetcher"
 SOCKET_VOLUME = "kvfetcher-socket"
 CA_VOLUME = "kvfetcher-s3-ca"
@@ -234,7 +241,7 @@ def mutate(pod: dict[str, Any], pool: dict[str, Any] | None) -> Decision:
                      f"which the pod lacks")
     patch = {
         "metadata": {"annotations": {INJECTED_ANNOTATION: pool_name, GPU_ANNOTATION: gpu_access(model)[2]}},
-        "spec": _spec_patch(spec, pool, pool_spec, model),
+        "spec": _spec_patch(spec, pool, pool_spec, model, annotations.get(VLLM_ANNOTATION, "").lower() != "false"),
     }
     if SKIPPED_ANNOTATION in annotations:  # a JSON patch may not remove what is absent
         patch["metadata"]["annotations"][SKIPPED_ANNOTATION] = None
@@ -255,13 +262,29 @@ def collisions(spec: dict[str, Any], model: dict[str, Any], port: int) -> str | 
     return None
 
 
+def vllm_connector_args(container: dict[str, Any]) -> list[str]:
+    """The arguments that make a vLLM model container use the kvfetcher connector on the sidecar's
+    socket: none unless it runs vLLM and has no KV-transfer config of its own."""
+    words = [str(w) for w in (container.get("command") or []) + (container.get("args") or [])]
+    line = " ".join(words)
+    runs_vllm = "vllm serve" in line or "vllm.entrypoints" in line or "vllm-openai" in (container.get("image") or "")
+    if not runs_vllm or any(w.startswith(("--kv-transfer-config", "--kv_transfer_config")) for w in words):
+        return []
+    return ["--kv-transfer-config", json.dumps({
+        "kv_connector": "KVFetcherConnector", "kv_connector_module_path": "kvfetcher.integrations.vllm",
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"socket": SOCKET},
+    }, separators=(",", ":"))]
+
+
 def _spec_patch(spec: dict[str, Any], pool: dict[str, Any], pool_spec: dict[str, Any],
-                model: dict[str, Any]) -> dict[str, Any]:
+                model: dict[str, Any], vllm: bool = True) -> dict[str, Any]:
     new_containers = copy.deepcopy(spec.get("containers") or [])
     for c in new_containers:
         if c.get("name") == model.get("name"):
             c.setdefault("volumeMounts", []).append({"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR})
             c.setdefault("env", []).append(_value_env(settings.SOCKET, SOCKET))
+            if vllm and (extra := vllm_connector_args(c)):
+                c["args"] = list(c.get("args") or []) + extra
     volumes = copy.deepcopy(spec.get("volumes") or [])
     volumes.append({"name": SOCKET_VOLUME, "emptyDir": {}})
     ca = ((pool_spec["storage"].get("external") or {}).get("tls") or {}).get("caSecretRef")
