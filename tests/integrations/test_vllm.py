@@ -15,17 +15,15 @@ from __future__ import annotations
 import json
 import os
 import queue
-import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from benchmarks.lib.sidecar_proc import SidecarProcess
 from kvfetcher import keys
-from kvfetcher.api.client import KVClient
 from kvfetcher.eval import model
 from kvfetcher.kvbuffer import ChunkRef
 from kvfetcher.store.local import LocalStore
@@ -42,35 +40,17 @@ NS = keys.Namespace(model="smollm2", dtype="bfloat16", shape=(30, 3, 64))  # Smo
 NEW = 12
 
 
-class Sidecar:
-    """`kvfetcher serve` on a Unix socket over a local store, as a process the test may kill."""
+class Sidecar(SidecarProcess):
+    """The sidecar over a local store of raw chunks, and what the tests ask it."""
 
     def __init__(self, tmp: Path):
-        self.socket, self.store_dir = str(tmp / "kvfetcher.sock"), tmp / "store"
-        self.env = dict(os.environ, KVFETCHER_STORE_DIR=str(self.store_dir), KVFETCHER_PRESET="raw",
-                        KVFETCHER_CHUNK_TOKENS=str(CHUNK), KVFETCHER_WARM_UP="0")
-        self.proc = None
-        self.store = LocalStore(self.store_dir)
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvfetcher.cli", "serve", "--port", "-1", "--socket", self.socket],
-                                     env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                KVClient(socket_path=self.socket, timeout_s=5).flush()
-                return
-            except OSError:
-                time.sleep(0.2)
-        raise AssertionError("the sidecar never answered")
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
+        super().__init__(tmp / "kvfetcher.sock", tmp / "sidecar.log", KVFETCHER_STORE_DIR=str(tmp / "store"), KVFETCHER_PRESET="raw",
+                         KVFETCHER_CHUNK_TOKENS=str(CHUNK), KVFETCHER_WARM_UP="0")
+        self.store = LocalStore(tmp / "store")
 
     def stored(self, tokens: list[int]) -> int:
         """Leading tokens of ``tokens`` stored."""
-        return KVClient(socket_path=self.socket, timeout_s=30).lookup(None, tokens, model=NS.model, dtype=NS.dtype, kv_shape=NS.shape)
+        return self.client(30).lookup(None, tokens, model=NS.model, dtype=NS.dtype, kv_shape=NS.shape)
 
     def wait_stored(self, tokens: list[int], n: int, timeout_s: float = 60) -> None:
         """Wait until the engine's save of ``tokens`` reached the store (it runs in the background)."""
@@ -149,9 +129,7 @@ def vllm(tmp_path_factory, texts):
     engine = Engine(tmp, sc)
     yield engine, sc
     engine.close()
-    if sc.proc.poll() is None:
-        sc.proc.terminate()
-        sc.proc.wait(timeout=30)
+    sc.stop()
 
 
 def fresh(texts, n: int) -> list[int]:

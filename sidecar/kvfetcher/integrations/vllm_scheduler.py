@@ -62,12 +62,15 @@ class SchedulerSide:
     # --- loads -------------------------------------------------------------------------------
 
     def _plan(self, request) -> _Request:
+        """The request's plan; its ``kv_transfer_params`` may name ``presets`` and ``ttft_budget_s``
+        (``SamplingParams(extra_args={"kv_transfer_params": {...}})``) in place of the options'."""
         tokens = list(request.prompt_token_ids or [])[:-1]
+        own = getattr(request, "kv_transfer_params", None) or {}
         plan, end = None, 0
         try:
             plan = self.client.plan(None, tokens, model=self.options.model, dtype=self.dtype, kv_shape=self.kv_shape,
-                                    recompute_tokens_per_s=self.recompute_tps, presets=self.options.presets,
-                                    ttft_budget_s=self.options.ttft_budget_s, may_skip_listing=True)
+                                    recompute_tokens_per_s=self.recompute_tps, presets=own.get("presets", self.options.presets),
+                                    ttft_budget_s=own.get("ttft_budget_s", self.options.ttft_budget_s), may_skip_listing=True)
             # no preset chosen: the sidecar has no buffer of this namespace yet; the load plans again
             end = plan.loaded_tokens if plan.preset else plan.hit_tokens
         except (OSError, SidecarError) as e:  # no sidecar is no reason to fail a request: recompute
