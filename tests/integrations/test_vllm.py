@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 MARK = "@@kvfetcher-engine@@ "
 CHUNK = 128  # = vLLM's CPU block size
-NS = keys.Namespace(model="smollm2", dtype="bfloat16", shape=(30, 3, 64))  # SmolLM2's KV in vLLM (bf16)
+NS = keys.Namespace(model="smollm2", dtype="float32", shape=(30, 3, 64))  # SmolLM2 in vLLM on CPU (fp32: no AVX-512 here to make bf16 fast)
 NEW = 12
 
 
@@ -100,6 +100,14 @@ class Engine:
         self.call(op="reset_prefix_cache")
         return self.call(op="generate", prompts=list(prompts), max_tokens=NEW, reference=reference)["outputs"]
 
+    def events(self, n: int, timeout_s: float = 30) -> list[dict]:
+        """The OBJ ``BlockStored`` events published since the last call, once there are ``n``."""
+        got, deadline = [], time.time() + timeout_s
+        while len(got) < n and time.time() < deadline:
+            got += self.call(op="events")["events"]
+            time.sleep(0.2)
+        return got
+
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=60)
@@ -146,7 +154,7 @@ def test_a_stored_prompt_is_loaded_and_gives_the_same_tokens(vllm, texts):
     (first,) = engine.generate(p)
     assert first["cached"] == 0
     sc.wait_stored(p, 512)  # whole chunks of the prompt, saved after its prefill
-    events = engine.call(op="events")["events"]
+    events = engine.events(4)
     assert [e["tokens"] for e in events] == [p[:128], p[128:256], p[256:384], p[384:512]]  # one BlockStored per chunk
     assert all(e["block_size"] == CHUNK and len(e["block_hashes"]) == 1 for e in events)
     assert [e["parent"] for e in events[1:]] == [e["block_hashes"][-1] for e in events[:-1]]

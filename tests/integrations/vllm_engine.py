@@ -1,7 +1,8 @@
 """A real vLLM engine with the kvfetcher connector, driven over stdin/stdout by the tests.
 
 Run by ``tests/integrations/test_vllm.py`` with the vLLM venv's Python (``.venv-vllm``, built by
-``make``), so that the tests themselves run in the project's venv. ``argv[1]`` is a JSON object:
+``make``), so that the tests themselves run in the project's venv. The model runs in float32 (bf16
+is slow on CPUs without AVX-512, and greedy tokens near a tie are steadier). ``argv[1]`` is a JSON object:
 ``model`` (a directory vLLM loads), ``socket`` (the sidecar's), ``max_model_len``, ``events``
 (a free TCP port for vLLM's KV-event publisher). Each stdin line is a JSON command, answered by one
 stdout line starting with :data:`MARK` (vLLM's own output goes to stderr):
@@ -30,7 +31,7 @@ def _subscriber(port: int, sink: list, lock: threading.Lock) -> None:
     from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
     sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.connect(f"tcp://127.0.0.1:{port}")
+    sub.bind(f"tcp://127.0.0.1:{port}")  # vLLM's publisher connects to an endpoint with a host (binds to tcp://*:port)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
     while True:
@@ -54,7 +55,7 @@ def main() -> None:
     lock = threading.Lock()
     threading.Thread(target=_subscriber, args=(cfg["events"], events, lock), daemon=True).start()
     llm = LLM(
-        model=cfg["model"], max_model_len=cfg["max_model_len"], enforce_eager=True, dtype=cfg.get("dtype", "bfloat16"),
+        model=cfg["model"], max_model_len=cfg["max_model_len"], enforce_eager=True, dtype="float32",
         kv_transfer_config={
             "kv_connector": "KVFetcherConnector", "kv_connector_module_path": "kvfetcher.integrations.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",

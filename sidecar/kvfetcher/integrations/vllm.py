@@ -67,6 +67,9 @@ class KVFetcherConnector(KVConnectorBase_V1):
     def take_events(self):
         return self._s.take_events() if self._s else ()
 
+    def has_pending_push_work(self) -> bool:  # vLLM 0.32: keep stepping until the workers report the saves
+        return bool(self._s and self._s.saving)
+
     # --- worker side ---------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches) -> None:
@@ -79,7 +82,7 @@ class KVFetcherConnector(KVConnectorBase_V1):
         self._w.start_step(self._get_connector_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete before vLLM schedules their request
+        self._w.layer_start(self._get_connector_metadata())  # loads complete before vLLM schedules their request
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
         return  # a finished prefill is saved whole, after the step (wait_for_save)

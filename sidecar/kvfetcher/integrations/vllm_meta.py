@@ -15,6 +15,8 @@ from kvfetcher import config
 from kvfetcher.api.client import KVClient
 from kvfetcher.fetch.plan import FetchPlan
 
+MIN_TIMED_TOKENS = 256  # a step computing fewer tokens times overheads, not the prefill rate
+
 
 @dataclass(frozen=True)
 class Options:

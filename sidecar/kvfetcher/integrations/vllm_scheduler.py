@@ -21,12 +21,11 @@ from dataclasses import dataclass, field
 from kvfetcher import kvbuffer
 from kvfetcher.api.client import SidecarError
 from kvfetcher.fetch.plan import FetchPlan
-from kvfetcher.integrations.vllm_meta import LoadSpec, Options, SaveSpec, StepMeta, WorkerReport
+from kvfetcher.integrations.vllm_meta import MIN_TIMED_TOKENS, LoadSpec, Options, SaveSpec, StepMeta, WorkerReport
 
 log = logging.getLogger("kvfetcher.integrations.vllm")
 
 MEDIUM = "OBJ"  # vLLM's KV-event medium of an object store (MEDIUM_OBJ in vLLM 0.26)
-MIN_TIMED_TOKENS = 256  # steps computing fewer tokens time overheads, not the prefill rate
 WARN_EVERY_S = 30.0
 
 
@@ -46,7 +45,7 @@ class SchedulerSide:
         self.options = options
         self.client = options.client(timeout_s=options.lookup_timeout_s)
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        self.block_size = vllm_config.cache_config.block_size
+        self.block_size = spec.block_size
         self.dtype = kvbuffer.dtype_name(spec.dtype)
         self.kv_shape = (len(kv_cache_config.kv_cache_groups[0].layer_names), spec.num_kv_heads, spec.head_size)
         self.recompute_tps = options.recompute_tokens_per_s
@@ -70,7 +69,8 @@ class SchedulerSide:
         try:
             plan = self.client.plan(None, tokens, model=self.options.model, dtype=self.dtype, kv_shape=self.kv_shape,
                                     recompute_tokens_per_s=self.recompute_tps, presets=own.get("presets", self.options.presets),
-                                    ttft_budget_s=own.get("ttft_budget_s", self.options.ttft_budget_s), may_skip_listing=True)
+                                    ttft_budget_s=own.get("ttft_budget_s", self.options.ttft_budget_s),
+                                    deadline_s=self.options.lookup_timeout_s / 2, may_skip_listing=True)
             # no preset chosen: the sidecar has no buffer of this namespace yet; the load plans again
             end = plan.loaded_tokens if plan.preset else plan.hit_tokens
         except (OSError, SidecarError) as e:  # no sidecar is no reason to fail a request: recompute
@@ -162,7 +162,7 @@ class SchedulerSide:
             b0, b1 = start // bs, min(start + chunk, len(hashes) * bs) // bs
             events.append(BlockStored(block_hashes=hashes[b0:b1], parent_block_hash=hashes[b0 - 1] if b0 else None,
                                       token_ids=list(req.prompt_token_ids[b0 * bs : b1 * bs]), block_size=bs,
-                                      lora_id=lora.adapter_id if lora else None, medium=MEDIUM,
+                                      lora_id=getattr(lora, "lora_int_id", None), medium=MEDIUM,
                                       lora_name=lora.name if lora else None))
         return events
 

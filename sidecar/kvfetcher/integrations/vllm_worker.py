@@ -24,7 +24,7 @@ import torch
 
 from kvfetcher import ipc, kvbuffer
 from kvfetcher.api.client import SidecarError
-from kvfetcher.integrations.vllm_meta import LoadSpec, Options, SaveSpec, StepMeta, WorkerReport
+from kvfetcher.integrations.vllm_meta import MIN_TIMED_TOKENS, LoadSpec, Options, SaveSpec, StepMeta, WorkerReport
 
 log = logging.getLogger("kvfetcher.integrations.vllm")
 
@@ -80,7 +80,8 @@ class WorkerSide:
         self.vllm_finished: set[str] = set()
         self.stored: dict[str, int] = {}
         self.steps: list[tuple[int, float]] = []
-        self._timing: list = []
+        self._timing: list = []  # (tokens, start, end) of steps, until their time is known
+        self._step_start = None
 
     # --- registration --------------------------------------------------------------------------
 
@@ -166,20 +167,26 @@ class WorkerSide:
     # --- the step ------------------------------------------------------------------------------
 
     def start_step(self, meta: StepMeta) -> None:
-        if self.tensors is None or not isinstance(meta, StepMeta):
-            return
-        self._timing.append([meta.step_tokens, self._clock()])
-        for spec in meta.loads:
-            self.pool.submit(self._load, spec)
+        """Start the step's loads (vLLM 0.32 calls this after launching the forward)."""
+        if isinstance(meta, StepMeta):
+            for spec in meta.loads:  # each reports its request finished, loaded or not
+                self.pool.submit(self._load, spec)
+
+    def layer_start(self, meta: StepMeta) -> None:
+        """An attention layer starts: the first one of a step starts the step's clock."""
+        if self._step_start is None and self.tensors is not None and isinstance(meta, StepMeta) and meta.step_tokens >= MIN_TIMED_TOKENS:
+            self._step_start = self._clock()
 
     def end_step(self, meta: StepMeta) -> None:
-        if self.tensors is None or not isinstance(meta, StepMeta):
+        """The forward is done: time it, and start the saves of the prefills it finished."""
+        if not isinstance(meta, StepMeta):
             return
-        if self._timing:
-            self._timing[-1].append(self._clock())
+        if self._step_start is not None:
+            self._timing.append((meta.step_tokens, self._step_start, self._clock()))
+            self._step_start = None
         self._collect_timing()
         if meta.saves:
-            ready = self._clock() if not self._on_cpu() else None  # the step's KV writes, on the GPU
+            ready = self._clock() if self.tensors is not None and not self._on_cpu() else None  # the step's KV writes, on the GPU
             for spec in meta.saves:
                 self.saves[spec.req_id] = self.pool.submit(self._save, spec, ready)
 
@@ -192,17 +199,15 @@ class WorkerSide:
 
     def _collect_timing(self) -> None:
         """Steps whose time is known now (on a GPU, once their end event completed)."""
-        keep = []
-        for tokens, start, *end in self._timing:
-            if not end:
-                keep.append([tokens, start])
-            elif isinstance(start, float):
-                self.steps.append((tokens, end[0] - start))
-            elif end[0].query():
-                self.steps.append((tokens, start.elapsed_time(end[0]) / 1e3))
+        pending = []
+        for tokens, start, end in self._timing:
+            if isinstance(start, float):
+                self.steps.append((tokens, end - start))
+            elif end.query():
+                self.steps.append((tokens, start.elapsed_time(end) / 1e3))
             else:
-                keep.append([tokens, start, end[0]])
-        self._timing = keep[-64:]
+                pending.append((tokens, start, end))
+        self._timing = pending[-64:]
 
     def preempted(self, meta: StepMeta) -> None:
         """vLLM frees a preempted request's blocks: its save must have copied them first."""
