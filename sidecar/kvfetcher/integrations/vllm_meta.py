@@ -68,6 +68,7 @@ class LoadSpec:
     first: int
     end: int
     block_ids: list[int]
+    recompute_tps: float | None = None  # the engine's prefill rate, for a load that plans again
 
 
 @dataclass

@@ -34,7 +34,8 @@ class _Request:
     request: object  # vllm Request: its prompt and block hashes
     tokens: list[int]  # what was planned: the prompt but its last token
     plan: FetchPlan | None
-    end: int  # tokens the plan would load, from token 0
+    end: int  # tokens the plan would load, from token 0 (0 once the load was handed to the workers)
+    loaded: int = 0  # tokens a load was asked for (stored already)
     local: int = 0  # vLLM's own prefix-cache hit when the load was decided
     blocks: list[int] = field(default_factory=list)  # the block table
     saving: bool = False  # a save was asked for: its blocks stay until the workers copied them
@@ -89,8 +90,9 @@ class SchedulerSide:
         r = self.requests.get(request.request_id)
         if r is None or num_external_tokens <= 0:
             return
-        r.blocks = list(block_ids)
-        self.loads.append(LoadSpec(request.request_id, r.tokens, r.plan, r.local, r.local + num_external_tokens, r.blocks))
+        r.blocks, r.loaded = list(block_ids), r.end
+        self.loads.append(LoadSpec(request.request_id, r.tokens, r.plan, r.local, r.local + num_external_tokens, r.blocks, self.recompute_tps))
+        r.end = 0  # one load per request: vLLM asks again only after it failed (or a preemption), then recompute
 
     # --- the step ----------------------------------------------------------------------------
 
@@ -121,7 +123,7 @@ class SchedulerSide:
         if r.saving or not chunk or computed < len(prompt):
             return None
         n = len(prompt) // chunk * chunk
-        if n <= r.end:  # nothing new: those chunks were loaded from the store
+        if n <= r.loaded:  # nothing new: those chunks were loaded from the store
             return None
         blocks = r.blocks[: -(-n // self.block_size)]
         if len(blocks) * self.block_size < n:

@@ -254,11 +254,14 @@ class WorkerSide:
     def _load_into(self, buf: str, spec: LoadSpec) -> int:
         """Load the request's stored chunks; the end of the tokens written (whole blocks)."""
         plan = spec.plan if spec.plan is not None and spec.plan.tp_rank == self.tp_rank else None
-        cost = {} if plan is not None and plan.preset else dict(presets=self.options.presets, ttft_budget_s=self.options.ttft_budget_s)
+        cost = {} if plan is not None and plan.preset else dict(presets=self.options.presets, ttft_budget_s=self.options.ttft_budget_s,
+                                                                recompute_tokens_per_s=spec.recompute_tps)
         kw = dict(deadline_s=self.options.load_deadline_s, **cost)
         bs = self.block_size
         if not self._on_cpu():
-            reply = self.client.load(buf, spec.tokens, plan, block_ids=self._blocks(spec.block_ids), first_token=spec.first, **kw)
+            if spec.first:  # vLLM's own cache holds tokens before it, in blocks shared with other requests
+                kw["first_token"] = spec.first
+            reply = self.client.load(buf, spec.tokens, plan, block_ids=self._blocks(spec.block_ids), **kw)
             return max(spec.first, min(reply.loaded_tokens, spec.end) // bs * bs)
         with self.staging_lock:
             reply = self.client.load(buf, spec.tokens, plan, **kw)
