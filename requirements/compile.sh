@@ -2,7 +2,7 @@
 # Regenerates the hash-locked requirements the images install with `pip install --require-hashes`
 # (run from the repository root after changing pyproject.toml's dependencies; needs uv).
 # operator.txt: the `operator` extra; sidecar.txt: the core dependencies and the `gpu` extra, with
-# torch held to PyPI's CUDA 12.8 builds (the sidecar image's CUDA runtime; 2.11 moved to CUDA 13).
+# torch held to 2.11, a CUDA 13 build (the sidecar image's CUDA runtime, vLLM 0.26's torch, and nvCOMP's cu13 wheels).
 # Both are resolved for the images' interpreter (CPython 3.12, x86_64 Linux), and include the
 # build backend so that the project itself installs without fetching anything unpinned.
 set -eu
@@ -19,4 +19,4 @@ compile() {
         --quiet -o "$out"
 }
 PINS= compile requirements/operator.txt operator
-PINS="torch<2.11" compile requirements/sidecar.txt core gpu
+PINS="torch==2.11.*" compile requirements/sidecar.txt core gpu

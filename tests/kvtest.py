@@ -8,10 +8,15 @@ a store and fetching them; every way a stored chunk can be bad; sidecars.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import http.client
 import logging
 import os
+import subprocess
+import sys
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
@@ -22,6 +27,7 @@ from aiohttp import ClientSession, web
 
 from benchmarks.lib.kvsource import synthetic_kv  # noqa: F401  (shared with the benchmarks)
 from benchmarks.lib.linkserver import free_port  # noqa: F401
+from kvfetcher.api.client import KVClient
 from kvfetcher.api.server import Embedded
 from kvfetcher.chunk import decode_chunk, encode_chunk
 from kvfetcher.config import Config
@@ -227,11 +233,19 @@ def corrupt_side(store, ref):
 
 
 def undecodable(obj: bytes) -> bytes:
-    """The object, well-formed and with matching checksums, but with HEVC that does not decode."""
+    """The object, well-formed and with matching checksums, but with a bitstream that does not decode."""
+    return rebuild(obj, segment=lambda b: b"\x00\x00\x01" + os.urandom(len(b)))
+
+
+def rebuild(obj: bytes, fmt: str | None = None, segment=None) -> bytes:
+    """``obj`` with its header's codec format or its segments' bytes replaced, checksums valid."""
     h = container.parse_header(obj)
     fields = {k: v for k, v in h.to_json().items() if k not in ("layout_version", "side", "segments")}
+    if fmt:
+        fields["codec"] = dataclasses.replace(h.codec, format=fmt).to_dict()
     side = container.side_tensor(h, container.slice_segment(obj, h, h.side)) if h.side else None
-    segs = [(s.frames, b"\x00\x00\x01" + os.urandom(s.length)) for s in h.segments]
+    segs = [(s.frames, segment(container.slice_segment(obj, h, s)) if segment else container.slice_segment(obj, h, s))
+            for s in h.segments]
     return container.build(fields, side, segs)
 
 
@@ -267,6 +281,27 @@ def sidecar(store, token: str | None = TOKEN, socket_path: str | None = None, **
     config.setdefault("presets", ("raw",))
     with Embedded(Sidecar(store, Config(**config)), token, socket_path=socket_path) as e:
         yield e
+
+
+@contextmanager
+def served(socket_path: str, env: dict[str, str]):
+    """``kvfetcher serve`` in a subprocess on the Unix socket ``socket_path`` only, configured by the
+    variables ``env`` adds to this process's environment; yields the process once it answers, and
+    kills it when the block ends."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvfetcher.cli", "serve", "--port", "-1", "--socket", socket_path],
+                            env=dict(os.environ, **env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(OSError):
+                KVClient(socket_path=socket_path).metrics()
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, "the sidecar did not start"
+            time.sleep(0.2)
+        yield proc
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
 
 
 @asynccontextmanager

@@ -138,3 +138,14 @@ def test_a_sidecar_refuses_presets_it_cannot_store(tmp_path, cfg):
 
     with pytest.raises(ValueError):
         Sidecar(LocalStore(str(tmp_path)), cfg)
+
+
+def test_the_preset_names_the_operator_checks_are_the_data_planes_presets():
+    """The operator checks a pool's presets against config.PRESET_NAMES (it cannot import the codecs):
+    they are the data plane's presets, and PRE_ROPE_PRESETS those that need the model's RoPE base."""
+    assert set(PRESETS) <= set(config.PRESET_NAMES)
+    assert {n for n, p in PRESETS.items() if p.pre_rope} == set(config.PRE_ROPE_PRESETS) & set(PRESETS)
+    assert set(config.PRE_ROPE_PRESETS) <= set(config.PRESET_NAMES)
+    # Until the GPU-entropy back end lands, only its presets may be named ahead of the data plane.
+    assert set(config.PRESET_NAMES) - set(PRESETS) <= {f"{layout}-{fmt}" for layout in ("q8", "balanced", "compact")
+                                                       for fmt in ("ans", "zstd")}

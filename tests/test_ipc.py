@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 
@@ -55,3 +56,63 @@ def test_cuda_ipc_handle_round_trips_in_another_process():
     code = "import json,sys; from kvfetcher import ipc; t = ipc.open_handle(json.loads(sys.argv[1])); t.fill_(5); import torch; torch.cuda.synchronize()"
     subprocess.run([sys.executable, "-c", code, json.dumps(b.handle)], check=True)
     assert bool((b.tensor == 5).all())
+
+
+def _open_fds() -> int:
+    """This process's open fds, once unreachable mappings are gone (each mapping holds a dup of its fd)."""
+    import gc
+    import os
+
+    gc.collect()
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_paged_handle_opens_every_layer_in_another_process():
+    from kvfetcher.kvbuffer import PagedLayout, read_blocks
+
+    layers = [ipc.allocate((2, 6, 4, 2, 8), torch.float16) for _ in range(3)]  # KBTHD, one per layer
+    layout = PagedLayout("KBTHD", 4)
+    try:
+        handle = ipc.paged_handle([b.handle for b in layers], layout)
+        code = (
+            "import json,sys,torch; from kvfetcher import ipc; "
+            "kv = ipc.open_handle(json.loads(sys.argv[1])); "
+            "kv.write(kv.blocks_of([5, 2], 0, 8), torch.arange(3 * 2 * 2 * 8 * 8, dtype=torch.float16).view(3, 2, 2, 8, 8))"
+        )
+        subprocess.run([sys.executable, "-c", code, json.dumps(handle)], check=True)
+        got = read_blocks([b.tensor for b in layers], layout, [5, 2], 0, 8)
+        assert torch.equal(got, torch.arange(3 * 2 * 2 * 8 * 8, dtype=torch.float16).view(3, 2, 2, 8, 8))
+        assert not layers[1].tensor[:, [0, 1, 3, 4]].any()
+    finally:
+        for b in layers:
+            b.close()
+
+
+def test_adopting_a_paged_handle_holds_one_fd_per_layer_and_releases_them_all():
+    from kvfetcher.kvbuffer import PagedKV, PagedLayout
+
+    layers = [ipc.allocate((2, 6, 4, 2, 8), torch.float16) for _ in range(3)]
+    try:
+        before = _open_fds()
+        kv, own = ipc.adopt(ipc.paged_handle([b.handle for b in layers], PagedLayout("KBTHD", 4)))
+        assert isinstance(kv, PagedKV) and kv.shape == (3, 2, 8) and len({h["fd"] for h in own["handles"]}) == 3
+        ipc.release(own)
+        del kv
+        assert _open_fds() == before
+        bad = ipc.paged_handle([layers[0].handle, layers[1].handle, {"kind": "nfs"}], PagedLayout("KBTHD", 4))
+        with pytest.raises(ValueError):
+            ipc.adopt(bad)
+        assert _open_fds() == before  # the two adopted before the bad one were released
+        mismatched = ipc.paged_handle([b.handle for b in layers], PagedLayout("KBHTD", 4))  # T is not the 3rd axis
+        with pytest.raises(ValueError, match="does not fit"):
+            ipc.adopt(mismatched)
+        assert _open_fds() == before
+    finally:
+        for b in layers:
+            b.close()
+
+
+@pytest.mark.parametrize("handles", [[], "x", [{"kind": "paged", "handles": []}]])
+def test_a_paged_handle_holds_a_list_of_tensor_handles(handles):
+    with pytest.raises(ValueError, match="list of tensor handles"):
+        ipc.open_handle({"kind": "paged", "dims": "KBTHD", "block_size": 4, "handles": handles})

@@ -1,10 +1,11 @@
-"""kvbuffer: which slots of a KV buffer a request's tokens go to."""
+"""kvbuffer: which slots of a flat KV buffer, or which blocks of paged KV, a request's tokens go to."""
+
+import math
 
 import pytest
-
 import torch
 
-from kvfetcher.kvbuffer import PagedLayout, contiguous, read_blocks, slot_list, write_blocks
+from kvfetcher.kvbuffer import PagedKV, PagedLayout, contiguous, read_blocks, slot_list, write_blocks
 
 
 def test_slot_lists_check_the_buffer_and_stay_cheap_when_contiguous():
@@ -18,37 +19,130 @@ def test_slot_lists_check_the_buffer_and_stay_cheap_when_contiguous():
             slot_list(100, 10, **kw)
 
 
-@pytest.mark.parametrize("dims", ["KBTHD", "BHKTD", "BTHKD", "LKBTHD", "BLTHKD"])
-def test_paged_blocks_round_trip_in_any_axis_order(dims):
-    L, H, D, bs, nb = 3, 2, 4, 8, 10
-    sizes = dict(L=L, K=2, B=nb, T=bs, H=H, D=D)
-    shape = [sizes[c] for c in dims]
-    tensors = torch.zeros(shape) if "L" in dims else [torch.zeros(shape) for _ in range(L)]
-    layout = PagedLayout(dims, bs)
-    kv = torch.randn(L, 2, H, 3 * bs, D)
-    block_ids = [7, 2, 9, 4]  # a prompt of 4 blocks; tokens 8..32 are written (its first block is someone else's)
-    write_blocks(tensors, layout, block_ids, kv, first_token=bs)
-    assert torch.equal(read_blocks(tensors, layout, block_ids, bs, 3 * bs), kv)
-    assert torch.equal(read_blocks(tensors, layout, block_ids, 2 * bs, bs), kv[:, :, :, bs : 2 * bs])
-    one = tensors if "L" in dims else tensors[1]
-    untouched = [b for b in range(nb) if b not in (2, 9, 4)]
-    assert not one.index_select(dims.index("B"), torch.tensor(untouched)).any()  # nothing else was written
-    k_axis = [c for c in dims if c != "L"]  # token 8+j of layer 1, key, head 1 sits in block 2 at j
-    t = tensors[1] if "L" not in dims else tensors.select(dims.index("L"), 1)
-    at = dict(K=0, B=2, T=5, H=1)
-    assert torch.equal(t[tuple(at.get(c, slice(None)) for c in k_axis)], kv[1, 0, 1, 5])
+# --- paged KV ---------------------------------------------------------------------------------
+
+L, H, D, BS, NB = 3, 2, 4, 8, 10
+#: every axis order a paged tensor may have: per layer and cross-layer, K/V apart or packed
+DIMS = ["KBTHD", "KBHTD", "BHKTD", "BTHKD", "BHT(KD)", "BTH(KD)", "BH(KT)D", "HDKTB", "LKBTHD", "BLTH(KD)", "BHLT(KD)", "T(KD)HLB"]
 
 
-def test_paged_blocks_refuse_what_does_not_fit():
-    layout = PagedLayout("KBTHD", 4)
-    cache = [torch.zeros(2, 6, 4, 2, 3)]
-    kv = torch.zeros(1, 2, 2, 8, 3)
-    for ids, first, bad_kv in (([0, 9], 0, kv), ([0, 0, 1], 0, kv), ([0, 1], 4, kv), ([0, 1, 2], 2, kv),
-                               ([0, 1, 2], 0, kv[:, :, :, :6]), ([0, 1], 0, torch.zeros(2, 2, 2, 8, 3))):
-        with pytest.raises(ValueError):
-            write_blocks(cache, layout, ids, bad_kv, first_token=first)
-    for dims, bs in (("KBTH", 4), ("KBTHDD", 4), ("KBTHD", 0)):
-        with pytest.raises(ValueError):
-            PagedLayout(dims, bs)
-    with pytest.raises(ValueError):  # block_size is not the T axis
-        read_blocks(cache, PagedLayout("KBTHD", 2), [0, 1], 0, 4)
+def paged_tensors(dims: str, fill: float = 0.0, layers: int = L):
+    """Tensors of ``dims`` (one holding every layer, or one per layer) filled with ``fill``."""
+    size = dict(L=layers, K=2, B=NB, T=BS, H=H, D=D)
+    shape = [math.prod(size[c] for c in axis) for axis in PagedLayout(dims, BS).axes]
+    return torch.full(shape, fill) if "L" in dims else [torch.full(shape, fill) for _ in range(layers)]
+
+
+def value_at(tensors, dims: str, layer: int, k: int, block: int, pos: int, head: int) -> torch.Tensor:
+    """The head_dim values of (layer, k, head) at position ``pos`` of ``block``, read by index
+    arithmetic on the tensor's own axes (independently of kvbuffer's views)."""
+    size = dict(L=L, K=2, B=NB, T=BS, H=H, D=D)
+    at = dict(L=layer, K=k, B=block, T=pos, H=head)
+    t = tensors if "L" in dims else tensors[layer]
+    out = []
+    for d in range(D):
+        at["D"] = d
+        index = []
+        for axis in PagedLayout(dims, BS).axes:
+            i = 0
+            for c in axis:
+                i = i * size[c] + at[c]
+            index.append(i)
+        out.append(t[tuple(index)])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dims", DIMS)
+def test_paged_blocks_round_trip_in_every_axis_order(dims):
+    layout = PagedLayout(dims, BS)
+    tensors = paged_tensors(dims, fill=-1.0)
+    kv = torch.randn(L, 2, H, 4 * BS, D)  # the prompt's KV
+    block_ids = [9, 3, 0, 7, 5]  # the prompt's 5 blocks, scattered and out of order
+    write_blocks(tensors, layout, block_ids, kv[:, :, :, BS:], first_token=BS)  # tokens 8..32: blocks 3, 0, 7
+    assert torch.equal(read_blocks(tensors, layout, block_ids, BS, 3 * BS), kv[:, :, :, BS:])
+    assert torch.equal(read_blocks(tensors, layout, block_ids, 2 * BS, BS), kv[:, :, :, 2 * BS : 3 * BS])
+    for layer, k, token, head in ((0, 0, BS, 0), (2, 1, 3 * BS + 5, 1), (1, 1, 2 * BS + 7, 0)):
+        assert torch.equal(value_at(tensors, dims, layer, k, block_ids[token // BS], token % BS, head), kv[layer, k, head, token])
+    untouched = [b for b in range(NB) if b not in (3, 0, 7)]
+    kept = read_blocks(tensors, layout, untouched, 0, len(untouched) * BS)
+    assert bool((kept == -1).all()), "a block outside the prompt's was written"
+
+
+def test_paged_kv_writes_through_strided_views_as_vllm_hands_them_over():
+    """vLLM's FlashAttention gives each layer a logical (blocks, heads, block_size, 2 * head_dim) view
+    of NHD memory (blocks, block_size, heads, 2 * head_dim): written in place, keys then values."""
+    physical = [torch.zeros(NB, BS, H, 2 * D) for _ in range(L)]
+    logical = [p.permute(0, 2, 1, 3) for p in physical]
+    kv = torch.randn(L, 2, H, 2 * BS, D)
+    write_blocks(logical, PagedLayout("BHT(KD)", BS), [4, 1], kv)
+    assert torch.equal(physical[2][1, 3, 1, :D], kv[2, 0, 1, BS + 3])  # token 11: block 1, position 3
+    assert torch.equal(physical[2][1, 3, 1, D:], kv[2, 1, 1, BS + 3])
+    cpu = [torch.zeros(NB, H, BS, 2 * D) for _ in range(L)]  # vLLM's CPU backend: per block and head, keys then values
+    write_blocks([t.view(NB, H, 2, BS, D) for t in cpu], PagedLayout("BHKTD", BS), [4, 1], kv)
+    keys, values = cpu[0].view(NB, H, 2 * BS, D).chunk(2, dim=2)
+    assert torch.equal(values[1, 0, 3], kv[0, 1, 0, BS + 3]) and torch.equal(keys[4, 1, 0], kv[0, 0, 1, 0])
+
+
+@pytest.mark.parametrize("dims", ["KBTH", "KBTHDD", "KKBTHD", "KBTHX", "(K)BTHD", "BHT(KD", "BHT(KDH)", "BT(HD)K", "", "bhtkd"])
+def test_bad_paged_dims_are_refused(dims):
+    with pytest.raises(ValueError, match="paged dims"):
+        PagedLayout(dims, BS)
+
+
+@pytest.mark.parametrize("block_size", [0, -16, True, 16.0])
+def test_bad_block_sizes_are_refused(block_size):
+    with pytest.raises(ValueError, match="block_size"):
+        PagedLayout("BHT(KD)", block_size)
+
+
+@pytest.mark.parametrize(
+    "tensors, match",
+    [
+        ([torch.zeros(2, NB, BS, H)] * L, "axes"),  # one axis short
+        ([torch.zeros(2, NB, BS + 1, H, D)] * L, "does not fit"),  # T is not block_size
+        ([torch.zeros(3, NB, BS, H, D)] * L, "does not fit"),  # K has 3 entries
+        ([torch.zeros(2, NB, BS, H, D)] * 2 + [torch.zeros(2, NB + 1, BS, H, D)], "differ"),
+        ([torch.zeros(2, NB, BS, H, D)] * 2 + [torch.zeros(2, NB, BS, H, D, dtype=torch.float16)], "differ"),
+        ([torch.zeros(2, NB, BS, H, D, dtype=torch.int32)] * L, "dtype"),
+        ([], "at least one"),
+    ],
+)
+def test_paged_tensors_that_do_not_fit_their_dims_are_refused(tensors, match):
+    with pytest.raises(ValueError, match=match):
+        PagedKV(tensors, PagedLayout("KBTHD", BS))
+
+
+def test_one_cross_layer_tensor_only():
+    with pytest.raises(ValueError, match="one tensor"):
+        PagedKV([torch.zeros(L, 2, NB, BS, H, D)] * 2, PagedLayout("LKBTHD", BS))
+    with pytest.raises(ValueError, match="does not fit"):  # (KD) of an odd size
+        PagedKV([torch.zeros(NB, H, BS, 2 * D + 1)], PagedLayout("BHT(KD)", BS))
+
+
+@pytest.mark.parametrize(
+    "block_ids, first_token, tokens, match",
+    [
+        ([0, 1, NB], 0, 2 * BS, "out of range"),  # any id given is checked, used or not
+        ([0, -1], 0, 2 * BS, "out of range"),
+        ([2, 5, 2], 0, 2 * BS, "distinct"),
+        ([2, 5], BS, 2 * BS, "block ids given"),  # too few
+        ([2, 5, 6], 3, 2 * BS, "whole blocks"),
+        ([2, 5, 6], 0, BS + 4, "whole blocks"),
+    ],
+)
+def test_block_ids_and_token_ranges_that_do_not_fit_write_nothing(block_ids, first_token, tokens, match):
+    tensors, layout = paged_tensors("KBHTD", fill=-1.0), PagedLayout("KBHTD", BS)
+    with pytest.raises(ValueError, match=match):
+        write_blocks(tensors, layout, block_ids, torch.randn(L, 2, H, tokens, D), first_token=first_token)
+    with pytest.raises(ValueError, match=match):
+        read_blocks(tensors, layout, block_ids, first_token, tokens)
+    assert all(bool((t == -1).all()) for t in tensors)
+
+
+@pytest.mark.parametrize("kv", [torch.zeros(L + 1, 2, H, BS, D), torch.zeros(L, 2, H + 1, BS, D), torch.zeros(L, 2, H, BS, D + 1),
+                                torch.zeros(L, 2, H, BS, D, dtype=torch.float16), torch.zeros(L, 2, H, BS)])
+def test_kv_of_another_geometry_or_dtype_is_refused(kv):
+    tensors = paged_tensors("BHT(KD)", fill=-1.0)
+    with pytest.raises(ValueError, match="does not fit"):
+        write_blocks(tensors, PagedLayout("BHT(KD)", BS), [1], kv)
+    assert all(bool((t == -1).all()) for t in tensors)

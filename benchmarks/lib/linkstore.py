@@ -3,12 +3,13 @@
 Stands in for S3 over a link of a set speed when no real one is at hand: every ranged GET
 waits a first-byte latency and then queues for the one shared link, which delivers bytes at
 ``link_Bps`` to one request after another (FIFO). Concurrent fetches therefore share the
-bandwidth, as they would on a NIC. Emulation, not a network: no TCP, no packet loss.
+bandwidth, as they would on a NIC, also from several processes (one link, given to each).
+Emulation, not a network: no TCP, no packet loss.
 """
 
 from __future__ import annotations
 
-import threading
+import multiprocessing as mp
 import time
 
 import numpy as np
@@ -17,21 +18,37 @@ from kvfetcher.store import NotFound
 
 
 class Link:
-    """A FIFO pipe of ``Bps`` bytes per second; ``send(n)`` blocks until ``n`` bytes are through."""
+    """A FIFO pipe of ``Bps`` bytes per second; ``send(n)`` blocks until ``n`` bytes are through.
+
+    Its state lives in shared memory, so processes started with the link as an argument share it,
+    as the sidecars of one node share its NIC (``time.perf_counter`` is the system's monotonic
+    clock, the same in every process). ``Bps`` may be set between runs."""
 
     def __init__(self, Bps: float, latency_s: float = 0.0):
-        self.Bps, self.latency_s = Bps, latency_s
-        self._lock = threading.Lock()
-        self._free_at = 0.0
-        self.bytes = 0
+        self._state = mp.get_context("spawn").Array("d", [Bps, latency_s, 0.0, 0.0])  # rate, latency, free at, bytes sent
+
+    @property
+    def Bps(self) -> float:
+        return self._state[0]
+
+    @Bps.setter
+    def Bps(self, value: float) -> None:
+        self._state[0] = value
+
+    @property
+    def latency_s(self) -> float:
+        return self._state[1]
+
+    @property
+    def bytes(self) -> int:
+        return int(self._state[3])
 
     def send(self, n: int) -> None:
         now = time.perf_counter()
-        with self._lock:
-            start = max(now + self.latency_s, self._free_at)
-            self._free_at = start + n / self.Bps
-            done = self._free_at
-            self.bytes += n
+        with self._state.get_lock():
+            rate, latency, free_at, sent = self._state[:]
+            done = max(now + latency, free_at) + n / rate
+            self._state[2], self._state[3] = done, sent + n
         delay = done - time.perf_counter()
         if delay > 0:
             time.sleep(delay)

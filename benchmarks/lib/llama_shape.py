@@ -71,9 +71,14 @@ class LlamaShape(torch.nn.Module):
         x1, x2 = x[..., ::2], x[..., 1::2]
         return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The full output of a row-split projection (``o``, ``down``) from this model's part of it: the
+        part itself here; a tensor-parallel shard sums the ranks' parts."""
+        return partial
+
     def _mlp(self, x: torch.Tensor, L: dict) -> torch.Tensor:
         gate, up = (_rms(x, L["ln2"]) @ L["gate_up"].T).chunk(2, dim=-1)
-        return x + (F.silu(gate) * up) @ L["down"].T
+        return x + self._reduce((F.silu(gate) * up) @ L["down"].T)
 
     def _qkv(self, x: torch.Tensor, L: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         s = self.shape
@@ -111,7 +116,7 @@ class LlamaShape(torch.nn.Module):
             # contiguous K/V: a view of a larger cache made SDPA leave its fused kernels (2.4x slower on an H200)
             keys, vals = kv[i, 0, :, :end].contiguous().unsqueeze(0), kv[i, 1, :, :end].contiguous().unsqueeze(0)
             o = F.scaled_dot_product_attention(q.unsqueeze(0), keys, vals, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
-            x = x + o[0].transpose(0, 1).reshape(T, -1) @ L["o"].T
+            x = x + self._reduce(o[0].transpose(0, 1).reshape(T, -1) @ L["o"].T)
             x = self._mlp(x, L)
         return (_rms(x[-1:], self.norm) @ self.head.T).argmax(-1)[0]
 
@@ -144,7 +149,7 @@ class LlamaShape(torch.nn.Module):
             qq = torch.zeros(hi - lo, s.kv_heads, group, s.head_dim, dtype=q.dtype, device=self.device)
             qq[rows] = q
             o = F.scaled_dot_product_attention(qq, keys, vals, attn_mask=mask)[rows]  # [B, Hkv, group, D]
-            x = x + o.reshape(B, -1) @ L["o"].T
+            x = x + self._reduce(o.reshape(B, -1) @ L["o"].T)
             x = self._mlp(x, L)
         return (_rms(x, self.norm) @ self.head.T).argmax(-1)
 

@@ -1,4 +1,4 @@
-"""The one piece of storage I/O the operator does: claim the pool's bucket, set its expiry, empty it.
+"""The one piece of storage I/O the operator does: claim the pool's bucket, empty it.
 
 Through the S3 API (the MinIO SDK), so the same code serves managed MinIO and any external
 S3 endpoint. Short timeouts and a single retry: a storage that does not answer should turn
@@ -8,7 +8,9 @@ The operator touches only what is its own, because an external bucket may be sha
 - objects under PREFIX (where the sidecars write) and the claim object CLAIM, which names the
   one pool (`namespace/name`) that uses the bucket: a second pool is refused, a re-created pool
   of the same name finds its retained data;
-- its own lifecycle rule, merged by ID into whatever rules the bucket has;
+- its own lifecycle rule, by ID, which it now only removes: an operator before the evictor
+  expired chunks by write time, which would delete the chunks fetched most (the evictor's
+  `ttlDays` counts from the last fetch);
 - the bucket itself only when it carries the OWNER_TAG this pool set when it created it.
 Errors are described by their S3 code or type, never by the response body.
 """
@@ -23,10 +25,10 @@ from urllib.parse import urlsplit
 
 import urllib3
 from minio import Minio
-from minio.commonconfig import ENABLED, Filter, Tags
+from minio.commonconfig import Tags
 from minio.deleteobjects import DeleteObject
 from minio.error import InvalidResponseError, MinioAdminException, S3Error, ServerError
-from minio.lifecycleconfig import Expiration, LifecycleConfig, Rule
+from minio.lifecycleconfig import LifecycleConfig
 
 RULE_ID = "kvfetcher-ttl"
 PREFIX = "kv/"
@@ -113,14 +115,23 @@ def _claim(s3: Minio, bucket: str, owner: str) -> None:
         raise Claimed(f"bucket {bucket} is used by KVCachePool {found}")
 
 
-def _rules_without_ours(s3: Minio, bucket: str) -> list[Rule]:
-    # Also the check that the endpoint speaks S3: an answer that does not parse raises.
+def _drop_rule(s3: Minio, bucket: str) -> None:
+    """Remove kvfetcher's lifecycle rule, keeping the bucket's others. Also the check that the endpoint
+    speaks S3: an answer that does not parse raises."""
     config = s3.get_bucket_lifecycle(bucket)
-    return [r for r in (config.rules if config else []) if r.rule_id != RULE_ID]
+    rules = config.rules if config else []
+    others = [r for r in rules if r.rule_id != RULE_ID]
+    if len(others) == len(rules):
+        return
+    if others:
+        s3.set_bucket_lifecycle(bucket, LifecycleConfig(others))
+    else:
+        s3.delete_bucket_lifecycle(bucket)
 
 
-def ensure(target: Target, ttl_days: int, owner: str) -> bool:
-    """Create (and tag) the bucket if needed, claim it for `owner`, merge in the TTL rule; returns whether it was created."""
+def ensure(target: Target, owner: str) -> bool:
+    """Create (and tag) the bucket if needed, claim it for `owner`, drop kvfetcher's old lifecycle rule;
+    returns whether the bucket was created."""
     s3 = client(target)
     created = False
     if not s3.bucket_exists(target.bucket):
@@ -129,15 +140,13 @@ def ensure(target: Target, ttl_days: int, owner: str) -> bool:
         tags[OWNER_TAG] = owner
         s3.set_bucket_tags(target.bucket, tags)
         created = True
-    others = _rules_without_ours(s3, target.bucket)
+    _drop_rule(s3, target.bucket)
     _claim(s3, target.bucket, owner)
-    rule = Rule(ENABLED, rule_filter=Filter(prefix=PREFIX), rule_id=RULE_ID, expiration=Expiration(days=ttl_days))
-    s3.set_bucket_lifecycle(target.bucket, LifecycleConfig(others + [rule]))
     return created
 
 
 def ttl_days(target: Target) -> int | None:
-    """The expiry the bucket's kvfetcher rule sets, or None: for checking what `ensure` left behind."""
+    """The expiry kvfetcher's lifecycle rule sets, or None (no rule): for checking what `ensure` left behind."""
     config = client(target).get_bucket_lifecycle(target.bucket)
     for rule in (config.rules if config else []):
         if rule.rule_id == RULE_ID and rule.expiration is not None:
@@ -159,7 +168,7 @@ def remove(target: Target, owner: str, budget_seconds: float = 20.0) -> tuple[in
     """The `Delete` data policy, a step at a time: (objects removed in this call, whether all is done).
 
     Deletes the objects under PREFIX, streaming (never the whole listing in memory), for up to
-    `budget_seconds`; once they are gone, removes the claim and this pool's lifecycle rule, and
+    `budget_seconds`; once they are gone, removes the claim (and any lifecycle rule of kvfetcher's), and
     the bucket itself only if this pool created it and nothing else is left in it. Raises
     Claimed, deleting nothing, when another pool holds the bucket.
     """
@@ -186,11 +195,7 @@ def remove(target: Target, owner: str, budget_seconds: float = 20.0) -> tuple[in
         raise RuntimeError(f"could not delete {len(errors)} objects from {target.bucket}: {errors[0].code}")
     if not finished:
         return removed, False
-    rules = _rules_without_ours(s3, target.bucket)
-    if rules:
-        s3.set_bucket_lifecycle(target.bucket, LifecycleConfig(rules))
-    else:
-        s3.delete_bucket_lifecycle(target.bucket)
+    _drop_rule(s3, target.bucket)
     s3.remove_object(target.bucket, CLAIM)
     if _created_by(s3, target.bucket, owner) and next(iter(s3.list_objects(target.bucket)), None) is None:
         s3.remove_bucket(target.bucket)

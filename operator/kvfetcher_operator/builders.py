@@ -16,6 +16,7 @@ from . import spec as specs
 
 MAX_NAME = 40
 S3_PORT = 9000
+EVICTOR = "evictor"  # the evictor's component label (evictor.py)
 
 
 def name_problems(name: str, spec: dict[str, Any]) -> list[str]:

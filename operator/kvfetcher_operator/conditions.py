@@ -12,7 +12,8 @@ READY = "Ready"
 STORAGE_READY = "StorageReady"
 CONFIG_VALID = "ConfigValid"
 INJECTION_READY = "InjectionReady"
-TYPES = (READY, STORAGE_READY, CONFIG_VALID, INJECTION_READY)
+EVICTOR_READY = "EvictorReady"  # informational: Ready does not wait for it
+TYPES = (READY, STORAGE_READY, CONFIG_VALID, INJECTION_READY, EVICTOR_READY)
 
 
 def now() -> str:

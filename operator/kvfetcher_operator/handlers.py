@@ -17,10 +17,10 @@ from urllib.parse import urlsplit
 
 import kopf
 
-from . import bucket, builders, conditions, endpoints, injection, kube, metrics, minio, users
+from . import bucket, builders, conditions, endpoints, evictor, injection, kube, metrics, minio, users
 from . import runtime  # noqa: F401  (registers the shared startup, login and cleanup handlers)
 from . import spec as specs
-from .conditions import CONFIG_VALID, INJECTION_READY, READY, STORAGE_READY
+from .conditions import CONFIG_VALID, EVICTOR_READY, INJECTION_READY, READY, STORAGE_READY
 from .config import RESYNC_SECONDS, Config
 from .webhook import WEBHOOK_ID
 
@@ -133,6 +133,16 @@ def injection_readiness(spec: dict[str, Any], cfg: Config, k: kube.Kube) -> tupl
     return injection.webhook_readiness(config, cfg.webhook_configuration, f"/{WEBHOOK_ID}")
 
 
+def evictor_readiness(pool: dict[str, Any], k: kube.Kube) -> tuple[bool, str, str]:
+    meta = pool["metadata"]
+    try:
+        current = k.get("apps/v1", "deployments", meta["namespace"], evictor.name(meta["name"]))
+        pods = k.list("v1", "pods", meta["namespace"], evictor.selector(meta["name"])) if current else []
+    except Exception as e:
+        return False, "EvictorCheckFailed", f"{type(e).__name__}: {e}"
+    return evictor.readiness(pool, current, pods)
+
+
 def _announce(body: kopf.Body, before: list[dict[str, Any]], after: list[dict[str, Any]]) -> None:
     """One Event per condition change, not per pass."""
     for type_ in conditions.TYPES:
@@ -158,7 +168,8 @@ def _write(patch: kopf.Patch, pool: dict[str, Any], conds: list[dict[str, Any]],
 
 
 def provision(body: kopf.Body, pool: dict[str, Any], k: kube.Kube, memo: kopf.Memo, announce: bool) -> None:
-    """Children applied, storage claimed and its TTL set; NotReady (or NameConflict) says what is missing."""
+    """Children applied and storage claimed, then the evictor; NotReady (or NameConflict) says
+    what is missing."""
     spec = specs.with_defaults(pool["spec"])
     meta = pool["metadata"]
     endpoint, bucket_name = builders.storage_location(pool)
@@ -177,7 +188,7 @@ def provision(body: kopf.Body, pool: dict[str, Any], k: kube.Kube, memo: kopf.Me
             kopf.warn(body, reason="VolumeChangeNotApplied", message=drift)
     target = storage_target(pool, k, root)
     try:
-        bucket.ensure(target, spec["retention"]["ttlDays"], owner_id(pool))
+        bucket.ensure(target, owner_id(pool))
     except bucket.Claimed as e:
         raise NotReady("BucketInUse", str(e)) from e
     except Exception as e:
@@ -187,6 +198,7 @@ def provision(body: kopf.Body, pool: dict[str, Any], k: kube.Kube, memo: kopf.Me
             users.ensure_sidecar_user(target, values["accessKey"], values["secretKey"])
         except Exception as e:
             raise NotReady("SidecarUserFailed", f"MinIO user for the sidecars at {endpoint}: {bucket.describe(e)}") from e
+    k.apply(evictor.deployment(pool))
 
 
 def root_credentials(pool: dict[str, Any], k: kube.Kube, pool_values: dict[str, str]) -> dict[str, str]:
@@ -225,8 +237,7 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, injected_pods
     try:
         provision(body, pool, k, memo, announce=retry_until_ready)
         conds = conditions.put(conds, STORAGE_READY, True, "BucketReady",
-                               f"bucket {bucket_name} at {endpoint} is ready; objects expire after "
-                               f"{spec['retention']['ttlDays']} days", gen)
+                               f"bucket {bucket_name} at {endpoint} is ready", gen)
     except NotReady as e:
         error = e
         conds = conditions.put(conds, STORAGE_READY, False, e.reason, str(e), gen)
@@ -242,6 +253,7 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, injected_pods
         error = NotReady("ApplyFailed", f"{type(e).__name__}: {e}")
         conds = conditions.put(conds, STORAGE_READY, False, error.reason, str(error), gen)
 
+    conds = conditions.put(conds, EVICTOR_READY, *evictor_readiness(pool, k), gen)
     injection_ok, reason, message = injection_readiness(spec, memo.cfg, k)
     conds = conditions.put(conds, INJECTION_READY, injection_ok, reason, message, gen)
     if error is None and not injection_ok:

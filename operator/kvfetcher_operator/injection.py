@@ -21,7 +21,10 @@ What the sidecar gets, and why:
 - Endpoint, bucket, credentials, token, tenant salt and object key come from Secret references,
   never literals (with `tenancy.saltFrom: PodLabel` the salt is the value of a pod label instead).
 - The model fingerprint the sidecar serves is the pod's `kvfetcher.io/model` annotation: set by
-  whoever creates the pod, not claimed by the model process per request.
+  whoever creates the pod, not claimed by the model process per request. So is the model's RoPE
+  base (`kvfetcher.io/rope-theta`), without which the pool's pre-RoPE presets cannot be stored:
+  the sidecar then stores the others (or the q8 variant of the same back end), and the pod's
+  `kvfetcher.io/store-presets` annotation says what it stores and why.
 
 - A model container that runs vLLM (`vllm serve ...`, `python -m vllm.entrypoints...`, or an image
   named vllm-openai) without its own `--kv-transfer-config` gets one naming the kvfetcher connector
@@ -56,6 +59,8 @@ INJECTED_ANNOTATION = "kvfetcher.io/injected"
 SKIPPED_ANNOTATION = "kvfetcher.io/injection-skipped"
 GPU_ANNOTATION = "kvfetcher.io/gpu-access"
 VLLM_ANNOTATION = "kvfetcher.io/vllm-connector"  # "false": do not add the connector to a vLLM container
+ROPE_THETA_ANNOTATION = "kvfetcher.io/rope-theta"  # the model's RoPE base (absent: no pre-RoPE preset stored)
+STORE_ANNOTATION = "kvfetcher.io/store-presets"  # what the sidecar stores, and why if less than the pool's
 CONTAINER = "kvfetcher"
 SOCKET_VOLUME = "kvfetcher-socket"
 CA_VOLUME = "kvfetcher-s3-ca"
@@ -65,6 +70,40 @@ CA_DIR = "/etc/kvfetcher/s3-ca"
 SIDECAR_UID = 10001  # the sidecar image's user and group (Dockerfile.sidecar)
 NO_GPU = "void"  # NVIDIA_VISIBLE_DEVICES value for "no device", overriding any image default
 DEFAULT_RESOURCES = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "8Gi"}}
+
+
+class Stored(NamedTuple):
+    """What one pod's sidecar stores: presets, the model's RoPE base (None: unknown), and the annotation saying so."""
+    presets: list[str]
+    rope_theta: float | None
+    note: str
+
+
+def _theta(text: str | None) -> float | None:
+    try:
+        theta = float(text or "")
+    except ValueError:
+        return None
+    return theta if 1 < theta < float("inf") else None
+
+
+def stored(pool_spec: dict[str, Any], annotations: dict[str, str], gpu: bool = True) -> Stored:
+    """The pool's store presets for a pod: pre-RoPE ones only with the model's RoPE base from the
+    pod's annotation (a sidecar refuses to start with them otherwise); where that leaves none,
+    the q8 variant of the first one's back end (balanced-ans: q8-ans). A sidecar without a GPU
+    (``gpu`` false) cannot code ``-ans`` (nvCOMP only): it stores the portable ``-zstd`` variant,
+    the same layout and quantisation."""
+    wanted = list(dict.fromkeys(specs.store_presets(pool_spec) if gpu else
+                                [p.removesuffix("-ans") + "-zstd" if p.endswith("-ans") else p
+                                 for p in specs.store_presets(pool_spec)]))
+    text = annotations.get(ROPE_THETA_ANNOTATION)
+    theta = _theta(text)
+    dropped = [p for p in wanted if p in settings.PRE_ROPE_PRESETS]
+    if theta is not None or not dropped:
+        return Stored(wanted, theta, ",".join(wanted))
+    kept = [p for p in wanted if p not in dropped] or ["q8" + wanted[0][len(wanted[0].split("-")[0]):]]
+    why = f"{ROPE_THETA_ANNOTATION} {'is not a number above 1' if text else 'is not set'}"
+    return Stored(kept, None, f"{','.join(kept)} ({','.join(dropped)} need the model's RoPE base: {why})")
 
 
 class Decision(NamedTuple):
@@ -102,13 +141,12 @@ def _model_container(containers: list[dict[str, Any]], wanted: str | None) -> di
     return next((c for c in containers if has_gpu(c)), containers[0] if containers else None)
 
 
-def sidecar_env(pool: dict[str, Any]) -> list[dict[str, Any]]:
-    """The sidecar's environment: everything secret by reference, the codec settings as values.
-    Every variable is a setting of the sidecar's table in :mod:`kvfetcher.config` that is marked
-    injected (and the NVIDIA runtime's)."""
+def storage_env(pool: dict[str, Any]) -> list[dict[str, Any]]:
+    """How a container of the pool reaches its store: endpoint, bucket and the pool's scoped
+    credentials by Secret reference; region and TLS settings as values (the CA file mounted at CA_DIR)."""
     spec = specs.with_defaults(pool["spec"])
     secret = builders.secret_name(pool["metadata"]["name"])
-    storage, codec = spec["storage"], spec["codec"]
+    storage = spec["storage"]
     if "managed" in storage:
         access, secret_key = (secret, "accessKey"), (secret, "secretKey")
     else:
@@ -119,6 +157,35 @@ def sidecar_env(pool: dict[str, Any]) -> list[dict[str, Any]]:
         _secret_env(settings.S3_BUCKET, secret, "bucket"),
         _secret_env(settings.S3_ACCESS_KEY, *access),
         _secret_env(settings.S3_SECRET_KEY, *secret_key),
+    ]
+    external = storage.get("external") or {}
+    if external.get("region"):
+        env.append(_value_env(settings.S3_REGION, external["region"]))
+    tls = external.get("tls") or {}
+    if tls.get("caSecretRef"):
+        env.append(_value_env(settings.S3_CA_FILE, f"{CA_DIR}/{tls['caSecretRef']['key']}"))
+    if tls.get("insecureSkipVerify"):
+        env.append(_value_env(settings.S3_INSECURE, "true"))
+    return env
+
+
+def ca_volume(pool: dict[str, Any]) -> dict[str, Any] | None:
+    """The volume of an external store's CA bundle (mounted at CA_DIR), if the pool names one."""
+    spec = specs.with_defaults(pool["spec"])
+    ca = ((spec["storage"].get("external") or {}).get("tls") or {}).get("caSecretRef")
+    if not ca:
+        return None
+    return {"name": CA_VOLUME, "secret": {"secretName": ca["name"], "items": [{"key": ca["key"], "path": ca["key"]}]}}
+
+
+def sidecar_env(pool: dict[str, Any], store: Stored) -> list[dict[str, Any]]:
+    """The sidecar's environment: everything secret by reference, the codec settings as values.
+    Every variable is a setting of the sidecar's table in :mod:`kvfetcher.config` that is marked
+    injected (and the NVIDIA runtime's)."""
+    spec = specs.with_defaults(pool["spec"])
+    secret = builders.secret_name(pool["metadata"]["name"])
+    codec = spec["codec"]
+    env = storage_env(pool) + [
         _secret_env(settings.AUTH_TOKEN, secret, "authToken"),
         _secret_env(settings.OBJECT_KEY, secret, "objectKey"),
         {"name": settings.MODEL.name, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{MODEL_ANNOTATION}']"}}},
@@ -134,18 +201,12 @@ def sidecar_env(pool: dict[str, Any]) -> list[dict[str, Any]]:
                     "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{label}']"}}})
     env += [
         _value_env(settings.POOL, pool["metadata"]["name"]),
-        _value_env(settings.PRESET, codec["defaultPreset"]),
+        _value_env(settings.PRESET, ",".join(store.presets)),
         _value_env(settings.ALLOWED_PRESETS, ",".join(codec["allowedPresets"])),
         _value_env(settings.CHUNK_TOKENS, codec["chunkTokens"]),
     ]
-    external = storage.get("external") or {}
-    if external.get("region"):
-        env.append(_value_env(settings.S3_REGION, external["region"]))
-    tls = external.get("tls") or {}
-    if tls.get("caSecretRef"):
-        env.append(_value_env(settings.S3_CA_FILE, f"{CA_DIR}/{tls['caSecretRef']['key']}"))
-    if tls.get("insecureSkipVerify"):
-        env.append(_value_env(settings.S3_INSECURE, "true"))
+    if store.rope_theta is not None:
+        env.append(_value_env(settings.ROPE_THETA, store.rope_theta))
     if "decodeProcesses" in spec["sidecar"]:
         env.append(_value_env(settings.DECODE_PROCS, spec["sidecar"]["decodeProcesses"]))
     if "ttftBudgetSeconds" in spec["sidecar"]:
@@ -168,6 +229,11 @@ def gpu_access(model: dict[str, Any] | None) -> tuple[list[dict[str, Any]], list
         "or an NVIDIA_VISIBLE_DEVICES device list to decode on its GPU")
 
 
+def _has_gpu(model: dict[str, Any] | None) -> bool:
+    """Whether the sidecar gets a GPU (:func:`gpu_access`)."""
+    return not any(e.get("value") == NO_GPU for e in gpu_access(model)[1])
+
+
 SECURITY_CONTEXT = {
     "runAsNonRoot": True, "runAsUser": SIDECAR_UID, "runAsGroup": SIDECAR_UID,
     "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
@@ -175,7 +241,9 @@ SECURITY_CONTEXT = {
 }
 
 
-def sidecar_container(pool: dict[str, Any], model: dict[str, Any] | None) -> dict[str, Any]:
+def sidecar_container(pool: dict[str, Any], model: dict[str, Any] | None,
+                      annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    """The sidecar for a pod of `model` with `annotations` (the model's RoPE base among them)."""
     spec = specs.with_defaults(pool["spec"])
     side = spec["sidecar"]
     port = side["port"]
@@ -184,11 +252,11 @@ def sidecar_container(pool: dict[str, Any], model: dict[str, Any] | None) -> dic
         if part in resources:
             resources[part] = {k: v for k, v in resources[part].items() if not k.endswith("/gpu")}
     claims, gpu_env, _ = gpu_access(model)
-    env = sidecar_env(pool) + gpu_env
+    env = sidecar_env(pool, stored(spec, annotations or {}, _has_gpu(model))) + gpu_env
     if claims:
         resources["claims"] = claims
     mounts = [{"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR}]
-    if ((spec["storage"].get("external") or {}).get("tls") or {}).get("caSecretRef"):
+    if ca_volume(pool):
         mounts.append({"name": CA_VOLUME, "mountPath": CA_DIR, "readOnly": True})
     return {
         "name": CONTAINER,
@@ -240,8 +308,9 @@ def mutate(pod: dict[str, Any], pool: dict[str, Any] | None) -> Decision:
         return _skip(f"KVCachePool {namespace}/{pool_name} takes the tenant from the pod label {label}, "
                      f"which the pod lacks")
     patch = {
-        "metadata": {"annotations": {INJECTED_ANNOTATION: pool_name, GPU_ANNOTATION: gpu_access(model)[2]}},
-        "spec": _spec_patch(spec, pool, pool_spec, model, annotations.get(VLLM_ANNOTATION, "").lower() != "false"),
+        "metadata": {"annotations": {INJECTED_ANNOTATION: pool_name, GPU_ANNOTATION: gpu_access(model)[2],
+                                     STORE_ANNOTATION: stored(pool_spec, annotations, _has_gpu(model)).note}},
+        "spec": _spec_patch(spec, pool, annotations, model),
     }
     if SKIPPED_ANNOTATION in annotations:  # a JSON patch may not remove what is absent
         patch["metadata"]["annotations"][SKIPPED_ANNOTATION] = None
@@ -276,24 +345,22 @@ def vllm_connector_args(container: dict[str, Any]) -> list[str]:
     }, separators=(",", ":"))]
 
 
-def _spec_patch(spec: dict[str, Any], pool: dict[str, Any], pool_spec: dict[str, Any],
-                model: dict[str, Any], vllm: bool = True) -> dict[str, Any]:
+def _spec_patch(spec: dict[str, Any], pool: dict[str, Any], annotations: dict[str, str],
+                model: dict[str, Any]) -> dict[str, Any]:
     new_containers = copy.deepcopy(spec.get("containers") or [])
     for c in new_containers:
         if c.get("name") == model.get("name"):
             c.setdefault("volumeMounts", []).append({"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR})
             c.setdefault("env", []).append(_value_env(settings.SOCKET, SOCKET))
-            if vllm and (extra := vllm_connector_args(c)):
+            if annotations.get(VLLM_ANNOTATION, "").lower() != "false" and (extra := vllm_connector_args(c)):
                 c["args"] = list(c.get("args") or []) + extra
     volumes = copy.deepcopy(spec.get("volumes") or [])
     volumes.append({"name": SOCKET_VOLUME, "emptyDir": {}})
-    ca = ((pool_spec["storage"].get("external") or {}).get("tls") or {}).get("caSecretRef")
-    if ca:
-        volumes.append({"name": CA_VOLUME, "secret": {"secretName": ca["name"],
-                                                      "items": [{"key": ca["key"], "path": ca["key"]}]}})
+    if ca_volume(pool):
+        volumes.append(ca_volume(pool))
     groups = list((spec.get("securityContext") or {}).get("supplementalGroups") or [])
     return {
-        "initContainers": [sidecar_container(pool, model)]
+        "initContainers": [sidecar_container(pool, model, annotations)]
                           + copy.deepcopy(spec.get("initContainers") or []),
         "containers": new_containers,
         "volumes": volumes,

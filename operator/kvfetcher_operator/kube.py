@@ -16,7 +16,7 @@ import kopf
 import kubernetes
 import urllib3
 
-PLURALS = {"Secret": "secrets", "Service": "services", "StatefulSet": "statefulsets",
+PLURALS = {"Secret": "secrets", "Service": "services", "StatefulSet": "statefulsets", "Deployment": "deployments",
            "PodDisruptionBudget": "poddisruptionbudgets", "NetworkPolicy": "networkpolicies"}
 MERGE = "application/merge-patch+json"
 # Set on a child an owner let go of (data kept); only a new owner of the same kind and name takes it back.

@@ -13,25 +13,28 @@ import re
 from decimal import Decimal
 from typing import Any
 
+from kvfetcher import config as settings
+
 GROUP = "kvfetcher.io"
 VERSION = "v1alpha1"
 PLURAL = "kvcachepools"
 KIND = "KVCachePool"
 
-# The data plane's presets (kvfetcher.presets); a test keeps the two lists equal.
-PRESETS = ("raw", "exact", "q8", "lean", "balanced", "compact")
-# what a pool may store by default: "auto" leaves it to the sidecar; lean, balanced and compact need the model's RoPE theta
+PRESETS = settings.PRESET_NAMES
+# codec.defaultPreset (deprecated for storePresets): one preset to store, or "auto" for the default
 DEFAULT_PRESETS = ("auto", "raw", "exact", "q8")
+# codec.storePresets when unset: the first of these that allowedPresets allows
+STORE_DEFAULTS = ("balanced-ans", "q8")
 
 DEFAULTS: dict[str, Any] = {
-    "codec": {"defaultPreset": "auto", "allowedPresets": list(PRESETS), "chunkTokens": 256},
+    "codec": {"allowedPresets": list(PRESETS), "chunkTokens": 256},
     "injection": {"enabled": True},
     "sidecar": {
         "image": "ghcr.io/kvfetcher/kvfetcher-sidecar:0.1.0",
         "imagePullPolicy": "IfNotPresent",
         "port": 8500,
     },
-    "retention": {"ttlDays": 7, "dataPolicy": "Retain"},
+    "retention": {"ttlDays": 7, "evictIntervalSeconds": 60, "dataPolicy": "Retain"},
     "tenancy": {"saltFrom": "Pool"},
 }
 MANAGED_DEFAULTS: dict[str, Any] = {
@@ -96,6 +99,46 @@ def with_defaults(spec: dict[str, Any]) -> dict[str, Any]:
     tenancy = out["tenancy"]
     if isinstance(tenancy.get("secretRef"), dict):
         tenancy["secretRef"].setdefault("key", "salt")
+    return out
+
+
+def store_presets(spec: dict[str, Any]) -> list[str]:
+    """What every new prefix is stored in: codec.storePresets; unset, the deprecated defaultPreset
+    when it names one, else the first of STORE_DEFAULTS that allowedPresets allows (empty: none is)."""
+    codec = with_defaults(spec)["codec"]
+    if "storePresets" in codec:
+        return list(codec["storePresets"])
+    if codec.get("defaultPreset", "auto") != "auto":
+        return [codec["defaultPreset"]]
+    return [p for p in STORE_DEFAULTS if p in codec["allowedPresets"]][:1]
+
+
+def _codec_problems(spec: dict[str, Any]) -> list[str]:
+    codec, out = spec["codec"], []
+    allowed = codec["allowedPresets"]
+    if not isinstance(allowed, list) or not allowed or any(p not in PRESETS for p in allowed):
+        return [f"codec.allowedPresets: must be a non-empty subset of {list(PRESETS)}"]
+    given = codec.get("storePresets")
+    if given is not None:
+        if not isinstance(given, list) or not given or len(set(map(str, given))) < len(given):
+            out.append("codec.storePresets: must be a non-empty list of distinct presets")
+        elif any(p not in PRESETS for p in given):
+            out.append(f"codec.storePresets: {[p for p in given if p not in PRESETS]} are not presets; "
+                       f"known: {list(PRESETS)}")
+        elif any(p not in allowed for p in given):
+            out.append(f"codec.storePresets: {[p for p in given if p not in allowed]} are not in "
+                       f"codec.allowedPresets (what no fetch may choose is not worth storing)")
+    preset = codec.get("defaultPreset", "auto")
+    if preset not in DEFAULT_PRESETS:
+        out.append(f"codec.defaultPreset: {preset!r} is not one of {list(DEFAULT_PRESETS)}")
+    elif preset != "auto" and preset not in allowed:
+        out.append("codec.defaultPreset must be auto or one of codec.allowedPresets")
+    elif not out and not store_presets(spec):
+        out.append(f"set codec.storePresets: its defaults, {' and '.join(STORE_DEFAULTS)}, are not in "
+                   f"codec.allowedPresets")
+    chunk = codec["chunkTokens"]
+    if not isinstance(chunk, int) or not 16 <= chunk <= 8192 or chunk % 16:
+        out.append("codec.chunkTokens: must be a multiple of 16 between 16 and 8192")
     return out
 
 
@@ -172,18 +215,7 @@ def problems(spec: dict[str, Any]) -> list[str]:
             if tls.get("caSecretRef") and tls.get("insecureSkipVerify"):
                 out.append("storage.external.tls: caSecretRef and insecureSkipVerify exclude each other")
 
-    codec = spec["codec"]
-    allowed = codec["allowedPresets"]
-    unknown = [p for p in allowed if p not in PRESETS]
-    if unknown or not allowed:
-        out.append(f"codec.allowedPresets: must be a non-empty subset of {list(PRESETS)}")
-    if codec["defaultPreset"] not in DEFAULT_PRESETS:
-        out.append(f"codec.defaultPreset: {codec['defaultPreset']!r} is not one of {list(DEFAULT_PRESETS)}")
-    elif codec["defaultPreset"] != "auto" and codec["defaultPreset"] not in allowed:
-        out.append("codec.defaultPreset must be auto or one of codec.allowedPresets")
-    chunk = codec["chunkTokens"]
-    if not isinstance(chunk, int) or not 16 <= chunk <= 8192 or chunk % 16:
-        out.append("codec.chunkTokens: must be a multiple of 16 between 16 and 8192")
+    out += _codec_problems(spec)
 
     port = spec["sidecar"]["port"]
     if not isinstance(port, int) or not 1024 <= port <= 65535:
@@ -200,6 +232,9 @@ def problems(spec: dict[str, Any]) -> list[str]:
     retention = spec["retention"]
     if not isinstance(retention["ttlDays"], int) or not 1 <= retention["ttlDays"] <= 3650:
         out.append("retention.ttlDays: must be between 1 and 3650")
+    interval = retention["evictIntervalSeconds"]
+    if isinstance(interval, bool) or not isinstance(interval, int) or not 10 <= interval <= 86400:
+        out.append("retention.evictIntervalSeconds: must be between 10 and 86400")
     if "maxSize" in retention:
         out += _size_problem("retention.maxSize", retention["maxSize"])
     if retention["dataPolicy"] not in ("Retain", "Delete"):

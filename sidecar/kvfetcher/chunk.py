@@ -5,7 +5,9 @@ This is the seam between the pure parts (layout, container) and the codec backen
 object in memory (:func:`decode_chunk`), a decode worker's request and the fetch executor's
 in-process path all go through it (the executor calls its two halves,
 :func:`verify_and_decode` then :meth:`Decoded.write`, so that a fetch given up on between them
-writes nothing).
+writes nothing; for parts it read and checked itself, :func:`decode_verified` then the write).
+An entropy-coded chunk is unpacked into a GPU buffer on a stream of the writing thread's own, so
+that threads restoring chunks side by side do not wait for each other's kernels.
 
 Checks before a byte reaches a buffer: every part's CRC-32 and, with an
 :class:`~format.mac.ObjectMAC` (``auth``), its tag; and no NaN or infinity where one can come
@@ -15,9 +17,11 @@ value from them and from 8-bit samples) and the whole payload of the lossless la
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,7 +49,9 @@ def encode_chunk(
 ) -> bytes:
     """KV ``[layers, 2, kv_heads, tokens, head_dim]`` -> one self-describing stored object.
 
-    ``start`` is the chunk's first token position; ``rope_theta`` the model's RoPE base,
+    ``kv`` may be on a GPU: the layout packs it there, and an entropy format codes it there too
+    (only the coded bytes reach the host). ``start`` is the chunk's first token position;
+    ``rope_theta`` the model's RoPE base,
     needed by presets that quantise keys before RoPE (and written into the header). A preset
     given by name is the one for this model (``presets.get(name, fingerprint)``). With ``auth``
     (the object key and the name the object will be stored at) the object carries its tags.
@@ -61,7 +67,7 @@ def encode_chunk(
     if lp.basis is not None and not basis.fits(lp.basis, tuple(kv.shape), fingerprint):
         lp = dataclasses.replace(lp, basis=None, sparse_tokens=0)  # another model: plain per-channel sigma steps (the sparse corrections rank keys in the basis)
     packed = layout.pack(kv, lp, start)
-    enc = codec.encoder(p.codec.format)
+    enc = codec.encoder(p.codec.format, packed.frames.device)
     n = packed.frames.shape[0]
     frame_bytes = packed.frames[0].numel()
     step = max(1, p.segment_bytes // frame_bytes if p.segment_bytes else p.segment_frames)
@@ -124,41 +130,66 @@ class Decoded:
         if self.values is not None:
             dest.write_kv(ref, self.values)
             return math.prod(h.shape) * bytes_per_value(h.torch_dtype)
-        frames = self.frames.to(dest.buffer.device)
-        unpack = functools.partial(layout.unpack, frames, self.side, h.shape, h.torch_dtype, h.layout, start=h.start)
-        view = dest.view(ref)
-        if view is not None:
-            unpack(out=view)
-        else:
-            dest.scatter(ref, unpack())
-        dest.finish()
+        own = h.codec.format in codec.ENTROPY_FORMATS and dest.device.type == "cuda"
+        with torch.cuda.stream(_thread_stream(dest.device)) if own else contextlib.nullcontext():
+            frames = self.frames.to(dest.device)
+            unpack = functools.partial(layout.unpack, frames, self.side, h.shape, h.torch_dtype, h.layout, start=h.start)
+            view = dest.view(ref)
+            if view is not None:
+                unpack(out=view)
+            else:
+                dest.scatter(ref, unpack())
+            dest.finish()  # (waits for this stream: the chunk is in the buffer)
         return math.prod(h.shape) * bytes_per_value(h.torch_dtype)
+
+
+_local = threading.local()
+
+
+def _thread_stream(device: torch.device) -> torch.cuda.Stream:
+    """This thread's own stream on ``device`` for writes into KV buffers."""
+    streams = getattr(_local, "streams", None)
+    if streams is None:
+        streams = _local.streams = {}
+    if device not in streams:
+        streams[device] = torch.cuda.Stream(device)
+    return streams[device]
 
 
 def verify_and_decode(h: container.Header, side: Bytes | None, segments: Sequence[Bytes],
                       device: torch.device | str = "cpu", backend: str | None = None,
                       auth: ObjectMAC | None = None) -> Decoded:
     """Check the checksum (and with ``auth`` the tag) of the side information and of every segment,
-    then decode every segment (frames on ``device``) and check that no value can come out NaN or
-    infinite (module doc). Raises a :class:`container.ContainerError` for a bad part; touches no
-    buffer. ``h`` was parsed with the same ``auth``; ``side`` and ``segments`` are the parts' stored
-    bytes, unverified, in header order."""
+    then :func:`decode_verified`. Raises a :class:`container.ContainerError` for a bad part; touches
+    no buffer. ``h`` was parsed with the same ``auth``; ``side`` and ``segments`` are the parts'
+    stored bytes, unverified, in header order."""
     if h.side is not None:
         container.check(h.side, side, auth)
     for seg, data in zip(h.segments, segments, strict=True):
         container.check(seg, data, auth)
-    side_t = container.side_tensor(h, bytes(side)) if h.side else None
+    return decode_verified(h, side, segments, device, backend)
+
+
+def decode_verified(h: container.Header, side: Bytes | None, segments: Sequence[Bytes | torch.Tensor],
+                    device: torch.device | str = "cpu", backend: str | None = None) -> Decoded:
+    """Decode every segment of a chunk whose parts' checksums (and tags) have all been checked
+    (frames on ``device``), and check that no value can come out NaN or infinite (module doc).
+    Raises a :class:`container.ContainerError` for a bad part; touches no buffer. An entropy-coded
+    segment may be a host uint8 tensor (a fetch's staging buffer: decoded on the GPU from it in place)."""
+    side_t = container.side_tensor(h, side) if h.side else None
     if side_t is not None:  # (its sparse corrections are integers: any bits are valid)
         for part in layout.split_side(side_t, h.shape, h.layout):
             container.check_finite(part, h.torch_dtype)
     dec = codec.decoder(h.codec.format, device, backend)
-    in_place = getattr(dec, "name", "") in ("nvdec", "raw")  # these read a buffer in place; libav wants bytes
+    in_place = dec.name in ("nvdec", "raw") or dec.format in codec.ENTROPY_FORMATS  # these read a buffer in place; libav wants bytes
     frames = [container.decode_segment(h, s, d if in_place else bytes(d), dec, device) for s, d in zip(h.segments, segments)]
     frames_t = frames[0] if len(frames) == 1 else torch.cat(frames)
     values = None
     if h.layout.mode in layout.LOSSLESS_MODES:  # the values are the payload's: check them all
         values = layout.unpack(frames_t, None, h.shape, h.torch_dtype, h.layout)
         container.check_finite(values, h.torch_dtype)
+    elif frames_t.is_cuda:  # the side information goes to the frames' GPU here, off the write's path
+        side_t = side_t.to(frames_t.device)
     return Decoded(h, frames_t, side_t, values)
 
 
@@ -176,7 +207,7 @@ def restore_chunk(dest: Destination, ref: ChunkRef, h: container.Header, side: B
     """
     dest.check(h, ref)
     t0 = time.perf_counter()
-    decoded = verify_and_decode(h, side, segments, dest.buffer.device if device is None else device, backend, auth)
+    decoded = verify_and_decode(h, side, segments, dest.device if device is None else device, backend, auth)
     t1 = time.perf_counter()
     n = decoded.write(dest, ref)
     if times is not None:

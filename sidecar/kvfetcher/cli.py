@@ -1,4 +1,4 @@
-"""kvfetcher command line: ``eval`` and ``presets`` here; ``serve`` and ``demo`` register theirs."""
+"""kvfetcher command line: ``eval``, ``presets`` and ``evict`` here; ``serve`` and ``demo`` register theirs."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 
 
@@ -31,8 +32,10 @@ def _backend_name(preset: str, caps: dict) -> str:
     from kvfetcher.format.presets import get
 
     fmt = get(preset).codec.format
-    if fmt == "raw":
-        return "raw"
+    if fmt in ("raw", "zstd"):
+        return fmt  # (zstd: the CPU's here; eval restores on the CPU)
+    if fmt == "ans":
+        return "nvcomp-ans"
     enc = "nvenc" if caps.get("nvenc") else "x265"
     dec = "libavcodec"  # eval restores on the CPU; NVDEC rates are the GPU benchmarks' business
     return f"{enc}+{dec}"
@@ -48,8 +51,36 @@ def _presets(args: argparse.Namespace) -> int:
         for r in rows:
             m = r["measured"]
             fig = f"{m['ratio_vs_fp16']:.2f}x, agreement {m['greedy_agreement']:.3f}" if m else "not measured"
-            print(f"{r['name']:>9}  {fig:<28}  {r['summary']}")
+            print(f"{r['name']:>14}  {fig:<28}  {r['summary']}")
     return 0
+
+
+def _evict(args: argparse.Namespace) -> int:
+    """Enforce the bounds once, or every ``--every`` seconds until stopped; one JSON report a run on
+    stdout. Exit status (``--once``): 1 when the run met an error (what it did is still reported)."""
+    from kvfetcher.store import from_env, from_url
+    from kvfetcher.store.retention import Evictor
+
+    store = from_url(args.store) if args.store else from_env()
+    evictor = Evictor(store)
+    ttl_s = None if args.ttl_days is None else args.ttl_days * 86400.0
+    while True:
+        t = time.monotonic()
+        report = evictor.enforce(args.max_bytes, ttl_s)
+        print(json.dumps(report.to_dict()), flush=True)
+        if args.every is None:
+            return 1 if report.errors else 0
+        time.sleep(max(0.0, args.every - (time.monotonic() - t)))
+
+
+def _positive(kind):
+    def parse(text: str):
+        v = kind(text)
+        if not v > 0:
+            raise argparse.ArgumentTypeError(f"must be positive, not {text}")
+        return v
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +101,16 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("presets", help="list presets with their parameters and measured figures")
     pr.add_argument("--json", action="store_true")
     pr.set_defaults(func=_presets)
+
+    ex = sub.add_parser("evict", help="keep a store within a size and an idle time: least recently fetched prefix ends go first")
+    ex.add_argument("--store", help="http(s)://host[:port]/bucket (credentials from KVFETCHER_S3_*), file:///dir or a "
+                    "directory (default: the store the environment names, as the sidecar's)")
+    ex.add_argument("--max-bytes", type=_positive(int), help="bytes the store may hold, every representation counted")
+    ex.add_argument("--ttl-days", type=_positive(float), help="evict what was not fetched (or stored) for this long")
+    when = ex.add_mutually_exclusive_group()
+    when.add_argument("--once", action="store_true", help="one run, then exit (the default)")
+    when.add_argument("--every", type=_positive(float), metavar="S", help="a run every S seconds until stopped")
+    ex.set_defaults(func=_evict)
 
     for register in _plugins():
         register(sub)

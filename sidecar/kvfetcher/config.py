@@ -111,6 +111,12 @@ def _home_cache(*parts: str) -> Callable[[], str]:
 
 
 DEFAULT_PRESETS = ("q8",)
+#: Every preset a pool may name. The operator checks a pool's presets against these names (it
+#: cannot import the codecs); :mod:`kvfetcher.format.presets` defines them, and a test keeps both equal.
+PRESET_NAMES = ("raw", "exact", "q8", "lean", "balanced", "compact",
+                "q8-ans", "balanced-ans", "compact-ans", "q8-zstd", "balanced-zstd", "compact-zstd")
+#: Those that quantise keys before RoPE: stored only where ``KVFETCHER_ROPE_THETA`` is set.
+PRE_ROPE_PRESETS = ("lean", "balanced", "compact", "balanced-ans", "compact-ans", "balanced-zstd", "compact-zstd")
 
 
 def _presets(text: str) -> tuple[str, ...]:
@@ -121,8 +127,9 @@ def _presets(text: str) -> tuple[str, ...]:
 CHUNK_TOKENS = Setting("KVFETCHER_CHUNK_TOKENS", int, 256, "Tokens per stored chunk.",
                        inject="`spec.codec.chunkTokens`")
 PRESET = Setting("KVFETCHER_PRESET", tuple, DEFAULT_PRESETS,
-                 "Representations written for each chunk (`auto`: the default).",
-                 inject="`spec.codec.defaultPreset`", parse=_presets)
+                 "Representations written for each new chunk (`auto`: the default).",
+                 inject="`spec.codec.storePresets`, less the pre-RoPE ones where the pod gives no RoPE base",
+                 parse=_presets)
 ALLOWED_PRESETS = Setting("KVFETCHER_ALLOWED_PRESETS", tuple, None,
                           "Representations a fetch may choose among (unset: any known).",
                           inject="`spec.codec.allowedPresets`")
@@ -138,7 +145,8 @@ MODEL = Setting("KVFETCHER_MODEL", str, "", "The model fingerprint this sidecar 
                 inject="the pod's annotation `kvfetcher.io/model`")
 RECOMPUTE_TPS = Setting("KVFETCHER_RECOMPUTE_TPS", float, 5000.0,
                         "Model prefill rate (tokens/s) when a request gives none.")
-ROPE_THETA = Setting("KVFETCHER_ROPE_THETA", float, None, "The model's RoPE base: needed to store pre-RoPE presets.")
+ROPE_THETA = Setting("KVFETCHER_ROPE_THETA", float, None, "The model's RoPE base: needed to store pre-RoPE presets.",
+                     inject="the pod's annotation `kvfetcher.io/rope-theta`")
 TTFT_BUDGET_S = Setting("KVFETCHER_TTFT_BUDGET_S", float, None,
                         "Prefer a fetch within this TTFT (s) to a faster recompute (unset: the fastest wins).",
                         inject="`spec.sidecar.ttftBudgetSeconds`")
@@ -174,7 +182,14 @@ STORE_QUEUE_CHUNKS = Setting("KVFETCHER_STORE_QUEUE_CHUNKS", int, 256,
 IO_WORKERS = Setting("KVFETCHER_IO_WORKERS", int, 32, "Threads for store data I/O (GET, PUT).")
 META_IO_WORKERS = Setting("KVFETCHER_META_IO_WORKERS", int, 8,
                           "Threads for store metadata I/O (LIST, HEAD, DELETE, readiness), apart from data I/O.")
+ACCESS_LOG_S = Setting("KVFETCHER_ACCESS_LOG_S", float, 15.0,
+                       "Seconds between the access logs a sidecar writes (which chunks it fetched, for the "
+                       "evictor's least-recently-used order; 0: none).")
 FUSED_UNPACK = Setting("KVFETCHER_FUSED_UNPACK", bool, True, "Unpack CUDA frames with the fused Triton kernel.")
+LINK_DIR = Setting("KVFETCHER_LINK_DIR", str, None,
+                   "Directory shared by the sidecars of a node (one per tensor-parallel rank, other pods'): each "
+                   "announces its fetches there, and the cost model splits the node's link among them (unset: "
+                   "each sidecar takes the link as its own).")
 
 # -- the model side (client) ------------------------------------------------------------------
 SOCKET = Setting("KVFETCHER_SOCKET", str, None, "The sidecar's Unix socket (wins over `KVFETCHER_URL`).",
@@ -211,7 +226,7 @@ TABLES: dict[str, tuple[Setting, ...]] = {
         CHUNK_TOKENS, PRESET, ALLOWED_PRESETS, TENANT, POOL, OBJECT_KEY, MODEL, RECOMPUTE_TPS, ROPE_THETA, TTFT_BUDGET_S,
         DECODE_PROCS, WARM_UP, S3_ENDPOINT, S3_BUCKET, S3_ACCESS_KEY, S3_SECRET_KEY, S3_REGION, S3_CA_FILE,
         S3_INSECURE, STORE_DIR, AUTH_TOKEN, AUTH_TOKEN_FILE, FUSED_UNPACK, DEADLINE_S, MAX_REQUEST_TOKENS,
-        STORE_QUEUE_CHUNKS, IO_WORKERS, META_IO_WORKERS),
+        STORE_QUEUE_CHUNKS, IO_WORKERS, META_IO_WORKERS, LINK_DIR, ACCESS_LOG_S),
     "Model side (`KVClient`, shared buffers)": (SOCKET, URL),
     "Evaluation (`kvfetcher demo`, tests)": (CACHE,),
     "Operator": (WEBHOOK_ADDR, WEBHOOK_PORT, WEBHOOK_CERT, WEBHOOK_KEY, WEBHOOK_CONFIGURATION,
@@ -256,6 +271,7 @@ class Config:
     warm_up: bool = env_field(WARM_UP)
     io_workers: int = env_field(IO_WORKERS)  # data I/O threads
     meta_io_workers: int = env_field(META_IO_WORKERS)  # metadata I/O threads
+    link_dir: str | None = env_field(LINK_DIR)  # None: the node's link is not known to be shared
     window: int = 4  # chunks in flight per fetch
 
     @classmethod

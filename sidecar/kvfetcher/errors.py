@@ -39,6 +39,9 @@ class Reason(str, Enum):
     # decisions, not failures
     MISS = "miss"
     COST_MODEL = "cost_model"
+    # a tensor-parallel group (fetch.group): a rank's sidecar did not answer; the ranks found no common plan
+    SIDECAR_DOWN = "sidecar_down"
+    TP_GROUP = "tp_group"
     # the sidecar itself
     STORE_QUEUE_FULL = "store_queue_full"
     BAD_OBJECT_DELETED = "bad_object_deleted"

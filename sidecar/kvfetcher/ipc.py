@@ -16,6 +16,10 @@ object; the sidecar opens the handle and gets a tensor aliasing the same memory:
 * GPU: a CUDA IPC handle of the buffer's storage, as produced by
   ``torch.multiprocessing.reductions.reduce_tensor`` and opened with its rebuild function;
   the arguments are encoded field by field (no pickle crosses the socket).
+
+A paged buffer (:class:`kvbuffer.PagedKV`: a serving engine's KV blocks, one tensor per layer or
+one for all) is one handle of kind ``paged`` (:func:`paged_handle`) holding its layout and a handle
+per tensor; opening it opens them all, releasing it releases them all.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvfetcher.kvbuffer import DTYPES, dtype_name
+from kvfetcher.kvbuffer import DTYPES, PagedKV, PagedLayout, dtype_name
 
 #: the seals a registered memfd must carry: it cannot shrink or grow, and no seal can be added or removed
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -80,10 +84,27 @@ def memfd_handle(fd: int, shape, dtype: str) -> dict:
     return {"kind": "memfd", "pid": os.getpid(), "fd": fd, "inode": [st.st_dev, st.st_ino], "shape": list(shape), "dtype": dtype}
 
 
-def open_handle(handle: dict) -> torch.Tensor:
-    """The tensor a handle names: a CUDA handle, or a memfd of this process or its parent. Raises
-    ``ValueError`` for a bad handle (``KeyError`` / ``TypeError`` for a malformed one)."""
+def paged_handle(handles: list[dict], layout: PagedLayout) -> dict:
+    """The handle of a paged buffer: its tensors' ``handles`` (one per layer, or one holding every
+    layer) seen through ``layout``."""
+    return {"kind": "paged", "dims": layout.dims, "block_size": layout.block_size, "handles": list(handles)}
+
+
+def _paged_parts(handle: dict) -> tuple[list[dict], PagedLayout]:
+    handles = handle["handles"]
+    if not isinstance(handles, list) or not handles or any(not isinstance(h, dict) or h.get("kind") == "paged" for h in handles):
+        raise ValueError("a paged handle holds a non-empty list of tensor handles")
+    return handles, PagedLayout(handle["dims"], handle["block_size"])
+
+
+def open_handle(handle: dict) -> torch.Tensor | PagedKV:
+    """The tensor a handle names: a CUDA handle, or a memfd of this process or its parent; for a
+    paged handle, the :class:`PagedKV` of its tensors. Raises ``ValueError`` for a bad handle
+    (``KeyError`` / ``TypeError`` for a malformed one)."""
     kind = handle.get("kind")
+    if kind == "paged":
+        handles, layout = _paged_parts(handle)
+        return PagedKV([open_handle(h) for h in handles], layout)
     if kind == "memfd":
         fd = _reopen(handle)
         try:
@@ -92,13 +113,26 @@ def open_handle(handle: dict) -> torch.Tensor:
             os.close(fd)
     if kind == "cuda":
         return _open_cuda(handle)
-    raise ValueError(f"unknown buffer handle kind {kind!r} (expected 'memfd' or 'cuda')")
+    raise ValueError(f"unknown buffer handle kind {kind!r} (expected 'memfd', 'cuda' or 'paged')")
 
 
-def adopt(handle: dict) -> tuple[torch.Tensor, dict]:
-    """The sidecar's side of a registration: the tensor ``handle`` names, and a handle of its own
-    that this process and its children (the decode workers) open. For a memfd that is a new fd of
-    this process, held until :func:`release`; a CUDA handle is its own."""
+def adopt(handle: dict) -> tuple[torch.Tensor | PagedKV, dict]:
+    """The sidecar's side of a registration: the tensor (or paged KV) ``handle`` names, and a handle
+    of its own that this process and its children (the decode workers) open. For a memfd that is a
+    new fd of this process, held until :func:`release`; a CUDA handle is its own; a paged handle
+    adopts each of its tensors' (all released again if one fails)."""
+    if handle.get("kind") == "paged":
+        handles, layout = _paged_parts(handle)
+        adopted: list[tuple[torch.Tensor, dict]] = []
+        try:
+            for h in handles:
+                adopted.append(adopt(h))
+            own = paged_handle([h for _, h in adopted], layout)
+            return PagedKV([t for t, _ in adopted], layout), own
+        except BaseException:
+            for _, h in adopted:
+                release(h)
+            raise
     if handle.get("kind") != "memfd":
         return open_handle(handle), handle
     fd = _reopen(handle)
@@ -111,9 +145,12 @@ def adopt(handle: dict) -> tuple[torch.Tensor, dict]:
 
 
 def release(handle: dict) -> None:
-    """Close the fd of a handle :func:`adopt` returned (its mappings stay valid)."""
+    """Close the fd(s) of a handle :func:`adopt` returned (its mappings stay valid)."""
     if handle.get("kind") == "memfd":
         os.close(handle["fd"])
+    elif handle.get("kind") == "paged":
+        for h in handle["handles"]:
+            release(h)
 
 
 def _nbytes(shape, dtype: torch.dtype) -> int:

@@ -1,16 +1,26 @@
 """kvbuffer: the KV buffers the sidecar reads from and writes into.
 
-A KV buffer is ``[layers, 2, kv_heads, capacity, head_dim]`` (K and V on axis 1, token slots on
-axis 3) in one of :data:`DTYPES`; a chunk is the same shape with ``tokens`` in place of
-``capacity``. Token ``i`` of a prompt lives in slot ``slots[i]``: contiguous slots form a plain
-view of the buffer, scattered ones (a paged cache) are written through ``index_copy_``
-(:class:`Destination`). This is the bottom layer: it knows shapes and slots, not codecs.
+A chunk is ``[layers, 2, kv_heads, tokens, head_dim]`` (K and V on axis 1) in one of
+:data:`DTYPES`. A buffer holds a prompt's KV in one of two ways:
+
+* flat: ``[layers, 2, kv_heads, capacity, head_dim]``; token ``i`` lives in slot ``slots[i]``.
+  Contiguous slots form a plain view of the buffer, scattered ones are written through
+  ``index_copy_`` (:class:`Destination`).
+* paged, as a serving engine keeps it: blocks of ``block_size`` tokens in one or more tensors laid
+  out as a :class:`PagedLayout` says; token ``i`` lives at position ``i % block_size`` of block
+  ``block_ids[i // block_size]`` (:class:`PagedKV`, :func:`write_blocks`, :func:`read_blocks`,
+  :class:`PagedDestination`).
+
+This is the bottom layer: it knows shapes, slots and blocks, not codecs.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,10 +45,11 @@ def bytes_per_value(dtype: torch.dtype) -> int:
     return torch.finfo(dtype).bits // 8
 
 
-def check_shape(t: torch.Tensor) -> None:
-    """Raise ``ValueError`` unless ``t`` is shaped like a KV buffer."""
+def check_shape(t: torch.Tensor) -> tuple[int, int, int]:
+    """The (layers, kv_heads, head_dim) of a flat KV buffer; ``ValueError`` unless ``t`` is shaped like one."""
     if t.dim() != 5 or t.shape[1] != 2:
         raise ValueError(f"KV buffer must be [layers, 2, kv_heads, capacity, head_dim], got {tuple(t.shape)}")
+    return t.shape[0], t.shape[2], t.shape[4]
 
 
 @dataclass(frozen=True)
@@ -78,18 +89,20 @@ def contiguous(idx: Sequence[int]) -> bool:
 
 
 class Destination:
-    """Where a fetch writes: token ``i`` of the prompt goes to slot ``slots[i]`` of ``buffer``.
+    """Where a prompt's tokens live in a flat buffer: token ``i`` in slot ``slots[i]`` of ``buffer``.
+    A fetch writes there, a store reads there (:meth:`read`).
 
     ``buffer`` is ``[layers, 2, kv_heads, capacity, head_dim]``; the slots are ``slots[:tokens]``
     or ``range(offset, offset + tokens)`` (:func:`slot_list`). A chunk's contiguous slots are
-    written in place through :meth:`view` (no copy), scattered ones (a paged cache) through
-    :meth:`scatter`; every write ends with :meth:`finish`. ``handle`` is the buffer's IPC handle
-    (:mod:`ipc`), which decode worker processes open to write into the same memory.
+    written in place through :meth:`view` (no copy), scattered ones through :meth:`scatter`; every
+    write ends with :meth:`finish`. ``handle`` is the buffer's IPC handle (:mod:`ipc`), which
+    decode worker processes open to write into the same memory; they address a chunk by
+    :meth:`where`.
     """
 
     def __init__(self, buffer: torch.Tensor, slots: Sequence[int] | None = None, offset: int = 0, tokens: int | None = None,
                  handle: dict | None = None):
-        check_shape(buffer)
+        self.shape, self.dtype, self.device = check_shape(buffer), buffer.dtype, buffer.device
         self.buffer = buffer
         self.handle = handle
         if tokens is None:
@@ -97,18 +110,22 @@ class Destination:
                 raise ValueError("give the destination's slots or its number of tokens")
             tokens = len(slots)
         self.slots = slot_list(buffer.shape[3], tokens, slots, offset)
+        self.tokens = tokens
 
     def check(self, h, c: ChunkRef) -> None:
         """Refuse a chunk (``h``: its header's ``shape``, ``dtype`` and ``torch_dtype``) that does not
-        fit: wrong geometry or dtype is :class:`GeometryMismatchError` (a miss here, not a bad object); slots
-        beyond the destination a ValueError."""
-        L, _, H, _, D = self.buffer.shape
-        if tuple(h.shape) != (L, 2, H, c.tokens, D) or h.torch_dtype != self.buffer.dtype:
-            raise GeometryMismatchError(
-                f"chunk {tuple(h.shape)} {h.dtype} does not fit buffer {tuple(self.buffer.shape)} {self.buffer.dtype}"
-            )
-        if c.start + c.tokens > len(self.slots):
+        fit: wrong geometry or dtype is :class:`GeometryMismatchError` (a miss here, not a bad object);
+        tokens beyond the destination a ValueError."""
+        L, H, D = self.shape
+        if tuple(h.shape) != (L, 2, H, c.tokens, D) or h.torch_dtype != self.dtype:
+            raise GeometryMismatchError(f"chunk {tuple(h.shape)} {h.dtype} does not fit a buffer of (layers, kv_heads, head_dim) "
+                                        f"{self.shape} {dtype_name(self.dtype)}")
+        if c.start + c.tokens > self.tokens:
             raise ValueError(f"no destination slots for tokens {c.start}..{c.start + c.tokens}")
+
+    def where(self, c: ChunkRef) -> list[int]:
+        """The chunk's place, as a decode worker's destination takes it: its slots."""
+        return list(self.slots[c.start : c.start + c.tokens])
 
     def view(self, c: ChunkRef) -> torch.Tensor | None:
         """The buffer view the chunk's slots form when they are contiguous, else None (scatter)."""
@@ -117,19 +134,27 @@ class Destination:
 
     def scatter(self, c: ChunkRef, kv: torch.Tensor) -> None:
         """Write the chunk's KV ``[layers, 2, kv_heads, tokens, head_dim]`` into its slots, wherever they are."""
-        idx = torch.tensor(self.slots[c.start : c.start + c.tokens], device=self.buffer.device)
-        self.buffer.index_copy_(3, idx, kv.to(self.buffer.device, non_blocking=True))
+        idx = torch.tensor(self.slots[c.start : c.start + c.tokens], device=self.device)
+        self.buffer.index_copy_(3, idx, kv.to(self.device, non_blocking=True))
+
+    def read(self, start: int, tokens: int) -> torch.Tensor:
+        """A private host copy of the KV ``[layers, 2, kv_heads, tokens, head_dim]`` of tokens
+        ``start .. start + tokens``."""
+        idx = self.slots[start : start + tokens]
+        if contiguous(idx):
+            return self.buffer[:, :, :, idx[0] : idx[0] + tokens].to("cpu", copy=True)
+        return self.buffer.index_select(3, torch.tensor(idx, device=self.device)).cpu()
 
     def finish(self) -> None:
         """Wait until the writes queued on the GPU are done: the model (another process) reads the
         buffer once the fetch answers."""
-        if self.buffer.is_cuda:
-            torch.cuda.current_stream(self.buffer.device).synchronize()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def write_kv(self, c: ChunkRef, kv: torch.Tensor) -> None:
-        """Copy a verified chunk ``[layers, 2, kv_heads, tokens, head_dim]`` (host memory) into its
-        slots. On a GPU the copy is non-blocking from pinned memory and waited for, so the chunk is
-        in the buffer when this returns and the host memory may be reused.
+        """Copy a verified chunk ``[layers, 2, kv_heads, tokens, head_dim]`` (host memory, or already
+        on the device) into its place. On a GPU the copy is non-blocking from pinned memory and
+        waited for, so the chunk is in the buffer when this returns and the host memory may be reused.
 
         It runs on the calling thread's current stream, not a dedicated one: in the sidecar's own
         process nothing else queues on the GPU, and a dedicated stream failed ("invalid resource
@@ -142,74 +167,196 @@ class Destination:
         self.finish()
 
 
-# --- paged destinations (a serving engine's block tables) ---------------------------------------
+# --- paged KV ---------------------------------------------------------------------------------
 
-_AXES = "LKBTHD"  # the canonical order paged tensors are viewed in
+_LETTERS = "LKBTHD"
+_CANONICAL = "LKHBTD"  # the order PagedKV views its tensors in: [layers, 2, kv_heads, blocks, block_size, head_dim]
 
 
 @dataclass(frozen=True)
 class PagedLayout:
-    """How one registered paged KV tensor is laid out: ``dims`` names its axes in order with the
-    letters L (layer), K (0 key, 1 value), B (block), T (token in block), H (kv head), D (head dim),
-    each once; L is optional (without it a tensor holds one layer, and a list of them holds the
-    layers in order). Token ``i`` of a prompt lives at position ``i % block_size`` of block
-    ``block_ids[i // block_size]``. K/V packed into the head-dim axis (``2 * head_dim``) is given
-    as a view that splits it (``t.unflatten(-1, (2, D))``: dims ``...KD``)."""
+    """How one registered tensor holds KV in blocks. ``dims`` names its axes in order: L (layer),
+    K (0 key, 1 value), B (block), T (token in block), H (kv head), D (head dim), each once, L
+    optional; letters in parentheses are one axis holding them flattened, outer first, with at
+    most one of L, B, H, D among them (``(KD)``: ``2 * head_dim`` values, the keys' then the
+    values'). Without L a tensor holds one layer and a registration lists one per layer, in layer
+    order; with L one tensor holds them all. Strides are the tensor's own (NHD or HND alike).
 
-    dims: str
-    block_size: int
+    vLLM's tensors: FlashAttention's per-layer cache (0.26 and 0.32, ``register_kv_caches``) is
+    ``(blocks, kv_heads, block_size, 2 * head_dim)``: ``BHT(KD)``; its cross-layer cache (0.26,
+    ``register_cross_layers_kv_cache``) ``(blocks, layers, block_size, kv_heads, 2 * head_dim)``:
+    ``BLTH(KD)``, or with the HND layout ``(blocks, kv_heads, layers, block_size, 2 * head_dim)``:
+    ``BHLT(KD)``. The CPU backend's ``(blocks, kv_heads, block_size, 2 * head_dim)`` holds per
+    block and head all keys, then all values: register its view ``(blocks, kv_heads, 2,
+    block_size, head_dim)``, ``BHKTD``.
+    """
+
+    dims: str = field(metadata={"doc": "the registered tensor's axes in order: L (layer; absent: one tensor per layer), K (key or "
+                                       "value), B (block), T (token in block), H (KV head), D (head dim); `(KD)`: one axis of "
+                                       "both flattened, e.g. vLLM FlashAttention's `BHT(KD)`"})
+    block_size: int = field(metadata={"doc": "tokens per block; must divide the sidecar's chunk tokens"})
 
     def __post_init__(self):
-        if sorted(self.dims) not in (sorted(_AXES), sorted(_AXES[1:])) or self.block_size <= 0:
-            raise ValueError(f"paged layout {self.dims!r}/{self.block_size}: dims must name K, B, T, H, D (and L) once each, "
-                             "block_size must be positive")
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, not {self.block_size!r}")
+        self.axes  # noqa: B018  (parses dims, raising for bad ones)
+
+    @functools.cached_property
+    def axes(self) -> tuple[str, ...]:
+        """The letters of each axis, outer first: ``BHT(KD)`` -> ``("B", "H", "T", "KD")``."""
+        if not isinstance(self.dims, str) or not re.fullmatch(rf"(?:[{_LETTERS}]|\([{_LETTERS}]{{2,}}\))+", self.dims):
+            raise ValueError(f"paged dims {self.dims!r}: use the letters {_LETTERS}, a group of two or more in parentheses")
+        axes = tuple(group or letter for group, letter in re.findall(rf"\(([{_LETTERS}]+)\)|([{_LETTERS}])", self.dims))
+        letters = "".join(axes)
+        if sorted(letters) not in (sorted(_LETTERS), sorted(_LETTERS[1:])):
+            raise ValueError(f"paged dims {self.dims!r} must name K, B, T, H and D once each, and L at most once")
+        if any(sum(c in "LBHD" for c in a) > 1 for a in axes):
+            raise ValueError(f"paged dims {self.dims!r}: a group may hold at most one of L, B, H, D (the others' sizes are known)")
+        return axes
+
+    def view(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` viewed as ``[layers, 2, kv_heads, blocks, block_size, head_dim]`` (layers 1 without
+        L): the same memory, no copy. ``ValueError`` if its shape does not fit the dims."""
+        known = {"K": 2, "T": self.block_size}
+        if t.dim() != len(self.axes):
+            raise ValueError(f"a tensor of paged dims {self.dims!r} has {len(self.axes)} axes, not shape {tuple(t.shape)}")
+        sizes = []
+        for axis, n in zip(self.axes, t.shape):
+            fixed = math.prod(known.get(c, 1) for c in axis)
+            split = [known.get(c, n // fixed) for c in axis]
+            if math.prod(split) != n or n == 0:
+                raise ValueError(f"tensor shape {tuple(t.shape)} does not fit paged dims {self.dims!r} with block_size "
+                                 f"{self.block_size} (K has 2 entries, T block_size)")
+            sizes += split
+        letters = "".join(self.axes)
+        v = t.view(sizes).permute([letters.index(c) for c in _CANONICAL if c in letters])
+        return v if "L" in letters else v.unsqueeze(0)
 
 
-def _canonical(tensors, layout: PagedLayout) -> list[torch.Tensor]:
-    """Views ``[2, blocks, block_size, kv_heads, head_dim]``, one per layer, of the paged tensors."""
-    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-    for t in tensors:
-        if t.dim() != len(layout.dims):
-            raise ValueError(f"a {layout.dims} tensor has {len(layout.dims)} axes, not {t.dim()}")
-        if t.shape[layout.dims.index("T")] != layout.block_size:
-            raise ValueError(f"the T axis is {t.shape[layout.dims.index('T')]} long, not block_size {layout.block_size}")
-    axes = [c for c in _AXES if c in layout.dims]
-    views = [t.permute(*[layout.dims.index(c) for c in axes]) for t in tensors]
-    return [layer for v in views for layer in (v.unbind(0) if "L" in layout.dims else (v,))]
+class PagedKV:
+    """KV in paged blocks: ``tensors``, one holding every layer (L in the layout's dims) or one per
+    layer in layer order, all of one shape, dtype and device, seen through ``layout``.
+
+    ``shape`` is (layers, kv_heads, head_dim), ``blocks`` the number of blocks. :meth:`write` and
+    :meth:`read` move whole blocks, given the ids :meth:`blocks_of` checked.
+    """
+
+    def __init__(self, tensors: torch.Tensor | Sequence[torch.Tensor], layout: PagedLayout):
+        tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+        if not tensors:
+            raise ValueError("a paged buffer needs at least one tensor")
+        if "L" in layout.dims and len(tensors) != 1:
+            raise ValueError(f"paged dims {layout.dims!r} name one tensor holding every layer, not {len(tensors)}")
+        views = [layout.view(t) for t in tensors]
+        v0 = views[0]
+        if any(v.shape != v0.shape or v.dtype != v0.dtype or v.device != v0.device for v in views):
+            raise ValueError("the per-layer paged tensors differ in shape, dtype or device")
+        dtype_name(v0.dtype)  # a supported KV dtype
+        self.tensors, self.layout, self.views = tensors, layout, views
+        _, _, H, self.blocks, _, D = v0.shape
+        self.shape = (v0.shape[0] * len(views), H, D)
+        self.dtype, self.device = v0.dtype, v0.device
+
+    def blocks_of(self, block_ids: Sequence[int], first_token: int, tokens: int) -> list[int]:
+        """The blocks of tokens ``first_token .. first_token + tokens`` of a prompt whose token ``i``
+        is in block ``block_ids[i // block_size]``. ``ValueError``: not whole blocks, block ids out
+        of range or repeated (any of those given), or too few of them."""
+        bs = self.layout.block_size
+        if first_token < 0 or first_token % bs or tokens % bs:
+            raise ValueError(f"tokens {first_token}..{first_token + tokens} are not whole blocks of {bs} tokens")
+        ids = [int(b) for b in block_ids]
+        if ids and (min(ids) < 0 or max(ids) >= self.blocks):
+            raise ValueError(f"block ids out of range for a paged buffer of {self.blocks} blocks")
+        if len(set(ids)) != len(ids):
+            raise ValueError("block ids must be distinct")
+        a, b = first_token // bs, (first_token + tokens) // bs
+        if len(ids) < b:
+            raise ValueError(f"{len(ids)} block ids given for tokens up to {first_token + tokens} ({b} blocks of {bs} tokens)")
+        return ids[a:b]
+
+    def check(self, kv: torch.Tensor) -> None:
+        """``ValueError`` unless ``kv`` is ``[layers, 2, kv_heads, tokens, head_dim]`` of this geometry and dtype."""
+        L, H, D = self.shape
+        if kv.dim() != 5 or (kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[4]) != (L, 2, H, D) or kv.dtype != self.dtype:
+            raise ValueError(f"KV {tuple(kv.shape)} {kv.dtype} does not fit paged KV of (layers, kv_heads, head_dim) {self.shape} {self.dtype}")
+
+    def write(self, blocks: Sequence[int], kv: torch.Tensor) -> None:
+        """Write ``kv`` ``[layers, 2, kv_heads, len(blocks) * block_size, head_dim]`` into ``blocks``:
+        one ``index_copy_`` per tensor, queued on the device's current stream."""
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        src = kv.to(self.device, non_blocking=True).unflatten(3, (len(blocks), self.layout.block_size))
+        layer = 0
+        for v in self.views:
+            v.index_copy_(3, idx, src[layer : layer + v.shape[0]])
+            layer += v.shape[0]
+
+    def read(self, blocks: Sequence[int]) -> torch.Tensor:
+        """A new tensor ``[layers, 2, kv_heads, len(blocks) * block_size, head_dim]`` (on the
+        buffer's device) of the KV in ``blocks``."""
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        return torch.cat([v.index_select(3, idx) for v in self.views]).flatten(3, 4)
 
 
-def _blocks(layers: list[torch.Tensor], layout: PagedLayout, block_ids, first_token: int, tokens: int) -> torch.Tensor:
-    bs = layout.block_size
-    if first_token < 0 or first_token % bs or tokens % bs:
-        raise ValueError(f"tokens {first_token}..{first_token + tokens} are not whole blocks of {bs}")
-    ids = [int(b) for b in block_ids[first_token // bs : (first_token + tokens) // bs]]
-    if len(ids) * bs != tokens:
-        raise ValueError(f"{len(block_ids)} block ids do not cover tokens {first_token}..{first_token + tokens}")
-    n = layers[0].shape[1]
-    if ids and (min(ids) < 0 or max(ids) >= n):
-        raise ValueError(f"block ids out of range for {n} blocks")
-    if len(set(ids)) != len(ids):
-        raise ValueError("block ids must be distinct")
-    return torch.tensor(ids, dtype=torch.long, device=layers[0].device)
-
-
-def write_blocks(tensors, layout: PagedLayout, block_ids, kv: torch.Tensor, first_token: int = 0) -> None:
+def write_blocks(tensors: torch.Tensor | Sequence[torch.Tensor], layout: PagedLayout, block_ids: Sequence[int], kv: torch.Tensor,
+                 first_token: int = 0) -> None:
     """Write ``kv`` ``[layers, 2, kv_heads, T, head_dim]``, the KV of tokens ``first_token ..
-    first_token + T`` of a prompt, into its blocks (whole blocks only; ``ValueError`` otherwise)."""
-    layers = _canonical(tensors, layout)
-    L, _, H, T, D = kv.shape
-    if L != len(layers) or (H, D) != tuple(layers[0].shape[3:]):
-        raise ValueError(f"KV {tuple(kv.shape)} does not fit {len(layers)} layers of {tuple(layers[0].shape)}")
-    idx = _blocks(layers, layout, block_ids, first_token, T)
-    src = kv.unflatten(3, (T // layout.block_size, layout.block_size)).permute(0, 1, 3, 4, 2, 5)  # [L, 2, nb, bs, H, D]
-    for layer, s in zip(layers, src):
-        layer.index_copy_(1, idx, s.to(layer.device, layer.dtype))
+    first_token + T`` of a prompt, into its blocks of ``tensors`` (:class:`PagedKV`). Everything
+    is checked before the first write (``ValueError``); on a GPU the copy is queued, not waited for."""
+    paged = PagedKV(tensors, layout)
+    paged.check(kv)
+    paged.write(paged.blocks_of(block_ids, first_token, kv.shape[3]), kv)
 
 
-def read_blocks(tensors, layout: PagedLayout, block_ids, first_token: int, tokens: int) -> torch.Tensor:
+def read_blocks(tensors: torch.Tensor | Sequence[torch.Tensor], layout: PagedLayout, block_ids: Sequence[int], first_token: int,
+                tokens: int) -> torch.Tensor:
     """The KV ``[layers, 2, kv_heads, tokens, head_dim]`` of tokens ``first_token .. first_token +
-    tokens`` of a prompt, read from its blocks (whole blocks only)."""
-    layers = _canonical(tensors, layout)
-    idx = _blocks(layers, layout, block_ids, first_token, tokens)
-    out = torch.stack([layer.index_select(1, idx) for layer in layers])  # [L, 2, nb, bs, H, D]
-    return out.flatten(2, 3).transpose(2, 3).contiguous()
+    tokens`` of a prompt, read from its blocks (a new tensor on the tensors' device)."""
+    paged = PagedKV(tensors, layout)
+    return paged.read(paged.blocks_of(block_ids, first_token, tokens))
+
+
+class PagedDestination(Destination):
+    """Where a prompt's tokens live in paged KV: token ``i`` at position ``i % block_size`` of block
+    ``block_ids[i // block_size]`` of ``kv``; :class:`Destination`'s interface. Chunks are whole
+    blocks; a decode worker addresses a chunk by its blocks (:meth:`where`). A chunk has no
+    in-place view (its blocks are scattered): it is unpacked, then written by one device-side
+    scatter per tensor."""
+
+    def __init__(self, kv: PagedKV, block_ids: Sequence[int], tokens: int, handle: dict | None = None):
+        self.kv, self.handle, self.tokens = kv, handle, tokens
+        self.blocks = kv.blocks_of(block_ids, 0, tokens)
+        self.shape, self.dtype, self.device = kv.shape, kv.dtype, kv.device
+
+    def check(self, h, c: ChunkRef) -> None:
+        super().check(h, c)
+        bs = self.kv.layout.block_size
+        if c.start % bs or c.tokens % bs:
+            raise ValueError(f"chunk tokens {c.start}..{c.start + c.tokens} are not whole blocks of {bs} tokens")
+
+    def where(self, c: ChunkRef) -> list[int]:
+        bs = self.kv.layout.block_size
+        return self.blocks[c.start // bs : (c.start + c.tokens) // bs]
+
+    def view(self, c: ChunkRef) -> None:
+        return None
+
+    def scatter(self, c: ChunkRef, kv: torch.Tensor) -> None:
+        self.kv.write(self.where(c), kv)
+
+    def read(self, start: int, tokens: int) -> torch.Tensor:
+        return self.kv.read(self.where(ChunkRef("", 0, start, tokens))).cpu()
+
+
+def destination(buffer: torch.Tensor | PagedKV, tokens: int, slots: Sequence[int] | None = None, offset: int = 0,
+                block_ids: Sequence[int] | None = None, handle: dict | None = None) -> Destination:
+    """Where ``tokens`` tokens of a request live in ``buffer``: ``block_ids`` in paged KV, ``slots``
+    or ``offset`` in a flat buffer. ``ValueError`` for addressing that does not fit the buffer."""
+    if isinstance(buffer, PagedKV):
+        if slots is not None or offset:
+            raise ValueError("a paged buffer is addressed by block_ids, not slots or offset")
+        if block_ids is None:
+            raise ValueError("a paged buffer needs the request's block_ids")
+        return PagedDestination(buffer, block_ids, tokens, handle)
+    if block_ids is not None:
+        raise ValueError("block_ids address a paged buffer; this one is flat: give slots or offset")
+    return Destination(buffer, slots=slots, offset=offset, tokens=tokens, handle=handle)

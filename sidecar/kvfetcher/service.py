@@ -33,13 +33,14 @@ from kvfetcher import ipc, keys, kvbuffer
 from kvfetcher.config import Config
 from kvfetcher.errors import Reason, RequestError
 from kvfetcher.fetch import choice, executor, staging
+from kvfetcher.fetch.linkshare import LinkShare
 from kvfetcher.fetch.plan import Costs, FetchPlan, LoadDecision, LoadReply, list_prefix, listing_rounds, make_plan, seal, sealed
 from kvfetcher.fetch.workers import DecodeWorkers, warmup_object
 from kvfetcher.format import mac
 from kvfetcher.format.presets import PRESETS
-from kvfetcher.kvbuffer import Destination
+from kvfetcher.kvbuffer import Destination, PagedKV
 from kvfetcher.metrics import Metrics
-from kvfetcher.save.writer import Job, Writer, copy_prefix
+from kvfetcher.save.writer import Job, Writer
 from kvfetcher.store import Store, StoreError
 
 log = logging.getLogger("kvfetcher.service")
@@ -47,9 +48,17 @@ log = logging.getLogger("kvfetcher.service")
 
 @dataclass
 class Buffer:
-    tensor: torch.Tensor  # [layers, 2, kv_heads, capacity, head_dim], aliasing the model's memory
+    tensor: torch.Tensor | PagedKV  # aliasing the model's memory: a flat [layers, 2, kv_heads, capacity, head_dim], or paged blocks
     ns: keys.Namespace
     handle: dict | None = None  # this process's handle (ipc.adopt): what decode worker processes open to write into the same memory
+
+    def destination(self, tokens: int, slots: Sequence[int] | None = None, offset: int = 0,
+                    block_ids: Sequence[int] | None = None) -> Destination:
+        """Where ``tokens`` tokens of a request live in this buffer (:func:`kvbuffer.destination`)."""
+        try:
+            return kvbuffer.destination(self.tensor, tokens, slots, offset, block_ids, self.handle)
+        except ValueError as e:
+            raise RequestError(str(e)) from e
 
 
 class Sidecar:
@@ -65,6 +74,7 @@ class Sidecar:
         self.decode_pool = ThreadPoolExecutor(self.config.decode_workers, thread_name_prefix="kvf-decode")
         self.workers = DecodeWorkers(self.config.decode_procs) if self.config.decode_procs else None
         self.writer = Writer(store, self.config, self.metrics, self.data_pool, self.meta_pool)
+        self.link = LinkShare(self.config.link_dir)  # the node's fetches, which share its link
         self._warming: asyncio.Future | None = None  # the latest registered buffer's warm-up
         self._seal_key = secrets.token_bytes(32)  # plans this process issued carry its seal
         self._object_key = mac.key_from(self.config.object_key)  # None: objects unauthenticated
@@ -93,7 +103,7 @@ class Sidecar:
         if any(PRESETS[p].layout.mode == "native" for p in self._served_presets()):
             try:
                 n = executor.chunks_in_flight(self.config.window, self.workers)
-                staging.shared().reserve(self._chunk_kv_bytes(buf), buf.tensor.is_cuda, n)
+                staging.shared().reserve(self._chunk_kv_bytes(buf), buf.tensor.device.type == "cuda", n)
             except Exception:  # e.g. pinned memory refused: the first raw load allocates instead
                 log.exception("staging reservation failed")
                 self.metrics.errors.labels(Reason.WARM_UP).inc()
@@ -114,7 +124,7 @@ class Sidecar:
             if buf is None:
                 objects = [warmup_object(p) for p in names]
             else:
-                L, _, H, _, D = buf.tensor.shape
+                L, H, D = buf.ns.shape
                 objects = [warmup_object(p, (L, H, self.config.chunk_tokens, D), buf.tensor.dtype, buf.ns.model) for p in names]
             device = self.config.device if buf is None else str(buf.tensor.device)
             w = self.workers.warm(device, objects)
@@ -149,7 +159,8 @@ class Sidecar:
 
     def register(self, handle: dict, model: str, tp_rank: int = 0) -> str:
         """Map the buffer ``handle`` names (:mod:`kvfetcher.ipc`; a memfd handle must name an fd of
-        this process: the API passes only fds its buffer socket received) and return its id.
+        this process: the API passes only fds its buffer socket received; a paged handle, paged KV
+        whose block size divides ``chunk_tokens``) and return its id.
 
         The id is the registration's capability: unguessable, given only to the registering peer,
         never logged or listed; whoever presents it may load into, store from and unregister the
@@ -161,13 +172,14 @@ class Sidecar:
         except ValueError as e:
             raise RequestError(str(e)) from e
         try:
-            kvbuffer.check_shape(t)
+            if isinstance(t, PagedKV) and self.config.chunk_tokens % t.layout.block_size:
+                raise ValueError(f"block_size {t.layout.block_size} does not divide the sidecar's chunks of {self.config.chunk_tokens} tokens")
+            ns = self.namespace(model, kvbuffer.dtype_name(t.dtype), tp_rank, t.shape if isinstance(t, PagedKV) else kvbuffer.check_shape(t))
         except ValueError as e:
             ipc.release(handle)
             raise RequestError(str(e)) from e
         bid = secrets.token_urlsafe(24)
-        L, _, H, _, D = t.shape
-        self.buffers[bid] = Buffer(t, self.namespace(model, kvbuffer.dtype_name(t.dtype), tp_rank, (L, H, D)), handle)
+        self.buffers[bid] = Buffer(t, ns, handle)
         if self.config.warm_up:
             if self.workers is not None:  # mapped now (CUDA IPC), not on the first load into it
                 self.workers.open(handle)
@@ -191,8 +203,8 @@ class Sidecar:
             raise RequestError(f"unknown buffer {bid!r}: register it first") from None
 
     def _chunk_kv_bytes(self, buf: Buffer) -> int:
-        L, _, H, _, D = buf.tensor.shape
-        return L * 2 * H * self.config.chunk_tokens * D * buf.tensor.element_size()
+        L, H, D = buf.ns.shape
+        return L * 2 * H * self.config.chunk_tokens * D * kvbuffer.bytes_per_value(buf.tensor.dtype)
 
     def namespace(self, model: str, dtype: str, tp_rank: int = 0, shape: Sequence[int] | None = None) -> keys.Namespace:
         """The namespace of a model's KV of geometry ``shape`` = (layers, kv_heads, head_dim) in this
@@ -223,7 +235,9 @@ class Sidecar:
         buffers: the cost model then uses a registered buffer of that namespace for the KV
         geometry, and without one leaves the preset unchosen). Keywords: ``recompute_tps``,
         ``presets``, ``ttft_budget_s``, ``deadline_s`` (of the listing), ``may_skip_listing`` (see
-        :func:`~kvfetcher.fetch.plan.make_plan`; default False: the plan's hit count is the store's)."""
+        :func:`~kvfetcher.fetch.plan.make_plan`; default False: the plan's hit count is the store's),
+        ``group_size`` (loads that will run at once with this one, e.g. a tensor-parallel group's: the
+        link is predicted shared among them and the fetches the node announces now)."""
         self._check_length(tokens)
         if isinstance(target, str):
             buf = self._buffer(target)
@@ -237,11 +251,12 @@ class Sidecar:
 
     async def _plan(self, ns: keys.Namespace, ck: Sequence[str], buf: Buffer | None, *, recompute_tps: float | None = None,
                     presets: Sequence[str] | None = None, ttft_budget_s: float | None = None, deadline_s: float | None = None,
-                    may_skip_listing: bool = True) -> FetchPlan:
+                    may_skip_listing: bool = True, group_size: int | None = None) -> FetchPlan:
         budget = self.config.ttft_budget_s if ttft_budget_s is None else ttft_budget_s
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0):
             raise RequestError(f"ttft_budget_s must be positive seconds, not {budget!r}")
-        rates = self.estimator.rates(self.store.endpoint, recompute_tps or self.config.recompute_tps)
+        sharers = (group_size or 1) + self.link.active()
+        rates = self.estimator.rates(self.store.endpoint, recompute_tps or self.config.recompute_tps, sharers)
         allowed = frozenset(presets or PRESETS) & frozenset(self.config.allowed_presets or PRESETS)
         costs = Costs(rates, self._chunk_kv_bytes(buf) if buf else None, allowed, budget)
         p = await make_plan(self.store, ns, ck, self.config.chunk_tokens, costs, io_pool=self.meta_pool,
@@ -265,9 +280,9 @@ class Sidecar:
     # --- load ------------------------------------------------------------------------------
 
     async def load(self, bid: str, tokens: Sequence[int], plan: FetchPlan | None = None, *, slots: Sequence[int] | None = None,
-                   offset: int = 0, deadline_s: float | None = None, **opts) -> LoadReply:
+                   offset: int = 0, block_ids: Sequence[int] | None = None, deadline_s: float | None = None, **opts) -> LoadReply:
         """Load as many leading whole chunks of ``tokens`` as ``plan`` says into the buffer at
-        ``slots`` or ``offset``. Without a plan, or with one that chose no preset, this plans first
+        ``slots`` or ``offset`` (a paged buffer: into ``block_ids``, :meth:`Buffer.destination`). Without a plan, or with one that chose no preset, this plans first
         (one listing) with the cost keywords of :meth:`plan`; they are refused beside a chosen plan.
 
         ``deadline_s`` covers the listing too when this plans. Never raises for a storage or data
@@ -278,10 +293,7 @@ class Sidecar:
         buf = self._buffer(bid)
         N = self.config.chunk_tokens
         n_req = len(tokens) // N * N
-        try:
-            dest = Destination(buf.tensor, slots=slots, offset=offset, tokens=n_req, handle=buf.handle)
-        except ValueError as e:
-            raise RequestError(str(e)) from e
+        dest = buf.destination(n_req, slots, offset, block_ids)
         ck = keys.chunk_keys(buf.ns, tokens[:n_req], N)
         opts = {k: v for k, v in opts.items() if v is not None}
         if plan is not None:
@@ -299,10 +311,11 @@ class Sidecar:
             return self._fallback(reply, plan.reason, plan.detail)
         refs = [kvbuffer.ChunkRef(keys.object_name(ck[i], preset), size, i * N, N) for i, (preset, size) in enumerate(plan.chunks)]
         quiet = self._warming is None or self._warming.done()  # else the warm-up shares the decode workers
-        out = await executor.fetch(self.store, refs, dest, fingerprint=buf.ns.model, io_pool=self.data_pool, decode_pool=self.decode_pool,
-                                   device=buf.tensor.device, deadline_s=max(0.0, deadline_s - (time.perf_counter() - t0)),
-                                   window=self.config.window, workers=self.workers, object_key=self._object_key)
-        self._observe(plan, out, learn=quiet)
+        async with self.link.fetch() as share:
+            out = await executor.fetch(self.store, refs, dest, fingerprint=buf.ns.model, io_pool=self.data_pool, decode_pool=self.decode_pool,
+                                       device=buf.tensor.device, deadline_s=max(0.0, deadline_s - (time.perf_counter() - t0)),
+                                       window=self.config.window, workers=self.workers, object_key=self._object_key)
+        self._observe(plan, out, learn=quiet, sharers=share.sharers)
         reply.loaded_tokens, reply.bytes_read, reply.kv_bytes, reply.seconds = out.loaded_tokens, out.bytes_read, out.kv_bytes, out.seconds
         reply.decision.actual_s = out.seconds
         self.metrics.fetch_seconds.observe(time.perf_counter() - t0)
@@ -323,10 +336,11 @@ class Sidecar:
         except StoreError as e:
             self.metrics.errors.labels(e.reason).inc()
 
-    def _observe(self, plan: FetchPlan, out: executor.Outcome, learn: bool = True) -> None:
+    def _observe(self, plan: FetchPlan, out: executor.Outcome, learn: bool = True, sharers: float = 1.0) -> None:
         """Metrics of a load, and what it teaches the estimator. ``learn`` False: a load that ran
         beside a buffer's background warm-up (the decode workers shared between both) teaches only
-        its latency: its rates are those of shared, partly cold workers, not a later load's."""
+        its latency: its rates are those of shared, partly cold workers, not a later load's.
+        ``sharers``: the fetches that shared the node's link with it, itself included."""
         m, ep, preset = self.metrics, self.store.endpoint, plan.preset
         m.bytes_read.inc(out.bytes_read)
         m.loaded_tokens.inc(out.loaded_tokens)
@@ -335,10 +349,10 @@ class Sidecar:
             if out.header_latency_s:
                 self.estimator.observe_latency(ep, min(out.header_latency_s))
             if self.estimator.settled(fmt) and learn:  # not the process' first load of this format
-                self.estimator.observe_read(ep, out.bytes_read, out.read_busy_s, fmt)
+                self.estimator.observe_read(ep, out.bytes_read, out.read_busy_s, fmt, sharers)
                 self.estimator.observe_decode(preset, out.kv_bytes, out.decode_busy_s)
                 if out.loaded_tokens == plan.loaded_tokens:  # the whole planned load: its time is comparable
-                    fit = self.estimator.observe_fit(ep, preset, fmt, out.bytes_read, out.kv_bytes, out.seconds)
+                    fit = self.estimator.observe_fit(ep, preset, fmt, out.bytes_read, out.kv_bytes, out.seconds, sharers)
                     m.fit.labels(preset).set(fit.scale)
                     m.fit_overhead.labels(preset).set(fit.overhead_s)
             if out.decode_busy_s > 0:
@@ -362,28 +376,27 @@ class Sidecar:
 
     # --- save ------------------------------------------------------------------------------
 
-    async def save(self, bid: str, tokens: Sequence[int], *, slots: Sequence[int] | None = None, offset: int = 0) -> dict:
-        """Queue the complete chunks of ``tokens`` (whose KV is in the buffer) for storing: the
-        leading chunks already stored in every configured preset are skipped (one listing, which
-        stops at the first chunk not stored; a failed listing skips none), the next ones are queued
-        as far as the queue has room and the rest are dropped and counted. Never waits for encoding
-        or upload; the KV is copied before this returns."""
+    async def save(self, bid: str, tokens: Sequence[int], *, slots: Sequence[int] | None = None, offset: int = 0,
+                   block_ids: Sequence[int] | None = None) -> dict:
+        """Queue the complete chunks of ``tokens`` (whose KV is in the buffer at ``slots``, ``offset``
+        or ``block_ids``, as in :meth:`load`) for storing: the leading chunks already stored in every
+        configured preset are skipped (one listing, which stops at the first chunk not stored; a
+        failed listing skips none), the next ones are queued as far as the queue has room and the
+        rest are dropped and counted. Never waits for encoding or upload; the KV is copied before
+        this returns (``Destination.read``)."""
         self._check_length(tokens)
         buf = self._buffer(bid)
         N = self.config.chunk_tokens
         ck = keys.chunk_keys(buf.ns, tokens, N)
-        try:
-            idx = kvbuffer.slot_list(buf.tensor.shape[3], len(ck) * N, slots, offset)
-        except ValueError as e:
-            raise RequestError(str(e)) from e
+        where = buf.destination(len(ck) * N, slots, offset, block_ids)
         known = await self._stored_run(ck)
         take = min(len(ck) - known, self.writer.room())
         dropped = len(ck) - known - take
         if dropped:
             self.writer.dropped(dropped)
         if take:
-            kv = copy_prefix(buf.tensor, take * N, idx[known * N : (known + take) * N])
-            self.writer.submit(Job(buf.ns, ck[known : known + take], kv, first=known))
+            kv = where.read(known * N, take * N)
+            self.writer.submit(Job(buf.ns, ck[known : known + take], kv, first=known, parent=ck[known - 1] if known else ""))
         return {"queued_chunks": take, "skipped_chunks": known, "dropped_chunks": dropped, "dropped": dropped > 0}
 
     async def _stored_run(self, chunk_keys: Sequence[str]) -> int:

@@ -10,7 +10,7 @@ from kvfetcher.fetch import executor
 from kvfetcher.kvbuffer import Destination
 from kvfetcher.store.local import LocalStore
 
-from kvtest import CODED_DAMAGES, DAMAGES, SENTINEL, decoded, fetch, put_chunks, sentinel_like, synthetic_kv
+from kvtest import CODED_DAMAGES, DAMAGES, SENTINEL, decoded, fetch, put_chunks, rebuild, sentinel_like, synthetic_kv
 
 
 class Recording(LocalStore):
@@ -84,9 +84,10 @@ async def test_scattered_slots_and_hevc(tmp_path):
     assert bool((buf[:, :, :, untouched] == SENTINEL).all())
 
 
-@pytest.mark.parametrize("preset, damage, reason", [("raw", *d) for d in DAMAGES] + [("q8", *d) for d in DAMAGES + CODED_DAMAGES])
+@pytest.mark.parametrize("preset, damage, reason", [("raw", *d) for d in DAMAGES]
+                         + [(p, *d) for p in ("q8", "q8-zstd") for d in DAMAGES + CODED_DAMAGES])
 async def test_a_bad_chunk_stops_the_fetch_and_is_never_written(tmp_path, preset, damage, reason):
-    """Raw chunks take the direct path, q8 ones are verified and decoded in the decode pool."""
+    """Raw chunks take the direct path, q8 and q8-zstd ones are verified and decoded in the decode pool."""
     kv = synthetic_kv(layers=2, heads=2, tokens=128, head_dim=32)
     store = LocalStore(tmp_path)
     refs = put_chunks(store, kv, 32, preset=preset)
@@ -159,3 +160,80 @@ async def test_chunk_that_does_not_fit_the_buffer_is_refused(tmp_path):
     out = await fetch(store, refs, Destination(buf, tokens=64))
     assert out.error == "geometry" and out.loaded_tokens == 0 and out.bad_object is None  # the request's fault: never deleted
     assert bool((buf == SENTINEL).all())
+
+
+async def test_zstd_chunks_stream_into_the_buffer_as_decoded(tmp_path, monkeypatch):
+    """Entropy-coded chunks are staged as raw ones are: every part past the header read lands in a
+    reused staging buffer by ``get_into`` (no part comes back as bytes), and the KV is each object's."""
+    from kvfetcher.fetch.staging import StagingPool
+
+    class Into(Recording):
+        into = 0
+
+        def get_into(self, name, offset, buf):
+            self.into += 1
+            return super().get_into(name, offset, buf)
+
+    kv = synthetic_kv(layers=2, heads=2, tokens=256, head_dim=32)
+    store = Into(tmp_path)
+    refs = put_chunks(store, kv, 32, preset="q8-zstd")
+    monkeypatch.setattr(executor, "HEADER_GUESS", 64)  # the header read brings no part: all staged
+    pool = StagingPool()
+    for _ in range(2):
+        store.into = 0
+        buf = sentinel_like(kv)
+        out = await fetch(store, refs, Destination(buf, tokens=256), window=2, staging_pool=pool)
+        assert out.error is None and out.loaded_tokens == 256
+        assert torch.equal(buf, decoded(store, refs))
+        assert out.bytes_read == sum(r.size for r in refs)
+        assert store.into == 8 * 2  # per chunk: its side information and its segment
+    assert len({r.size for r in refs}) > 1 and pool.allocated <= 3  # coded sizes differ: size classes still reuse buffers
+
+
+async def test_an_ans_chunk_without_a_gpu_is_a_decoder_failure_and_kept(tmp_path):
+    """A reader that cannot decode ans (never planned, but a load may be handed one) recomputes from
+    there; the object is not bad, so it is not named for deletion, and nothing is written."""
+    from kvfetcher import codec
+    from kvfetcher.kvbuffer import ChunkRef
+
+    if codec.decodable("ans"):
+        pytest.skip("this machine decodes ans")
+    kv = synthetic_kv(layers=2, heads=2, tokens=64, head_dim=32)
+    store = LocalStore(tmp_path)
+    refs = put_chunks(store, kv, 32, preset="q8-zstd")
+    obj = rebuild(store.get(refs[1].name), fmt="ans")
+    store.delete(refs[1].name)
+    store.put(refs[1].name, obj)
+    refs[1] = ChunkRef(refs[1].name, len(obj), 32, 32)
+    buf = sentinel_like(kv)
+    out = await fetch(store, refs, Destination(buf, tokens=64), window=1)
+    assert out.error == "decoder" and out.bad_object is None and out.loaded_tokens == 32
+    assert bool((buf[:, :, :, 32:] == SENTINEL).all())
+
+
+async def test_a_sidecar_stores_zstd_and_loads_it_back_through_its_plan(tmp_path, shm):
+    """Writer, plan and executor: a q8-zstd store restores what q8's HEVC object of each chunk
+    restores (the same planes); a sidecar without a GPU refuses to be configured to store ans."""
+    from kvfetcher import chunk, codec
+    from kvfetcher.store.local import LocalStore as Local
+
+    from kvtest import running
+
+    kv = synthetic_kv(layers=2, heads=2, tokens=64, head_dim=32)
+    buf = shm(kv.shape, kv.dtype)
+    async with running(Local(tmp_path), chunk_tokens=32, presets=("q8-zstd",), decode_procs=0, device="cpu") as sc:
+        buf.tensor.copy_(kv)
+        bid = sc.register(buf.handle, "m")
+        await sc.save(bid, list(range(64)))
+        await sc.flush()
+        buf.tensor.fill_(SENTINEL)
+        r = await sc.load(bid, list(range(64)), recompute_tps=1e-9)
+        assert (r.error, r.loaded_tokens, r.decision.preset) == (None, 64, "q8-zstd"), r
+    names = sorted(n for n in Local(tmp_path).list("kv/"))
+    assert len(names) == 2 and all(n.endswith("/q8-zstd.kvfc") for n in names)
+    want = torch.cat([chunk.decode_chunk(chunk.encode_chunk(kv[:, :, :, a : a + 32].contiguous(), "q8", "m")) for a in (0, 32)], 3)
+    assert torch.equal(buf.tensor, want)
+    if not codec.decodable("ans"):
+        with pytest.raises(ValueError, match="GPU"):
+            async with running(Local(tmp_path), chunk_tokens=32, presets=("q8-ans",), decode_procs=0, device="cpu"):
+                pass

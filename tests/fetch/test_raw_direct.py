@@ -163,6 +163,15 @@ async def test_a_read_abandoned_at_the_deadline_never_lands_in_a_reused_buffer(t
     assert bool((buf == SENTINEL).all())
 
 
+def test_size_classes_are_at_most_an_eighth_larger_and_shared_by_nearby_sizes():
+    from kvfetcher.fetch.staging import size_class
+
+    for n in [1, 15, 16, 17, 4096, 4097, 9_700_000, 33_554_432, 33_554_433]:
+        c = size_class(n)
+        assert n <= c <= max(16, n + n // 8) and size_class(c) == c
+    assert size_class(9_500_000) == size_class(10_400_000) == 10 << 20
+
+
 def test_reserve_allocates_ahead_once_and_within_keep():
     from kvfetcher.fetch.staging import StagingPool
 

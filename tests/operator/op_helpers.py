@@ -27,6 +27,7 @@ def declare_resources(kmock: kmocklib.KubernetesEmulator) -> None:
         verbs={"list", "watch", "get", "create", "patch", "update", "delete"}, subresources={"status"})
     for res, kind in [("v1/pods", "Pod"), ("v1/secrets", "Secret"), ("v1/services", "Service"),
                       ("v1/events", "Event"), ("apps/v1/statefulsets", "StatefulSet"),
+                      ("apps/v1/deployments", "Deployment"),
                       ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget"),
                       ("networking.k8s.io/v1/networkpolicies", "NetworkPolicy")]:
         kmock.resources[res] = kmocklib.ResourceInfo(

@@ -10,7 +10,7 @@ import pytest
 from pod_security import restricted_violations
 
 from kvfetcher import config as settings
-from kvfetcher_operator import builders, conditions, injection, minio
+from kvfetcher_operator import builders, conditions, evictor, injection, minio
 
 
 def pool(spec: dict[str, Any], name: str = "cache", ready: bool = True) -> dict[str, Any]:
@@ -92,7 +92,11 @@ def test_injection_into_a_device_plugin_pod() -> None:
         assert env[name]["valueFrom"]["secretKeyRef"]["name"] == "cache-kvfetcher", name
     assert env["KVFETCHER_OBJECT_KEY"]["valueFrom"]["secretKeyRef"]["key"] == "objectKey"
     assert env["KVFETCHER_MODEL"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.annotations['kvfetcher.io/model']"
-    assert env["KVFETCHER_CHUNK_TOKENS"]["value"] == "256" and env["KVFETCHER_PRESET"]["value"] == "auto"
+    assert env["KVFETCHER_CHUNK_TOKENS"]["value"] == "256"
+    # The default store preset needs the model's RoPE base, which this pod does not give; and its
+    # sidecar has no GPU (below), so it codes the portable -zstd variant, not nvCOMP's -ans.
+    assert env["KVFETCHER_PRESET"]["value"] == "q8-zstd" and "KVFETCHER_ROPE_THETA" not in env
+    assert out["metadata"]["annotations"][injection.STORE_ANNOTATION].startswith("q8-zstd (balanced-zstd need")
     assert "KVFETCHER_DECODE_PROCS" not in env and "KVFETCHER_TTFT_BUDGET_S" not in env  # the sidecar's defaults
     # A device-plugin GPU cannot be shared, so the sidecar gets none, explicitly, and the pod says so.
     assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "void"
@@ -120,6 +124,7 @@ def test_the_operator_injects_exactly_the_settings_marked_injected() -> None:
     model: set[str] = set()
     for spec in (MANAGED, tuned, insecure):
         pod = gpu_pod(resources={"limits": {"nvidia.com/gpu": "1"}})
+        pod["metadata"]["annotations"][injection.ROPE_THETA_ANNOTATION] = "500000"
         out = injection.apply_merge_patch(pod, injection.mutate(pod, pool(spec)).patch)
         sidecar |= {e["name"] for e in out["spec"]["initContainers"][0]["env"]}
         model |= {e["name"] for e in out["spec"]["containers"][1]["env"]}
@@ -262,6 +267,7 @@ def test_minio_is_restricted_spread_and_fenced() -> None:
     sources = netpol["spec"]["ingress"][0]["from"]
     assert {"podSelector": {"matchLabels": {"kvfetcher.io/inject": "true"}}} in sources
     assert sources[2]["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "kvfetcher-system"}}
+    assert sources[3] == {"podSelector": {"matchLabels": evictor.deployment(p)["spec"]["selector"]["matchLabels"]}}
 
 
 def test_a_review_cannot_tell_a_missing_pool_from_an_unusable_one() -> None:

@@ -15,7 +15,7 @@ import yaml
 from cryptography import x509
 from pod_security import restricted_violations, workload_pod_spec
 
-from kvfetcher_operator import injection, webhook
+from kvfetcher_operator import builders, evictor, injection, kube, minio, webhook
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "kvfetcher"
@@ -140,8 +140,8 @@ def test_rbac_is_least_privilege(chart: helm_python.Chart) -> None:
     assert not any("*" in str(rule) for role in roles.values() for rule in role["rules"])
     binding = named(docs, "ClusterRoleBinding", "kvf-kvfetcher")
     cluster_wide = rules_of(roles[binding["roleRef"]["name"]])
-    assert not {r for _, r in cluster_wide} & {"secrets", "services", "statefulsets", "poddisruptionbudgets",
-                                               "networkpolicies", "configmaps"}
+    assert not {r for _, r in cluster_wide} & {"secrets", "services", "statefulsets", "deployments",
+                                               "poddisruptionbudgets", "networkpolicies", "configmaps"}
     assert cluster_wide[("", "pods")] == {"list", "watch"}
     (hooks,) = [r for r in roles["kvf-kvfetcher"]["rules"] if r["resources"] == ["mutatingwebhookconfigurations"]]
     assert hooks["verbs"] == ["get"] and hooks["resourceNames"] == ["kvf-kvfetcher"]
@@ -156,6 +156,19 @@ def test_rbac_is_least_privilege(chart: helm_python.Chart) -> None:
         "apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "kvf-kvfetcher-pool-namespace"}
     assert bound["subjects"] == [{"kind": "ServiceAccount", "name": "kvf-kvfetcher", "namespace": NAMESPACE}]
     assert not by_kind(render(chart, {}), "RoleBinding")  # nothing bound until a namespace is named
+
+
+def test_the_pool_namespace_role_lets_the_operator_apply_every_child(chart: helm_python.Chart) -> None:
+    """Every object the operator applies in a pool's namespace (a managed pool has them all) is
+    granted there: get, create and patch, and no more."""
+    pool = {"metadata": {"name": "p", "namespace": "ml", "uid": "u"}, "spec": {"storage": {"managed": {}}}}
+    children = [builders.secret(pool, {}), minio.statefulset(pool), evictor.deployment(pool),
+                *minio.services(pool), *minio.guards(pool)]
+    docs = render(chart, {"poolNamespaces": ["ml"]})
+    per_namespace = rules_of(named(docs, "ClusterRole", "kvf-kvfetcher-pool-namespace"))
+    for child in children:
+        group = child["apiVersion"].rpartition("/")[0]
+        assert per_namespace.get((group, kube.PLURALS[child["kind"]])) == {"get", "create", "patch"}, child["kind"]
 
 
 def test_namespaced_mode_grants_nothing_cluster_wide_on_namespaced_objects(chart: helm_python.Chart) -> None:

@@ -22,18 +22,20 @@ def storage_reason(reason: str):
 
 
 async def test_shared_bucket_keeps_what_is_not_the_pools(operator, api: Api, s3: str) -> None:
-    """An existing bucket's rules and other objects survive the pool, a second pool is refused."""
+    """An existing bucket's rules and other objects survive the pool, a second pool is refused; the
+    lifecycle rule an earlier operator set (expiry by write time, which fights the evictor) goes."""
     target = bucket.Target(s3, "shared", "testing", "testing")
     s3c = bucket.client(target)
     s3c.make_bucket("shared")
     theirs = Rule(ENABLED, rule_filter=Filter(prefix="logs/"), rule_id="owner-rule", expiration=Expiration(days=90))
-    s3c.set_bucket_lifecycle("shared", LifecycleConfig([theirs]))
+    old = Rule(ENABLED, rule_filter=Filter(prefix=bucket.PREFIX), rule_id=bucket.RULE_ID, expiration=Expiration(days=7))
+    s3c.set_bucket_lifecycle("shared", LifecycleConfig([theirs, old]))
     s3c.put_object("shared", "backups/db.tar", io.BytesIO(b"precious"), 8)
     await api.create("v1/secrets", s3_secret())
     await api.create(POOLS, external_pool("first", s3, "shared", retention={"dataPolicy": "Delete", "ttlDays": 2}))
     await api.wait_for(POOLS, "default", "first", is_ready)
     rules = {r.rule_id: r for r in s3c.get_bucket_lifecycle("shared").rules}
-    assert rules["owner-rule"].expiration.days == 90 and rules[bucket.RULE_ID].rule_filter.prefix == bucket.PREFIX
+    assert list(rules) == ["owner-rule"] and rules["owner-rule"].expiration.days == 90
     s3c.put_object("shared", bucket.PREFIX + "ab/abc/raw.kvfc", io.BytesIO(b"kv"), 2)
 
     await api.create(POOLS, external_pool("second", s3, "shared", retention={"dataPolicy": "Delete"}))
@@ -145,6 +147,10 @@ async def test_retain_keeps_the_salt_for_a_recreated_pool(operator, api: Api, s3
     secret = await api.get("v1/secrets", "default", "keep-kvfetcher")
     assert not secret["metadata"].get("ownerReferences")
     assert secret["metadata"]["annotations"][kube.RELEASED_ANNOTATION] == "KVCachePool/keep"
+    # The emulator runs no garbage collector: remove what the pool owned (its evictor) as one would.
+    evictor = await api.get("apps/v1/deployments", "default", "keep-evictor")
+    assert evictor["metadata"]["ownerReferences"][0]["uid"] == "uid-keep"
+    await api.delete("apps/v1/deployments", "default", "keep-evictor")
 
     again = external_pool("keep", s3, "keep")
     again["metadata"]["uid"] = "uid-keep-2"
@@ -158,7 +164,7 @@ async def test_retain_keeps_the_salt_for_a_recreated_pool(operator, api: Api, s3
 def test_bucket_removal_streams_in_bounded_steps(s3: str) -> None:
     """Deletion works a time budget at a time and picks up where it stopped."""
     target = bucket.Target(s3, "many", "testing", "testing")
-    bucket.ensure(target, 7, "default/many")
+    bucket.ensure(target, "default/many")
     s3c = bucket.client(target)
     for i in range(25):
         s3c.put_object("many", f"{bucket.PREFIX}{i:02d}/x/raw.kvfc", io.BytesIO(b"kv"), 2)
@@ -170,7 +176,7 @@ def test_bucket_removal_streams_in_bounded_steps(s3: str) -> None:
 
 def test_bucket_removal_refuses_another_pools_bucket(s3: str) -> None:
     target = bucket.Target(s3, "claimed", "testing", "testing")
-    bucket.ensure(target, 7, "team-a/pool")
+    bucket.ensure(target, "team-a/pool")
     with pytest.raises(bucket.Claimed):
         bucket.remove(target, "team-b/pool")
     assert bucket.client(target).bucket_exists("claimed")

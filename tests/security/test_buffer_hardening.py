@@ -22,6 +22,8 @@ from kvfetcher.config import Config
 from kvfetcher.service import Sidecar
 from kvfetcher.store.local import LocalStore
 
+import kvtest
+
 SHAPE = (2, 2, 1, 64, 8)  # [layers, 2, kv_heads, capacity, head_dim], float16
 NBYTES = 2 * 2 * 1 * 64 * 8 * 2
 TOKEN = "t0ken"
@@ -95,21 +97,8 @@ def _shrink(handle: dict) -> None:
 def served(tmp_path):
     """``kvfetcher serve`` on a Unix socket only, in a subprocess; yields (process, socket path)."""
     sock = str(tmp_path / "run" / "kvfetcher.sock")
-    env = dict(os.environ, KVFETCHER_STORE_DIR=str(tmp_path / "store"), KVFETCHER_PRESET="raw", KVFETCHER_CHUNK_TOKENS="32")
-    proc = subprocess.Popen([sys.executable, "-m", "kvfetcher.cli", "serve", "--port", "-1", "--socket", sock], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            with contextlib.suppress(OSError):
-                KVClient(socket_path=sock).metrics()
-                break
-            assert proc.poll() is None and time.monotonic() < deadline, "the sidecar did not start"
-            time.sleep(0.2)
+    with kvtest.served(sock, dict(KVFETCHER_STORE_DIR=str(tmp_path / "store"), KVFETCHER_PRESET="raw", KVFETCHER_CHUNK_TOKENS="32")) as proc:
         yield proc, sock
-    finally:
-        proc.kill()
-        proc.communicate(timeout=30)
 
 
 def test_a_client_truncating_its_buffer_cannot_kill_the_sidecar(served):

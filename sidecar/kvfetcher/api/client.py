@@ -2,9 +2,9 @@
 
 * :meth:`KVClient.plan` — the scheduler's question, "what of this prompt would you load, and how
   long would it take?" (``get_num_new_matched_tokens``); :meth:`KVClient.lookup` is its hit count;
-* :meth:`KVClient.load` — the worker's "load them into these slots of my KV buffers", given the
-  plan (the store is then not listed again) or not; it answers with how many tokens were really
-  loaded (the rest is recomputed);
+* :meth:`KVClient.load` — the worker's "load them into these slots (or blocks) of my KV buffers",
+  given the plan (the store is then not listed again) or not; it answers with how many tokens were
+  really loaded (the rest is recomputed);
 * :meth:`KVClient.save` — "store this prefix", which returns at once.
 
 Messages are those of :mod:`kvfetcher.api.schemas`. Synchronous (model code is), one keep-alive
@@ -24,6 +24,11 @@ import torch
 from kvfetcher import config, ipc
 from kvfetcher.api import schemas
 from kvfetcher.fetch.plan import FetchPlan, LoadReply
+from kvfetcher.kvbuffer import PagedLayout
+
+
+def _ints(xs: Sequence[int] | None) -> list[int] | None:
+    return None if xs is None else [int(x) for x in xs]
 
 
 class SidecarError(RuntimeError):
@@ -121,7 +126,7 @@ class KVClient:
         unregister the buffer, so keep it in this process. A host-memory buffer (a memfd handle
         from :func:`ipc.allocate`) is registered only over the Unix socket: its fd is passed on the
         sidecar's buffer socket, never named. A CUDA handle goes over either transport."""
-        request = schemas.RegisterRequest(handle, model, tp_rank)
+        request = schemas.RegisterRequest(handle=handle, model=model, tp_rank=tp_rank)
         if handle.get("kind") != "memfd":
             return self._call(schemas.REGISTER, request).buffer
         if self._socket_path is None:
@@ -136,12 +141,24 @@ class KVClient:
         """Register a CUDA tensor by IPC handle (CPU buffers must come from :func:`ipc.allocate`)."""
         return self.register(ipc.cuda_handle(t), model, tp_rank)
 
+    def register_paged(self, tensors: torch.Tensor | Sequence[torch.Tensor], layout: PagedLayout, model: str, tp_rank: int = 0) -> str:
+        """Register a serving engine's paged KV on the GPU by CUDA IPC: one tensor holding every layer
+        (``L`` in ``layout.dims``) or one per layer, in layer order (:class:`kvfetcher.kvbuffer.PagedLayout`);
+        loads and saves then name ``block_ids``. The sidecar restores straight into the blocks.
+        On a CPU no process can map another's tensors: register a flat buffer (:meth:`register`)
+        and copy with :func:`kvfetcher.kvbuffer.write_blocks` / ``read_blocks``."""
+        handles = [ipc.cuda_handle(t) for t in ([tensors] if isinstance(tensors, torch.Tensor) else tensors)]
+        one = "L" in layout.dims
+        request = schemas.RegisterRequest(handle=handles[0] if one else None, handles=None if one else handles, model=model,
+                                          tp_rank=tp_rank, paged=layout)
+        return self._call(schemas.REGISTER, request).buffer
+
     def unregister(self, buffer: str) -> None:
         self._call(schemas.UNREGISTER, path=f"/v1/buffers/{buffer}")
 
     def plan(self, buffer: str | None, tokens: Sequence[int], *, model: str | None = None, dtype: str = "float16", tp_rank: int = 0,
              kv_shape: Sequence[int] | None = None, recompute_tokens_per_s: float | None = None, presets: Sequence[str] | None = None, ttft_budget_s: float | None = None,
-             deadline_s: float | None = None, may_skip_listing: bool = False) -> FetchPlan:
+             deadline_s: float | None = None, may_skip_listing: bool = False, group_size: int = 1) -> FetchPlan:
         """What a load of ``tokens`` would do: pass it to :meth:`load` unchanged.
 
         Name the namespace by a registered ``buffer``, or (a scheduler with no buffers) by
@@ -150,10 +167,11 @@ class KVClient:
         within this many seconds is planned even where recomputing would be faster (it leaves the
         GPU to the running requests). ``deadline_s`` bounds the listing. ``may_skip_listing``: when
         no load could pay, the plan is a recompute and the store is not asked (a load's planner wants
-        that; a hit count does not).
+        that; a hit count does not). ``group_size``: loads that will run at once with this one (a
+        tensor-parallel group's; see :class:`kvfetcher.api.group.RankGroup`), sharing the node's link.
         """
         return self._lookup(buffer, tokens, model, dtype, tp_rank, kv_shape, recompute_tokens_per_s, presets, ttft_budget_s, deadline_s,
-                            may_skip_listing).plan
+                            may_skip_listing, group_size).plan
 
     def lookup(self, buffer: str | None, tokens: Sequence[int], *, model: str | None = None, dtype: str = "float16", tp_rank: int = 0,
                kv_shape: Sequence[int] | None = None) -> int:
@@ -161,12 +179,13 @@ class KVClient:
         return self._lookup(buffer, tokens, model, dtype, tp_rank, kv_shape).tokens
 
     def _lookup(self, buffer, tokens, model, dtype, tp_rank, kv_shape=None, recompute_tps=None, presets=None, budget=None, deadline_s=None,
-                may_skip_listing=False) -> schemas.LookupReply:
+                may_skip_listing=False, group_size=1) -> schemas.LookupReply:
         ns = dict(buffer=buffer) if buffer is not None else dict(model=model, dtype=dtype, tp_rank=tp_rank,
                                                                  kv_shape=tuple(map(int, kv_shape)) if kv_shape else None)
         return self._call(schemas.LOOKUP, schemas.LookupRequest(list(map(int, tokens)), **ns, recompute_tokens_per_s=recompute_tps,
                                                                 presets=list(presets) if presets else None, ttft_budget_s=budget,
-                                                                deadline_s=deadline_s, may_skip_listing=may_skip_listing))
+                                                                deadline_s=deadline_s, may_skip_listing=may_skip_listing,
+                                                                group_size=group_size))
 
     def load(
         self,
@@ -180,8 +199,11 @@ class KVClient:
         recompute_tokens_per_s: float | None = None,
         presets: Sequence[str] | None = None,
         ttft_budget_s: float | None = None,
+        group_size: int | None = None,
+        block_ids: Sequence[int] | None = None,
     ) -> LoadReply:
-        """Load the stored leading chunks of ``tokens`` into the buffer at ``offset`` (or ``slots``).
+        """Load the stored leading chunks of ``tokens`` into the buffer at ``offset`` (or ``slots``;
+        a paged buffer: into ``block_ids``, the prompt's blocks in order).
 
         With a ``plan`` from :meth:`plan` (for this buffer's namespace and these tokens), the
         sidecar loads what it says without listing the store again; the cost keywords are then the
@@ -191,17 +213,18 @@ class KVClient:
         recompute from there.
         """
         return self._call(schemas.FETCH, schemas.FetchRequest(
-            buffer, list(map(int, tokens)), plan, offset, list(map(int, slots)) if slots is not None else None, deadline_s,
-            recompute_tokens_per_s or None, list(presets) if presets else None, ttft_budget_s))
+            buffer, list(map(int, tokens)), plan, offset, _ints(slots), deadline_s, recompute_tokens_per_s or None,
+            list(presets) if presets else None, ttft_budget_s, group_size, _ints(block_ids)))
 
-    def save(self, buffer: str, tokens: Sequence[int], *, offset: int = 0, slots: Sequence[int] | None = None) -> schemas.StoreReply:
-        """Queue the prefix whose KV is in the buffer for storing; returns at once.
+    def save(self, buffer: str, tokens: Sequence[int], *, offset: int = 0, slots: Sequence[int] | None = None,
+             block_ids: Sequence[int] | None = None) -> schemas.StoreReply:
+        """Queue the prefix whose KV is in the buffer (at ``offset``, ``slots`` or ``block_ids``, as
+        in :meth:`load`) for storing; returns at once.
 
         The KV must be in the buffer when this is called (on a GPU: written and synchronized);
         the sidecar copies it before answering, so the buffer may be reused right after.
         """
-        return self._call(schemas.STORE, schemas.StoreRequest(buffer, list(map(int, tokens)), offset,
-                                                              list(map(int, slots)) if slots is not None else None))
+        return self._call(schemas.STORE, schemas.StoreRequest(buffer, list(map(int, tokens)), offset, _ints(slots), _ints(block_ids)))
 
     def flush(self) -> None:
         """Wait until the sidecar has written everything queued."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import json
 import math
 import types
@@ -21,8 +22,10 @@ import typing
 from dataclasses import MISSING, dataclass, field
 from typing import Any, Union
 
+from kvfetcher import ipc
 from kvfetcher.errors import RequestError
 from kvfetcher.fetch.plan import FetchPlan, LoadDecision, LoadReply
+from kvfetcher.kvbuffer import PagedLayout
 
 
 MAX_DEPTH = 16  # nesting of JSON arrays and objects a request may have
@@ -44,12 +47,31 @@ def natural(text: str, default: Any = MISSING) -> Any:
 
 # --- requests and the replies not defined by the service ---------------------------------------
 
+BLOCK_IDS = ("a paged buffer (instead of `offset`/`slots`): the prompt's blocks in order, distinct; token `i` is at position "
+             "`i % block_size` of block `block_ids[i // block_size]`")
 
-@dataclass
+
+@dataclass(kw_only=True)
 class RegisterRequest:
-    handle: dict = doc("the buffer's IPC handle (`kvfetcher.ipc`): over HTTP a CUDA IPC handle; a host-memory buffer's `memfd` handle (`kind`, `shape`, `dtype`) goes to the buffer socket with its fd")
+    handle: dict | None = doc("the buffer's IPC handle (`kvfetcher.ipc`): over HTTP a CUDA IPC handle; a host-memory buffer's `memfd` "
+                              "handle (`kind`, `shape`, `dtype`) goes to the buffer socket with its fd. A paged buffer of one tensor "
+                              "(`L` in `paged.dims`): that tensor's CUDA IPC handle", None)
+    handles: list[dict] | None = doc("a paged buffer of one tensor per layer: their CUDA IPC handles, in layer order (instead of `handle`)", None)
     model: str = doc("model fingerprint")
     tp_rank: int = natural("tensor-parallel rank", 0)
+    paged: PagedLayout | None = doc("absent: a flat buffer `[layers, 2, kv_heads, capacity, head_dim]`; present: the registered tensors "
+                                    "hold KV in blocks, laid out as this says (loads and stores then name `block_ids`)", None)
+
+    def buffer_handle(self) -> dict:
+        """The one handle (:mod:`kvfetcher.ipc`) this registers: ``handle``, or for a paged buffer the
+        paged handle of ``handles`` (or of its one ``handle``). :class:`RequestError` for neither or both."""
+        if (self.handle is None) == (self.handles is None):
+            raise RequestError("give 'handle', or for a paged buffer of one tensor per layer 'handles'")
+        if self.paged is None:
+            if self.handles is not None:
+                raise RequestError("'handles' registers a paged buffer: give 'paged' (its dims and block_size)")
+            return self.handle
+        return ipc.paged_handle(self.handles if self.handles is not None else [self.handle], self.paged)
 
 
 @dataclass
@@ -71,6 +93,8 @@ class LookupRequest:
     ttft_budget_s: float | None = positive("prefer a load predicted within this many seconds to a faster recompute", None)
     deadline_s: float | None = positive("seconds the listing may take (default: the sidecar's `KVFETCHER_DEADLINE_S`)", None)
     may_skip_listing: bool = doc("true: when no load could pay, plan a recompute without listing the store (`tokens` is then 0)", False)
+    group_size: int = doc("loads that will run at once as one group with this one, itself included (a tensor-parallel "
+                          "group's ranks): they share the node's link, beside the fetches the node's sidecars announce", 1, min=1)
 
 
 @dataclass
@@ -94,6 +118,8 @@ class FetchRequest:
     recompute_tokens_per_s: float | None = positive("without a plan: as in `/v1/lookup`", None)
     presets: list[str] | None = doc("without a plan: as in `/v1/lookup`", None)
     ttft_budget_s: float | None = positive("without a plan: as in `/v1/lookup`", None)
+    group_size: int | None = doc("without a plan: as in `/v1/lookup` (default 1)", None, min=1)
+    block_ids: list[int] | None = natural(BLOCK_IDS, None)
 
 
 @dataclass
@@ -102,6 +128,7 @@ class StoreRequest:
     tokens: list[int] = doc("prompt token ids whose KV is in the buffer; whole chunks of them are stored")
     offset: int = natural("token `i` is in slot `offset + i`", 0)
     slots: list[int] | None = natural("token `i` is in slot `slots[i]` (instead of `offset`)", None)
+    block_ids: list[int] | None = natural(BLOCK_IDS, None)
 
 
 @dataclass
@@ -135,7 +162,8 @@ class Endpoint:
     status: int = 200
 
 
-REGISTER = Endpoint("POST", "/v1/buffers", RegisterRequest, RegisterReply, "Register a KV buffer `[layers, 2, kv_heads, capacity, head_dim]`.")
+REGISTER = Endpoint("POST", "/v1/buffers", RegisterRequest, RegisterReply,
+                    "Register a KV buffer `[layers, 2, kv_heads, capacity, head_dim]`, or a serving engine's paged KV tensors (`paged`).")
 UNREGISTER = Endpoint("DELETE", "/v1/buffers/{id}", None, Ok, "Forget a registered buffer.")
 LOOKUP = Endpoint("POST", "/v1/lookup", LookupRequest, LookupReply, "Plan a load: list the prefix once and run the cost model. Touches no buffer.")
 FETCH = Endpoint("POST", "/v1/fetch", FetchRequest, LoadReply,
@@ -145,7 +173,7 @@ STORE = Endpoint("POST", "/v1/store", StoreRequest, StoreReply,
                  "Queue the prefix for storing; the KV is copied before the reply, so the buffer may be reused at once.", 202)
 FLUSH = Endpoint("POST", "/v1/flush", None, Ok, "Wait until every queued store is written (tests, demo, shutdown).")
 ENDPOINTS = (REGISTER, UNREGISTER, LOOKUP, FETCH, STORE, FLUSH)
-MESSAGES = (FetchPlan, LoadDecision, ErrorReply)  # nested or shared, documented once each
+MESSAGES = (FetchPlan, LoadDecision, PagedLayout, ErrorReply)  # nested or shared, documented once each
 
 
 # --- checking and rendering ------------------------------------------------------------------
@@ -227,7 +255,10 @@ def from_json(cls: type, obj: Any, strict: bool = True, where: str = "body") -> 
                               bound=None if lo is None else (lo, f.metadata.get("open", False)))
         elif f.default is MISSING:
             raise RequestError(f"'{name}' is required in {where}")
-    return cls(**kw)
+    try:
+        return cls(**kw)
+    except ValueError as e:  # the message's own checks (a PagedLayout's dims)
+        raise RequestError(f"'{where}': {e}") from None
 
 
 def to_json(msg: Any) -> dict:
@@ -277,7 +308,7 @@ def render() -> str:
             out += [f"Request `{e.request.__name__}`:", "", *_table(e.request), ""]
         out += [f"Reply ({e.status}) `{e.reply.__name__}`:", "", *_table(e.reply)]
     for m in MESSAGES:
-        out += ["", f"## {m.__name__}", "", (m.__doc__ or "").strip(), "", *_table(m)]
+        out += ["", f"## {m.__name__}", "", inspect.cleandoc(m.__doc__ or ""), "", *_table(m)]
     return "\n".join(out) + "\n"
 
 

@@ -133,10 +133,11 @@ async def errors(request: web.Request, handler):
 
 async def register(request: web.Request) -> web.Response:
     r = await _parse(request, schemas.RegisterRequest)
-    if r.handle.get("kind") != "cuda":  # a memfd handle names the holder's fd: only the buffer socket passes one
-        raise RequestError("over HTTP only a CUDA handle registers; a host-memory buffer is a sealed memfd passed "
+    handle = r.buffer_handle()
+    if any(h.get("kind") != "cuda" for h in r.handles or [r.handle]):  # a memfd handle names the holder's fd: only the buffer socket passes one
+        raise RequestError("over HTTP only a CUDA handle registers (one per paged tensor); a host-memory buffer is a sealed memfd passed "
                            "on the sidecar's buffer socket (KVClient over the Unix socket does it)")
-    return _reply(schemas.RegisterReply(request.app[SIDECAR].register(r.handle, r.model, r.tp_rank)))
+    return _reply(schemas.RegisterReply(request.app[SIDECAR].register(handle, r.model, r.tp_rank)))
 
 
 async def _register_passed(sidecar: Sidecar, conn: socket.socket) -> None:
@@ -147,8 +148,9 @@ async def _register_passed(sidecar: Sidecar, conn: socket.socket) -> None:
         conn.settimeout(RECEIVE_TIMEOUT_S)
         message, fd = await loop.run_in_executor(None, ipc.receive_buffer, conn)
         r = schemas.from_json(schemas.RegisterRequest, message)
-        if fd is None or r.handle.get("kind") != "memfd":
-            raise RequestError("pass exactly one memfd with a registration whose handle is of kind 'memfd'")
+        if fd is None or r.paged is not None or r.handle is None or r.handle.get("kind") != "memfd":
+            raise RequestError("pass exactly one memfd with a flat buffer's registration whose handle is of kind 'memfd' "
+                               "(paged buffers register CUDA handles over HTTP)")
         handle = ipc.memfd_handle(fd, r.handle.get("shape", []), r.handle.get("dtype"))
         reply = schemas.RegisterReply(sidecar.register(handle, r.model, r.tp_rank))
     except (RequestError, ValueError, TypeError, OSError) as e:
@@ -196,22 +198,24 @@ async def lookup(request: web.Request) -> web.Response:
     else:
         raise RequestError("give 'buffer', or 'model' and 'dtype' (and 'tp_rank')")
     plan = await sc.plan(target, r.tokens, recompute_tps=r.recompute_tokens_per_s, presets=r.presets, ttft_budget_s=r.ttft_budget_s,
-                         deadline_s=r.deadline_s, may_skip_listing=r.may_skip_listing)
+                         deadline_s=r.deadline_s, may_skip_listing=r.may_skip_listing, group_size=r.group_size)
     return _reply(schemas.LookupReply(plan.hit_tokens, plan.chunk_tokens, plan, plan.error, plan.detail if plan.error else None))
 
 
 async def fetch(request: web.Request) -> web.Response:
     r = await _parse(request, schemas.FetchRequest)
     reply = await request.app[SIDECAR].load(
-        r.buffer, r.tokens, r.plan, slots=r.slots, offset=r.offset, deadline_s=r.deadline_s,
+        r.buffer, r.tokens, r.plan, slots=r.slots, offset=r.offset, block_ids=r.block_ids, deadline_s=r.deadline_s,
         recompute_tps=r.recompute_tokens_per_s, presets=r.presets, ttft_budget_s=r.ttft_budget_s,
+        group_size=r.group_size,
     )
     return _reply(reply)
 
 
 async def store(request: web.Request) -> web.Response:
     r = await _parse(request, schemas.StoreRequest)
-    return _reply(schemas.StoreReply(**await request.app[SIDECAR].save(r.buffer, r.tokens, slots=r.slots, offset=r.offset)), status=202)
+    reply = await request.app[SIDECAR].save(r.buffer, r.tokens, slots=r.slots, offset=r.offset, block_ids=r.block_ids)
+    return _reply(schemas.StoreReply(**reply), status=202)
 
 
 async def flush(request: web.Request) -> web.Response:
@@ -308,7 +312,7 @@ def bind_unix(path: str, mode: int = 0o660) -> socket.socket:
 
 async def serve_forever(host: str, port: int | None, socket_path: str | None) -> None:
     """``kvfetcher serve``: configuration from the environment the operator injects."""
-    sidecar = Sidecar(from_env(), Config.from_env())
+    sidecar = Sidecar(from_env(record_access=True), Config.from_env())
     token = token_from_env()
     if port is not None and not token.current():
         log.warning("no KVFETCHER_AUTH_TOKEN: the TCP API refuses /v1 requests; use the Unix socket")

@@ -1,8 +1,12 @@
 """codecs: pick a backend for a bitstream format, probing the GPU's video engines once.
 
-``encoder(fmt)`` prefers NVENC when the GPU has one, else libx265 on the CPU (many data-centre
-GPUs have NVDEC but no NVENC: encoding there runs on CPU cores, off the request path).
-``decoder(fmt, device)`` prefers NVDEC for a CUDA device, else libavcodec.
+``encoder(fmt, device)`` prefers NVENC for HEVC when the GPU has one, else libx265 on the CPU
+(many data-centre GPUs have NVDEC but no NVENC: encoding there runs on CPU cores, off the request
+path); the entropy formats code on the GPU with nvCOMP when the planes are on one and nvCOMP loads,
+``zstd`` else on the CPU. ``decoder(fmt, device)`` prefers NVDEC for a CUDA device, else libavcodec;
+for the entropy formats nvCOMP wherever this process has it (frames are moved to ``device``),
+else the CPU's ``zstd``. ``ans`` has no CPU backend: :func:`decodable` says so before anyone
+plans to read it, and asking for its coder here raises a :class:`CodecError`.
 """
 
 from __future__ import annotations
@@ -12,12 +16,14 @@ import logging
 
 import torch
 
-from kvfetcher.codec.base import CodecError, CodecParams, Decoder, Encoder
+from kvfetcher.codec import nvcomp
+from kvfetcher.codec.base import ENTROPY_FORMATS, CodecError, CodecParams, Decoder, Encoder
+from kvfetcher.codec.entropy import ZstdCodec
 from kvfetcher.codec.raw import RawCodec
 
 log = logging.getLogger("kvfetcher.codec")
 
-__all__ = ["CodecError", "CodecParams", "Decoder", "Encoder", "capabilities", "encoder", "decoder"]
+__all__ = ["ENTROPY_FORMATS", "CodecError", "CodecParams", "Decoder", "Encoder", "capabilities", "decodable", "encoder", "decoder"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,9 +48,19 @@ def capabilities() -> dict[str, bool | str]:
     return caps
 
 
-def encoder(fmt: str) -> Encoder:
+def decodable(fmt: str) -> bool:
+    """Whether this process can decode bitstreams of ``fmt`` (``ans`` needs a GPU with nvCOMP)."""
+    return fmt != "ans" or nvcomp.available()
+
+
+def encoder(fmt: str, device: torch.device | str = "cpu") -> Encoder:
+    """An encoder for ``fmt``, for planes on ``device``."""
     if fmt == "raw":
         return RawCodec()
+    if fmt in ENTROPY_FORMATS:
+        if fmt == "ans" or (torch.device(device).type == "cuda" and nvcomp.available()):
+            return nvcomp.NvcompCodec(fmt, device if torch.device(device).type == "cuda" else None)
+        return ZstdCodec()
     if fmt != "hevc":
         raise CodecError(f"unknown bitstream format {fmt!r}")
     caps = capabilities()
@@ -61,9 +77,13 @@ def decoder(fmt: str, device: torch.device | str = "cpu", backend: str | None = 
     """A decoder for ``fmt`` that leaves frames on ``device``; ``backend`` forces a choice."""
     if fmt == "raw":
         return RawCodec()
+    dev = torch.device(device)
+    if fmt in ENTROPY_FORMATS:
+        if backend == "zstd" or (backend is None and fmt == "zstd" and not nvcomp.available()):
+            return ZstdCodec()
+        return nvcomp.NvcompCodec(fmt, dev if dev.type == "cuda" else None)  # raises for ans without a GPU
     if fmt != "hevc":
         raise CodecError(f"unknown bitstream format {fmt!r}")
-    dev = torch.device(device)
     use_nvdec = backend == "nvdec" or (backend is None and dev.type == "cuda" and capabilities()["nvdec"])
     if use_nvdec:
         from kvfetcher.codec.nvidia import NvdecDecoder

@@ -1,9 +1,11 @@
 """The codec interface: uint8 planes <-> one bitstream, interchangeable backends per format.
 
-A *format* is what is stored (``hevc`` or ``raw``); a *backend* is what codes it
-(``x265``/``libavcodec`` on the CPU through PyAV, ``nvdec``/``nvenc`` on the GPU through
-PyNvVideoCodec, ``raw``). Any backend of a format decodes any other's bitstream of that
-format, so a chunk encoded on a CPU node decodes on NVDEC and vice versa.
+A *format* is what is stored: ``hevc``, ``raw``, or an entropy coding of the planes in blocks
+(``zstd``, ``ans``; entropy.py). A *backend* is what codes it (``x265``/``libavcodec`` on the CPU
+through PyAV, ``nvdec``/``nvenc`` on the GPU through PyNvVideoCodec, ``raw``, ``zstd`` through the
+zstandard package, ``nvcomp-zstd``/``nvcomp-ans`` on the GPU through nvCOMP). Any backend of a
+format decodes any other's bitstream of that format, so a chunk encoded on a CPU node decodes on
+the GPU and vice versa; ``ans`` has GPU backends only.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import torch
 
 
 #: Bitstream formats a container may hold.
-FORMATS = ("hevc", "raw")
+FORMATS = ("hevc", "raw", "zstd", "ans")
+#: Formats that entropy-code the planes in independent blocks (entropy.py)
+ENTROPY_FORMATS = ("zstd", "ans")
 
 
 class CodecError(RuntimeError):
@@ -26,7 +30,7 @@ class CodecError(RuntimeError):
 class CodecParams:
     """Encoder settings, stored in the container header so a chunk says how it was made."""
 
-    format: str = "hevc"  # "hevc" | "raw"
+    format: str = "hevc"  # one of FORMATS
     lossless: bool = True
     qp: int | None = None  # constant QP when lossy; None with lossless
     speed: str = "fast"  # x265 preset
@@ -34,9 +38,18 @@ class CodecParams:
     # x265 rate-distortion level (--rd); None: the preset's. An encoder choice only: any HEVC
     # decoder reads the result
     rd: int | None = None
+    # entropy formats: bytes of planes per independently coded block (nvCOMP's chunk), and the
+    # zstd level of the CPU encoder (nvCOMP's GPU encoder has its own)
+    block_bytes: int = 0
+    level: int | None = None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The header's record; the entropy fields only for an entropy format (so the other
+        formats' headers are what they were before those fields existed)."""
+        d = asdict(self)
+        if self.format not in ENTROPY_FORMATS:
+            del d["block_bytes"], d["level"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "CodecParams":

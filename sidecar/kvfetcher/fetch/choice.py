@@ -22,6 +22,13 @@ endpoints: how well download and decode overlap depends on which of them is the 
 Rates are ratios of decayed sums (bytes over seconds), not averages of per-fetch ratios, so each
 fetch counts by its size (a fit is a least-squares line over decayed sums, each fetch one
 point): a small cold fetch must not hold down the rate predicted for large warm ones.
+
+Read rates are the *link's*: the node's link is shared by every fetch on it (the ranks of a
+tensor-parallel group fetch at once, :mod:`kvfetcher.fetch.linkshare` counts them), so a fetch
+that shared it ``k`` ways teaches ``k`` times the rate it saw, and a fetch expected to share it
+``k`` ways is predicted at the link's rate over ``k``. Exact whenever a fetch shares the link as
+the fetches it learnt from did, whatever bounds the read; a decode-bound read learnt alone and
+predicted shared comes out pessimistic.
 """
 
 from __future__ import annotations
@@ -35,11 +42,13 @@ RECOMPUTE = "recompute"
 #: measured fetch replaces its format's prior. For raw, "decoding" is the direct path minus the
 #: read (its CRC-32 runs in the read's thread, so it counts in the store bandwidth): one copy into
 #: the KV buffer. CPU: HEVC through libavcodec.
-DECODE_PRIOR = {"raw": 3e9, "hevc": 2.5e7}
+DECODE_PRIOR = {"raw": 3e9, "hevc": 2.5e7, "zstd": 1e8}
 #: GPU: HEVC is one NVDEC session (worker processes reach several times more once measured); raw is
 #: the direct path's copy, far above any compressed preset's restore rate: on links faster than
-#: those rates raw wins, on slower ones the smaller representation or recompute.
-GPU_DECODE_PRIOR = {"raw": 1e10, "hevc": 5e8}
+#: those rates raw wins, on slower ones the smaller representation or recompute. The entropy
+#: formats decode on the GPU's SMs with nvCOMP (``ans`` only there), zstd on a CPU with the
+#: zstandard package, each followed by the unpack.
+GPU_DECODE_PRIOR = {"raw": 1e10, "hevc": 5e8, "zstd": 1e10, "ans": 2e10}
 
 
 @dataclass(frozen=True)
@@ -182,7 +191,8 @@ class Estimator:
 
     Rates are ratios of decayed sums: each observation adds its amount and its seconds after the
     sums so far are scaled by ``1 - alpha``, so the latest fetches dominate in proportion to
-    their size (``alpha=1``: the latest fetch alone). Latencies are per request, an EWMA.
+    their size (``alpha=1``: the latest fetch alone). Latencies are per request, an EWMA. Read
+    rates are kept as the link's, apart from how many fetches shared it (see the module's doc).
     """
 
     def __init__(self, alpha: float = 0.3, bandwidth_Bps: float = 1.25e8, latency_s: float = 0.005, gpu: bool = False):
@@ -220,11 +230,13 @@ class Estimator:
         self._seen.add(fmt)
         return False
 
-    def observe_read(self, endpoint: str, nbytes: int, busy_s: float, fmt: str | None = None) -> None:
+    def observe_read(self, endpoint: str, nbytes: int, busy_s: float, fmt: str | None = None, sharers: float = 1.0) -> None:
+        """A fetch read ``nbytes`` in ``busy_s`` seconds while ``sharers`` fetches (itself included)
+        shared the link: the link delivered ``sharers`` times that."""
         if nbytes > 0 and busy_s > 0:
-            self._add(self._bw, endpoint, nbytes, busy_s)
+            self._add(self._bw, endpoint, nbytes * sharers, busy_s)
             if fmt:
-                self._add(self._fmt_bw, (fmt, endpoint), nbytes, busy_s)
+                self._add(self._fmt_bw, (fmt, endpoint), nbytes * sharers, busy_s)
 
     def observe_latency(self, endpoint: str, seconds: float) -> None:
         self._ewma(self._lat, endpoint, seconds)
@@ -237,12 +249,13 @@ class Estimator:
         if rounds > 0 and seconds > 0:
             self._ewma(self._list, endpoint, seconds / rounds)
 
-    def observe_fit(self, endpoint: str, preset: str, fmt: str, stored_bytes: int, kv_bytes: int, actual_s: float) -> Fit:
+    def observe_fit(self, endpoint: str, preset: str, fmt: str, stored_bytes: int, kv_bytes: int, actual_s: float,
+                    sharers: float = 1.0) -> Fit:
         """A whole fetch's time against the model's, with the rates as they stand after this fetch
-        updated them: the fit keeps only what the rates cannot explain. Returns the preset's fit
-        on this endpoint."""
+        updated them and the link shared as it was (``sharers``): the fit keeps only what the rates
+        cannot explain. Returns the preset's fit on this endpoint."""
         if stored_bytes > 0 and kv_bytes > 0 and actual_s > 0:
-            r = self.rates(endpoint, 1.0)
+            r = self.rates(endpoint, 1.0, sharers)
             m = fetch_seconds(stored_bytes, kv_bytes, decode_rate(preset, fmt, r), r, fmt=fmt)
             keep = 1 - self.alpha
             for key in ((preset, endpoint), (preset, None)):  # decayed sums for a least-squares line
@@ -269,11 +282,15 @@ class Estimator:
         return Fit(scale, min(max(0.0, a - scale * m), (4.0 - scale) * m))
 
     def bandwidth(self, endpoint: str) -> float:
+        """The link's rate to ``endpoint``: what one fetch gets alone."""
         return self._rate(self._bw, endpoint) or self._prior[0]
 
-    def rates(self, endpoint: str, recompute_tps: float) -> Rates:
+    def rates(self, endpoint: str, recompute_tps: float, sharers: float = 1.0) -> Rates:
+        """The rates a fetch from ``endpoint`` can expect while ``sharers`` fetches (itself included)
+        share the link."""
+        share = max(1.0, sharers)
         decode = {**self._decode_prior, **{p: v for p in self._decode if (v := self._rate(self._decode, p))}}
-        by_format = {fmt: v for (fmt, ep) in self._fmt_bw if ep == endpoint and (v := self._rate(self._fmt_bw, (fmt, ep)))}
+        by_format = {fmt: v / share for (fmt, ep) in self._fmt_bw if ep == endpoint and (v := self._rate(self._fmt_bw, (fmt, ep)))}
         fits = {p: self.fit(p, endpoint) for p, _ in self._fit}
-        return Rates(self.bandwidth(endpoint), self._lat.get(endpoint, self._prior[1]), decode, recompute_tps, fits,
+        return Rates(self.bandwidth(endpoint) / share, self._lat.get(endpoint, self._prior[1]), decode, recompute_tps, fits,
                      self._list.get(endpoint), by_format)

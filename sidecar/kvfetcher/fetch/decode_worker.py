@@ -24,7 +24,7 @@ from kvfetcher.chunk import restore_chunk
 from kvfetcher.errors import ContainerError
 from kvfetcher.format import container
 from kvfetcher.format.mac import ObjectMAC
-from kvfetcher.kvbuffer import ChunkRef, Destination
+from kvfetcher.kvbuffer import ChunkRef, Destination, PagedDestination, PagedKV
 
 log = logging.getLogger("kvfetcher.fetch.decode_worker")
 
@@ -49,14 +49,15 @@ class IntoScratch:
 @dataclass(frozen=True)
 class Restore:
     """Restore one chunk: its prefix + header bytes, its parts at ``spans`` of the slab file
-    (side information first), written to ``slots`` of ``target``; with ``auth`` its header and
-    parts must verify under it. Answered by :class:`Restored` or :class:`Failed`."""
+    (side information first), written to ``where`` in ``target`` (slots of a flat buffer, blocks of
+    a paged one: ``Destination.where``); with ``auth`` its header and parts must verify under it.
+    Answered by :class:`Restored` or :class:`Failed`."""
 
     target: IntoBuffer | IntoScratch
     header: bytes
     slab: tuple[str, int]  # path and size of the worker's slab (Slab.path)
     spans: tuple[tuple[int, int], ...]
-    slots: tuple[int, ...]
+    where: tuple[int, ...]
     auth: ObjectMAC | None = None
 
 
@@ -148,7 +149,7 @@ class _WorkerState:
         self.unopenable: dict[str, str] = {}
         self.slab: Slab | None = None
 
-    def buffer(self, key: str, handle: dict) -> torch.Tensor:
+    def buffer(self, key: str, handle: dict) -> torch.Tensor | PagedKV:
         from kvfetcher import ipc
 
         if key in self.unopenable:
@@ -169,10 +170,13 @@ class _WorkerState:
         self.buffers.pop(key, None)
         self.unopenable.pop(key, None)
 
-    def target(self, target: IntoBuffer | IntoScratch, h: container.Header) -> torch.Tensor:
-        if isinstance(target, IntoScratch):
-            return torch.empty(h.shape, dtype=h.torch_dtype, device=target.device)
-        return self.buffer(target.key, target.handle)
+    def destination(self, target: IntoBuffer | IntoScratch, h: container.Header, where: tuple[int, ...]) -> Destination:
+        """The chunk's destination: ``where`` in the buffer ``target`` names, or a scratch tensor."""
+        buf = torch.empty(h.shape, dtype=h.torch_dtype, device=target.device) if isinstance(target, IntoScratch) else \
+            self.buffer(target.key, target.handle)
+        if isinstance(buf, PagedKV):
+            return PagedDestination(buf, where, len(where) * buf.layout.block_size)
+        return Destination(buf, slots=where)
 
     def view(self, path: str, size: int) -> memoryview:
         if self.slab is None or self.slab.path != path:
@@ -186,13 +190,13 @@ def _restore(state: _WorkerState, req: Restore) -> Restored:
     """In a worker: restore one chunk from the slab into its target (:func:`chunk.restore_chunk`)."""
     t0 = time.perf_counter()
     h = container.parse_header(req.header, req.auth)
-    dest = Destination(state.target(req.target, h), slots=req.slots)
+    dest = state.destination(req.target, h, req.where)
     mem = state.view(*req.slab)
     parts = [mem[a:b] for a, b in req.spans]
     side = parts.pop(0) if h.side else None
     times: dict[str, float] = {"prepare_s": time.perf_counter() - t0}
     try:
-        n = restore_chunk(dest, ChunkRef("", 0, 0, len(req.slots)), h, side, parts, times=times, auth=req.auth)
+        n = restore_chunk(dest, ChunkRef("", 0, 0, dest.tokens), h, side, parts, times=times, auth=req.auth)
     finally:
         del parts, side  # no view of the slab may outlive the request (it can be remapped)
         mem.release()

@@ -12,8 +12,13 @@ Direct path: a chunk stored in the ``native`` layout without a codec (the ``raw`
 GETs straight into one host staging buffer (:mod:`fetch.staging`: reused, pinned when the
 destination is on a GPU), each checksummed by the thread that read it, and once all have
 verified the chunk is copied into the destination by one non-blocking host-to-device copy — no
-decoder, no worker process, no reshuffle. The chunk counts as written only once that copy has
-completed. Each segment is also checked for NaN and infinities there.
+decoder, no worker process, no reshuffle (into a paged destination: that copy, then one scatter
+into its blocks on the device). The chunk counts as written only once that copy has completed. Each segment is also checked for NaN and infinities there.
+
+Entropy-coded chunks (``zstd``, ``ans``) are always restored in this process, staged the same
+way: side information and segment read into one staging buffer, each part checksummed by the
+thread that read it; then decoded in the decode pool straight from that buffer (nvCOMP on the
+GPU's SMs: one copy to the GPU, the decode, the fused unpack into the buffer; no NVDEC worker).
 
 Authentication: with ``object_key`` (:mod:`format.mac`), every object's header tag is verified
 for the name it was read from before its header is trusted, and every part's tag with its CRC-32
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import time
@@ -41,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvfetcher import chunk
+from kvfetcher.codec import ENTROPY_FORMATS, CodecError
 from kvfetcher.errors import BAD_OBJECT, ContainerError, Reason, TruncatedError
 from kvfetcher.fetch import staging
 from kvfetcher.fetch.workers import BufferOpenError, DecodeWorkers, WorkerError
@@ -134,7 +141,7 @@ def _reason(e: Exception) -> Reason:
     """The reason a fetch reports for the exception that stopped it."""
     if isinstance(e, (ContainerError, StoreError)):
         return e.reason
-    if isinstance(e, WorkerError):
+    if isinstance(e, (WorkerError, CodecError)):  # (CodecError: no decoder here, e.g. ans without a GPU)
         return Reason.DECODER
     if isinstance(e, ValueError):
         return Reason.INVALID
@@ -161,11 +168,12 @@ def _read_verified(store: Store, name: str, offset: int, part: memoryview, have:
 
 
 def _write_native(dest: Destination, c: ChunkRef, kv: torch.Tensor) -> None:
-    """Copy a verified native chunk (host memory) into its slots. For a GPU buffer it is staged on
+    """Copy a verified native chunk (host memory) into its place. For a GPU buffer it is staged on
     the device and checked finite there (the host checks each segment only for a CPU buffer: on
-    the GPU the check costs nothing next to the copy), so no NaN or infinity reaches the buffer."""
-    if dest.buffer.is_cuda:
-        kv = kv.to(dest.buffer.device, non_blocking=True)
+    the GPU the check costs nothing next to the copy), so no NaN or infinity reaches the buffer;
+    then written in place, or scattered on the device into a paged buffer's blocks."""
+    if dest.device.type == "cuda":
+        kv = kv.to(dest.device, non_blocking=True)
         container.check_finite(kv, kv.dtype)
     dest.write_kv(c, kv)
 
@@ -236,6 +244,8 @@ class _Fetch:
                 h, head = await self._header(c)
                 if container.is_native(h):
                     await self._direct(i, c, h, head)
+                elif h.codec.format in ENTROPY_FORMATS:
+                    await self._entropy(i, c, h, head)
                 else:
                     await self._coded(i, c, h, head)
         except ContainerError as e:
@@ -288,9 +298,8 @@ class _Fetch:
         the workers cannot map the buffer (from the same bytes: nothing is read twice)."""
         parts = await asyncio.gather(*(self._part(c, h, head, s) for s in ([h.side] if h.side else []) + list(h.segments)))
         side, segments = (parts[0], parts[1:]) if h.side else (None, parts)
-        if self.workers is not None:
-            slots = self.dest.slots[c.start : c.start + c.tokens]
-            restore = self.workers.restore(self.dest.handle, head[: h.header_size], side, segments, slots, self._auth(c))
+        if self.workers is not None and h.codec.format not in ENTROPY_FORMATS:
+            restore = self.workers.restore(self.dest.handle, head[: h.header_size], side, segments, self.dest.where(c), self._auth(c))
             try:
                 n = await self._write(i, asyncio.ensure_future(_timed(self.decodes, restore)))
             except BufferOpenError as e:
@@ -308,35 +317,58 @@ class _Fetch:
 
     async def _direct(self, i: int, c: ChunkRef, h: container.Header, head: bytes) -> None:
         """A native raw chunk: segments read into one staging buffer, each checksummed, then one copy."""
+        async with self._staged(c, h, head, h.segments, finite=self.dest.device.type != "cuda") as (host, started):
+            kv = host.view(h.torch_dtype).view(h.shape)
+            # Every segment verified: only now touch the KV buffers.
+            await _timed(self.decodes, self._write(i, _submit(started, _copy_threads(), _write_native, self.dest, c, kv)))
+        self.out.kv_bytes += host.numel()
+        self.out.direct_chunks += 1
+
+    async def _entropy(self, i: int, c: ChunkRef, h: container.Header, head: bytes) -> None:
+        """An entropy-coded chunk: its parts read into one staging buffer and checksummed there,
+        decoded from it in the decode pool (the buffer's last use), then written."""
+        parts = ([h.side] if h.side else []) + list(h.segments)
+        async with self._staged(c, h, head, parts, finite=False) as (host, started):
+            part = lambda s: host[s.offset : s.offset + s.length]  # noqa: E731
+            side = memoryview(part(h.side).numpy()) if h.side else None
+            decode = functools.partial(chunk.decode_verified, h, side, [part(s) for s in h.segments], self.device)
+            with self.decodes:  # abandoned at a failure, this writes nothing: only the write below is awaited
+                decoded = await _submit(started, self.decode_pool, decode)
+        # Everything of this chunk verified and decoded: only now touch the KV buffers.
+        n = await self._write(i, asyncio.get_running_loop().run_in_executor(self.decode_pool, decoded.write, self.dest, c))
+        self.out.kv_bytes += n
+
+    @contextlib.asynccontextmanager
+    async def _staged(self, c: ChunkRef, h: container.Header, head: bytes, parts: Sequence[container.Segment], finite: bool):
+        """Read ``parts`` of ``c`` to their offsets in one staging buffer (pinned for a GPU buffer),
+        each checked by the thread that read it (:func:`_read_verified`); yields that buffer's
+        payload bytes and the list of thread futures on it, where work on it must be registered
+        (:func:`_submit`): it goes back to the pool only once none of them can touch it."""
         nbytes = h.total_size - h.header_size
-        pinned = self.dest.buffer.is_cuda
+        pinned = self.dest.device.type == "cuda"
         host = self.staging.take(nbytes, pinned)
         mem = memoryview(host.numpy())
         started: list[concurrent.futures.Future] = []  # thread work on ``host``
-        reads = [asyncio.ensure_future(self._read_segment(c, h, head, mem, s, started)) for s in h.segments]
+        reads = [asyncio.ensure_future(self._read_segment(c, h, head, mem, s, started, finite)) for s in parts]
         try:
             await asyncio.gather(*reads)
-            # Every segment verified: only now touch the KV buffers.
-            kv = host.view(h.torch_dtype).view(h.shape)
-            await _timed(self.decodes, self._write(i, _submit(started, _copy_threads(), _write_native, self.dest, c, kv)))
-            self.out.kv_bytes += nbytes
-            self.out.direct_chunks += 1
+            yield host[:nbytes], started
         finally:
             for t in reads:  # a cancelled read submits nothing more
                 t.cancel()
             if all(f.done() for f in started):
                 self.staging.give(host, pinned)
-            # else a read or copy abandoned at a failure or deadline still runs in a thread and
-            # owns ``host`` (its memoryview keeps it alive): never reuse it, let it be freed after
+            # else a read, copy or decode abandoned at a failure or deadline still runs in a thread
+            # and owns ``host`` (its memoryview keeps it alive): never reuse it, let it be freed after
 
     async def _read_segment(self, c: ChunkRef, h: container.Header, head: bytes, mem: memoryview, seg: container.Segment,
-                            started: list[concurrent.futures.Future]) -> None:
-        """Land one segment in its place of the staging buffer ``mem``, read and checksummed in one thread hop."""
+                            started: list[concurrent.futures.Future], finite: bool) -> None:
+        """Land one part in its place of the staging buffer ``mem``, read and checked in one thread hop."""
         a, part = h.header_size + seg.offset, mem[seg.offset : seg.offset + seg.length]
         have = head[a : a + seg.length]  # what the header read already brought, if anything
         part[: len(have)] = have
         async with self.io:
             with self.reads:  # (the CRC reads bytes still in cache)
                 n = await _submit(started, self.io_pool, _read_verified, self.store, c.name, a, part, len(have), seg, h,
-                                  self._auth(c), not self.dest.buffer.is_cuda)
+                                  self._auth(c), finite)
         self.out.bytes_read += n

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import asdict, dataclass, field, replace
 
-from kvfetcher import keys
+from kvfetcher import codec, keys
 from kvfetcher.errors import Reason
 from kvfetcher.fetch import choice
 from kvfetcher.format.presets import PRESETS, measured
@@ -32,8 +32,9 @@ from kvfetcher.store import Store, StoreError
 LOOKUP_PARALLEL = 16  # LISTs in flight during a listing
 #: measured size ratio vs fp16 per preset, for the no-listing shortcut (1.0 where never measured)
 RATIOS = {p: (measured(p) or {}).get("ratio_vs_fp16", 1.0) for p in PRESETS}
-#: the bitstream format of every preset this reader can decode
-FORMATS = {p: PRESETS[p].codec.format for p in PRESETS}
+#: the bitstream format of every preset this reader can decode (``ans`` only with a GPU and nvCOMP):
+#: the cost model never considers the others, whatever is stored
+FORMATS = {p: PRESETS[p].codec.format for p in PRESETS if codec.decodable(PRESETS[p].codec.format)}
 
 
 def _doc(text: str, **kw):

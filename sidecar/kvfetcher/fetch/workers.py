@@ -113,10 +113,11 @@ class _Worker:
                 old.close()
         return self.slab
 
-    def call(self, target: IntoBuffer | IntoScratch, header: bytes, blobs: Sequence[bytes], slots: Sequence[int],
+    def call(self, target: IntoBuffer | IntoScratch, header: bytes, blobs: Sequence[bytes], where: Sequence[int],
              timeout: float | None = None, auth: ObjectMAC | None = None) -> Restored | Failed:
-        """Restore one chunk (``blobs``: its parts, side information first) into ``slots`` of ``target``;
-        the worker's reply. Past ``timeout`` seconds the worker is given up on (WorkerError): replace it."""
+        """Restore one chunk (``blobs``: its parts, side information first) into ``where`` of ``target``
+        (slots, or blocks of a paged buffer); the worker's reply. Past ``timeout`` seconds the worker
+        is given up on (WorkerError): replace it."""
         with self.lock:
             slab = self._slab_for(sum(len(b) for b in blobs))
             spans, at = [], 0
@@ -126,7 +127,7 @@ class _Worker:
                 at += len(b)
             try:
                 with self.send_lock:
-                    self.conn.send(Restore(target, header, (slab.path, slab.size), tuple(spans), tuple(int(s) for s in slots), auth))
+                    self.conn.send(Restore(target, header, (slab.path, slab.size), tuple(spans), tuple(int(s) for s in where), auth))
                 if timeout is not None and not self.conn.poll(timeout):
                     raise WorkerError(f"decode worker {self.proc.pid} did not answer within {timeout:g} s")
                 return self.conn.recv()
@@ -231,10 +232,10 @@ class DecodeWorkers:
             for w in self._workers:
                 w.ready()
 
-    async def restore(self, handle: dict, header: bytes, side: bytes | None, segments: Sequence[bytes], slots: Sequence[int],
+    async def restore(self, handle: dict, header: bytes, side: bytes | None, segments: Sequence[bytes], where: Sequence[int],
                       auth: ObjectMAC | None = None) -> int:
-        """Restore one chunk in a worker (:func:`chunk.restore_chunk`) into ``slots`` of the buffer
-        ``handle`` names; the KV bytes written.
+        """Restore one chunk in a worker (:func:`chunk.restore_chunk`) into ``where`` (slots, or blocks
+        of a paged buffer: ``Destination.where``) of the buffer ``handle`` names; the KV bytes written.
 
         ``header`` is the object's prefix and header; ``side`` and ``segments`` its (unverified) parts;
         with ``auth`` the worker verifies every tag under it.
@@ -251,7 +252,7 @@ class DecodeWorkers:
         w = await idle.get()
         try:
             blobs = ([side] if side is not None else []) + list(segments)
-            call = functools.partial(w.call, IntoBuffer(handle_key(handle), handle), bytes(header), blobs, slots, auth=auth)
+            call = functools.partial(w.call, IntoBuffer(handle_key(handle), handle), bytes(header), blobs, where, auth=auth)
             reply = await loop.run_in_executor(self._threads, call)
         except WorkerError:
             w = self._replace(w)

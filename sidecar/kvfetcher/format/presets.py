@@ -11,12 +11,13 @@ layout a chunk was coded with, so decoding never consults presets.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvfetcher.codec.base import CodecParams
+from kvfetcher.codec.base import ENTROPY_FORMATS, CodecParams
 from kvfetcher.codec.params import LayoutParams
 from kvfetcher.format import calibration
 from kvfetcher.format.calibration import Calibration, Table
@@ -98,7 +99,25 @@ def _build(cal: Calibration) -> dict[str, Preset]:
                "balanced's scheme at ~3x coarser steps: smaller, with a measured accuracy loss",
                pre_rope=True, sink_exact_only=True),
     ]
-    return {p.name: p for p in presets}
+    base = {p.name: p for p in presets}
+    return base | {v.name: v for name in ENTROPY_BASES for fmt in ENTROPY_FORMATS for v in [entropy_variant(base[name], fmt)]}
+
+
+#: presets whose planes also come entropy-coded: ``<name>-zstd`` and ``<name>-ans``
+ENTROPY_BASES = ("q8", "balanced", "compact")
+#: bytes of planes per entropy-coded block (nvCOMP's chunk)
+ENTROPY_BLOCK = 1 << 16
+_ENTROPY_SUMMARY = {
+    "zstd": "blocks of standard zstd frames: nvCOMP on a GPU, the zstandard package on a CPU",
+    "ans": "blocks of nvCOMP's ANS on the GPU: faster than zstd, GPU readers only",
+}
+
+
+def entropy_variant(p: Preset, fmt: str, block_bytes: int = ENTROPY_BLOCK) -> Preset:
+    """``p``'s layout and quantisation (the same planes, so the same KV after restore) entropy-coded
+    as ``fmt`` instead of HEVC: one segment per chunk (a GPU codes its blocks in one batch)."""
+    return dataclasses.replace(p, name=f"{p.name}-{fmt}", codec=CodecParams(format=fmt, block_bytes=block_bytes),
+                               summary=f"{p.name}'s planes entropy-coded in {block_bytes >> 10} KiB {_ENTROPY_SUMMARY[fmt]}", segment_bytes=1 << 30)
 
 
 #: The presets of the default calibration (what a name means when no model is given).

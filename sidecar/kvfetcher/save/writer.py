@@ -2,7 +2,8 @@
 
 A store request never blocks the model on encoding or upload: admission is by chunks. The caller
 skips the leading chunks already stored, asks :meth:`Writer.room` how many more fit the bound
-(``config.store_queue_chunks``), hands over a private copy of the leading chunks that fit and
+(``config.store_queue_chunks``), hands over a private copy of the leading chunks that fit
+(``kvbuffer.Destination.read``: from a flat buffer's slots or a paged buffer's blocks) and
 counts the rest as dropped (:meth:`Writer.dropped`, in chunks) — a lost store costs a future
 recompute, a blocked model costs latency now. One task writes the queue in order: every configured
 preset of every chunk, skipping objects already stored. With an
@@ -20,24 +21,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvfetcher import keys, kvbuffer
+from kvfetcher import codec, keys
 from kvfetcher.chunk import encode_chunk
+from kvfetcher.codec import ENTROPY_FORMATS, nvcomp
 from kvfetcher.config import Config
 from kvfetcher.errors import Reason
-from kvfetcher.format import mac
+from kvfetcher.format import mac, presets
 from kvfetcher.metrics import Metrics
 from kvfetcher.store import Store, StoreError
 
 log = logging.getLogger("kvfetcher.save")
 
 
-def copy_prefix(buffer: torch.Tensor, tokens: int, slots=None, offset: int = 0) -> torch.Tensor:
-    """A private CPU copy of ``tokens`` tokens of ``buffer`` (``[layers, 2, heads, capacity, head_dim]``)
-    at ``slots`` or from ``offset``; ``ValueError`` for slots outside the buffer."""
-    idx = kvbuffer.slot_list(buffer.shape[3], tokens, slots, offset)
-    if kvbuffer.contiguous(idx):
-        return buffer[:, :, :, idx[0] : idx[0] + tokens].to("cpu", copy=True)
-    return buffer.index_select(3, torch.tensor(idx, device=buffer.device)).cpu()
+def _encode(kv: torch.Tensor, device: str | None, *args, **kw) -> bytes:
+    """:func:`encode_chunk` of ``kv``, moved to ``device`` first (in the encode thread)."""
+    return encode_chunk(kv if device is None else kv.to(device), *args, **kw)
 
 
 @dataclass
@@ -46,6 +44,7 @@ class Job:
     keys: list[str]  # one per chunk of ``kv``
     kv: torch.Tensor  # [layers, 2, heads, tokens, head_dim], a private copy
     first: int = 0  # the prompt's chunk index of ``keys[0]`` (its tokens' positions matter to RoPE)
+    parent: str = ""  # the key of the chunk before ``keys[0]`` ("" for a prompt's first chunk)
     queued_at: float = field(default_factory=time.perf_counter)
 
 
@@ -61,6 +60,11 @@ class Writer:
         self._task: asyncio.Task | None = None
         self.pending_chunks = 0
         self.object_key = mac.key_from(config.object_key)  # None: objects are written without tags
+        fmts = {p: presets.get(p).codec.format for p in config.presets}
+        if any(f == "ans" for f in fmts.values()) and not codec.decodable("ans"):
+            raise ValueError(f"preset(s) {[p for p, f in fmts.items() if f == 'ans']} need a CUDA GPU with nvCOMP")
+        # where entropy-coded presets are packed and coded: this process's GPU, if nvCOMP runs on it
+        self.gpu_presets = {p for p, f in fmts.items() if f in ENTROPY_FORMATS} if nvcomp.available() else set()
 
     def start(self) -> None:
         self._queue = asyncio.Queue()
@@ -122,6 +126,7 @@ class Writer:
         loop = asyncio.get_running_loop()
         N = self.config.chunk_tokens
         for i, key in enumerate(job.keys):
+            parent = job.keys[i - 1] if i else job.parent  # in every object: the evictor rebuilds the prefix tree from it
             for preset in self.config.presets:
                 name = keys.object_name(key, preset)
                 if await loop.run_in_executor(self.meta_pool, self.store.exists, name):
@@ -129,7 +134,8 @@ class Writer:
                 t = time.perf_counter()
                 piece = job.kv[:, :, :, i * N : (i + 1) * N].contiguous()
                 auth = mac.ObjectMAC(self.object_key, name) if self.object_key else None
-                encode = functools.partial(encode_chunk, piece, preset, job.ns.model, start=(job.first + i) * N,
+                encode = functools.partial(_encode, piece, "cuda" if preset in self.gpu_presets else None, preset,
+                                           job.ns.model, {"parent": parent}, start=(job.first + i) * N,
                                            rope_theta=self.config.rope_theta, auth=auth)
                 obj = await loop.run_in_executor(self.encode_pool, encode)
                 if await loop.run_in_executor(self.data_pool, self.store.put, name, obj):

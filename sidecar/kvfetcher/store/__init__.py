@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import errno
 from collections.abc import Mapping
-from typing import Protocol
+from typing import NamedTuple, Protocol
+from urllib.parse import urlparse
 
 import numpy as np
 
@@ -62,6 +63,13 @@ def from_os_error(e: OSError, what: str) -> StoreError:
     return _OS_ERRORS.get(e.errno, StoreError)(f"{what}: {e.strerror or e}")
 
 
+class Stat(NamedTuple):
+    """An object's size and last modification (Unix seconds) as a listing gives them."""
+
+    size: int
+    modified: float
+
+
 class Store(Protocol):
     #: names the endpoint for the throughput estimator (one estimate per endpoint)
     endpoint: str
@@ -76,6 +84,10 @@ class Store(Protocol):
 
     def list(self, prefix: str) -> dict[str, int]:
         """Objects under ``prefix``: name -> size."""
+        ...
+
+    def scan(self, prefix: str) -> dict[str, Stat]:
+        """Objects under ``prefix`` with their sizes and modification times (the evictor's listing)."""
         ...
 
     def exists(self, name: str) -> bool: ...
@@ -118,26 +130,54 @@ def read_into(store: Store, name: str, offset: int, buf: memoryview) -> int:
     return n
 
 
-def from_env(env: Mapping[str, str] | None = None) -> Store:
+def from_env(env: Mapping[str, str] | None = None, *, record_access: bool = False) -> Store:
     """The store the environment names (default: the process environment): S3 when
-    ``KVFETCHER_S3_ENDPOINT`` is set, else the local directory ``KVFETCHER_STORE_DIR``."""
+    ``KVFETCHER_S3_ENDPOINT`` is set, else the local directory ``KVFETCHER_STORE_DIR``. With
+    ``record_access`` (a serving sidecar's store) and ``KVFETCHER_ACCESS_LOG_S`` above 0 it records
+    the chunks it serves in access logs (:mod:`.access`) for the evictor."""
     endpoint = config.S3_ENDPOINT.read(env)
-    if endpoint:
-        from kvfetcher.store.s3 import S3Store
+    store = _s3(endpoint, config.S3_BUCKET.read(env), env) if endpoint else _local(config.STORE_DIR.read(env))
+    flush_s = config.ACCESS_LOG_S.read(env)
+    if record_access and flush_s > 0:
+        from kvfetcher.store.access import Recorder
 
-        return S3Store(
-            endpoint,
-            config.S3_BUCKET.read(env),
-            config.S3_ACCESS_KEY.read(env),
-            config.S3_SECRET_KEY.read(env),
-            region=config.S3_REGION.read(env),
-            ca_file=config.S3_CA_FILE.read(env),
-            verify_tls=not config.S3_INSECURE.read(env),
-            read_timeout_s=config.DEADLINE_S.read(env),  # a stalled read ends with the request it serves
-        )
+        return Recorder(store, flush_s)
+    return store
+
+
+def from_url(url: str, env: Mapping[str, str] | None = None) -> Store:
+    """The store at ``url``: ``http(s)://host[:port]/bucket`` (S3, with the credentials and TLS
+    settings of the environment's ``KVFETCHER_S3_*``), ``file:///dir`` or a directory path."""
+    u = urlparse(url)
+    if u.scheme in ("http", "https"):
+        bucket = u.path.strip("/")
+        if not bucket or "/" in bucket:
+            raise ValueError(f"an S3 store URL names one bucket, http(s)://host[:port]/bucket: {url!r}")
+        return _s3(f"{u.scheme}://{u.netloc}", bucket, env)
+    if u.scheme in ("", "file"):
+        return _local(u.path if u.scheme else url)
+    raise ValueError(f"unknown store URL scheme {u.scheme!r} in {url!r} (http, https, file or a path)")
+
+
+def _s3(endpoint: str, bucket: str, env: Mapping[str, str] | None) -> Store:
+    from kvfetcher.store.s3 import S3Store  # the minio SDK only where S3 is used
+
+    return S3Store(
+        endpoint,
+        bucket,
+        config.S3_ACCESS_KEY.read(env),
+        config.S3_SECRET_KEY.read(env),
+        region=config.S3_REGION.read(env),
+        ca_file=config.S3_CA_FILE.read(env),
+        verify_tls=not config.S3_INSECURE.read(env),
+        read_timeout_s=config.DEADLINE_S.read(env),  # a stalled read ends with the request it serves
+    )
+
+
+def _local(path: str) -> Store:
     from kvfetcher.store.local import LocalStore
 
-    return LocalStore(config.STORE_DIR.read(env))
+    return LocalStore(path)
 
 
-__all__ = ["Store", "StoreError", "NotFound", "Unavailable", "StoreFull", "ReadOnly", "fill", "from_env", "from_os_error", "read_into"]
+__all__ = ["Stat", "Store", "StoreError", "NotFound", "Unavailable", "StoreFull", "ReadOnly", "fill", "from_env", "from_os_error", "from_url", "read_into"]

@@ -15,7 +15,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from kvfetcher.store import NotFound, StoreError, fill, from_os_error
+from kvfetcher.store import NotFound, Stat, StoreError, fill, from_os_error
 
 PROBE_BYTES = 4096  # what ping writes: a full or read-only file system refuses it
 
@@ -77,8 +77,11 @@ class LocalStore:
             f.seek(offset)
             return fill(f.readinto, buf)
 
-    @_typed
     def list(self, prefix: str) -> dict[str, int]:
+        return {name: st.size for name, st in self.scan(prefix).items()}
+
+    @_typed
+    def scan(self, prefix: str) -> dict[str, Stat]:
         base = self._path(prefix) if prefix.endswith("/") else self._path(prefix).parent
         if not base.is_dir():
             return {}
@@ -88,7 +91,8 @@ class LocalStore:
             if not p.name.startswith(".tmp-") and name.startswith(prefix):
                 with contextlib.suppress(FileNotFoundError):  # deleted while listing
                     if p.is_file():
-                        out[name] = p.stat().st_size
+                        st = p.stat()
+                        out[name] = Stat(st.st_size, st.st_mtime)
         return out
 
     @_typed

@@ -15,7 +15,7 @@ import urllib3
 from minio import Minio
 from minio.error import S3Error
 
-from kvfetcher.store import NotFound, StoreError, Unavailable, fill
+from kvfetcher.store import NotFound, Stat, StoreError, Unavailable, fill
 
 _MISSING = {"NoSuchKey", "NoSuchObject", "NotFound", "ResourceNotFound"}
 
@@ -125,9 +125,11 @@ class S3Store:
         return self._ranged(read, name, 0)
 
     def list(self, prefix: str) -> dict[str, int]:
-        return self._call(
-            lambda: {o.object_name: o.size for o in self.client.list_objects(self.bucket, prefix=prefix, recursive=True)}
-        )
+        return {name: st.size for name, st in self.scan(prefix).items()}
+
+    def scan(self, prefix: str) -> dict[str, Stat]:
+        return self._call(lambda: {o.object_name: Stat(o.size, o.last_modified.timestamp() if o.last_modified else 0.0)
+                                   for o in self.client.list_objects(self.bucket, prefix=prefix, recursive=True)})
 
     def exists(self, name: str) -> bool:
         try:

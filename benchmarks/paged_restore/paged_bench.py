@@ -1,0 +1,141 @@
+"""Restore into paged KV (vLLM's blocks) against a flat buffer: what the scatter into blocks costs.
+
+Stores a prefix of an 8B-shaped model (bf16, synthetic values, a few distinct chunks cycled) in a
+local directory, then times ``executor.fetch`` of it into four destinations on the GPU: a flat
+buffer (the chunk's slots a plain view), vLLM FlashAttention's per-layer tensors (logical
+``(blocks, kv_heads, block_size, 2 * head_dim)`` views of NHD memory, dims ``BHT(KD)``) and its
+cross-layer tensor (``(blocks, layers, block_size, kv_heads, 2 * head_dim)``, dims ``BLTH(KD)``),
+both with the prompt's blocks shuffled. ``raw`` takes the direct path (pinned host memory, a copy
+to the device, then the scatter); a coded preset is decoded by decode worker processes that open
+the paged tensors by CUDA IPC, unpack on the GPU and scatter. Every paged restore is checked
+byte-identical to the flat one. Also times one chunk's scatter alone (``PagedKV.write`` of a
+chunk already on the device). Prints and writes one JSON object.
+
+    python -m benchmarks.paged_restore.paged_bench --out benchmarks/paged_restore/result_h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from benchmarks.lib.fetchkit import FINGERPRINT, encode_objects, put_prefix
+from kvfetcher import ipc, kvbuffer
+from kvfetcher.eval.costmodel import SHAPES
+from kvfetcher.fetch import executor
+from kvfetcher.fetch.workers import DecodeWorkers
+from kvfetcher.store.local import LocalStore
+
+
+def destinations(shape, tokens: int, block_size: int, blocks: int, device: str):
+    """name -> (tensors, layout or None, handle): a flat buffer and vLLM's two paged forms (with
+    CUDA IPC handles for the decode workers on a GPU; none on a CPU, where threads decode)."""
+    L, H, D = shape.layers, shape.kv_heads, shape.head_dim
+    cuda = device == "cuda"
+    flat = torch.zeros(L, 2, H, tokens, D, dtype=torch.bfloat16, device=device)
+    per_layer = [torch.zeros(blocks, block_size, H, 2 * D, dtype=torch.bfloat16, device=device).permute(0, 2, 1, 3) for _ in range(L)]
+    cross = torch.zeros(blocks, L, block_size, H, 2 * D, dtype=torch.bfloat16, device=device)
+    out = {"flat": (flat, None, ipc.cuda_handle(flat) if cuda else None)}
+    for name, tensors, dims in (("paged_per_layer", per_layer, "BHT(KD)"), ("paged_cross_layer", cross, "BLTH(KD)")):
+        layout = kvbuffer.PagedLayout(dims, block_size)
+        handles = [ipc.cuda_handle(t) for t in (tensors if isinstance(tensors, list) else [tensors])] if cuda else None
+        out[name] = (tensors, layout, ipc.paged_handle(handles, layout) if cuda else None)
+    return out
+
+
+def restored(tensors, layout, block_ids, tokens: int) -> torch.Tensor:
+    return tensors.clone() if layout is None else kvbuffer.read_blocks(tensors, layout, block_ids, 0, tokens)
+
+
+def scatter_s(tensors, layout, block_ids, chunk: torch.Tensor, repeats: int = 20) -> float:
+    """Seconds of one chunk's scatter into its blocks (device to device), median of ``repeats``."""
+    kv = kvbuffer.PagedKV(tensors, layout)
+    blocks = block_ids[: chunk.shape[3] // layout.block_size]
+    times = []
+    for _ in range(repeats):
+        sync(chunk.device)
+        t = time.perf_counter()
+        kv.write(blocks, chunk)
+        sync(chunk.device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+async def fetch(store, refs, dest, workers, io, dec):
+    return await executor.fetch(store, refs, dest, fingerprint=FINGERPRINT, io_pool=io, decode_pool=dec, device=dest.device,
+                                window=8, workers=workers)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu: a smoke run (threads decode)")
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--chunks", type=int, default=32, help="chunks of the prefix (256 tokens each)")
+    ap.add_argument("--presets", default="raw,balanced")
+    ap.add_argument("--procs", type=int, default=8, help="decode worker processes for coded presets")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    shape, T = SHAPES[args.shape], 256
+    tokens = args.chunks * T
+    blocks = tokens // args.block_size + 64
+    block_ids = torch.randperm(blocks, generator=torch.Generator().manual_seed(0))[: tokens // args.block_size].tolist()
+    kv_bytes = shape.kv_bytes_per_token() * tokens
+    dests = destinations(shape, tokens, args.block_size, blocks, args.device)
+    chunk = torch.randn(shape.layers, 2, shape.kv_heads, T, shape.head_dim, device=args.device).to(torch.bfloat16)
+    cuda = args.device == "cuda"
+    result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "date": time.strftime("%Y-%m-%d"), "shape": args.shape, "tokens": tokens,
+              "kv_bytes": kv_bytes, "block_size": args.block_size, "procs": args.procs, "scatter_one_chunk": {}, "fetch": {}}
+    for name, (tensors, layout, _) in dests.items():
+        if layout is not None:
+            s = scatter_s(tensors, layout, block_ids, chunk)
+            result["scatter_one_chunk"][name] = {"ms": round(s * 1e3, 3), "GB_s": round(chunk.numel() * 2 / s / 1e9, 1)}
+    print("scatter", json.dumps(result["scatter_one_chunk"]), flush=True)
+    workers = DecodeWorkers(args.procs) if cuda and args.procs else None
+    if workers is not None:
+        workers.start()
+    try:
+        with tempfile.TemporaryDirectory() as d, ThreadPoolExecutor(32) as io, ThreadPoolExecutor(4) as dec:
+            store = LocalStore(d)
+            for preset in args.presets.split(","):
+                refs = put_prefix(store, preset, encode_objects(shape, preset, T, distinct=4), args.chunks, T)
+                row, flat_bytes = result["fetch"].setdefault(preset, {}), None
+                for name, (tensors, layout, handle) in dests.items():
+                    dest = kvbuffer.destination(tensors if layout is None else kvbuffer.PagedKV(tensors, layout), tokens,
+                                                block_ids=None if layout is None else block_ids, handle=handle)
+                    w = None if preset == "raw" else workers
+                    secs = []
+                    for _ in range(args.repeats + 1):  # the first warms workers, decoders and staging
+                        out = asyncio.run(fetch(store, refs, dest, w, io, dec))
+                        assert out.error is None and out.loaded_tokens == tokens, out
+                        secs.append(out.seconds)
+                    med = statistics.median(secs[1:])
+                    got = restored(tensors, layout, block_ids, tokens)
+                    flat_bytes = got if flat_bytes is None else flat_bytes
+                    row[name] = {"fetch_s": round(med, 4), "kv_GB_s": round(kv_bytes / med / 1e9, 2),
+                                 "identical_to_flat": bool(torch.equal(got.view(torch.int16), flat_bytes.view(torch.int16)))}
+                    print(preset, name, json.dumps(row[name]), flush=True)
+    finally:
+        if workers is not None:
+            workers.close()
+    print(json.dumps(result, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

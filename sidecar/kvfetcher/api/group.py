@@ -1,0 +1,97 @@
+"""group: the sidecars of one tensor-parallel group, asked together — every rank loads a prompt, or none.
+
+One sidecar per GPU: rank ``r``'s sidecar stores and fetches rank ``r``'s shard of the KV (its
+heads) under its own namespace. :class:`RankGroup` holds one :class:`KVClient` per rank, asks all
+of them at once, and turns their answers into the group's with :mod:`kvfetcher.fetch.group`:
+
+* :meth:`RankGroup.plan` (the scheduler's question, e.g. from rank 0's connector) plans the prompt on
+  every rank with ``group_size`` = the group's size, so each sidecar prices its load with the node's
+  link shared by all ranks; the ranks' plans become one :class:`GroupPlan` (common preset, common
+  leading run, or recompute), asking the ranks a second time only when they disagree.
+* :meth:`RankGroup.load` loads every rank's shard with its plan at once and answers with what every
+  rank loaded; any rank short (failed, killed, corrupt shard) is every rank's shortfall.
+
+An engine whose ranks live in separate processes may instead plan here and hand each worker its
+``GroupPlan.plans[rank]`` (to load the first ``GroupPlan.tokens`` tokens with its own client), then
+combine the workers' replies with :func:`kvfetcher.fetch.group.settle`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from kvfetcher.api.client import KVClient
+from kvfetcher.fetch import group
+from kvfetcher.fetch.group import GroupLoad, GroupPlan
+
+__all__ = ["RankGroup", "GroupPlan", "GroupLoad"]
+
+
+class RankGroup:
+    """Rank ``r``'s sidecar at ``clients[r]``; each call asks all ranks in parallel."""
+
+    def __init__(self, clients: Sequence[KVClient]):
+        if not clients:
+            raise ValueError("a group needs at least one rank's client")
+        self.clients = list(clients)
+        self._pool = ThreadPoolExecutor(len(self.clients), thread_name_prefix="kvf-rank")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+        for c in self.clients:
+            c.close()
+
+    def __enter__(self) -> "RankGroup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _each(self, call: Callable[[int, KVClient], object]) -> list:
+        """``call(rank, client)`` for every rank at once; an exception is that rank's answer."""
+        futures = [self._pool.submit(call, r, c) for r, c in enumerate(self.clients)]
+        answers = []
+        for f in futures:
+            try:
+                answers.append(f.result())
+            except Exception as e:  # unreachable, timed out or refused: the group recomputes
+                answers.append(e)
+        return answers
+
+    def plan(self, tokens: Sequence[int], buffers: Sequence[str] | None = None, **kw) -> GroupPlan:
+        """The group's plan for ``tokens``. Name each rank's namespace by its registered buffer
+        (``buffers[r]``) or, a scheduler without buffers, by ``model``, ``dtype`` and ``kv_shape``
+        (one rank's geometry; rank ``r`` plans for ``tp_rank=r``). Other keywords: those of
+        :meth:`KVClient.plan` (``presets`` is narrowed to the common preset if the ranks are asked again)."""
+        tokens = list(tokens)
+
+        def ask(prefix: list[int], **extra) -> list:
+            opts = {**kw, **extra, "group_size": len(self.clients)}
+            return self._each(lambda r, c: c.plan(buffers[r], prefix, **opts) if buffers else c.plan(None, prefix, tp_rank=r, **opts))
+
+        got = group.agree(ask(tokens))
+        if isinstance(got, group.Retry):
+            got = group.agree(ask(tokens[: got.tokens], presets=[got.preset]), retry=got)
+        return got
+
+    def load(self, plan: GroupPlan, tokens: Sequence[int], buffers: Sequence[str], *, offset: int = 0,
+             slots: Sequence[int] | None = None, deadline_s: float | None = None, **kw) -> GroupLoad:
+        """Load ``plan`` (from :meth:`plan`, for these ``tokens``) into every rank's buffer at once,
+        token ``i`` at slot ``offset + i`` (or ``slots[i]``) of each. When this returns, the leading
+        ``loaded_tokens`` are in every rank's buffer; every rank recomputes ``not_loaded``. Keywords
+        (cost keywords of :meth:`KVClient.load`) apply only where a rank plans at load (a plan made
+        without buffers)."""
+        if len(buffers) != len(self.clients):
+            raise ValueError(f"{len(buffers)} buffers for {len(self.clients)} ranks")
+        if not plan.plans or plan.loaded_tokens == 0:
+            return group.settle(plan, [])
+        prefix = list(tokens[: plan.tokens])
+        cut = list(slots[: plan.tokens]) if slots is not None else None
+
+        def load(r: int, c: KVClient):
+            p = plan.plans[r]
+            extra = {} if p is not None else {**kw, "group_size": len(self.clients)}
+            return c.load(buffers[r], prefix, p, offset=offset, slots=cut, deadline_s=deadline_s, **extra)
+
+        return group.settle(plan, self._each(load))

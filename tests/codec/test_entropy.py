@@ -1,0 +1,135 @@
+"""The entropy formats on the CPU: the block bitstream, the zstd backend, the *-zstd presets
+restoring exactly what their layout's unpack gives, bad bitstreams refused, ans refused cleanly."""
+
+import numpy as np
+import pytest
+import torch
+import zstandard
+
+from kvfetcher import chunk, codec
+from kvfetcher.codec import entropy, layout
+from kvfetcher.errors import ContainerError
+from kvfetcher.format import container, presets
+
+from kvtest import flip, rebuild
+
+SHIPPED_FP = "smollm2-135m-instruct-q4_1/float32"  # the model whose basis the lossy presets use
+ZSTD_PRESETS = [p for p in presets.PRESETS if p.endswith("-zstd")]
+
+
+def _kv(tokens: int = 40, dtype=torch.float16) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    kv = torch.randn(30, 2, 3, tokens, 64, generator=g) * 2  # the shipped model's geometry (its basis fits)
+    kv[:, :, :, 7] *= 6  # an outlier token
+    return kv.to(dtype)
+
+
+def _frames(seed: int = 0, shape=(2, 3, 200, 304)) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * 6 + 128).clamp(0, 255).to(torch.uint8)
+
+
+def test_zstd_round_trips_planes_in_blocks_of_standard_frames():
+    f = _frames()
+    params = codec.CodecParams(format="zstd", block_bytes=1 << 14)
+    data = codec.encoder("zstd").encode(f, params)
+    assert torch.equal(codec.decoder("zstd", backend="zstd").decode(data, tuple(f.shape)), f)
+    block, sizes, offsets, payload = entropy.split(data, f.numel())
+    assert block == 1 << 14 and len(sizes) == -(-f.numel() // block)
+    flat = f.view(-1).numpy()
+    for i, (at, n) in enumerate(zip(offsets, sizes)):  # every block: one plain zstd frame, readable by anyone
+        assert at % entropy.ALIGN == 0
+        frame = bytes(payload[at : at + n])
+        assert zstandard.get_frame_parameters(frame).content_size == min(block, f.numel() - i * block)
+        assert zstandard.ZstdDecompressor().decompress(frame) == flat[i * block : (i + 1) * block].tobytes()
+
+
+def test_a_bitstream_of_blocks_coded_elsewhere_decodes():
+    """Blocks made by plain zstd at any level (as another encoder would make them) decode."""
+    f = _frames(1, (1, 1, 96, 160))
+    raw = f.view(-1).numpy().tobytes()
+    blocks = [zstandard.ZstdCompressor(level=lvl).compress(raw[a : a + 4096]) for lvl, a in zip([1, 19, -5, 3], range(0, len(raw), 4096))]
+    data = entropy.join_blocks(4096, blocks)
+    assert torch.equal(entropy.ZstdCodec().decode(data, tuple(f.shape)), f)
+
+
+@pytest.mark.parametrize("bad", ["short", "table", "sizes", "frame", "length", "zero"])
+def test_a_bad_bitstream_is_a_codec_error(bad):
+    f = _frames(2, (1, 1, 64, 128))  # 4 blocks
+    data = entropy.ZstdCodec().encode(f, codec.CodecParams(format="zstd", block_bytes=2048))
+    b = {"short": data[:6], "table": data[:20], "sizes": data[:-16],
+         "frame": data[:8 + 4 * 4] + bytes(len(data) - 8 - 4 * 4),  # the table intact, the frames zeros
+         "length": data, "zero": entropy.join(2048, [0, 0, 0, 0], b"")}[bad]
+    with pytest.raises(codec.CodecError):
+        entropy.ZstdCodec().decode(b, (1, 1, 64, 128) if bad != "length" else (1, 1, 64, 129))
+
+
+def test_ans_has_no_cpu_backend_and_is_never_planned_without_a_gpu():
+    if codec.decodable("ans"):
+        pytest.skip("this machine decodes ans")
+    with pytest.raises(codec.CodecError, match="GPU"):
+        codec.decoder("ans", "cpu")
+    with pytest.raises(codec.CodecError, match="GPU"):
+        codec.encoder("ans", "cpu")
+    from kvfetcher.fetch import plan
+
+    assert not any(p.endswith("-ans") for p in plan.FORMATS) and "balanced-zstd" in plan.FORMATS
+
+
+@pytest.mark.parametrize("name", ZSTD_PRESETS)
+def test_zstd_presets_restore_exactly_their_layouts_unpack(name):
+    """The same planes as the video preset (same layout and quantisation), coded losslessly: the KV
+    restored is bit for bit what the layout's own unpack of those planes gives."""
+    kv = _kv()
+    p, video = presets.get(name, SHIPPED_FP), presets.get(name.removesuffix("-zstd"), SHIPPED_FP)
+    assert p.layout == video.layout and p.pre_rope == video.pre_rope and p.codec.format == "zstd"
+    obj = chunk.encode_chunk(kv, name, SHIPPED_FP, start=0, rope_theta=1e5)
+    h = container.parse_header(obj)
+    packed = layout.pack(kv, h.layout, 0)
+    assert h.layout.basis is not None or name == "q8-zstd"
+    reference = layout.unpack(packed.frames, packed.side, tuple(kv.shape), kv.dtype, h.layout)
+    assert torch.equal(chunk.decode_chunk(obj, SHIPPED_FP), reference)
+
+
+def test_zstd_and_hevc_objects_of_one_chunk_restore_the_same_kv():
+    kv = _kv(24)
+    a = chunk.decode_chunk(chunk.encode_chunk(kv, "q8-zstd", "fp"), "fp")
+    b = chunk.decode_chunk(chunk.encode_chunk(kv, "q8", "fp"), "fp")
+    assert torch.equal(a, b)
+
+
+def _noise_frames(b: bytes) -> bytes:
+    """A bitstream with its block table kept and its frames replaced by noise."""
+    keep = 8 + 4 * int.from_bytes(b[4:8], "little")
+    return b[:keep] + np.random.default_rng(0).bytes(len(b) - keep)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage", "hevc"])
+def test_a_bad_zstd_object_never_reaches_the_buffer(damage):
+    kv = _kv(24)
+    obj = chunk.encode_chunk(kv, "q8-zstd", "fp")
+    h = container.parse_header(obj)
+    seg = h.segments[0]
+    bad = {
+        "flip": lambda: flip(obj, h.header_size + seg.offset + seg.length // 2),
+        "truncate": lambda: obj[:-100],
+        # checksums valid, the block table intact, the frames noise
+        "garbage": lambda: rebuild(obj, segment=_noise_frames),
+        # a foreign bitstream under a valid header: HEVC bytes where zstd blocks belong
+        "hevc": lambda: rebuild(chunk.encode_chunk(kv, "q8", "fp"), fmt="zstd"),
+    }[damage]()
+    out = torch.full(kv.shape, 7.0, dtype=kv.dtype)
+    with pytest.raises(ContainerError):
+        chunk.decode_chunk(bad, "fp", out=out)
+    assert bool((out == 7.0).all())
+
+
+def test_an_ans_object_on_a_cpu_reader_is_refused_without_blaming_the_object():
+    if codec.decodable("ans"):
+        pytest.skip("this machine decodes ans")
+    kv = _kv(24)
+    obj = rebuild(chunk.encode_chunk(kv, "q8-zstd", "fp"), fmt="ans")  # as a GPU sidecar would store it
+    out = torch.full(kv.shape, 7.0, dtype=kv.dtype)
+    with pytest.raises(codec.CodecError, match="GPU"):
+        chunk.decode_chunk(obj, "fp", out=out)
+    assert bool((out == 7.0).all())
