@@ -15,6 +15,7 @@ Registration is retried on the next load or save after the sidecar was unreachab
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
@@ -23,16 +24,21 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from kvfetcher import ipc, kvbuffer
-from kvfetcher.api.client import SidecarError
+from kvfetcher.api.client import KVClient, SidecarError
 from kvfetcher.integrations.vllm_meta import MIN_TIMED_TOKENS, LoadSpec, Options, SaveSpec, StepMeta, WorkerReport
 
 log = logging.getLogger("kvfetcher.integrations.vllm")
 
+#: whether a paged load can start past vLLM's own prefix-cache hit (``first_token``)
+PAGED_SKIP = "first_token" in inspect.signature(KVClient.load).parameters
 _PROBE = dict(num_blocks=1013, block_size=272, num_kv_heads=7)  # distinct sizes that name a backend's axes
 
 
 def backend_axes(backend, head_size: int) -> str:
-    """The letters of ``backend.get_kv_cache_shape``'s axes (X: K and V packed as ``2*head_size``)."""
+    """The letters of ``backend.get_kv_cache_shape``'s axes (X: K and V packed as ``2*head_size``).
+    vLLM 0.32's backends no longer say: their FlashAttention cache keeps 0.26's ``(B, H, T, 2*D)``."""
+    if not hasattr(backend, "get_kv_cache_shape"):
+        return "BHTX"
     shape = backend.get_kv_cache_shape(head_size=head_size, **_PROBE)
     names = {1013: "B", 272: "T", 7: "H", head_size: "D", 2 * head_size: "X", 2: "K"}
     try:
@@ -260,6 +266,8 @@ class WorkerSide:
         bs = self.block_size
         if not self._on_cpu():
             if spec.first:  # vLLM's own cache holds tokens before it, in blocks shared with other requests
+                if not PAGED_SKIP:  # a sidecar API that cannot leave them alone: recompute, never overwrite them
+                    return spec.first
                 kw["first_token"] = spec.first
             reply = self.client.load(buf, spec.tokens, plan, block_ids=self._blocks(spec.block_ids), **kw)
             return max(spec.first, min(reply.loaded_tokens, spec.end) // bs * bs)
