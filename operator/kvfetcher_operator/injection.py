@@ -26,6 +26,11 @@ What the sidecar gets, and why:
   the sidecar then stores the others (or the q8 variant of the same back end), and the pod's
   `kvfetcher.io/store-presets` annotation says what it stores and why.
 
+- A model container that runs vLLM (`vllm serve ...`, `python -m vllm.entrypoints...`, or an image
+  named vllm-openai) without its own `--kv-transfer-config` gets one naming the kvfetcher connector
+  on the sidecar's socket (its image must have the `kvfetcher` package); the pod annotation
+  `kvfetcher.io/vllm-connector: "false"` leaves its arguments alone.
+
 - It is Pod Security "restricted" compliant (non-root, no privilege escalation, no
   capabilities, RuntimeDefault seccomp), and the pod gets the sidecar's group as a
   supplemental group, so a non-root model can connect to the socket (mode 0660).
@@ -38,6 +43,7 @@ adds anything the API server would reject.
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any, NamedTuple
 
 from kvfetcher import config as settings
@@ -52,6 +58,7 @@ MODEL_ANNOTATION = "kvfetcher.io/model"  # the model fingerprint the sidecar ser
 INJECTED_ANNOTATION = "kvfetcher.io/injected"
 SKIPPED_ANNOTATION = "kvfetcher.io/injection-skipped"
 GPU_ANNOTATION = "kvfetcher.io/gpu-access"
+VLLM_ANNOTATION = "kvfetcher.io/vllm-connector"  # "false": do not add the connector to a vLLM container
 ROPE_THETA_ANNOTATION = "kvfetcher.io/rope-theta"  # the model's RoPE base (absent: no pre-RoPE preset stored)
 STORE_ANNOTATION = "kvfetcher.io/store-presets"  # what the sidecar stores, and why if less than the pool's
 CONTAINER = "kvfetcher"
@@ -324,6 +331,20 @@ def collisions(spec: dict[str, Any], model: dict[str, Any], port: int) -> str | 
     return None
 
 
+def vllm_connector_args(container: dict[str, Any]) -> list[str]:
+    """The arguments that make a vLLM model container use the kvfetcher connector on the sidecar's
+    socket: none unless it runs vLLM and has no KV-transfer config of its own."""
+    words = [str(w) for w in (container.get("command") or []) + (container.get("args") or [])]
+    line = " ".join(words)
+    runs_vllm = "vllm serve" in line or "vllm.entrypoints" in line or "vllm-openai" in (container.get("image") or "")
+    if not runs_vllm or any(w.startswith(("--kv-transfer-config", "--kv_transfer_config")) for w in words):
+        return []
+    return ["--kv-transfer-config", json.dumps({
+        "kv_connector": "KVFetcherConnector", "kv_connector_module_path": "kvfetcher.integrations.vllm",
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"socket": SOCKET},
+    }, separators=(",", ":"))]
+
+
 def _spec_patch(spec: dict[str, Any], pool: dict[str, Any], annotations: dict[str, str],
                 model: dict[str, Any]) -> dict[str, Any]:
     new_containers = copy.deepcopy(spec.get("containers") or [])
@@ -331,6 +352,8 @@ def _spec_patch(spec: dict[str, Any], pool: dict[str, Any], annotations: dict[st
         if c.get("name") == model.get("name"):
             c.setdefault("volumeMounts", []).append({"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR})
             c.setdefault("env", []).append(_value_env(settings.SOCKET, SOCKET))
+            if annotations.get(VLLM_ANNOTATION, "").lower() != "false" and (extra := vllm_connector_args(c)):
+                c["args"] = list(c.get("args") or []) + extra
     volumes = copy.deepcopy(spec.get("volumes") or [])
     volumes.append({"name": SOCKET_VOLUME, "emptyDir": {}})
     if ca_volume(pool):

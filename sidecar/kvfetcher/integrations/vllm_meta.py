@@ -1,0 +1,101 @@
+"""What the vLLM connector's two sides share: its options, the per-step metadata the scheduler
+sends the workers (:class:`StepMeta`) and the report the workers send back (:class:`WorkerReport`).
+Both messages cross process boundaries (pickled by vLLM): plain data only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+from kvfetcher import config
+from kvfetcher.api.client import KVClient
+from kvfetcher.fetch.plan import FetchPlan
+
+MIN_TIMED_TOKENS = 256  # a step computing fewer tokens times overheads, not the prefill rate
+
+
+@dataclass(frozen=True)
+class Options:
+    """``kv_connector_extra_config``; unset keys fall back to the sidecar client's settings."""
+
+    socket: str | None = None  # the sidecar's Unix socket (default KVFETCHER_SOCKET); needed for a CPU KV cache
+    url: str | None = None  # or its URL (default KVFETCHER_URL), with KVFETCHER_AUTH_TOKEN
+    model: str = ""  # model fingerprint (default KVFETCHER_MODEL, else vLLM's model name)
+    presets: tuple[str, ...] | None = None  # presets a load may use (default: the sidecar's allowed ones)
+    ttft_budget_s: float | None = None  # prefer a load predicted within this to a faster recompute
+    recompute_tokens_per_s: float | None = None  # the prefill rate until the engine's own is measured
+    lookup_timeout_s: float = 5.0  # the scheduler waits at most this for a plan, then recomputes
+    load_deadline_s: float | None = None  # a load's deadline (default: the sidecar's KVFETCHER_DEADLINE_S)
+
+    @classmethod
+    def parse(cls, extra: dict[str, Any], vllm_config=None) -> "Options":
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise ValueError(f"kvfetcher: unknown kv_connector_extra_config key(s) {unknown}; known: {sorted(known)}")
+        kw = dict(extra)
+        if "presets" in kw:
+            kw["presets"] = tuple(kw["presets"].split(",") if isinstance(kw["presets"], str) else kw["presets"])
+        for name in ("ttft_budget_s", "recompute_tokens_per_s", "lookup_timeout_s", "load_deadline_s"):
+            if kw.get(name) is not None:
+                kw[name] = float(kw[name])
+                if not kw[name] > 0:
+                    raise ValueError(f"kvfetcher: {name} must be positive, not {extra[name]!r}")
+        kw.setdefault("model", config.MODEL.read() or (vllm_config.model_config.model if vllm_config else ""))
+        if kw.get("ttft_budget_s") is None:
+            kw["ttft_budget_s"] = config.TTFT_BUDGET_S.read()
+        return cls(**kw)
+
+    def client(self, timeout_s: float = 60.0) -> KVClient:
+        socket = self.socket or (None if self.url else config.SOCKET.read())
+        if socket:
+            return KVClient(socket_path=socket, timeout_s=timeout_s)
+        return KVClient(self.url or config.URL.read(), timeout_s=timeout_s)
+
+
+@dataclass
+class LoadSpec:
+    """Load the plan's chunks of ``tokens`` and write tokens ``first .. end`` into ``block_ids``
+    (the request's whole block table, indexed from token 0)."""
+
+    req_id: str
+    tokens: list[int]
+    plan: FetchPlan | None
+    first: int
+    end: int
+    block_ids: list[int]
+    recompute_tps: float | None = None  # the engine's prefill rate, for a load that plans again
+
+
+@dataclass
+class SaveSpec:
+    """Store ``tokens`` (whole chunks of a finished prefill), whose KV is in ``block_ids``."""
+
+    req_id: str
+    tokens: list[int]
+    block_ids: list[int]
+
+
+@dataclass
+class StepMeta(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    step_tokens: int = 0  # tokens the engine computes in this step (for the prefill rate)
+    preempted: set[str] = field(default_factory=set)
+
+
+@dataclass
+class WorkerReport(KVConnectorWorkerMetadata):
+    """Chunks the sidecar took per request (queued or already stored), and timed steps
+    ``(tokens, seconds)``; summed over tensor-parallel workers by taking the least stored."""
+
+    stored_chunks: dict[str, int] = field(default_factory=dict)
+    steps: list[tuple[int, float]] = field(default_factory=list)
+
+    def aggregate(self, other: "WorkerReport") -> "WorkerReport":
+        stored = {r: min(n, other.stored_chunks[r]) for r, n in self.stored_chunks.items() if r in other.stored_chunks}
+        return WorkerReport(stored, self.steps + other.steps)

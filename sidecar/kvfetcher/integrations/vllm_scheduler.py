@@ -1,0 +1,178 @@
+"""The vLLM connector's scheduler side: what to load, what to save, and what to tell routers.
+
+* :meth:`SchedulerSide.matched` (``get_num_new_matched_tokens``) asks the sidecar for a plan of the
+  prompt (all but its last token, which vLLM always computes) once per request and keeps it; it
+  has no other side effect. The tokens the plan would load beyond vLLM's own prefix-cache hit are
+  loaded asynchronously.
+* :meth:`allocated` turns that into a :class:`LoadSpec` with the request's block table; :meth:`step`
+  (``build_connector_meta``) hands the workers the loads and, for each request whose prefill ends in
+  this step, a :class:`SaveSpec` of its whole chunks; :meth:`finished` holds the request's blocks
+  until its save has copied them.
+* :meth:`report` reads the workers' report: stored chunks become ``BlockStored`` events (medium
+  ``OBJ``) for KV-aware routers, timed steps the prefill rate passed to the cost model.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from kvfetcher import kvbuffer
+from kvfetcher.api.client import SidecarError
+from kvfetcher.fetch.plan import FetchPlan
+from kvfetcher.integrations.vllm_meta import MIN_TIMED_TOKENS, LoadSpec, Options, SaveSpec, StepMeta, WorkerReport
+
+log = logging.getLogger("kvfetcher.integrations.vllm")
+
+MEDIUM = "OBJ"  # vLLM's KV-event medium of an object store (MEDIUM_OBJ in vLLM 0.26)
+WARN_EVERY_S = 30.0
+
+
+@dataclass
+class _Request:
+    request: object  # vllm Request: its prompt and block hashes
+    tokens: list[int]  # what was planned: the prompt but its last token
+    plan: FetchPlan | None
+    end: int  # tokens the plan would load, from token 0 (0 once the load was handed to the workers)
+    loaded: int = 0  # tokens a load was asked for (stored already)
+    local: int = 0  # vLLM's own prefix-cache hit when the load was decided
+    blocks: list[int] = field(default_factory=list)  # the block table
+    saving: bool = False  # a save was asked for: its blocks stay until the workers copied them
+
+
+class SchedulerSide:
+    def __init__(self, vllm_config, kv_cache_config, options: Options):
+        self.options = options
+        self.client = options.client(timeout_s=options.lookup_timeout_s)
+        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        self.block_size = spec.block_size
+        self.dtype = kvbuffer.dtype_name(spec.dtype)
+        self.kv_shape = (len(kv_cache_config.kv_cache_groups[0].layer_names), spec.num_kv_heads, spec.head_size)
+        self.recompute_tps = options.recompute_tokens_per_s
+        self.requests: dict[str, _Request] = {}
+        self.loads: list[LoadSpec] = []
+        self.saving: dict[str, _Request] = {}  # asked to save, not yet reported
+        self.events: list = []
+        self._warned = 0.0
+
+    def close(self) -> None:
+        self.client.close()
+
+    # --- loads -------------------------------------------------------------------------------
+
+    def _plan(self, request) -> _Request:
+        """The request's plan; its ``kv_transfer_params`` may name ``presets`` and ``ttft_budget_s``
+        (``SamplingParams(extra_args={"kv_transfer_params": {...}})``) in place of the options'."""
+        tokens = list(request.prompt_token_ids or [])[:-1]
+        own = getattr(request, "kv_transfer_params", None) or {}
+        plan, end = None, 0
+        try:
+            plan = self.client.plan(None, tokens, model=self.options.model, dtype=self.dtype, kv_shape=self.kv_shape,
+                                    recompute_tokens_per_s=self.recompute_tps, presets=own.get("presets", self.options.presets),
+                                    ttft_budget_s=own.get("ttft_budget_s", self.options.ttft_budget_s),
+                                    deadline_s=self.options.lookup_timeout_s / 2, may_skip_listing=True)
+            # no preset chosen: the sidecar has no buffer of this namespace yet; the load plans again
+            end = plan.loaded_tokens if plan.preset else plan.hit_tokens
+        except (OSError, SidecarError) as e:  # no sidecar is no reason to fail a request: recompute
+            self._warn("KV lookup failed, recomputing: %s", e)
+        return _Request(request, tokens, plan, end)
+
+    def matched(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        r = self.requests.get(request.request_id)
+        if r is None:
+            r = self.requests[request.request_id] = self._plan(request)
+        r.local = num_computed_tokens
+        n = r.end - num_computed_tokens
+        return (n, True) if n > 0 else (0, False)
+
+    def allocated(self, request, block_ids: list[int], num_external_tokens: int) -> None:
+        r = self.requests.get(request.request_id)
+        if r is None or num_external_tokens <= 0:
+            return
+        r.blocks, r.loaded = list(block_ids), r.end
+        self.loads.append(LoadSpec(request.request_id, r.tokens, r.plan, r.local, r.local + num_external_tokens, r.blocks, self.recompute_tps))
+        r.end = 0  # one load per request: vLLM asks again only after it failed (or a preemption), then recompute
+
+    # --- the step ----------------------------------------------------------------------------
+
+    def step(self, out) -> StepMeta:
+        meta = StepMeta(self.loads, [], out.total_num_scheduled_tokens, set(getattr(out, "preempted_req_ids", None) or ()))
+        self.loads = []
+        done = []  # (request id, tokens computed once this step ends)
+        for new in out.scheduled_new_reqs:
+            if (r := self.requests.get(new.req_id)) is not None:
+                r.blocks = list(new.block_ids[0])
+                done.append((new.req_id, new.num_computed_tokens + out.num_scheduled_tokens[new.req_id]))
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if (r := self.requests.get(req_id)) is None:
+                continue
+            if cached.new_block_ids[i] is not None:  # a resumed request gets its whole table anew
+                fresh = list(cached.new_block_ids[i][0])
+                r.blocks = fresh if req_id in cached.resumed_req_ids else r.blocks + fresh
+            done.append((req_id, cached.num_computed_tokens[i] + out.num_scheduled_tokens[req_id]))
+        for req_id, computed in done:
+            if (save := self._save(self.requests[req_id], computed)) is not None:
+                meta.saves.append(save)
+        return meta
+
+    def _save(self, r: _Request, computed: int) -> SaveSpec | None:
+        chunk = self.client.chunk_tokens
+        prompt = r.request.prompt_token_ids or []
+        if r.saving or not chunk or computed < len(prompt):
+            return None
+        n = len(prompt) // chunk * chunk
+        if n <= r.loaded:  # nothing new: those chunks were loaded from the store
+            return None
+        blocks = r.blocks[: -(-n // self.block_size)]
+        if len(blocks) * self.block_size < n:
+            return None
+        r.saving = True
+        self.saving[r.request.request_id] = r
+        return SaveSpec(r.request.request_id, list(prompt[:n]), blocks)
+
+    def finished(self, req_id: str) -> bool:
+        """Whether the request's blocks must wait for its save (the workers then report it)."""
+        r = self.requests.pop(req_id, None)
+        return r is not None and r.saving
+
+    # --- what the workers report -------------------------------------------------------------
+
+    def report(self, rep: WorkerReport | None) -> None:
+        if not isinstance(rep, WorkerReport):
+            return
+        for req_id, chunks in rep.stored_chunks.items():
+            r = self.saving.pop(req_id, None)
+            if r is not None and chunks:
+                self.events.extend(self._stored_events(r, chunks * self.client.chunk_tokens))
+        for tokens, seconds in rep.steps:
+            if tokens >= MIN_TIMED_TOKENS and seconds > 0:
+                rate = tokens / seconds
+                self.recompute_tps = rate if self.recompute_tps is None else 0.8 * self.recompute_tps + 0.2 * rate
+
+    def _stored_events(self, r: _Request, tokens: int) -> list:
+        """``BlockStored`` for the blocks of the stored chunks, one event per chunk."""
+        from vllm.distributed.kv_events import BlockStored
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        req, bs, chunk = r.request, self.block_size, self.client.chunk_tokens
+        hashes = [maybe_convert_block_hash(h) for h in req.block_hashes[: tokens // bs]]
+        lora = getattr(req, "lora_request", None)
+        events = []
+        for start in range(0, min(tokens, len(hashes) * bs), chunk):
+            b0, b1 = start // bs, min(start + chunk, len(hashes) * bs) // bs
+            events.append(BlockStored(block_hashes=hashes[b0:b1], parent_block_hash=hashes[b0 - 1] if b0 else None,
+                                      token_ids=list(req.prompt_token_ids[b0 * bs : b1 * bs]), block_size=bs,
+                                      lora_id=getattr(lora, "lora_int_id", None), medium=MEDIUM,
+                                      lora_name=lora.name if lora else None))
+        return events
+
+    def take_events(self) -> list:
+        events, self.events = self.events, []
+        return events
+
+    def _warn(self, msg: str, *args) -> None:
+        if time.monotonic() - self._warned > WARN_EVERY_S:
+            self._warned = time.monotonic()
+            log.warning(msg, *args)

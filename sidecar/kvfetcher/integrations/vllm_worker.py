@@ -1,0 +1,313 @@
+"""The vLLM connector's worker side: vLLM's paged KV cache registered with the sidecar, loads and
+saves in background threads.
+
+On a GPU the sidecar opens vLLM's KV tensors by CUDA IPC and loads straight into the request's
+blocks (the cross-layer tensor when vLLM gives one). On a CPU no process can map vLLM's memory, so
+a flat staging buffer (a memfd, :mod:`kvfetcher.ipc`) is registered instead and the KV is copied
+between it and the blocks with :func:`kvbuffer.write_blocks` / :func:`kvbuffer.read_blocks`.
+
+Invariants: a load writes only tokens ``first .. end`` of its request, in whole blocks; every block
+of that range it did not write is reported by :meth:`load_errors` no later than the step that
+reports the request finished receiving. A save copies its blocks before its request's id is
+reported finished sending (vLLM holds the blocks until then) and before a preemption frees them.
+Registration is retried on the next load or save after the sidecar was unreachable or restarted.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from kvfetcher import ipc, kvbuffer
+from kvfetcher.api.client import KVClient, SidecarError
+from kvfetcher.integrations.vllm_meta import MIN_TIMED_TOKENS, LoadSpec, Options, SaveSpec, StepMeta, WorkerReport
+
+log = logging.getLogger("kvfetcher.integrations.vllm")
+
+#: whether a paged load can start past vLLM's own prefix-cache hit (``first_token``)
+PAGED_SKIP = "first_token" in inspect.signature(KVClient.load).parameters
+_PROBE = dict(num_blocks=1013, block_size=272, num_kv_heads=7)  # distinct sizes that name a backend's axes
+
+
+def backend_axes(backend, head_size: int) -> str:
+    """The letters of ``backend.get_kv_cache_shape``'s axes (X: K and V packed as ``2*head_size``).
+    vLLM 0.32's backends no longer say: their FlashAttention cache keeps 0.26's ``(B, H, T, 2*D)``."""
+    if not hasattr(backend, "get_kv_cache_shape"):
+        return "BHTX"
+    shape = backend.get_kv_cache_shape(head_size=head_size, **_PROBE)
+    names = {1013: "B", 272: "T", 7: "H", head_size: "D", 2 * head_size: "X", 2: "K"}
+    try:
+        return "".join(names[n] for n in shape)
+    except KeyError:
+        raise ValueError(f"kvfetcher: KV cache shape {tuple(shape)} of {backend} is not one it knows") from None
+
+
+def paged_view(t: torch.Tensor, axes: str, head_size: int) -> tuple[torch.Tensor, str]:
+    """``t`` (axes named by ``axes``, in any memory order) as a contiguous view in memory order, with
+    packed K/V split: the tensor and its :class:`kvbuffer.PagedLayout` dims."""
+    order = sorted(range(t.dim()), key=lambda i: -t.stride(i))
+    v, dims = t.permute(order), "".join(axes[i] for i in order)
+    if "X" in dims:
+        v, dims = v.unflatten(dims.index("X"), (2, head_size)), dims.replace("X", "KD")
+    if not v.is_contiguous():
+        raise ValueError(f"kvfetcher: KV cache {tuple(t.shape)} with strides {t.stride()} is not a plain layout")
+    return v, dims
+
+
+def cpu_view(t: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """vLLM's CPU attention cache ``(blocks, heads, block_size, 2*head_size)`` holds, per block and
+    head, the block's keys then its values: ``(B, H, K, T, D)``."""
+    B, H, T, D2 = t.shape
+    return t.view(B, H, 2, T, D2 // 2), "BHKTD"
+
+
+class WorkerSide:
+    def __init__(self, vllm_config, options: Options):
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        self.vllm_config, self.options = vllm_config, options
+        self.client = options.client()
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.block_size = vllm_config.cache_config.block_size  # the scheduler's
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvfetcher")
+        self.lock = threading.Lock()  # guards what the pool's threads report
+        self.staging_lock = threading.Lock()  # one load or save at a time uses the staging buffer
+        self.tensors, self.layout, self.ratio = None, None, 1
+        self.staging: ipc.SharedBuffer | None = None
+        self.buffer: str | None = None
+        self.recving: set[str] = set()
+        self.errors: set[int] = set()
+        self.saves: dict[str, Future] = {}  # issued saves, until reported finished sending
+        self.vllm_finished: set[str] = set()
+        self.stored: dict[str, int] = {}
+        self.steps: list[tuple[int, float]] = []
+        self._timing: list = []  # (tokens, start, end) of steps, until their time is known
+        self._step_start = None
+
+    # --- registration --------------------------------------------------------------------------
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        names = sorted(kv_caches, key=extract_layer_index)
+        head = self.vllm_config.model_config.get_head_size()
+        views = []
+        for name in names:
+            t = kv_caches[name]
+            if t.device.type == "cpu":
+                views.append(cpu_view(t))
+            else:
+                layer = self.vllm_config.compilation_config.static_forward_context[name]
+                views.append(paged_view(t, backend_axes(layer.attn_backend, head), head))
+        self._use([v for v, _ in views], views[0][1])
+
+    def register_cross_layer(self, kv_cache: torch.Tensor, backend) -> None:
+        head = self.vllm_config.model_config.get_head_size()
+        logical = "L" + backend_axes(backend, head)
+        order = backend.get_kv_cache_stride_order(include_num_layers_dimension=True)
+        physical = "".join(logical[i] for i in order)  # vLLM allocates the tensor in this order
+        self._use(*paged_view(kv_cache, physical, head))
+
+    def _use(self, tensors, dims: str) -> None:
+        t0 = tensors if isinstance(tensors, torch.Tensor) else tensors[0]
+        kernel_block = t0.shape[dims.index("T")]
+        self.tensors, self.layout, self.ratio = tensors, kvbuffer.PagedLayout(dims, kernel_block), self.block_size // kernel_block
+        log.info("kvfetcher: vLLM KV cache %s x%s, layout %s, block %d", tuple(t0.shape),
+                 1 if isinstance(tensors, torch.Tensor) else len(tensors), dims, kernel_block)
+        self._registered()
+
+    def _registered(self) -> str | None:
+        """The sidecar's id of our buffer, registering it first if needed (None: not now)."""
+        if self.buffer is not None or self.tensors is None:
+            return self.buffer
+        try:
+            if self._on_cpu():
+                if self.staging is None:
+                    L, H, D = self._geometry()
+                    cap = self.vllm_config.model_config.max_model_len
+                    self.staging = ipc.allocate((L, 2, H, cap, D), self._t0().dtype)
+                self.buffer = self.client.register(self.staging.handle, self.options.model, self.tp_rank)
+            else:
+                self.buffer = self.client.register_paged(self.tensors, self.layout, self.options.model, self.tp_rank)
+        except (OSError, SidecarError) as e:
+            log.warning("kvfetcher: cannot register the KV cache with the sidecar (will retry): %s", e)
+        return self.buffer
+
+    def _t0(self) -> torch.Tensor:
+        return self.tensors if isinstance(self.tensors, torch.Tensor) else self.tensors[0]
+
+    def _on_cpu(self) -> bool:
+        return self._t0().device.type == "cpu"
+
+    def _geometry(self) -> tuple[int, int, int]:
+        t, dims = self._t0(), self.layout.dims
+        layers = t.shape[dims.index("L")] if "L" in dims else len(self.tensors)
+        return layers, t.shape[dims.index("H")], t.shape[dims.index("D")]
+
+    def _blocks(self, block_ids: list[int]) -> list[int]:
+        """vLLM's block ids as blocks of the registered tensors (kernel blocks may be smaller)."""
+        r = self.ratio
+        return list(block_ids) if r == 1 else [b * r + j for b in block_ids for j in range(r)]
+
+    def _with_buffer(self, fn):
+        """``fn(buffer id)``, registering first; once more after the sidecar answered that it does not
+        know the buffer (it restarted). None when the sidecar cannot be reached."""
+        for attempt in (0, 1):
+            if (buf := self._registered()) is None:
+                return None
+            try:
+                return fn(buf)
+            except OSError:  # it restarted or went away: whichever sidecar answers next registers anew
+                self.buffer = None
+                raise
+            except SidecarError as e:
+                if attempt or "unknown buffer" not in e.detail:
+                    raise
+                self.buffer = None
+
+    # --- the step ------------------------------------------------------------------------------
+
+    def start_step(self, meta: StepMeta) -> None:
+        """Start the step's loads (vLLM 0.32 calls this after launching the forward)."""
+        if isinstance(meta, StepMeta):
+            for spec in meta.loads:  # each reports its request finished, loaded or not
+                self.pool.submit(self._load, spec)
+
+    def layer_start(self, meta: StepMeta) -> None:
+        """An attention layer starts: the first one of a step starts the step's clock."""
+        if self._step_start is None and self.tensors is not None and isinstance(meta, StepMeta) and meta.step_tokens >= MIN_TIMED_TOKENS:
+            self._step_start = self._clock()
+
+    def end_step(self, meta: StepMeta) -> None:
+        """The forward is done: time it, and start the saves of the prefills it finished."""
+        if not isinstance(meta, StepMeta):
+            return
+        if self._step_start is not None:
+            self._timing.append((meta.step_tokens, self._step_start, self._clock()))
+            self._step_start = None
+        self._collect_timing()
+        if meta.saves:
+            ready = self._clock() if self.tensors is not None and not self._on_cpu() else None  # the step's KV writes, on the GPU
+            for spec in meta.saves:
+                self.saves[spec.req_id] = self.pool.submit(self._save, spec, ready)
+
+    def _clock(self):
+        if self._on_cpu():
+            return time.perf_counter()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def _collect_timing(self) -> None:
+        """Steps whose time is known now (on a GPU, once their end event completed)."""
+        pending = []
+        for tokens, start, end in self._timing:
+            if isinstance(start, float):
+                self.steps.append((tokens, end - start))
+            elif end.query():
+                self.steps.append((tokens, start.elapsed_time(end) / 1e3))
+            else:
+                pending.append((tokens, start, end))
+        self._timing = pending[-64:]
+
+    def preempted(self, meta: StepMeta) -> None:
+        """vLLM frees a preempted request's blocks: its save must have copied them first."""
+        for req_id in getattr(meta, "preempted", ()) or ():
+            if (f := self.saves.get(req_id)) is not None:
+                f.exception()
+
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self.vllm_finished |= finished_req_ids & set(self.saves)
+        sending = {r for r in self.vllm_finished if self.saves[r].done()}
+        for r in sending:
+            self.vllm_finished.discard(r)
+            del self.saves[r]
+        with self.lock:
+            recving, self.recving = self.recving, set()
+        return sending or None, recving or None
+
+    def load_errors(self) -> set[int]:
+        with self.lock:
+            errors, self.errors = self.errors, set()
+        return errors
+
+    def take_report(self) -> WorkerReport | None:
+        with self.lock:
+            if not self.stored and not self.steps:
+                return None
+            rep = WorkerReport(self.stored, self.steps)
+            self.stored, self.steps = {}, []
+        return rep
+
+    # --- loads and saves (pool threads) ---------------------------------------------------------
+
+    def _load(self, spec: LoadSpec) -> None:
+        written = spec.first
+        try:
+            written = self._with_buffer(lambda buf: self._load_into(buf, spec)) or spec.first
+        except Exception as e:  # noqa: BLE001 — whatever failed, the blocks it did not write are recomputed
+            log.warning("kvfetcher: KV load failed, recomputing: %s", e)
+        bs = self.block_size
+        with self.lock:
+            self.errors.update(spec.block_ids[written // bs : -(-spec.end // bs)])
+            self.recving.add(spec.req_id)
+
+    def _load_into(self, buf: str, spec: LoadSpec) -> int:
+        """Load the request's stored chunks; the end of the tokens written (whole blocks)."""
+        plan = spec.plan if spec.plan is not None and spec.plan.tp_rank == self.tp_rank else None
+        cost = {} if plan is not None and plan.preset else dict(presets=self.options.presets, ttft_budget_s=self.options.ttft_budget_s,
+                                                                recompute_tokens_per_s=spec.recompute_tps)
+        kw = dict(deadline_s=self.options.load_deadline_s, **cost)
+        bs = self.block_size
+        if not self._on_cpu():
+            if spec.first:  # vLLM's own cache holds tokens before it, in blocks shared with other requests
+                if not PAGED_SKIP:  # a sidecar API that cannot leave them alone: recompute, never overwrite them
+                    return spec.first
+                kw["first_token"] = spec.first
+            reply = self.client.load(buf, spec.tokens, plan, block_ids=self._blocks(spec.block_ids), **kw)
+            return max(spec.first, min(reply.loaded_tokens, spec.end) // bs * bs)
+        with self.staging_lock:
+            reply = self.client.load(buf, spec.tokens, plan, **kw)
+            n = min(reply.loaded_tokens, spec.end) // bs * bs
+            if n > spec.first:
+                kv = self.staging.tensor[:, :, :, spec.first : n]
+                kvbuffer.write_blocks(self.tensors, self.layout, self._blocks(spec.block_ids), kv, first_token=spec.first)
+        return max(spec.first, n)
+
+    def _save(self, spec: SaveSpec, ready) -> None:
+        stored = 0
+        try:
+            stored = self._with_buffer(lambda buf: self._save_from(buf, spec, ready)) or 0
+        except Exception as e:  # noqa: BLE001 — a lost save costs a future recompute, never this request
+            log.warning("kvfetcher: KV save failed: %s", e)
+        with self.lock:
+            self.stored[spec.req_id] = stored
+
+    def _save_from(self, buf: str, spec: SaveSpec, ready) -> int:
+        n = len(spec.tokens)
+        if not self._on_cpu():
+            ready.synchronize()
+            rep = self.client.save(buf, spec.tokens, block_ids=self._blocks(spec.block_ids))
+        else:
+            with self.staging_lock:
+                kv = kvbuffer.read_blocks(self.tensors, self.layout, self._blocks(spec.block_ids), 0, n)
+                self.staging.tensor[:, :, :, :n].copy_(kv)
+                rep = self.client.save(buf, spec.tokens)
+        return rep.queued_chunks + rep.skipped_chunks
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.buffer is not None:
+            try:
+                self.client.unregister(self.buffer)
+            except (OSError, SidecarError):
+                pass
+        if self.staging is not None:
+            self.staging.close()
+        self.client.close()
+

@@ -1,0 +1,231 @@
+"""The vLLM connector in a real vLLM engine (CPU), with a real sidecar (`kvfetcher serve` on a Unix
+socket, a local store) and the real small model: a stored prompt is loaded by a later request and
+gives the same tokens as a recompute; a bad object, a dead sidecar or a missing socket ends in a
+recompute with the same tokens; partial hits, shared prefixes and concurrent requests load what is
+stored and nothing else.
+
+The engine runs in the vLLM venv (``.venv-vllm``, built by ``make``) as ``vllm_engine.py``, one
+process for the whole module (its start-up is the cost). Every measured run is preceded by
+``reset_prefix_cache`` so that vLLM's own prefix cache does not answer in the connector's place,
+and its reference is the same engine with ``skip_reading_prefix_cache`` (a plain recompute).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks.lib.sidecar_proc import SidecarProcess
+from kvfetcher import keys
+from kvfetcher.eval import model
+from kvfetcher.kvbuffer import ChunkRef
+from kvfetcher.store.local import LocalStore
+
+from kvtest import corrupt_segment, foreign, truncate
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+MARK = "@@kvfetcher-engine@@ "
+CHUNK = 128  # = vLLM's CPU block size
+NS = keys.Namespace(model="smollm2", dtype="float32", shape=(30, 3, 64))  # SmolLM2 in vLLM on CPU (fp32: no AVX-512 here to make bf16 fast)
+NEW = 12
+
+
+class Sidecar(SidecarProcess):
+    """The sidecar over a local store of raw chunks, and what the tests ask it."""
+
+    def __init__(self, tmp: Path):
+        super().__init__(tmp / "kvfetcher.sock", tmp / "sidecar.log", KVFETCHER_STORE_DIR=str(tmp / "store"), KVFETCHER_PRESET="raw",
+                         KVFETCHER_CHUNK_TOKENS=str(CHUNK), KVFETCHER_WARM_UP="0")
+        self.store = LocalStore(tmp / "store")
+
+    def stored(self, tokens: list[int]) -> int:
+        """Leading tokens of ``tokens`` stored."""
+        return self.client(30).lookup(None, tokens, model=NS.model, dtype=NS.dtype, kv_shape=NS.shape)
+
+    def wait_stored(self, tokens: list[int], n: int, timeout_s: float = 60) -> None:
+        """Wait until the engine's save of ``tokens`` reached the store (it runs in the background)."""
+        deadline = time.time() + timeout_s
+        while self.stored(tokens) < n:
+            if time.time() > deadline:
+                raise AssertionError(f"{n} tokens never stored (have {self.stored(tokens)})")
+            time.sleep(0.3)
+
+    def counter(self, name: str) -> float:
+        """A counter of the sidecar's metrics, summed over its labels."""
+        return sum(float(line.rsplit(" ", 1)[1]) for line in self.client().metrics().splitlines()
+                   if line.startswith(name + " ") or line.startswith(name + "{"))
+
+    def refs(self, tokens: list[int]) -> list[ChunkRef]:
+        names = [keys.object_name(k, "raw") for k in keys.chunk_keys(NS, tokens, CHUNK)]
+        return [ChunkRef(n, len(self.store.get(n)), i * CHUNK, CHUNK) for i, n in enumerate(names)]
+
+
+class Engine:
+    """The vLLM engine process (``vllm_engine.py``), one JSON command and reply at a time."""
+
+    def __init__(self, tmp: Path, sidecar: Sidecar):
+        from kvtest import free_port
+
+        cfg = dict(model=str(model.cache_dir() / "smollm2-135m"), socket=sidecar.socket, max_model_len=2048, events=free_port())
+        self.log = open(tmp / "engine.log", "w")
+        self.proc = subprocess.Popen([str(VLLM_PY), str(Path(__file__).with_name("vllm_engine.py")), json.dumps(cfg)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_TARGET_DEVICE="cpu"))
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [self.lines.put(line) for line in self.proc.stdout], daemon=True).start()
+        self._reply(timeout_s=600)
+
+    def _reply(self, timeout_s: float = 300) -> dict:
+        deadline = time.time() + timeout_s
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.1, deadline - time.time()))
+            except queue.Empty:
+                raise AssertionError(f"the engine did not answer; see {self.log.name}") from None
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK):])
+
+    def call(self, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def generate(self, *prompts: list[int], reference: bool = False) -> list[dict]:
+        """Greedy generations of ``prompts`` in one batch, after vLLM forgot its own cached blocks."""
+        self.call(op="reset_prefix_cache")
+        return self.call(op="generate", prompts=list(prompts), max_tokens=NEW, reference=reference)["outputs"]
+
+    def events(self, n: int, timeout_s: float = 30) -> list[dict]:
+        """The OBJ ``BlockStored`` events published since the last call, once there are ``n``."""
+        got, deadline = [], time.time() + timeout_s
+        while len(got) < n and time.time() < deadline:
+            got += self.call(op="events")["events"]
+            time.sleep(0.2)
+        return got
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def texts():
+    """Token ids of the shipped sample texts, a cursor into them: :func:`fresh` takes the next ones."""
+    from transformers import AutoTokenizer
+
+    model.load()  # makes the plain model copy vLLM loads, once
+    tok = AutoTokenizer.from_pretrained(model.cache_dir() / "smollm2-135m")
+    ids = [i for name in ("code.txt", "license.txt", "prose.txt", "numbers.txt") for i in tok(model.sample_text(name))["input_ids"]]
+    return {"ids": ids, "at": 0}
+
+
+@pytest.fixture(scope="module")
+def vllm(tmp_path_factory, texts):
+    if not VLLM_PY.exists():
+        if os.environ.get("CI"):
+            pytest.fail("the vLLM venv is missing in CI: `make test` builds .venv-vllm")
+        pytest.skip("the vLLM venv (.venv-vllm) is absent: `make test` builds it")
+    tmp = tmp_path_factory.mktemp("vllm")
+    sc = Sidecar(tmp)
+    sc.start()
+    engine = Engine(tmp, sc)
+    yield engine, sc
+    engine.close()
+    sc.stop()
+
+
+def fresh(texts, n: int) -> list[int]:
+    """The next ``n`` real tokens of the sample texts: a prompt no other test used."""
+    at = texts["at"]
+    assert at + n <= len(texts["ids"]), "the sample texts ran out of fresh prompts"
+    texts["at"] = at + n
+    return texts["ids"][at : at + n]
+
+
+def test_a_stored_prompt_is_loaded_and_gives_the_same_tokens(vllm, texts):
+    engine, sc = vllm
+    p = fresh(texts, 600)
+    (first,) = engine.generate(p)
+    assert first["cached"] == 0
+    sc.wait_stored(p, 512)  # whole chunks of the prompt, saved after its prefill
+    events = engine.events(4)
+    assert [e["tokens"] for e in events] == [p[:128], p[128:256], p[256:384], p[384:512]]  # one BlockStored per chunk
+    assert all(e["block_size"] == CHUNK and len(e["block_hashes"]) == 1 for e in events)
+    assert [e["parent"] for e in events[1:]] == [e["block_hashes"][-1] for e in events[:-1]]
+
+    (second,) = engine.generate(p)
+    assert second["cached"] == 512  # (600 - 1) // 128 chunks, loaded from the store
+    assert second["tokens"] == first["tokens"]
+    (ref,) = engine.generate(p, reference=True)
+    assert ref["cached"] == 0 and ref["tokens"] == first["tokens"]
+
+
+@pytest.mark.parametrize("damage", [corrupt_segment, truncate, foreign])
+def test_a_bad_object_is_recomputed_with_the_same_tokens(vllm, texts, damage):
+    engine, sc = vllm
+    p = fresh(texts, 520)
+    (first,) = engine.generate(p)
+    sc.wait_stored(p, 512)
+    damage(sc.store, sc.refs(p[:512])[2])  # the third of four chunks
+    loaded, fallbacks = sc.counter("kvfetcher_loaded_tokens_total"), sc.counter("kvfetcher_fallbacks_total")
+    (second,) = engine.generate(p)
+    # the two chunks before it were loaded, the rest recomputed (vLLM still counts the 512 it was promised as cached)
+    assert sc.counter("kvfetcher_loaded_tokens_total") - loaded == 256
+    assert sc.counter("kvfetcher_fallbacks_total") - fallbacks == 1
+    assert second["tokens"] == first["tokens"]
+
+
+def test_a_dead_sidecar_or_missing_socket_means_recompute_and_a_restarted_one_is_used_again(vllm, texts):
+    engine, sc = vllm
+    p = fresh(texts, 400)
+    (first,) = engine.generate(p)
+    sc.wait_stored(p, 384)
+    sc.kill()  # the socket file stays: connections are refused
+    (dead,) = engine.generate(p)
+    assert dead == {"tokens": first["tokens"], "cached": 0}
+    os.unlink(sc.socket)  # no socket at all
+    q = fresh(texts, 300)
+    (missing,) = engine.generate(q)
+    assert missing["cached"] == 0
+    sc.start()  # a new sidecar over the same store: the engine registers its KV cache again
+    (back,) = engine.generate(p)
+    assert back == {"tokens": first["tokens"], "cached": 384}
+
+
+def test_a_partial_hit_loads_the_stored_chunks_only(vllm, texts):
+    engine, sc = vllm
+    p = fresh(texts, 500)
+    engine.generate(p)
+    sc.wait_stored(p, 384)
+    q = p[:300] + fresh(texts, 300)  # shares p's first two chunks and a part of the third
+    (hit,) = engine.generate(q)
+    (ref,) = engine.generate(q, reference=True)
+    assert hit["cached"] == 256 and hit["tokens"] == ref["tokens"]
+
+
+def test_requests_sharing_a_prefix_and_concurrent_requests(vllm, texts):
+    engine, sc = vllm
+    shared = fresh(texts, 300)
+    stored = [fresh(texts, 450) for _ in range(2)]
+    engine.generate(shared, *stored)
+    sc.wait_stored(shared, 256)
+    for s in stored:
+        sc.wait_stored(s, 384)
+    a, b = shared + fresh(texts, 100), shared + fresh(texts, 120)
+    new = fresh(texts, 350)  # never stored: computed beside the loads
+    batch = [a, b, *stored, new]
+    got = engine.generate(*batch)
+    refs = engine.generate(*batch, reference=True)
+    assert [g["cached"] for g in got] == [256, 256, 384, 384, 0]
+    assert [g["tokens"] for g in got] == [r["tokens"] for r in refs]
