@@ -59,7 +59,12 @@ def generate(llm, prompts, max_tokens: int, params: dict | None = {}):  # noqa: 
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm.reset_prefix_cache()
+    # vLLM 0.26 frees a request's blocks held for a save only on a later engine step, and a reset with
+    # blocks still held is refused (the next request would then hit vLLM's own cache): step it first
+    for _ in range(3):
+        if llm.reset_prefix_cache():
+            break
+        llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], SamplingParams(max_tokens=1), use_tqdm=False)
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, skip_reading_prefix_cache=params is None,
                         extra_args={"kv_transfer_params": params} if params else None)
     t0 = time.perf_counter()
