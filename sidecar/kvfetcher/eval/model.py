@@ -106,8 +106,9 @@ def sample_text(name: str = "license.txt") -> str:
     return (DATA_DIR / name).read_text()
 
 
-def tokenize(lm: LoadedModel, text: str, n_tokens: int | None = None) -> torch.Tensor:
-    ids = lm.tokenizer(text, return_tensors="pt").input_ids[0]
+def tokenize(lm: LoadedModel, text: str, n_tokens: int | None = None, special: bool = True) -> torch.Tensor:
+    """Token ids of ``text``; ``special=False`` for text appended to other tokens (no BOS)."""
+    ids = lm.tokenizer(text, return_tensors="pt", add_special_tokens=special).input_ids[0]
     if n_tokens is not None:
         if len(ids) < n_tokens:
             raise ValueError(f"text has only {len(ids)} tokens, {n_tokens} asked")
@@ -121,10 +122,21 @@ def _layer_kv(cache, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     return cache.key_cache[i], cache.value_cache[i]
 
 
+def max_prefix(lm: LoadedModel) -> int | None:
+    """The longest prefix whose KV is one tensor: a sliding-window layer keeps only its last
+    ``window - 1`` tokens, so past that the layers hold different spans (None: no limit)."""
+    types = getattr(lm.config, "layer_types", None) or []
+    window = getattr(lm.config, "sliding_window", None)
+    return window - 1 if window and any("sliding" in t for t in types) else None
+
+
 @torch.inference_mode()
 def prefill(lm: LoadedModel, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill ``ids`` -> (KV ``[layers, 2, kv_heads, tokens, head_dim]``, last-position logits)."""
-    out = lm.model(ids.unsqueeze(0), use_cache=True)
+    limit = max_prefix(lm)
+    if limit is not None and len(ids) > limit:
+        raise ValueError(f"{len(ids)} tokens: this model's sliding-window layers keep only {limit}; use a shorter prefix")
+    out = lm.model(ids.unsqueeze(0), use_cache=True, logits_to_keep=1)
     cache = out.past_key_values
     layers = lm.config.num_hidden_layers
     kv = torch.stack([torch.stack(_layer_kv(cache, i)) for i in range(layers)])  # [L, 2, 1, H, T, D]
@@ -143,17 +155,20 @@ def to_cache(kv: torch.Tensor, config=None):
 
 
 def _cache_of(lm: LoadedModel, ids: torch.Tensor, kv: torch.Tensor):
-    """The cache a server resumes from: ``kv`` of ``ids[:-1]``, in the model's dtype (the last
-    prefix token is re-fed on top of it, as a server does with a fetched prefix)."""
+    """(cache, tokens still to feed): the cache a server resumes from holds ``kv`` of at most
+    ``ids[:-1]`` in the model's dtype; the rest of ``ids`` (at least the last token) is fed on top,
+    as a server does with a fetched prefix."""
     model_dtype = next(lm.model.parameters()).dtype
-    return to_cache(kv[:, :, :, : len(ids) - 1].to(model_dtype), lm.config)
+    n = min(kv.shape[3], len(ids) - 1)
+    return to_cache(kv[:, :, :, :n].to(model_dtype), lm.config), ids[n:]
 
 
 @torch.inference_mode()
 def greedy_steps(lm: LoadedModel, ids: torch.Tensor, kv: torch.Tensor, n_new: int = 32) -> tuple[list[int], list[float]]:
-    """Greedy tokens after a prefix whose KV is ``kv``, and each step's top-2 logit margin."""
-    cache = _cache_of(lm, ids, kv)
-    nxt = ids[-1:].unsqueeze(0)
+    """Greedy tokens after ``ids``, the KV of whose leading tokens is ``kv``, and each step's
+    top-2 logit margin."""
+    cache, nxt = _cache_of(lm, ids, kv)
+    nxt = nxt.unsqueeze(0)
     out: list[int] = []
     margins: list[float] = []
     for _ in range(n_new):
@@ -174,8 +189,9 @@ def greedy(lm: LoadedModel, ids: torch.Tensor, kv: torch.Tensor, n_new: int = 32
 def teacher_forced_logits(lm: LoadedModel, ids: torch.Tensor, kv: torch.Tensor, cont_ids: torch.Tensor) -> torch.Tensor:
     """Logits ``[len(cont_ids), vocab]`` (float32) predicting each token of ``cont_ids`` after the
     prefix ``ids`` whose KV is ``kv``, the true continuation fed in (teacher forcing)."""
-    feed = torch.cat([ids[-1:], cont_ids[:-1]]).unsqueeze(0)
-    return lm.model(feed, past_key_values=_cache_of(lm, ids, kv), use_cache=True).logits[0].float()
+    cache, rest = _cache_of(lm, ids, kv)
+    feed = torch.cat([rest, cont_ids[:-1]]).unsqueeze(0)
+    return lm.model(feed, past_key_values=cache, use_cache=True).logits[0, len(rest) - 1 :].float()
 
 
 def continuation_nll(lm: LoadedModel, ids: torch.Tensor, kv: torch.Tensor, cont_ids: torch.Tensor) -> float:
