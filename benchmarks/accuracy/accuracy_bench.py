@@ -85,7 +85,7 @@ def run_model(key: str, names: list[str], args, log) -> dict:
     cases = accuracy.suite_cases(lm, args.tokens, args.cont, args.per_genre)
     rtok = min(args.retrieval_tokens, limit or args.retrieval_tokens)
     contexts = accuracy.retrieval_contexts(lm, rtok, args.contexts)
-    probe = model.prefill(lm, cases[0].ids)[0].half()
+    probe = model.prefill(lm, cases[0].ids[:32])[0].half()  # a short prefix: a failure shows without a full round trip
     codecs, failed = working_codecs(lm, names, probe, log)
     log(f"{key}: {lm.fingerprint}, {len(cases)} prompts, retrieval {len(contexts)}x{rtok} tokens, codecs {list(codecs)}")
     reports = accuracy.run(lm, codecs, cases, args.greedy, contexts, log=log)
