@@ -126,7 +126,7 @@ def render(res: dict) -> str:
 
 def write(res: dict, out: Path) -> None:
     (out / "result_cpu.json").write_text(json.dumps(res, indent=1) + "\n")
-    head = (f"Accuracy per model x codec ({res['date']}, CPU, {res['settings']['tokens']}-token prefixes, "
+    head = (f"Accuracy per model x codec ({'a --quick smoke run, ' if res['settings']['quick'] else ''}{res['date']}, CPU, {res['settings']['tokens']}-token prefixes, "
             f"{res['settings']['cont']} continuation tokens scored, greedy {res['settings']['greedy']} tokens, "
             f"near-tie margin {res['near_tie_margin']}); `python -m benchmarks.accuracy.accuracy_bench`.\n\n")
     table = head + render(res)
@@ -145,7 +145,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--cont", type=int, default=256)
     ap.add_argument("--per-genre", type=int, default=5)
-    ap.add_argument("--greedy", type=int, default=32)
+    ap.add_argument("--greedy", type=int, default=16)
     ap.add_argument("--retrieval-tokens", type=int, default=1024)
     ap.add_argument("--contexts", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="1 prompt per genre, 64 continuation tokens, 8 greedy: a smoke run")

@@ -48,10 +48,10 @@ PROMPTS: list[tuple[str, int]] = [
 GATES: dict[str, dict[str, float]] = {
     "raw": {"tf_top1": 1.0, "kl": 1e-6},
     "exact": {"tf_top1": 1.0, "kl": 1e-6},
-    "q8": {"tf_top1": 0.99, "kl": 0.002},
-    "lean": {"tf_top1": 0.97, "kl": 0.01},
-    "balanced": {"tf_top1": 0.97, "kl": 0.01},
-    "compact": {"tf_top1": 0.93, "kl": 0.03},
+    "q8": {"tf_top1": 0.99, "kl": 0.0005},
+    "lean": {"tf_top1": 0.95, "kl": 0.005},
+    "balanced": {"tf_top1": 0.97, "kl": 0.002},
+    "compact": {"tf_top1": 0.93, "kl": 0.02},
 }
 
 
