@@ -167,21 +167,23 @@ def run_preset(lm, cases: list[Case], p: Preset, theta: float) -> dict:
     return r
 
 
+def zstd_chunk(piece: torch.Tensor, bits: int, level: int = 19) -> tuple[torch.Tensor, int]:
+    """One chunk through the layout's per-channel ``bits``-bit quantisation (first token exact,
+    post-RoPE keys, no video), its token-major bytes through zstd: (restored, bytes with side info)."""
+    p = layout.LayoutParams(mode="quant", bits=bits)
+    pk = layout.pack(piece, p)
+    q = tiling.frames_to_tiles(pk.frames, pk.geometry, piece.shape[3], piece.shape[2] * piece.shape[4])
+    size = len(zstandard.ZstdCompressor(level=level).compress(q.contiguous().numpy().tobytes()))
+    return layout.unpack(pk.frames, pk.side, tuple(piece.shape), piece.dtype, p), size + pk.side.numel() * pk.side.element_size()
+
+
 def run_zstd(lm, cases: list[Case], bits: int) -> dict:
     """Per-channel ``bits``-bit quantisation (the layout's quant mode), zstd -19 instead of video."""
-    p = layout.LayoutParams(mode="quant", bits=bits)
-    zc = zstandard.ZstdCompressor(level=19)
     restored, stored = [], []
     for c in cases:
-        parts, size = [], 0
-        for s in range(0, c.kv.shape[3], CHUNK):
-            piece = c.kv[:, :, :, s : s + CHUNK].contiguous()
-            pk = layout.pack(piece, p)
-            q = tiling.frames_to_tiles(pk.frames, pk.geometry, piece.shape[3], piece.shape[2] * piece.shape[4])
-            size += len(zc.compress(q.contiguous().numpy().tobytes())) + pk.side.numel() * pk.side.element_size()
-            parts.append(layout.unpack(pk.frames, pk.side, tuple(piece.shape), piece.dtype, p))
-        restored.append(torch.cat(parts, 3))
-        stored.append(size)
+        parts = [zstd_chunk(c.kv[:, :, :, s : s + CHUNK].contiguous(), bits) for s in range(0, c.kv.shape[3], CHUNK)]
+        restored.append(torch.cat([kv for kv, _ in parts], 3))
+        stored.append(sum(n for _, n in parts))
     r = judge(lm, cases, restored, stored)
     r["kind"], r["summary"] = "peer", f"per-channel {bits}-bit quantisation (first token exact) + zstd -19"
     return r

