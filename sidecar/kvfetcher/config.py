@@ -184,6 +184,8 @@ URL = Setting("KVFETCHER_URL", str, "http://127.0.0.1:8500",
 
 # -- evaluation -------------------------------------------------------------------------------
 CACHE = Setting("KVFETCHER_CACHE", str, _home_cache(), "Where the evaluation model's plain copy is kept.")
+CALIBRATION_DIR = Setting("KVFETCHER_CALIBRATION_DIR", str, _home_cache("calibration"),
+                          "Local model calibrations (`kvfetcher calibrate` writes here; a sidecar keeps those it fetched from the store here).")
 
 # -- the operator -----------------------------------------------------------------------------
 WEBHOOK_ADDR = Setting("KVFETCHER_WEBHOOK_ADDR", str, "0.0.0.0", "Admission webhook listen address.")
@@ -211,7 +213,7 @@ TABLES: dict[str, tuple[Setting, ...]] = {
         CHUNK_TOKENS, PRESET, ALLOWED_PRESETS, TENANT, POOL, OBJECT_KEY, MODEL, RECOMPUTE_TPS, ROPE_THETA, TTFT_BUDGET_S,
         DECODE_PROCS, WARM_UP, S3_ENDPOINT, S3_BUCKET, S3_ACCESS_KEY, S3_SECRET_KEY, S3_REGION, S3_CA_FILE,
         S3_INSECURE, STORE_DIR, AUTH_TOKEN, AUTH_TOKEN_FILE, FUSED_UNPACK, DEADLINE_S, MAX_REQUEST_TOKENS,
-        STORE_QUEUE_CHUNKS, IO_WORKERS, META_IO_WORKERS),
+        STORE_QUEUE_CHUNKS, IO_WORKERS, META_IO_WORKERS, CALIBRATION_DIR),
     "Model side (`KVClient`, shared buffers)": (SOCKET, URL),
     "Evaluation (`kvfetcher demo`, tests)": (CACHE,),
     "Operator": (WEBHOOK_ADDR, WEBHOOK_PORT, WEBHOOK_CERT, WEBHOOK_KEY, WEBHOOK_CONFIGURATION,
