@@ -138,7 +138,8 @@ MODEL = Setting("KVFETCHER_MODEL", str, "", "The model fingerprint this sidecar 
                 inject="the pod's annotation `kvfetcher.io/model`")
 RECOMPUTE_TPS = Setting("KVFETCHER_RECOMPUTE_TPS", float, 5000.0,
                         "Model prefill rate (tokens/s) when a request gives none.")
-ROPE_THETA = Setting("KVFETCHER_ROPE_THETA", float, None, "The model's RoPE base: needed to store pre-RoPE presets.")
+ROPE_THETA = Setting("KVFETCHER_ROPE_THETA", float, None, "The model's RoPE base: needed to store pre-RoPE presets "
+                     "(`lean`; calibrated presets take the model's per-layer bases from its calibration).")
 TTFT_BUDGET_S = Setting("KVFETCHER_TTFT_BUDGET_S", float, None,
                         "Prefer a fetch within this TTFT (s) to a faster recompute (unset: the fastest wins).",
                         inject="`spec.sidecar.ttftBudgetSeconds`")
@@ -291,7 +292,8 @@ class Config:
         unknown = [p for p in self.presets + (self.allowed_presets or ()) if p not in known_presets]
         if unknown:
             raise ValueError(f"unknown preset(s) {unknown}; known: {', '.join(known_presets)}")
-        need_theta = [p for p in self.presets if known_presets[p].pre_rope]
+        # presets made from a model's calibration take its per-layer RoPE bases from it
+        need_theta = [p for p in self.presets if known_presets[p].pre_rope and not getattr(known_presets[p], "needs_calibration", False)]
         if need_theta and self.rope_theta is None:
             raise ValueError(f"preset(s) {need_theta} quantise keys before RoPE: set {ROPE_THETA.name}")
 

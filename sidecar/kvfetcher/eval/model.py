@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from kvfetcher.codec import rope
 from kvfetcher.config import CACHE
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -48,40 +49,79 @@ class LoadedModel:
         return self.model.config
 
 
+def _plain_copy(gguf: Path, plain: Path) -> Path:
+    """Dequantise ``gguf`` once into a plain transformers copy at ``plain`` (fast to reload)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if (plain / "config.json").exists():
+        return plain
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    m = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    m.hf_quantizer = None
+    if hasattr(m.config, "quantization_config"):
+        del m.config.quantization_config
+    tmp = plain.with_name(plain.name + f".tmp{os.getpid()}")
+    m.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    try:  # atomic publish; a concurrent first load may have won the race
+        tmp.replace(plain)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return plain
+
+
 @functools.lru_cache(maxsize=2)
-def load(dtype: str = "float32") -> LoadedModel:
-    """Load the shipped model (cached on disk after the first, slow, GGUF load)."""
+def load(path: str | None = None, dtype: str = "float32") -> LoadedModel:
+    """Load a causal LM: the shipped SmolLM2 (``path`` None), a GGUF file or a transformers
+    directory. A GGUF file is dequantised once into a plain copy under the cache directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    plain = cache_dir() / "smollm2-135m"
-    if not (plain / "config.json").exists():
-        src = gguf_dir()
-        tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_FILE)
-        m = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_FILE, dtype=torch.float32)
-        m.hf_quantizer = None
-        if hasattr(m.config, "quantization_config"):
-            del m.config.quantization_config
-        tmp = plain.with_name(plain.name + f".tmp{os.getpid()}")
-        m.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        try:  # atomic publish; a concurrent first load may have won the race
-            tmp.replace(plain)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
+    if path is None:
+        plain, tag = cache_dir() / "smollm2-135m", "smollm2-135m-instruct-q4_1"
+        if not (plain / "config.json").exists():
+            _plain_copy(gguf_dir() / GGUF_FILE, plain)
+    else:
+        src = Path(path)
+        if not src.exists():
+            raise FileNotFoundError(f"no model at {src}")
+        tag = src.stem if src.is_file() else src.name
+        plain = _plain_copy(src, cache_dir() / f"{tag}-{src.stat().st_size:x}") if src.is_file() else src
     tok = AutoTokenizer.from_pretrained(plain)
     m = AutoModelForCausalLM.from_pretrained(plain, dtype=getattr(torch, dtype))
     m.eval()
-    return LoadedModel(m, tok, fingerprint=f"smollm2-135m-instruct-q4_1/{dtype}")
+    return LoadedModel(m, tok, fingerprint=f"{tag}/{dtype}")
 
 
-def rope_theta(lm: LoadedModel) -> float | None:
-    """The model's RoPE base when it uses default RoPE (what ``codec.rope`` implements), else None."""
+def head_dim(lm: LoadedModel) -> int:
+    c = lm.config
+    return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+
+def rope_thetas(lm: LoadedModel) -> tuple[float, ...] | None:
+    """The RoPE base of each layer when every layer uses default RoPE over its whole head (what
+    ``codec.rope`` implements; a model may give sliding-window and full layers their own), else None."""
     c = lm.config
     params = getattr(c, "rope_parameters", None) or {"rope_theta": getattr(c, "rope_theta", None), "rope_type": "default"}
-    if params.get("rope_type", "default") != "default" or c.hidden_size // c.num_attention_heads != getattr(c, "head_dim", c.hidden_size // c.num_attention_heads):
+    kinds = getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers
+    per_layer = [params.get(k, params) if isinstance(params.get(k), dict) else params for k in kinds]
+    if getattr(c, "partial_rotary_factor", 1.0) != 1.0 or any(p.get("rope_type", "default") != "default" or not p.get("rope_theta")
+                                                             for p in per_layer):
         return None
-    return params.get("rope_theta")
+    return tuple(float(p["rope_theta"]) for p in per_layer)
+
+
+def rope_theta(lm: LoadedModel) -> float | tuple[float, ...] | None:
+    """The model's RoPE base, or one per layer where layers differ (:func:`rope_thetas`), or None."""
+    thetas = rope_thetas(lm)
+    return None if thetas is None else rope.compact(thetas)
+
+
+def windows(lm: LoadedModel) -> tuple[int, ...]:
+    """Per layer, its sliding attention window, 0 for full attention."""
+    c = lm.config
+    kinds = getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers
+    return tuple(int(c.sliding_window) if k == "sliding_attention" else 0 for k in kinds)
 
 
 def sample_text(name: str = "license.txt") -> str:
@@ -105,8 +145,13 @@ def _layer_kv(cache, i: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @torch.inference_mode()
 def prefill(lm: LoadedModel, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prefill ``ids`` -> (KV ``[layers, 2, kv_heads, tokens, head_dim]``, last-position logits)."""
-    out = lm.model(ids.unsqueeze(0), use_cache=True)
+    """Prefill ``ids`` -> (KV ``[layers, 2, kv_heads, tokens, head_dim]``, last-position logits).
+
+    Every layer's KV of every token, sliding-window layers included (a cache without the model's
+    config keeps all tokens; attention masks still apply each layer's window)."""
+    from transformers import DynamicCache
+
+    out = lm.model(ids.unsqueeze(0), past_key_values=DynamicCache(), use_cache=True)
     cache = out.past_key_values
     layers = lm.config.num_hidden_layers
     kv = torch.stack([torch.stack(_layer_kv(cache, i)) for i in range(layers)])  # [L, 2, 1, H, T, D]

@@ -52,6 +52,8 @@ class Calibration:
     rope_thetas: tuple[float, ...] | None = None  # per layer; None: the sidecar's KVFETCHER_ROPE_THETA
     windows: tuple[int, ...] | None = None  # per layer: sliding window, 0 for full attention
     name: str = ""  # the artefact's name (file stem)
+    #: figures measured when it was made: preset -> ratio_vs_fp16, kl, tf_top1 on held-out text
+    measured: dict | None = field(default=None, hash=False, compare=False)
 
     def table(self, kind: str) -> Table:
         try:
@@ -94,7 +96,7 @@ def parse(doc: dict, name: str) -> Calibration:
     for what, per_layer in (("rope_thetas", thetas), ("windows", windows), *((f"table {k}", t) for k, t in tables.items())):
         if layers is not None and per_layer is not None and len(per_layer) != layers:
             raise ValueError(f"calibration {name!r}: {what} has {len(per_layer)} layers, the geometry {layers}")
-    return Calibration(model, basis, tables, geo, thetas, windows, name)
+    return Calibration(model, basis, tables, geo, thetas, windows, name, doc.get("measured"))
 
 
 def read(path: Path) -> Calibration:

@@ -114,6 +114,11 @@ def _build(cal: Calibration) -> dict[str, Preset]:
 PRESETS: dict[str, Preset] = _build(calibration.default())
 
 
+def for_calibration(cal: Calibration) -> dict[str, Preset]:
+    """Every preset, with the lossy ones' steps, bases and basis from ``cal``."""
+    return _build(cal)
+
+
 @functools.lru_cache(maxsize=64)
 def for_model(fingerprint: str) -> dict[str, Preset]:
     """The presets the model ``fingerprint`` names may use: those needing a calibration only with

@@ -5,7 +5,8 @@ skips the leading chunks already stored, asks :meth:`Writer.room` how many more 
 (``config.store_queue_chunks``), hands over a private copy of the leading chunks that fit and
 counts the rest as dropped (:meth:`Writer.dropped`, in chunks) — a lost store costs a future
 recompute, a blocked model costs latency now. One task writes the queue in order: every configured
-preset of every chunk, skipping objects already stored. With an
+preset the chunk's model may use (:meth:`Writer.presets_for`: never one that needs a calibration
+the model lacks) of every chunk, skipping objects already stored. With an
 object key configured every object is written with its tags, bound to its name (:mod:`format.mac`).
 """
 
@@ -24,7 +25,7 @@ from kvfetcher import keys, kvbuffer
 from kvfetcher.chunk import encode_chunk
 from kvfetcher.config import Config
 from kvfetcher.errors import Reason
-from kvfetcher.format import mac
+from kvfetcher.format import mac, presets
 from kvfetcher.metrics import Metrics
 from kvfetcher.store import Store, StoreError
 
@@ -61,6 +62,16 @@ class Writer:
         self._task: asyncio.Task | None = None
         self.pending_chunks = 0
         self.object_key = mac.key_from(config.object_key)  # None: objects are written without tags
+        self._refused: dict[str, set[str]] = {}  # model -> presets refused for it (logged)
+
+    def presets_for(self, model: str) -> tuple[str, ...]:
+        """The configured presets model ``model`` may store; the others are skipped, and each
+        refusal is logged once with its reason (e.g. no calibration of the model)."""
+        usable = presets.usable(self.config.presets, model)
+        for name in set(self.config.presets) - set(usable) - self._refused.setdefault(model, set()):
+            self._refused[model].add(name)
+            log.warning("not storing %s: %s", name, presets.refusal(name, model))
+        return usable
 
     def start(self) -> None:
         self._queue = asyncio.Queue()
@@ -122,7 +133,7 @@ class Writer:
         loop = asyncio.get_running_loop()
         N = self.config.chunk_tokens
         for i, key in enumerate(job.keys):
-            for preset in self.config.presets:
+            for preset in self.presets_for(job.ns.model):
                 name = keys.object_name(key, preset)
                 if await loop.run_in_executor(self.meta_pool, self.store.exists, name):
                     continue  # already stored (by us or another sidecar): a cheap no-op
