@@ -69,6 +69,7 @@ class Sidecar:
         self._seal_key = secrets.token_bytes(32)  # plans this process issued carry its seal
         self._object_key = mac.key_from(self.config.object_key)  # None: objects unauthenticated
         self._calibrations: set[str] = set()  # models whose calibration was looked for in the store
+        self.finding: asyncio.Future | None = None  # the latest registration's look for its calibration
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -170,7 +171,7 @@ class Sidecar:
         L, _, H, _, D = t.shape
         self.buffers[bid] = Buffer(t, self.namespace(model, kvbuffer.dtype_name(t.dtype), tp_rank, (L, H, D)), handle)
         try:  # the model's calibration from the store, if no local place has one: in the background
-            asyncio.get_running_loop().run_in_executor(self.meta_pool, self.find_calibration, model)
+            self.finding = asyncio.get_running_loop().run_in_executor(self.meta_pool, self.find_calibration, model)
         except RuntimeError:  # no event loop (a direct caller)
             self.find_calibration(model)
         if self.config.warm_up:
