@@ -154,3 +154,21 @@ async def test_a_sidecar_finds_its_models_calibration_in_the_store_and_stores_ba
         r = await sc.load(bid, _tokens(), recompute_tps=1e-9)
         assert (r.error, r.loaded_tokens, r.decision.preset) == (None, 64, "balanced"), r
         assert (buf.tensor.float() - kv.float()).abs().mean() < 0.2
+
+
+def test_presets_for_a_model_show_its_own_figures_and_its_refusals(local, capsys):
+    from kvfetcher import cli
+
+    assert cli.main(["presets", "--model", "uncalibrated-lm/fp16", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert "kvfetcher calibrate" in rows["balanced"]["refused"] and rows["q8"]["refused"] is None
+    assert rows["q8"]["measured"] is None  # the shipped figures are another model's
+    path, _ = made("tiny-lm", local)
+    doc = json.loads(path.read_text())
+    doc["measured"] = {"balanced": {"ratio_vs_fp16": 3.5, "kl": 0.001, "tf_top1": 0.98}}
+    path.unlink()
+    calibration.write(doc, local)
+    presets.for_model.cache_clear()
+    assert cli.main(["presets", "--model", "tiny-lm/fp16"]) == 0
+    out = capsys.readouterr().out
+    assert "calibration tiny-lm-" in out and "3.50x, KL 0.001" in out

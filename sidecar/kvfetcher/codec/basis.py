@@ -73,18 +73,20 @@ def key_metric(queries: list[torch.Tensor], kv_heads: int, theta: float, deltas:
     """
     d = queries[0].shape[-1]
     g = queries[0].shape[1] // kv_heads
-    w = torch.zeros(kv_heads, d, d, dtype=torch.float64)
+    m = torch.zeros(kv_heads, d, d, dtype=torch.float64)  # sum over queries of q q^T, per KV head
     n = 0
     for i, q in enumerate(queries):
         q = q.double()
         if weights is not None:
             q = q * weights[i].double().sqrt().unsqueeze(-1)
-        for delta in deltas:
-            cos, sin = rope.rotation(int(delta), 1, d, theta)
-            qr = rope.apply(q, cos.double(), sin.double()).reshape(q.shape[0], kv_heads, g, d)
-            w += torch.einsum("thgd,thge->hde", qr, qr)
-            n += q.shape[0]
-    return w / n
+        q = q.reshape(q.shape[0], kv_heads, g, d)
+        m += torch.einsum("thgd,thge->hde", q, q)
+        n += q.shape[0]
+    w = torch.zeros_like(m)
+    for delta in deltas:  # R m R^T: rotate the rows, then the columns (m is symmetric)
+        cos, sin = rope.rotation(int(delta), 1, d, theta)
+        w += rope.apply(rope.apply(m, cos.double(), sin.double()).transpose(-1, -2), cos.double(), sin.double())
+    return w / (n * len(deltas))
 
 
 def value_metric(o_proj: torch.Tensor, kv_heads: int, head_dim: int, head_weights: torch.Tensor | None = None) -> torch.Tensor:
