@@ -71,13 +71,13 @@ def _store_at(url: str):
     import os
     from urllib.parse import urlparse
 
-    from kvfetcher import store
+    from kvfetcher import config, store
 
     u = urlparse(url)
     if u.scheme in ("http", "https"):
-        env = dict(os.environ, KVFETCHER_S3_ENDPOINT=f"{u.scheme}://{u.netloc}", KVFETCHER_S3_BUCKET=u.path.strip("/") or "kvfetcher")
+        env = dict(os.environ, **{config.S3_ENDPOINT.name: f"{u.scheme}://{u.netloc}", config.S3_BUCKET.name: u.path.strip("/") or "kvfetcher"})
         return store.from_env(env)
-    return store.from_env({"KVFETCHER_STORE_DIR": u.path if u.scheme == "file" else url})
+    return store.from_env({config.STORE_DIR.name: u.path if u.scheme == "file" else url})
 
 
 def _calibrate(args: argparse.Namespace) -> int:
