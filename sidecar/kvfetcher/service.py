@@ -110,6 +110,8 @@ class Sidecar:
         failures are logged and counted, and the sidecar serves anyway. Blocking."""
         assert self.workers is not None
         names = [p for p in self._served_presets() if PRESETS[p].layout.mode != "native"]  # native chunks need no worker
+        if buf is not None:  # only what its model may use (not a preset needing a calibration it lacks)
+            names = list(usable(names, buf.ns.model))
         if not names:
             return
         try:

@@ -76,8 +76,8 @@ def parse(doc: dict, name: str) -> Calibration:
     """A calibration from an artefact's JSON; ``ValueError`` for a malformed one or one whose
     content does not match its content name."""
     model = doc.get("model", name)
-    if not isinstance(model, str) or not model:
-        raise ValueError(f"calibration {name!r}: no model tag")
+    if not isinstance(model, str) or not model or "/" in model:
+        raise ValueError(f"calibration {name!r}: the model tag must be a non-empty name without '/', not {model!r}")
     if name != model and name != f"{model}-{digest(doc)}":
         raise ValueError(f"calibration {name!r} does not match its content (for model {model!r}: {model}-{digest(doc)})")
     basis = doc.get("basis")
@@ -155,7 +155,7 @@ def default() -> Calibration:
 def artefact(model: str, tables: dict[str, dict], basis: str | None, geometry, rope_thetas, windows, **about) -> dict:
     """An artefact's JSON: ``tables`` kind -> ``{"layers": [[k, v], ...], "about": ...}``; ``about``
     records how it was made (texts, tool, date)."""
-    doc = {"kind": KIND, "model": model, "basis": basis, "geometry": list(geometry), "sensitivity": tables,
+    doc = {"kind": KIND, "model": model, "basis": basis, "geometry": list(geometry) if geometry else None, "sensitivity": tables,
            "rope_thetas": list(rope_thetas) if rope_thetas else None, "windows": list(windows) if windows else None,
            "created": time.time(), **about}
     parse(doc, model)  # well formed
