@@ -149,7 +149,8 @@ def sensitivity(lm: model.LoadedModel, wins: list[Window], lp: layout.LayoutPara
     """Per (layer, K|V): mean KL over ``wins`` with that group alone restored through ``lp``."""
     L = lm.config.num_hidden_layers
     w_kl = [[0.0, 0.0] for _ in range(L)]
-    for w in wins:
+    for i, w in enumerate(wins):
+        log.info("sensitivity: window %d of %d", i + 1, len(wins))
         ref = _logp(lm, w, w.kv)
         back = restored(w.kv, lp)
         for layer in range(L):
