@@ -96,7 +96,7 @@ def test_balanced_on_a_model_without_a_basis_drops_the_corrections_with_it(tmp_p
     from kvfetcher.chunk import decode_chunk, encode_chunk
 
     monkeypatch.setenv("KVFETCHER_CALIBRATION_DIR", str(tmp_path))
-    tables = {"trellis": {"layers": [[1e-4, 1e-4]] * 4}}
+    tables = {k: {"layers": [[1e-4, 1e-4]] * 4} for k in ("basis", "trellis")}
     calibration.write(calibration.artefact("some-other-model", tables, None, (4, 2, 64), None, None), tmp_path)
     presets.for_model.cache_clear()
     g = torch.Generator().manual_seed(3)
