@@ -226,7 +226,7 @@ def measure(lm: model.LoadedModel, cal: calibration.Calibration, prompts: list[t
     for preset in MEASURED:
         size = fp16 = kl = top1 = 0.0
         for w, ref in cases:
-            rt = accuracy.round_trip(w.kv, table[preset], tag_fp, CHUNK, rope.compact(cal.rope_thetas))
+            rt = accuracy.round_trip(w.kv, table[preset], tag_fp, CHUNK, rope.compact(cal.rope_thetas or model.rope_thetas(lm)))
             lp = _logp(lm, w, rt.kv)
             size, fp16 = size + rt.stored_bytes, fp16 + w.kv.numel() * 2
             kl += float((ref.exp() * (ref - lp)).sum(-1).mean()) / len(cases)
