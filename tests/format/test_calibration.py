@@ -172,3 +172,13 @@ def test_presets_for_a_model_show_its_own_figures_and_its_refusals(local, capsys
     assert cli.main(["presets", "--model", "tiny-lm/fp16"]) == 0
     out = capsys.readouterr().out
     assert "calibration tiny-lm-" in out and "3.50x, KL 0.001" in out
+
+
+def test_the_shipped_gemma_calibration_fits_gemma_3_270m():
+    fp = "gemma-3-270m-q4_k_m/float32"
+    cal = calibration.calibration_for(fp)
+    assert cal.geometry == (18, 1, 256) and basis.load(cal.basis).shape == (18, 1, 256)
+    assert cal.windows == ((512,) * 5 + (0,)) * 3 and set(cal.rope_thetas) == {1e4, 1e6}
+    assert all(t == (1e6 if w == 0 else 1e4) for t, w in zip(cal.rope_thetas, cal.windows))
+    p = presets.get("balanced", fp)
+    assert p.layout.basis == cal.basis and p.layout.rope_theta == cal.rope_thetas and cal.measured["balanced"]["kl"] < 1e-3

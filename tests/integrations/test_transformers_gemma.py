@@ -56,8 +56,15 @@ def test_exact_restores_every_layer_and_generates_the_models_own_tokens(gemma, c
 
 
 def test_calibrate_publish_fetch_and_generate_with_balanced(gemma, case, s3, tmp_path, monkeypatch):
+    import shutil
+
     ids, reference = case
     tag = gemma.fingerprint.split("/", 1)[0]
+    shipped = tmp_path / "shipped"  # the package without its Gemma calibration
+    shipped.mkdir()
+    shutil.copy(calibration.MODELS_DIR / "smollm2-135m.json", shipped)
+    monkeypatch.setattr(calibration, "MODELS_DIR", shipped)
+    presets.for_model.cache_clear()
     assert presets.refusal("balanced", gemma.fingerprint) is not None  # not calibrated: refused
     doc, b = calibrate.calibrate(gemma, tag, per_text=1, sensitivity_windows=1, measure_prompts=[("license.txt", 0)])
     m = doc["measured"]["balanced"]
