@@ -136,7 +136,10 @@ def build(model_tag: str, enc: torch.Tensor, mean: torch.Tensor) -> Basis:
     covers both."""
     e16 = enc.detach().to(torch.float16).contiguous()
     m32 = mean.detach().to(torch.float32).contiguous()
-    dec = torch.linalg.inv(e16.double()).float()
+    # one matrix at a time: torch 2.13's batched CPU inverse failed on Gemma 3's 36 bases with 2
+    # threads ("pivots given to lu_solve ..."), each of them invertible and inverted alone
+    flat = e16.double().reshape(-1, *e16.shape[-2:])
+    dec = torch.stack([torch.linalg.inv(m) for m in flat]).reshape(e16.shape).float()
     digest = hashlib.sha256(e16.numpy().tobytes() + m32.numpy().tobytes()).hexdigest()[:12]
     return Basis(f"{model_tag}-{digest}", e16.float(), dec, m32)
 
