@@ -23,6 +23,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_configure(config):
+    """Tests see only the shipped calibrations and those they make: the local calibration directory
+    is a fresh one per session, not the user's."""
+    import os
+    import tempfile
+
+    os.environ["KVFETCHER_CALIBRATION_DIR"] = tempfile.mkdtemp(prefix="kvf-calibration-")
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Collect garbage before pytest prints its summary, so that any late finaliser message
     (e.g. an aiohttp "Unclosed client session" from a library) lands above the closing line

@@ -132,7 +132,7 @@ def test_only_the_table_names_a_variable_in_code():
     assert spelled == []
 
 
-@pytest.mark.parametrize("cfg", [Config(presets=("nope",)), Config(presets=("balanced",), rope_theta=None)])
+@pytest.mark.parametrize("cfg", [Config(presets=("nope",)), Config(presets=("lean",), rope_theta=None)])
 def test_a_sidecar_refuses_presets_it_cannot_store(tmp_path, cfg):
     from kvfetcher.service import Sidecar
 

@@ -42,7 +42,7 @@ from benchmarks.lib.interference import decode_loop, stats
 from kvfetcher import ipc
 from kvfetcher import kvbuffer
 from kvfetcher.fetch import executor
-from kvfetcher.chunk import encode_chunk
+from benchmarks.lib.standin import encode_chunk  # a stand-in calibration for random-weight shapes
 from kvfetcher.fetch.workers import DecodeWorkers
 from kvfetcher.store.local import LocalStore
 

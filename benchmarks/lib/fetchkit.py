@@ -23,7 +23,7 @@ import torch
 
 from kvfetcher import kvbuffer
 from kvfetcher.fetch import executor
-from kvfetcher.chunk import encode_chunk
+from benchmarks.lib.standin import encode_chunk  # a stand-in calibration for random-weight shapes
 from kvfetcher.eval.costmodel import ModelShape
 from benchmarks.lib.kvsource import synthetic_kv
 

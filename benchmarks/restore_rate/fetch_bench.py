@@ -51,7 +51,8 @@ from kvfetcher.format import container, presets
 from kvfetcher import ipc
 from kvfetcher import kvbuffer
 from kvfetcher.fetch import executor
-from kvfetcher.chunk import decode_chunk, encode_chunk
+from kvfetcher.chunk import decode_chunk
+from benchmarks.lib.standin import encode_chunk  # a stand-in calibration for random-weight shapes
 from kvfetcher.fetch.workers import DecodeWorkers
 from kvfetcher.store.local import LocalStore
 

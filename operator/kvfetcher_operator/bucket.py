@@ -32,6 +32,9 @@ from minio.lifecycleconfig import LifecycleConfig
 
 RULE_ID = "kvfetcher-ttl"
 PREFIX = "kv/"
+#: model calibrations (the sidecar's format/calibration.STORE_PREFIX): outside PREFIX, so no
+#: lifecycle rule or clean-up of chunks reaches them, and sidecars may only read them
+CALIBRATION_PREFIX = "_meta/calibration/"
 CLAIM = "kvfetcher/pool"
 OWNER_TAG = "kvfetcher.io/pool"
 _OWNER = re.compile(r"^[a-z0-9][-a-z0-9.]*/[a-z0-9][-a-z0-9.]*$")  # namespace/name

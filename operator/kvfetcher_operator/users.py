@@ -22,7 +22,8 @@ POLICY = "kvfetcher-sidecar"
 
 
 def sidecar_policy(bucket_name: str, prefix: str = bucket.PREFIX) -> dict[str, Any]:
-    """The IAM policy of the sidecar user: the bucket listed, objects under `prefix` read, written, deleted."""
+    """The IAM policy of the sidecar user: the bucket listed, objects under `prefix` read, written, deleted;
+    model calibrations (`bucket.CALIBRATION_PREFIX`, published by `kvfetcher calibrate`) read only."""
     return {
         "Version": "2012-10-17",
         "Statement": [
@@ -31,6 +32,8 @@ def sidecar_policy(bucket_name: str, prefix: str = bucket.PREFIX) -> dict[str, A
              "Resource": [f"arn:aws:s3:::{bucket_name}"]},
             {"Effect": "Allow", "Action": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"],
              "Resource": [f"arn:aws:s3:::{bucket_name}/{prefix}*"]},
+            {"Effect": "Allow", "Action": ["s3:GetObject"],
+             "Resource": [f"arn:aws:s3:::{bucket_name}/{bucket.CALIBRATION_PREFIX}*"]},
         ],
     }
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfetcher.codec import basis, layout
+from kvfetcher.codec import basis, layout, rope
 from kvfetcher import codec
 from kvfetcher.format import container
 from kvfetcher.format.mac import ObjectMAC
@@ -44,28 +44,32 @@ def encode_chunk(
     fingerprint: str,
     meta: dict | None = None,
     start: int = 0,
-    rope_theta: float | None = None,
+    rope_theta: float | Sequence[float] | None = None,
     auth: ObjectMAC | None = None,
 ) -> bytes:
     """KV ``[layers, 2, kv_heads, tokens, head_dim]`` -> one self-describing stored object.
 
     ``kv`` may be on a GPU: the layout packs it there, and an entropy format codes it there too
-    (only the coded bytes reach the host). ``start`` is the chunk's first token position;
-    ``rope_theta`` the model's RoPE base,
-    needed by presets that quantise keys before RoPE (and written into the header). A preset
-    given by name is the one for this model (``presets.get(name, fingerprint)``). With ``auth``
-    (the object key and the name the object will be stored at) the object carries its tags.
+    (only the coded bytes reach the host).
+    ``start`` is the chunk's first token position; ``rope_theta`` the model's RoPE base (or one
+    per layer), needed by presets that quantise keys before RoPE unless the model's calibration
+    gives its bases (which then win); the header records them. A preset given by name is the one
+    for this model (``presets.get(name, fingerprint)``, which refuses a preset the model may not
+    use). With ``auth`` (the object key and the name the object will be stored at) the object
+    carries its tags. A basis not made for this model and shape is refused (``ValueError``).
     """
     p = get(preset, fingerprint) if isinstance(preset, str) else preset
     lp = p.layout
-    if p.pre_rope:
+    if p.pre_rope and lp.rope_theta is None:
         if rope_theta is None:
             raise ValueError(f"preset {p.name!r} quantises keys before RoPE: give the model's rope_theta")
-        lp = dataclasses.replace(lp, rope_theta=float(rope_theta))
+        thetas = rope.per_layer(rope_theta if isinstance(rope_theta, (int, float)) else tuple(rope_theta), kv.shape[0])
+        lp = dataclasses.replace(lp, rope_theta=rope.compact(thetas))
     if p.sink_exact_only and start > 0:
         lp = dataclasses.replace(lp, exact_tokens=0)
     if lp.basis is not None and not basis.fits(lp.basis, tuple(kv.shape), fingerprint):
-        lp = dataclasses.replace(lp, basis=None, sparse_tokens=0)  # another model: plain per-channel sigma steps (the sparse corrections rank keys in the basis)
+        raise ValueError(f"basis {lp.basis!r} of preset {p.name!r} was not made for model {fingerprint!r} "
+                         f"with KV of {tuple(kv.shape)}: calibrate this model")
     packed = layout.pack(kv, lp, start)
     enc = codec.encoder(p.codec.format, packed.frames.device)
     n = packed.frames.shape[0]

@@ -1,4 +1,4 @@
-"""kvfetcher command line: ``eval``, ``presets`` and ``evict`` here; ``serve`` and ``demo`` register theirs."""
+"""kvfetcher command line: ``eval``, ``presets``, ``calibrate`` and ``evict`` here; ``serve`` and ``demo`` register theirs."""
 
 from __future__ import annotations
 
@@ -46,16 +46,54 @@ def _backend_name(preset: str, caps: dict) -> str:
 
 
 def _presets(args: argparse.Namespace) -> int:
-    from kvfetcher.format.presets import PRESETS, measured
+    from kvfetcher.format import calibration, presets
 
-    rows = [dict(p.to_dict(), measured=measured(p.name)) for p in PRESETS.values()]
+    fp = args.model
+    cal = calibration.calibration_for(fp) if fp else calibration.default()
+    shipped = cal is not None and cal.name == calibration.default().name  # the shipped figures are its model's
+    rows = []
+    for name, p in presets.PRESETS.items():
+        why = presets.refusal(name, fp) if fp else None
+        fig = None if why else (cal.measured or {}).get(name) if cal and cal.measured else presets.measured(name) if shipped else None
+        row = dict((presets.get(name, fp) if fp and not why else p).to_dict(), measured=fig)
+        if fp:
+            row.update(model=fp, calibration=cal.name if cal else None, refused=why)
+        rows.append(row)
     if args.json:
         print(json.dumps(rows, indent=2))
-    else:
-        for r in rows:
-            m = r["measured"]
-            fig = f"{m['ratio_vs_fp16']:.2f}x, agreement {m['greedy_agreement']:.3f}" if m else "not measured"
-            print(f"{r['name']:>14}  {fig:<28}  {r['summary']}")
+        return 0
+    if fp:
+        print(f"model {fp}: calibration {cal.name if cal else 'none (presets that need one are refused)'}")
+    for r in rows:
+        m = r["measured"]
+        fig = ("refused: no calibration" if r.get("refused") else "not measured" if not m else
+               f"{m['ratio_vs_fp16']:.2f}x, " + (f"KL {m['kl']:.2g}" if "kl" in m else f"agreement {m['greedy_agreement']:.3f}"))
+        print(f"{r['name']:>14}  {fig:<28}  {r['summary']}")
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    import shutil
+
+    from kvfetcher import store
+    from kvfetcher.codec import basis
+    from kvfetcher.eval import calibrate, model
+    from kvfetcher.format import calibration
+
+    lm = model.load(args.model)
+    tag = args.tag or lm.fingerprint.split("/", 1)[0]
+    doc, b = calibrate.calibrate(lm, tag, [Path(t) for t in args.texts] if args.texts else None,
+                                 measure_prompts=None if args.no_measure else calibrate.MEASURE_PROMPTS)
+    path = calibration.write(doc)
+    basis_path = basis.path_of(b.name)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        path, basis_path = Path(shutil.copy(path, out)), Path(shutil.copy(basis_path, out))
+    print(json.dumps({"model": tag, "fingerprint": lm.fingerprint, "calibration": str(path), "basis": str(basis_path)}))
+    if args.publish:
+        names = calibration.publish(store.from_url(args.publish), path, basis_path)
+        print(json.dumps({"published": names}))
     return 0
 
 
@@ -111,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pr = sub.add_parser("presets", help="list presets with their parameters and measured figures")
     pr.add_argument("--json", action="store_true")
+    pr.add_argument("--model", help="a model fingerprint: its presets (those needing a calibration it lacks are refused)")
     pr.set_defaults(func=_presets)
 
     ex = sub.add_parser("evict", help="keep a store within a size and an idle time: least recently fetched prefix ends go first")
@@ -122,6 +161,14 @@ def build_parser() -> argparse.ArgumentParser:
     when.add_argument("--once", action="store_true", help="one run, then exit (the default)")
     when.add_argument("--every", type=_positive(float), metavar="S", help="a run every S seconds until stopped")
     ex.set_defaults(func=_evict)
+    ca = sub.add_parser("calibrate", help="calibrate a model's basis and per-layer steps on its own KV")
+    ca.add_argument("--model", required=True, help="a transformers model directory or a GGUF file")
+    ca.add_argument("--tag", help="the fingerprint prefix it applies to (default: the model's name)")
+    ca.add_argument("--texts", nargs="+", help="calibration text files (default: the shipped calibration texts)")
+    ca.add_argument("--out", help="also copy the artefact and its basis here")
+    ca.add_argument("--no-measure", action="store_true", help="skip measuring its presets on evaluation prompts")
+    ca.add_argument("--publish", metavar="STORE_URL", help="put them in a pool's store: http(s)://host:port/bucket or a directory")
+    ca.set_defaults(func=_calibrate)
 
     for register in _plugins():
         register(sub)

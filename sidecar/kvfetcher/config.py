@@ -145,7 +145,8 @@ MODEL = Setting("KVFETCHER_MODEL", str, "", "The model fingerprint this sidecar 
                 inject="the pod's annotation `kvfetcher.io/model`")
 RECOMPUTE_TPS = Setting("KVFETCHER_RECOMPUTE_TPS", float, 5000.0,
                         "Model prefill rate (tokens/s) when a request gives none.")
-ROPE_THETA = Setting("KVFETCHER_ROPE_THETA", float, None, "The model's RoPE base: needed to store pre-RoPE presets.",
+ROPE_THETA = Setting("KVFETCHER_ROPE_THETA", float, None, "The model's RoPE base: needed to store pre-RoPE presets "
+                     "(`lean`; calibrated presets take the model's per-layer bases from its calibration).",
                      inject="the pod's annotation `kvfetcher.io/rope-theta`")
 TTFT_BUDGET_S = Setting("KVFETCHER_TTFT_BUDGET_S", float, None,
                         "Prefer a fetch within this TTFT (s) to a faster recompute (unset: the fastest wins).",
@@ -199,6 +200,8 @@ URL = Setting("KVFETCHER_URL", str, "http://127.0.0.1:8500",
 
 # -- evaluation -------------------------------------------------------------------------------
 CACHE = Setting("KVFETCHER_CACHE", str, _home_cache(), "Where the evaluation model's plain copy is kept.")
+CALIBRATION_DIR = Setting("KVFETCHER_CALIBRATION_DIR", str, _home_cache("calibration"),
+                          "Local model calibrations (`kvfetcher calibrate` writes here; a sidecar keeps those it fetched from the store here).")
 
 # -- the operator -----------------------------------------------------------------------------
 WEBHOOK_ADDR = Setting("KVFETCHER_WEBHOOK_ADDR", str, "0.0.0.0", "Admission webhook listen address.")
@@ -226,7 +229,7 @@ TABLES: dict[str, tuple[Setting, ...]] = {
         CHUNK_TOKENS, PRESET, ALLOWED_PRESETS, TENANT, POOL, OBJECT_KEY, MODEL, RECOMPUTE_TPS, ROPE_THETA, TTFT_BUDGET_S,
         DECODE_PROCS, WARM_UP, S3_ENDPOINT, S3_BUCKET, S3_ACCESS_KEY, S3_SECRET_KEY, S3_REGION, S3_CA_FILE,
         S3_INSECURE, STORE_DIR, AUTH_TOKEN, AUTH_TOKEN_FILE, FUSED_UNPACK, DEADLINE_S, MAX_REQUEST_TOKENS,
-        STORE_QUEUE_CHUNKS, IO_WORKERS, META_IO_WORKERS, LINK_DIR, ACCESS_LOG_S),
+        STORE_QUEUE_CHUNKS, IO_WORKERS, META_IO_WORKERS, LINK_DIR, ACCESS_LOG_S, CALIBRATION_DIR),
     "Model side (`KVClient`, shared buffers)": (SOCKET, URL),
     "Evaluation (`kvfetcher demo`, tests)": (CACHE,),
     "Operator": (WEBHOOK_ADDR, WEBHOOK_PORT, WEBHOOK_CERT, WEBHOOK_KEY, WEBHOOK_CONFIGURATION,
@@ -305,7 +308,8 @@ class Config:
         unknown = [p for p in self.presets + (self.allowed_presets or ()) if p not in known_presets]
         if unknown:
             raise ValueError(f"unknown preset(s) {unknown}; known: {', '.join(known_presets)}")
-        need_theta = [p for p in self.presets if known_presets[p].pre_rope]
+        # presets made from a model's calibration take its per-layer RoPE bases from it
+        need_theta = [p for p in self.presets if known_presets[p].pre_rope and not getattr(known_presets[p], "needs_calibration", False)]
         if need_theta and self.rope_theta is None:
             raise ValueError(f"preset(s) {need_theta} quantise keys before RoPE: set {ROPE_THETA.name}")
 

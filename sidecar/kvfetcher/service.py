@@ -36,8 +36,8 @@ from kvfetcher.fetch import choice, executor, staging
 from kvfetcher.fetch.linkshare import LinkShare
 from kvfetcher.fetch.plan import Costs, FetchPlan, LoadDecision, LoadReply, list_prefix, listing_rounds, make_plan, seal, sealed
 from kvfetcher.fetch.workers import DecodeWorkers, warmup_object
-from kvfetcher.format import mac
-from kvfetcher.format.presets import PRESETS
+from kvfetcher.format import calibration, mac
+from kvfetcher.format.presets import PRESETS, for_model, usable
 from kvfetcher.kvbuffer import Destination, PagedKV
 from kvfetcher.metrics import Metrics
 from kvfetcher.save.writer import Job, Writer
@@ -78,6 +78,8 @@ class Sidecar:
         self._warming: asyncio.Future | None = None  # the latest registered buffer's warm-up
         self._seal_key = secrets.token_bytes(32)  # plans this process issued carry its seal
         self._object_key = mac.key_from(self.config.object_key)  # None: objects unauthenticated
+        self._calibrations: set[str] = set()  # models whose calibration was looked for in the store
+        self.finding: asyncio.Future | None = None  # the latest registration's look for its calibration
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -118,6 +120,8 @@ class Sidecar:
         failures are logged and counted, and the sidecar serves anyway. Blocking."""
         assert self.workers is not None
         names = [p for p in self._served_presets() if PRESETS[p].layout.mode != "native"]  # native chunks need no worker
+        if buf is not None:  # only what its model may use (not a preset needing a calibration it lacks)
+            names = list(usable(names, buf.ns.model))
         if not names:
             return
         try:
@@ -180,6 +184,10 @@ class Sidecar:
             raise RequestError(str(e)) from e
         bid = secrets.token_urlsafe(24)
         self.buffers[bid] = Buffer(t, ns, handle)
+        try:  # the model's calibration from the store, if no local place has one: in the background
+            self.finding = asyncio.get_running_loop().run_in_executor(self.meta_pool, self.find_calibration, model)
+        except RuntimeError:  # no event loop (a direct caller)
+            self.find_calibration(model)
         if self.config.warm_up:
             if self.workers is not None:  # mapped now (CUDA IPC), not on the first load into it
                 self.workers.open(handle)
@@ -188,6 +196,24 @@ class Sidecar:
             except RuntimeError:  # no event loop (a direct caller): nothing to run it in the background of
                 pass
         return bid
+
+    def find_calibration(self, model: str) -> None:
+        """Make the calibration of ``model`` local (format/calibration.py: the store's
+        ``_meta/calibration/``) when no local place has one; until then, and if the store has none,
+        the presets that need one are neither stored nor chosen for it. Once per model and process
+        (again after a failure). Blocking."""
+        if model in self._calibrations:
+            return
+        self._calibrations.add(model)
+        if calibration.calibration_for(model) is not None:
+            return
+        try:
+            if calibration.fetch(self.store, model) is not None:
+                for_model.cache_clear()
+        except (StoreError, ValueError, OSError) as e:
+            self._calibrations.discard(model)
+            self.metrics.errors.labels(getattr(e, "reason", Reason.INTERNAL)).inc()
+            log.warning("calibration of %s not fetched from the store: %s", model, e)
 
     def unregister(self, bid: str) -> None:
         buf = self.buffers.pop(bid, None)
@@ -257,7 +283,8 @@ class Sidecar:
             raise RequestError(f"ttft_budget_s must be positive seconds, not {budget!r}")
         sharers = (group_size or 1) + self.link.active()
         rates = self.estimator.rates(self.store.endpoint, recompute_tps or self.config.recompute_tps, sharers)
-        allowed = frozenset(presets or PRESETS) & frozenset(self.config.allowed_presets or PRESETS)
+        # never a preset this model may not use (one needing a calibration it lacks)
+        allowed = frozenset(presets or PRESETS) & frozenset(self.config.allowed_presets or PRESETS) & frozenset(usable(PRESETS, ns.model))
         costs = Costs(rates, self._chunk_kv_bytes(buf) if buf else None, allowed, budget)
         p = await make_plan(self.store, ns, ck, self.config.chunk_tokens, costs, io_pool=self.meta_pool,
                             deadline_s=self.config.deadline_s if deadline_s is None else deadline_s, may_skip_listing=may_skip_listing)
@@ -389,7 +416,7 @@ class Sidecar:
         N = self.config.chunk_tokens
         ck = keys.chunk_keys(buf.ns, tokens, N)
         where = buf.destination(len(ck) * N, slots, offset, block_ids)
-        known = await self._stored_run(ck)
+        known = await self._stored_run(ck, self.writer.presets_for(buf.ns.model))
         take = min(len(ck) - known, self.writer.room())
         dropped = len(ck) - known - take
         if dropped:
@@ -399,9 +426,9 @@ class Sidecar:
             self.writer.submit(Job(buf.ns, ck[known : known + take], kv, first=known, parent=ck[known - 1] if known else ""))
         return {"queued_chunks": take, "skipped_chunks": known, "dropped_chunks": dropped, "dropped": dropped > 0}
 
-    async def _stored_run(self, chunk_keys: Sequence[str]) -> int:
-        """How many leading chunks are stored in every preset this sidecar writes (0 when the store
-        cannot say within the deadline)."""
+    async def _stored_run(self, chunk_keys: Sequence[str], written: Sequence[str]) -> int:
+        """How many leading chunks are stored in every preset of ``written`` (those this sidecar
+        writes for the model; 0 when the store cannot say within the deadline)."""
         if not chunk_keys:
             return 0
         try:
@@ -411,7 +438,7 @@ class Sidecar:
             self.metrics.errors.labels(getattr(e, "reason", Reason.DEADLINE)).inc()
             return 0
         n = 0
-        while n < len(run) and all(p in run[n] for p in self.config.presets):
+        while n < len(run) and all(p in run[n] for p in written):
             n += 1
         return n
 

@@ -89,15 +89,20 @@ def test_sparse_needs_a_basis_and_old_headers_mean_none():
     assert layout.LayoutParams.from_dict(_params(8).to_dict()) == _params(8)
 
 
-def test_balanced_on_a_model_without_a_basis_drops_the_corrections_with_it():
-    """Another model's chunk (no basis for its shape/fingerprint) is still stored as `balanced`:
-    per-channel steps, no sparse corrections (found on a GPU: 8B-shaped KV failed to encode)."""
-    from kvfetcher.format import container
+def test_balanced_on_a_model_without_a_basis_drops_the_corrections_with_it(tmp_path, monkeypatch):
+    """A model calibrated without a basis (step tables only) stores `balanced` with per-channel
+    steps and no sparse corrections, which rank keys in the basis."""
+    from kvfetcher.format import container, presets
     from kvfetcher.chunk import decode_chunk, encode_chunk
 
+    monkeypatch.setenv("KVFETCHER_CALIBRATION_DIR", str(tmp_path))
+    tables = {k: {"layers": [[1e-4, 1e-4]] * 4} for k in ("basis", "trellis")}
+    calibration.write(calibration.artefact("some-other-model", tables, None, (4, 2, 64), None, None), tmp_path)
+    presets.for_model.cache_clear()
     g = torch.Generator().manual_seed(3)
     kv = torch.randn(4, 2, 2, 128, 64, generator=g).to(torch.float16)
     obj = encode_chunk(kv, "balanced", "some-other-model", start=0, rope_theta=10000.0)
+    presets.for_model.cache_clear()
     h = container.parse_header(obj[: container.header_length(obj[: container.PREFIX_SIZE])])
     assert h.layout.basis is None and h.layout.sparse_tokens == 0
     back = decode_chunk(obj, "some-other-model")

@@ -144,8 +144,10 @@ def test_a_warm_up_object_runs_the_code_paths_of_its_preset():
 def test_a_warm_up_object_of_a_model_s_geometry_is_coded_as_its_chunks_are():
     from kvfetcher.format import presets
 
-    h = container.parse_header(warmup_object("balanced", (4, 2, 32, 64), torch.bfloat16, "another-model"))
-    assert (tuple(h.shape), h.dtype, h.layout.basis, h.layout.exact_tokens) == ((4, 2, 2, 32, 64), "bfloat16", None, 0)
+    h = container.parse_header(warmup_object("q8", (4, 2, 32, 64), torch.bfloat16, "another-model"))
+    assert (tuple(h.shape), h.dtype, h.start) == ((4, 2, 2, 32, 64), "bfloat16", 32)
+    with pytest.raises(ValueError, match="needs a calibration"):  # never stored for it, so never warmed
+        warmup_object("balanced", (4, 2, 32, 64), torch.bfloat16, "another-model")
     L, H, D = basis.load(presets.get("balanced").layout.basis).shape
     h = container.parse_header(warmup_object("balanced", (L, H, 256, D), torch.bfloat16, "smollm2-135m-instruct-q4_1/float32"))
     assert h.layout.basis == presets.get("balanced").layout.basis and h.layout.sparse_tokens > 0  # the shipped model's chunks keep it

@@ -209,7 +209,7 @@ def test_sink_exact_only_keeps_the_first_token_exact_only_at_position_zero():
     assert (decode_chunk(later, FP).float() - kv.float()).abs().max() < 0.1
 
 
-def test_a_basis_is_dropped_for_a_model_it_was_not_made_for():
+def test_a_basis_is_refused_for_a_model_it_was_not_made_for():
     from dataclasses import replace
 
     from kvfetcher.codec import basis, layout
@@ -219,11 +219,12 @@ def test_a_basis_is_dropped_for_a_model_it_was_not_made_for():
     lp = layout.LayoutParams(mode="quant", sigma_steps=((0.2, 0.2),), basis=name)
     p = replace(presets.get("q8"), name="b", layout=lp)
     kv = synthetic_kv(tokens=64)  # 4 layers x 2 heads: not the shipped model's shape
-    h = container.parse_header(encode_chunk(kv, p, FP))
-    assert h.layout.basis is None
+    with pytest.raises(ValueError, match="not made for model"):
+        encode_chunk(kv, p, FP)
     L, H, D = basis.load(name).shape
     kv = synthetic_kv(layers=L, heads=H, head_dim=D, tokens=64)
-    assert container.parse_header(encode_chunk(kv, p, FP)).layout.basis is None  # another fingerprint
+    with pytest.raises(ValueError, match="not made for model"):  # another fingerprint
+        encode_chunk(kv, p, FP)
     obj = encode_chunk(kv, p, "smollm2-135m-instruct-q4_1/float32")
     assert container.parse_header(obj).layout.basis == name
     back = decode_chunk(obj)  # random KV is not what the basis was fitted to: only its shape is checked

@@ -88,12 +88,13 @@ def test_balanced_and_compact_use_the_shipped_basis_of_the_shipped_model():
 # --- calibration: per-model data ------------------------------------------------------------
 
 #: Per preset, a digest of every header field a preset decides (layout, codec, segments), over
-#: chunks of the shipped model and of another model at positions 0 and 16, as the code before
-#: calibration became data wrote them: stored objects' bytes must not change.
+#: chunks at positions 0 and 16 of the shipped model and (for presets that need no calibration) of
+#: another model, as the code before calibration became data wrote them: stored objects' bytes
+#: must not change.
 HEADER_DIGESTS = {
     "raw": "925b143014e6ba76", "exact": "1832593fa2f54ccc", "q8": "ebfe073824711109",
-    "lean": "c51d807611c99bd6", "balanced": "e0e153eb06235374", "compact": "ca195f31bc5d4689",
-    "q8-zstd": "d4536c514b2c7482", "balanced-zstd": "6dcf780e3e3bcc78", "compact-zstd": "3a3ac942535a3446",
+    "lean": "c51d807611c99bd6", "balanced": "f477c9252e6d259f", "compact": "03eac8b5b5ec6dc0",
+    "q8-zstd": "d4536c514b2c7482", "balanced-zstd": "fc2017c8a6548feb", "compact-zstd": "1606064554847989",
 }  # (the -ans presets code only on a GPU; their headers differ from -zstd's in the format alone)
 
 
@@ -101,7 +102,8 @@ def _header_digest(name: str) -> str:
     from kvfetcher.chunk import encode_chunk
 
     h = hashlib.sha256()
-    for fp, shape in ((SHIPPED_FP, (30, 2, 3, 16, 64)), ("another-model/bf16", (4, 2, 2, 16, 64))):
+    models = [(SHIPPED_FP, (30, 2, 3, 16, 64)), ("another-model/bf16", (4, 2, 2, 16, 64))]
+    for fp, shape in models[:1] if presets.PRESETS[name].needs_calibration else models:
         kv = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(torch.float16)
         for start in (0, 16):
             j = container.parse_header(encode_chunk(kv, name, fp, start=start, rope_theta=1e5)).to_json()
@@ -125,12 +127,26 @@ def test_a_fingerprint_finds_its_models_calibration_by_tag():
     assert presets.get("balanced", SHIPPED_FP) == presets.get("balanced")
 
 
-def test_a_model_without_calibration_gets_the_default_steps_without_the_basis():
-    for name in ("balanced", "compact"):
-        shipped, other = presets.get(name), presets.get(name, "llama-3-8b/bf16")
-        assert other.layout.sigma_steps == shipped.layout.sigma_steps
-        assert other.layout.basis is None and other.layout.sparse_tokens == 0
-    assert presets.get("q8", "llama-3-8b/bf16") == presets.get("q8")
+def test_a_model_without_calibration_gets_no_preset_that_needs_one():
+    from kvfetcher.chunk import encode_chunk
+
+    other = "llama-3-8b/bf16"
+    needs = [n for n, p in presets.PRESETS.items() if p.needs_calibration]
+    assert {"balanced", "compact"} <= set(needs)
+    assert set(presets.usable(presets.PRESETS, other)) == set(presets.PRESETS) - set(needs) >= {"q8", "exact", "raw"}
+    kv = torch.zeros(4, 2, 2, 16, 64, dtype=torch.float16)
+    for name in needs:
+        assert "kvfetcher calibrate" in presets.refusal(name, other)
+        with pytest.raises(ValueError, match="needs a calibration"):
+            encode_chunk(kv, name, other, rope_theta=1e4)
+    assert presets.get("q8", other) == presets.get("q8") and presets.refusal("q8", other) is None
+
+
+def test_a_calibrated_preset_refuses_a_chunk_its_basis_does_not_fit():
+    from kvfetcher.chunk import encode_chunk
+
+    with pytest.raises(ValueError, match="not made for model"):  # the shipped model's basis, another geometry
+        encode_chunk(torch.zeros(4, 2, 2, 16, 64, dtype=torch.float16), "balanced", SHIPPED_FP, rope_theta=1e4)
 
 
 @pytest.fixture
@@ -139,6 +155,7 @@ def models_dir(tmp_path, monkeypatch):
     for f in calibration.MODELS_DIR.glob("*.json"):
         shutil.copy(f, tmp_path)
     monkeypatch.setattr(calibration, "MODELS_DIR", tmp_path)
+    monkeypatch.setenv("KVFETCHER_CALIBRATION_DIR", str(tmp_path / "local"))
     presets.for_model.cache_clear()
     yield tmp_path
     presets.for_model.cache_clear()
@@ -176,7 +193,11 @@ def test_stored_objects_decode_whatever_the_calibration_says_now(models_dir):
     kv = torch.randn(2, 2, 2, 16, 64, generator=torch.Generator().manual_seed(5)).to(torch.float16)
     obj = encode_chunk(kv, "compact", "tiny-lm/fp16", start=16, rope_theta=1e4)
     before = decode_chunk(obj, "tiny-lm/fp16")
-    (models_dir / "tiny-lm.json").unlink()
+    _write(models_dir, "tiny-lm", layers=3)
     presets.for_model.cache_clear()
     assert presets.get("compact", "tiny-lm/fp16").layout.sigma_steps != container.parse_header(obj).layout.sigma_steps
+    assert torch.equal(decode_chunk(obj, "tiny-lm/fp16"), before)
+    (models_dir / "tiny-lm.json").unlink()
+    presets.for_model.cache_clear()
+    assert presets.refusal("compact", "tiny-lm/fp16") is not None
     assert torch.equal(decode_chunk(obj, "tiny-lm/fp16"), before)

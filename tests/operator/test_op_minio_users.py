@@ -69,8 +69,14 @@ def test_sidecar_policy_is_limited_to_the_pools_bucket_and_prefix() -> None:
     assert granted == {
         ("s3:GetBucketLocation", "arn:aws:s3:::kvcache"), ("s3:ListBucket", "arn:aws:s3:::kvcache"),
         ("s3:GetObject", "arn:aws:s3:::kvcache/kv/*"), ("s3:PutObject", "arn:aws:s3:::kvcache/kv/*"),
-        ("s3:DeleteObject", "arn:aws:s3:::kvcache/kv/*")}
+        ("s3:DeleteObject", "arn:aws:s3:::kvcache/kv/*"), ("s3:GetObject", "arn:aws:s3:::kvcache/_meta/calibration/*")}
     assert bucket.PREFIX == "kv/" and not bucket.CLAIM.startswith(bucket.PREFIX)  # the claim is out of reach
+
+
+def test_sidecars_read_model_calibrations_where_the_data_plane_publishes_them() -> None:
+    from kvfetcher.format import calibration
+
+    assert bucket.CALIBRATION_PREFIX == calibration.STORE_PREFIX and not calibration.STORE_PREFIX.startswith(bucket.PREFIX)
 
 
 class _Recorder(http.server.BaseHTTPRequestHandler):

@@ -16,9 +16,11 @@ A basis is ``enc`` and ``dec``, ``[layers, 2, kv_heads, head_dim, head_dim]`` wi
 calibration KV) keeps the per-chunk offsets small: some components sit thousands of steps from
 zero (pre-RoPE keys' massive channels), where an fp16 offset could not place the quantisation
 grid within a step, and near-constant components would come back off by up to half a step
-for every token of a chunk. A basis is calibrated once per model and shipped as data under a
-content-derived name, which the model's calibration data names (format/calibration.py); a
-per-chunk basis would cost ``head_dim**2`` values per head and chunk.
+for every token of a chunk. A basis is calibrated once per model (``kvfetcher calibrate``) and
+kept as data under a content-derived name, which the model's calibration names
+(format/calibration.py): shipped in the package, or in the local calibration directory
+(``KVFETCHER_CALIBRATION_DIR``); a per-chunk basis would cost ``head_dim**2`` values per head
+and chunk.
 """
 
 from __future__ import annotations
@@ -31,9 +33,19 @@ from pathlib import Path
 import torch
 
 from kvfetcher.codec import rope
+from kvfetcher.config import CALIBRATION_DIR
 
 #: Where shipped bases live: ``<name>.pt``; a name ends in the first 12 hex digits of its sha256.
 BASES_DIR = Path(__file__).parent.parent / "data" / "bases"
+
+
+def path_of(name: str) -> Path | None:
+    """The file of basis ``name``: shipped, else in the local calibration directory; None if neither."""
+    for d in (BASES_DIR, Path(CALIBRATION_DIR.read())):
+        p = d / f"{name}.pt"
+        if p.is_file():
+            return p
+    return None
 
 
 @dataclass(frozen=True)
@@ -61,18 +73,20 @@ def key_metric(queries: list[torch.Tensor], kv_heads: int, theta: float, deltas:
     """
     d = queries[0].shape[-1]
     g = queries[0].shape[1] // kv_heads
-    w = torch.zeros(kv_heads, d, d, dtype=torch.float64)
+    m = torch.zeros(kv_heads, d, d, dtype=torch.float64)  # sum over queries of q q^T, per KV head
     n = 0
     for i, q in enumerate(queries):
         q = q.double()
         if weights is not None:
             q = q * weights[i].double().sqrt().unsqueeze(-1)
-        for delta in deltas:
-            cos, sin = rope.rotation(int(delta), 1, d, theta)
-            qr = rope.apply(q, cos.double(), sin.double()).reshape(q.shape[0], kv_heads, g, d)
-            w += torch.einsum("thgd,thge->hde", qr, qr)
-            n += q.shape[0]
-    return w / n
+        q = q.reshape(q.shape[0], kv_heads, g, d)
+        m += torch.einsum("thgd,thge->hde", q, q)
+        n += q.shape[0]
+    w = torch.zeros_like(m)
+    for delta in deltas:  # R m R^T: rotate the rows, then the columns (m is symmetric)
+        cos, sin = rope.rotation(int(delta), 1, d, theta)
+        w += rope.apply(rope.apply(m, cos.double(), sin.double()).transpose(-1, -2), cos.double(), sin.double())
+    return w / (n * len(deltas))
 
 
 def value_metric(o_proj: torch.Tensor, kv_heads: int, head_dim: int, head_weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -122,7 +136,10 @@ def build(model_tag: str, enc: torch.Tensor, mean: torch.Tensor) -> Basis:
     covers both."""
     e16 = enc.detach().to(torch.float16).contiguous()
     m32 = mean.detach().to(torch.float32).contiguous()
-    dec = torch.linalg.inv(e16.double()).float()
+    # one matrix at a time: torch 2.13's batched CPU inverse failed on Gemma 3's 36 bases with 2
+    # threads ("pivots given to lu_solve ..."), each of them invertible and inverted alone
+    flat = e16.double().reshape(-1, *e16.shape[-2:])
+    dec = torch.stack([torch.linalg.inv(m) for m in flat]).reshape(e16.shape).float()
     digest = hashlib.sha256(e16.numpy().tobytes() + m32.numpy().tobytes()).hexdigest()[:12]
     return Basis(f"{model_tag}-{digest}", e16.float(), dec, m32)
 
@@ -134,17 +151,25 @@ def save(b: Basis, directory: Path = BASES_DIR) -> Path:
     return path
 
 
-@functools.lru_cache(maxsize=8)
-def load(name: str) -> Basis:
-    """A shipped basis by name; its content must match the name's digest."""
-    path = BASES_DIR / f"{name}.pt"
-    if not path.exists():
-        raise ValueError(f"unknown basis {name!r} (looked in {BASES_DIR})")
-    d = torch.load(path, weights_only=True)
-    b = build(name.rsplit("-", 1)[0], d["enc"], d["mean"])
+def verify_file(path: Path, name: str) -> Basis:
+    """The basis in ``path``; ``ValueError`` unless its content matches ``name``'s digest."""
+    try:
+        d = torch.load(path, weights_only=True)
+        b = build(name.rsplit("-", 1)[0], d["enc"], d["mean"])
+    except Exception as e:  # a file that is not a basis at all
+        raise ValueError(f"basis file {path} is not a basis: {e}") from None
     if b.name != name:
         raise ValueError(f"basis file {path} does not match its name (content {b.name})")
     return b
+
+
+@functools.lru_cache(maxsize=8)
+def load(name: str) -> Basis:
+    """A basis by name (shipped or local); its content must match the name's digest."""
+    path = path_of(name)
+    if path is None:
+        raise ValueError(f"unknown basis {name!r} (looked in {BASES_DIR} and {CALIBRATION_DIR.read()})")
+    return verify_file(path, name)
 
 
 @functools.lru_cache(maxsize=16)
@@ -158,7 +183,7 @@ def fits(name: str, shape: tuple[int, ...], fingerprint: str) -> bool:
     """Whether basis ``name`` was made for this model (fingerprint starts with its tag) and
     this KV shape ``[layers, 2, kv_heads, tokens, head_dim]``; unknown names do not fit."""
     tag = name.rsplit("-", 1)[0]
-    if not fingerprint.startswith(tag) or not (BASES_DIR / f"{name}.pt").exists():
+    if not fingerprint.startswith(tag) or path_of(name) is None:
         return False
     return load(name).shape == (shape[0], shape[2], shape[4])
 

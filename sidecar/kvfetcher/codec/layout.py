@@ -205,8 +205,7 @@ def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
     e = min(params.exact_tokens, tokens)
     x = kv.to(torch.float32, copy=True)  # never a view of the caller's tensor (fp32 KV)
     if params.rope_theta is not None:
-        cos, sin = rope.rotation(start, tokens, head_dim, params.rope_theta, kv.device)
-        x[:, 0] = rope.apply(x[:, 0], cos, sin, inverse=True)
+        x[:, 0] = rope.apply_layers(x[:, 0], start, params.rope_theta, inverse=True)
     if params.basis is not None:
         enc, _, mean = _basis(params, layers, heads, head_dim, kv.device)
         x = torch.einsum("lkhde,lkhte->lkhtd", enc, x) - mean.unsqueeze(3)
@@ -306,7 +305,8 @@ def unpack(
         if side is None:
             raise ValueError("quantised layout needs side information")
         side = side.to(frames.device)  # once: the ranges, exact rows and sparse corrections all read it
-        if fused_unpack.enabled(frames) and fused_unpack.supports(head_dim, tokens):
+        # the kernel takes one rotation table: layers with their own RoPE bases take the torch path
+        if fused_unpack.enabled(frames) and fused_unpack.supports(head_dim, tokens) and not isinstance(params.rope_theta, tuple):
             return _unpack_fused(frames, side, tuple(shape), dtype, params, geo, out, start)
         ranges, exact = split_side(side, shape, params)
         lo = ranges[..., 0].float().reshape(layers, 2, 1, heads * head_dim)
@@ -325,9 +325,8 @@ def unpack(
             y = vals.view(layers, 2, tokens, heads, head_dim) + mean.unsqueeze(2)
             vals = torch.einsum("lkhde,lkthe->lkthd", dec, y).reshape(layers, 2, tokens, heads * head_dim)
         if params.rope_theta is not None:
-            cos, sin = rope.rotation(start, tokens, head_dim, params.rope_theta, frames.device)
             k = vals[:, 0].view(layers, tokens, heads, head_dim).transpose(1, 2)
-            vals[:, 0] = rope.apply(k, cos, sin).transpose(1, 2).reshape(layers, tokens, heads * head_dim)
+            vals[:, 0] = rope.apply_layers(k, start, params.rope_theta).transpose(1, 2).reshape(layers, tokens, heads * head_dim)
         vals = vals.to(dtype)
         e = exact.shape[3]
         if e:

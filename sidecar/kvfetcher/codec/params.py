@@ -26,7 +26,9 @@ class LayoutParams:
     # optional per-layer (key_bits, value_bits), overriding both: rate control by sensitivity
     bits_map: tuple[tuple[int, int], ...] | None = None
     exact_tokens: int = 1  # leading tokens of each chunk kept exact (quant mode)
-    rope_theta: float | None = None  # quantise keys before RoPE (the model's theta; see rope.py)
+    # quantise keys before RoPE: the model's base, or one base per layer where layers differ (rope.py);
+    # a single base is written as one number, so objects of single-base models read as before
+    rope_theta: float | tuple[float, ...] | None = None
     # per-layer (key_step, value_step) in standard deviations of each channel, replacing the
     # range-based levels; a profile of N entries is stretched over the chunk's layers by depth
     sigma_steps: tuple[tuple[float, float], ...] | None = None
@@ -47,8 +49,10 @@ class LayoutParams:
         for b in (self.bits, *(self.kv_bits or ()), *(b for kv in self.bits_map or () for b in kv)):
             if not 1 <= b <= 8:
                 raise ValueError(f"bits must be in 1..8, not {b}")
-        if self.rope_theta is not None and (self.mode != "quant" or self.rope_theta <= 1):
-            raise ValueError("rope_theta (pre-RoPE keys) needs quant mode and a theta > 1")
+        if self.rope_theta is not None:
+            thetas = self.rope_theta if isinstance(self.rope_theta, tuple) else (self.rope_theta,)
+            if self.mode != "quant" or not thetas or not all(isinstance(t, (int, float)) and t > 1 for t in thetas):
+                raise ValueError("rope_theta (pre-RoPE keys) needs quant mode and every theta > 1")
         if self.exact_tokens < 0:
             raise ValueError("exact_tokens must be >= 0")
         if self.planes not in (1, 3):
@@ -75,6 +79,8 @@ class LayoutParams:
     @classmethod
     def from_dict(cls, d: dict) -> "LayoutParams":
         d = dict(d)
+        if isinstance(d.get("rope_theta"), list):
+            d["rope_theta"] = tuple(d["rope_theta"])
         if d.get("kv_bits") is not None:
             d["kv_bits"] = tuple(d["kv_bits"])
         for f in ("bits_map", "sigma_steps"):

@@ -6,12 +6,19 @@ after it, and per-channel quantisation ranges pay for the swing. So keys are qua
 pre-RoPE frame (positions are known at store time, and the container header carries them).
 
 Default RoPE as in Llama-family models: inverse frequencies ``theta ** (-2i / head_dim)`` over
-the whole head dimension, the two halves of the head as the pairs ("rotate half").
+the whole head dimension, the two halves of the head as the pairs ("rotate half"). A model may
+use another base per layer (Gemma 3: 10 000 on sliding-window layers, 1 000 000 on global ones):
+a layout's ``rope_theta`` is then one base per layer (:func:`per_layer`), and keys are rotated
+layer by layer with their own base (:func:`apply_layers`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+Theta = float | tuple[float, ...]  # one base for every layer, or one per layer
 
 
 def rotation(start: int, tokens: int, head_dim: int, theta: float, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,3 +39,35 @@ def apply(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: boo
     if inverse:
         return keys * cos - _rotate_half(keys) * sin
     return keys * cos + _rotate_half(keys) * sin
+
+
+def per_layer(theta: Theta, layers: int) -> tuple[float, ...]:
+    """One base per layer: a single base repeated, or the per-layer bases (there must be ``layers``)."""
+    if isinstance(theta, (int, float)):
+        return (float(theta),) * layers
+    if len(theta) != layers:
+        raise ValueError(f"{len(theta)} RoPE bases for {layers} layers")
+    return tuple(float(t) for t in theta)
+
+
+def apply_layers(keys: torch.Tensor, start: int, theta: Theta, inverse: bool = False) -> torch.Tensor:
+    """Rotate (or un-rotate) float keys ``[layers, ..., tokens, head_dim]`` of positions
+    ``start ..``, each layer with its own base; layers sharing a base share one rotation table."""
+    layers, tokens, head_dim = keys.shape[0], keys.shape[-2], keys.shape[-1]
+    bases = per_layer(theta, layers)
+    out = torch.empty_like(keys)
+    for t in dict.fromkeys(bases):
+        idx = [i for i, b in enumerate(bases) if b == t]
+        cos, sin = rotation(start, tokens, head_dim, t, keys.device)
+        sel = keys if len(idx) == layers else keys[idx]
+        r = apply(sel, cos, sin, inverse)
+        if len(idx) == layers:
+            return r
+        out[idx] = r
+    return out
+
+
+def compact(thetas: Sequence[float]) -> Theta:
+    """The header's form of per-layer bases: one number when every layer shares it."""
+    ts = tuple(float(t) for t in thetas)
+    return ts[0] if len(set(ts)) == 1 else ts

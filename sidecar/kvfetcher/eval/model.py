@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from kvfetcher.codec import rope
 from kvfetcher.config import CACHE
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -93,13 +94,35 @@ def load(path: str | None = None, dtype: str = "float32") -> LoadedModel:
     return LoadedModel(m, tok, fingerprint=f"{tag}/{dtype}")
 
 
-def rope_theta(lm: LoadedModel) -> float | None:
-    """The model's RoPE base when it uses default RoPE (what ``codec.rope`` implements), else None."""
+def head_dim(lm: LoadedModel) -> int:
+    c = lm.config
+    return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+
+def rope_thetas(lm: LoadedModel) -> tuple[float, ...] | None:
+    """The RoPE base of each layer when every layer uses default RoPE over its whole head (what
+    ``codec.rope`` implements; a model may give sliding-window and full layers their own), else None."""
     c = lm.config
     params = getattr(c, "rope_parameters", None) or {"rope_theta": getattr(c, "rope_theta", None), "rope_type": "default"}
-    if params.get("rope_type", "default") != "default" or c.hidden_size // c.num_attention_heads != getattr(c, "head_dim", c.hidden_size // c.num_attention_heads):
+    kinds = getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers
+    per_layer = [params.get(k, params) if isinstance(params.get(k), dict) else params for k in kinds]
+    if getattr(c, "partial_rotary_factor", 1.0) != 1.0 or any(p.get("rope_type", "default") != "default" or not p.get("rope_theta")
+                                                             for p in per_layer):
         return None
-    return params.get("rope_theta")
+    return tuple(float(p["rope_theta"]) for p in per_layer)
+
+
+def rope_theta(lm: LoadedModel) -> float | tuple[float, ...] | None:
+    """The model's RoPE base, or one per layer where layers differ (:func:`rope_thetas`), or None."""
+    thetas = rope_thetas(lm)
+    return None if thetas is None else rope.compact(thetas)
+
+
+def windows(lm: LoadedModel) -> tuple[int, ...]:
+    """Per layer, its sliding attention window, 0 for full attention."""
+    c = lm.config
+    kinds = getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers
+    return tuple(int(c.sliding_window) if k == "sliding_attention" else 0 for k in kinds)
 
 
 def sample_text(name: str = "license.txt") -> str:
@@ -132,11 +155,13 @@ def max_prefix(lm: LoadedModel) -> int | None:
 
 @torch.inference_mode()
 def prefill(lm: LoadedModel, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prefill ``ids`` -> (KV ``[layers, 2, kv_heads, tokens, head_dim]``, last-position logits)."""
-    limit = max_prefix(lm)
-    if limit is not None and len(ids) > limit:
-        raise ValueError(f"{len(ids)} tokens: this model's sliding-window layers keep only {limit}; use a shorter prefix")
-    out = lm.model(ids.unsqueeze(0), use_cache=True, logits_to_keep=1)
+    """Prefill ``ids`` -> (KV ``[layers, 2, kv_heads, tokens, head_dim]``, last-position logits).
+
+    Every layer's KV of every token, sliding-window layers included (a cache without the model's
+    config keeps all tokens; attention masks still apply each layer's window)."""
+    from transformers import DynamicCache
+
+    out = lm.model(ids.unsqueeze(0), past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
     cache = out.past_key_values
     layers = lm.config.num_hidden_layers
     kv = torch.stack([torch.stack(_layer_kv(cache, i)) for i in range(layers)])  # [L, 2, 1, H, T, D]

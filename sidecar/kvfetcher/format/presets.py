@@ -1,12 +1,13 @@
 """presets: named fidelity/size trade-offs. Each is a layout plus codec settings.
 
 The lossy presets' per-layer steps come from a model's calibration (calibration.py): each
-names a sensitivity table and a scale, and ``sigma_steps`` turns the table into steps.
-``get(name, fingerprint)`` is the preset as it applies to that model: its own tables and basis,
-or, for a model without a calibration, the default tables and no basis. ``get(name)`` and
-``PRESETS`` are the presets of the default calibration. Whatever a preset says, the encoder
-drops a basis that does not fit the chunk (chunk.encode_chunk), and the header records the
-layout a chunk was coded with, so decoding never consults presets.
+names a sensitivity table and a scale, and ``sigma_steps`` turns the table into steps; their
+keys are un-rotated with the calibration's per-layer RoPE bases when it has them. Such presets
+(``needs_calibration``) exist only for a model with a calibration: ``get(name, fingerprint)``
+refuses them for any other model with the reason (:func:`refusal`), so they are never stored or
+chosen for it, while ``q8``, ``lean``, ``exact`` and ``raw`` serve every model. ``get(name)`` and
+``PRESETS`` are the presets of the default calibration. The header records the layout a chunk was
+coded with, so decoding never consults presets.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvfetcher.codec import rope
 from kvfetcher.codec.base import ENTROPY_FORMATS, CodecParams
 from kvfetcher.codec.params import LayoutParams
 from kvfetcher.format import calibration
@@ -54,6 +56,11 @@ class Preset:
     # spend no side information on them
     sink_exact_only: bool = False
 
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether its steps (and basis) come from a model's calibration."""
+        return self.layout.sigma_steps is not None
+
     def to_dict(self) -> dict:
         return {
             "name": self.name,
@@ -71,8 +78,10 @@ class Preset:
 def _lossy(cal: Calibration, table: str, scale: float, lo: float, hi: float, sparse_tokens: int = 0) -> LayoutParams:
     """A layout whose steps are ``sigma_steps`` over one of the calibration's tables, in its basis
     if it has one; the sparse corrections need the basis (keys are ranked by their norm in it)."""
+    theta = rope.compact(cal.rope_thetas) if cal.rope_thetas else None
     return LayoutParams(mode="quant", sigma_steps=sigma_steps(scale, lo, hi, table=cal.table(table)), basis=cal.basis,
-                        planes=3, trellis=True, sparse_tokens=sparse_tokens if cal.basis else 0, sparse_step=0.25)
+                        planes=3, trellis=True, sparse_tokens=sparse_tokens if cal.basis else 0, sparse_step=0.25,
+                        rope_theta=theta)
 
 
 def _build(cal: Calibration) -> dict[str, Preset]:
@@ -124,19 +133,47 @@ def entropy_variant(p: Preset, fmt: str, block_bytes: int = ENTROPY_BLOCK) -> Pr
 PRESETS: dict[str, Preset] = _build(calibration.default())
 
 
+def for_calibration(cal: Calibration) -> dict[str, Preset]:
+    """Every preset, with the lossy ones' steps, bases and basis from ``cal``."""
+    return _build(cal)
+
+
 @functools.lru_cache(maxsize=64)
 def for_model(fingerprint: str) -> dict[str, Preset]:
-    """Every preset as it applies to the model ``fingerprint`` names."""
-    return _build(calibration.calibration_for(fingerprint) or calibration.generic())
+    """The presets the model ``fingerprint`` names may use: those needing a calibration only with
+    one, built from it."""
+    cal = calibration.calibration_for(fingerprint)
+    if cal is not None:
+        return _build(cal)
+    return {n: p for n, p in PRESETS.items() if not p.needs_calibration}
+
+
+def refusal(name: str, fingerprint: str) -> str | None:
+    """Why preset ``name`` may not be stored or chosen for the model ``fingerprint``, or None."""
+    if name not in PRESETS:
+        return f"unknown preset {name!r}; known: {', '.join(PRESETS)}"
+    if name not in for_model(fingerprint):
+        return (f"preset {name!r} needs a calibration of model {fingerprint!r} and there is none: "
+                f"run `kvfetcher calibrate` for it (uncalibrated models get {', '.join(for_model(fingerprint))})")
+    return None
+
+
+def usable(names, fingerprint: str) -> tuple[str, ...]:
+    """The presets among ``names`` that model ``fingerprint`` may store and choose."""
+    return tuple(n for n in names if refusal(n, fingerprint) is None)
 
 
 def get(name: str, fingerprint: str | None = None) -> Preset:
-    """Preset ``name``: of the default calibration, or with ``fingerprint``, of that model."""
-    table = PRESETS if fingerprint is None else for_model(fingerprint)
-    try:
-        return table[name]
-    except KeyError:
-        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None
+    """Preset ``name``: of the default calibration, or with ``fingerprint``, of that model
+    (``ValueError`` with :func:`refusal`'s reason if that model may not use it)."""
+    if fingerprint is None:
+        if name not in PRESETS:
+            raise ValueError(refusal(name, ""))
+        return PRESETS[name]
+    why = refusal(name, fingerprint)
+    if why is not None:
+        raise ValueError(why)
+    return for_model(fingerprint)[name]
 
 
 #: Measured figures per preset, shipped so ``kvfetcher presets`` can show them.

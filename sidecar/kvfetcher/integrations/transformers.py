@@ -11,6 +11,14 @@ fd is passed at registration (:mod:`kvfetcher.ipc`); on a GPU either transport r
 
 The last prompt token is always computed (its logits give the first new token), so at most
 ``len(prompt) - 1`` tokens are fetched.
+
+Hybrid attention (Gemma 3: sliding-window layers beside full ones): a stored chunk holds every
+layer's KV of all its tokens, sliding-window layers included, because a chunk serves any later
+prefix that contains it, and a reader continuing after ``N`` tokens needs each sliding layer's last
+``window`` tokens before ``N`` — tokens a writer whose prompt ran further had already dropped. So
+the cache built here keeps every token of every layer (a ``DynamicCache`` without the model's
+config; the model's masks still restrict each sliding layer to its window, and its tokens match
+those of the model's own cache), and stores and restores all of them.
 """
 
 from __future__ import annotations
@@ -92,7 +100,7 @@ class CachedLM:
         except (OSError, SidecarError) as e:  # no sidecar is no reason to fail a request: recompute
             log.warning("KV load failed, recomputing the prompt: %s", e)
         dtype = next(self.model.parameters()).dtype
-        cache = DynamicCache()
+        cache = DynamicCache()  # every layer keeps every token (module doc: hybrid attention)
         if loaded:
             for i in range(self.layers):
                 kv = self.buffer.tensor[i, :, :, :loaded].to(dtype)

@@ -6,7 +6,8 @@ skips the leading chunks already stored, asks :meth:`Writer.room` how many more 
 (``kvbuffer.Destination.read``: from a flat buffer's slots or a paged buffer's blocks) and
 counts the rest as dropped (:meth:`Writer.dropped`, in chunks) — a lost store costs a future
 recompute, a blocked model costs latency now. One task writes the queue in order: every configured
-preset of every chunk, skipping objects already stored. With an
+preset the chunk's model may use (:meth:`Writer.presets_for`: never one that needs a calibration
+the model lacks) of every chunk, skipping objects already stored. With an
 object key configured every object is written with its tags, bound to its name (:mod:`format.mac`).
 """
 
@@ -65,6 +66,16 @@ class Writer:
             raise ValueError(f"preset(s) {[p for p, f in fmts.items() if f == 'ans']} need a CUDA GPU with nvCOMP")
         # where entropy-coded presets are packed and coded: this process's GPU, if nvCOMP runs on it
         self.gpu_presets = {p for p, f in fmts.items() if f in ENTROPY_FORMATS} if nvcomp.available() else set()
+        self._refused: dict[str, set[str]] = {}  # model -> presets refused for it (logged)
+
+    def presets_for(self, model: str) -> tuple[str, ...]:
+        """The configured presets model ``model`` may store; the others are skipped, and each
+        refusal is logged once with its reason (e.g. no calibration of the model)."""
+        usable = presets.usable(self.config.presets, model)
+        for name in set(self.config.presets) - set(usable) - self._refused.setdefault(model, set()):
+            self._refused[model].add(name)
+            log.warning("not storing %s: %s", name, presets.refusal(name, model))
+        return usable
 
     def start(self) -> None:
         self._queue = asyncio.Queue()
@@ -127,7 +138,7 @@ class Writer:
         N = self.config.chunk_tokens
         for i, key in enumerate(job.keys):
             parent = job.keys[i - 1] if i else job.parent  # in every object: the evictor rebuilds the prefix tree from it
-            for preset in self.config.presets:
+            for preset in self.presets_for(job.ns.model):
                 name = keys.object_name(key, preset)
                 if await loop.run_in_executor(self.meta_pool, self.store.exists, name):
                     continue  # already stored (by us or another sidecar): a cheap no-op
