@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvtest import synthetic_kv
-from kvfetcher.format import container
+from kvfetcher.format import calibration, container
 from kvfetcher.chunk import decode_chunk, encode_chunk, restore_chunk
 from kvfetcher.kvbuffer import ChunkRef, Destination
 
@@ -215,7 +215,7 @@ def test_a_basis_is_refused_for_a_model_it_was_not_made_for():
     from kvfetcher.codec import basis, layout
     from kvfetcher.format import presets
 
-    name = basis.available()[0]
+    name = calibration.default().basis  # the shipped model's
     lp = layout.LayoutParams(mode="quant", sigma_steps=((0.2, 0.2),), basis=name)
     p = replace(presets.get("q8"), name="b", layout=lp)
     kv = synthetic_kv(tokens=64)  # 4 layers x 2 heads: not the shipped model's shape
@@ -237,7 +237,7 @@ def test_an_unknown_or_misfitting_basis_is_refused_before_decoding():
     from kvfetcher.codec import basis, layout
     from kvfetcher.format import presets
 
-    name = basis.available()[0]
+    name = calibration.default().basis  # the shipped model's
     L, H, D = basis.load(name).shape
     fp = "smollm2-135m-instruct-q4_1/float32"
     p = replace(presets.get("q8"), name="b", layout=layout.LayoutParams(mode="quant", sigma_steps=((0.2, 0.2),), basis=name))
