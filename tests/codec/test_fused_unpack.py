@@ -52,7 +52,10 @@ def compare(device: str, dtypes: tuple[torch.dtype, ...]) -> dict[str, dict[str,
     KV dtype's spacing, and the fraction of values that differ."""
     res = {}
     for name, kv, p, start in cases(dtypes, interpreted=device == "cpu"):
+        interp = os.environ.pop("TRITON_INTERPRET", None)  # pack with the torch trellis search: the unpack is under test
         pk = layout.pack(kv, p, start)
+        if interp is not None:
+            os.environ["TRITON_INTERPRET"] = interp
         got = {}
         for flag in ("0", "1"):
             os.environ["KVFETCHER_FUSED_UNPACK"] = flag
@@ -92,7 +95,7 @@ def test_fused_unpack_matches_the_torch_path_under_the_interpreter():
     here = str(Path(__file__).parent)  # this module, imported by the subprocess
     path = [here] + [str(REPO / d) for d in ("sidecar", "tests", ".")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(path))
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     check(json.loads(r.stdout.strip().splitlines()[-1]))
 
