@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.lib import kvsource
+from benchmarks.lib import kvsource, timing
 
 BIND = """
 #include "cachegen_kernels.cuh"
@@ -100,14 +100,7 @@ def decode(ops, data, prefsum, cdf, maxima, kbins, vbins, out: torch.Tensor):
 
 
 def timed(fn, reps: int) -> float:
-    ts = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+    return timing.median_s(fn, reps, warmup=0)[0]
 
 
 def main() -> None:

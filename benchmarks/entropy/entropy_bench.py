@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from benchmarks.lib import kvsource
+from benchmarks.lib import kvsource, timing
 from benchmarks.lib.linkstore import LinkStore
 from kvfetcher import chunk, kvbuffer
 from kvfetcher.codec import layout, nvcomp
@@ -41,21 +41,9 @@ FP = "entropy-bench"
 THETA = kvsource.LLAMA3_THETA
 
 
-def _sync() -> None:
-    torch.cuda.synchronize()
-
-
 def timed(fn, repeats: int) -> tuple[float, object]:
     """Median seconds of ``repeats`` calls of ``fn`` (after one warm-up) and its last result."""
-    fn()
-    _sync()
-    secs, out = [], None
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = fn()
-        _sync()
-        secs.append(time.perf_counter() - t)
-    return statistics.median(secs), out
+    return timing.median_s(fn, repeats, warmup=1)
 
 
 def encode_all(kvs: list[torch.Tensor], p: presets.Preset) -> list[bytes]:

@@ -15,23 +15,15 @@ import time
 
 import torch
 
-from benchmarks.lib import kvsource
+from benchmarks.lib import kvsource, timing
 from kvfetcher.codec import entropy, layout, nvcomp
 from kvfetcher.codec.base import CodecParams
 from kvfetcher.format import presets
 
 
 def ms(fn, repeats: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append(time.perf_counter() - t)
-    return round(statistics.median(out) * 1e3, 3)
+    """Median milliseconds of ``fn`` (GPU work included), after three warm-ups."""
+    return round(timing.median_s(fn, repeats, warmup=3)[0] * 1e3, 3)
 
 
 def attempt(fn):

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from benchmarks.lib import kvsource
+from benchmarks.lib import kvsource, timing
 from kvfetcher import chunk, codec
 from kvfetcher.codec import layout
 from kvfetcher.format import container, presets
@@ -35,16 +35,7 @@ THETA = kvsource.LLAMA3_THETA
 
 def ms(fn, repeats: int = 20) -> float:
     """Median milliseconds of ``fn`` (GPU work included), after two warm-ups."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append(time.perf_counter() - t)
-    return round(statistics.median(out) * 1e3, 3)
+    return round(timing.median_s(fn, repeats, warmup=2)[0] * 1e3, 3)
 
 
 def gil_hold(fn, seconds: float = 0.3) -> dict:
