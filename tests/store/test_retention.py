@@ -219,6 +219,20 @@ async def test_ttl_on_the_local_store_and_orphans(tmp_path, shm):
     assert _stored(store) == {}
 
 
+async def test_ttl_expires_what_was_not_used_within_it_on_both_stores(store, shm):
+    kv = synthetic_kv(layers=2, heads=2, tokens=4 * CHUNK, head_dim=16)
+    buf = shm(kv.shape, kv.dtype)
+    buf.tensor.copy_(kv)
+    async with running(store, chunk_tokens=CHUNK, presets=("raw",), decode_procs=0, device="cpu") as sc:
+        bid = sc.register(buf.handle, "m")
+        await _fill(sc, bid, [_prompt(0, 0, 4)])
+    assert len(_stored(store)) == 4
+    within = retention.enforce(store, None, ttl_s=3600, now=time.time() + 60)
+    assert within.expired_chunks == 0 and len(_stored(store)) == 4  # used (stored) within the TTL: kept
+    later = retention.enforce(store, None, ttl_s=3600, now=time.time() + 86400)
+    assert later.expired_chunks == 4 and _stored(store) == {}
+
+
 async def test_a_load_planned_before_an_eviction_gets_a_clean_prefix_and_recomputes_the_rest(store, shm):
     """The lookup saw four chunks; the evictor then took the last two (deepest first); the load,
     which does not list again, GETs objects that are gone: it answers the two that are left and
