@@ -41,11 +41,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.lib import kvsource, linkstore
+from benchmarks.lib import kvsource, linkstore, standin
 from benchmarks.lib.linkserver import free_port
 from benchmarks.tp.tp_model import recompute_seconds, shard
 from kvfetcher import ipc, keys, service
-from kvfetcher.chunk import encode_chunk
 from kvfetcher.eval.costmodel import SHAPES, TINY
 from kvfetcher.fetch import group
 
@@ -57,7 +56,7 @@ METHODS = ("raw", "balanced", "auto")  # auto last: it plans with what its cell'
 
 def _encode(job: tuple) -> bytes:
     kv, preset, start, theta = job
-    return encode_chunk(kv, preset, FINGERPRINT, start=start, rope_theta=theta)
+    return standin.encode_chunk(kv, preset, FINGERPRINT, start=start, rope_theta=theta)
 
 
 def shard_objects(args, shape, rank: int, world: int) -> dict[str, list[bytes]]:
@@ -228,6 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     a.contexts = [int(x) for x in (a.contexts or ("512,1024" if a.dry else "16384,32768,65536,131072")).split(",")]
     a.links = [float(x) for x in (a.links or ("1,10" if a.dry else "10,25,100")).split(",")]
     link = linkstore.Link(100e9 / 8, latency_s=0.002)
+    standin.ensure(FINGERPRINT)  # once, before the ranks plan and encode with it
     with tempfile.TemporaryDirectory(prefix="kvf-tp-link-") as link_dir:
         mp.spawn(_rank_main, args=(a.world, a, link, free_port(), link_dir), nprocs=a.world, join=True)
     print(report(json.loads(Path(a.out).read_text())))
