@@ -1,4 +1,5 @@
-"""The one piece of storage I/O the operator does: claim the pool's bucket, empty it.
+"""The one piece of storage I/O the operator does: claim the pool's bucket, empty it, and look
+for a model's calibration in it.
 
 Through the S3 API (the MinIO SDK), so the same code serves managed MinIO and any external
 S3 endpoint. Short timeouts and a single retry: a storage that does not answer should turn
@@ -146,6 +147,13 @@ def ensure(target: Target, owner: str) -> bool:
     _drop_rule(s3, target.bucket)
     _claim(s3, target.bucket, owner)
     return created
+
+
+def calibrations(target: Target, tag: str) -> list[str]:
+    """The calibration artefacts the store holds for model tag `tag` (`<tag>-<digest>.json`), by name."""
+    prefix = f"{CALIBRATION_PREFIX}{tag}/"
+    return sorted(o.object_name[len(prefix):] for o in client(target).list_objects(target.bucket, prefix=prefix)
+                  if o.object_name.endswith(".json"))
 
 
 def ttl_days(target: Target) -> int | None:

@@ -17,6 +17,9 @@ from . import spec as specs
 MAX_NAME = 40
 S3_PORT = 9000
 EVICTOR = "evictor"  # the evictor's component label (evictor.py)
+CALIBRATION = "calibration"  # the calibration Job's component label (calibration.py)
+#: the pool Secret's keys of managed MinIO's calibrator user (users.calibrator_policy)
+CALIBRATOR_KEYS = ("calibratorAccessKey", "calibratorSecretKey")
 
 
 def name_problems(name: str, spec: dict[str, Any]) -> list[str]:
@@ -98,7 +101,7 @@ def secret_values(
     """What the pool's Secret holds: kept values stay (rotating them would strand data), missing ones are made.
 
     Managed storage gets the sidecars' own MinIO user (never `root_user`, MinIO's root: a
-    Secret that still holds the root user gets a new sidecar user); every pool gets the
+    Secret that still holds the root user gets a new sidecar user) and the calibration Job's; every pool gets the
     sidecar's auth token, a tenant salt and the key that authenticates its stored objects; endpoint and bucket are here so that pods read
     them by reference.
     """
@@ -114,6 +117,8 @@ def secret_values(
             del existing["accessKey"], existing["secretKey"]
         wanted["accessKey"] = lambda: _access_key(token)
         wanted["secretKey"] = lambda: token(30)
+        wanted[CALIBRATOR_KEYS[0]] = lambda: _access_key(token)
+        wanted[CALIBRATOR_KEYS[1]] = lambda: token(30)
     values = {key: existing.get(key) or make() for key, make in wanted.items()}
     values.update(endpoint=endpoint, bucket=bucket)
     return values

@@ -13,7 +13,8 @@ STORAGE_READY = "StorageReady"
 CONFIG_VALID = "ConfigValid"
 INJECTION_READY = "InjectionReady"
 EVICTOR_READY = "EvictorReady"  # informational: Ready does not wait for it
-TYPES = (READY, STORAGE_READY, CONFIG_VALID, INJECTION_READY, EVICTOR_READY)
+CALIBRATED = "Calibrated"  # informational: the store has the calibration of spec.model
+TYPES = (READY, STORAGE_READY, CONFIG_VALID, INJECTION_READY, EVICTOR_READY, CALIBRATED)
 
 
 def now() -> str:

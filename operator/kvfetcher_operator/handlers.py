@@ -17,10 +17,10 @@ from urllib.parse import urlsplit
 
 import kopf
 
-from . import bucket, builders, conditions, endpoints, evictor, injection, kube, metrics, minio, users
+from . import bucket, builders, calibration, conditions, endpoints, evictor, injection, kube, metrics, minio, users
 from . import runtime  # noqa: F401  (registers the shared startup, login and cleanup handlers)
 from . import spec as specs
-from .conditions import CONFIG_VALID, EVICTOR_READY, INJECTION_READY, READY, STORAGE_READY
+from .conditions import CALIBRATED, CONFIG_VALID, EVICTOR_READY, INJECTION_READY, READY, STORAGE_READY
 from .config import RESYNC_SECONDS, Config
 from .webhook import WEBHOOK_ID
 
@@ -143,6 +143,35 @@ def evictor_readiness(pool: dict[str, Any], k: kube.Kube) -> tuple[bool, str, st
     return evictor.readiness(pool, current, pods)
 
 
+def calibration_state(pool: dict[str, Any], k: kube.Kube, target: bucket.Target | None) -> tuple[bool | None, str, str]:
+    """Whether the store has the calibration of `spec.model`: looked for there, else made by the
+    calibration Job (created here when the model names a source, and its claim exists)."""
+    spec, meta = specs.with_defaults(pool["spec"]), pool["metadata"]
+    if "model" not in spec:
+        return None, "NoModel", ("spec.model is not set: each sidecar serves the model its pod's annotation names "
+                                 "and looks for its calibration in the store")
+    if target is None:
+        return None, "StorageNotReady", "the store is looked at once the storage is ready"
+    try:
+        published = bucket.calibrations(target, calibration.tag(spec["model"]["name"]))
+    except Exception as e:
+        return None, "StoreCheckFailed", f"the store's calibrations cannot be listed: {bucket.describe(e)}"
+    source = (spec["model"].get("calibration") or {}).get("source")
+    if published or not source:
+        return calibration.readiness(pool, published, None, [])
+    claim = (source.get("persistentVolumeClaim") or {}).get("claimName")
+    desired = calibration.job(pool)
+    name = desired["metadata"]["name"]
+    try:
+        if claim and k.get("v1", "persistentvolumeclaims", meta["namespace"], claim) is None:
+            return False, "SourceMissing", f"PersistentVolumeClaim {meta['namespace']}/{claim} (the model) not found"
+        job = k.get("batch/v1", "jobs", meta["namespace"], name) or k.apply(desired)
+        pods = k.list("v1", "pods", meta["namespace"], f"batch.kubernetes.io/job-name={name}")
+    except Exception as e:
+        return False, "JobNotCreated", f"calibration Job {name}: {type(e).__name__}: {e}"
+    return calibration.readiness(pool, published, job, pods)
+
+
 def _announce(body: kopf.Body, before: list[dict[str, Any]], after: list[dict[str, Any]]) -> None:
     """One Event per condition change, not per pass."""
     for type_ in conditions.TYPES:
@@ -167,9 +196,9 @@ def _write(patch: kopf.Patch, pool: dict[str, Any], conds: list[dict[str, Any]],
     metrics.POOLS.set(meta["namespace"], meta["name"], phase)
 
 
-def provision(body: kopf.Body, pool: dict[str, Any], k: kube.Kube, memo: kopf.Memo, announce: bool) -> None:
+def provision(body: kopf.Body, pool: dict[str, Any], k: kube.Kube, memo: kopf.Memo, announce: bool) -> bucket.Target:
     """Children applied and storage claimed, then the evictor; NotReady (or NameConflict) says
-    what is missing."""
+    what is missing. Returns the store as the operator reaches it."""
     spec = specs.with_defaults(pool["spec"])
     meta = pool["metadata"]
     endpoint, bucket_name = builders.storage_location(pool)
@@ -195,10 +224,14 @@ def provision(body: kopf.Body, pool: dict[str, Any], k: kube.Kube, memo: kopf.Me
         raise NotReady("BucketUnavailable", f"bucket {bucket_name} at {endpoint}: {bucket.describe(e)}") from e
     if root is not None:
         try:
-            users.ensure_sidecar_user(target, values["accessKey"], values["secretKey"])
+            users.ensure_user(target, values["accessKey"], values["secretKey"], users.POLICY,
+                              users.sidecar_policy(bucket_name))
+            users.ensure_user(target, *(values[key] for key in builders.CALIBRATOR_KEYS), users.CALIBRATOR_POLICY,
+                              users.calibrator_policy(bucket_name))
         except Exception as e:
-            raise NotReady("SidecarUserFailed", f"MinIO user for the sidecars at {endpoint}: {bucket.describe(e)}") from e
+            raise NotReady("SidecarUserFailed", f"MinIO users for the pool at {endpoint}: {bucket.describe(e)}") from e
     k.apply(evictor.deployment(pool))
+    return target
 
 
 def root_credentials(pool: dict[str, Any], k: kube.Kube, pool_values: dict[str, str]) -> dict[str, str]:
@@ -234,8 +267,9 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, injected_pods
     endpoint, bucket_name = builders.storage_location(pool)
     secret_name = builders.secret_name(meta["name"])
     error: NotReady | None = None
+    target: bucket.Target | None = None
     try:
-        provision(body, pool, k, memo, announce=retry_until_ready)
+        target = provision(body, pool, k, memo, announce=retry_until_ready)
         conds = conditions.put(conds, STORAGE_READY, True, "BucketReady",
                                f"bucket {bucket_name} at {endpoint} is ready", gen)
     except NotReady as e:
@@ -254,6 +288,7 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, injected_pods
         conds = conditions.put(conds, STORAGE_READY, False, error.reason, str(error), gen)
 
     conds = conditions.put(conds, EVICTOR_READY, *evictor_readiness(pool, k), gen)
+    conds = conditions.put(conds, CALIBRATED, *calibration_state(pool, k, target), gen)
     injection_ok, reason, message = injection_readiness(spec, memo.cfg, k)
     conds = conditions.put(conds, INJECTION_READY, injection_ok, reason, message, gen)
     if error is None and not injection_ok:

@@ -20,24 +20,23 @@ What the sidecar gets, and why:
   is added: a memfd counts against the pod's memory, not against any volume's size.
 - Endpoint, bucket, credentials, token, tenant salt and object key come from Secret references,
   never literals (with `tenancy.saltFrom: PodLabel` the salt is the value of a pod label instead).
-- The model fingerprint the sidecar serves is the pod's `kvfetcher.io/model` annotation: set by
-  whoever creates the pod, not claimed by the model process per request. So is the model's RoPE
-  base (`kvfetcher.io/rope-theta`), without which the pool's pre-RoPE presets cannot be stored:
-  the sidecar then stores the others (or the q8 variant of the same back end), and the pod's
-  `kvfetcher.io/store-presets` annotation says what it stores and why.
-
+- The model fingerprint the sidecar serves is the pool's `spec.model.name`, else the pod's
+  `kvfetcher.io/model` annotation: set by whoever makes the pool or the pod, not claimed by the
+  model process per request. So is the model's RoPE base (`kvfetcher.io/rope-theta`), without
+  which the pool's pre-RoPE presets cannot be stored: the sidecar then stores the others (or the
+  q8 variant of the same back end); the pod's `kvfetcher.io/store-presets` says what and why.
 - A model container that runs vLLM (`vllm serve ...`, `python -m vllm.entrypoints...`, or an image
   named vllm-openai) without its own `--kv-transfer-config` gets one naming the kvfetcher connector
   on the sidecar's socket (its image must have the `kvfetcher` package); the pod annotation
   `kvfetcher.io/vllm-connector: "false"` leaves its arguments alone.
-
 - It is Pod Security "restricted" compliant (non-root, no privilege escalation, no
   capabilities, RuntimeDefault seccomp), and the pod gets the sidecar's group as a
   supplemental group, so a non-root model can connect to the socket (mode 0660).
 
 A pod that cannot be injected is let through unchanged but for an annotation saying why: a
 missing or not-Ready pool, a pod already using the sidecar's volume names, mount path or port,
-or a PodLabel pool's pod without the tenant label never blocks a pod, and the webhook never
+a PodLabel pool's pod without the tenant label, or one annotated with another model than the
+pool's never blocks a pod, and the webhook never
 adds anything the API server would reject.
 """
 from __future__ import annotations
@@ -141,14 +140,15 @@ def _model_container(containers: list[dict[str, Any]], wanted: str | None) -> di
     return next((c for c in containers if has_gpu(c)), containers[0] if containers else None)
 
 
-def storage_env(pool: dict[str, Any]) -> list[dict[str, Any]]:
+def storage_env(pool: dict[str, Any], keys: tuple[str, str] = ("accessKey", "secretKey")) -> list[dict[str, Any]]:
     """How a container of the pool reaches its store: endpoint, bucket and the pool's scoped
-    credentials by Secret reference; region and TLS settings as values (the CA file mounted at CA_DIR)."""
+    credentials by Secret reference (managed: the MinIO user under `keys` in the pool's Secret);
+    region and TLS settings as values (the CA file mounted at CA_DIR)."""
     spec = specs.with_defaults(pool["spec"])
     secret = builders.secret_name(pool["metadata"]["name"])
     storage = spec["storage"]
     if "managed" in storage:
-        access, secret_key = (secret, "accessKey"), (secret, "secretKey")
+        access, secret_key = (secret, keys[0]), (secret, keys[1])
     else:
         ref = storage["external"]["credentialsSecretRef"]
         access, secret_key = (ref["name"], ref["accessKeyKey"]), (ref["name"], ref["secretKeyKey"])
@@ -188,6 +188,7 @@ def sidecar_env(pool: dict[str, Any], store: Stored) -> list[dict[str, Any]]:
     env = storage_env(pool) + [
         _secret_env(settings.AUTH_TOKEN, secret, "authToken"),
         _secret_env(settings.OBJECT_KEY, secret, "objectKey"),
+        _value_env(settings.MODEL, spec["model"]["name"]) if "model" in spec else
         {"name": settings.MODEL.name, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{MODEL_ANNOTATION}']"}}},
     ]
     tenancy = spec["tenancy"]
@@ -296,6 +297,8 @@ def mutate(pod: dict[str, Any], pool: dict[str, Any] | None) -> Decision:
     status = pool.get("status") or {}
     if not conditions.is_true(status.get("conditions"), conditions.READY):
         return _unavailable(namespace, pool_name, f"not Ready (phase {status.get('phase', 'Pending')})")
+    if (served := (pool_spec.get("model") or {}).get("name")) and annotations.get(MODEL_ANNOTATION, served) != served:
+        return _skip(f"the pod's {MODEL_ANNOTATION} is not {served}, the model KVCachePool {namespace}/{pool_name} serves")
     model = _model_container(containers, pool_spec["injection"].get("modelContainer"))
     if model is None:
         wanted = pool_spec["injection"].get("modelContainer")

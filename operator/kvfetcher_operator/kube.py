@@ -17,7 +17,7 @@ import kubernetes
 import urllib3
 
 PLURALS = {"Secret": "secrets", "Service": "services", "StatefulSet": "statefulsets", "Deployment": "deployments",
-           "PodDisruptionBudget": "poddisruptionbudgets", "NetworkPolicy": "networkpolicies"}
+           "PodDisruptionBudget": "poddisruptionbudgets", "NetworkPolicy": "networkpolicies", "Job": "jobs"}
 MERGE = "application/merge-patch+json"
 # Set on a child an owner let go of (data kept); only a new owner of the same kind and name takes it back.
 RELEASED_ANNOTATION = "kvfetcher.io/released-from"

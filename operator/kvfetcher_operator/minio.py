@@ -132,8 +132,9 @@ def selector(pool: dict[str, Any]) -> str:
 def guards(pool: dict[str, Any], operator_namespace: str | None = None) -> list[dict[str, Any]]:
     """The PodDisruptionBudget (one replica down at a time) and the NetworkPolicy of the pool's MinIO.
 
-    S3 is open to the MinIO peers, the injected pods of the pool's namespace, the pool's evictor and the operator
-    (in `operator_namespace`, or any namespace when it is not known); nothing else gets in.
+    S3 is open to the MinIO peers, the injected pods of the pool's namespace, the pool's evictor and
+    calibration Job, and the operator (in `operator_namespace`, or any namespace when it is not
+    known); nothing else gets in.
     """
     name = pool["metadata"]["name"]
     pod_labels = builders.labels(name, "minio")
@@ -143,7 +144,8 @@ def guards(pool: dict[str, Any], operator_namespace: str | None = None) -> list[
                                       if operator_namespace else {})}
     peers = [{"podSelector": {"matchLabels": pod_labels}},
              {"podSelector": {"matchLabels": {"kvfetcher.io/inject": "true"}}}, operator,
-             {"podSelector": {"matchLabels": builders.labels(name, builders.EVICTOR)}}]
+             {"podSelector": {"matchLabels": builders.labels(name, builders.EVICTOR)}},
+             {"podSelector": {"matchLabels": builders.labels(name, builders.CALIBRATION)}}]
     pdb = {
         "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
         "metadata": builders.child_meta(pool, builders.minio_name(name), "minio"),

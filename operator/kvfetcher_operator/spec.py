@@ -62,11 +62,19 @@ ENDPOINT_PATTERN = r"^https?://([A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?(\.[A-Za-z
 # What a Service name (a DNS-1035 label) allows: a managed pool's MinIO Services derive from the pool's name.
 DNS_LABEL_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 RESOURCE_PARTS = ("requests", "limits")
+# A model fingerprint as the sidecar serves it: its tag (up to the first `/`, no `/` in it: the
+# store files calibrations under it), then anything a model name carries.
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9][-A-Za-z0-9_.:]*(/[-A-Za-z0-9_.:/]*)?$"
+# A path inside a volume: relative, no `..` step.
+VOLUME_PATH_PATTERN = r"^[^/]"
+VOLUME_PATH_ESCAPE = r"(^|/)\.\.(/|$)"
+MODEL_SOURCES = ("persistentVolumeClaim", "image")
 
 _QUANTITY = re.compile(QUANTITY_PATTERN)
 _BUCKET, _BUCKET_FORBIDDEN = re.compile(BUCKET_PATTERN), re.compile(BUCKET_FORBIDDEN)
 _ENDPOINT = re.compile(ENDPOINT_PATTERN)
 _LABEL_KEY = re.compile(LABEL_KEY_PATTERN)
+_MODEL_NAME = re.compile(MODEL_NAME_PATTERN)
 _UNITS = {"": 1, "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "k": 10**3, "M": 10**6,
           "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
@@ -187,6 +195,28 @@ def resources_problems(path: str, resources: Any) -> list[str]:
     return out
 
 
+def _model_problems(model: Any) -> list[str]:
+    if not isinstance(model, dict) or not _MODEL_NAME.match(str(model.get("name", ""))) or len(model["name"]) > 253:
+        return ["model.name: a model fingerprint (up to 253 characters; its tag, up to the first '/', "
+                "of letters, digits and -_.:) is required"]
+    calibration = model.get("calibration")
+    if calibration is None:
+        return []
+    source = (calibration or {}).get("source") or {}
+    given = [k for k in MODEL_SOURCES if k in source]
+    if len(given) != 1:
+        return ["model.calibration.source: set exactly one of persistentVolumeClaim or image"]
+    volume, out = source[given[0]] or {}, []
+    if not volume.get("claimName" if given[0] == "persistentVolumeClaim" else "reference"):
+        out.append(f"model.calibration.source.{given[0]}: name the "
+                   f"{'claim (claimName)' if given[0] == 'persistentVolumeClaim' else 'image (reference)'}")
+    path = str(volume.get("path", ""))
+    if not re.match(VOLUME_PATH_PATTERN, path) or re.search(VOLUME_PATH_ESCAPE, path):
+        out.append(f"model.calibration.source.{given[0]}.path: the model's path inside the volume "
+                   f"(relative, no '..'), not {path!r}")
+    return out + resources_problems("model.calibration.job.resources", (calibration.get("job") or {}).get("resources"))
+
+
 def problems(spec: dict[str, Any]) -> list[str]:
     """Every reason the (defaulted) spec is unusable; empty when it is valid."""
     spec = with_defaults(spec)
@@ -228,6 +258,8 @@ def problems(spec: dict[str, Any]) -> list[str]:
         out.append("sidecar.ttftBudgetSeconds: must be a number of seconds above 0 and at most 600")
 
     out += resources_problems("sidecar.resources", spec["sidecar"].get("resources"))
+    if "model" in spec:
+        out += _model_problems(spec["model"])
 
     retention = spec["retention"]
     if not isinstance(retention["ttlDays"], int) or not 1 <= retention["ttlDays"] <= 3650:

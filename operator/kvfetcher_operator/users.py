@@ -3,7 +3,9 @@
 The operator, as root, keeps one MinIO user per pool (the `accessKey`/`secretKey` of the
 pool's Secret) with one policy: list the pool's bucket, and read, write and delete objects under
 the sidecars' prefix in it. Nothing else: no other bucket, no object outside the prefix (the
-bucket's claim object included), no lifecycle, tags or bucket deletion, no admin API.
+bucket's claim object included), no lifecycle, tags or bucket deletion, no admin API. The
+calibration Job's user (`calibratorAccessKey`/`calibratorSecretKey`) may list the bucket and read
+and write calibrations, and nothing else; the sidecars only read those.
 
 Every call is idempotent, so each reconcile repeats them: adding an existing user sets its
 secret, adding a policy replaces it, setting a user's policy replaces the user's policies.
@@ -19,6 +21,7 @@ from minio.credentials import StaticProvider
 from . import bucket
 
 POLICY = "kvfetcher-sidecar"
+CALIBRATOR_POLICY = "kvfetcher-calibrator"
 
 
 def sidecar_policy(bucket_name: str, prefix: str = bucket.PREFIX) -> dict[str, Any]:
@@ -38,12 +41,26 @@ def sidecar_policy(bucket_name: str, prefix: str = bucket.PREFIX) -> dict[str, A
     }
 
 
-def ensure_sidecar_user(root: bucket.Target, access_key: str, secret_key: str) -> None:
-    """Make (or bring back) the sidecar user `access_key` on the MinIO at `root.endpoint`, reached as root."""
+def calibrator_policy(bucket_name: str) -> dict[str, Any]:
+    """The IAM policy of the calibration Job's user: the bucket listed, calibrations read and written; nothing else."""
+    return {
+        "Version": "2012-10-17",
+        "Statement": [
+            {"Effect": "Allow", "Action": ["s3:GetBucketLocation", "s3:ListBucket"],
+             "Resource": [f"arn:aws:s3:::{bucket_name}"]},
+            {"Effect": "Allow", "Action": ["s3:GetObject", "s3:PutObject"],
+             "Resource": [f"arn:aws:s3:::{bucket_name}/{bucket.CALIBRATION_PREFIX}*"]},
+        ],
+    }
+
+
+def ensure_user(root: bucket.Target, access_key: str, secret_key: str, policy_name: str,
+                policy: dict[str, Any]) -> None:
+    """Make (or bring back) the user `access_key` with `policy` on the MinIO at `root.endpoint`, reached as root."""
     url = urlsplit(root.endpoint)
     admin = MinioAdmin(endpoint=url.netloc, credentials=StaticProvider(root.access_key, root.secret_key),
                        region=root.region or "", secure=url.scheme == "https", cert_check=not root.insecure,
                        http_client=bucket.http_client(root))
     admin.user_add(access_key, secret_key)
-    admin.policy_add(POLICY, policy=sidecar_policy(root.bucket))
-    admin.policy_set(POLICY, user=access_key)
+    admin.policy_add(policy_name, policy=policy)
+    admin.policy_set(policy_name, user=access_key)

@@ -142,7 +142,7 @@ OBJECT_KEY = Setting("KVFETCHER_OBJECT_KEY", str, "",
                      inject="the pool's Secret")
 MODEL = Setting("KVFETCHER_MODEL", str, "", "The model fingerprint this sidecar serves: a register or plan "
                 "naming another is refused (unset: whatever the client names).",
-                inject="the pod's annotation `kvfetcher.io/model`")
+                inject="the pool's `spec.model.name`, else the pod's annotation `kvfetcher.io/model`")
 RECOMPUTE_TPS = Setting("KVFETCHER_RECOMPUTE_TPS", float, 5000.0,
                         "Model prefill rate (tokens/s) when a request gives none.")
 ROPE_THETA = Setting("KVFETCHER_ROPE_THETA", float, None, "The model's RoPE base: needed to store pre-RoPE presets "

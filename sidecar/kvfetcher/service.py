@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import secrets
 import time
 from collections.abc import Sequence
@@ -61,6 +62,10 @@ class Buffer:
             raise RequestError(str(e)) from e
 
 
+#: how long a model whose calibration the store lacked waits for the next look (one listing of it)
+CALIBRATION_RECHECK_S = 60.0
+
+
 class Sidecar:
     def __init__(self, store: Store, config: Config | None = None, metrics: Metrics | None = None):
         self.store = store
@@ -78,8 +83,9 @@ class Sidecar:
         self._warming: asyncio.Future | None = None  # the latest registered buffer's warm-up
         self._seal_key = secrets.token_bytes(32)  # plans this process issued carry its seal
         self._object_key = mac.key_from(self.config.object_key)  # None: objects unauthenticated
-        self._calibrations: set[str] = set()  # models whose calibration was looked for in the store
-        self.finding: asyncio.Future | None = None  # the latest registration's look for its calibration
+        self._calibrations: dict[str, float] = {}  # model -> when its calibration was last looked for; inf: found
+        self.calibration_recheck_s = CALIBRATION_RECHECK_S
+        self.finding: asyncio.Future | None = None  # the latest look for a model's calibration
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -184,10 +190,7 @@ class Sidecar:
             raise RequestError(str(e)) from e
         bid = secrets.token_urlsafe(24)
         self.buffers[bid] = Buffer(t, ns, handle)
-        try:  # the model's calibration from the store, if no local place has one: in the background
-            self.finding = asyncio.get_running_loop().run_in_executor(self.meta_pool, self.find_calibration, model)
-        except RuntimeError:  # no event loop (a direct caller)
-            self.find_calibration(model)
+        self.look_for_calibration(model)
         if self.config.warm_up:
             if self.workers is not None:  # mapped now (CUDA IPC), not on the first load into it
                 self.workers.open(handle)
@@ -197,21 +200,33 @@ class Sidecar:
                 pass
         return bid
 
+    def look_for_calibration(self, model: str) -> None:
+        """Run :meth:`find_calibration` in the background when it is due: once per model and process
+        once found, else again every ``calibration_recheck_s`` (at a registration or a plan), so that
+        a calibration published after the sidecar started (the operator's calibration Job) is used
+        from then on. Blocking only without an event loop."""
+        last = self._calibrations.get(model)
+        if last is not None and time.monotonic() - last < self.calibration_recheck_s:
+            return
+        self._calibrations[model] = time.monotonic()  # one look at a time
+        try:
+            self.finding = asyncio.get_running_loop().run_in_executor(self.meta_pool, self.find_calibration, model)
+        except RuntimeError:  # no event loop (a direct caller)
+            self.find_calibration(model)
+
     def find_calibration(self, model: str) -> None:
         """Make the calibration of ``model`` local (format/calibration.py: the store's
         ``_meta/calibration/``) when no local place has one; until then, and if the store has none,
-        the presets that need one are neither stored nor chosen for it. Once per model and process
-        (again after a failure). Blocking."""
-        if model in self._calibrations:
-            return
-        self._calibrations.add(model)
+        the presets that need one are neither stored nor chosen for it. Blocking."""
         if calibration.calibration_for(model) is not None:
+            self._calibrations[model] = math.inf
             return
         try:
             if calibration.fetch(self.store, model) is not None:
                 for_model.cache_clear()
+                self._calibrations[model] = math.inf
         except (StoreError, ValueError, OSError) as e:
-            self._calibrations.discard(model)
+            self._calibrations.pop(model, None)  # again at the next registration or plan
             self.metrics.errors.labels(getattr(e, "reason", Reason.INTERNAL)).inc()
             log.warning("calibration of %s not fetched from the store: %s", model, e)
 
@@ -271,6 +286,7 @@ class Sidecar:
         else:
             ns, buf = target, next((b for b in self.buffers.values() if b.ns == target), None)
         self.metrics.lookups.inc()
+        self.look_for_calibration(ns.model)
         p = await self._plan(ns, keys.chunk_keys(ns, tokens, self.config.chunk_tokens), buf, **{"may_skip_listing": False, **opts})
         self.metrics.hit_tokens.inc(p.hit_tokens)
         return p
