@@ -29,7 +29,8 @@ def declare_resources(kmock: kmocklib.KubernetesEmulator) -> None:
                       ("v1/events", "Event"), ("apps/v1/statefulsets", "StatefulSet"),
                       ("apps/v1/deployments", "Deployment"),
                       ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget"),
-                      ("networking.k8s.io/v1/networkpolicies", "NetworkPolicy")]:
+                      ("networking.k8s.io/v1/networkpolicies", "NetworkPolicy"), ("batch/v1/jobs", "Job"),
+                      ("v1/persistentvolumeclaims", "PersistentVolumeClaim")]:
         kmock.resources[res] = kmocklib.ResourceInfo(
             kind=kind, namespaced=True, verbs={"list", "watch", "get", "create", "patch", "update", "delete"})
     kmock.resources["admissionregistration.k8s.io/v1/mutatingwebhookconfigurations"] = kmocklib.ResourceInfo(

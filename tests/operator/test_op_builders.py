@@ -51,7 +51,9 @@ def test_secret_values_are_kept_and_completed() -> None:
     p = pool(MANAGED)
     tokens = iter(f"token{i}" * 8 for i in range(10))
     first = builders.secret_values(p, None, token=lambda n: next(tokens))
-    assert set(first) == {"authToken", "tenantSalt", "objectKey", "accessKey", "secretKey", "endpoint", "bucket"}
+    assert set(first) == {"authToken", "tenantSalt", "objectKey", "accessKey", "secretKey", *builders.CALIBRATOR_KEYS,
+                          "endpoint", "bucket"}
+    assert first["calibratorAccessKey"] != first["accessKey"]  # the calibration Job's own MinIO user
     assert first["endpoint"] == "http://cache-minio.ml.svc:9000" and first["bucket"] == "kvcache"
     again = builders.secret_values(p, {k: v for k, v in first.items() if k != "tenantSalt"},
                                    token=lambda n: "fresh")

@@ -15,7 +15,7 @@ import yaml
 from cryptography import x509
 from pod_security import restricted_violations, workload_pod_spec
 
-from kvfetcher_operator import builders, evictor, injection, kube, minio, webhook
+from kvfetcher_operator import builders, calibration, evictor, injection, kube, minio, webhook
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "kvfetcher"
@@ -161,14 +161,16 @@ def test_rbac_is_least_privilege(chart: helm_python.Chart) -> None:
 def test_the_pool_namespace_role_lets_the_operator_apply_every_child(chart: helm_python.Chart) -> None:
     """Every object the operator applies in a pool's namespace (a managed pool has them all) is
     granted there: get, create and patch, and no more."""
-    pool = {"metadata": {"name": "p", "namespace": "ml", "uid": "u"}, "spec": {"storage": {"managed": {}}}}
-    children = [builders.secret(pool, {}), minio.statefulset(pool), evictor.deployment(pool),
+    model = {"name": "m", "calibration": {"source": {"persistentVolumeClaim": {"claimName": "c", "path": "m.gguf"}}}}
+    pool = {"metadata": {"name": "p", "namespace": "ml", "uid": "u"}, "spec": {"storage": {"managed": {}}, "model": model}}
+    children = [builders.secret(pool, {}), minio.statefulset(pool), evictor.deployment(pool), calibration.job(pool),
                 *minio.services(pool), *minio.guards(pool)]
     docs = render(chart, {"poolNamespaces": ["ml"]})
     per_namespace = rules_of(named(docs, "ClusterRole", "kvf-kvfetcher-pool-namespace"))
     for child in children:
         group = child["apiVersion"].rpartition("/")[0]
         assert per_namespace.get((group, kube.PLURALS[child["kind"]])) == {"get", "create", "patch"}, child["kind"]
+    assert per_namespace[("", "persistentvolumeclaims")] == {"get"}  # the calibration's source is checked, never changed
 
 
 def test_namespaced_mode_grants_nothing_cluster_wide_on_namespaced_objects(chart: helm_python.Chart) -> None:

@@ -75,6 +75,9 @@ def _with(base: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
     return spec
 
 
+MODEL = _with(MANAGED, "model", {"name": "llama-3/bf16", "calibration": {
+    "source": {"persistentVolumeClaim": {"claimName": "models", "path": "llama-3.gguf"}}}})
+
 BAD = [
     ("both storages", {"storage": {**MANAGED["storage"], **EXTERNAL["storage"]}}, "exactly one"),
     ("no storage kind", {"storage": {}}, "exactly one"),
@@ -117,6 +120,21 @@ BAD = [
     ("bucket with double dot", _with(EXTERNAL, "storage.external.bucket", "kv..cache"), "bucket"),
     ("bucket like an IP", _with(EXTERNAL, "storage.external.bucket", "192.168.5.4"), "bucket"),
     ("bucket with xn-- prefix", _with(MANAGED, "storage.managed.bucket", "xn--cache"), "bucket"),
+    # The model: a fingerprint whose tag files its calibration; one source, a path inside it.
+    ("model without a name", _with(MANAGED, "model", {}), "model.name"),
+    ("model name with an empty tag", _with(MANAGED, "model.name", "/llama"), "model.name"),
+    ("model name with a space", _with(MANAGED, "model.name", "llama 3"), "model.name"),
+    ("calibration without a source", _with(MODEL, "model.calibration", {"source": {}}), "exactly one"),
+    ("calibration from two sources", _with(MODEL, "model.calibration.source", {
+        "persistentVolumeClaim": {"claimName": "m", "path": "x.gguf"}, "image": {"reference": "m:1", "path": "x"}}),
+     "exactly one"),
+    ("model path outside the volume", _with(MODEL, "model.calibration.source.persistentVolumeClaim.path",
+                                            "../etc/passwd"), "path"),
+    ("absolute model path", _with(MODEL, "model.calibration.source.persistentVolumeClaim.path", "/etc"), "path"),
+    ("model image without a reference", _with(MODEL, "model.calibration.source", {"image": {"path": "x"}}),
+     "reference"),
+    ("calibration Job resources not quantities", _with(MODEL, "model.calibration.job.resources",
+                                                       {"limits": {"memory": "lots"}}), "job.resources"),
 ]
 
 

@@ -122,7 +122,7 @@ def signed_by(request: dict[str, Any], endpoint: str, access_key: str, secret_ke
 def test_admin_flow_makes_the_user_as_root(admin_server: tuple[str, list[dict[str, Any]]]) -> None:
     endpoint, recorded = admin_server
     root = bucket.Target(endpoint, "kvcache", "kvfroot", "root-password-0123456789")
-    users.ensure_sidecar_user(root, "kvfsidecar", "sidecar-secret-0123456789")
+    users.ensure_user(root, "kvfsidecar", "sidecar-secret-0123456789", users.POLICY, users.sidecar_policy("kvcache"))
 
     assert [(urlsplit(r["path"]).path, dict(parse_qsl(urlsplit(r["path"]).query))) for r in recorded] == [
         ("/minio/admin/v3/add-user", {"accessKey": "kvfsidecar"}),

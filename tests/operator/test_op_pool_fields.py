@@ -1,6 +1,6 @@
 """No KVCachePool field that nothing reads: changing any field of the CRD's spec to another valid
 value changes what the operator builds: the injected pod, the pool's Secret, MinIO's objects or
-the evictor (whose arguments carry the retention settings)."""
+the evictor (whose arguments carry the retention settings) or the calibration Job."""
 from __future__ import annotations
 
 import copy
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from crd_check import validate
 
-from kvfetcher_operator import builders, evictor, injection, minio
+from kvfetcher_operator import builders, calibration, evictor, injection, minio
 from kvfetcher_operator import spec as specs
 from test_op_builders import gpu_pod, pool
 
@@ -21,6 +21,10 @@ TLS_CA = {"storage": {"external": {**EXTERNAL["storage"]["external"], "tls": {"c
 LABEL_SALT = {**MANAGED, "tenancy": {"saltFrom": "PodLabel", "labelKey": "tenant"}}
 SECRET_SALT = {**MANAGED, "tenancy": {"saltFrom": "Secret", "secretRef": {"name": "salt"}}}
 QUANTITIES = {"cpu": "2"}
+PVC_MODEL = {**MANAGED, "model": {"name": "llama-3/bf16", "calibration": {
+    "source": {"persistentVolumeClaim": {"claimName": "models", "path": "llama-3.gguf"}}}}}
+IMAGE_MODEL = {**MANAGED, "model": {"name": "llama-3/bf16", "calibration": {
+    "source": {"image": {"reference": "registry.example.com/models/llama-3:1", "path": "weights"}}}}}
 
 # field path under spec -> (a valid pool without it, or with another value; a new value)
 CHANGES: dict[str, tuple[dict[str, Any], Any]] = {
@@ -53,6 +57,14 @@ CHANGES: dict[str, tuple[dict[str, Any], Any]] = {
     "sidecar.resources.limits": (MANAGED, QUANTITIES),
     "sidecar.decodeProcesses": (MANAGED, 3),
     "sidecar.ttftBudgetSeconds": (MANAGED, 2.5),
+    "model.name": (MANAGED, "llama-3/bf16"),  # the sidecar serves it
+    "model.calibration.source.persistentVolumeClaim.claimName": (PVC_MODEL, "other"),
+    "model.calibration.source.persistentVolumeClaim.path": (PVC_MODEL, "llama/hf"),
+    "model.calibration.source.image.reference": (IMAGE_MODEL, "registry.example.com/models/llama-3:2"),
+    "model.calibration.source.image.path": (IMAGE_MODEL, "model.gguf"),
+    "model.calibration.job.image": (PVC_MODEL, "kvfetcher-hf:other"),
+    "model.calibration.job.resources.requests": (PVC_MODEL, QUANTITIES),
+    "model.calibration.job.resources.limits": (PVC_MODEL, QUANTITIES),
     "retention.ttlDays": (MANAGED, 30),
     "retention.maxSize": (MANAGED, "2Ti"),
     "retention.evictIntervalSeconds": (MANAGED, 300),
@@ -94,6 +106,8 @@ def built(spec: dict[str, Any]) -> str:
         "evictor": evictor.deployment(p),
         "secret": builders.secret_values(p, {}, token=lambda n: "t" * n),
     }
+    if "calibration" in spec.get("model", {}):
+        out["calibration"] = calibration.job(p)
     if "managed" in spec["storage"]:
         out["minio"] = [minio.statefulset(p), *minio.services(p), *minio.guards(p)]
     return json.dumps(out, sort_keys=True)
