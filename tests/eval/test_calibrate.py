@@ -41,3 +41,39 @@ def test_calibrate_writes_publishes_and_unlocks_balanced(tiny_dir, tmp_path, mon
     p = presets.get("balanced", fp)
     assert p.layout.basis == cal.basis and p.layout.rope_theta == 5e4
     presets.for_model.cache_clear()
+
+
+async def test_the_operators_calibration_job_publishes_to_s3_and_a_sidecar_then_finds_it(tiny_dir, s3_endpoint, s3, tmp_path,
+                                                                                          monkeypatch, capsys):
+    """The Job's own command line and environment (operator/calibration.py) run through the CLI, the
+    model's volume being ``tiny_dir``'s parent, into an S3 bucket (moto) as the pool's store; a
+    sidecar of a node without the calibration then fetches it and the model gets balanced."""
+    from kvfetcher_operator import calibration as job_builder
+
+    from kvtest import running
+
+    pool = {"metadata": {"name": "p", "namespace": "ml", "uid": "u"}, "spec": {
+        "storage": {"external": {"endpoint": s3_endpoint, "bucket": s3.bucket, "credentialsSecretRef": {"name": "c"}}},
+        "model": {"name": "tiny-llama/float32", "calibration": {
+            "source": {"persistentVolumeClaim": {"claimName": "models", "path": tiny_dir.name}}}}}}
+    (container,) = job_builder.job(pool)["spec"]["template"]["spec"]["containers"]
+    for e in container["env"]:  # the Secret's values as the kubelet would set them; the scratch volume here
+        value = {"KVFETCHER_S3_ACCESS_KEY": "testing", "KVFETCHER_S3_SECRET_KEY": "testing"}.get(e["name"], e.get("value"))
+        value = value if value is None or not value.startswith(job_builder.WORK_DIR) else value.replace(
+            job_builder.WORK_DIR, str(tmp_path / "work"), 1)
+        monkeypatch.setenv(e["name"], value) if value is not None else None
+    args = [a.replace(job_builder.MODEL_DIR, str(tiny_dir.parent), 1) if a.startswith(job_builder.MODEL_DIR) else a
+            for a in container["args"]]
+    presets.for_model.cache_clear()
+    assert cli.main(args + ["--no-measure"]) == 0
+    published = json.loads(capsys.readouterr().out.splitlines()[1])["published"]
+    assert sorted(s3.list("_meta/calibration/tiny-llama/")) == sorted(published)
+
+    monkeypatch.setenv("KVFETCHER_CALIBRATION_DIR", str(tmp_path / "node"))  # a node that has none
+    presets.for_model.cache_clear()
+    assert presets.refusal("balanced", "tiny-llama/float32") is not None
+    async with running(s3, decode_procs=0, device="cpu", warm_up=False) as sc:
+        sc.look_for_calibration("tiny-llama/float32")
+        await sc.finding
+    assert presets.refusal("balanced", "tiny-llama/float32") is None
+    presets.for_model.cache_clear()
