@@ -143,13 +143,14 @@ def evictor_readiness(pool: dict[str, Any], k: kube.Kube) -> tuple[bool, str, st
     return evictor.readiness(pool, current, pods)
 
 
-def calibration_state(pool: dict[str, Any], k: kube.Kube, target: bucket.Target | None) -> tuple[bool | None, str, str]:
-    """Whether the store has the calibration of `spec.model`: looked for there, else made by the
-    calibration Job (created here when the model names a source, and its claim exists)."""
+def calibration_state(pool: dict[str, Any], k: kube.Kube,
+                      target: bucket.Target | None) -> tuple[bool | None, str, str] | None:
+    """Whether the store has the calibration of `spec.model` (None: the pool names no model): looked
+    for there, else made by the calibration Job (created here when the model names a source, and its
+    claim exists)."""
     spec, meta = specs.with_defaults(pool["spec"]), pool["metadata"]
     if "model" not in spec:
-        return None, "NoModel", ("spec.model is not set: each sidecar serves the model its pod's annotation names "
-                                 "and looks for its calibration in the store")
+        return None
     if target is None:
         return None, "StorageNotReady", "the store is looked at once the storage is ready"
     try:
@@ -288,7 +289,9 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, injected_pods
         conds = conditions.put(conds, STORAGE_READY, False, error.reason, str(error), gen)
 
     conds = conditions.put(conds, EVICTOR_READY, *evictor_readiness(pool, k), gen)
-    conds = conditions.put(conds, CALIBRATED, *calibration_state(pool, k, target), gen)
+    calibrated = calibration_state(pool, k, target)
+    conds = (conditions.put(conds, CALIBRATED, *calibrated, gen) if calibrated
+             else [c for c in conds if c.get("type") != CALIBRATED])  # no model, nothing to calibrate
     injection_ok, reason, message = injection_readiness(spec, memo.cfg, k)
     conds = conditions.put(conds, INJECTION_READY, injection_ok, reason, message, gen)
     if error is None and not injection_ok:

@@ -202,16 +202,14 @@ async def test_no_job_once_the_store_has_the_calibration(operator, api: Api, s3:
         assert (await listing.json())["items"] == []
 
 
-@pytest.mark.parametrize("model,reason,words", [
-    ({"name": "llama-3-8b/bfloat16"}, "NoSource", "names no source"),
-    (None, "NoModel", "spec.model is not set"),
-])
-async def test_the_condition_says_why_without_a_job(operator, api: Api, s3: str, model: Any, reason: str,
-                                                    words: str) -> None:
+async def test_without_a_source_the_condition_says_calibrated_presets_are_refused(operator, api: Api, s3: str) -> None:
+    """And a pool that names no model has no Calibrated condition (one left from a model is removed)."""
     await api.create("v1/secrets", s3_secret())
-    await api.create(POOLS, external_pool("nojob", s3, "nojob-bucket", **({"model": model} if model else {})))
-    pool_obj = await api.wait_for(POOLS, "default", "nojob", lambda o: calibrated(o, reason))
-    assert words in cond(pool_obj, "Calibrated")["message"]
+    await api.create(POOLS, external_pool("nojob", s3, "nojob-bucket", model={"name": "llama-3-8b/bfloat16"}))
+    pool_obj = await api.wait_for(POOLS, "default", "nojob", lambda o: calibrated(o, "NoSource"))
+    assert "names no source" in cond(pool_obj, "Calibrated")["message"] and is_ready(pool_obj)
+    await api.patch(POOLS, "default", "nojob", {"spec": {"model": None}, "metadata": {"generation": 2}})
+    await api.wait_for(POOLS, "default", "nojob", lambda o: is_ready(o) and not cond(o, "Calibrated"))
 
 
 async def test_a_bad_model_makes_the_spec_invalid(operator, api: Api, s3: str) -> None:
