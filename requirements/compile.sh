@@ -1,7 +1,8 @@
 #!/bin/sh
 # Regenerates the hash-locked requirements the images install with `pip install --require-hashes`
 # (run from the repository root after changing pyproject.toml's dependencies; needs uv).
-# operator.txt: the `operator` extra; sidecar.txt: the core dependencies and the `gpu` extra, with
+# operator.txt: the `operator` extra; sidecar.txt: the core dependencies, the `gpu` extra and the `hf` one
+# (the calibration Job runs `kvfetcher calibrate` in the sidecar image), with
 # torch held to 2.11, a CUDA 13 build (the sidecar image's CUDA runtime, vLLM 0.26's torch, and nvCOMP's cu13 wheels).
 # Both are resolved for the images' interpreter (CPython 3.12, x86_64 Linux), and include the
 # build backend so that the project itself installs without fetching anything unpinned.
@@ -19,4 +20,4 @@ compile() {
         --quiet -o "$out"
 }
 PINS= compile requirements/operator.txt operator
-PINS="torch==2.11.*" compile requirements/sidecar.txt core gpu
+PINS="torch==2.11.*" compile requirements/sidecar.txt core gpu hf
