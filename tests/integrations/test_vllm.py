@@ -2,7 +2,8 @@
 socket, a local store) and the real small model: a stored prompt is loaded by a later request and
 gives the same tokens as a recompute; a bad object, a dead sidecar or a missing socket ends in a
 recompute with the same tokens; partial hits, shared prefixes and concurrent requests load what is
-stored and nothing else.
+stored and nothing else. Under tensor parallelism (three ranks, one KV head each) a prompt is loaded
+only as far as every rank has its shard.
 
 The engine runs in the vLLM venv (``.venv-vllm``, built by ``make``) as ``vllm_engine.py``, one
 process for the whole module (its start-up is the cost). Every measured run is preceded by
@@ -40,6 +41,10 @@ NS = keys.Namespace(model="smollm2", dtype="float32", shape=(30, 3, 64))  # Smol
 NEW = 12
 
 
+def rank_ns(rank: int, tp: int) -> keys.Namespace:
+    return keys.Namespace(NS.model, NS.dtype, tp_rank=rank, shape=(NS.shape[0], NS.shape[1] // tp, NS.shape[2]))
+
+
 class Sidecar(SidecarProcess):
     """The sidecar over a local store of raw chunks, and what the tests ask it."""
 
@@ -48,16 +53,16 @@ class Sidecar(SidecarProcess):
                          KVFETCHER_CHUNK_TOKENS=str(CHUNK), KVFETCHER_WARM_UP="0")
         self.store = LocalStore(tmp / "store")
 
-    def stored(self, tokens: list[int]) -> int:
-        """Leading tokens of ``tokens`` stored."""
-        return self.client(30).lookup(None, tokens, model=NS.model, dtype=NS.dtype, kv_shape=NS.shape)
+    def stored(self, tokens: list[int], ns: keys.Namespace = NS) -> int:
+        """Leading tokens of ``tokens`` stored (of rank ``ns.tp_rank``'s shard)."""
+        return self.client(30).lookup(None, tokens, model=ns.model, dtype=ns.dtype, tp_rank=ns.tp_rank, kv_shape=ns.shape)
 
-    def wait_stored(self, tokens: list[int], n: int, timeout_s: float = 60) -> None:
+    def wait_stored(self, tokens: list[int], n: int, timeout_s: float = 60, ns: keys.Namespace = NS) -> None:
         """Wait until the engine's save of ``tokens`` reached the store (it runs in the background)."""
         deadline = time.time() + timeout_s
-        while self.stored(tokens) < n:
+        while self.stored(tokens, ns) < n:
             if time.time() > deadline:
-                raise AssertionError(f"{n} tokens never stored (have {self.stored(tokens)})")
+                raise AssertionError(f"{n} tokens never stored (have {self.stored(tokens, ns)})")
             time.sleep(0.3)
 
     def counter(self, name: str) -> float:
@@ -65,18 +70,18 @@ class Sidecar(SidecarProcess):
         return sum(float(line.rsplit(" ", 1)[1]) for line in self.client().metrics().splitlines()
                    if line.startswith(name + " ") or line.startswith(name + "{"))
 
-    def refs(self, tokens: list[int]) -> list[ChunkRef]:
-        names = [keys.object_name(k, "raw") for k in keys.chunk_keys(NS, tokens, CHUNK)]
+    def refs(self, tokens: list[int], ns: keys.Namespace = NS) -> list[ChunkRef]:
+        names = [keys.object_name(k, "raw") for k in keys.chunk_keys(ns, tokens, CHUNK)]
         return [ChunkRef(n, len(self.store.get(n)), i * CHUNK, CHUNK) for i, n in enumerate(names)]
 
 
 class Engine:
     """The vLLM engine process (``vllm_engine.py``), one JSON command and reply at a time."""
 
-    def __init__(self, tmp: Path, sidecar: Sidecar):
+    def __init__(self, tmp: Path, sidecar: Sidecar, tp: int = 1):
         from kvtest import free_port
 
-        cfg = dict(model=str(model.cache_dir() / "smollm2-135m"), socket=sidecar.socket, max_model_len=2048, events=free_port())
+        cfg = dict(model=str(model.cache_dir() / "smollm2-135m"), socket=sidecar.socket, max_model_len=2048, events=free_port(), tp=tp)
         self.log = open(tmp / "engine.log", "w")
         self.proc = subprocess.Popen([str(VLLM_PY), str(Path(__file__).with_name("vllm_engine.py")), json.dumps(cfg)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
@@ -130,19 +135,29 @@ def texts():
     return {"ids": ids, "at": 0}
 
 
-@pytest.fixture(scope="module")
-def vllm(tmp_path_factory, texts):
+def _engine(tmp_path_factory, tp: int):
     if not VLLM_PY.exists():
         if os.environ.get("CI"):
             pytest.fail("the vLLM venv is missing in CI: `make test` builds .venv-vllm")
         pytest.skip("the vLLM venv (.venv-vllm) is absent: `make test` builds it")
-    tmp = tmp_path_factory.mktemp("vllm")
+    tmp = tmp_path_factory.mktemp(f"vllm-tp{tp}")
     sc = Sidecar(tmp)
     sc.start()
-    engine = Engine(tmp, sc)
+    engine = Engine(tmp, sc, tp)
     yield engine, sc
     engine.close()
     sc.stop()
+
+
+@pytest.fixture(scope="module")
+def vllm(tmp_path_factory, texts):
+    yield from _engine(tmp_path_factory, 1)
+
+
+@pytest.fixture(scope="module")
+def vllm_tp(tmp_path_factory, texts):
+    """Three tensor-parallel ranks (SmolLM2 has three KV heads), one sidecar serving them all."""
+    yield from _engine(tmp_path_factory, 3)
 
 
 def fresh(texts, n: int) -> list[int]:
@@ -229,3 +244,20 @@ def test_requests_sharing_a_prefix_and_concurrent_requests(vllm, texts):
     refs = engine.generate(*batch, reference=True)
     assert [g["cached"] for g in got] == [256, 256, 384, 384, 0]
     assert [g["tokens"] for g in got] == [r["tokens"] for r in refs]
+
+
+def test_tensor_parallel_ranks_load_only_what_every_rank_has(vllm_tp, texts):
+    engine, sc = vllm_tp
+    shards = [rank_ns(r, 3) for r in range(3)]
+    p, q = fresh(texts, 300), fresh(texts, 300)
+    first = engine.generate(p, q)
+    for ns in shards:  # every rank saved its own shard
+        sc.wait_stored(p, 256, ns=ns)
+        sc.wait_stored(q, 256, ns=ns)
+    (loaded,) = engine.generate(p)
+    assert loaded == {"tokens": first[0]["tokens"], "cached": 256}
+
+    sc.store.delete(sc.refs(p[:256], shards[1])[1].name)  # rank 1 lost p's second chunk: the group loads the first only
+    sc.store.delete(sc.refs(q[:128], shards[2])[0].name)  # rank 2 has nothing of q: every rank recomputes it
+    got = engine.generate(p, q)
+    assert got == [{"tokens": first[0]["tokens"], "cached": 128}, {"tokens": first[1]["tokens"], "cached": 0}]

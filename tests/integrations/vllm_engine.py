@@ -4,7 +4,8 @@ Run by ``tests/integrations/test_vllm.py`` with the vLLM venv's Python (``.venv-
 ``make``), so that the tests themselves run in the project's venv. The model runs in float32 (bf16
 is slow on CPUs without AVX-512, and greedy tokens near a tie are steadier). ``argv[1]`` is a JSON object:
 ``model`` (a directory vLLM loads), ``socket`` (the sidecar's), ``max_model_len``, ``events``
-(a free TCP port for vLLM's KV-event publisher). Each stdin line is a JSON command, answered by one
+(a free TCP port for vLLM's KV-event publisher), optionally ``tp`` (tensor-parallel ranks, each a
+worker process). Each stdin line is a JSON command, answered by one
 stdout line starting with :data:`MARK` (vLLM's own output goes to stderr):
 
 * ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": n, "reference": false}`` ->
@@ -46,6 +47,8 @@ def _subscriber(port: int, sink: list, lock: threading.Lock) -> None:
 
 def main() -> None:
     cfg = json.loads(sys.argv[1])
+    if cfg.get("tp", 1) > 1:  # ranks share the CPUs (vLLM binds one NUMA node per rank otherwise)
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # everything else anyone prints goes to stderr
     from vllm import LLM, SamplingParams
@@ -56,6 +59,7 @@ def main() -> None:
     threading.Thread(target=_subscriber, args=(cfg["events"], events, lock), daemon=True).start()
     llm = LLM(
         model=cfg["model"], max_model_len=cfg["max_model_len"], enforce_eager=True, dtype="float32",
+        tensor_parallel_size=cfg.get("tp", 1), distributed_executor_backend="mp" if cfg.get("tp", 1) > 1 else None,
         kv_transfer_config={
             "kv_connector": "KVFetcherConnector", "kv_connector_module_path": "kvfetcher.integrations.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
@@ -83,5 +87,5 @@ def main() -> None:
         print(MARK + json.dumps(reply), file=out)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # the guard the tensor-parallel workers (spawned) need
     main()

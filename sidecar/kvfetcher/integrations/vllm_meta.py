@@ -24,6 +24,7 @@ class Options:
 
     socket: str | None = None  # the sidecar's Unix socket (default KVFETCHER_SOCKET); needed for a CPU KV cache
     url: str | None = None  # or its URL (default KVFETCHER_URL), with KVFETCHER_AUTH_TOKEN
+    # either may name ``{rank}``: one sidecar per tensor-parallel rank (default: one serves them all)
     model: str = ""  # model fingerprint (default KVFETCHER_MODEL, else vLLM's model name)
     presets: tuple[str, ...] | None = None  # presets a load may use (default: the sidecar's allowed ones)
     ttft_budget_s: float | None = None  # prefer a load predicted within this to a faster recompute
@@ -50,21 +51,23 @@ class Options:
             kw["ttft_budget_s"] = config.TTFT_BUDGET_S.read()
         return cls(**kw)
 
-    def client(self, timeout_s: float = 60.0) -> KVClient:
+    def client(self, timeout_s: float = 60.0, rank: int = 0) -> KVClient:
+        """A client of tensor-parallel rank ``rank``'s sidecar."""
         socket = self.socket or (None if self.url else config.SOCKET.read())
         if socket:
-            return KVClient(socket_path=socket, timeout_s=timeout_s)
-        return KVClient(self.url or config.URL.read(), timeout_s=timeout_s)
+            return KVClient(socket_path=socket.format(rank=rank), timeout_s=timeout_s)
+        return KVClient((self.url or config.URL.read()).format(rank=rank), timeout_s=timeout_s)
 
 
 @dataclass
 class LoadSpec:
     """Load the plan's chunks of ``tokens`` and write tokens ``first .. end`` into ``block_ids``
-    (the request's whole block table, indexed from token 0)."""
+    (the request's whole block table, indexed from token 0). ``plans[r]`` is tensor-parallel rank
+    ``r``'s plan (made for exactly ``tokens``); a rank without one plans at load."""
 
     req_id: str
     tokens: list[int]
-    plan: FetchPlan | None
+    plans: tuple[FetchPlan | None, ...]
     first: int
     end: int
     block_ids: list[int]

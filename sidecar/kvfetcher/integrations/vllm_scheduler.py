@@ -3,7 +3,9 @@
 * :meth:`SchedulerSide.matched` (``get_num_new_matched_tokens``) asks the sidecar for a plan of the
   prompt (all but its last token, which vLLM always computes) once per request and keeps it; it
   has no other side effect. The tokens the plan would load beyond vLLM's own prefix-cache hit are
-  loaded asynchronously.
+  loaded asynchronously. Under tensor parallelism every rank's sidecar is asked
+  (:class:`~kvfetcher.api.group.RankGroup`): a prefix is loaded only where every rank has its shard,
+  and each worker gets its own rank's plan.
 * :meth:`allocated` turns that into a :class:`LoadSpec` with the request's block table; :meth:`step`
   (``build_connector_meta``) hands the workers the loads and, for each request whose prefill ends in
   this step, a :class:`SaveSpec` of its whole chunks; :meth:`finished` holds the request's blocks
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 
 from kvfetcher import kvbuffer
 from kvfetcher.api.client import SidecarError
+from kvfetcher.api.group import RankGroup
 from kvfetcher.fetch.plan import FetchPlan
 from kvfetcher.integrations.vllm_meta import MIN_TIMED_TOKENS, LoadSpec, Options, SaveSpec, StepMeta, WorkerReport
 
@@ -32,8 +35,8 @@ WARN_EVERY_S = 30.0
 @dataclass
 class _Request:
     request: object  # vllm Request: its prompt and block hashes
-    tokens: list[int]  # what was planned: the prompt but its last token
-    plan: FetchPlan | None
+    tokens: list[int]  # what was planned: the prompt but its last token (or the leading part all ranks agreed on)
+    plans: tuple[FetchPlan | None, ...]  # per tensor-parallel rank
     end: int  # tokens the plan would load, from token 0 (0 once the load was handed to the workers)
     loaded: int = 0  # tokens a load was asked for (stored already)
     local: int = 0  # vLLM's own prefix-cache hit when the load was decided
@@ -44,7 +47,9 @@ class _Request:
 class SchedulerSide:
     def __init__(self, vllm_config, kv_cache_config, options: Options):
         self.options = options
-        self.client = options.client(timeout_s=options.lookup_timeout_s)
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        self.group = RankGroup([options.client(options.lookup_timeout_s, rank=r) for r in range(tp)]) if tp > 1 else None
+        self.client = self.group.clients[0] if self.group else options.client(timeout_s=options.lookup_timeout_s)
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self.block_size = spec.block_size
         self.dtype = kvbuffer.dtype_name(spec.dtype)
@@ -57,7 +62,7 @@ class SchedulerSide:
         self._warned = 0.0
 
     def close(self) -> None:
-        self.client.close()
+        (self.group or self.client).close()
 
     # --- loads -------------------------------------------------------------------------------
 
@@ -66,17 +71,22 @@ class SchedulerSide:
         (``SamplingParams(extra_args={"kv_transfer_params": {...}})``) in place of the options'."""
         tokens = list(request.prompt_token_ids or [])[:-1]
         own = getattr(request, "kv_transfer_params", None) or {}
-        plan, end = None, 0
+        kw = dict(model=self.options.model, dtype=self.dtype, kv_shape=self.kv_shape, recompute_tokens_per_s=self.recompute_tps,
+                  presets=own.get("presets", self.options.presets), ttft_budget_s=own.get("ttft_budget_s", self.options.ttft_budget_s),
+                  deadline_s=self.options.lookup_timeout_s / 2, may_skip_listing=True)
+        plans, end = (), 0
         try:
-            plan = self.client.plan(None, tokens, model=self.options.model, dtype=self.dtype, kv_shape=self.kv_shape,
-                                    recompute_tokens_per_s=self.recompute_tps, presets=own.get("presets", self.options.presets),
-                                    ttft_budget_s=own.get("ttft_budget_s", self.options.ttft_budget_s),
-                                    deadline_s=self.options.lookup_timeout_s / 2, may_skip_listing=True)
+            if self.group is not None:  # a rank that cannot answer makes the group recompute (no exception)
+                plan = self.group.plan(tokens, **kw)
+                plans, tokens = plan.plans, tokens[: plan.tokens]
+            else:
+                plan = self.client.plan(None, tokens, **kw)
+                plans = (plan,)
             # no preset chosen: the sidecar has no buffer of this namespace yet; the load plans again
             end = plan.loaded_tokens if plan.preset else plan.hit_tokens
         except (OSError, SidecarError) as e:  # no sidecar is no reason to fail a request: recompute
             self._warn("KV lookup failed, recomputing: %s", e)
-        return _Request(request, tokens, plan, end)
+        return _Request(request, tokens, plans, end)
 
     def matched(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         r = self.requests.get(request.request_id)
@@ -91,7 +101,7 @@ class SchedulerSide:
         if r is None or num_external_tokens <= 0:
             return
         r.blocks, r.loaded = list(block_ids), r.end
-        self.loads.append(LoadSpec(request.request_id, r.tokens, r.plan, r.local, r.local + num_external_tokens, r.blocks, self.recompute_tps))
+        self.loads.append(LoadSpec(request.request_id, r.tokens, r.plans, r.local, r.local + num_external_tokens, r.blocks, self.recompute_tps))
         r.end = 0  # one load per request: vLLM asks again only after it failed (or a preemption), then recompute
 
     # --- the step ----------------------------------------------------------------------------

@@ -71,8 +71,8 @@ class WorkerSide:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         self.vllm_config, self.options = vllm_config, options
-        self.client = options.client()
         self.tp_rank = get_tensor_model_parallel_rank()
+        self.client = options.client(rank=self.tp_rank)
         self.block_size = vllm_config.cache_config.block_size  # the scheduler's
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvfetcher")
         self.lock = threading.Lock()  # guards what the pool's threads report
@@ -259,7 +259,8 @@ class WorkerSide:
 
     def _load_into(self, buf: str, spec: LoadSpec) -> int:
         """Load the request's stored chunks; the end of the tokens written (whole blocks)."""
-        plan = spec.plan if spec.plan is not None and spec.plan.tp_rank == self.tp_rank else None
+        plan = spec.plans[self.tp_rank] if self.tp_rank < len(spec.plans) else None
+        plan = plan if plan is not None and plan.tp_rank == self.tp_rank else None
         cost = {} if plan is not None and plan.preset else dict(presets=self.options.presets, ttft_budget_s=self.options.ttft_budget_s,
                                                                 recompute_tokens_per_s=spec.recompute_tps)
         kw = dict(deadline_s=self.options.load_deadline_s, **cost)
