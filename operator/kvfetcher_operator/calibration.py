@@ -2,8 +2,8 @@
 when `spec.model` names a calibration source and the store has no calibration of the model yet.
 
 The model is `spec.model.name`, the fingerprint the pool's sidecars serve; a calibration applies
-to every fingerprint that starts with its tag, the name up to its first `/` (as the CLI derives
-it). The Job reads the model from a volume mounted read-only at MODEL_DIR: a PersistentVolumeClaim
+to every fingerprint that starts with its tag, the whole name with `/` written `--` (as the
+sidecar matches it). The Job reads the model from a volume mounted read-only at MODEL_DIR: a PersistentVolumeClaim
 of the pool's namespace, or an OCI image (Kubernetes image volumes). No hostPath: whoever may
 create a pool would read any node file through the operator's Job.
 
@@ -37,8 +37,9 @@ RESOURCES = {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"memory": "32
 
 
 def tag(model_name: str) -> str:
-    """The calibration tag of a served model: its name up to the first `/` (what the store files it under)."""
-    return model_name.split("/", 1)[0]
+    """The calibration tag of a served model, what the store files it under: its whole name, one path
+    component (the sidecar's ``codec.basis.tag_of``; the operator does not import the data plane)."""
+    return model_name.replace("/", "--")
 
 
 def _volumes(source: dict[str, Any]) -> list[dict[str, Any]]:

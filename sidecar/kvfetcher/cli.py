@@ -81,7 +81,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     from kvfetcher.format import calibration
 
     lm = model.load(args.model)
-    tag = args.tag or lm.fingerprint.split("/", 1)[0]
+    tag = basis.tag_of(args.tag) if args.tag else lm.fingerprint.split("/", 1)[0]
     doc, b = calibrate.calibrate(lm, tag, [Path(t) for t in args.texts] if args.texts else None,
                                  measure_prompts=None if args.no_measure else calibrate.MEASURE_PROMPTS)
     path = calibration.write(doc)

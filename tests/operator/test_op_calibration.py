@@ -21,7 +21,7 @@ from kvfetcher.store import from_url
 from kvfetcher_operator import builders, calibration, injection, minio, users
 
 PVC_SOURCE = {"persistentVolumeClaim": {"claimName": "models", "path": "llama-3/8b.gguf"}}
-MODEL = {"name": "llama-3-8b/bfloat16", "calibration": {"source": PVC_SOURCE}}
+MODEL = {"name": "meta-llama/llama-3-8b", "calibration": {"source": PVC_SOURCE}}
 
 
 def container(obj: dict[str, Any]) -> dict[str, Any]:
@@ -37,7 +37,7 @@ def test_the_job_calibrates_the_model_from_its_claim_into_the_pools_store() -> N
     p = pool({**MANAGED, "model": MODEL})
     job = calibration.job(p)
     kubernetes_validate.validate(job, "1.30.0", strict=True)
-    assert container(job)["args"] == ["calibrate", "--model", "/model/llama-3/8b.gguf", "--tag", "llama-3-8b",
+    assert container(job)["args"] == ["calibrate", "--model", "/model/llama-3/8b.gguf", "--tag", "meta-llama--llama-3-8b",
                                       "--publish", "http://cache-minio.ml.svc:9000/kvcache"]
     assert container(job)["image"] == "ghcr.io/kvfetcher/kvfetcher-sidecar:0.1.0"
     template = job["spec"]["template"]
@@ -166,7 +166,7 @@ async def test_the_operator_runs_the_job_until_the_store_has_the_calibration(ope
     pool_obj = await api.wait_for(POOLS, "default", "cal", lambda o: calibrated(o, "Calibrating"))
     name = calibration.job(pool_obj)["metadata"]["name"]
     job = await api.get("batch/v1/jobs", "default", name)
-    assert container(job)["args"] == ["calibrate", "--model", "/model/llama-3/8b.gguf", "--tag", "llama-3-8b",
+    assert container(job)["args"] == ["calibrate", "--model", "/model/llama-3/8b.gguf", "--tag", "meta-llama--llama-3-8b",
                                       "--publish", f"{s3}/cal-bucket"]
     assert job["metadata"]["ownerReferences"][0]["uid"] == "uid-cal"
 
@@ -181,7 +181,7 @@ async def test_the_operator_runs_the_job_until_the_store_has_the_calibration(ope
     pool_obj = await api.wait_for(POOLS, "default", "cal", lambda o: calibrated(o, "JobFailed"))
     assert "ModuleNotFoundError: transformers" in cond(pool_obj, "Calibrated")["message"]
 
-    published = publish_calibration(s3, "cal-bucket", "llama-3-8b", tmp_path)  # e.g. by hand, or a rerun
+    published = publish_calibration(s3, "cal-bucket", "meta-llama--llama-3-8b", tmp_path)  # e.g. by hand, or a rerun
     pool_obj = await api.wait_for(POOLS, "default", "cal", lambda o: calibrated(o, "Calibrated"))
     assert cond(pool_obj, "Calibrated")["status"] == "True"
     assert Path(published[0]).name in cond(pool_obj, "Calibrated")["message"]
@@ -193,7 +193,7 @@ async def test_no_job_once_the_store_has_the_calibration(operator, api: Api, s3:
     from kvfetcher_operator import bucket
 
     bucket.ensure(bucket.Target(s3, "have-cal", "testing", "testing"), "default/have")
-    publish_calibration(s3, "have-cal", "llama-3-8b", tmp_path)
+    publish_calibration(s3, "have-cal", "meta-llama--llama-3-8b", tmp_path)
     await api.create("v1/secrets", s3_secret())
     await api.create(POOLS, external_pool("have", s3, "have-cal", model=MODEL))
     pool_obj = await api.wait_for(POOLS, "default", "have", lambda o: calibrated(o, "Calibrated"))
@@ -221,3 +221,12 @@ async def test_a_bad_model_makes_the_spec_invalid(operator, api: Api, s3: str) -
     assert "model.calibration.source.persistentVolumeClaim.path" in cond(pool_obj, "ConfigValid")["message"]
     async with api.session.get("/apis/batch/v1/namespaces/default/jobs") as listing:
         assert (await listing.json())["items"] == []
+
+
+def test_the_operators_tag_is_the_one_the_sidecar_matches() -> None:
+    from kvfetcher.codec import basis
+
+    for name in ("meta-llama/Meta-Llama-3-8B-Instruct", "gemma-3-270m", "org/family/variant"):
+        assert calibration.tag(name) == basis.tag_of(name) and basis.is_for(calibration.tag(name), name)
+    # one organisation's models do not share a calibration
+    assert not basis.is_for(calibration.tag("meta-llama/Meta-Llama-3-8B"), "meta-llama/Meta-Llama-3-70B")

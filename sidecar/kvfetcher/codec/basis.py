@@ -179,11 +179,20 @@ def on_device(name: str, device: str) -> tuple[torch.Tensor, torch.Tensor, torch
     return b.enc.to(device), b.dec.to(device), b.mean.to(device)
 
 
+def tag_of(model: str) -> str:
+    """A model's name (or fingerprint) as a calibration tag, one path component: ``/`` becomes ``--``."""
+    return model.replace("/", "--")
+
+
+def is_for(tag: str, fingerprint: str) -> bool:
+    """Whether what is tagged ``tag`` was made for the model ``fingerprint`` names: its tag starts with it."""
+    return bool(tag) and tag_of(fingerprint).startswith(tag)
+
+
 def fits(name: str, shape: tuple[int, ...], fingerprint: str) -> bool:
-    """Whether basis ``name`` was made for this model (fingerprint starts with its tag) and
+    """Whether basis ``name`` was made for this model (:func:`is_for` its tag) and
     this KV shape ``[layers, 2, kv_heads, tokens, head_dim]``; unknown names do not fit."""
-    tag = name.rsplit("-", 1)[0]
-    if not fingerprint.startswith(tag) or path_of(name) is None:
+    if not is_for(name.rsplit("-", 1)[0], fingerprint) or path_of(name) is None:
         return False
     return load(name).shape == (shape[0], shape[2], shape[4])
 

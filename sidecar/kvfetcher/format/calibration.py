@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvfetcher.codec import basis as kvbasis
 from kvfetcher.config import CALIBRATION_DIR
 
 log = logging.getLogger("kvfetcher.calibration")
@@ -109,7 +110,7 @@ def read(path: Path) -> Calibration:
 
 def check(cal: Calibration, fingerprint: str) -> None:
     """Refuse (``ValueError``) a calibration of another model than ``fingerprint`` names."""
-    if cal.model is None or not fingerprint.startswith(cal.model):
+    if cal.model is None or not kvbasis.is_for(cal.model, fingerprint):
         raise ValueError(f"calibration {cal.name!r} is for model {cal.model!r}, not {fingerprint!r}")
 
 
@@ -124,7 +125,7 @@ def _in(directory: Path) -> list[tuple[dict, Calibration]]:
 
 def _best(found: list[tuple[dict, Calibration]], fingerprint: str) -> Calibration | None:
     """The longest matching tag, then the newest (``created``), then the last name."""
-    fit = [(d, c) for d, c in found if fingerprint.startswith(c.model)]
+    fit = [(d, c) for d, c in found if kvbasis.is_for(c.model, fingerprint)]
     if not fit:
         return None
     return max(fit, key=lambda dc: (len(dc[1].model), float(dc[0].get("created", 0)), dc[1].name))[1]
@@ -186,11 +187,9 @@ def publish(store, path: Path, basis_path: Path | None) -> list[str]:
 def fetch(store, fingerprint: str) -> Calibration | None:
     """The store's calibration of ``fingerprint``'s model, installed into the local directory (its
     basis too, checked against its name), or None if the store has none. Store errors propagate."""
-    from kvfetcher.codec import basis as kvbasis  # the basis' own check of its content
-
     listed = store.list(STORE_PREFIX)
     tags = {n[len(STORE_PREFIX):].split("/", 1)[0] for n in listed}
-    tags = [t for t in tags if t and fingerprint.startswith(t)]
+    tags = [t for t in tags if kvbasis.is_for(t, fingerprint)]
     if not tags:
         return None
     prefix = f"{STORE_PREFIX}{max(tags, key=len)}/"
