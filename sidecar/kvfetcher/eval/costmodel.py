@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvfetcher.fetch import choice
+from kvfetcher.fetch.prefill import PrefillModel
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,8 @@ def compare(
     n = max(1, tokens // chunk_tokens)
     chunk_kv = kv_bytes(shape, chunk_tokens)
     sizes = {name: int(chunk_kv / r.ratio) for name, r in reps.items()}
-    rates = choice.Rates(link_Bps, latency_s, {name: r.decode_Bps for name, r in reps.items()}, n * chunk_tokens / recompute_s)
+    rates = choice.Rates(link_Bps, latency_s, {name: r.decode_Bps for name, r in reps.items()},
+                         PrefillModel.linear(n * chunk_tokens / recompute_s))
     d = choice.choose([sizes] * n, chunk_tokens, chunk_kv, {name: r.fmt for name, r in reps.items()}, rates, allowed)
     return Verdict(d.preset, dict(d.options), recompute_s)
 
