@@ -69,6 +69,19 @@ def test_steps_of_one_shape_give_a_constant_rate_and_the_fit_never_goes_negative
     assert min(m.c0, m.c1, m.c2) >= 0 and m.seconds(0, 2048) == pytest.approx(0.02 + 1e-4 * 2048, rel=0.05)
 
 
+def test_a_few_steps_of_similar_size_give_a_rate_not_a_fixed_cost():
+    """Steps of nearly one size whose times barely differ (noise): a large fixed cost and a tiny rate
+    would explain them best, and would make every fetch look useless (the fixed cost is paid
+    whatever is loaded)."""
+    fit = PrefillFit(decay=0.0)
+    steps = [(600, 1.05), (600, 1.03), (520, 1.0)]
+    for tokens, seconds in steps:
+        fit.observe(tokens, tokens * tokens / 2, seconds)
+    m = fit.model()
+    assert (m.c0, m.c2) == (0, 0)
+    assert m.c1 == pytest.approx(sum(t * s for t, s in steps) / sum(t * t for t, _ in steps))  # seconds per token, through 0
+
+
 def test_a_step_without_tokens_or_time_teaches_nothing():
     fit = PrefillFit()
     fit.observe(0, 0.0, 1.0)

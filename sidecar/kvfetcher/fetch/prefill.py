@@ -15,7 +15,6 @@ The fit is non-negative least squares over decayed sums; it has no model until i
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -59,9 +58,12 @@ def terms(work: Iterable[tuple[int, int]]) -> tuple[int, float]:
     return tokens, attention
 
 
-#: subsets of the terms (0: fixed, 1: per token, 2: attention) in the order the fit prefers them
-#: when they explain the steps equally well: the fewest terms, the per-token one first
-_SUBSETS = sorted((s for k in (1, 2, 3) for s in itertools.combinations(range(3), k)), key=lambda s: (len(s), 1 not in s))
+#: the subsets of terms a fit may have (0: fixed, 1: per token, 2: attention), the fewest first: the
+#: per-token term is in every one (a fixed cost alone would make every fetch look useless)
+_SUBSETS = ((1,), (0, 1), (1, 2), (0, 1, 2))
+#: a term beside the per-token one is fitted only once its ratio to the tokens varies this much
+#: across the steps (coefficient of variation): before, the two cannot be told apart
+SPREAD = 0.25
 
 
 class PrefillFit:
@@ -70,8 +72,9 @@ class PrefillFit:
 
     Observations enter decayed sums (``decay``: the weight an observation loses per later one), so
     the latest few dozen steps dominate. :meth:`model` is the non-negative least-squares fit over
-    them, of the fewest terms that explain them as well as all three (steps of one shape, say,
-    give a constant rate); None until a step was seen.
+    them with the per-token term and those of the others that the steps tell apart from it
+    (:data:`SPREAD`), of the fewest terms that explain them as well as more would: steps of one
+    shape give a constant rate. None until a step was seen.
     """
 
     def __init__(self, decay: float = 0.02):
@@ -98,13 +101,17 @@ class PrefillFit:
         return self._fitted
 
     def _solve(self) -> PrefillModel:
-        """Exact non-negative least squares on the normal equations: the best of the subsets of
-        terms whose unconstrained solution is non-negative (three terms: seven subsets). Written
-        here, not taken from scipy, because the observations live only as decayed sums."""
+        """Non-negative least squares on the normal equations, over the subsets of terms allowed:
+        the best of those whose unconstrained solution is non-negative. Written here, not taken
+        from scipy, because the observations live only as decayed sums."""
         scale = np.sqrt(np.diag(self._xx))  # columns differ by orders of magnitude
         xx, xy = self._xx / np.outer(scale, scale), self._xy / scale
+        # xx[j, 1] is the cosine of term j and the tokens over the steps: 1 / sqrt(1 + CV² of their ratio)
+        apart = {1} | {j for j in (0, 2) if xx[j, 1] <= 1 / math.sqrt(1 + SPREAD**2)}
         best, best_err = None, math.inf
         for s in _SUBSETS:
+            if not apart.issuperset(s):
+                continue
             idx = list(s)
             c = np.zeros(3)
             c[idx] = np.linalg.lstsq(xx[np.ix_(idx, idx)], xy[idx], rcond=None)[0]
