@@ -243,4 +243,4 @@ def test_the_engine_teaches_the_cost_model_its_prefill_time(vllm, texts):
            if line.startswith("kvfetcher_prefill_model{")}
     assert set(got) == {"c0", "c1", "c2"} and min(got.values()) >= 0
     predicted = PrefillModel(**got).seconds(0, 1000)
-    assert 1e-3 < predicted < 60, got  # a CPU's prefill of 1000 tokens of a 135M model, whatever the machine
+    assert 1e-3 < predicted < 300, got  # a CPU's prefill of 1000 tokens of a 135M model, on any machine however busy
