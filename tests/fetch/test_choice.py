@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvfetcher.fetch.choice import NO_FIT, RECOMPUTE, Estimator, Fit, Rates, choose, decode_rate, fetch_seconds
+from kvfetcher.fetch.choice import NO_FIT, RECOMPUTE, Estimator, Fit, Rates, choose, decode_rate, fetch_seconds, hopeless
 from kvfetcher.fetch.prefill import PrefillModel
 
 FORMATS = {"raw": "raw", "q8": "hevc", "exact": "hevc"}
@@ -69,8 +69,6 @@ def test_estimator_learns_per_endpoint():
 
 
 def test_hopeless_only_when_even_the_best_case_loses():
-    from kvfetcher.fetch.choice import hopeless
-
     ratios = {"raw": 1.0, "q8": 2.0}
     # a fast model on a slow link: even q8 at 1.5x its ratio loses -> skip the lookup
     assert hopeless(4, 256, CHUNK_KV, ratios, FORMATS, rates(bw=1e6, tps=1e5))
@@ -100,8 +98,6 @@ def test_gpu_priors_pick_raw_on_fast_links_and_q8_or_recompute_on_slow_ones(gbps
 
 
 def test_a_ttft_budget_prefers_the_fetch_that_fits_to_a_faster_recompute():
-    from kvfetcher.fetch.choice import hopeless
-
     r = rates(bw=50e6, decode_hevc=200e6, tps=1e4)  # recompute 0.1 s; q8 0.4 s, raw 0.8 s
     assert choose(STORED, 256, CHUNK_KV, FORMATS, r).preset == RECOMPUTE
     d = choose(STORED, 256, CHUNK_KV, FORMATS, r, budget_s=0.5)
@@ -149,7 +145,7 @@ def test_the_fit_tells_fixed_overhead_from_a_slower_rate():
 def test_hopeless_counts_the_lookup_and_the_fit():
     from dataclasses import replace
 
-    from kvfetcher.fetch.choice import hopeless, lookup_seconds
+    from kvfetcher.fetch.choice import lookup_seconds
 
     ratios = {"raw": 1.0, "q8": 2.0}
     r = rates(bw=5e9, tps=1024 / 0.012)  # recompute 12 ms; raw's best case 8 ms
@@ -216,12 +212,17 @@ def test_attention_makes_a_long_prefix_worth_fetching_and_a_short_one_not():
     attention = PrefillModel(c1=1e-4, c2=2e-8)
     linear = PrefillModel.linear(4096 / attention.seconds(0, 4096))
 
+    def rates(model, bw):
+        return Rates(bandwidth_Bps=bw, latency_s=0.001, decode_Bps={"raw": 5e9}, prefill=model)
+
     def decide(model, n_chunks, bw):
-        r = Rates(bandwidth_Bps=bw, latency_s=0.001, decode_Bps={"raw": 5e9}, prefill=model)
-        return choose([{"raw": CHUNK_KV}] * n_chunks, 256, CHUNK_KV, {"raw": "raw"}, r)
+        return choose([{"raw": CHUNK_KV}] * n_chunks, 256, CHUNK_KV, {"raw": "raw"}, rates(model, bw))
 
     long = 128  # 32K tokens, 1.28 GB at 160 MB/s: 8 s; recompute 14 s with attention, 4.6 s without
     assert decide(attention, long, 160e6).preset == "raw" and decide(linear, long, 160e6).preset == RECOMPUTE
+    # and the store is asked only where the fetch could win
+    assert not hopeless(long, 256, CHUNK_KV, {"raw": 1.0}, {"raw": "raw"}, rates(attention, 160e6))
+    assert hopeless(long, 256, CHUNK_KV, {"raw": 1.0}, {"raw": "raw"}, rates(linear, 160e6))
     short = 4  # 1K tokens, 40 MB at 312 MB/s: 0.129 s; recompute 0.113 s with attention, 0.144 s without
     assert decide(attention, short, 312.5e6).preset == RECOMPUTE and decide(linear, short, 312.5e6).preset == "raw"
 
