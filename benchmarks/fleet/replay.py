@@ -33,6 +33,7 @@ from pathlib import Path
 
 from kvfetcher.eval import costmodel
 from kvfetcher.fetch import choice
+from kvfetcher.fetch.prefill import PrefillModel
 from kvfetcher.store.retention import Index
 
 HERE = Path(__file__).resolve().parent
@@ -140,7 +141,7 @@ def ttft(tokens: int, hit_blocks: int, presets, gpu: costmodel.Gpu, link_Bps: fl
         return prefill, choice.RECOMPUTE
     tps = tokens / prefill
     sizes = {p: int(BLOCK_KV / RATIO[p]) for p in presets}
-    rates = choice.Rates(link_Bps, 0.005, {p: restore_Bps[FORMATS[p]] for p in presets}, tps)
+    rates = choice.Rates(link_Bps, 0.005, {p: restore_Bps[FORMATS[p]] for p in presets}, PrefillModel.linear(tps))
     d = choice.choose([sizes] * hit_blocks, BLOCK_TOKENS, BLOCK_KV, {p: FORMATS[p] for p in presets}, rates)
     return d.total_s + max(0, tokens - hit_blocks * BLOCK_TOKENS) / tps, d.preset
 

@@ -44,6 +44,7 @@ from benchmarks.lib import fetchkit, linkstore
 from benchmarks.lib.llama_shape import LlamaShape
 
 from kvfetcher.fetch import choice
+from kvfetcher.fetch.prefill import PrefillModel
 from kvfetcher.eval import costmodel
 from kvfetcher import ipc
 from kvfetcher.fetch.workers import DecodeWorkers
@@ -185,7 +186,7 @@ class Server:
         n = a.prefix // CHUNK
         link = a.link_gbps * 1e9 / 8 / (1 + fetching)
         decode = {m: r / (1 + fetching) for m, r in self.restore_Bps.items() if m in AUTO_SET}
-        rates = choice.Rates(link, 0.002, decode, a.prefix / (self.prefill_s * (1 + prefills_queued)))
+        rates = choice.Rates(link, 0.002, decode, PrefillModel.linear(a.prefix / (self.prefill_s * (1 + prefills_queued))))
         stored = [{m: self.sizes[m] // n for m in decode}] * n
         budget = None if method == "auto-fastest" else a.auto_budget if a.auto_budget is not None else 0.75 * a.ttft_slo
         d = choice.choose(stored, CHUNK, costmodel.kv_bytes(shape, CHUNK), {m: "raw" if m == "raw" else "hevc" for m in decode}, rates,

@@ -32,7 +32,7 @@ def replay(journal: list, stored: dict[str, int], kv_bytes: int, context: int, s
             continue
         _, ctx, preset, endpoint, _, _ = ev
         if ctx == context and preset is None:  # the decision, made before this fetch's observations
-            r = e.rates(endpoint, 1.0)
+            r = e.rates(endpoint)
             pred = {p: choice.fetch_seconds(n, kv_bytes, choice.decode_rate(p, FORMATS[p], r), r, r.fit.get(p, choice.NO_FIT), FORMATS[p])
                     for p, n in stored.items()}
             out.append({"endpoint": endpoint, "predicted_s": pred, "choice": min(pred, key=pred.get)})

@@ -144,7 +144,7 @@ MODEL = Setting("KVFETCHER_MODEL", str, "", "The model fingerprint this sidecar 
                 "naming another is refused (unset: whatever the client names).",
                 inject="the pool's `spec.model.name`, else the pod's annotation `kvfetcher.io/model`")
 RECOMPUTE_TPS = Setting("KVFETCHER_RECOMPUTE_TPS", float, 5000.0,
-                        "Model prefill rate (tokens/s) when a request gives none.")
+                        "Model prefill rate (tokens/s) when a request gives neither a rate nor a prefill model.")
 ROPE_THETA = Setting("KVFETCHER_ROPE_THETA", float, None, "The model's RoPE base: needed to store pre-RoPE presets "
                      "(`lean`; calibrated presets take the model's per-layer bases from its calibration).",
                      inject="the pod's annotation `kvfetcher.io/rope-theta`")

@@ -47,6 +47,10 @@ class Metrics:
             "kvfetcher_cost_model_overhead_seconds", "Fixed seconds of the cost model's fitted line (pipeline fill and drain), by preset", ["preset"],
             registry=r,
         )
+        self.prefill_model = Gauge(
+            "kvfetcher_prefill_model", "The engine's prefill model as the last request that carried one gave it: seconds = c0 + c1 * new "
+            "+ c2 * new * (cached + new / 2), by term", ["term"], registry=r,
+        )
         self.bandwidth = Gauge("kvfetcher_store_bandwidth_bytes_per_second", "Estimated read throughput by endpoint", ["endpoint"], registry=r)
         self.fallbacks = Counter("kvfetcher_fallbacks_total", "Tokens-to-recompute outcomes, by reason", ["reason"], registry=r)
         self.errors = Counter("kvfetcher_errors_total", "Errors, by reason", ["reason"], registry=r)

@@ -26,7 +26,7 @@ import secrets
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -36,6 +36,7 @@ from kvfetcher.errors import Reason, RequestError
 from kvfetcher.fetch import choice, executor, staging
 from kvfetcher.fetch.linkshare import LinkShare
 from kvfetcher.fetch.plan import Costs, FetchPlan, LoadDecision, LoadReply, list_prefix, listing_rounds, make_plan, seal, sealed
+from kvfetcher.fetch.prefill import PrefillModel
 from kvfetcher.fetch.workers import DecodeWorkers, warmup_object
 from kvfetcher.format import calibration, mac
 from kvfetcher.format.presets import PRESETS, for_model, usable
@@ -274,8 +275,9 @@ class Sidecar:
     async def plan(self, target: str | keys.Namespace, tokens: Sequence[int], **opts) -> FetchPlan:
         """What a load of ``tokens`` would do, for a buffer id or a namespace (a scheduler without
         buffers: the cost model then uses a registered buffer of that namespace for the KV
-        geometry, and without one leaves the preset unchosen). Keywords: ``recompute_tps``,
-        ``presets``, ``ttft_budget_s``, ``deadline_s`` (of the listing), ``may_skip_listing`` (see
+        geometry, and without one leaves the preset unchosen). Keywords: ``prefill_model`` (the
+        engine's :class:`~kvfetcher.fetch.prefill.PrefillModel`) or ``recompute_tps`` (a constant
+        rate; the setting's without either), ``presets``, ``ttft_budget_s``, ``deadline_s`` (of the listing), ``may_skip_listing`` (see
         :func:`~kvfetcher.fetch.plan.make_plan`; default False: the plan's hit count is the store's),
         ``group_size`` (loads that will run at once with this one, e.g. a tensor-parallel group's: the
         link is predicted shared among them and the fetches the node announces now)."""
@@ -292,13 +294,17 @@ class Sidecar:
         return p
 
     async def _plan(self, ns: keys.Namespace, ck: Sequence[str], buf: Buffer | None, *, recompute_tps: float | None = None,
-                    presets: Sequence[str] | None = None, ttft_budget_s: float | None = None, deadline_s: float | None = None,
+                    prefill_model: PrefillModel | None = None, presets: Sequence[str] | None = None, ttft_budget_s: float | None = None, deadline_s: float | None = None,
                     may_skip_listing: bool = True, group_size: int | None = None) -> FetchPlan:
         budget = self.config.ttft_budget_s if ttft_budget_s is None else ttft_budget_s
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0):
             raise RequestError(f"ttft_budget_s must be positive seconds, not {budget!r}")
         sharers = (group_size or 1) + self.link.active()
-        rates = self.estimator.rates(self.store.endpoint, recompute_tps or self.config.recompute_tps, sharers)
+        if prefill_model is not None:
+            for term, c in asdict(prefill_model).items():
+                self.metrics.prefill_model.labels(term).set(c)
+        prefill = prefill_model or PrefillModel.linear(recompute_tps or self.config.recompute_tps)
+        rates = self.estimator.rates(self.store.endpoint, prefill, sharers)
         # never a preset this model may not use (one needing a calibration it lacks)
         allowed = frozenset(presets or PRESETS) & frozenset(self.config.allowed_presets or PRESETS) & frozenset(usable(PRESETS, ns.model))
         costs = Costs(rates, self._chunk_kv_bytes(buf) if buf else None, allowed, budget)

@@ -9,6 +9,7 @@ import pytest
 from kvfetcher.api import schemas
 from kvfetcher.errors import RequestError
 from kvfetcher.fetch.plan import FetchPlan, LoadDecision, LoadReply
+from kvfetcher.fetch.prefill import PrefillModel
 from kvfetcher.kvbuffer import PagedLayout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,7 +24,8 @@ def test_docs_api_md_is_what_the_schema_renders():
 
 def test_messages_survive_json():
     for msg in (PLAN, LoadReply(128, 64, 64, (64, 128), "corrupt", "corrupt", "crc", LoadDecision("q8", 2, 0.25, {"q8": 0.25}, 0.3)),
-                schemas.FetchRequest("b", [1, 2], PLAN, slots=[3, 4]), schemas.StoreRequest("b", [1, 2], block_ids=[7, 3]),
+                schemas.FetchRequest("b", [1, 2], PLAN, slots=[3, 4]), schemas.LookupRequest([1], prefill_model=PrefillModel(0.01, 1e-4, 2e-9)),
+                schemas.StoreRequest("b", [1, 2], block_ids=[7, 3]),
                 schemas.RegisterRequest(handles=[{"kind": "cuda"}] * 2, model="m", paged=PagedLayout("BHT(KD)", 16))):
         assert schemas.from_json(type(msg), json.loads(json.dumps(schemas.to_json(msg)))) == msg
 
@@ -45,6 +47,8 @@ def test_messages_survive_json():
         (schemas.RegisterRequest, {"model": "m", "handles": {}, "paged": {"dims": "BHT(KD)", "block_size": 16}},
          "'handles' must be [object, ...] or null"),
         (schemas.FetchRequest, {"buffer": "b", "tokens": [1], "block_ids": [3, -1]}, "'block_ids[1]' must be >= 0"),
+        (schemas.LookupRequest, {"tokens": [1], "prefill_model": {"c1": 1e-4, "c2": -1e-9}}, "'prefill_model.c2' must be >= 0"),
+        (schemas.LookupRequest, {"tokens": [1], "prefill_model": {}}, "not all zero"),
     ],
 )
 def test_a_request_that_does_not_fit_is_refused_by_field(cls, body, detail):

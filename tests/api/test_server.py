@@ -8,6 +8,7 @@ import torch
 
 from kvfetcher.api.client import KVClient, SidecarError
 from kvfetcher.api.schemas import StoreReply
+from kvfetcher.fetch.prefill import PrefillModel
 
 from kvtest import TOKEN, raw_request, sidecar, synthetic_kv, unreachable_s3
 
@@ -86,6 +87,11 @@ def test_cost_model_can_choose_recompute(s3, buf):
         assert (r.loaded_tokens, r.reason, r.error, r.decision.preset) == (0, "cost_model", None, "recompute")
         assert bool((buf.tensor == 7).all())
         assert 'kvfetcher_fallbacks_total{reason="cost_model"} 1.0' in c.metrics()
+        # the engine's prefill model wins over a constant rate: with attention this costly, 128 tokens take hours
+        r = c.load(bid, tokens, recompute_tokens_per_s=1e12, prefill_model=PrefillModel(c2=1.0))
+        assert r.loaded_tokens == 128 and r.decision.options["recompute"] == pytest.approx(128 * 64)
+        assert 'kvfetcher_prefill_model{term="c2"} 1.0' in c.metrics()
+        buf.tensor.fill_(7)
         # on a busy GPU the model server gives a TTFT budget: a fetch within it wins anyway
         r = c.load(bid, tokens, recompute_tokens_per_s=1e12, ttft_budget_s=30.0)
         assert r.loaded_tokens == 128 and r.decision.preset != "recompute"

@@ -38,6 +38,15 @@ def test_fit_recovers_efficiencies():
         costmodel.fit_efficiency([(LLAMA3_8B, 4096, 0.1)], 989.0)
 
 
+def test_the_gpus_prefill_model_splits_a_prefill_where_the_flops_do():
+    """Tokens ``n..T`` after ``n`` cost the layers' matmuls of ``T - n`` tokens and the attention
+    of a ``T`` prefill less that of an ``n`` one; the LM head once."""
+    gpu, T, n = Gpu("x", 989.0), 32768, 8192
+    m = gpu.prefill_model(LLAMA3_8B)
+    assert m.seconds(0, T) == gpu.prefill_seconds(LLAMA3_8B, T)
+    assert m.seconds(n, T - n) == pytest.approx(gpu.prefill_seconds(LLAMA3_8B, T) - gpu.prefill_seconds(LLAMA3_8B, n) + m.c0)
+
+
 REPS = {"raw": Representation(1.0, 4e9, "raw"), "q8": Representation(1.76, 0.5e9)}
 
 

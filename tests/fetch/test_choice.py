@@ -2,7 +2,8 @@
 
 import pytest
 
-from kvfetcher.fetch.choice import NO_FIT, RECOMPUTE, Estimator, Fit, Rates, choose, decode_rate, fetch_seconds
+from kvfetcher.fetch.choice import NO_FIT, RECOMPUTE, Estimator, Fit, Rates, choose, decode_rate, fetch_seconds, hopeless
+from kvfetcher.fetch.prefill import PrefillModel
 
 FORMATS = {"raw": "raw", "q8": "hevc", "exact": "hevc"}
 CHUNK_KV = 10_000_000  # bytes of KV per chunk
@@ -10,7 +11,7 @@ STORED = [{"raw": 10_000_000, "q8": 5_000_000}] * 4  # four chunks, both represe
 
 
 def rates(bw, decode_hevc=50e6, tps=1000.0):
-    return Rates(bandwidth_Bps=bw, latency_s=0.001, decode_Bps={"raw": 5e9, "hevc": decode_hevc}, recompute_tps=tps)
+    return Rates(bandwidth_Bps=bw, latency_s=0.001, decode_Bps={"raw": 5e9, "hevc": decode_hevc}, prefill=PrefillModel.linear(tps))
 
 
 def test_fast_link_fetches_raw():
@@ -39,7 +40,7 @@ def test_partial_availability_counts_the_recompute_of_the_rest():
 
 
 def test_a_measured_preset_rate_beats_the_format_prior():
-    r = Rates(bandwidth_Bps=1e9, latency_s=0.0, decode_Bps={"hevc": 1e8, "exact": 1e7}, recompute_tps=1e3)
+    r = Rates(bandwidth_Bps=1e9, latency_s=0.0, decode_Bps={"hevc": 1e8, "exact": 1e7}, prefill=PrefillModel.linear(1e3))
     stored = [{"exact": 5_000_000, "q8": 5_000_000}]
     d = choose(stored, 256, CHUNK_KV, FORMATS, r)
     assert d.preset == "q8" and d.options["exact"] == pytest.approx(CHUNK_KV / 1e7)
@@ -54,13 +55,13 @@ def test_allowed_and_unknown_presets():
 
 def test_estimator_learns_per_endpoint():
     e = Estimator(alpha=0.5, bandwidth_Bps=1e6)
-    assert e.rates("a", 100).bandwidth_Bps == 1e6
+    assert e.rates("a").bandwidth_Bps == 1e6
     e.observe_read("a", 100_000_000, 1.0)
     e.observe_read("a", 300_000_000, 1.0)
     assert e.bandwidth("a") == pytest.approx((0.5 * 100e6 + 300e6) / (0.5 + 1))  # decayed bytes over decayed seconds
     assert e.bandwidth("b") == 1e6  # another endpoint is not affected
     e.observe_decode("exact", 30_000_000, 1.0)
-    r = e.rates("a", 100)
+    r = e.rates("a")
     assert decode_rate("exact", "hevc", r) == 30e6  # measured for that preset
     assert decode_rate("q8", "hevc", r) == r.decode_Bps["hevc"] != 30e6  # the format's prior until measured
     e.observe_read("a", 0, 0.0)  # no data: no change
@@ -68,8 +69,6 @@ def test_estimator_learns_per_endpoint():
 
 
 def test_hopeless_only_when_even_the_best_case_loses():
-    from kvfetcher.fetch.choice import hopeless
-
     ratios = {"raw": 1.0, "q8": 2.0}
     # a fast model on a slow link: even q8 at 1.5x its ratio loses -> skip the lookup
     assert hopeless(4, 256, CHUNK_KV, ratios, FORMATS, rates(bw=1e6, tps=1e5))
@@ -94,13 +93,11 @@ def test_gpu_priors_pick_raw_on_fast_links_and_q8_or_recompute_on_slow_ones(gbps
     e.observe_decode("q8", int(2.6e9), 1.0)
     kv = 32 << 20
     stored = [{"raw": kv + 4096, "q8": int(kv / 1.77)}] * 64
-    d = choose(stored, 256, kv, {"raw": "raw", "q8": "hevc"}, e.rates("s3", recompute_tps=16384 / 4.0))
+    d = choose(stored, 256, kv, {"raw": "raw", "q8": "hevc"}, e.rates("s3", PrefillModel.linear(16384 / 4.0)))
     assert d.preset == expect, d.options
 
 
 def test_a_ttft_budget_prefers_the_fetch_that_fits_to_a_faster_recompute():
-    from kvfetcher.fetch.choice import hopeless
-
     r = rates(bw=50e6, decode_hevc=200e6, tps=1e4)  # recompute 0.1 s; q8 0.4 s, raw 0.8 s
     assert choose(STORED, 256, CHUNK_KV, FORMATS, r).preset == RECOMPUTE
     d = choose(STORED, 256, CHUNK_KV, FORMATS, r, budget_s=0.5)
@@ -119,15 +116,15 @@ def test_the_fit_learns_what_the_rates_miss_and_turns_a_near_tie():
     e = Estimator(alpha=1.0, bandwidth_Bps=1e9, latency_s=0.0)
     e.observe_read("s3", 100_000_000, 0.1)  # 1 GB/s
     e.observe_decode("q8", 40_000_000, 0.1)  # 400 MB/s of KV
-    r = e.rates("s3", recompute_tps=1024 / 0.105)  # recompute 0.105 s; q8 modelled 0.100 s
+    r = e.rates("s3", PrefillModel.linear(1024 / 0.105))  # recompute 0.105 s; q8 modelled 0.100 s
     assert choose(STORED, 256, CHUNK_KV, FORMATS, r, allowed={"q8"}).preset == "q8"
     e.observe_fit("s3", "q8", "hevc", 20_000_000, 40_000_000, 0.120)  # its fetch took 20 ms longer than modelled
-    r = e.rates("s3", recompute_tps=1024 / 0.105)
+    r = e.rates("s3", PrefillModel.linear(1024 / 0.105))
     assert r.fit["q8"] == Fit(1.0, pytest.approx(0.02))  # one size: taken as fixed overhead
     d = choose(STORED, 256, CHUNK_KV, FORMATS, r, allowed={"q8"})
     assert d.preset == RECOMPUTE and d.options["q8"] == pytest.approx(0.120)
     e.observe_fit("s3", "q8", "hevc", 20_000_000, 40_000_000, 100.0)  # an outlier is bounded: 4x at its size
-    assert e.rates("s3", 1.0).fit["q8"].apply(0.1) == pytest.approx(0.4)
+    assert e.rates("s3").fit["q8"].apply(0.1) == pytest.approx(0.4)
 
 
 def test_the_fit_tells_fixed_overhead_from_a_slower_rate():
@@ -148,7 +145,7 @@ def test_the_fit_tells_fixed_overhead_from_a_slower_rate():
 def test_hopeless_counts_the_lookup_and_the_fit():
     from dataclasses import replace
 
-    from kvfetcher.fetch.choice import hopeless, lookup_seconds
+    from kvfetcher.fetch.choice import lookup_seconds
 
     ratios = {"raw": 1.0, "q8": 2.0}
     r = rates(bw=5e9, tps=1024 / 0.012)  # recompute 12 ms; raw's best case 8 ms
@@ -162,30 +159,30 @@ def test_the_lookup_time_is_learned_per_endpoint():
     from kvfetcher.fetch.choice import lookup_seconds
 
     e = Estimator(latency_s=0.002)
-    assert lookup_seconds(32, e.rates("s3", 1.0), 16) == pytest.approx(2 * 0.002)  # before any lookup: latencies
+    assert lookup_seconds(32, e.rates("s3"), 16) == pytest.approx(2 * 0.002)  # before any lookup: latencies
     e.observe_lookup("s3", 0.2, 8)
-    assert lookup_seconds(32, e.rates("s3", 1.0), 16) == pytest.approx(2 * 0.025)
-    assert e.rates("other", 1.0).list_s is None
+    assert lookup_seconds(32, e.rates("s3"), 16) == pytest.approx(2 * 0.025)
+    assert e.rates("other").list_s is None
 
 
 def test_each_format_reads_at_its_own_measured_rate():
     e = Estimator(alpha=1.0, bandwidth_Bps=1e8)
     e.observe_read("s3", 4_000_000_000, 1.0, "raw")  # raw's direct path read the link at 4 GB/s
     e.observe_read("s3", 1_000_000_000, 1.0, "hevc")  # a decode-bound fetch read at 1 GB/s
-    r = e.rates("s3", 1.0)
+    r = e.rates("s3")
     assert r.bandwidth_Bps == 1e9 and r.format_bandwidth == {"raw": 4e9, "hevc": 1e9}
     assert fetch_seconds(4_000_000_000, 4_000_000_000, 1e12, r, fmt="raw") == pytest.approx(r.latency_s + 1.0)
-    assert e.rates("other", 1.0).format_bandwidth == {}
+    assert e.rates("other").format_bandwidth == {}
 
 
 def test_a_small_cold_fetch_does_not_hold_down_the_rate_of_large_ones():
     e = Estimator(alpha=0.3, gpu=True)
     e.observe_decode("balanced", 1_300_000_000, 3.0)  # 16 chunks while the decoders start: 0.43 GB/s
     e.observe_decode("balanced", 21_500_000_000, 5.5)  # 64K tokens warm: 3.9 GB/s
-    rate = e.rates("s3", 1.0).decode_Bps["balanced"]
+    rate = e.rates("s3").decode_Bps["balanced"]
     assert 2.9e9 < rate < 3.9e9  # an average of the two fetches' rates would say 1.5 GB/s
     e.observe_decode("balanced", 43_000_000_000, 11.0)
-    assert 3.5e9 < e.rates("s3", 1.0).decode_Bps["balanced"] < 3.9e9  # the average: 2.2 GB/s
+    assert 3.5e9 < e.rates("s3").decode_Bps["balanced"] < 3.9e9  # the average: 2.2 GB/s
 
 
 def test_the_fit_is_per_endpoint_and_falls_back_to_the_preset_s():
@@ -194,7 +191,7 @@ def test_the_fit_is_per_endpoint_and_falls_back_to_the_preset_s():
     e.observe_decode("q8", 40_000_000, 0.1)
     e.observe_fit("fast", "q8", "hevc", 20_000_000, 40_000_000, 0.150)  # modelled 0.100 s
     assert e.fit("q8", "fast").apply(0.1) == pytest.approx(0.15)
-    assert e.rates("slow", 1.0).fit["q8"].apply(0.1) == pytest.approx(0.15)  # no fetch from "slow" yet: the preset's fit
+    assert e.rates("slow").fit["q8"].apply(0.1) == pytest.approx(0.15)  # no fetch from "slow" yet: the preset's fit
     e.observe_read("slow", 10_000_000, 0.1)  # 100 MB/s: q8's 20 MB take 0.2 s
     e.observe_fit("slow", "q8", "hevc", 20_000_000, 40_000_000, 0.220)
     assert e.fit("q8", "slow").apply(0.2) == pytest.approx(0.22)
@@ -206,3 +203,36 @@ def test_a_process_first_fetch_of_each_format_does_not_teach_the_rates():
     e = Estimator()
     assert not e.settled("raw") and e.settled("raw") and e.settled("raw")  # the first pays set-up
     assert not e.settled("hevc") and e.settled("hevc")  # per format
+
+
+def test_attention_makes_a_long_prefix_worth_fetching_and_a_short_one_not():
+    """The engine's superlinear prefill against a constant rate that agrees with it at 4K tokens: the
+    constant rate underestimates a 32K recompute (and would recompute), and overestimates a 1K one
+    (and would fetch)."""
+    attention = PrefillModel(c1=1e-4, c2=2e-8)
+    linear = PrefillModel.linear(4096 / attention.seconds(0, 4096))
+
+    def rates(model, bw):
+        return Rates(bandwidth_Bps=bw, latency_s=0.001, decode_Bps={"raw": 5e9}, prefill=model)
+
+    def decide(model, n_chunks, bw):
+        return choose([{"raw": CHUNK_KV}] * n_chunks, 256, CHUNK_KV, {"raw": "raw"}, rates(model, bw))
+
+    long = 128  # 32K tokens, 1.28 GB at 160 MB/s: 8 s; recompute 14 s with attention, 4.6 s without
+    assert decide(attention, long, 160e6).preset == "raw" and decide(linear, long, 160e6).preset == RECOMPUTE
+    # and the store is asked only where the fetch could win
+    assert not hopeless(long, 256, CHUNK_KV, {"raw": 1.0}, {"raw": "raw"}, rates(attention, 160e6))
+    assert hopeless(long, 256, CHUNK_KV, {"raw": 1.0}, {"raw": "raw"}, rates(linear, 160e6))
+    short = 4  # 1K tokens, 40 MB at 312 MB/s: 0.129 s; recompute 0.113 s with attention, 0.144 s without
+    assert decide(attention, short, 312.5e6).preset == RECOMPUTE and decide(linear, short, 312.5e6).preset == "raw"
+
+
+def test_the_recomputed_tail_attends_over_the_fetched_prefix():
+    model = PrefillModel(c0=0.01, c1=1e-4, c2=2e-8)
+    r = Rates(bandwidth_Bps=1e9, latency_s=0.0, decode_Bps={"raw": 5e9}, prefill=model)
+    stored = [{"raw": CHUNK_KV}] * 3 + [{}] * 5  # 768 of 2048 tokens stored
+    d = choose(stored, 256, CHUNK_KV, {"raw": "raw"}, r)
+    assert d.options["raw"] == pytest.approx(d.predicted_s + model.seconds(768, 1280))
+    assert d.options[RECOMPUTE] == pytest.approx(model.seconds(0, 2048))
+    full = choose([{"raw": CHUNK_KV}] * 8, 256, CHUNK_KV, {"raw": "raw"}, r)
+    assert full.total_s == pytest.approx(full.predicted_s + 0.01)  # the prefill step still runs (the prompt's last token)

@@ -159,16 +159,16 @@ def test_the_estimator_learns_the_link_and_splits_it_among_the_fetches_sharing_i
     e = choice.Estimator(alpha=1.0)
     e.observe_read("s3", 100_000_000, 1.0, "raw", sharers=4)  # 100 MB/s seen while 4 fetches shared the link
     assert e.bandwidth("s3") == pytest.approx(4e8)
-    assert e.rates("s3", 1.0).bandwidth_Bps == pytest.approx(4e8)
-    assert e.rates("s3", 1.0, sharers=4).bandwidth_Bps == pytest.approx(1e8)
-    assert e.rates("s3", 1.0, sharers=4).format_bandwidth["raw"] == pytest.approx(1e8)
+    assert e.rates("s3").bandwidth_Bps == pytest.approx(4e8)
+    assert e.rates("s3", sharers=4).bandwidth_Bps == pytest.approx(1e8)
+    assert e.rates("s3", sharers=4).format_bandwidth["raw"] == pytest.approx(1e8)
 
 
 def test_plans_of_n_ranks_predict_n_times_the_transfer_on_the_same_link():
     e = choice.Estimator(alpha=1.0)
     e.observe_read("s3", 1_000_000_000, 1.0, "raw")
     stored = [{"raw": 100_000_000}] * 8
-    one = choice.choose(stored, N, 100_000_000, {"raw": "raw"}, e.rates("s3", 1.0))
-    four = choice.choose(stored, N, 100_000_000, {"raw": "raw"}, e.rates("s3", 1.0, sharers=4))
-    latency = e.rates("s3", 1.0).latency_s
+    one = choice.choose(stored, N, 100_000_000, {"raw": "raw"}, e.rates("s3"))
+    four = choice.choose(stored, N, 100_000_000, {"raw": "raw"}, e.rates("s3", sharers=4))
+    latency = e.rates("s3").latency_s
     assert four.predicted_s - latency == pytest.approx(4 * (one.predicted_s - latency))

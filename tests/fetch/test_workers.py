@@ -245,7 +245,7 @@ async def test_a_fetch_beside_a_warm_up_does_not_teach_the_estimator(tmp_path, s
         bid = sc.register(buf.handle, "m")
         await sc.save(bid, list(range(64)))
         await sc.flush()
-        learned = lambda: "exact" in sc.estimator.rates(sc.store.endpoint, 1.0).decode_Bps  # noqa: E731
+        learned = lambda: "exact" in sc.estimator.rates(sc.store.endpoint).decode_Bps  # noqa: E731
         warming = asyncio.get_running_loop().create_future()
         sc._warming = warming  # a registration's warm-up still under way
         try:
@@ -277,9 +277,9 @@ async def test_a_sidecar_warms_its_workers_and_maps_a_buffer_when_it_is_register
         r = await sc.load(bid, list(range(64)), presets=["exact"], recompute_tps=1e-9)
         assert (r.error, r.loaded_tokens, sc.workers.stats["chunks"]) == (None, 64, 2), r
         assert torch.equal(buf.tensor, kv)
-        assert "exact" not in sc.estimator.rates(sc.store.endpoint, 1.0).decode_Bps  # a first fetch pays set-up: not learned
+        assert "exact" not in sc.estimator.rates(sc.store.endpoint).decode_Bps  # a first fetch pays set-up: not learned
         r = await sc.load(bid, list(range(64)), presets=["exact"], recompute_tps=1e-9)
-        assert r.loaded_tokens == 64 and "exact" in sc.estimator.rates(sc.store.endpoint, 1.0).decode_Bps
+        assert r.loaded_tokens == 64 and "exact" in sc.estimator.rates(sc.store.endpoint).decode_Bps
 
 
 async def test_a_gpu_sidecar_touches_no_gpu_before_a_model_registers_one(tmp_path):

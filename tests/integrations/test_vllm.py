@@ -26,6 +26,7 @@ import pytest
 from benchmarks.lib.sidecar_proc import SidecarProcess
 from kvfetcher import keys
 from kvfetcher.eval import model
+from kvfetcher.fetch.prefill import PrefillModel
 from kvfetcher.kvbuffer import ChunkRef
 from kvfetcher.store.local import LocalStore
 
@@ -244,6 +245,20 @@ def test_requests_sharing_a_prefix_and_concurrent_requests(vllm, texts):
     refs = engine.generate(*batch, reference=True)
     assert [g["cached"] for g in got] == [256, 256, 384, 384, 0]
     assert [g["tokens"] for g in got] == [r["tokens"] for r in refs]
+
+
+def test_the_engine_teaches_the_cost_model_its_prefill_time(vllm, texts):
+    """The connector times the engine's steps and fits its prefill model; after a few prefills of
+    different lengths, a lookup carries it to the sidecar (which shows the last one it was given)."""
+    engine, sc = vllm
+    for n in (300, 700, 1100):
+        engine.generate(fresh(texts, n), reference=True)
+    engine.generate(fresh(texts, 260))  # its lookup carries the model fitted so far
+    got = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in sc.client().metrics().splitlines()
+           if line.startswith("kvfetcher_prefill_model{")}
+    assert set(got) == {"c0", "c1", "c2"} and min(got.values()) >= 0
+    predicted = PrefillModel(**got).seconds(0, 1000)
+    assert 1e-3 < predicted < 300, got  # a CPU's prefill of 1000 tokens of a 135M model, on any machine however busy
 
 
 def test_tensor_parallel_ranks_load_only_what_every_rank_has(vllm_tp, texts):

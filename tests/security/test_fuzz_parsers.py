@@ -143,7 +143,7 @@ def post(port, path, data: bytes, token="t"):
         conn.close()
 
 
-FIELDS = ["buffer", "tokens", "model", "dtype", "tp_rank", "kv_shape", "recompute_tokens_per_s", "presets", "ttft_budget_s",
+FIELDS = ["buffer", "tokens", "model", "dtype", "tp_rank", "kv_shape", "recompute_tokens_per_s", "prefill_model", "presets", "ttft_budget_s",
           "deadline_s", "may_skip_listing", "plan", "offset", "slots", "handle"]
 TOKENS = st.lists(st.integers(-(2**64), 2**64), max_size=200) | st.lists(st.integers(0, 50), min_size=32, max_size=160)
 

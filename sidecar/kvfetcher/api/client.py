@@ -24,6 +24,7 @@ import torch
 from kvfetcher import config, ipc
 from kvfetcher.api import schemas
 from kvfetcher.fetch.plan import FetchPlan, LoadReply
+from kvfetcher.fetch.prefill import PrefillModel
 from kvfetcher.kvbuffer import PagedLayout
 
 
@@ -157,33 +158,36 @@ class KVClient:
         self._call(schemas.UNREGISTER, path=f"/v1/buffers/{buffer}")
 
     def plan(self, buffer: str | None, tokens: Sequence[int], *, model: str | None = None, dtype: str = "float16", tp_rank: int = 0,
-             kv_shape: Sequence[int] | None = None, recompute_tokens_per_s: float | None = None, presets: Sequence[str] | None = None, ttft_budget_s: float | None = None,
-             deadline_s: float | None = None, may_skip_listing: bool = False, group_size: int = 1) -> FetchPlan:
+             kv_shape: Sequence[int] | None = None, recompute_tokens_per_s: float | None = None, prefill_model: PrefillModel | None = None,
+             presets: Sequence[str] | None = None, ttft_budget_s: float | None = None, deadline_s: float | None = None,
+             may_skip_listing: bool = False, group_size: int = 1) -> FetchPlan:
         """What a load of ``tokens`` would do: pass it to :meth:`load` unchanged.
 
         Name the namespace by a registered ``buffer``, or (a scheduler with no buffers) by
         ``model``, ``dtype``, ``tp_rank`` and ``kv_shape`` (layers, kv_heads, head_dim; default: that
-        of the sidecar's registered buffer of the model, dtype and rank). ``ttft_budget_s``: on a busy GPU, a load predicted
+        of the sidecar's registered buffer of the model, dtype and rank). The model's prefill time: the
+        engine's ``prefill_model`` where it measured one, else a constant ``recompute_tokens_per_s``
+        (else the sidecar's setting). ``ttft_budget_s``: on a busy GPU, a load predicted
         within this many seconds is planned even where recomputing would be faster (it leaves the
         GPU to the running requests). ``deadline_s`` bounds the listing. ``may_skip_listing``: when
         no load could pay, the plan is a recompute and the store is not asked (a load's planner wants
         that; a hit count does not). ``group_size``: loads that will run at once with this one (a
         tensor-parallel group's; see :class:`kvfetcher.api.group.RankGroup`), sharing the node's link.
         """
-        return self._lookup(buffer, tokens, model, dtype, tp_rank, kv_shape, recompute_tokens_per_s, presets, ttft_budget_s, deadline_s,
-                            may_skip_listing, group_size).plan
+        return self._lookup(buffer, tokens, model, dtype, tp_rank, kv_shape, recompute_tokens_per_s, prefill_model, presets, ttft_budget_s,
+                            deadline_s, may_skip_listing, group_size).plan
 
     def lookup(self, buffer: str | None, tokens: Sequence[int], *, model: str | None = None, dtype: str = "float16", tp_rank: int = 0,
                kv_shape: Sequence[int] | None = None) -> int:
         """How many leading tokens of ``tokens`` are stored (a multiple of the chunk size); see :meth:`plan`."""
         return self._lookup(buffer, tokens, model, dtype, tp_rank, kv_shape).tokens
 
-    def _lookup(self, buffer, tokens, model, dtype, tp_rank, kv_shape=None, recompute_tps=None, presets=None, budget=None, deadline_s=None,
-                may_skip_listing=False, group_size=1) -> schemas.LookupReply:
+    def _lookup(self, buffer, tokens, model, dtype, tp_rank, kv_shape=None, recompute_tps=None, prefill_model=None, presets=None, budget=None,
+                deadline_s=None, may_skip_listing=False, group_size=1) -> schemas.LookupReply:
         ns = dict(buffer=buffer) if buffer is not None else dict(model=model, dtype=dtype, tp_rank=tp_rank,
                                                                  kv_shape=tuple(map(int, kv_shape)) if kv_shape else None)
         return self._call(schemas.LOOKUP, schemas.LookupRequest(list(map(int, tokens)), **ns, recompute_tokens_per_s=recompute_tps,
-                                                                presets=list(presets) if presets else None, ttft_budget_s=budget,
+                                                                prefill_model=prefill_model, presets=list(presets) if presets else None, ttft_budget_s=budget,
                                                                 deadline_s=deadline_s, may_skip_listing=may_skip_listing,
                                                                 group_size=group_size))
 
@@ -197,6 +201,7 @@ class KVClient:
         slots: Sequence[int] | None = None,
         deadline_s: float | None = None,
         recompute_tokens_per_s: float | None = None,
+        prefill_model: PrefillModel | None = None,
         presets: Sequence[str] | None = None,
         ttft_budget_s: float | None = None,
         group_size: int | None = None,
@@ -213,7 +218,7 @@ class KVClient:
         recompute from there.
         """
         return self._call(schemas.FETCH, schemas.FetchRequest(
-            buffer, list(map(int, tokens)), plan, offset, _ints(slots), deadline_s, recompute_tokens_per_s or None,
+            buffer, list(map(int, tokens)), plan, offset, _ints(slots), deadline_s, recompute_tokens_per_s or None, prefill_model,
             list(presets) if presets else None, ttft_budget_s, group_size, _ints(block_ids)))
 
     def save(self, buffer: str, tokens: Sequence[int], *, offset: int = 0, slots: Sequence[int] | None = None,

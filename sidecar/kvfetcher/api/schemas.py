@@ -25,6 +25,7 @@ from typing import Any, Union
 from kvfetcher import ipc
 from kvfetcher.errors import RequestError
 from kvfetcher.fetch.plan import FetchPlan, LoadDecision, LoadReply
+from kvfetcher.fetch.prefill import PrefillModel
 from kvfetcher.kvbuffer import PagedLayout
 
 
@@ -88,7 +89,8 @@ class LookupRequest:
     tp_rank: int = natural("tensor-parallel rank (without `buffer`)", 0)
     kv_shape: tuple[int, int, int] | None = positive("KV geometry `[layers, kv_heads, head_dim]` (without `buffer`; default: that of "
                                                      "the registered buffer of `model`, `dtype` and `tp_rank`)", None)
-    recompute_tokens_per_s: float | None = positive("the model's prefill rate (default: the sidecar's setting)", None)
+    recompute_tokens_per_s: float | None = positive("the model's prefill rate, constant (default: the sidecar's setting)", None)
+    prefill_model: PrefillModel | None = doc("the engine's prefill time as it measured it (wins over `recompute_tokens_per_s`)", None)
     presets: list[str] | None = doc("presets the load may use (within the sidecar's allowed ones)", None)
     ttft_budget_s: float | None = positive("prefer a load predicted within this many seconds to a faster recompute", None)
     deadline_s: float | None = positive("seconds the listing may take (default: the sidecar's `KVFETCHER_DEADLINE_S`)", None)
@@ -116,6 +118,7 @@ class FetchRequest:
     deadline_s: float | None = positive("seconds the load (and its listing, without a plan) may take (default: the sidecar's "
                                         "`KVFETCHER_DEADLINE_S`)", None)
     recompute_tokens_per_s: float | None = positive("without a plan: as in `/v1/lookup`", None)
+    prefill_model: PrefillModel | None = doc("without a plan: as in `/v1/lookup`", None)
     presets: list[str] | None = doc("without a plan: as in `/v1/lookup`", None)
     ttft_budget_s: float | None = positive("without a plan: as in `/v1/lookup`", None)
     group_size: int | None = doc("without a plan: as in `/v1/lookup` (default 1)", None, min=1)
@@ -173,7 +176,7 @@ STORE = Endpoint("POST", "/v1/store", StoreRequest, StoreReply,
                  "Queue the prefix for storing; the KV is copied before the reply, so the buffer may be reused at once.", 202)
 FLUSH = Endpoint("POST", "/v1/flush", None, Ok, "Wait until every queued store is written (tests, demo, shutdown).")
 ENDPOINTS = (REGISTER, UNREGISTER, LOOKUP, FETCH, STORE, FLUSH)
-MESSAGES = (FetchPlan, LoadDecision, PagedLayout, ErrorReply)  # nested or shared, documented once each
+MESSAGES = (FetchPlan, LoadDecision, PrefillModel, PagedLayout, ErrorReply)  # nested or shared, documented once each
 
 
 # --- checking and rendering ------------------------------------------------------------------

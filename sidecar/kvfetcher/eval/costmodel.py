@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvfetcher.fetch import choice
+from kvfetcher.fetch.prefill import PrefillModel
 
 
 @dataclass(frozen=True)
@@ -69,10 +70,16 @@ class Gpu:
     linear_efficiency: float = 0.6
     attention_efficiency: float = 0.45
 
+    def prefill_model(self, shape: ModelShape) -> PrefillModel:
+        """:func:`prefill_flops` at this GPU's rates, as the sidecar's prefill model: the LM head
+        once per prefill (``c0``), the layers' matmuls per token (``c1``), attention per token and
+        token attended (``c2``)."""
+        head, one = prefill_flops(shape, 0)[0], prefill_flops(shape, 1)
+        linear, attention = (self.bf16_tflops * 1e12 * e for e in (self.linear_efficiency, self.attention_efficiency))
+        return PrefillModel(head / linear, (one[0] - head) / linear, 2 * one[1] / attention)  # attention: c2 * T * T / 2
+
     def prefill_seconds(self, shape: ModelShape, tokens: int) -> float:
-        linear, attention = prefill_flops(shape, tokens)
-        peak = self.bf16_tflops * 1e12
-        return linear / (peak * self.linear_efficiency) + attention / (peak * self.attention_efficiency)
+        return self.prefill_model(shape).seconds(0, tokens)
 
 
 @dataclass(frozen=True)
@@ -109,7 +116,8 @@ def compare(
     n = max(1, tokens // chunk_tokens)
     chunk_kv = kv_bytes(shape, chunk_tokens)
     sizes = {name: int(chunk_kv / r.ratio) for name, r in reps.items()}
-    rates = choice.Rates(link_Bps, latency_s, {name: r.decode_Bps for name, r in reps.items()}, n * chunk_tokens / recompute_s)
+    rates = choice.Rates(link_Bps, latency_s, {name: r.decode_Bps for name, r in reps.items()},
+                         PrefillModel.linear(n * chunk_tokens / recompute_s))
     d = choice.choose([sizes] * n, chunk_tokens, chunk_kv, {name: r.fmt for name, r in reps.items()}, rates, allowed)
     return Verdict(d.preset, dict(d.options), recompute_s)
 

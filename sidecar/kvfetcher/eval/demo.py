@@ -54,7 +54,7 @@ def run(prompt_tokens: int = 1800, new_tokens: int = 32, chunk_tokens: int = 256
         t = time.perf_counter()
         a.client.flush()  # wait for A's sidecar to encode and upload (off the request path)
         store_s = time.perf_counter() - t
-        b = CachedLM(lm.model, lm.fingerprint, KVClient(socket_path=sb.socket), capacity, recompute_tps=a.recompute_tps)
+        b = CachedLM(lm.model, lm.fingerprint, KVClient(socket_path=sb.socket), capacity, prefill=a.prefill)
         gb = b.generate(ids, new_tokens, store=False)
         bytes_stored = sum(store.list("kv/").values())
         a.close()

@@ -3,8 +3,10 @@
 The model is deliberately small: a fetch of ``B`` stored bytes restoring ``K`` bytes of KV
 takes ``latency + max(B / bandwidth, K / decode_rate)`` (download and decode are
 pipelined, so the slower stage dominates), and whatever prefix it does not restore is
-recomputed at the model's prefill rate. The option with the least total time wins; recompute
-of everything is always an option, so a fetch is never planned to be slower than recompute.
+recomputed after it, as long as the engine's :class:`~kvfetcher.fetch.prefill.PrefillModel` says
+(superlinear: the recomputed tokens attend over the fetched ones). The option with the least total
+time wins; recompute of everything is always an option, so a fetch is never planned to be slower
+than recompute.
 
 With a TTFT budget, the least time is not the goal on a busy GPU: a recomputed prefix takes the
 GPU from every request decoding beside it, a fetch takes none. Then the fetch that recomputes
@@ -36,6 +38,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from kvfetcher.fetch.prefill import PrefillModel
+
 RECOMPUTE = "recompute"
 
 #: KV bytes restored per second by decoding, before anything is measured; a preset's first
@@ -63,6 +67,7 @@ class Fit:
 
 
 NO_FIT = Fit()
+NO_PREFILL = PrefillModel.linear(1.0)  # a slow prefill, where only the fetch's side of the model is asked
 #: fetch sizes must differ by this much (coefficient of variation of the modelled times) before
 #: the fit's two terms are told apart; until then the excess is taken as fixed overhead
 FIT_SPREAD = 0.25
@@ -73,7 +78,7 @@ class Rates:
     bandwidth_Bps: float  # stored bytes per second from the store endpoint
     latency_s: float  # first-byte latency of a request
     decode_Bps: Mapping[str, float]  # KV bytes restored per second, by preset (measured) or format (prior)
-    recompute_tps: float  # tokens per second the model prefills
+    prefill: PrefillModel  # the engine's prefill time
     fit: Mapping[str, Fit] = field(default_factory=dict)  # by preset, where measured
     list_s: float | None = None  # one round of a lookup's parallel LISTs, measured (None: take the latency)
     format_bandwidth: Mapping[str, float] = field(default_factory=dict)  # by bitstream format, where measured
@@ -85,7 +90,7 @@ class Decision:
     chunks: int  # leading chunks to fetch
     tokens: int  # tokens they restore
     predicted_s: float  # predicted fetch time of those chunks (0 for recompute)
-    total_s: float  # predicted time until the whole requested prefix is in the KV buffers
+    total_s: float  # predicted time until the whole requested prefix is in the KV buffers (fetched, or prefilled)
     options: dict[str, float] = field(default_factory=dict)  # total_s of every option considered
 
 
@@ -122,7 +127,7 @@ def choose(
     TTFT budget within which a fetch is preferred to a faster recompute (see the module's doc).
     """
     total_tokens = len(stored) * chunk_tokens
-    recompute_all = total_tokens / rates.recompute_tps
+    recompute_all = rates.prefill.seconds(0, total_tokens)
     best = Decision(RECOMPUTE, 0, 0, 0.0, recompute_all)
     fits: Decision | None = None  # the fetch within the budget that recomputes least
     options = {RECOMPUTE: recompute_all}
@@ -134,7 +139,7 @@ def choose(
             n += 1
         fit = rates.fit.get(preset, NO_FIT)
         fetch = fetch_seconds(size, n * chunk_kv_bytes, decode_rate(preset, formats[preset], rates), rates, fit, formats[preset])
-        total = fetch + (total_tokens - n * chunk_tokens) / rates.recompute_tps
+        total = fetch + rates.prefill.seconds(n * chunk_tokens, total_tokens - n * chunk_tokens)
         options[preset] = total
         d = Decision(preset, n, n * chunk_tokens, fetch, total)
         if total < best.total_s:
@@ -167,14 +172,15 @@ def hopeless(
     """
     if n_chunks == 0:
         return True
-    recompute_all = n_chunks * chunk_tokens / rates.recompute_tps
+    recompute_all = rates.prefill.seconds(0, n_chunks * chunk_tokens)
+    after = rates.prefill.seconds(n_chunks * chunk_tokens, 0)  # the prefill step a full fetch still runs
     kv = n_chunks * chunk_kv_bytes
     for preset, fmt in formats.items():
         if allowed is not None and preset not in allowed:
             continue
         ratio = max(ratios.get(preset, 1.0), 1.0)
         stored = kv / (ratio * slack) if fmt != "raw" else kv  # raw's size is known, a codec's varies with content
-        fetch = lookup_s + rates.fit.get(preset, NO_FIT).apply(max(stored / read_rate(fmt, rates), kv / decode_rate(preset, fmt, rates)))
+        fetch = lookup_s + rates.fit.get(preset, NO_FIT).apply(max(stored / read_rate(fmt, rates), kv / decode_rate(preset, fmt, rates))) + after
         if fetch < recompute_all or (budget_s is not None and fetch <= budget_s):
             return False
     return True
@@ -255,7 +261,7 @@ class Estimator:
         updated them and the link shared as it was (``sharers``): the fit keeps only what the rates
         cannot explain. Returns the preset's fit on this endpoint."""
         if stored_bytes > 0 and kv_bytes > 0 and actual_s > 0:
-            r = self.rates(endpoint, 1.0, sharers)
+            r = self.rates(endpoint, sharers=sharers)
             m = fetch_seconds(stored_bytes, kv_bytes, decode_rate(preset, fmt, r), r, fmt=fmt)
             keep = 1 - self.alpha
             for key in ((preset, endpoint), (preset, None)):  # decayed sums for a least-squares line
@@ -285,12 +291,12 @@ class Estimator:
         """The link's rate to ``endpoint``: what one fetch gets alone."""
         return self._rate(self._bw, endpoint) or self._prior[0]
 
-    def rates(self, endpoint: str, recompute_tps: float, sharers: float = 1.0) -> Rates:
+    def rates(self, endpoint: str, prefill: PrefillModel = NO_PREFILL, sharers: float = 1.0) -> Rates:
         """The rates a fetch from ``endpoint`` can expect while ``sharers`` fetches (itself included)
-        share the link."""
+        share the link, with the engine's ``prefill`` model."""
         share = max(1.0, sharers)
         decode = {**self._decode_prior, **{p: v for p in self._decode if (v := self._rate(self._decode, p))}}
         by_format = {fmt: v / share for (fmt, ep) in self._fmt_bw if ep == endpoint and (v := self._rate(self._fmt_bw, (fmt, ep)))}
         fits = {p: self.fit(p, endpoint) for p, _ in self._fit}
-        return Rates(self.bandwidth(endpoint) / share, self._lat.get(endpoint, self._prior[1]), decode, recompute_tps, fits,
+        return Rates(self.bandwidth(endpoint) / share, self._lat.get(endpoint, self._prior[1]), decode, prefill, fits,
                      self._list.get(endpoint), by_format)

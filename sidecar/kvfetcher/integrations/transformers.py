@@ -33,6 +33,7 @@ from kvfetcher import ipc
 from kvfetcher.api.client import KVClient, SidecarError
 from kvfetcher.api.schemas import StoreReply
 from kvfetcher.fetch.plan import LoadReply
+from kvfetcher.fetch.prefill import PrefillFit, terms
 
 log = logging.getLogger("kvfetcher.integrations.transformers")
 
@@ -63,6 +64,7 @@ class CachedLM:
         kv_dtype: torch.dtype = torch.float16,
         tp_rank: int = 0,
         recompute_tps: float | None = None,
+        prefill: PrefillFit | None = None,
     ):
         cfg = model.config
         heads = cfg.num_key_value_heads or cfg.num_attention_heads
@@ -73,8 +75,9 @@ class CachedLM:
         device = next(model.parameters()).device
         self.buffer = ipc.allocate((self.layers, 2, heads, capacity_tokens, head_dim), kv_dtype, device)
         self.buffer_id = client.register(self.buffer.handle, fingerprint, tp_rank)
-        #: the model's prefill rate (tokens/s), told to the sidecar's cost model; timed as we go
-        self.recompute_tps = recompute_tps
+        #: the model's prefill time, told to the sidecar's cost model: a constant rate (tokens/s) until
+        #: ``prefill`` (another instance's of this model, or a new one) is fitted to the prefills timed here
+        self.recompute_tps, self.prefill = recompute_tps, prefill or PrefillFit()
 
     def close(self) -> None:
         try:
@@ -93,7 +96,8 @@ class CachedLM:
         loaded, load = 0, None
         try:
             if usable > 0:  # the plan lists the prefix once (or not at all when no load could pay); the load does not
-                plan = self.client.plan(self.buffer_id, prompt[:usable], recompute_tokens_per_s=self.recompute_tps, deadline_s=deadline_s,
+                plan = self.client.plan(self.buffer_id, prompt[:usable], recompute_tokens_per_s=self.recompute_tps,
+                                        prefill_model=self.prefill.model(), deadline_s=deadline_s,
                                         may_skip_listing=True)
                 load = self.client.load(self.buffer_id, prompt[:usable], plan, deadline_s=deadline_s)
                 loaded = load.loaded_tokens
@@ -110,9 +114,8 @@ class CachedLM:
         tok = int(torch.argmax(out.logits[0, -1]))
         ttft = time.perf_counter() - t0
         computed = len(prompt) - loaded
-        if computed >= 64:  # a few tokens measure overheads, not the prefill rate
-            rate = computed / (time.perf_counter() - t_prefill)
-            self.recompute_tps = rate if self.recompute_tps is None else 0.7 * self.recompute_tps + 0.3 * rate
+        if computed >= 64:  # a few tokens measure overheads, not the prefill time
+            self.prefill.observe(*terms([(loaded, computed)]), time.perf_counter() - t_prefill)
 
         stored = None
         chunk = self.client.chunk_tokens or 1

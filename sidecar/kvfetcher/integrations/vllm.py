@@ -9,7 +9,7 @@ Configured the ordinary way (vLLM 0.26 and 0.32 checked; see docs/operations.md)
 
 vLLM builds one instance in the scheduler and one per worker; each delegates to its side:
 :class:`~kvfetcher.integrations.vllm_scheduler.SchedulerSide` (plans, block tables, saves to ask
-for, KV events, the engine's prefill rate) and :class:`~kvfetcher.integrations.vllm_worker.WorkerSide`
+for, KV events, the engine's prefill model) and :class:`~kvfetcher.integrations.vllm_worker.WorkerSide`
 (registers the KV cache, loads and saves in background threads). Contract with the engine: a load
 is asynchronous and reports its request finished only when it is over; blocks it did not write are
 reported as load errors, so vLLM recomputes them and never reads an unverified block. A failing or

@@ -14,6 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from kvfetcher import config
 from kvfetcher.api.client import KVClient
 from kvfetcher.fetch.plan import FetchPlan
+from kvfetcher.fetch.prefill import PrefillModel
 
 MIN_TIMED_TOKENS = 256  # a step computing fewer tokens times overheads, not the prefill rate
 
@@ -28,7 +29,7 @@ class Options:
     model: str = ""  # model fingerprint (default KVFETCHER_MODEL, else vLLM's model name)
     presets: tuple[str, ...] | None = None  # presets a load may use (default: the sidecar's allowed ones)
     ttft_budget_s: float | None = None  # prefer a load predicted within this to a faster recompute
-    recompute_tokens_per_s: float | None = None  # the prefill rate until the engine's own is measured
+    recompute_tokens_per_s: float | None = None  # the prefill rate until the engine's own prefill model is fitted
     lookup_timeout_s: float = 5.0  # the scheduler waits at most this for a plan, then recomputes
     load_deadline_s: float | None = None  # a load's deadline (default: the sidecar's KVFETCHER_DEADLINE_S)
 
@@ -71,7 +72,8 @@ class LoadSpec:
     first: int
     end: int
     block_ids: list[int]
-    recompute_tps: float | None = None  # the engine's prefill rate, for a load that plans again
+    recompute_tps: float | None = None  # the configured prefill rate, for a load that plans again
+    prefill_model: PrefillModel | None = None  # the engine's, once fitted (it wins)
 
 
 @dataclass
@@ -87,17 +89,18 @@ class SaveSpec:
 class StepMeta(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
-    step_tokens: int = 0  # tokens the engine computes in this step (for the prefill rate)
+    step_tokens: int = 0  # tokens the engine computes in this step (for the prefill model)
     preempted: set[str] = field(default_factory=set)
+    step_attention: float = 0.0  # and their attention term (:func:`kvfetcher.fetch.prefill.terms`)
 
 
 @dataclass
 class WorkerReport(KVConnectorWorkerMetadata):
     """Chunks the sidecar took per request (queued or already stored), and timed steps
-    ``(tokens, seconds)``; summed over tensor-parallel workers by taking the least stored."""
+    ``(tokens, attention, seconds)``; summed over tensor-parallel workers by taking the least stored."""
 
     stored_chunks: dict[str, int] = field(default_factory=dict)
-    steps: list[tuple[int, float]] = field(default_factory=list)
+    steps: list[tuple[int, float, float]] = field(default_factory=list)
 
     def aggregate(self, other: "WorkerReport") -> "WorkerReport":
         stored = {r: min(n, other.stored_chunks[r]) for r, n in self.stored_chunks.items() if r in other.stored_chunks}

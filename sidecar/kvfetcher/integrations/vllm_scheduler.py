@@ -11,7 +11,9 @@
   this step, a :class:`SaveSpec` of its whole chunks; :meth:`finished` holds the request's blocks
   until its save has copied them.
 * :meth:`report` reads the workers' report: stored chunks become ``BlockStored`` events (medium
-  ``OBJ``) for KV-aware routers, timed steps the prefill rate passed to the cost model.
+  ``OBJ``) for KV-aware routers, timed steps teach the engine's prefill model
+  (:class:`~kvfetcher.fetch.prefill.PrefillFit`, fed what :meth:`step` saw each request compute
+  after how many cached tokens), which every plan then passes to the cost model.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from kvfetcher import kvbuffer
 from kvfetcher.api.client import SidecarError
 from kvfetcher.api.group import RankGroup
+from kvfetcher.fetch import prefill
 from kvfetcher.fetch.plan import FetchPlan
 from kvfetcher.integrations.vllm_meta import MIN_TIMED_TOKENS, LoadSpec, Options, SaveSpec, StepMeta, WorkerReport
 
@@ -54,7 +57,7 @@ class SchedulerSide:
         self.block_size = spec.block_size
         self.dtype = kvbuffer.dtype_name(spec.dtype)
         self.kv_shape = (len(kv_cache_config.kv_cache_groups[0].layer_names), spec.num_kv_heads, spec.head_size)
-        self.recompute_tps = options.recompute_tokens_per_s
+        self.prefill = prefill.PrefillFit()
         self.requests: dict[str, _Request] = {}
         self.loads: list[LoadSpec] = []
         self.saving: dict[str, _Request] = {}  # asked to save, not yet reported
@@ -71,7 +74,8 @@ class SchedulerSide:
         (``SamplingParams(extra_args={"kv_transfer_params": {...}})``) in place of the options'."""
         tokens = list(request.prompt_token_ids or [])[:-1]
         own = getattr(request, "kv_transfer_params", None) or {}
-        kw = dict(model=self.options.model, dtype=self.dtype, kv_shape=self.kv_shape, recompute_tokens_per_s=self.recompute_tps,
+        kw = dict(model=self.options.model, dtype=self.dtype, kv_shape=self.kv_shape,
+                  recompute_tokens_per_s=self.options.recompute_tokens_per_s, prefill_model=self.prefill.model(),
                   presets=own.get("presets", self.options.presets), ttft_budget_s=own.get("ttft_budget_s", self.options.ttft_budget_s),
                   deadline_s=self.options.lookup_timeout_s / 2, may_skip_listing=True)
         plans, end = (), 0
@@ -101,29 +105,27 @@ class SchedulerSide:
         if r is None or num_external_tokens <= 0:
             return
         r.blocks, r.loaded = list(block_ids), r.end
-        self.loads.append(LoadSpec(request.request_id, r.tokens, r.plans, r.local, r.local + num_external_tokens, r.blocks, self.recompute_tps))
+        self.loads.append(LoadSpec(request.request_id, r.tokens, r.plans, r.local, r.local + num_external_tokens, r.blocks,
+                                   self.options.recompute_tokens_per_s, self.prefill.model()))
         r.end = 0  # one load per request: vLLM asks again only after it failed (or a preemption), then recompute
 
     # --- the step ----------------------------------------------------------------------------
 
     def step(self, out) -> StepMeta:
-        meta = StepMeta(self.loads, [], out.total_num_scheduled_tokens, set(getattr(out, "preempted_req_ids", None) or ()))
+        new, cached = out.scheduled_new_reqs, out.scheduled_cached_reqs
+        had = {n.req_id: n.num_computed_tokens for n in new} | dict(zip(cached.req_ids, cached.num_computed_tokens))
+        _, attention = prefill.terms((had[r], out.num_scheduled_tokens[r]) for r in had)
+        meta = StepMeta(self.loads, [], out.total_num_scheduled_tokens, set(getattr(out, "preempted_req_ids", None) or ()), attention)
         self.loads = []
-        done = []  # (request id, tokens computed once this step ends)
-        for new in out.scheduled_new_reqs:
-            if (r := self.requests.get(new.req_id)) is not None:
-                r.blocks = list(new.block_ids[0])
-                done.append((new.req_id, new.num_computed_tokens + out.num_scheduled_tokens[new.req_id]))
-        cached = out.scheduled_cached_reqs
+        for n in new:
+            if (r := self.requests.get(n.req_id)) is not None:
+                r.blocks = list(n.block_ids[0])
         for i, req_id in enumerate(cached.req_ids):
-            if (r := self.requests.get(req_id)) is None:
-                continue
-            if cached.new_block_ids[i] is not None:  # a resumed request gets its whole table anew
-                fresh = list(cached.new_block_ids[i][0])
+            if (r := self.requests.get(req_id)) is not None and cached.new_block_ids[i] is not None:
+                fresh = list(cached.new_block_ids[i][0])  # a resumed request gets its whole table anew
                 r.blocks = fresh if req_id in cached.resumed_req_ids else r.blocks + fresh
-            done.append((req_id, cached.num_computed_tokens[i] + out.num_scheduled_tokens[req_id]))
-        for req_id, computed in done:
-            if (save := self._save(self.requests[req_id], computed)) is not None:
+        for req_id, computed in had.items():  # computed once this step ends
+            if (r := self.requests.get(req_id)) is not None and (save := self._save(r, computed + out.num_scheduled_tokens[req_id])):
                 meta.saves.append(save)
         return meta
 
@@ -156,10 +158,9 @@ class SchedulerSide:
             r = self.saving.pop(req_id, None)
             if r is not None and chunks:
                 self.events.extend(self._stored_events(r, chunks * self.client.chunk_tokens))
-        for tokens, seconds in rep.steps:
-            if tokens >= MIN_TIMED_TOKENS and seconds > 0:
-                rate = tokens / seconds
-                self.recompute_tps = rate if self.recompute_tps is None else 0.8 * self.recompute_tps + 0.2 * rate
+        for tokens, attention, seconds in rep.steps:
+            if tokens >= MIN_TIMED_TOKENS:
+                self.prefill.observe(tokens, attention, seconds)
 
     def _stored_events(self, r: _Request, tokens: int) -> list:
         """``BlockStored`` for the blocks of the stored chunks, one event per chunk."""

@@ -85,8 +85,8 @@ class WorkerSide:
         self.saves: dict[str, Future] = {}  # issued saves, until reported finished sending
         self.vllm_finished: set[str] = set()
         self.stored: dict[str, int] = {}
-        self.steps: list[tuple[int, float]] = []
-        self._timing: list = []  # (tokens, start, end) of steps, until their time is known
+        self.steps: list[tuple[int, float, float]] = []
+        self._timing: list = []  # ((tokens, attention), start, end) of steps, until their time is known
         self._step_start = None
 
     # --- registration --------------------------------------------------------------------------
@@ -188,7 +188,7 @@ class WorkerSide:
         if not isinstance(meta, StepMeta):
             return
         if self._step_start is not None:
-            self._timing.append((meta.step_tokens, self._step_start, self._clock()))
+            self._timing.append(((meta.step_tokens, meta.step_attention), self._step_start, self._clock()))
             self._step_start = None
         self._collect_timing()
         if meta.saves:
@@ -206,13 +206,13 @@ class WorkerSide:
     def _collect_timing(self) -> None:
         """Steps whose time is known now (on a GPU, once their end event completed)."""
         pending = []
-        for tokens, start, end in self._timing:
+        for work, start, end in self._timing:
             if isinstance(start, float):
-                self.steps.append((tokens, end - start))
+                self.steps.append((*work, end - start))
             elif end.query():
-                self.steps.append((tokens, start.elapsed_time(end) / 1e3))
+                self.steps.append((*work, start.elapsed_time(end) / 1e3))
             else:
-                pending.append((tokens, start, end))
+                pending.append((work, start, end))
         self._timing = pending[-64:]
 
     def preempted(self, meta: StepMeta) -> None:
@@ -262,7 +262,8 @@ class WorkerSide:
         plan = spec.plans[self.tp_rank] if self.tp_rank < len(spec.plans) else None
         plan = plan if plan is not None and plan.tp_rank == self.tp_rank else None
         cost = {} if plan is not None and plan.preset else dict(presets=self.options.presets, ttft_budget_s=self.options.ttft_budget_s,
-                                                                recompute_tokens_per_s=spec.recompute_tps)
+                                                                recompute_tokens_per_s=spec.recompute_tps,
+                                                                prefill_model=spec.prefill_model)
         kw = dict(deadline_s=self.options.load_deadline_s, **cost)
         bs = self.block_size
         if not self._on_cpu():
