@@ -31,14 +31,15 @@ FINGERPRINT = "scale-bench"
 
 
 def _encode_one(args: tuple) -> bytes:
-    shape, preset, chunk_tokens, seed, start = args
-    kv = synthetic_kv(shape.layers, shape.kv_heads, chunk_tokens, shape.head_dim, torch.bfloat16, seed)
+    shape, preset, chunk_tokens, seed, start, dtype = args
+    kv = synthetic_kv(shape.layers, shape.kv_heads, chunk_tokens, shape.head_dim, dtype, seed)
     return encode_chunk(kv, preset, FINGERPRINT, start=start, rope_theta=shape.rope_theta)
 
 
-def encode_objects(shape: ModelShape, preset: str, chunk_tokens: int = 256, distinct: int = 4, workers: int = 8) -> list[bytes]:
+def encode_objects(shape: ModelShape, preset: str, chunk_tokens: int = 256, distinct: int = 4, workers: int = 8,
+                   dtype: torch.dtype = torch.bfloat16) -> list[bytes]:
     """``distinct`` different stored chunks of ``shape`` in ``preset`` (encoded in parallel processes)."""
-    jobs = [(shape, preset, chunk_tokens, seed, seed * chunk_tokens) for seed in range(distinct)]
+    jobs = [(shape, preset, chunk_tokens, seed, seed * chunk_tokens, dtype) for seed in range(distinct)]
     if workers <= 1 or preset == "raw":
         return [_encode_one(j) for j in jobs]
     # spawn, not fork: a process forked after torch has run its thread pools can hang

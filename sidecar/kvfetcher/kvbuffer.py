@@ -98,13 +98,17 @@ class Destination:
     write ends with :meth:`finish`. ``handle`` is the buffer's IPC handle (:mod:`ipc`), which
     decode worker processes open to write into the same memory; they address a chunk by
     :meth:`where`.
+
+    Tokens before ``first_token`` are never written (their slots may hold KV that others share): a
+    chunk straddling it (:meth:`skip`) writes only its tail, by :meth:`scatter`, never by a worker.
     """
 
     def __init__(self, buffer: torch.Tensor, slots: Sequence[int] | None = None, offset: int = 0, tokens: int | None = None,
-                 handle: dict | None = None):
+                 handle: dict | None = None, first_token: int = 0):
         self.shape, self.dtype, self.device = check_shape(buffer), buffer.dtype, buffer.device
         self.buffer = buffer
         self.handle = handle
+        self.first_token = first_token
         if tokens is None:
             if slots is None:
                 raise ValueError("give the destination's slots or its number of tokens")
@@ -123,19 +127,30 @@ class Destination:
         if c.start + c.tokens > self.tokens:
             raise ValueError(f"no destination slots for tokens {c.start}..{c.start + c.tokens}")
 
+    def skip(self, c: ChunkRef) -> int:
+        """How many leading tokens of the chunk lie before ``first_token``: left as they are."""
+        return min(max(self.first_token - c.start, 0), c.tokens)
+
     def where(self, c: ChunkRef) -> list[int]:
-        """The chunk's place, as a decode worker's destination takes it: its slots."""
+        """The chunk's place, as a decode worker's destination takes it: its slots (a whole chunk)."""
+        self._whole(c)
         return list(self.slots[c.start : c.start + c.tokens])
 
+    def _whole(self, c: ChunkRef) -> None:
+        if self.skip(c):
+            raise ValueError(f"chunk tokens {c.start}..{c.start + c.tokens} start before first_token {self.first_token}: only its tail is written")
+
     def view(self, c: ChunkRef) -> torch.Tensor | None:
-        """The buffer view the chunk's slots form when they are contiguous, else None (scatter)."""
+        """The buffer view the chunk's slots form when they are contiguous and all written, else None (scatter)."""
         idx = self.slots[c.start : c.start + c.tokens]
-        return self.buffer[:, :, :, idx[0] : idx[0] + len(idx)] if contiguous(idx) else None
+        return self.buffer[:, :, :, idx[0] : idx[0] + len(idx)] if contiguous(idx) and not self.skip(c) else None
 
     def scatter(self, c: ChunkRef, kv: torch.Tensor) -> None:
-        """Write the chunk's KV ``[layers, 2, kv_heads, tokens, head_dim]`` into its slots, wherever they are."""
-        idx = torch.tensor(self.slots[c.start : c.start + c.tokens], device=self.device)
-        self.buffer.index_copy_(3, idx, kv.to(self.device, non_blocking=True))
+        """Write the chunk's KV ``[layers, 2, kv_heads, tokens, head_dim]`` into its slots, wherever
+        they are (those of tokens from ``first_token`` on)."""
+        s = self.skip(c)
+        idx = torch.tensor(self.slots[c.start + s : c.start + c.tokens], device=self.device)
+        self.buffer.index_copy_(3, idx, kv[:, :, :, s:].to(self.device, non_blocking=True))
 
     def read(self, start: int, tokens: int) -> torch.Tensor:
         """A private host copy of the KV ``[layers, 2, kv_heads, tokens, head_dim]`` of tokens
@@ -320,11 +335,13 @@ class PagedDestination(Destination):
     ``block_ids[i // block_size]`` of ``kv``; :class:`Destination`'s interface. Chunks are whole
     blocks; a decode worker addresses a chunk by its blocks (:meth:`where`). A chunk has no
     in-place view (its blocks are scattered): it is unpacked, then written by one device-side
-    scatter per tensor."""
+    scatter per tensor. ``first_token`` must be whole blocks: no block before it is written."""
 
-    def __init__(self, kv: PagedKV, block_ids: Sequence[int], tokens: int, handle: dict | None = None):
-        self.kv, self.handle, self.tokens = kv, handle, tokens
+    def __init__(self, kv: PagedKV, block_ids: Sequence[int], tokens: int, handle: dict | None = None, first_token: int = 0):
+        self.kv, self.handle, self.tokens, self.first_token = kv, handle, tokens, first_token
         self.blocks = kv.blocks_of(block_ids, 0, tokens)
+        if first_token % kv.layout.block_size:
+            raise ValueError(f"first_token {first_token} is not whole blocks of {kv.layout.block_size} tokens")
         self.shape, self.dtype, self.device = kv.shape, kv.dtype, kv.device
 
     def check(self, h, c: ChunkRef) -> None:
@@ -334,29 +351,35 @@ class PagedDestination(Destination):
             raise ValueError(f"chunk tokens {c.start}..{c.start + c.tokens} are not whole blocks of {bs} tokens")
 
     def where(self, c: ChunkRef) -> list[int]:
+        self._whole(c)
+        return self._blocks(c.start, c.tokens)
+
+    def _blocks(self, start: int, tokens: int) -> list[int]:
         bs = self.kv.layout.block_size
-        return self.blocks[c.start // bs : (c.start + c.tokens) // bs]
+        return self.blocks[start // bs : (start + tokens) // bs]
 
     def view(self, c: ChunkRef) -> None:
         return None
 
     def scatter(self, c: ChunkRef, kv: torch.Tensor) -> None:
-        self.kv.write(self.where(c), kv)
+        s = self.skip(c)
+        self.kv.write(self._blocks(c.start + s, c.tokens - s), kv[:, :, :, s:])
 
     def read(self, start: int, tokens: int) -> torch.Tensor:
-        return self.kv.read(self.where(ChunkRef("", 0, start, tokens))).cpu()
+        return self.kv.read(self._blocks(start, tokens)).cpu()
 
 
 def destination(buffer: torch.Tensor | PagedKV, tokens: int, slots: Sequence[int] | None = None, offset: int = 0,
-                block_ids: Sequence[int] | None = None, handle: dict | None = None) -> Destination:
+                block_ids: Sequence[int] | None = None, handle: dict | None = None, first_token: int = 0) -> Destination:
     """Where ``tokens`` tokens of a request live in ``buffer``: ``block_ids`` in paged KV, ``slots``
-    or ``offset`` in a flat buffer. ``ValueError`` for addressing that does not fit the buffer."""
+    or ``offset`` in a flat buffer; nothing before ``first_token`` is written. ``ValueError`` for
+    addressing that does not fit the buffer."""
     if isinstance(buffer, PagedKV):
         if slots is not None or offset:
             raise ValueError("a paged buffer is addressed by block_ids, not slots or offset")
         if block_ids is None:
             raise ValueError("a paged buffer needs the request's block_ids")
-        return PagedDestination(buffer, block_ids, tokens, handle)
+        return PagedDestination(buffer, block_ids, tokens, handle, first_token)
     if block_ids is not None:
         raise ValueError("block_ids address a paged buffer; this one is flat: give slots or offset")
-    return Destination(buffer, slots=slots, offset=offset, tokens=tokens, handle=handle)
+    return Destination(buffer, slots=slots, offset=offset, tokens=tokens, handle=handle, first_token=first_token)

@@ -55,10 +55,10 @@ class Buffer:
     handle: dict | None = None  # this process's handle (ipc.adopt): what decode worker processes open to write into the same memory
 
     def destination(self, tokens: int, slots: Sequence[int] | None = None, offset: int = 0,
-                    block_ids: Sequence[int] | None = None) -> Destination:
+                    block_ids: Sequence[int] | None = None, first_token: int = 0) -> Destination:
         """Where ``tokens`` tokens of a request live in this buffer (:func:`kvbuffer.destination`)."""
         try:
-            return kvbuffer.destination(self.tensor, tokens, slots, offset, block_ids, self.handle)
+            return kvbuffer.destination(self.tensor, tokens, slots, offset, block_ids, self.handle, first_token)
         except ValueError as e:
             raise RequestError(str(e)) from e
 
@@ -329,10 +329,13 @@ class Sidecar:
     # --- load ------------------------------------------------------------------------------
 
     async def load(self, bid: str, tokens: Sequence[int], plan: FetchPlan | None = None, *, slots: Sequence[int] | None = None,
-                   offset: int = 0, block_ids: Sequence[int] | None = None, deadline_s: float | None = None, **opts) -> LoadReply:
+                   offset: int = 0, block_ids: Sequence[int] | None = None, first_token: int = 0, deadline_s: float | None = None,
+                   **opts) -> LoadReply:
         """Load as many leading whole chunks of ``tokens`` as ``plan`` says into the buffer at
         ``slots`` or ``offset`` (a paged buffer: into ``block_ids``, :meth:`Buffer.destination`). Without a plan, or with one that chose no preset, this plans first
         (one listing) with the cost keywords of :meth:`plan`; they are refused beside a chosen plan.
+        Tokens before ``first_token`` are the caller's: chunks wholly before it are not fetched, nor
+        written; they count as loaded.
 
         ``deadline_s`` covers the listing too when this plans. Never raises for a storage or data
         problem: the reply says how many leading tokens were loaded and which to recompute."""
@@ -342,7 +345,7 @@ class Sidecar:
         buf = self._buffer(bid)
         N = self.config.chunk_tokens
         n_req = len(tokens) // N * N
-        dest = buf.destination(n_req, slots, offset, block_ids)
+        dest = buf.destination(n_req, slots, offset, block_ids, first_token)
         ck = keys.chunk_keys(buf.ns, tokens[:n_req], N)
         opts = {k: v for k, v in opts.items() if v is not None}
         if plan is not None:
@@ -359,13 +362,18 @@ class Sidecar:
         if not plan.chunks:
             return self._fallback(reply, plan.reason, plan.detail)
         refs = [kvbuffer.ChunkRef(keys.object_name(ck[i], preset), size, i * N, N) for i, (preset, size) in enumerate(plan.chunks)]
+        mine = min(first_token // N, len(refs))  # leading chunks the caller holds already
+        refs, reply.loaded_tokens, reply.not_loaded = refs[mine:], mine * N, (mine * N, n_req)
+        if not refs:
+            return reply
         quiet = self._warming is None or self._warming.done()  # else the warm-up shares the decode workers
         async with self.link.fetch() as share:
             out = await executor.fetch(self.store, refs, dest, fingerprint=buf.ns.model, io_pool=self.data_pool, decode_pool=self.decode_pool,
                                        device=buf.tensor.device, deadline_s=max(0.0, deadline_s - (time.perf_counter() - t0)),
                                        window=self.config.window, workers=self.workers, object_key=self._object_key)
         self._observe(plan, out, learn=quiet, sharers=share.sharers)
-        reply.loaded_tokens, reply.bytes_read, reply.kv_bytes, reply.seconds = out.loaded_tokens, out.bytes_read, out.kv_bytes, out.seconds
+        reply.loaded_tokens += out.loaded_tokens
+        reply.bytes_read, reply.kv_bytes, reply.seconds = out.bytes_read, out.kv_bytes, out.seconds
         reply.decision.actual_s = out.seconds
         self.metrics.fetch_seconds.observe(time.perf_counter() - t0)
         if out.bad_object:  # else it would block every later load, and a re-store would be a no-op

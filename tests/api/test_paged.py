@@ -120,6 +120,50 @@ def test_a_store_reads_blocks_and_a_flat_buffer_loads_it_and_back(tmp_path, shm)
     asyncio.run(main())
 
 
+@pytest.mark.parametrize(
+    "dims, preset, procs",
+    [
+        ("BHT(KD)", "raw", 0),
+        ("BLTH(KD)", "q8", 0),
+        (None, "raw", 0),  # a flat buffer (the CPU connector's staging buffer)
+        pytest.param("BHT(KD)", "q8", 1, marks=pytest.mark.slow),  # the straddling chunk is not a decode worker's
+    ],
+)
+def test_a_load_from_first_token_leaves_the_blocks_before_it_alone(tmp_path, shm, dims, preset, procs):
+    """vLLM's own prefix-cache hit (tokens 0..96, blocks that other requests may share) stays
+    byte-identical: chunk 0 is not fetched, chunk 1 (64..128) writes only 96..128."""
+    kv = synthetic_kv(layers=LAYERS, heads=HEADS, tokens=len(TOKENS), head_dim=HEAD_DIM)
+    theirs = synthetic_kv(layers=LAYERS, heads=HEADS, tokens=len(TOKENS), head_dim=HEAD_DIM, seed=7)  # what the engine holds
+    first = 96
+
+    async def main():
+        async with running(LocalStore(tmp_path), chunk_tokens=N, presets=(preset,), decode_procs=procs, warm_up=procs > 0) as sc:
+            want = await stored_and_restored_flat(sc, shm, kv)
+            full = (await sc.load(sc.register(shm((LAYERS, 2, HEADS, 256, HEAD_DIM)).handle, FP), TOKENS, recompute_tps=1.0)).kv_bytes
+            if dims is None:
+                flat = shm((LAYERS, 2, HEADS, 256, HEAD_DIM))
+                flat.tensor.copy_(theirs)
+                bid, got = sc.register(flat.handle, FP), lambda: flat.tensor
+            else:
+                tensors, handle = paged(shm, dims)
+                write_blocks(tensors, PagedLayout(dims, BS), SCATTERED, theirs)
+                bid, got = sc.register(handle, FP), lambda: read_blocks(tensors, PagedLayout(dims, BS), SCATTERED, 0, 256)
+            where = {} if dims is None else dict(block_ids=SCATTERED)
+            r = await sc.load(bid, TOKENS, first_token=first, recompute_tps=1.0, **where)
+            assert (r.error, r.loaded_tokens, r.not_loaded) == (None, 256, (256, 256)), r
+            assert r.kv_bytes == full * 3 // 4  # chunks 1..3 restored: chunk 0 was not fetched
+            assert torch.equal(got()[:, :, :, :first].view(torch.int16), theirs[:, :, :, :first].view(torch.int16))
+            assert torch.equal(got()[:, :, :, first:].view(torch.int16), want[:, :, :, first:].view(torch.int16))
+            if dims is not None:
+                assert untouched(tensors, dims, SCATTERED)
+                r = await sc.load(bid, TOKENS, first_token=256, recompute_tps=1.0, **where)  # all of it is the engine's
+                assert (r.error, r.loaded_tokens, r.bytes_read) == (None, 256, 0)
+                with pytest.raises(RequestError, match="whole blocks"):
+                    await sc.load(bid, TOKENS, first_token=first + 1, recompute_tps=1.0, **where)
+
+    asyncio.run(main())
+
+
 def _open_fds() -> int:
     import gc
 

@@ -5,7 +5,8 @@ recompute with the same tokens; partial hits, shared prefixes and concurrent req
 stored and nothing else. Under tensor parallelism (three ranks, one KV head each) a prompt is loaded
 only as far as every rank has its shard.
 
-The engine runs in the vLLM venv (``.venv-vllm``, built by ``make``) as ``vllm_engine.py``, one
+The engine runs in the vLLM venv (``.venv-vllm``, built by ``make``; ``VLLM_PYTHON`` names another
+vLLM venv's Python, e.g. one with vLLM 0.26: docs/operations.md) as ``vllm_engine.py``, one
 process for the whole module (its start-up is the cost). Every measured run is preceded by
 ``reset_prefix_cache`` so that vLLM's own prefix cache does not answer in the connector's place,
 and its reference is the same engine with ``skip_reading_prefix_cache`` (a plain recompute).
@@ -35,7 +36,7 @@ from kvtest import corrupt_segment, foreign, truncate
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+VLLM_PY = Path(os.environ.get("VLLM_PYTHON") or ROOT / ".venv-vllm" / "bin" / "python")
 MARK = "@@kvfetcher-engine@@ "
 CHUNK = 128  # = vLLM's CPU block size
 NS = keys.Namespace(model="smollm2", dtype="float32", shape=(30, 3, 64))  # SmolLM2 in vLLM on CPU (fp32: no AVX-512 here to make bf16 fast)

@@ -206,6 +206,7 @@ class KVClient:
         ttft_budget_s: float | None = None,
         group_size: int | None = None,
         block_ids: Sequence[int] | None = None,
+        first_token: int = 0,
     ) -> LoadReply:
         """Load the stored leading chunks of ``tokens`` into the buffer at ``offset`` (or ``slots``;
         a paged buffer: into ``block_ids``, the prompt's blocks in order).
@@ -215,11 +216,11 @@ class KVClient:
         plan's and must not be given (unless the plan chose no preset: made for a namespace without
         a registered buffer, it is only a hit count, and the sidecar plans again). When this returns, ``loaded_tokens`` leading tokens are in the
         buffer (on a GPU, with the sidecar's writes complete) and nothing else was touched;
-        recompute from there.
+        recompute from there. Nothing before ``first_token`` is fetched or written (it is the caller's).
         """
         return self._call(schemas.FETCH, schemas.FetchRequest(
             buffer, list(map(int, tokens)), plan, offset, _ints(slots), deadline_s, recompute_tokens_per_s or None, prefill_model,
-            list(presets) if presets else None, ttft_budget_s, group_size, _ints(block_ids)))
+            list(presets) if presets else None, ttft_budget_s, group_size, _ints(block_ids), first_token))
 
     def save(self, buffer: str, tokens: Sequence[int], *, offset: int = 0, slots: Sequence[int] | None = None,
              block_ids: Sequence[int] | None = None) -> schemas.StoreReply:

@@ -123,6 +123,9 @@ class FetchRequest:
     ttft_budget_s: float | None = positive("without a plan: as in `/v1/lookup`", None)
     group_size: int | None = doc("without a plan: as in `/v1/lookup` (default 1)", None, min=1)
     block_ids: list[int] | None = natural(BLOCK_IDS, None)
+    first_token: int = natural("tokens before it are the caller's (a serving engine's own prefix-cache hit, whose blocks other requests "
+                               "may share): never written, and chunks wholly before it are not fetched; a chunk straddling it writes "
+                               "only its tail. A paged buffer needs whole blocks. `loaded_tokens` still counts from token 0", 0)
 
 
 @dataclass

@@ -205,8 +205,9 @@ async def lookup(request: web.Request) -> web.Response:
 async def fetch(request: web.Request) -> web.Response:
     r = await _parse(request, schemas.FetchRequest)
     reply = await request.app[SIDECAR].load(
-        r.buffer, r.tokens, r.plan, slots=r.slots, offset=r.offset, block_ids=r.block_ids, deadline_s=r.deadline_s,
-        recompute_tps=r.recompute_tokens_per_s, prefill_model=r.prefill_model, presets=r.presets, ttft_budget_s=r.ttft_budget_s,
+        r.buffer, r.tokens, r.plan, slots=r.slots, offset=r.offset, block_ids=r.block_ids, first_token=r.first_token,
+        deadline_s=r.deadline_s, recompute_tps=r.recompute_tokens_per_s, prefill_model=r.prefill_model, presets=r.presets,
+        ttft_budget_s=r.ttft_budget_s,
         group_size=r.group_size,
     )
     return _reply(reply)

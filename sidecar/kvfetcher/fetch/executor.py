@@ -298,7 +298,7 @@ class _Fetch:
         the workers cannot map the buffer (from the same bytes: nothing is read twice)."""
         parts = await asyncio.gather(*(self._part(c, h, head, s) for s in ([h.side] if h.side else []) + list(h.segments)))
         side, segments = (parts[0], parts[1:]) if h.side else (None, parts)
-        if self.workers is not None and h.codec.format not in ENTROPY_FORMATS:
+        if self.workers is not None and h.codec.format not in ENTROPY_FORMATS and not self.dest.skip(c):  # workers write whole chunks
             restore = self.workers.restore(self.dest.handle, head[: h.header_size], side, segments, self.dest.where(c), self._auth(c))
             try:
                 n = await self._write(i, asyncio.ensure_future(_timed(self.decodes, restore)))

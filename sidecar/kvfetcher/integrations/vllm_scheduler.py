@@ -93,6 +93,8 @@ class SchedulerSide:
         return _Request(request, tokens, plans, end)
 
     def matched(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        if getattr(request, "skip_reading_prefix_cache", False):  # a plain recompute (vLLM 0.26 still asks the connector)
+            return 0, False
         r = self.requests.get(request.request_id)
         if r is None:
             r = self.requests[request.request_id] = self._plan(request)

@@ -15,7 +15,6 @@ Registration is retried on the next load or save after the sidecar was unreachab
 
 from __future__ import annotations
 
-import inspect
 import logging
 import threading
 import time
@@ -24,13 +23,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from kvfetcher import ipc, kvbuffer
-from kvfetcher.api.client import KVClient, SidecarError
+from kvfetcher.api.client import SidecarError
 from kvfetcher.integrations.vllm_meta import MIN_TIMED_TOKENS, LoadSpec, Options, SaveSpec, StepMeta, WorkerReport
 
 log = logging.getLogger("kvfetcher.integrations.vllm")
 
-#: whether a paged load can start past vLLM's own prefix-cache hit (``first_token``)
-PAGED_SKIP = "first_token" in inspect.signature(KVClient.load).parameters
 _PROBE = dict(num_blocks=1013, block_size=272, num_kv_heads=7)  # distinct sizes that name a backend's axes
 
 
@@ -264,13 +261,10 @@ class WorkerSide:
         cost = {} if plan is not None and plan.preset else dict(presets=self.options.presets, ttft_budget_s=self.options.ttft_budget_s,
                                                                 recompute_tokens_per_s=spec.recompute_tps,
                                                                 prefill_model=spec.prefill_model)
-        kw = dict(deadline_s=self.options.load_deadline_s, **cost)
+        # vLLM's own cache holds the tokens before ``first``, in blocks other requests may share: never written
+        kw = dict(deadline_s=self.options.load_deadline_s, first_token=spec.first, **cost)
         bs = self.block_size
         if not self._on_cpu():
-            if spec.first:  # vLLM's own cache holds tokens before it, in blocks shared with other requests
-                if not PAGED_SKIP:  # a sidecar API that cannot leave them alone: recompute, never overwrite them
-                    return spec.first
-                kw["first_token"] = spec.first
             reply = self.client.load(buf, spec.tokens, plan, block_ids=self._blocks(spec.block_ids), **kw)
             return max(spec.first, min(reply.loaded_tokens, spec.end) // bs * bs)
         with self.staging_lock:

@@ -1,0 +1,209 @@
+"""engine: what the vLLM TTFT phases share: the connector's config, an engine under a watchdog, a
+timed batch, and the runner that gives each phase a process of its own and a time limit.
+
+A phase is one process (vLLM gives no GPU back within one). Every engine call in it runs under
+:func:`watchdog`: past its limit the process prints every thread's stack and exits, so a hang
+reports an error and the next phase still runs; :func:`run_phases` kills whatever the phase left
+(vLLM's engine core, the sidecar) and stops starting phases before its own deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kvfetcher.eval.costmodel import ModelShape
+
+CHUNK = 256  # the sidecar's chunk tokens: a whole number of vLLM blocks on a GPU (16) and a CPU (128)
+LLAMA3_8B_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072, "torch_dtype": "bfloat16",
+    "hidden_act": "silu", "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001,
+}
+
+
+def on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def connector(socket: str, model: str) -> dict:
+    return {"kv_connector": "KVFetcherConnector", "kv_connector_module_path": "kvfetcher.integrations.vllm", "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"socket": socket, "model": model}}
+
+
+@contextlib.contextmanager
+def watchdog(seconds: float, what: str):
+    """Exit the process (status 1, every thread's stack on stderr) if the block outlasts ``seconds``."""
+    print(f"[watchdog] {what}: at most {seconds:.0f} s", file=sys.stderr, flush=True)
+    faulthandler.dump_traceback_later(seconds, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def kv_dtype() -> str:
+    return "bfloat16" if on_gpu() else "float32"
+
+
+def sidecar(work: Path, name: str, **env):
+    """``kvfetcher serve`` on a Unix socket in ``work`` (log beside it), chunks of :data:`CHUNK` tokens."""
+    from benchmarks.lib.sidecar_proc import SidecarProcess
+
+    return SidecarProcess(work / f"{name}.sock", work / f"{name}-sidecar.log", KVFETCHER_CHUNK_TOKENS=str(CHUNK), **env).start()
+
+
+def timing_model(tiny: bool, work: Path) -> tuple[Path, dict]:
+    """The model of the timing phases and the engine's options for it: SmolLM2 (``tiny``) or a
+    random-weight Llama-3-8B (``load_format="dummy"``)."""
+    if tiny:
+        return smollm2_dir(), dict(skip_tokenizer_init=True)
+    d = work / "llama3-8b"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps(LLAMA3_8B_CONFIG))
+    return d, dict(load_format="dummy", skip_tokenizer_init=True)
+
+
+def store_prefixes(root: Path, prefixes: list[list[int]], ns, shape: ModelShape, workers: int) -> dict[str, int]:
+    """Every whole chunk of every token list in ``raw`` and ``balanced`` under ``root/bench`` (an S3
+    bucket for ``linkserver``), as hard links to two synthetic encoded chunks per preset (real
+    sizes and decode work, not real values); the bytes of one chunk per preset."""
+    import torch
+
+    from benchmarks.lib import fetchkit
+    from kvfetcher import keys
+
+    size = {}
+    (root / "_objects").mkdir(parents=True, exist_ok=True)
+    for preset in ("raw", "balanced"):
+        objs = fetchkit.encode_objects(shape, preset, CHUNK, distinct=2, workers=workers, dtype=getattr(torch, ns.dtype))
+        size[preset] = sum(map(len, objs)) // len(objs)
+        src = []
+        for i, o in enumerate(objs):
+            (p := root / "_objects" / f"{preset}-{i}").write_bytes(o)
+            src.append(p)
+        for ids in prefixes:
+            for j, k in enumerate(keys.chunk_keys(ns, ids, CHUNK)):
+                dst = root / "bench" / keys.object_name(k, preset)
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                if not dst.exists():
+                    os.link(src[j % len(src)], dst)
+    return size
+
+
+@contextlib.contextmanager
+def s3_sidecar(work: Path, name: str, prefixes: list[list[int]], ns, shape: ModelShape, workers: int):
+    """The prefixes stored (:func:`store_prefixes`), ``linkserver`` serving them over one paced
+    link and a sidecar reading it: yields (sidecar, link url, bytes of a chunk per preset)."""
+    from benchmarks.lib import linkserver
+
+    t0 = time.perf_counter()
+    size = store_prefixes(work / f"{name}-s3", prefixes, ns, shape, workers)
+    print(f"stored {len(prefixes)} prefixes in raw and balanced ({size} bytes a chunk) in {time.perf_counter() - t0:.0f} s", flush=True)
+    url, server = linkserver.start_process(work / f"{name}-s3")
+    try:
+        sc = sidecar(work, name, KVFETCHER_S3_ENDPOINT=url, KVFETCHER_S3_BUCKET="bench", KVFETCHER_S3_ACCESS_KEY="bench",
+                     KVFETCHER_S3_SECRET_KEY="bench", KVFETCHER_PRESET="raw")
+        try:
+            yield sc, url, size
+        finally:
+            sc.stop()
+    finally:
+        server.terminate()
+
+
+def smollm2_dir() -> Path:
+    """The plain SmolLM2 copy vLLM loads (made from the shipped GGUF file once)."""
+    from kvfetcher.eval import model
+
+    d = model.cache_dir() / "smollm2-135m"
+    if not (d / "config.json").exists():
+        model.load()
+    return d
+
+
+def shape_of(model_dir: Path) -> ModelShape:
+    """The KV geometry (and size) of the model a ``config.json`` describes."""
+    c = json.loads((model_dir / "config.json").read_text())
+    return ModelShape(model_dir.name, c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"],
+                      c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"], c["intermediate_size"], c["vocab_size"],
+                      float(c.get("rope_theta", 10000.0)))
+
+
+def start_llm(model_dir: Path, socket: str, fingerprint: str, *, prefix_caching: bool, max_model_len: int, timeout_s: float, **kw):
+    """``vllm.LLM`` with the connector: bf16 on a GPU, fp32 on a CPU (bf16 is slow without AVX-512).
+    ``prefix_caching`` False: vLLM's own prefix cache never answers, so every hit is kvfetcher's."""
+    from vllm import LLM
+
+    gpu = on_gpu()
+    opts = dict(dtype="bfloat16", gpu_memory_utilization=kw.pop("gpu_memory_utilization", 0.85)) if gpu else dict(dtype="float32")
+    with watchdog(timeout_s, "engine start"):
+        return LLM(model=str(model_dir), enforce_eager=True, max_model_len=max_model_len, enable_prefix_caching=prefix_caching,
+                   kv_transfer_config=connector(socket, fingerprint), **opts, **kw)
+
+
+def generate(llm, prompts: list[list[int]], max_tokens: int, params: dict | None, timeout_s: float) -> tuple[float, list]:
+    """One batch, greedy: (wall seconds, [(tokens, num_cached_tokens), ...]). ``params``: the
+    requests' ``kv_transfer_params``; None: a plain recompute (``skip_reading_prefix_cache``: no
+    cached KV read, vLLM's or kvfetcher's)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, skip_reading_prefix_cache=params is None,
+                        extra_args={"kv_transfer_params": params} if params else None)
+    with watchdog(timeout_s, f"generate {len(prompts)} x {max(map(len, prompts))} tokens"):
+        t0 = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+        s = time.perf_counter() - t0
+    return s, [(list(o.outputs[0].token_ids), o.num_cached_tokens or 0) for o in out]
+
+
+def wait_stored(client, tokens: list[int], n: int, ns: dict, timeout_s: float = 120) -> None:
+    """Wait until the sidecar has the first ``n`` tokens of ``tokens`` stored (saves run in the background)."""
+    deadline = time.time() + timeout_s
+    while (have := client.lookup(None, tokens, **ns)) < n:
+        if time.time() > deadline:
+            raise RuntimeError(f"{n} tokens were never stored (have {have})")
+        time.sleep(0.5)
+
+
+def counter(client, name: str) -> float:
+    """A counter of the sidecar's metrics, summed over its labels."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in client.metrics().splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
+def run_phases(module: str, phases: list[str], argv: list[str], out: Path, timeout_s: dict[str, float], deadline_s: float) -> dict:
+    """Run ``python -m module --phase P argv`` for each phase, each in a new process group killed
+    when it ends; a phase that fails, hangs past its ``timeout_s`` or would start after
+    ``deadline_s`` is recorded as such. Returns {phase: "ok" | why not}."""
+    t_end, status = time.monotonic() + deadline_s, {}
+    for phase in phases:
+        left = t_end - time.monotonic()
+        if left < 60:
+            status[phase] = "not run: the deadline came first"
+            continue
+        limit = min(timeout_s.get(phase, 600), left)
+        p = subprocess.Popen([sys.executable, "-m", module, "--phase", phase, *argv], start_new_session=True)
+        try:
+            rc = p.wait(limit)
+            status[phase] = "ok" if rc == 0 else f"failed: exit status {rc} (its stacks and error are above)"
+        except subprocess.TimeoutExpired:
+            status[phase] = f"killed after {limit:.0f} s"
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)  # the engine core and the sidecar too
+            p.wait()
+        print(f"== phase {phase}: {status[phase]}", flush=True)
+    (out / "status.json").write_text(json.dumps(status, indent=1))
+    return status

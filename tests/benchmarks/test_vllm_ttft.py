@@ -1,0 +1,59 @@
+"""The vLLM TTFT benchmark's phase runner: a phase that fails or hangs is reported and the next one
+still runs; what a hung phase started (vLLM's engine core, the sidecar) is killed with it; no phase
+starts past the deadline. (The phases themselves need a vLLM engine: `--tiny` runs them on a CPU.)"""
+
+import json
+import os
+import textwrap
+import time
+
+from benchmarks.vllm_ttft.engine import run_phases
+from benchmarks.vllm_ttft.under_load import WORKLOAD, stream, summary
+
+PHASE = """
+import subprocess, sys, time
+phase = sys.argv[sys.argv.index("--phase") + 1]
+if phase == "fail":
+    sys.exit(3)
+if phase == "hang":
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    open(sys.argv[-1], "w").write(str(child.pid))
+    time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def test_failed_and_hung_phases_are_reported_and_a_hung_phase_leaves_nothing_running(tmp_path, monkeypatch):
+    (tmp_path / "fakephase.py").write_text(textwrap.dedent(PHASE))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    pid_file = tmp_path / "child.pid"
+    t0 = time.monotonic()
+    status = run_phases("fakephase", ["fail", "hang", "ok"], [str(pid_file)], tmp_path, {"hang": 3}, deadline_s=600)
+    assert status == {"fail": "failed: exit status 3 (its stacks and error are above)", "hang": "killed after 3 s", "ok": "ok"}
+    assert time.monotonic() - t0 < 60
+    assert not _alive(int(pid_file.read_text()))  # the hung phase's own child went with it
+    assert json.loads((tmp_path / "status.json").read_text()) == status
+    assert run_phases("fakephase", ["ok"], [], tmp_path, {}, deadline_s=30) == {"ok": "not run: the deadline came first"}
+
+
+def test_the_load_stream_arrives_at_its_rate_and_mostly_shares_stored_prefixes():
+    import random
+
+    w = dict(WORKLOAD[True], requests=200)
+    prefixes = [[1] * w["prefix"], [2] * w["prefix"]]
+    reqs = stream(random.Random(0), prefixes, w, 1000)
+    assert [at for at, _, _ in reqs[:3]] == [0.0, 1 / w["rate"], 2 / w["rate"]]
+    assert all(len(p) == w["prefix"] + w["suffix"] for _, p, _ in reqs)
+    assert all((p[: w["prefix"]] in prefixes) == shared for _, p, shared in reqs)
+    assert 0.7 < sum(s for *_, s in reqs) / len(reqs) < 0.9
+    got = [dict(ttft_s=float(i), end=10.0, tokens=5, cached=0) for i in range(len(reqs))]
+    s = summary(reqs, got, 0.0)
+    assert (s["ttft_p50_s"], s["output_tokens_per_s"], s["requests"]) == (99.5, 100.0, 200)
