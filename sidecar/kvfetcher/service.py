@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import secrets
 import time
 from collections.abc import Sequence
@@ -38,12 +37,13 @@ from kvfetcher.fetch.linkshare import LinkShare
 from kvfetcher.fetch.plan import Costs, FetchPlan, LoadDecision, LoadReply, list_prefix, listing_rounds, make_plan, seal, sealed
 from kvfetcher.fetch.prefill import PrefillModel
 from kvfetcher.fetch.workers import DecodeWorkers, warmup_object
-from kvfetcher.format import calibration, mac
-from kvfetcher.format.presets import PRESETS, for_model, usable
+from kvfetcher.format import mac
+from kvfetcher.format.presets import PRESETS, usable
 from kvfetcher.kvbuffer import Destination, PagedKV
 from kvfetcher.metrics import Metrics
 from kvfetcher.save.writer import Job, Writer
 from kvfetcher.store import Store, StoreError
+from kvfetcher.store.calibrations import CalibrationLookup
 
 log = logging.getLogger("kvfetcher.service")
 
@@ -63,10 +63,6 @@ class Buffer:
             raise RequestError(str(e)) from e
 
 
-#: how long a model whose calibration the store lacked waits for the next look (one listing of it)
-CALIBRATION_RECHECK_S = 60.0
-
-
 class Sidecar:
     def __init__(self, store: Store, config: Config | None = None, metrics: Metrics | None = None):
         self.store = store
@@ -84,9 +80,7 @@ class Sidecar:
         self._warming: asyncio.Future | None = None  # the latest registered buffer's warm-up
         self._seal_key = secrets.token_bytes(32)  # plans this process issued carry its seal
         self._object_key = mac.key_from(self.config.object_key)  # None: objects unauthenticated
-        self._calibrations: dict[str, float] = {}  # model -> when its calibration was last looked for; inf: found
-        self.calibration_recheck_s = CALIBRATION_RECHECK_S
-        self.finding: asyncio.Future | None = None  # the latest look for a model's calibration
+        self.calibrations = CalibrationLookup(store, self.meta_pool, self.metrics)  # published after start (a calibration Job)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -191,7 +185,7 @@ class Sidecar:
             raise RequestError(str(e)) from e
         bid = secrets.token_urlsafe(24)
         self.buffers[bid] = Buffer(t, ns, handle)
-        self.look_for_calibration(model)
+        self.calibrations.look(model)
         if self.config.warm_up:
             if self.workers is not None:  # mapped now (CUDA IPC), not on the first load into it
                 self.workers.open(handle)
@@ -200,36 +194,6 @@ class Sidecar:
             except RuntimeError:  # no event loop (a direct caller): nothing to run it in the background of
                 pass
         return bid
-
-    def look_for_calibration(self, model: str) -> None:
-        """Run :meth:`find_calibration` in the background when it is due: once per model and process
-        once found, else again every ``calibration_recheck_s`` (at a registration or a plan), so that
-        a calibration published after the sidecar started (the operator's calibration Job) is used
-        from then on. Blocking only without an event loop."""
-        last = self._calibrations.get(model)
-        if last is not None and time.monotonic() - last < self.calibration_recheck_s:
-            return
-        self._calibrations[model] = time.monotonic()  # one look at a time
-        try:
-            self.finding = asyncio.get_running_loop().run_in_executor(self.meta_pool, self.find_calibration, model)
-        except RuntimeError:  # no event loop (a direct caller)
-            self.find_calibration(model)
-
-    def find_calibration(self, model: str) -> None:
-        """Make the calibration of ``model`` local (format/calibration.py: the store's
-        ``_meta/calibration/``) when no local place has one; until then, and if the store has none,
-        the presets that need one are neither stored nor chosen for it. Blocking."""
-        if calibration.calibration_for(model) is not None:
-            self._calibrations[model] = math.inf
-            return
-        try:
-            if calibration.fetch(self.store, model) is not None:
-                for_model.cache_clear()
-                self._calibrations[model] = math.inf
-        except (StoreError, ValueError, OSError) as e:
-            self._calibrations.pop(model, None)  # again at the next registration or plan
-            self.metrics.errors.labels(getattr(e, "reason", Reason.INTERNAL)).inc()
-            log.warning("calibration of %s not fetched from the store: %s", model, e)
 
     def unregister(self, bid: str) -> None:
         buf = self.buffers.pop(bid, None)
@@ -288,7 +252,7 @@ class Sidecar:
         else:
             ns, buf = target, next((b for b in self.buffers.values() if b.ns == target), None)
         self.metrics.lookups.inc()
-        self.look_for_calibration(ns.model)
+        self.calibrations.look(ns.model)
         p = await self._plan(ns, keys.chunk_keys(ns, tokens, self.config.chunk_tokens), buf, **{"may_skip_listing": False, **opts})
         self.metrics.hit_tokens.inc(p.hit_tokens)
         return p

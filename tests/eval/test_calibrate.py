@@ -73,7 +73,7 @@ async def test_the_operators_calibration_job_publishes_to_s3_and_a_sidecar_then_
     presets.for_model.cache_clear()
     assert presets.refusal("balanced", "tiny-llama/float32") is not None
     async with running(s3, decode_procs=0, device="cpu", warm_up=False) as sc:
-        sc.look_for_calibration("tiny-llama/float32")
-        await sc.finding
+        sc.calibrations.look("tiny-llama/float32")
+        await sc.calibrations.finding
     assert presets.refusal("balanced", "tiny-llama/float32") is None
     presets.for_model.cache_clear()

@@ -121,7 +121,7 @@ async def test_a_model_without_calibration_never_stores_or_plans_balanced(local,
     buf.tensor.copy_(kv)
     async with running(store, chunk_tokens=32, presets=("q8", "balanced"), decode_procs=0, device="cpu", warm_up=False) as sc:
         bid = sc.register(buf.handle, "uncalibrated-lm/fp16")
-        await sc.finding
+        await sc.calibrations.finding
         assert sc.writer.presets_for("uncalibrated-lm/fp16") == ("q8",)
         await sc.save(bid, _tokens())
         await sc.flush()
@@ -146,7 +146,7 @@ async def test_a_sidecar_finds_its_models_calibration_in_the_store_and_stores_ba
     buf.tensor.copy_(kv)
     async with running(store, chunk_tokens=32, presets=("balanced",), decode_procs=0, device="cpu", warm_up=False) as sc:
         bid = sc.register(buf.handle, "tiny-lm/fp16")
-        await sc.finding
+        await sc.calibrations.finding
         await sc.save(bid, _tokens())
         await sc.flush()
         assert sorted(keys.preset_of(n) for n in store.list("kv/")) == ["balanced", "balanced"]
@@ -165,24 +165,24 @@ async def test_a_calibration_published_after_the_sidecar_started_is_found_on_the
     buf.tensor.copy_(kv_of(tokens=64))
     async with running(store, chunk_tokens=32, presets=("q8", "balanced"), decode_procs=0, device="cpu", warm_up=False) as sc:
         bid = sc.register(buf.handle, "tiny-lm/fp16")
-        await sc.finding
+        await sc.calibrations.finding
         assert sc.writer.presets_for("tiny-lm/fp16") == ("q8",)
         calibration.publish(store, *made("tiny-lm", tmp_path / "made"))
-        looked = sc.finding
+        looked = sc.calibrations.finding
         await sc.plan(bid, _tokens())  # within the interval: no second look
-        assert sc.finding is looked and sc.writer.presets_for("tiny-lm/fp16") == ("q8",)
-        sc.calibration_recheck_s = 0.0
+        assert sc.calibrations.finding is looked and sc.writer.presets_for("tiny-lm/fp16") == ("q8",)
+        sc.calibrations.recheck_s = 0.0
         await sc.plan(bid, _tokens())
-        await sc.finding
+        await sc.calibrations.finding
         assert sc.writer.presets_for("tiny-lm/fp16") == ("q8", "balanced")
         await sc.save(bid, _tokens())
         await sc.flush()
         assert sorted(keys.preset_of(n) for n in store.list("kv/")) == ["balanced", "balanced", "q8", "q8"]
         plan = await sc.plan(bid, _tokens(), recompute_tps=1e-9)
         assert plan.preset == "balanced"
-        looked = sc.finding
+        looked = sc.calibrations.finding
         await sc.plan(bid, _tokens())  # found: never looked for again
-        assert sc.finding is looked
+        assert sc.calibrations.finding is looked
 
 
 def test_presets_for_a_model_show_its_own_figures_and_its_refusals(local, capsys):

@@ -7,7 +7,7 @@ only as far as every rank has its shard.
 
 The engine runs in the vLLM venv (``.venv-vllm``, built by ``make``; ``VLLM_PYTHON`` names another
 vLLM venv's Python, e.g. one with vLLM 0.26: docs/operations.md) as ``vllm_engine.py``, one
-process for the whole module (its start-up is the cost). Every measured run is preceded by
+process for the whole module (its start-up is the cost; the tensor-parallel test, last, replaces it). Every measured run is preceded by
 ``reset_prefix_cache`` so that vLLM's own prefix cache does not answer in the connector's place,
 and its reference is the same engine with ``skip_reading_prefix_cache`` (a plain recompute).
 """
@@ -121,8 +121,9 @@ class Engine:
         return got
 
     def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
         self.log.close()
 
 
@@ -137,29 +138,30 @@ def texts():
     return {"ids": ids, "at": 0}
 
 
-def _engine(tmp_path_factory, tp: int):
+@pytest.fixture(scope="module")
+def vllm(tmp_path_factory, texts):
     if not VLLM_PY.exists():
         if os.environ.get("CI"):
             pytest.fail("the vLLM venv is missing in CI: `make test` builds .venv-vllm")
         pytest.skip("the vLLM venv (.venv-vllm) is absent: `make test` builds it")
-    tmp = tmp_path_factory.mktemp(f"vllm-tp{tp}")
+    tmp = tmp_path_factory.mktemp("vllm")
     sc = Sidecar(tmp)
     sc.start()
-    engine = Engine(tmp, sc, tp)
+    engine = Engine(tmp, sc)
     yield engine, sc
     engine.close()
     sc.stop()
 
 
 @pytest.fixture(scope="module")
-def vllm(tmp_path_factory, texts):
-    yield from _engine(tmp_path_factory, 1)
-
-
-@pytest.fixture(scope="module")
-def vllm_tp(tmp_path_factory, texts):
-    """Three tensor-parallel ranks (SmolLM2 has three KV heads), one sidecar serving them all."""
-    yield from _engine(tmp_path_factory, 3)
+def vllm_tp(vllm, tmp_path_factory):
+    """Three tensor-parallel ranks (SmolLM2 has three KV heads) over the same sidecar, in place of
+    the single-rank engine (closed first: two engines at once would double the memory)."""
+    engine, sc = vllm
+    engine.close()
+    tp = Engine(tmp_path_factory.mktemp("vllm-tp3"), sc, tp=3)
+    yield tp, sc
+    tp.close()
 
 
 def fresh(texts, n: int) -> list[int]:

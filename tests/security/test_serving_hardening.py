@@ -225,7 +225,7 @@ async def test_a_lookup_stops_at_the_first_miss_and_long_requests_are_refused(tm
     sc = await started(store, max_request_tokens=4096)
     try:
         bid = sc.register(shm(capacity=128 * N).handle, FP)
-        await sc.finding  # the registration's one look for the model's calibration in the store
+        await sc.calibrations.finding  # the registration's one look for the model's calibration in the store
         store.lists = 0
         p = await sc.plan(bid, list(range(128 * N)))
         assert (p.hit_tokens, store.lists) == (0, 1)  # a miss of the first chunk: one LIST, not 128
