@@ -67,7 +67,7 @@ async def test_the_operators_calibration_job_publishes_to_s3_and_a_sidecar_then_
     presets.for_model.cache_clear()
     assert cli.main(args + ["--no-measure"]) == 0
     published = json.loads(capsys.readouterr().out.splitlines()[1])["published"]
-    assert sorted(s3.list("_meta/calibration/tiny-llama/")) == sorted(published)
+    assert sorted(s3.list("_meta/calibration/tiny-llama--float32/")) == sorted(published)
 
     monkeypatch.setenv("KVFETCHER_CALIBRATION_DIR", str(tmp_path / "node"))  # a node that has none
     presets.for_model.cache_clear()
