@@ -2,10 +2,12 @@
 content-named artefact stamped with the model, publishes it, and the model then gets balanced."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from kvfetcher import cli
+from kvfetcher.eval import calibrate
 from kvfetcher.format import calibration, presets
 from kvfetcher.store.local import LocalStore
 
@@ -30,12 +32,17 @@ def test_calibrate_writes_publishes_and_unlocks_balanced(tiny_dir, tmp_path, mon
     fp = "tiny-llama/float32"
     assert presets.refusal("balanced", fp) is not None
     store_dir = tmp_path / "store"
+    texts = [str(calibrate.TEXTS_DIR / n) for n in ("prose.txt", "code.txt")]  # two texts: a random model's budget search is long
     assert cli.main(["calibrate", "--model", str(tiny_dir), "--no-measure", "--out", str(tmp_path / "out"),
-                     "--publish", str(store_dir)]) == 0
+                     "--publish", str(store_dir), "--texts", *texts]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     cal = calibration.read(lines[0]["calibration"])
     assert (cal.model, cal.geometry, cal.rope_thetas, cal.windows) == ("tiny-llama", (2, 2, 16), (5e4, 5e4), (0, 0))
     assert set(cal.tables) == {"basis", "trellis"} and all(len(t) == 2 and min(min(t)) > 0 for t in cal.tables.values())
+    doc = json.loads(Path(lines[0]["calibration"]).read_text())
+    for kind in ("basis", "trellis"):  # steps allocated by rate and KL, the budget tuned: what was measured is recorded
+        a = doc["sensitivity"][kind]["allocation"]
+        assert len(a["kl_per_step2"]) == len(a["rate_slopes"]) == 2 and a["budget"]["multiplier"] > 0
     assert sorted(LocalStore(store_dir).list("_meta/calibration/tiny-llama/")) == sorted(lines[1]["published"])
     presets.for_model.cache_clear()
     p = presets.get("balanced", fp)
