@@ -19,7 +19,10 @@ measured on a CPU. Each model's figures are rewritten after every prompt to ``pa
 (models may run as separate processes; ``--merge`` re-runs some codecs of a model and keeps the
 others); the tables are made from every model's partial file at the end:
 
-    python -m benchmarks.accuracy.accuracy_bench [--models smollm2,gemma3] [--presets ...] [--merge] [--quick]
+``--curve 0.7,1.3`` adds ``balanced`` with every step times each factor: its size-accuracy curve
+on the same caches (a measurement: the shipped steps are tuned on calibration text only).
+
+    python -m benchmarks.accuracy.accuracy_bench [--models smollm2,gemma3] [--presets ...] [--curve ...] [--merge] [--quick]
 
 Writes result_cpu.json and result_cpu.md beside this file and, run here, the table in
 docs/benchmarks/accuracy.md (between the ``results`` markers).
@@ -28,9 +31,11 @@ docs/benchmarks/accuracy.md (between the ``results`` markers).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -41,6 +46,7 @@ import torch
 from benchmarks.compression.compression_bench import cachegen_chunk, zstd_chunk
 from kvfetcher import chunk
 from kvfetcher.eval import accuracy, metrics, model
+from kvfetcher.format import presets
 
 OUT = Path(__file__).resolve().parent
 DOC = OUT.parent.parent / "docs" / "benchmarks" / "accuracy.md"
@@ -70,12 +76,28 @@ def chunked(fn):
 PEERS = {"q8+zstd": lambda: chunked(lambda x: zstd_chunk(x, 8)), "cachegen": lambda: chunked(lambda x: cachegen_chunk(x)[:2])}
 
 
+SCALED = re.compile(r"(balanced|compact)x([0-9.]+)")
+
+
+def scaled_preset(lm, name: str) -> presets.Preset:
+    """``<preset>x<f>``: the model's preset with every step times ``f`` (a point of its size-accuracy curve)."""
+    base, f = SCALED.fullmatch(name).groups()
+    p = presets.get(base, lm.fingerprint)
+    return dataclasses.replace(p, name=name, layout=dataclasses.replace(p.layout, sigma_steps=presets.scaled(p.layout.sigma_steps, float(f))))
+
+
+def codec_of(lm, name: str) -> accuracy.Codec:
+    if name in PEERS:
+        return PEERS[name]()
+    return accuracy.preset_codec(lm, scaled_preset(lm, name) if SCALED.fullmatch(name) else name, CHUNK)
+
+
 def working_codecs(lm, names: list[str], probe: torch.Tensor, log) -> tuple[dict, dict]:
     """(codecs that round-trip ``probe``, {name: why not} for the others)."""
     codecs, failed = {}, {}
     for name in names:
         try:
-            codec = PEERS[name]() if name in PEERS else accuracy.preset_codec(lm, name, CHUNK)
+            codec = codec_of(lm, name)
             rt = codec(probe)
             if rt.kv.shape != probe.shape or not torch.isfinite(rt.kv).all():
                 raise ValueError(f"restored {tuple(rt.kv.shape)} from {tuple(probe.shape)}")
@@ -207,6 +229,8 @@ def main() -> int:
     ap.add_argument("--models", default="smollm2,gemma3")
     ap.add_argument("--presets", default="exact,q8,balanced,compact,q8-zstd,balanced-zstd,compact-zstd,balanced-ans,compact-ans")
     ap.add_argument("--peers", default="q8+zstd,cachegen")
+    ap.add_argument("--curve", default="", help="step factors, e.g. 0.7,0.85,1.2: balanced with every step times each (its "
+                    "size-accuracy curve on the same caches)")
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--cont", type=int, default=256)
     ap.add_argument("--per-genre", type=int, default=5)
@@ -220,20 +244,21 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:
         args.per_genre, args.cont, args.greedy, args.contexts, args.retrieval_tokens = 1, 64, 8, 1, 256
-    names = [n for n in (args.presets + "," + args.peers).split(",") if n]
+    names = [n for n in (args.presets + "," + args.peers).split(",") if n] + [f"balancedx{f}" for f in args.curve.split(",") if f]
     log = lambda s: print(s, flush=True)  # noqa: E731
     out = Path(args.out_dir)
     partial = out / "partial"  # one file per model, rewritten after each prompt: several runs (one per model) may share it
     partial.mkdir(parents=True, exist_ok=True)
     for key in [] if args.render else args.models.split(","):
-        old = json.loads((partial / f"{key}.json").read_text()) if args.merge and (partial / f"{key}.json").exists() else None
-
-        def save(m, key=key, old=old):
+        def save(m, path=partial / f"{key}.json"):
             m = dict(m, settings=vars(args), date=datetime.date.today().isoformat())
-            if old is not None:
+            if args.merge and path.exists():  # read at every save: runs of other codecs of this model may be writing it too
+                old = json.loads(path.read_text())
                 m = dict(m, codecs=old["codecs"] | m["codecs"], variants=old.get("variants", {}) | m["variants"],
                          failed={n: w for n, w in (old["failed"] | m["failed"]).items() if n not in m["codecs"]})
-            (partial / f"{key}.json").write_text(json.dumps(m, indent=1) + "\n")
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(m, indent=1) + "\n")
+            tmp.replace(path)
 
         run_model(key, names, args, log, save)
     found = {k: json.loads((partial / f"{k}.json").read_text()) for k in MODELS if (partial / f"{k}.json").exists()}
