@@ -149,15 +149,18 @@ def tune(lm: model.LoadedModel, doc: dict, kvs: list[torch.Tensor], cases: list[
          k: dict[str, torch.Tensor]) -> dict:
     """``doc`` (an artefact whose tables give the first steps) with ``balanced``'s and ``compact``'s
     tables re-allocated by rate-distortion and their budgets tuned; ``k``: per table, the KL per
-    unit step squared ``[layers, 2]``. The measurements and the tuned figures go into the tables' records."""
+    unit step squared ``[layers, 2]`` (a table without one keeps its allocation: only its budget
+    is tuned). The measurements and the tuned figures go into the tables' records."""
     doc = dict(doc, sensitivity=dict(doc["sensitivity"]))
     tag = doc["model"]
     fp = f"{tag}/calibration"
     for name in ("balanced", "compact"):
         kind = presets.LOSSY[name][0]
         p = presets.for_calibration(calibration.parse(doc, tag))[name]
-        slopes = rate_slopes(kvs, p.layout)
-        shape = rd_steps(k[kind], slopes, torch.tensor(p.layout.sigma_steps))
+        shape = torch.tensor(p.layout.sigma_steps)
+        if kind in k:
+            slopes = rate_slopes(kvs, p.layout)
+            shape = rd_steps(k[kind], slopes, shape)
 
         def at(m: float, name=name, kind=kind, shape=shape) -> tuple[dict, presets.Preset]:
             d = dict(doc, sensitivity=dict(doc["sensitivity"], **{kind: {"layers": presets.table_for(name, (shape * m).tolist())}}))
@@ -185,9 +188,9 @@ def tune(lm: model.LoadedModel, doc: dict, kvs: list[torch.Tensor], cases: list[
             m = bracket(short)[1]
             tuned = {"target": {"ratio_vs_fp16": COMPACT_RATIO}, "multiplier": round(m, 4), "ratio_vs_fp16": ratios.get(m)}
         table = at(m)[0]["sensitivity"][kind]
-        doc["sensitivity"][kind] = dict(doc["sensitivity"][kind], layers=table["layers"], allocation={
-            "kl_per_step2": _rounded(k[kind]), "rate_slopes": _rounded(slopes), "budget": tuned,
-            "budget_windows": len(cases)})
+        measured = {"kl_per_step2": _rounded(k[kind]), "rate_slopes": _rounded(slopes)} if kind in k else {}
+        doc["sensitivity"][kind] = dict(doc["sensitivity"][kind], layers=table["layers"],
+                                        allocation=dict(measured, budget=tuned, budget_windows=len(cases)))
         log.info("%s: budget %s", name, tuned)
     return doc
 

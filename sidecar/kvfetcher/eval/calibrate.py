@@ -201,6 +201,14 @@ def calibrate(lm: model.LoadedModel, tag: str, texts: list[Path] | None = None, 
     return doc, b
 
 
+def retune(lm: model.LoadedModel, doc: dict, texts: list[Path] | None = None) -> dict:
+    """An artefact's budgets tuned again on calibration windows (its allocation and basis kept):
+    for a calibration made before budgets were tuned, or against a changed gate."""
+    doc = {k: v for k, v in allocation.tune(lm, doc, [], allocation.budget_cases(lm, sorted(texts or TEXTS_DIR.glob("*.txt"))), {}).items()
+           if k != "measured"}
+    return dict(doc, retuned=datetime.date.today().isoformat())
+
+
 #: the presets whose figures a calibration records, and the evaluation prompts it measures them on
 MEASURED = ("q8", "balanced", "compact")
 MEASURE_PROMPTS = [("license.txt", 0), ("code.txt", 0), ("numbers.txt", 0), ("prose.txt", 0)]
