@@ -84,9 +84,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     tag = args.tag or lm.fingerprint.split("/", 1)[0]
     texts = [Path(t) for t in args.texts] if args.texts else None
     if args.retune:
-        doc = calibrate.retune(lm, json.loads(Path(args.retune).read_text()), texts)
+        doc = calibrate.retune(lm, Path(args.retune), texts)
         cal = calibration.parse(doc, doc["model"])
-        calibration.check(cal, lm.fingerprint)
         if not args.no_measure:
             doc["measured"] = calibrate.measure(lm, cal, calibrate.MEASURE_PROMPTS)
         b = basis.load(cal.basis)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -201,11 +202,25 @@ def calibrate(lm: model.LoadedModel, tag: str, texts: list[Path] | None = None, 
     return doc, b
 
 
-def retune(lm: model.LoadedModel, doc: dict, texts: list[Path] | None = None) -> dict:
-    """An artefact's budgets tuned again on calibration windows (its allocation and basis kept):
-    for a calibration made before budgets were tuned, or against a changed gate."""
-    doc = {k: v for k, v in allocation.tune(lm, doc, [], allocation.budget_cases(lm, sorted(texts or TEXTS_DIR.glob("*.txt"))), {}).items()
-           if k != "measured"}
+def retune(lm: model.LoadedModel, path: Path, texts: list[Path] | None = None) -> dict:
+    """The artefact at ``path`` with its budgets tuned again on calibration windows (its basis kept;
+    stamped with the model's geometry, RoPE bases and windows where it lacks them): for a
+    calibration made before budgets were tuned, or against a changed gate. One that ``calibrate``
+    made before steps were allocated by rate (its tables the first cut: the measured sensitivities)
+    is re-allocated from them too; any other keeps its allocation."""
+    cal = calibration.read(path)
+    calibration.check(cal, lm.fingerprint)
+    c = lm.config
+    texts = sorted(texts or TEXTS_DIR.glob("*.txt"))
+    doc = {k: v for k, v in json.loads(Path(path).read_text()).items() if k != "measured"} | {"model": cal.model}
+    doc.setdefault("geometry", [c.num_hidden_layers, c.num_key_value_heads, model.head_dim(lm)])
+    doc["rope_thetas"] = doc.get("rope_thetas") or list(model.rope_thetas(lm))
+    doc["windows"] = doc.get("windows") or list(model.windows(lm))
+    k, kvs = {}, []
+    if doc.get("made_by") == "kvfetcher calibrate" and not any("allocation" in t for t in doc["sensitivity"].values()):
+        k = {"basis": torch.tensor(cal.table("basis")) / BASIS_STEP**2, "trellis": torch.tensor(cal.table("trellis")) / TRELLIS_UNITS}
+        kvs = [model.prefill(lm, ids)[0].half() for ids, _ in windows_of(lm, texts, 1)[:4]]
+    doc = allocation.tune(lm, doc, kvs, allocation.budget_cases(lm, texts), k)
     return dict(doc, retuned=datetime.date.today().isoformat())
 
 
