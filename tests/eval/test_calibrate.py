@@ -48,3 +48,19 @@ def test_calibrate_writes_publishes_and_unlocks_balanced(tiny_dir, tmp_path, mon
     p = presets.get("balanced", fp)
     assert p.layout.basis == cal.basis and p.layout.rope_theta == 5e4
     presets.for_model.cache_clear()
+
+
+def test_retune_keeps_the_basis_and_allocation_and_tunes_the_budget(tiny_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("KVFETCHER_CALIBRATION_DIR", str(tmp_path / "local"))
+    texts = [str(calibrate.TEXTS_DIR / "prose.txt")]
+    assert cli.main(["calibrate", "--model", str(tiny_dir), "--no-measure", "--texts", *texts]) == 0
+    first = json.loads(capsys.readouterr().out.splitlines()[0])["calibration"]
+    assert cli.main(["calibrate", "--model", str(tiny_dir), "--no-measure", "--texts", *texts, "--retune", first]) == 0
+    again = calibration.read(json.loads(capsys.readouterr().out.splitlines()[0])["calibration"])
+    before = calibration.read(first)
+    assert again.basis == before.basis and again.rope_thetas == before.rope_thetas and again.name != before.name
+    doc = json.loads((tmp_path / "local" / f"{again.name}.json").read_text())
+    for kind in ("basis", "trellis"):
+        a = doc["sensitivity"][kind]["allocation"]
+        assert "rate_slopes" not in a and a["budget"]["multiplier"] > 0  # the allocation kept, its level tuned
+    presets.for_model.cache_clear()
