@@ -7,8 +7,8 @@ error alone) and its rate falling by ``r_g`` bits per value per unit of ``ln s``
 measured at the group's own step from the plug-in entropy of its symbols per component), the
 least total rate at a given summed KL has ``s_g**2 ~ r_g / k_g`` (:func:`rd_steps`): groups whose
 bits are cheap in KL get coarser. The overall level (the budget) is then tuned on calibration
-windows, never on evaluation text (:func:`tune`): ``balanced`` the coarsest steps whose pooled
-teacher-forced top-1 agreement and median NLL increase keep a margin (``MARGIN`` of the allowed
+windows, never on evaluation text (:func:`tune`): ``balanced`` the coarsest steps whose median
+teacher-forced top-1 agreement and NLL increase over the windows keep a margin (``MARGIN`` of the allowed
 loss) against its gate (accuracy.GATES), ``compact`` the finest steps that reach ``COMPACT_RATIO``.
 """
 
@@ -103,14 +103,15 @@ def budget_cases(lm: model.LoadedModel, texts: list[Path]) -> list[BudgetCase]:
 
 
 def accuracy_at(lm: model.LoadedModel, cases: list[BudgetCase], lp: layout.LayoutParams) -> dict:
-    """Pooled teacher-forced top-1 agreement and median NLL increase (%) of ``lp`` over ``cases``."""
+    """Teacher-forced top-1 agreement and NLL increase (%) of ``lp``, medians over ``cases`` (as the
+    gate judges), and the agreement pooled over them."""
     agree, nll = [], []
     for c in cases:
         logits = model.teacher_forced_logits(lm, c.ids, restored(c.kv, lp), c.cont)
         agree.append(metrics.top1_agreement(c.logits, logits))
         ref = metrics.nll(c.logits, c.cont)
         nll.append(100 * (metrics.nll(logits, c.cont) - ref) / ref)
-    return {"tf_top1": statistics.fmean(agree), "nll_increase_pct": statistics.median(nll)}
+    return {"tf_top1": statistics.median(agree), "nll_increase_pct": statistics.median(nll), "tf_top1_pooled": statistics.fmean(agree)}
 
 
 def ratio_at(cases: list[BudgetCase], preset: presets.Preset, fingerprint: str, thetas) -> float:
