@@ -82,8 +82,15 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     lm = model.load(args.model)
     tag = basis.tag_of(args.tag) if args.tag else lm.fingerprint.split("/", 1)[0]
-    doc, b = calibrate.calibrate(lm, tag, [Path(t) for t in args.texts] if args.texts else None,
-                                 measure_prompts=None if args.no_measure else calibrate.MEASURE_PROMPTS)
+    texts = [Path(t) for t in args.texts] if args.texts else None
+    if args.retune:
+        doc = calibrate.retune(lm, Path(args.retune), texts)
+        cal = calibration.parse(doc, doc["model"])
+        if not args.no_measure:
+            doc["measured"] = calibrate.measure(lm, cal, calibrate.MEASURE_PROMPTS)
+        b = basis.load(cal.basis)
+    else:
+        doc, b = calibrate.calibrate(lm, tag, texts, measure_prompts=None if args.no_measure else calibrate.MEASURE_PROMPTS)
     path = calibration.write(doc)
     basis_path = basis.path_of(b.name)
     if args.out:
@@ -167,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--texts", nargs="+", help="calibration text files (default: the shipped calibration texts)")
     ca.add_argument("--out", help="also copy the artefact and its basis here")
     ca.add_argument("--no-measure", action="store_true", help="skip measuring its presets on evaluation prompts")
+    ca.add_argument("--retune", metavar="ARTEFACT", help="only tune the budgets of this calibration of the model again "
+                    "(its basis and per-layer allocation kept)")
     ca.add_argument("--publish", metavar="STORE_URL", help="put them in a pool's store: http(s)://host:port/bucket or a directory")
     ca.set_defaults(func=_calibrate)
 

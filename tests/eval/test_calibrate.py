@@ -2,10 +2,12 @@
 content-named artefact stamped with the model, publishes it, and the model then gets balanced."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from kvfetcher import cli
+from kvfetcher.eval import calibrate
 from kvfetcher.format import calibration, presets
 from kvfetcher.store.local import LocalStore
 
@@ -30,12 +32,17 @@ def test_calibrate_writes_publishes_and_unlocks_balanced(tiny_dir, tmp_path, mon
     fp = "tiny-llama/float32"
     assert presets.refusal("balanced", fp) is not None
     store_dir = tmp_path / "store"
+    texts = [str(calibrate.TEXTS_DIR / n) for n in ("prose.txt", "code.txt")]  # two texts: a random model's budget search is long
     assert cli.main(["calibrate", "--model", str(tiny_dir), "--no-measure", "--out", str(tmp_path / "out"),
-                     "--publish", str(store_dir)]) == 0
+                     "--publish", str(store_dir), "--texts", *texts]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     cal = calibration.read(lines[0]["calibration"])
     assert (cal.model, cal.geometry, cal.rope_thetas, cal.windows) == ("tiny-llama", (2, 2, 16), (5e4, 5e4), (0, 0))
     assert set(cal.tables) == {"basis", "trellis"} and all(len(t) == 2 and min(min(t)) > 0 for t in cal.tables.values())
+    doc = json.loads(Path(lines[0]["calibration"]).read_text())
+    for kind in ("basis", "trellis"):  # steps allocated by rate and KL, the budget tuned: what was measured is recorded
+        a = doc["sensitivity"][kind]["allocation"]
+        assert len(a["kl_per_step2"]) == len(a["rate_slopes"]) == 2 and a["budget"]["multiplier"] > 0
     assert sorted(LocalStore(store_dir).list("_meta/calibration/tiny-llama/")) == sorted(lines[1]["published"])
     presets.for_model.cache_clear()
     p = presets.get("balanced", fp)
@@ -65,7 +72,8 @@ async def test_the_operators_calibration_job_publishes_to_s3_and_a_sidecar_then_
     args = [a.replace(job_builder.MODEL_DIR, str(tiny_dir.parent), 1) if a.startswith(job_builder.MODEL_DIR) else a
             for a in container["args"]]
     presets.for_model.cache_clear()
-    assert cli.main(args + ["--no-measure"]) == 0
+    texts = [str(calibrate.TEXTS_DIR / n) for n in ("prose.txt", "code.txt")]  # as above: a random model's budget search is long
+    assert cli.main(args + ["--no-measure", "--texts", *texts]) == 0
     published = json.loads(capsys.readouterr().out.splitlines()[1])["published"]
     assert sorted(s3.list("_meta/calibration/tiny-llama--float32/")) == sorted(published)
 
@@ -76,4 +84,20 @@ async def test_the_operators_calibration_job_publishes_to_s3_and_a_sidecar_then_
         sc.calibrations.look("tiny-llama/float32")
         await sc.calibrations.finding
     assert presets.refusal("balanced", "tiny-llama/float32") is None
+    presets.for_model.cache_clear()
+
+
+def test_retune_keeps_the_basis_and_allocation_and_tunes_the_budget(tiny_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("KVFETCHER_CALIBRATION_DIR", str(tmp_path / "local"))
+    texts = [str(calibrate.TEXTS_DIR / "prose.txt")]
+    assert cli.main(["calibrate", "--model", str(tiny_dir), "--no-measure", "--texts", *texts]) == 0
+    first = json.loads(capsys.readouterr().out.splitlines()[0])["calibration"]
+    assert cli.main(["calibrate", "--model", str(tiny_dir), "--no-measure", "--texts", *texts, "--retune", first]) == 0
+    again = calibration.read(json.loads(capsys.readouterr().out.splitlines()[0])["calibration"])
+    before = calibration.read(first)
+    assert again.basis == before.basis and again.rope_thetas == before.rope_thetas and again.name != before.name
+    doc = json.loads((tmp_path / "local" / f"{again.name}.json").read_text())
+    for kind in ("basis", "trellis"):
+        a = doc["sensitivity"][kind]["allocation"]
+        assert "rate_slopes" not in a and a["budget"]["multiplier"] > 0  # the allocation kept, its level tuned
     presets.for_model.cache_clear()

@@ -43,15 +43,17 @@ PROMPTS: list[tuple[str, int]] = [
     ("prose.txt", 0),
 ]
 
-#: What each preset promises, judged on the aggregate (medians over prompts): tf_top1 at least,
-#: kl (nats) at most. Lossless presets must reproduce the reference.
+#: What each preset promises, judged on the aggregate (medians over prompts): ``tf_top1`` at
+#: least; ``kl`` (nats) and ``nll_increase_pct`` at most; with the retrieval task, exact match at
+#: most ``retrieval_drop`` below the fp16 cache's (default 0: unchanged). Lossless presets must
+#: reproduce the reference; ``balanced`` promises top-1 0.99, NLL +0.5% and retrieval unchanged.
 GATES: dict[str, dict[str, float]] = {
     "raw": {"tf_top1": 1.0, "kl": 1e-6},
     "exact": {"tf_top1": 1.0, "kl": 1e-6},
-    "q8": {"tf_top1": 0.99, "kl": 0.0005},
-    "lean": {"tf_top1": 0.95, "kl": 0.005},
-    "balanced": {"tf_top1": 0.97, "kl": 0.002},
-    "compact": {"tf_top1": 0.93, "kl": 0.02},
+    "q8": {"tf_top1": 0.99, "kl": 0.0005, "nll_increase_pct": 0.5},
+    "lean": {"tf_top1": 0.95, "kl": 0.005, "retrieval_drop": 0.1},
+    "balanced": {"tf_top1": 0.99, "nll_increase_pct": 0.5},
+    "compact": {"tf_top1": 0.93, "kl": 0.02, "retrieval_drop": 0.1},
 }
 
 
@@ -71,8 +73,9 @@ def round_trip(
     kv: torch.Tensor, preset: Preset | str, fingerprint: str, chunk_tokens: int = 256, rope_theta: float | None = None
 ) -> RoundTrip:
     """Store ``kv`` (a prefix from position 0) chunk by chunk through ``preset`` and restore it,
-    timing both directions."""
-    p = get(preset) if isinstance(preset, str) else preset
+    timing both directions. A preset given by name is the model's (``fingerprint``'s calibration,
+    RoPE bases and basis), as a serving sidecar resolves it."""
+    p = get(preset, fingerprint) if isinstance(preset, str) else preset
     objs, enc, dec = [], 0.0, 0.0
     parts = []
     for start in range(0, kv.shape[3], chunk_tokens):
@@ -274,14 +277,17 @@ class Report:
         }
 
     def gate(self, s: dict) -> dict | None:
-        """The preset's promise (``GATES``) against the aggregate figures; None for a codec without one."""
+        """The preset's promise (``GATES``) against the aggregate figures: the criteria and those
+        missed; None for a codec without one."""
         g = GATES.get(self.preset)
         if g is None:
             return None
-        ok = s["tf_top1"] >= g["tf_top1"] and s["kl"] <= g["kl"]
-        if "retrieval" in s:
-            ok = ok and s["retrieval"]["restored_exact"] >= s["retrieval"]["fp16_exact"] - 0.1
-        return {"tf_top1_min": g["tf_top1"], "kl_max": g["kl"], "passed": ok}
+        missed = [k for k in ("kl", "nll_increase_pct") if k in g and s[k] > g[k]]
+        if s["tf_top1"] < g["tf_top1"]:
+            missed.append("tf_top1")
+        if "retrieval" in s and s["retrieval"]["restored_exact"] < s["retrieval"]["fp16_exact"] - g.get("retrieval_drop", 0.0):
+            missed.append("retrieval")
+        return {"criteria": dict(g), "missed": missed, "passed": not missed}
 
 
 @dataclass
@@ -331,8 +337,10 @@ def _answers(lm: model.LoadedModel, ctx: torch.Tensor, kv: torch.Tensor, probes:
 
 def run(lm: model.LoadedModel, codecs: dict[str, Codec], cases: list[Case], n_new: int = 0,
         contexts: list[tuple[torch.Tensor, list[retrieval.Probe]]] = (), dtype: torch.dtype = torch.float16,
-        log: Callable[[str], None] | None = None) -> dict[str, Report]:
-    """Every codec over every case (and retrieval context), the reference computed once per case."""
+        log: Callable[[str], None] | None = None,
+        progress: Callable[[dict[str, Report]], None] | None = None) -> dict[str, Report]:
+    """Every codec over every case (and retrieval context), the reference computed once per case;
+    ``progress`` sees the reports so far after each case and context."""
     reports = {name: Report(name, lm.fingerprint, n_new) for name in codecs}
     for case in cases:
         ref = _reference(lm, case, n_new, dtype)
@@ -340,6 +348,8 @@ def run(lm: model.LoadedModel, codecs: dict[str, Codec], cases: list[Case], n_ne
             reports[name].prompts.append(_compare(lm, case, ref, codec(ref.kv), n_new))
         if log:
             log(f"{case.label}: " + " ".join(f"{n} {r.prompts[-1].tf_top1:.3f}/{r.prompts[-1].kl:.4f}" for n, r in reports.items()))
+        if progress:
+            progress(reports)
     for i, (ctx, probes) in enumerate(contexts):
         kv = model.prefill(lm, ctx)[0].to(dtype)
         want = _answers(lm, ctx, kv, probes)
@@ -347,6 +357,8 @@ def run(lm: model.LoadedModel, codecs: dict[str, Codec], cases: list[Case], n_ne
             got = _answers(lm, ctx, codec(kv).kv, probes)
             reports[name].probes += [ProbeResult(i, p.depth, p.answer, w, g, retrieval.exact_match(w, p.answer),
                                                  retrieval.exact_match(g, p.answer)) for p, w, g in zip(probes, want, got)]
+        if progress:
+            progress(reports)
     return reports
 
 

@@ -11,11 +11,13 @@ them an evaluation text) it prefills the model and keeps every layer's KV of eve
 * the **sensitivity tables** (format/calibration.py), by splicing: every window is stored and
   restored through the layout at one step for all layers, and each (layer, K|V) alone is put back
   from the restored copy; the KL of the next-token distributions over a 64-token continuation
-  against the fp16 cache is that group's sensitivity. ``basis``: the KL at 0.7 pooled standard
-  deviations, uniform rounding (what ``compact`` reads); ``trellis``: ``balanced``'s own layout
-  (basis, trellis, sparse corrections) at ``TRELLIS_STEP``, as KL per unit step squared times
-  ``TRELLIS_UNITS`` (what ``balanced`` reads: ``sigma_steps(0.001)`` then allots each group a KL
-  of about ``1e-6 * TRELLIS_UNITS``).
+  against the fp16 cache, per unit step squared, is that group's sensitivity: at
+  ``BASIS_STEP`` pooled standard deviations with uniform rounding for ``compact``'s table
+  (``basis``), through ``balanced``'s own layout (basis, trellis, sparse corrections) at
+  ``TRELLIS_STEP`` for ``balanced``'s (``trellis``). Their first cut (steps as sensitivity^-1/2,
+  ``TRELLIS_UNITS``) is then re-allocated by each group's rate slope and its budget tuned on
+  calibration windows (allocation.py); the tables hold the tuned steps (as ``sigma_steps``
+  reads them) and record the measurements and the budget.
 
 The artefact is stamped with the model's tag and geometry, its per-layer RoPE bases and windows.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -32,7 +35,7 @@ from pathlib import Path
 import torch
 
 from kvfetcher.codec import basis, layout, rope
-from kvfetcher.eval import model
+from kvfetcher.eval import allocation, model
 from kvfetcher.format import calibration, presets
 
 log = logging.getLogger("kvfetcher.calibrate")
@@ -135,17 +138,6 @@ def _logp(lm: model.LoadedModel, w: Window, kv: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(lm.model(feed, past_key_values=cache, use_cache=True).logits[0].float(), -1)
 
 
-def restored(kv: torch.Tensor, lp: layout.LayoutParams) -> torch.Tensor:
-    """``kv`` stored and restored through ``lp`` chunk by chunk (the video codec is lossless: not run)."""
-    parts = []
-    for s in range(0, kv.shape[3], CHUNK):
-        p = dataclasses.replace(lp, exact_tokens=1 if s == 0 else 0)
-        piece = kv[:, :, :, s : s + CHUNK].contiguous()
-        pk = layout.pack(piece, p, s)
-        parts.append(layout.unpack(pk.frames, pk.side, tuple(piece.shape), piece.dtype, p, start=s))
-    return torch.cat(parts, 3)
-
-
 def sensitivity(lm: model.LoadedModel, wins: list[Window], lp: layout.LayoutParams) -> list[list[float]]:
     """Per (layer, K|V): mean KL over ``wins`` with that group alone restored through ``lp``."""
     L = lm.config.num_hidden_layers
@@ -153,7 +145,7 @@ def sensitivity(lm: model.LoadedModel, wins: list[Window], lp: layout.LayoutPara
     for i, w in enumerate(wins):
         log.info("sensitivity: window %d of %d", i + 1, len(wins))
         ref = _logp(lm, w, w.kv)
-        back = restored(w.kv, lp)
+        back = allocation.restored(w.kv, lp)
         for layer in range(L):
             for kind in (0, 1):
                 kv = w.kv.clone()
@@ -184,24 +176,52 @@ def calibrate(lm: model.LoadedModel, tag: str, texts: list[Path] | None = None, 
     theta = rope.compact(thetas)
     base = layout.LayoutParams(mode="quant", sigma_steps=((BASIS_STEP, BASIS_STEP),), basis=b.name, rope_theta=theta)
     trel = dataclasses.replace(bal, sigma_steps=((TRELLIS_STEP, TRELLIS_STEP),), basis=b.name, rope_theta=theta)
-    kl_basis = sensitivity(lm, probe, base)
-    kl_trellis = sensitivity(lm, probe, trel)
+    kl_basis = torch.tensor(sensitivity(lm, probe, base))
+    kl_trellis = torch.tensor(sensitivity(lm, probe, trel))
+    k = {"basis": kl_basis / BASIS_STEP**2, "trellis": kl_trellis / TRELLIS_STEP**2}  # KL per unit step squared
+    first = {"basis": [[_round(x) for x in kv] for kv in kl_basis.tolist()],  # steps ~ k^-1/2: the first cut
+             "trellis": [[_round(x * TRELLIS_UNITS) for x in kv] for kv in k["trellis"].tolist()]}
     tables = {
-        "basis": {"about": f"KL (nats) of next-token distributions with one layer's keys or values alone restored in the "
-                           f"model's basis at one pooled step of {BASIS_STEP} standard deviations of its components",
-                  "layers": [[_round(k), _round(v)] for k, v in kl_basis]},
-        "trellis": {"about": f"KL with one layer's keys or values alone restored through balanced's layout at {TRELLIS_STEP} "
-                             f"grid steps, per unit step squared, times {TRELLIS_UNITS}",
-                    "layers": [[_round(x * TRELLIS_UNITS / TRELLIS_STEP**2) for x in kv] for kv in kl_trellis]},
+        "basis": {"about": f"compact's steps: KL per unit step squared with one layer's keys or values alone restored in the "
+                           f"model's basis at one pooled step of {BASIS_STEP} standard deviations of its components, over its "
+                           f"rate slope at compact's steps, the budget tuned on calibration text (allocation)",
+                  "layers": first["basis"]},
+        "trellis": {"about": f"balanced's steps: KL per unit step squared with one layer's keys or values alone restored through "
+                             f"balanced's layout at {TRELLIS_STEP} grid steps, over its rate slope at balanced's steps, the budget "
+                             f"tuned on calibration text (allocation)",
+                    "layers": first["trellis"]},
     }
     doc = calibration.artefact(
         tag, tables, b.name, (L, cfg.num_key_value_heads, model.head_dim(lm)), thetas, model.windows(lm),
         made_by="kvfetcher calibrate", date=datetime.date.today().isoformat(),
         texts=[Path(t).name for t in texts], windows_used=len(wins), sensitivity_windows=len(probe))
+    doc = allocation.tune(lm, doc, [w.kv for w in probe], allocation.budget_cases(lm, texts), k)
     if measure_prompts:
         doc["measured"] = measure(lm, calibration.parse(doc, tag), measure_prompts)
     doc["seconds"] = round(time.perf_counter() - t0, 1)
     return doc, b
+
+
+def retune(lm: model.LoadedModel, path: Path, texts: list[Path] | None = None) -> dict:
+    """The artefact at ``path`` with its budgets tuned again on calibration windows (its basis kept;
+    stamped with the model's geometry, RoPE bases and windows where it lacks them): for a
+    calibration made before budgets were tuned, or against a changed gate. One that ``calibrate``
+    made before steps were allocated by rate (its tables the first cut: the measured sensitivities)
+    is re-allocated from them too; any other keeps its allocation."""
+    cal = calibration.read(path)
+    calibration.check(cal, lm.fingerprint)
+    c = lm.config
+    texts = sorted(texts or TEXTS_DIR.glob("*.txt"))
+    doc = {k: v for k, v in json.loads(Path(path).read_text()).items() if k != "measured"} | {"model": cal.model}
+    doc.setdefault("geometry", [c.num_hidden_layers, c.num_key_value_heads, model.head_dim(lm)])
+    doc["rope_thetas"] = doc.get("rope_thetas") or list(model.rope_thetas(lm))
+    doc["windows"] = doc.get("windows") or list(model.windows(lm))
+    k, kvs = {}, []
+    if doc.get("made_by") == "kvfetcher calibrate" and not any("allocation" in t for t in doc["sensitivity"].values()):
+        k = {"basis": torch.tensor(cal.table("basis")) / BASIS_STEP**2, "trellis": torch.tensor(cal.table("trellis")) / TRELLIS_UNITS}
+        kvs = [model.prefill(lm, ids)[0].half() for ids, _ in windows_of(lm, texts, 1)[:4]]
+    doc = allocation.tune(lm, doc, kvs, allocation.budget_cases(lm, texts), k)
+    return dict(doc, retuned=datetime.date.today().isoformat())
 
 
 #: the presets whose figures a calibration records, and the evaluation prompts it measures them on

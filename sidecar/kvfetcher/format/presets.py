@@ -35,6 +35,17 @@ def sigma_steps(scale: float, lo: float = 0.08, hi: float = 0.7, *, table: Table
     return tuple(tuple(round(min(hi, max(lo, scale * w**-0.5)), 3) for w in kv) for kv in table)
 
 
+#: the calibrated presets' steps: (the calibration table read, scale, lo, hi) for ``sigma_steps``
+LOSSY: dict[str, tuple[str, float, float, float]] = {"balanced": ("trellis", 0.001, 0.01, 2.0), "compact": ("basis", 0.00416, 0.015, 1.6)}
+
+
+def table_for(name: str, steps) -> list[list[float]]:
+    """The table from which preset ``name`` makes per-layer ``steps`` (``[[key, value], ...]``):
+    the inverse of its ``sigma_steps`` within its bounds, 3 significant digits."""
+    _, scale, _, _ = LOSSY[name]
+    return [[float(f"{(scale / s) ** 2:.3g}") for s in kv] for kv in steps]
+
+
 def scaled(profile: Table, factor: float) -> Table:
     """A profile with every step times ``factor`` (the size-accuracy curve moves along this)."""
     return tuple((round(k * factor, 4), round(v * factor, 4)) for k, v in profile)
@@ -99,12 +110,12 @@ def _build(cal: Calibration) -> dict[str, Preset]:
         Preset("lean", LayoutParams(mode="quant", kv_bits=(5, 6), planes=3), video, False,
                "keys 5-bit quantised before RoPE, values 6-bit (first token exact), lossless HEVC 4:4:4",
                pre_rope=True),
-        Preset("balanced", _lossy(cal, "trellis", 0.001, lo=0.01, hi=2.0, sparse_tokens=4), fast_video, False,
+        Preset("balanced", _lossy(cal, *LOSSY["balanced"], sparse_tokens=4), fast_video, False,
                "each head's channels in the model's KV basis, one step per layer and k|v set by sensitivity measured at "
                "this point (keys pre-RoPE), trellis-coded quantisation along tokens, the 4 tokens of largest key per head "
                "corrected in side information, lossless HEVC 4:4:4",
                pre_rope=True, sink_exact_only=True),
-        Preset("compact", _lossy(cal, "basis", 0.00416, lo=0.015, hi=1.6), fast_video, False,
+        Preset("compact", _lossy(cal, *LOSSY["compact"]), fast_video, False,
                "balanced's scheme at ~3x coarser steps: smaller, with a measured accuracy loss",
                pre_rope=True, sink_exact_only=True),
     ]
