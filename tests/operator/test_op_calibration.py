@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
-import pytest
 import torch
 from op_helpers import POOLS, Api, cond, external_pool, is_ready, s3_secret
 from pod_security import restricted_violations
