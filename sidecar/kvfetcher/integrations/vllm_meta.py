@@ -56,8 +56,8 @@ class Options:
         """A client of tensor-parallel rank ``rank``'s sidecar."""
         socket = self.socket or (None if self.url else config.SOCKET.read())
         if socket:
-            return KVClient(socket_path=socket.format(rank=rank), timeout_s=timeout_s)
-        return KVClient((self.url or config.URL.read()).format(rank=rank), timeout_s=timeout_s)
+            return KVClient(socket_path=socket.replace("{rank}", str(rank)), timeout_s=timeout_s)
+        return KVClient((self.url or config.URL.read()).replace("{rank}", str(rank)), timeout_s=timeout_s)
 
 
 @dataclass
