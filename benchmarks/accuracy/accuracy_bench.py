@@ -24,7 +24,7 @@ on the same caches (a measurement: the shipped steps are tuned on calibration te
 
     python -m benchmarks.accuracy.accuracy_bench [--models smollm2,gemma3] [--presets ...] [--curve ...] [--merge] [--quick]
 
-Writes result_cpu.json and result_cpu.md beside this file and, run here, the table in
+Writes result.json and result.md beside this file and, run here, the table in
 docs/benchmarks/accuracy.md (between the ``results`` markers).
 """
 
@@ -45,6 +45,7 @@ import torch
 
 from benchmarks.compression.compression_bench import cachegen_chunk, zstd_chunk
 from kvfetcher import chunk
+from kvfetcher.config import EVAL_DEVICE
 from kvfetcher.eval import accuracy, metrics, model
 from kvfetcher.format import presets
 
@@ -62,14 +63,17 @@ def gemma_path() -> str:
 
 
 MODELS = {"smollm2": lambda: None, "gemma3": gemma_path}
+#: ``--model-file KEY=PATH``: a model's file given directly (e.g. a machine without its PyPI package)
+FILES: dict[str, str] = {}
 
 
 def chunked(fn):
-    """A peer codec from a per-chunk function ``piece -> (restored, bytes)``, timed as one encode."""
+    """A peer codec from a per-chunk function ``piece -> (restored, bytes)`` (run on the CPU), timed as one encode."""
     def codec(kv: torch.Tensor) -> accuracy.RoundTrip:
         t = time.perf_counter()
-        parts = [fn(kv[:, :, :, s : s + CHUNK].contiguous()) for s in range(0, kv.shape[3], CHUNK)]
-        return accuracy.RoundTrip(torch.cat([p[0] for p in parts], 3), int(sum(p[1] for p in parts)), time.perf_counter() - t, 0.0)
+        parts = [fn(kv[:, :, :, s : s + CHUNK].cpu().contiguous()) for s in range(0, kv.shape[3], CHUNK)]
+        back = torch.cat([p[0] for p in parts], 3).to(kv.device)
+        return accuracy.RoundTrip(back, int(sum(p[1] for p in parts)), time.perf_counter() - t, 0.0)
     return codec
 
 
@@ -131,7 +135,7 @@ def variant_ratios(lm, cases: list[accuracy.Case], names: list[str], log) -> dic
 def run_model(key: str, names: list[str], args, log, save) -> dict:
     """One model's figures; ``save(result so far)`` after each prompt."""
     t0 = time.time()
-    lm = model.load(MODELS[key]())
+    lm = model.load(FILES.get(key) or MODELS[key]())
     limit = model.max_prefix(lm)
     cases = accuracy.suite_cases(lm, args.tokens, args.cont, args.per_genre)
     rtok = min(args.retrieval_tokens, limit or args.retrieval_tokens)
@@ -177,13 +181,14 @@ def _gate(n: str, s: dict) -> str:
 def render(res: dict) -> str:
     """The Markdown table: one row per model x codec."""
     rows = ["| model | codec | ratio vs fp16 | tf top-1, median [95% CI] | KL nats, median [95% CI] | NLL increase %, median "
-            "| retrieval exact (fp16) | greedy agreement (near-ties / divergences at one) | gate; size bar |",
+            "| retrieval exact (fp16); answers changed | greedy agreement (near-ties / divergences at one) | gate; size bar |",
             "|---|---|---|---|---|---|---|---|---|"]
     for key, m in res["models"].items():
         for n, s in m["codecs"].items():
             st, g, rv = s["stats"], s.get("greedy", {}), s.get("retrieval", {})
             rows.append(f"| {key} | {n} | {s['ratio_vs_fp16']:.2f}x | {_ci(st['tf_top1'], '.4f')} | {_ci(st['kl'], '.5f')} | "
-                        f"{s['nll_increase_pct']:.3f} | {rv.get('restored_exact', float('nan')):.2f} ({rv.get('fp16_exact', float('nan')):.2f}) | "
+                        f"{s['nll_increase_pct']:.3f} | {rv.get('restored_exact', float('nan')):.2f} ({rv.get('fp16_exact', float('nan')):.2f}); "
+                        f"{rv.get('answers_changed')}/{rv.get('probes')} | "
                         f"{g.get('agreement', float('nan')):.3f} ({g.get('near_ties')}/{g.get('diverged_at_near_tie')} of {g.get('prompts_diverged')}) | {_gate(n, s)} |")
         for n, v in m.get("variants", {}).items():
             what = f"{v['ratio_vs_fp16']:.2f}x | same KV as {v['same_kv_as']} (only the size measured)" if "error" not in v else f"not measured here: {v['error'][:100]}"
@@ -201,14 +206,14 @@ def render(res: dict) -> str:
 
 
 def write(res: dict, out: Path) -> None:
-    (out / "result_cpu.json").write_text(json.dumps(res, indent=1) + "\n")
+    (out / "result.json").write_text(json.dumps(res, indent=1) + "\n")
     st = res["settings"]
-    head = (f"Accuracy per model x codec ({'a --quick smoke run, ' if st['quick'] else ''}{res['date']}, CPU ({res['device']}), "
+    head = (f"Accuracy per model x codec ({'a --quick smoke run, ' if st['quick'] else ''}{res['date']}, {res['device']}, "
             f"{st['tokens']}-token prefixes, {st['cont']} continuation tokens scored, up to {st['per_genre']} prompts per genre, "
             f"greedy {st['greedy']} tokens, near-tie margin {res['near_tie_margin']}, retrieval {st['contexts']} contexts of "
             f"up to {st['retrieval_tokens']} tokens); `python -m benchmarks.accuracy.accuracy_bench`.\n\n")
     table = head + render(res)
-    (out / "result_cpu.md").write_text(table)
+    (out / "result.md").write_text(table)
     if DOC.exists() and out == OUT:
         text = DOC.read_text()
         a, b = text.index("<!-- results -->") + len("<!-- results -->"), text.index("<!-- /results -->")
@@ -216,12 +221,14 @@ def write(res: dict, out: Path) -> None:
 
 
 def device() -> str:
-    """This machine's CPU, in words."""
+    """Where the model ran and this machine's CPU (the codecs' encoders), in words."""
     try:
         name = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name"))
     except (OSError, StopIteration):
         name = "unknown CPU"
-    return f"{name}, {os.cpu_count()} cores"
+    cpu = f"{name}, {os.cpu_count()} cores"
+    dev = torch.device(EVAL_DEVICE.read())
+    return f"model on {torch.cuda.get_device_name(dev)}, {cpu}" if dev.type == "cuda" else f"CPU: {cpu}"
 
 
 def main() -> int:
@@ -236,12 +243,14 @@ def main() -> int:
     ap.add_argument("--per-genre", type=int, default=5)
     ap.add_argument("--greedy", type=int, default=16)
     ap.add_argument("--retrieval-tokens", type=int, default=512)
-    ap.add_argument("--contexts", type=int, default=3)
+    ap.add_argument("--contexts", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="1 prompt per genre, 64 continuation tokens, 8 greedy: a smoke run")
     ap.add_argument("--merge", action="store_true", help="keep a model's other codecs from an earlier run (its partial file)")
     ap.add_argument("--render", action="store_true", help="run nothing: make the tables from the partial files")
     ap.add_argument("--out-dir", default=str(OUT))
+    ap.add_argument("--model-file", action="append", default=[], metavar="KEY=PATH", help="a model's GGUF file or directory")
     args = ap.parse_args()
+    FILES.update(f.split("=", 1) for f in args.model_file)
     if args.quick:
         args.per_genre, args.cont, args.greedy, args.contexts, args.retrieval_tokens = 1, 64, 8, 1, 256
     names = [n for n in (args.presets + "," + args.peers).split(",") if n] + [f"balancedx{f}" for f in args.curve.split(",") if f]
@@ -251,7 +260,7 @@ def main() -> int:
     partial.mkdir(parents=True, exist_ok=True)
     for key in [] if args.render else args.models.split(","):
         def save(m, path=partial / f"{key}.json"):
-            m = dict(m, settings=vars(args), date=datetime.date.today().isoformat())
+            m = dict(m, settings=vars(args), date=datetime.date.today().isoformat(), device=device())
             if args.merge and path.exists():  # read at every save: runs of other codecs of this model may be writing it too
                 old = json.loads(path.read_text())
                 m = dict(m, codecs=old["codecs"] | m["codecs"], variants=old.get("variants", {}) | m["variants"],
@@ -262,7 +271,8 @@ def main() -> int:
 
         run_model(key, names, args, log, save)
     found = {k: json.loads((partial / f"{k}.json").read_text()) for k in MODELS if (partial / f"{k}.json").exists()}
-    res = {"date": datetime.date.today().isoformat(), "device": device(), "settings": next(iter(found.values()))["settings"],
+    res = {"date": max(m["date"] for m in found.values()), "device": "; ".join(dict.fromkeys(m.get("device", "?") for m in found.values())),
+           "settings": next(iter(found.values()))["settings"],
            "near_tie_margin": metrics.NEAR_TIE_MARGIN, "models": found}
     write(res, out)
     print(render(res))

@@ -54,7 +54,8 @@ def _presets(args: argparse.Namespace) -> int:
     rows = []
     for name, p in presets.PRESETS.items():
         why = presets.refusal(name, fp) if fp else None
-        fig = None if why else (cal.measured or {}).get(name) if cal and cal.measured else presets.measured(name) if shipped else None
+        # the calibration's own figures (harness v2) first, else the shipped benchmark's for the default model
+        fig = None if why else ((cal.measured or {}).get(name) if cal else None) or (presets.measured(name) if shipped else None)
         row = dict((presets.get(name, fp) if fp and not why else p).to_dict(), measured=fig)
         if fp:
             row.update(model=fp, calibration=cal.name if cal else None, refused=why)
@@ -84,7 +85,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     tag = basis.tag_of(args.tag) if args.tag else lm.fingerprint.split("/", 1)[0]
     texts = [Path(t) for t in args.texts] if args.texts else None
     if args.retune:
-        doc = calibrate.retune(lm, Path(args.retune), texts)
+        doc = calibrate.retune(lm, Path(args.retune), texts, tuple(args.presets.split(",")))
         cal = calibration.parse(doc, doc["model"])
         if not args.no_measure:
             doc["measured"] = calibrate.measure(lm, cal, calibrate.MEASURE_PROMPTS)
@@ -176,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--no-measure", action="store_true", help="skip measuring its presets on evaluation prompts")
     ca.add_argument("--retune", metavar="ARTEFACT", help="only tune the budgets of this calibration of the model again "
                     "(its basis and per-layer allocation kept)")
+    ca.add_argument("--presets", default="balanced,compact", help="with --retune: the presets whose budgets are tuned "
+                    "(the others keep their steps)")
     ca.add_argument("--publish", metavar="STORE_URL", help="put them in a pool's store: http(s)://host:port/bucket or a directory")
     ca.set_defaults(func=_calibrate)
 

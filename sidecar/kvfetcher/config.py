@@ -200,6 +200,8 @@ URL = Setting("KVFETCHER_URL", str, "http://127.0.0.1:8500",
 
 # -- evaluation -------------------------------------------------------------------------------
 CACHE = Setting("KVFETCHER_CACHE", str, _home_cache(), "Where the evaluation model's plain copy is kept.")
+EVAL_DEVICE = Setting("KVFETCHER_EVAL_DEVICE", str, "cpu",
+                      "Where `kvfetcher eval` and `calibrate` run the model (`cpu`, `cuda`, `cuda:N`).")
 CALIBRATION_DIR = Setting("KVFETCHER_CALIBRATION_DIR", str, _home_cache("calibration"),
                           "Local model calibrations (`kvfetcher calibrate` writes here; a sidecar keeps those it fetched from the store here).")
 
@@ -231,7 +233,7 @@ TABLES: dict[str, tuple[Setting, ...]] = {
         S3_INSECURE, STORE_DIR, AUTH_TOKEN, AUTH_TOKEN_FILE, FUSED_UNPACK, DEADLINE_S, MAX_REQUEST_TOKENS,
         STORE_QUEUE_CHUNKS, IO_WORKERS, META_IO_WORKERS, LINK_DIR, ACCESS_LOG_S, CALIBRATION_DIR),
     "Model side (`KVClient`, shared buffers)": (SOCKET, URL),
-    "Evaluation (`kvfetcher demo`, tests)": (CACHE,),
+    "Evaluation (`kvfetcher eval`, `calibrate`, `demo`, tests)": (CACHE, EVAL_DEVICE),
     "Operator": (WEBHOOK_ADDR, WEBHOOK_PORT, WEBHOOK_CERT, WEBHOOK_KEY, WEBHOOK_CONFIGURATION,
                  METRICS_ADDR, METRICS_PORT, RETRY_SECONDS, RESYNC_SECONDS, ENDPOINT_DENY, ENDPOINT_ALLOW,
                  ENDPOINT_HOSTS, NAMESPACE),

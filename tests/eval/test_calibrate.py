@@ -101,3 +101,23 @@ def test_retune_keeps_the_basis_and_allocation_and_tunes_the_budget(tiny_dir, tm
         a = doc["sensitivity"][kind]["allocation"]
         assert "rate_slopes" not in a and a["budget"]["multiplier"] > 0  # the allocation kept, its level tuned
     presets.for_model.cache_clear()
+
+
+def test_retune_of_compact_alone_keeps_balanced_and_holds_compact_to_its_gate(tiny_dir, tmp_path, monkeypatch, capsys):
+    from kvfetcher.eval import accuracy
+
+    monkeypatch.setenv("KVFETCHER_CALIBRATION_DIR", str(tmp_path / "local"))
+    texts = [str(calibrate.TEXTS_DIR / "prose.txt")]
+    assert cli.main(["calibrate", "--model", str(tiny_dir), "--no-measure", "--texts", *texts]) == 0
+    first = json.loads(capsys.readouterr().out.splitlines()[0])["calibration"]
+    args = ["calibrate", "--model", str(tiny_dir), "--no-measure", "--texts", *texts, "--retune", first, "--presets", "compact"]
+    assert cli.main(args) == 0
+    again = json.loads(capsys.readouterr().out.splitlines()[0])["calibration"]
+    before, after = json.loads(Path(first).read_text()), json.loads(Path(again).read_text())
+    assert after["sensitivity"]["trellis"] == before["sensitivity"]["trellis"]  # balanced untouched
+    budget = after["sensitivity"]["basis"]["allocation"]["budget"]
+    gate = accuracy.GATES["compact"]
+    assert budget["target"]["kl"] == gate["kl"] and isinstance(budget["gate_bound"], bool)
+    if budget["gate_bound"]:  # the size gave way: the steps kept are within the gate on the windows
+        assert budget["kl"] <= gate["kl"] and budget["tf_top1"] >= gate["tf_top1"]
+    presets.for_model.cache_clear()

@@ -68,7 +68,7 @@ def test_every_preset_lists_measured_figures(capsys):
     for name in ("balanced", "compact"):
         m = rows[name]["measured"]
         assert m is not None, f"{name} has no measured figures"
-        assert {"ratio_vs_fp16", "greedy_agreement", "nll_increase"} <= set(m)
+        assert {"ratio_vs_fp16", "kl", "tf_top1"} <= set(m)  # the calibration's figures for its own steps
         assert rows[name]["layout"]["sigma_steps"]
 
 
@@ -90,11 +90,12 @@ def test_balanced_and_compact_use_the_shipped_basis_of_the_shipped_model():
 #: Per preset, a digest of every header field a preset decides (layout, codec, segments), over
 #: chunks at positions 0 and 16 of the shipped model and (for presets that need no calibration) of
 #: another model, as the code before calibration became data wrote them: stored objects' bytes
-#: must not change.
+#: must not change. Only a new shipped calibration changes the calibrated presets' (its steps, on
+#: purpose; objects stored before still decode: their headers carry the steps they were coded with).
 HEADER_DIGESTS = {
     "raw": "925b143014e6ba76", "exact": "1832593fa2f54ccc", "q8": "ebfe073824711109",
-    "lean": "c51d807611c99bd6", "balanced": "f477c9252e6d259f", "compact": "03eac8b5b5ec6dc0",
-    "q8-zstd": "d4536c514b2c7482", "balanced-zstd": "fc2017c8a6548feb", "compact-zstd": "1606064554847989",
+    "lean": "c51d807611c99bd6", "balanced": "69622cac7878d5f9", "compact": "513520e8d3b3fd04",
+    "q8-zstd": "d4536c514b2c7482", "balanced-zstd": "00cf8207b2a4b502", "compact-zstd": "faa9f1eca1d1f79f",
 }  # (the -ans presets code only on a GPU; their headers differ from -zstd's in the format alone)
 
 

@@ -72,8 +72,8 @@ Codec = Callable[[torch.Tensor], RoundTrip]
 def round_trip(
     kv: torch.Tensor, preset: Preset | str, fingerprint: str, chunk_tokens: int = 256, rope_theta: float | None = None
 ) -> RoundTrip:
-    """Store ``kv`` (a prefix from position 0) chunk by chunk through ``preset`` and restore it,
-    timing both directions. A preset given by name is the model's (``fingerprint``'s calibration,
+    """Store ``kv`` (a prefix from position 0) chunk by chunk through ``preset`` and restore it on
+    ``kv``'s device, timing both directions. A preset given by name is the model's (``fingerprint``'s calibration,
     RoPE bases and basis), as a serving sidecar resolves it."""
     p = get(preset, fingerprint) if isinstance(preset, str) else preset
     objs, enc, dec = [], 0.0, 0.0
@@ -84,7 +84,7 @@ def round_trip(
         obj = encode_chunk(piece, p, fingerprint, start=start, rope_theta=rope_theta)
         enc += time.perf_counter() - t
         t = time.perf_counter()
-        parts.append(decode_chunk(obj, fingerprint))
+        parts.append(decode_chunk(obj, fingerprint, device=kv.device))
         dec += time.perf_counter() - t
         objs.append(len(obj))
     return RoundTrip(torch.cat(parts, dim=3), sum(objs), enc, dec)
@@ -159,7 +159,7 @@ def retrieval_contexts(lm: model.LoadedModel, tokens: int, contexts: int = 2) ->
             ids = model.tokenize(lm, text)
             if len(ids) <= tokens or n == 2:
                 break
-            n -= max(1, (len(ids) - tokens) // 12)
+            n = max(2, min(n - 1, n * tokens // len(ids)))
         out.append((ids, probes))
     return out
 

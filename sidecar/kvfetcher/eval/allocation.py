@@ -9,7 +9,9 @@ least total rate at a given summed KL has ``s_g**2 ~ r_g / k_g`` (:func:`rd_step
 bits are cheap in KL get coarser. The overall level (the budget) is then tuned on calibration
 windows, never on evaluation text (:func:`tune`): ``balanced`` the coarsest steps whose median
 teacher-forced top-1 agreement and NLL increase over the windows keep a margin (``MARGIN`` of the allowed
-loss) against its gate (accuracy.GATES), ``compact`` the finest steps that reach ``COMPACT_RATIO``.
+loss) against its gate (accuracy.GATES), ``compact`` the finest steps that reach ``COMPACT_RATIO``
+but no coarser than its own gate allows on those windows (where the gate binds, it stays short of the
+size, and the record says so).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ CHUNK = 256
 RATE_FACTOR = 1.15  # the rate slope: entropy at a group's step and at this factor coarser
 MIN_SLOPE = 0.05  # bits per unit of ln step: a group whose rate no longer falls is not coarsened on
 MARGIN = 0.5  # the budget keeps this share of the gate's allowed loss in hand
-COMPACT_RATIO = 6.3  # compact's size: 6x vs fp16 with 5% in hand
+COMPACT_RATIO = 6.7  # compact's size: 6x vs fp16 with 12% in hand (text the budget never saw may compress worse)
+TUNED = ("balanced", "compact")  # the presets whose steps a calibration tunes
 BUDGET_TOKENS, BUDGET_PER_TEXT = 256, 3  # windows of the budget: prefix and continuation as the accuracy suite's
 
 
@@ -62,8 +65,8 @@ def symbol_entropy(kvs: list[torch.Tensor], lp: layout.LayoutParams) -> torch.Te
             L, _, H, T, D = piece.shape
             pk = layout.pack(piece, dataclasses.replace(lp, exact_tokens=1 if s == 0 else 0), s)
             sym = tiling.frames_to_tiles(pk.frames, pk.geometry, T, H * D).reshape(L, 2, T, H * D).long()
-            p = torch.zeros(L, 2, 256, H * D).scatter_add_(2, sym, torch.ones(sym.shape)) / T
-            total, n = total + -(p * p.clamp_min(1e-12).log2()).sum(2).mean(2), n + 1
+            p = torch.zeros(L, 2, 256, H * D, device=sym.device).scatter_add_(2, sym, torch.ones_like(sym, dtype=torch.float)) / T
+            total, n = total + -(p * p.clamp_min(1e-12).log2()).sum(2).mean(2).cpu(), n + 1
     return total / n
 
 
@@ -103,15 +106,17 @@ def budget_cases(lm: model.LoadedModel, texts: list[Path]) -> list[BudgetCase]:
 
 
 def accuracy_at(lm: model.LoadedModel, cases: list[BudgetCase], lp: layout.LayoutParams) -> dict:
-    """Teacher-forced top-1 agreement and NLL increase (%) of ``lp``, medians over ``cases`` (as the
-    gate judges), and the agreement pooled over them."""
-    agree, nll = [], []
+    """Teacher-forced top-1 agreement, NLL increase (%) and mean KL of ``lp``, medians over ``cases``
+    (as the gate judges), and the agreement pooled over them."""
+    agree, nll, kl = [], [], []
     for c in cases:
         logits = model.teacher_forced_logits(lm, c.ids, restored(c.kv, lp), c.cont)
         agree.append(metrics.top1_agreement(c.logits, logits))
+        kl.append(float(metrics.kl(c.logits, logits).mean()))
         ref = metrics.nll(c.logits, c.cont)
         nll.append(100 * (metrics.nll(logits, c.cont) - ref) / ref)
-    return {"tf_top1": statistics.median(agree), "nll_increase_pct": statistics.median(nll), "tf_top1_pooled": statistics.fmean(agree)}
+    return {"tf_top1": statistics.median(agree), "nll_increase_pct": statistics.median(nll), "kl": statistics.median(kl),
+            "tf_top1_pooled": statistics.fmean(agree)}
 
 
 def ratio_at(cases: list[BudgetCase], preset: presets.Preset, fingerprint: str, thetas) -> float:
@@ -147,15 +152,15 @@ def bracket(ok: Callable[[float], bool], factor: float = 1.5, refine: int = 2, l
 
 
 def tune(lm: model.LoadedModel, doc: dict, kvs: list[torch.Tensor], cases: list[BudgetCase],
-         k: dict[str, torch.Tensor]) -> dict:
+         k: dict[str, torch.Tensor], names: tuple[str, ...] = TUNED) -> dict:
     """``doc`` (an artefact whose tables give the first steps) with ``balanced``'s and ``compact``'s
-    tables re-allocated by rate-distortion and their budgets tuned; ``k``: per table, the KL per
+    tables (those of ``names``) re-allocated by rate-distortion and their budgets tuned; ``k``: per table, the KL per
     unit step squared ``[layers, 2]`` (a table without one keeps its allocation: only its budget
     is tuned). The measurements and the tuned figures go into the tables' records."""
     doc = dict(doc, sensitivity=dict(doc["sensitivity"]))
     tag = doc["model"]
     fp = f"{tag}/calibration"
-    for name in ("balanced", "compact"):
+    for name in names:
         kind = presets.LOSSY[name][0]
         p = presets.for_calibration(calibration.parse(doc, tag))[name]
         shape = torch.tensor(p.layout.sigma_steps)
@@ -186,8 +191,21 @@ def tune(lm: model.LoadedModel, doc: dict, kvs: list[torch.Tensor], cases: list[
                 ratios[m] = ratio_at(cases, at(m)[1], fp, thetas)
                 log.info("%s x%.3f: ratio %.3f", name, m, ratios[m])
                 return ratios[m] < COMPACT_RATIO
+            g = accuracy.GATES[name]
+            figures = {}
+
+            def within(m: float) -> bool:  # true below the boundary: its gate holds on the windows
+                figures[m] = accuracy_at(lm, cases, at(m)[1].layout)
+                log.info("%s x%.3f: %s", name, m, figures[m])
+                return figures[m]["tf_top1"] >= g["tf_top1"] and figures[m]["kl"] <= g["kl"]
             m = bracket(short)[1]
-            tuned = {"target": {"ratio_vs_fp16": COMPACT_RATIO}, "multiplier": round(m, 4), "ratio_vs_fp16": ratios.get(m)}
+            bound = not within(m)
+            if bound:
+                m = bracket(within, hi=m)[0]
+            if m not in ratios:
+                short(m)
+            tuned = {"target": {"ratio_vs_fp16": COMPACT_RATIO, "tf_top1": g["tf_top1"], "kl": g["kl"]}, "multiplier": round(m, 4),
+                     "ratio_vs_fp16": ratios[m], "gate_bound": bound, **figures.get(m, {})}
         table = at(m)[0]["sensitivity"][kind]
         measured = {"kl_per_step2": _rounded(k[kind]), "rate_slopes": _rounded(slopes)} if kind in k else {}
         doc["sensitivity"][kind] = dict(doc["sensitivity"][kind], layers=table["layers"],

@@ -89,7 +89,7 @@ def capture(lm: model.LoadedModel, pairs) -> list[Window]:
     def hook(idx: int, heads_first: bool):
         def f(_m, _i, o):
             q = o[0].transpose(0, 1) if heads_first else o[0].reshape(o.shape[1], -1, d)
-            qs[idx] = q[-QUERIES:].float()
+            qs[idx] = q[-QUERIES:].float().cpu()
         return f
 
     attns = [layer.self_attn for layer in lm.model.model.layers]
@@ -97,7 +97,7 @@ def capture(lm: model.LoadedModel, pairs) -> list[Window]:
     try:
         out = []
         for ids, cont in pairs:
-            kv = model.prefill(lm, ids)[0].half()
+            kv = model.prefill(lm, ids)[0].half().cpu()
             out.append(Window(ids, cont, kv, torch.stack([qs[i] for i in range(len(attns))])))
         return out
     finally:
@@ -119,7 +119,7 @@ def make_basis(lm: model.LoadedModel, wins: list[Window], thetas: tuple[float, .
     xs = [pre_rope(w.kv, thetas) for w in wins]
     enc = torch.zeros(L, 2, H, d, d, dtype=torch.float64)
     for layer in range(L):
-        wo = lm.model.model.layers[layer].self_attn.o_proj.weight
+        wo = lm.model.model.layers[layer].self_attn.o_proj.weight.cpu()
         metric = (basis.key_metric([w.queries[layer] for w in wins], H, thetas[layer], DELTAS),
                   basis.value_metric(wo, H, d))
         for kind in (0, 1):  # chunks without their first (exact) token, centred per chunk as the layout does
@@ -133,9 +133,9 @@ def make_basis(lm: model.LoadedModel, wins: list[Window], thetas: tuple[float, .
 @torch.inference_mode()
 def _logp(lm: model.LoadedModel, w: Window, kv: torch.Tensor) -> torch.Tensor:
     dtype = next(lm.model.parameters()).dtype
-    cache = model.to_cache(kv[:, :, :, : WINDOW - 1].to(dtype))
-    feed = torch.cat([w.ids[-1:], w.cont[:-1]]).unsqueeze(0)
-    return torch.log_softmax(lm.model(feed, past_key_values=cache, use_cache=True).logits[0].float(), -1)
+    cache = model.to_cache(kv[:, :, :, : WINDOW - 1].to(lm.device, dtype))
+    feed = torch.cat([w.ids[-1:], w.cont[:-1]]).unsqueeze(0).to(lm.device)
+    return torch.log_softmax(lm.model(feed, past_key_values=cache, use_cache=True).logits[0].float(), -1).cpu()
 
 
 def sensitivity(lm: model.LoadedModel, wins: list[Window], lp: layout.LayoutParams) -> list[list[float]]:
@@ -202,8 +202,9 @@ def calibrate(lm: model.LoadedModel, tag: str, texts: list[Path] | None = None, 
     return doc, b
 
 
-def retune(lm: model.LoadedModel, path: Path, texts: list[Path] | None = None) -> dict:
-    """The artefact at ``path`` with its budgets tuned again on calibration windows (its basis kept;
+def retune(lm: model.LoadedModel, path: Path, texts: list[Path] | None = None,
+           names: tuple[str, ...] = allocation.TUNED) -> dict:
+    """The artefact at ``path`` with the budgets of ``names`` tuned again on calibration windows (its basis kept;
     stamped with the model's geometry, RoPE bases and windows where it lacks them): for a
     calibration made before budgets were tuned, or against a changed gate. One that ``calibrate``
     made before steps were allocated by rate (its tables the first cut: the measured sensitivities)
@@ -220,7 +221,7 @@ def retune(lm: model.LoadedModel, path: Path, texts: list[Path] | None = None) -
     if doc.get("made_by") == "kvfetcher calibrate" and not any("allocation" in t for t in doc["sensitivity"].values()):
         k = {"basis": torch.tensor(cal.table("basis")) / BASIS_STEP**2, "trellis": torch.tensor(cal.table("trellis")) / TRELLIS_UNITS}
         kvs = [model.prefill(lm, ids)[0].half() for ids, _ in windows_of(lm, texts, 1)[:4]]
-    doc = allocation.tune(lm, doc, kvs, allocation.budget_cases(lm, texts), k)
+    doc = allocation.tune(lm, doc, kvs, allocation.budget_cases(lm, texts), k, names)
     return dict(doc, retuned=datetime.date.today().isoformat())
 
 

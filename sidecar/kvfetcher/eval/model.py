@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from kvfetcher.codec import rope
-from kvfetcher.config import CACHE
+from kvfetcher.config import CACHE, EVAL_DEVICE
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DATA_DIR = Path(__file__).parent / "data"
@@ -49,6 +49,10 @@ class LoadedModel:
     def config(self):
         return self.model.config
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
 
 def _plain_copy(gguf: Path, plain: Path) -> Path:
     """Dequantise ``gguf`` once into a plain transformers copy at ``plain`` (fast to reload)."""
@@ -71,10 +75,16 @@ def _plain_copy(gguf: Path, plain: Path) -> Path:
     return plain
 
 
-@functools.lru_cache(maxsize=2)
-def load(path: str | None = None, dtype: str = "float32") -> LoadedModel:
+def load(path: str | None = None, dtype: str = "float32", device: str | None = None) -> LoadedModel:
     """Load a causal LM: the shipped SmolLM2 (``path`` None), a GGUF file or a transformers
-    directory. A GGUF file is dequantised once into a plain copy under the cache directory."""
+    directory, on ``device`` (default ``KVFETCHER_EVAL_DEVICE``). A GGUF file is dequantised once
+    into a plain copy under the cache directory. KV the model gives stays on its device; logits
+    come back on the CPU."""
+    return _load(path, dtype, device or EVAL_DEVICE.read())
+
+
+@functools.lru_cache(maxsize=2)
+def _load(path: str | None, dtype: str, device: str) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -90,7 +100,7 @@ def load(path: str | None = None, dtype: str = "float32") -> LoadedModel:
         plain = _plain_copy(src, cache_dir() / f"{tag}-{src.stat().st_size:x}") if src.is_file() else src
     tok = AutoTokenizer.from_pretrained(plain)
     m = AutoModelForCausalLM.from_pretrained(plain, dtype=getattr(torch, dtype))
-    m.eval()
+    m.to(device).eval()
     return LoadedModel(m, tok, fingerprint=f"{tag}/{dtype}")
 
 
@@ -161,11 +171,11 @@ def prefill(lm: LoadedModel, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     config keeps all tokens; attention masks still apply each layer's window)."""
     from transformers import DynamicCache
 
-    out = lm.model(ids.unsqueeze(0), past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
+    out = lm.model(ids.unsqueeze(0).to(lm.device), past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
     cache = out.past_key_values
     layers = lm.config.num_hidden_layers
     kv = torch.stack([torch.stack(_layer_kv(cache, i)) for i in range(layers)])  # [L, 2, 1, H, T, D]
-    return kv[:, :, 0].contiguous(), out.logits[0, -1]
+    return kv[:, :, 0].contiguous(), out.logits[0, -1].cpu()
 
 
 def to_cache(kv: torch.Tensor, config=None):
@@ -185,7 +195,7 @@ def _cache_of(lm: LoadedModel, ids: torch.Tensor, kv: torch.Tensor):
     as a server does with a fetched prefix."""
     model_dtype = next(lm.model.parameters()).dtype
     n = min(kv.shape[3], len(ids) - 1)
-    return to_cache(kv[:, :, :, :n].to(model_dtype), lm.config), ids[n:]
+    return to_cache(kv[:, :, :, :n].to(lm.device, model_dtype), lm.config), ids[n:].to(lm.device)
 
 
 @torch.inference_mode()
@@ -201,7 +211,7 @@ def greedy_steps(lm: LoadedModel, ids: torch.Tensor, kv: torch.Tensor, n_new: in
         top = torch.topk(logits, 2).values
         out.append(int(torch.argmax(logits)))
         margins.append(float(top[0] - top[1]))
-        nxt = torch.tensor([[out[-1]]])
+        nxt = torch.tensor([[out[-1]]], device=lm.device)
     return out, margins
 
 
@@ -215,8 +225,8 @@ def teacher_forced_logits(lm: LoadedModel, ids: torch.Tensor, kv: torch.Tensor, 
     """Logits ``[len(cont_ids), vocab]`` (float32) predicting each token of ``cont_ids`` after the
     prefix ``ids`` whose KV is ``kv``, the true continuation fed in (teacher forcing)."""
     cache, rest = _cache_of(lm, ids, kv)
-    feed = torch.cat([rest, cont_ids[:-1]]).unsqueeze(0)
-    return lm.model(feed, past_key_values=cache, use_cache=True).logits[0, len(rest) - 1 :].float()
+    feed = torch.cat([rest, cont_ids[:-1].to(lm.device)]).unsqueeze(0)
+    return lm.model(feed, past_key_values=cache, use_cache=True).logits[0, len(rest) - 1 :].float().cpu()
 
 
 def continuation_nll(lm: LoadedModel, ids: torch.Tensor, kv: torch.Tensor, cont_ids: torch.Tensor) -> float:
