@@ -93,12 +93,12 @@ class BudgetCase:
     logits: torch.Tensor  # teacher-forced from the fp16 cache
 
 
-def budget_cases(lm: model.LoadedModel, texts: list[Path]) -> list[BudgetCase]:
-    """Up to ``BUDGET_PER_TEXT`` disjoint windows of each calibration text, with their references."""
+def budget_cases(lm: model.LoadedModel, texts: list[Path], per_text: int = BUDGET_PER_TEXT) -> list[BudgetCase]:
+    """Up to ``per_text`` disjoint windows of each calibration text, with their references."""
     out, w = [], 2 * BUDGET_TOKENS
     for path in texts:
         ids = model.tokenize(lm, Path(path).read_text())
-        for s in list(range(0, len(ids) - w + 1, w))[:BUDGET_PER_TEXT]:
+        for s in list(range(0, len(ids) - w + 1, w))[:per_text]:
             pre, cont = ids[s : s + BUDGET_TOKENS], ids[s + BUDGET_TOKENS : s + w]
             kv = model.prefill(lm, pre)[0].half()
             out.append(BudgetCase(pre, cont, kv, model.teacher_forced_logits(lm, pre, kv, cont)))

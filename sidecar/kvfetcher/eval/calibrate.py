@@ -154,9 +154,11 @@ def sensitivity(lm: model.LoadedModel, wins: list[Window], lp: layout.LayoutPara
 
 
 def calibrate(lm: model.LoadedModel, tag: str, texts: list[Path] | None = None, per_text: int = 2,
-              sensitivity_windows: int = 4, measure_prompts: list[tuple[str, int]] | None = None) -> tuple[dict, basis.Basis]:
-    """The artefact's JSON and the basis for model ``lm`` under tag ``tag``; with
-    ``measure_prompts``, the figures of its presets on them (:func:`measure`)."""
+              sensitivity_windows: int = 4, measure_prompts: list[tuple[str, int]] | None = None,
+              budget_per_text: int = allocation.BUDGET_PER_TEXT) -> tuple[dict, basis.Basis]:
+    """The artefact's JSON and the basis for model ``lm`` under tag ``tag`` (``per_text`` windows of
+    each text for the basis, ``budget_per_text`` for the budgets); with ``measure_prompts``, the
+    figures of its presets on them (:func:`measure`)."""
     t0 = time.perf_counter()
     texts = sorted(texts or TEXTS_DIR.glob("*.txt"))
     cfg = lm.config
@@ -193,7 +195,7 @@ def calibrate(lm: model.LoadedModel, tag: str, texts: list[Path] | None = None, 
         tag, tables, b.name, (L, cfg.num_key_value_heads, model.head_dim(lm)), thetas, model.windows(lm),
         made_by="kvfetcher calibrate", date=datetime.date.today().isoformat(),
         texts=[Path(t).name for t in texts], windows_used=len(wins), sensitivity_windows=len(probe))
-    doc = allocation.tune(lm, doc, [w.kv for w in probe], allocation.budget_cases(lm, texts), k)
+    doc = allocation.tune(lm, doc, [w.kv for w in probe], allocation.budget_cases(lm, texts, budget_per_text), k)
     if measure_prompts:
         doc["measured"] = measure(lm, calibration.parse(doc, tag), measure_prompts)
     doc["seconds"] = round(time.perf_counter() - t0, 1)
