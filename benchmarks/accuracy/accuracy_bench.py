@@ -285,9 +285,10 @@ def main() -> int:
     out = Path(args.out_dir)
     partial = out / "partial"  # one file per model, rewritten after each prompt: several runs (one per model) may share it
     partial.mkdir(parents=True, exist_ok=True)
+    here = device()
     for key in [] if args.render else args.models.split(","):
         def save(m, path=partial / f"{key}.json"):
-            m = dict(m, settings=vars(args), date=datetime.date.today().isoformat(), device=device())
+            m = dict(m, settings=vars(args), date=datetime.date.today().isoformat(), device=here)
             if args.merge and path.exists():  # read at every save: runs of other codecs of this model may be writing it too
                 old = json.loads(path.read_text())
                 m = dict(m, codecs=old["codecs"] | m["codecs"], variants=old.get("variants", {}) | m["variants"],

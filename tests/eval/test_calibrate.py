@@ -87,14 +87,19 @@ async def test_the_operators_calibration_job_publishes_to_s3_and_a_sidecar_then_
     presets.for_model.cache_clear()
 
 
-def test_retune_keeps_the_basis_and_allocation_and_tunes_the_budget(tiny_dir, tmp_path, monkeypatch, capsys):
+def _calibrated_and_retuned(tiny_dir, tmp_path, monkeypatch, capsys, *retune_args: str) -> tuple[str, str]:
+    """Paths of a first calibration of the tiny model and of its retune (``--retune`` plus ``retune_args``)."""
     monkeypatch.setenv("KVFETCHER_CALIBRATION_DIR", str(tmp_path / "local"))
-    texts = [str(calibrate.TEXTS_DIR / "prose.txt")]
-    assert cli.main(["calibrate", "--model", str(tiny_dir), "--no-measure", "--texts", *texts]) == 0
+    args = ["calibrate", "--model", str(tiny_dir), "--no-measure", "--texts", str(calibrate.TEXTS_DIR / "prose.txt")]
+    assert cli.main(args) == 0
     first = json.loads(capsys.readouterr().out.splitlines()[0])["calibration"]
-    assert cli.main(["calibrate", "--model", str(tiny_dir), "--no-measure", "--texts", *texts, "--retune", first]) == 0
-    again = calibration.read(json.loads(capsys.readouterr().out.splitlines()[0])["calibration"])
-    before = calibration.read(first)
+    assert cli.main([*args, "--retune", first, *retune_args]) == 0
+    return first, json.loads(capsys.readouterr().out.splitlines()[0])["calibration"]
+
+
+def test_retune_keeps_the_basis_and_allocation_and_tunes_the_budget(tiny_dir, tmp_path, monkeypatch, capsys):
+    first, retuned = _calibrated_and_retuned(tiny_dir, tmp_path, monkeypatch, capsys)
+    again, before = calibration.read(retuned), calibration.read(first)
     assert again.basis == before.basis and again.rope_thetas == before.rope_thetas and again.name != before.name
     doc = json.loads((tmp_path / "local" / f"{again.name}.json").read_text())
     for kind in ("basis", "trellis"):
@@ -106,13 +111,7 @@ def test_retune_keeps_the_basis_and_allocation_and_tunes_the_budget(tiny_dir, tm
 def test_retune_of_compact_alone_keeps_balanced_and_holds_compact_to_its_gate(tiny_dir, tmp_path, monkeypatch, capsys):
     from kvfetcher.eval import accuracy
 
-    monkeypatch.setenv("KVFETCHER_CALIBRATION_DIR", str(tmp_path / "local"))
-    texts = [str(calibrate.TEXTS_DIR / "prose.txt")]
-    assert cli.main(["calibrate", "--model", str(tiny_dir), "--no-measure", "--texts", *texts]) == 0
-    first = json.loads(capsys.readouterr().out.splitlines()[0])["calibration"]
-    args = ["calibrate", "--model", str(tiny_dir), "--no-measure", "--texts", *texts, "--retune", first, "--presets", "compact"]
-    assert cli.main(args) == 0
-    again = json.loads(capsys.readouterr().out.splitlines()[0])["calibration"]
+    first, again = _calibrated_and_retuned(tiny_dir, tmp_path, monkeypatch, capsys, "--presets", "compact")
     before, after = json.loads(Path(first).read_text()), json.loads(Path(again).read_text())
     assert after["sensitivity"]["trellis"] == before["sensitivity"]["trellis"]  # balanced untouched
     budget = after["sensitivity"]["basis"]["allocation"]["budget"]

@@ -202,10 +202,9 @@ def tune(lm: model.LoadedModel, doc: dict, kvs: list[torch.Tensor], cases: list[
             bound = not within(m)
             if bound:
                 m = bracket(within, hi=m)[0]
-            if m not in ratios:
-                short(m)
+            ratio = ratios[m] if m in ratios else ratio_at(cases, at(m)[1], fp, thetas)
             tuned = {"target": {"ratio_vs_fp16": COMPACT_RATIO, "tf_top1": g["tf_top1"], "kl": g["kl"]}, "multiplier": round(m, 4),
-                     "ratio_vs_fp16": ratios[m], "gate_bound": bound, **figures.get(m, {})}
+                     "ratio_vs_fp16": ratio, "gate_bound": bound, **figures.get(m, {})}
         table = at(m)[0]["sensitivity"][kind]
         measured = {"kl_per_step2": _rounded(k[kind]), "rate_slopes": _rounded(slopes)} if kind in k else {}
         doc["sensitivity"][kind] = dict(doc["sensitivity"][kind], layers=table["layers"],
