@@ -45,6 +45,7 @@ from kvfetcher import ipc, keys, service
 from benchmarks.lib.standin import encode_chunk  # a stand-in calibration for random-weight shapes
 from kvfetcher.eval.costmodel import SHAPES, ModelShape
 from kvfetcher import kvbuffer
+from kvfetcher.fetch.plan import FetchOptions
 
 CHUNK = 256
 FINGERPRINT = "auto-scale-bench"
@@ -102,9 +103,9 @@ class Bench:
 
     def kvfetcher(self, ctx: int, preset: str | None, recompute_s: float, box: float) -> dict:
         """Forced ``preset`` or (None) the automatic choice; seconds until the KV is in the buffer."""
-        kw = {"presets": [preset], "recompute_tps": 1e-9} if preset else {"recompute_tps": ctx / recompute_s}
+        kw = {"presets": (preset,), "recompute_tokens_per_s": 1e-9} if preset else {"recompute_tokens_per_s": ctx / recompute_s}
         t = time.perf_counter()
-        r = dataclasses.asdict(asyncio.run(self.sidecar.load("b", self.tokens[:ctx], deadline_s=box, **kw)))
+        r = dataclasses.asdict(asyncio.run(self.sidecar.load("b", self.tokens[:ctx], options=FetchOptions(deadline_s=box, **kw))))
         s = time.perf_counter() - t
         d = r.get("decision") or {}
         out = {"decision": d.get("preset"), "predicted_s": d.get("predicted_s"), "bytes_read": r.get("bytes_read", 0),

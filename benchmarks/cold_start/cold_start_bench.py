@@ -47,6 +47,7 @@ from kvfetcher import ipc, keys
 from kvfetcher.api.client import KVClient
 from kvfetcher.eval.costmodel import ModelShape
 from kvfetcher.store.local import LocalStore
+from kvfetcher.fetch.plan import FetchOptions
 
 TOKEN = "cold-start-bench"
 MODES = {"cold": "0", "warm": "1"}  # KVFETCHER_WARM_UP
@@ -107,7 +108,7 @@ def one_round(a, mode: str, store_dir: Path, tokens: list[int], buf: ipc.SharedB
         time.sleep(a.gap_s)
         for which in ("first", "second"):
             t = time.perf_counter()
-            r = c.load(bid, tokens, presets=[a.preset], recompute_tokens_per_s=1.0)
+            r = c.load(bid, tokens, options=FetchOptions(presets=[a.preset], recompute_tokens_per_s=1.0))
             s = time.perf_counter() - t
             if r.error or r.loaded_tokens != len(tokens):
                 raise RuntimeError(f"{which} fetch loaded {r.loaded_tokens} of {len(tokens)} tokens: {r.error} {r.reason}")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import json
 import os
@@ -47,6 +48,7 @@ from benchmarks.tp.tp_model import recompute_seconds, shard
 from kvfetcher import ipc, keys, service
 from kvfetcher.eval.costmodel import SHAPES, TINY
 from kvfetcher.fetch import group
+from kvfetcher.fetch.plan import FetchOptions
 
 CHUNK = 256
 FINGERPRINT = "tp-bench"
@@ -118,16 +120,17 @@ class Rank:
     def fetch(self, ctx: int, preset: str | None, recompute_s: float, box: float) -> dict:
         """The group's fetch of the first ``ctx`` tokens: forced ``preset``, or (None) auto; seconds
         until every rank holds what the group loaded."""
-        kw = {"group_size": self.world} | ({"presets": [preset], "recompute_tps": 1e-9} if preset else {"recompute_tps": ctx / recompute_s})
+        o = FetchOptions(group_size=self.world, refresh=True,  # the objects were placed behind the sidecar's back: list them
+                         **({"presets": (preset,), "recompute_tokens_per_s": 1e-9} if preset else {"recompute_tokens_per_s": ctx / recompute_s}))
         tokens = self.tokens[:ctx]
         dist.barrier()
         t = time.perf_counter()
-        g = group.agree(self.gather(asyncio.run(self.sidecar.plan("b", tokens, **kw))))
+        g = group.agree(self.gather(asyncio.run(self.sidecar.plan("b", tokens, o))))
         if isinstance(g, group.Retry):
-            again = asyncio.run(self.sidecar.plan("b", tokens[: g.tokens], **(kw | {"presets": [g.preset]})))
+            again = asyncio.run(self.sidecar.plan("b", tokens[: g.tokens], dataclasses.replace(o, presets=(g.preset,))))
             g = group.agree(self.gather(again), retry=g)
         loads = bool(g.plans and g.loaded_tokens)
-        reply = asyncio.run(self.sidecar.load("b", tokens[: g.tokens], g.plans[self.rank], deadline_s=box)) if loads else None
+        reply = asyncio.run(self.sidecar.load("b", tokens[: g.tokens], g.plans[self.rank], options=FetchOptions(deadline_s=box))) if loads else None
         out = group.settle(g, self.gather(reply) if loads else [])
         s = time.perf_counter() - t
         cell = {"decision": g.preset, "predicted_s": g.predicted_s, "loaded_tokens": out.loaded_tokens, "error": out.error,

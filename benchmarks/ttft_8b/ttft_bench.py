@@ -46,6 +46,7 @@ from kvfetcher import ipc, keys, service
 from kvfetcher.format import presets
 from benchmarks.lib.standin import encode_chunk  # a stand-in calibration for random-weight shapes
 from kvfetcher.store.s3 import S3Store
+from kvfetcher.fetch.plan import FetchOptions
 
 FINGERPRINT = "llama-3-8b-shape/random-bf16"
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run of the harness only
@@ -248,8 +249,8 @@ class Race:
     async def kvfetcher(self, ctx: int, preset: str | None, box: float, recompute_tps: float) -> dict:
         """``preset`` forced (recompute never chosen), or None: the sidecar's automatic choice."""
         t0 = time.perf_counter()
-        kw = {"presets": [preset], "recompute_tps": 1e-9} if preset else {"recompute_tps": recompute_tps, "presets": self.auto_presets}
-        r = dataclasses.asdict(await self.sidecar.load(self.bids[ctx], self.tokens[:ctx], deadline_s=box, **kw))
+        kw = {"presets": (preset,), "recompute_tokens_per_s": 1e-9} if preset else {"recompute_tokens_per_s": recompute_tps, "presets": self.auto_presets}
+        r = dataclasses.asdict(await self.sidecar.load(self.bids[ctx], self.tokens[:ctx], options=FetchOptions(deadline_s=box, **kw)))
         fetch_s = time.perf_counter() - t0
         rec = {"fetch_s": fetch_s, "bytes_read": r.get("bytes_read", 0), "decision": r.get("decision"), "error": r.get("error"),
                "lookup_s": r.get("lookup_s")}
@@ -286,7 +287,7 @@ class Race:
         each new link rate, so ``auto`` decides with this link's measured bandwidth."""
         smallest = min(kv_presets(), key=lambda p: self.sizes.get(p, 1e18))
         n = min(chunks, ctx // CHUNK) * CHUNK
-        await self.sidecar.load(self.bids[ctx], self.tokens[:n], deadline_s=60, presets=[smallest], recompute_tps=1e-9)
+        await self.sidecar.load(self.bids[ctx], self.tokens[:n], options=FetchOptions(deadline_s=60, presets=[smallest], recompute_tokens_per_s=1e-9))
 
 
 def link_probe(url: str, root: Path, rate_Bps: float, seconds: float = 0.5) -> dict:

@@ -180,6 +180,12 @@ MAX_REQUEST_TOKENS = Setting("KVFETCHER_MAX_REQUEST_TOKENS", int, 262144,
 STORE_QUEUE_CHUNKS = Setting("KVFETCHER_STORE_QUEUE_CHUNKS", int, 256,
                              "Bound of the store queue in chunks: a store queues the leading chunks that fit, "
                              "the rest are dropped and counted.")
+INDEX_KEYS = Setting("KVFETCHER_INDEX_KEYS", int, 1 << 18,
+                     "Chunk keys the sidecar's in-memory index of the store keeps (least recently used dropped first; "
+                     "about 400 bytes each).")
+NEGATIVE_TTL_S = Setting("KVFETCHER_NEGATIVE_TTL_S", float, 5.0,
+                         "Seconds a chunk found absent stays absent for lookups: a prefix another sidecar stores becomes "
+                         "visible here within this plus one listing.")
 IO_WORKERS = Setting("KVFETCHER_IO_WORKERS", int, 32, "Threads for store data I/O (GET, PUT).")
 META_IO_WORKERS = Setting("KVFETCHER_META_IO_WORKERS", int, 8,
                           "Threads for store metadata I/O (LIST, HEAD, DELETE, readiness), apart from data I/O.")
@@ -231,7 +237,7 @@ TABLES: dict[str, tuple[Setting, ...]] = {
         CHUNK_TOKENS, PRESET, ALLOWED_PRESETS, TENANT, POOL, OBJECT_KEY, MODEL, RECOMPUTE_TPS, ROPE_THETA, TTFT_BUDGET_S,
         DECODE_PROCS, WARM_UP, S3_ENDPOINT, S3_BUCKET, S3_ACCESS_KEY, S3_SECRET_KEY, S3_REGION, S3_CA_FILE,
         S3_INSECURE, STORE_DIR, AUTH_TOKEN, AUTH_TOKEN_FILE, FUSED_UNPACK, DEADLINE_S, MAX_REQUEST_TOKENS,
-        STORE_QUEUE_CHUNKS, IO_WORKERS, META_IO_WORKERS, LINK_DIR, ACCESS_LOG_S, CALIBRATION_DIR),
+        STORE_QUEUE_CHUNKS, INDEX_KEYS, NEGATIVE_TTL_S, IO_WORKERS, META_IO_WORKERS, LINK_DIR, ACCESS_LOG_S, CALIBRATION_DIR),
     "Model side (`KVClient`, shared buffers)": (SOCKET, URL),
     "Evaluation (`kvfetcher eval`, `calibrate`, `demo`, tests)": (CACHE, EVAL_DEVICE),
     "Operator": (WEBHOOK_ADDR, WEBHOOK_PORT, WEBHOOK_CERT, WEBHOOK_KEY, WEBHOOK_CONFIGURATION,
@@ -270,6 +276,8 @@ class Config:
     max_request_tokens: int = env_field(MAX_REQUEST_TOKENS)
     ttft_budget_s: float | None = env_field(TTFT_BUDGET_S)  # None: the fastest option wins
     store_queue_chunks: int = env_field(STORE_QUEUE_CHUNKS)
+    index_keys: int = env_field(INDEX_KEYS)
+    negative_ttl_s: float = env_field(NEGATIVE_TTL_S)
     decode_workers: int = 2
     decode_procs: int = env_field(DECODE_PROCS)
     device: str = field(default_factory=_device)  # where the KV buffers live: decode workers warm up there
@@ -294,9 +302,11 @@ class Config:
             raise ValueError(f"chunk tokens must be positive, not {self.chunk_tokens}")
         if not 0 < self.deadline_s < float("inf"):
             raise ValueError(f"the deadline must be positive, finite seconds, not {self.deadline_s}")
-        for name in ("max_request_tokens", "store_queue_chunks", "io_workers", "meta_io_workers"):
+        for name in ("max_request_tokens", "store_queue_chunks", "index_keys", "io_workers", "meta_io_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', ' ')} must be >= 1, not {getattr(self, name)}")
+        if not 0 <= self.negative_ttl_s < float("inf"):
+            raise ValueError(f"the negative TTL must be finite seconds >= 0, not {self.negative_ttl_s}")
         if self.object_key and len(self.object_key) < 16:
             raise ValueError(f"{OBJECT_KEY.name} must be at least 16 characters")
         if self.decode_procs < 0:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+_FAST = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -19,8 +20,12 @@ class Metrics:
         self.loaded_tokens = Counter("kvfetcher_loaded_tokens_total", "Tokens written into KV buffers", registry=r)
         self.fetch_seconds = Histogram("kvfetcher_fetch_seconds", "Wall time of a fetch", buckets=_LATENCY, registry=r)
         self.lookup_seconds = Histogram(
-            "kvfetcher_lookup_seconds", "Time to list a prefix's stored chunks (one LIST per chunk), part of a fetch's time", buckets=_LATENCY, registry=r
-        )
+            "kvfetcher_lookup_seconds", "Time the sidecar took to answer a lookup (from its index; with refresh, listing included)",
+            buckets=_FAST, registry=r)
+        self.listing_seconds = Histogram(
+            "kvfetcher_listing_seconds", "Time to list a prefix's chunks the index did not know (one LIST per chunk), in the background "
+            "or before a fetch", buckets=_LATENCY, registry=r)
+        self.index_keys = Gauge("kvfetcher_index_keys", "Chunk keys the sidecar's index of the store knows (stored or absent)", registry=r)
         self.store_seconds = Histogram("kvfetcher_store_seconds", "Encode + upload time of one chunk", buckets=_LATENCY, registry=r)
         self.bytes_read = Counter("kvfetcher_bytes_read_total", "Bytes read from the store", registry=r)
         self.bytes_written = Counter("kvfetcher_bytes_written_total", "Bytes written to the store", registry=r)

@@ -25,7 +25,7 @@ import secrets
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -34,7 +34,7 @@ from kvfetcher.config import Config
 from kvfetcher.errors import Reason, RequestError
 from kvfetcher.fetch import choice, executor, staging
 from kvfetcher.fetch.linkshare import LinkShare
-from kvfetcher.fetch.plan import Costs, FetchPlan, LoadDecision, LoadReply, list_prefix, listing_rounds, make_plan, seal, sealed
+from kvfetcher.fetch.plan import Catalog, Costs, FetchOptions, FetchPlan, LoadDecision, LoadReply, listing_rounds, make_plan, seal, sealed
 from kvfetcher.fetch.prefill import PrefillModel
 from kvfetcher.fetch.workers import DecodeWorkers, warmup_object
 from kvfetcher.format import mac
@@ -44,6 +44,7 @@ from kvfetcher.metrics import Metrics
 from kvfetcher.save.writer import Job, Writer
 from kvfetcher.store import Store, StoreError
 from kvfetcher.store.calibrations import CalibrationLookup
+from kvfetcher.store.index import StoredIndex
 
 log = logging.getLogger("kvfetcher.service")
 
@@ -75,7 +76,9 @@ class Sidecar:
         self.meta_pool = ThreadPoolExecutor(self.config.meta_io_workers, thread_name_prefix="kvf-meta")
         self.decode_pool = ThreadPoolExecutor(self.config.decode_workers, thread_name_prefix="kvf-decode")
         self.workers = DecodeWorkers(self.config.decode_procs) if self.config.decode_procs else None
-        self.writer = Writer(store, self.config, self.metrics, self.data_pool, self.meta_pool)
+        self.index = StoredIndex(self.config.index_keys, self.config.negative_ttl_s)  # what is stored, as far as this sidecar knows
+        self.catalog = Catalog(store, self.index, self.meta_pool, failed=lambda reason: self.metrics.errors.labels(reason).inc())
+        self.writer = Writer(store, self.config, self.metrics, self.data_pool, self.meta_pool, stored=self.index.stored)
         self.link = LinkShare(self.config.link_dir)  # the node's fetches, which share its link
         self._warming: asyncio.Future | None = None  # the latest registered buffer's warm-up
         self._seal_key = secrets.token_bytes(32)  # plans this process issued carry its seal
@@ -146,6 +149,7 @@ class Sidecar:
     async def close(self, drain_s: float = 10.0) -> None:
         """Stop; queued saves get ``drain_s`` to finish (within a pod's termination grace)."""
         await self.writer.close(drain_s)
+        self.catalog.close()
         if self._warming is not None:  # the decode workers are still in use until it ends
             await asyncio.gather(self._warming, return_exceptions=True)
         for pool in (self.data_pool, self.meta_pool, self.decode_pool):
@@ -236,15 +240,12 @@ class Sidecar:
 
     # --- plan ------------------------------------------------------------------------------
 
-    async def plan(self, target: str | keys.Namespace, tokens: Sequence[int], **opts) -> FetchPlan:
+    async def plan(self, target: str | keys.Namespace, tokens: Sequence[int], options: FetchOptions | None = None) -> FetchPlan:
         """What a load of ``tokens`` would do, for a buffer id or a namespace (a scheduler without
         buffers: the cost model then uses a registered buffer of that namespace for the KV
-        geometry, and without one leaves the preset unchosen). Keywords: ``prefill_model`` (the
-        engine's :class:`~kvfetcher.fetch.prefill.PrefillModel`) or ``recompute_tps`` (a constant
-        rate; the setting's without either), ``presets``, ``ttft_budget_s``, ``deadline_s`` (of the listing), ``may_skip_listing`` (see
-        :func:`~kvfetcher.fetch.plan.make_plan`; default False: the plan's hit count is the store's),
-        ``group_size`` (loads that will run at once with this one, e.g. a tensor-parallel group's: the
-        link is predicted shared among them and the fetches the node announces now)."""
+        geometry, and without one leaves the preset unchosen), chosen as ``options`` say. Answered
+        from the index of what is stored: nothing waits on the store unless ``options.refresh``."""
+        t = time.perf_counter()
         self._check_length(tokens)
         if isinstance(target, str):
             buf = self._buffer(target)
@@ -253,33 +254,33 @@ class Sidecar:
             ns, buf = target, next((b for b in self.buffers.values() if b.ns == target), None)
         self.metrics.lookups.inc()
         self.calibrations.look(ns.model)
-        p = await self._plan(ns, keys.chunk_keys(ns, tokens, self.config.chunk_tokens), buf, **{"may_skip_listing": False, **opts})
+        p = await self._plan(ns, keys.chunk_keys(ns, tokens, self.config.chunk_tokens), buf, options or FetchOptions())
         self.metrics.hit_tokens.inc(p.hit_tokens)
+        self.metrics.lookup_seconds.observe(time.perf_counter() - t)
         return p
 
-    async def _plan(self, ns: keys.Namespace, ck: Sequence[str], buf: Buffer | None, *, recompute_tps: float | None = None,
-                    prefill_model: PrefillModel | None = None, presets: Sequence[str] | None = None, ttft_budget_s: float | None = None, deadline_s: float | None = None,
-                    may_skip_listing: bool = True, group_size: int | None = None) -> FetchPlan:
-        budget = self.config.ttft_budget_s if ttft_budget_s is None else ttft_budget_s
+    async def _plan(self, ns: keys.Namespace, ck: Sequence[str], buf: Buffer | None, o: FetchOptions) -> FetchPlan:
+        budget = self.config.ttft_budget_s if o.ttft_budget_s is None else o.ttft_budget_s
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0):
             raise RequestError(f"ttft_budget_s must be positive seconds, not {budget!r}")
-        sharers = (group_size or 1) + self.link.active()
-        if prefill_model is not None:
-            for term, c in asdict(prefill_model).items():
+        sharers = o.group_size + self.link.active()
+        if o.prefill_model is not None:
+            for term, c in asdict(o.prefill_model).items():
                 self.metrics.prefill_model.labels(term).set(c)
-        prefill = prefill_model or PrefillModel.linear(recompute_tps or self.config.recompute_tps)
+        prefill = o.prefill_model or PrefillModel.linear(o.recompute_tokens_per_s or self.config.recompute_tps)
         rates = self.estimator.rates(self.store.endpoint, prefill, sharers)
         # never a preset this model may not use (one needing a calibration it lacks)
-        allowed = frozenset(presets or PRESETS) & frozenset(self.config.allowed_presets or PRESETS) & frozenset(usable(PRESETS, ns.model))
+        allowed = frozenset(o.presets or PRESETS) & frozenset(self.config.allowed_presets or PRESETS) & frozenset(usable(PRESETS, ns.model))
         costs = Costs(rates, self._chunk_kv_bytes(buf) if buf else None, allowed, budget)
-        p = await make_plan(self.store, ns, ck, self.config.chunk_tokens, costs, io_pool=self.meta_pool,
-                            deadline_s=self.config.deadline_s if deadline_s is None else deadline_s, may_skip_listing=may_skip_listing)
+        p = await make_plan(self.catalog, ns, ck, self.config.chunk_tokens, costs, refresh=o.refresh,
+                            deadline_s=self.config.deadline_s if o.deadline_s is None else o.deadline_s)
+        self.metrics.index_keys.set(len(self.index))
         if p.error:
             self.metrics.errors.labels(p.error).inc()
         elif p.lookup_s is not None:
             listed = min(p.hit_tokens // p.chunk_tokens + 1, p.requested_tokens // p.chunk_tokens)  # it stops at the first miss
             self.estimator.observe_lookup(self.store.endpoint, p.lookup_s, listing_rounds(listed))
-            self.metrics.lookup_seconds.observe(p.lookup_s)
+            self.metrics.listing_seconds.observe(p.lookup_s)
         return seal(p, self._seal_key)
 
     def _check(self, plan: FetchPlan, buf: Buffer, chunk_keys: Sequence[str]) -> None:
@@ -293,31 +294,34 @@ class Sidecar:
     # --- load ------------------------------------------------------------------------------
 
     async def load(self, bid: str, tokens: Sequence[int], plan: FetchPlan | None = None, *, slots: Sequence[int] | None = None,
-                   offset: int = 0, block_ids: Sequence[int] | None = None, first_token: int = 0, deadline_s: float | None = None,
-                   **opts) -> LoadReply:
+                   offset: int = 0, block_ids: Sequence[int] | None = None, first_token: int = 0,
+                   options: FetchOptions | None = None) -> LoadReply:
         """Load as many leading whole chunks of ``tokens`` as ``plan`` says into the buffer at
-        ``slots`` or ``offset`` (a paged buffer: into ``block_ids``, :meth:`Buffer.destination`). Without a plan, or with one that chose no preset, this plans first
-        (one listing) with the cost keywords of :meth:`plan`; they are refused beside a chosen plan.
-        Tokens before ``first_token`` are the caller's: chunks wholly before it are not fetched, nor
-        written; they count as loaded.
+        ``slots`` or ``offset`` (a paged buffer: into ``block_ids``, :meth:`Buffer.destination`).
+        Without a plan, or with one that chose no preset, this looks up first as ``options`` say,
+        listing what the index does not know; beside a chosen plan only ``options.deadline_s`` may
+        be given. Tokens before ``first_token`` are the caller's: chunks wholly before it are not
+        fetched, nor written; they count as loaded.
 
-        ``deadline_s`` covers the listing too when this plans. Never raises for a storage or data
-        problem: the reply says how many leading tokens were loaded and which to recompute."""
+        ``options.deadline_s`` covers the listing too. Never raises for a storage or data problem:
+        the reply says how many leading tokens were loaded and which to recompute."""
         t0 = time.perf_counter()
-        deadline_s = self.config.deadline_s if deadline_s is None else deadline_s
+        o = options or FetchOptions()
+        deadline_s = self.config.deadline_s if o.deadline_s is None else o.deadline_s
         self._check_length(tokens)
         buf = self._buffer(bid)
         N = self.config.chunk_tokens
         n_req = len(tokens) // N * N
         dest = buf.destination(n_req, slots, offset, block_ids, first_token)
         ck = keys.chunk_keys(buf.ns, tokens[:n_req], N)
-        opts = {k: v for k, v in opts.items() if v is not None}
         if plan is not None:
-            if opts and plan.preset is not None:
-                raise RequestError(f"{sorted(opts)} belong to the plan: give them when planning, not with a plan")
+            chosen = {f for f in ("presets", "ttft_budget_s", "prefill_model", "recompute_tokens_per_s", "group_size", "refresh")
+                      if getattr(o, f) != getattr(FetchOptions(), f)}
+            if chosen and plan.preset is not None:
+                raise RequestError(f"{sorted(chosen)} belong to the plan: give them when looking up, not with a plan")
             self._check(plan, buf, ck)
-        if plan is None or plan.preset is None:  # no plan, or one made without a buffer of its namespace: plan here
-            plan = await self._plan(buf.ns, ck, buf, deadline_s=deadline_s, **opts)
+        if plan is None or plan.preset is None:  # no plan, or one made without a buffer of its namespace: look up here
+            plan = await self._plan(buf.ns, ck, buf, replace(o, deadline_s=deadline_s, refresh=True))
         reply = LoadReply(n_req, 0, N, lookup_s=plan.lookup_s,
                           decision=LoadDecision(plan.preset, len(plan.chunks), plan.predicted_s, plan.options))
         if plan.error:  # counted in the errors metric when planning
@@ -340,6 +344,8 @@ class Sidecar:
         reply.bytes_read, reply.kv_bytes, reply.seconds = out.bytes_read, out.kv_bytes, out.seconds
         reply.decision.actual_s = out.seconds
         self.metrics.fetch_seconds.observe(time.perf_counter() - t0)
+        if out.bad_object or out.error is Reason.MISSING:  # the index no longer trusts the chunks from the one that failed
+            self.index.forget(ck[mine + out.loaded_tokens // N :])
         if out.bad_object:  # else it would block every later load, and a re-store would be a no-op
             await self._drop(out.bad_object)
         if out.error:
@@ -401,8 +407,7 @@ class Sidecar:
                    block_ids: Sequence[int] | None = None) -> dict:
         """Queue the complete chunks of ``tokens`` (whose KV is in the buffer at ``slots``, ``offset``
         or ``block_ids``, as in :meth:`load`) for storing: the leading chunks already stored in every
-        configured preset are skipped (one listing, which stops at the first chunk not stored; a
-        failed listing skips none), the next ones are queued as far as the queue has room and the
+        configured preset are skipped (as far as the index knows: no store request), the next ones are queued as far as the queue has room and the
         rest are dropped and counted. Never waits for encoding or upload; the KV is copied before
         this returns (``Destination.read``)."""
         self._check_length(tokens)
@@ -410,7 +415,7 @@ class Sidecar:
         N = self.config.chunk_tokens
         ck = keys.chunk_keys(buf.ns, tokens, N)
         where = buf.destination(len(ck) * N, slots, offset, block_ids)
-        known = await self._stored_run(ck, self.writer.presets_for(buf.ns.model))
+        known = self._stored_run(ck, self.writer.presets_for(buf.ns.model))
         take = min(len(ck) - known, self.writer.room())
         dropped = len(ck) - known - take
         if dropped:
@@ -420,17 +425,10 @@ class Sidecar:
             self.writer.submit(Job(buf.ns, ck[known : known + take], kv, first=known, parent=ck[known - 1] if known else ""))
         return {"queued_chunks": take, "skipped_chunks": known, "dropped_chunks": dropped, "dropped": dropped > 0}
 
-    async def _stored_run(self, chunk_keys: Sequence[str], written: Sequence[str]) -> int:
-        """How many leading chunks are stored in every preset of ``written`` (those this sidecar
-        writes for the model; 0 when the store cannot say within the deadline)."""
-        if not chunk_keys:
-            return 0
-        try:
-            async with asyncio.timeout(self.config.deadline_s):
-                run = await list_prefix(self.store, chunk_keys, self.meta_pool)
-        except (StoreError, TimeoutError) as e:
-            self.metrics.errors.labels(getattr(e, "reason", Reason.DEADLINE)).inc()
-            return 0
+    def _stored_run(self, chunk_keys: Sequence[str], written: Sequence[str]) -> int:
+        """How many leading chunks the index knows stored in every preset of ``written`` (those this
+        sidecar writes for the model). No store request: the writer skips what is stored anyway."""
+        run, _ = self.index.run(chunk_keys)
         n = 0
         while n < len(run) and all(p in run[n] for p in written):
             n += 1

@@ -20,6 +20,7 @@ from kvfetcher.api.client import KVClient, SidecarError
 from kvfetcher.errors import RequestError
 from kvfetcher.kvbuffer import PagedLayout, read_blocks, write_blocks
 from kvfetcher.store.local import LocalStore
+from kvfetcher.fetch.plan import FetchOptions
 
 from kvtest import SENTINEL, TOKEN, free_port, raw_request, running, sidecar, synthetic_kv
 
@@ -53,7 +54,7 @@ async def stored_and_restored_flat(sc, shm, kv):
     assert (await sc.save(bid, TOKENS))["queued_chunks"] == 4
     await sc.flush()
     flat.tensor.fill_(SENTINEL)
-    r = await sc.load(bid, TOKENS, recompute_tps=1.0)  # a slow model: fetching is the cost model's choice
+    r = await sc.load(bid, TOKENS, options=FetchOptions(recompute_tokens_per_s=1.0))  # a slow model: fetching is the cost model's choice
     assert (r.error, r.loaded_tokens) == (None, 256), r
     return flat.tensor.clone()
 
@@ -82,7 +83,7 @@ def test_a_restore_into_blocks_is_the_flat_restore(tmp_path, shm, dims, preset, 
             tensors, handle = paged(shm, dims)
             bid = sc.register(handle, FP)
             spare = next(b for b in range(BLOCKS) if b not in block_ids)  # a block of the prompt's partial tail
-            r = await sc.load(bid, TOKENS + [7, 8], block_ids=block_ids + [spare], recompute_tps=1.0)
+            r = await sc.load(bid, TOKENS + [7, 8], block_ids=block_ids + [spare], options=FetchOptions(recompute_tokens_per_s=1.0))
             assert (r.error, r.loaded_tokens, r.decision.preset) == (None, 256, preset), r
             got = read_blocks(tensors, PagedLayout(dims, BS), block_ids, 0, 256)
             assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # byte-identical
@@ -109,12 +110,12 @@ def test_a_store_reads_blocks_and_a_flat_buffer_loads_it_and_back(tmp_path, shm)
             await sc.flush()
             flat = shm((LAYERS, 2, HEADS, 300, HEAD_DIM), fill=SENTINEL)
             fid = sc.register(flat.handle, FP)
-            r = await sc.load(fid, TOKENS, offset=20, recompute_tps=1.0)
+            r = await sc.load(fid, TOKENS, offset=20, options=FetchOptions(recompute_tokens_per_s=1.0))
             assert (r.error, r.loaded_tokens) == (None, 256) and torch.equal(flat.tensor[:, :, :, 20:276], kv)
             flat.tensor[:, :, :, 20:276] = kv.flip(3)  # other tokens' KV, stored from the flat buffer
             assert (await sc.save(fid, other, offset=20))["queued_chunks"] == 4
             await sc.flush()
-            r = await sc.load(pid, other, block_ids=REVERSED, recompute_tps=1.0)
+            r = await sc.load(pid, other, block_ids=REVERSED, options=FetchOptions(recompute_tokens_per_s=1.0))
             assert (r.error, r.loaded_tokens) == (None, 256) and torch.equal(read_blocks(tensors, layout, REVERSED, 0, 256), kv.flip(3))
 
     asyncio.run(main())
@@ -139,7 +140,7 @@ def test_a_load_from_first_token_leaves_the_blocks_before_it_alone(tmp_path, shm
     async def main():
         async with running(LocalStore(tmp_path), chunk_tokens=N, presets=(preset,), decode_procs=procs, warm_up=procs > 0) as sc:
             want = await stored_and_restored_flat(sc, shm, kv)
-            full = (await sc.load(sc.register(shm((LAYERS, 2, HEADS, 256, HEAD_DIM)).handle, FP), TOKENS, recompute_tps=1.0)).kv_bytes
+            full = (await sc.load(sc.register(shm((LAYERS, 2, HEADS, 256, HEAD_DIM)).handle, FP), TOKENS, options=FetchOptions(recompute_tokens_per_s=1.0))).kv_bytes
             if dims is None:
                 flat = shm((LAYERS, 2, HEADS, 256, HEAD_DIM))
                 flat.tensor.copy_(theirs)
@@ -149,17 +150,17 @@ def test_a_load_from_first_token_leaves_the_blocks_before_it_alone(tmp_path, shm
                 write_blocks(tensors, PagedLayout(dims, BS), SCATTERED, theirs)
                 bid, got = sc.register(handle, FP), lambda: read_blocks(tensors, PagedLayout(dims, BS), SCATTERED, 0, 256)
             where = {} if dims is None else dict(block_ids=SCATTERED)
-            r = await sc.load(bid, TOKENS, first_token=first, recompute_tps=1.0, **where)
+            r = await sc.load(bid, TOKENS, first_token=first, **where, options=FetchOptions(recompute_tokens_per_s=1.0))
             assert (r.error, r.loaded_tokens, r.not_loaded) == (None, 256, (256, 256)), r
             assert r.kv_bytes == full * 3 // 4  # chunks 1..3 restored: chunk 0 was not fetched
             assert torch.equal(got()[:, :, :, :first].view(torch.int16), theirs[:, :, :, :first].view(torch.int16))
             assert torch.equal(got()[:, :, :, first:].view(torch.int16), want[:, :, :, first:].view(torch.int16))
             if dims is not None:
                 assert untouched(tensors, dims, SCATTERED)
-                r = await sc.load(bid, TOKENS, first_token=256, recompute_tps=1.0, **where)  # all of it is the engine's
+                r = await sc.load(bid, TOKENS, first_token=256, **where, options=FetchOptions(recompute_tokens_per_s=1.0))  # all of it is the engine's
                 assert (r.error, r.loaded_tokens, r.bytes_read) == (None, 256, 0)
                 with pytest.raises(RequestError, match="whole blocks"):
-                    await sc.load(bid, TOKENS, first_token=first + 1, recompute_tps=1.0, **where)
+                    await sc.load(bid, TOKENS, first_token=first + 1, **where, options=FetchOptions(recompute_tokens_per_s=1.0))
 
     asyncio.run(main())
 
@@ -209,7 +210,7 @@ def test_addressing_that_does_not_fit_writes_nothing(tmp_path, shm, where, detai
             tensors, handle = paged(shm, "BHT(KD)")
             bid = sc.register(handle, FP)
             with pytest.raises(RequestError, match=detail):
-                await sc.load(bid, TOKENS, recompute_tps=1.0, **where)
+                await sc.load(bid, TOKENS, **where, options=FetchOptions(recompute_tokens_per_s=1.0))
             with pytest.raises(RequestError, match=detail):
                 await sc.save(bid, TOKENS, **where)
             assert all(bool((t == SENTINEL).all()) for t in tensors)
@@ -231,7 +232,7 @@ def test_blocks_over_http_with_the_client(s3, shm):
         assert c.save(bid, TOKENS, block_ids=SCATTERED).queued_chunks == 4
         c.flush()
         tensors[0].fill_(SENTINEL)
-        r = c.load(bid, TOKENS, block_ids=REVERSED, recompute_tokens_per_s=1.0)
+        r = c.load(bid, TOKENS, block_ids=REVERSED, options=FetchOptions(recompute_tokens_per_s=1.0))
         assert (r.error, r.loaded_tokens) == (None, 256) and torch.equal(read_blocks(tensors, layout, REVERSED, 0, 256), kv)
         assert untouched(tensors, "BLTH(KD)", REVERSED)
         with pytest.raises(SidecarError) as e:
@@ -303,8 +304,8 @@ def test_cuda_paged_tensors_restore_as_the_flat_buffer_does(tmp_path):
                 for t in tensors if isinstance(tensors, list) else [tensors]:
                     t.fill_(SENTINEL)
                 torch.cuda.synchronize()
-                want = c.load(fid, TOKENS, presets=[preset], recompute_tokens_per_s=1.0)
-                r = c.load(pid, TOKENS, block_ids=SCATTERED, presets=[preset], recompute_tokens_per_s=1.0)
+                want = c.load(fid, TOKENS, options=FetchOptions(presets=[preset], recompute_tokens_per_s=1.0))
+                r = c.load(pid, TOKENS, block_ids=SCATTERED, options=FetchOptions(presets=[preset], recompute_tokens_per_s=1.0))
                 assert (r.error, r.loaded_tokens, r.decision.preset) == (None, 256, preset) and want.loaded_tokens == 256, r
                 got = read_blocks(tensors, layout, SCATTERED, 0, 256)
                 assert torch.equal(got.view(torch.int16), flat.tensor.view(torch.int16)), (dims, preset)

@@ -1,14 +1,16 @@
 """The HTTP API's schema: requests are checked field by field, messages survive JSON, and
 docs/api.md is what the schema renders."""
 
+import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvfetcher.api import schemas
 from kvfetcher.errors import RequestError
-from kvfetcher.fetch.plan import FetchPlan, LoadDecision, LoadReply
+from kvfetcher.fetch.plan import FetchOptions, FetchPlan, LoadDecision, LoadReply
 from kvfetcher.fetch.prefill import PrefillModel
 from kvfetcher.kvbuffer import PagedLayout
 
@@ -22,20 +24,43 @@ def test_docs_api_md_is_what_the_schema_renders():
     assert (ROOT / "docs" / "api.md").read_text() == schemas.render(), "run: python -m kvfetcher.api.schemas > docs/api.md"
 
 
+def _plain(msg):
+    """``msg`` with its token ids (a numpy array once parsed) as a list, comparable with ``==``."""
+    return dataclasses.replace(msg, tokens=[int(t) for t in msg.tokens]) if hasattr(msg, "tokens") else msg
+
+
 def test_messages_survive_json():
+    options = FetchOptions(presets=("q8",), prefill_model=PrefillModel(0.01, 1e-4, 2e-9), refresh=True)
     for msg in (PLAN, LoadReply(128, 64, 64, (64, 128), "corrupt", "corrupt", "crc", LoadDecision("q8", 2, 0.25, {"q8": 0.25}, 0.3)),
-                schemas.FetchRequest("b", [1, 2], PLAN, slots=[3, 4]), schemas.LookupRequest([1], prefill_model=PrefillModel(0.01, 1e-4, 2e-9)),
+                schemas.FetchRequest("b", [1, 2], PLAN, slots=[3, 4]), schemas.LookupRequest([1], options=options),
                 schemas.StoreRequest("b", [1, 2], block_ids=[7, 3]),
                 schemas.RegisterRequest(handles=[{"kind": "cuda"}] * 2, model="m", paged=PagedLayout("BHT(KD)", 16))):
-        assert schemas.from_json(type(msg), json.loads(json.dumps(schemas.to_json(msg)))) == msg
+        assert _plain(schemas.from_json(type(msg), json.loads(json.dumps(schemas.to_json(msg))))) == msg
+
+
+def test_token_ids_travel_packed_or_as_an_array():
+    ids = [0, 7, 2**32 - 1, 128_000]
+    packed = schemas.TokenIds.pack(ids)
+    for wire in (packed, ids):
+        got = schemas.from_json(schemas.LookupRequest, {"tokens": wire}).tokens
+        assert got.dtype == np.int64 and got.tolist() == ids
+    for bad, detail in (("###", "base64"), ("AAA=", "whole number"), ([[1]], "int64"), ([1.5], "int64"), ("", None)):
+        if detail is None:  # an empty prompt packs to an empty string
+            assert schemas.from_json(schemas.LookupRequest, {"tokens": bad}).tokens.tolist() == []
+            continue
+        with pytest.raises(RequestError, match=detail):
+            schemas.from_json(schemas.LookupRequest, {"tokens": bad})
+    with pytest.raises(ValueError):
+        schemas.TokenIds.pack([-1])
 
 
 @pytest.mark.parametrize(
     "cls, body, detail",
     [
-        (schemas.FetchRequest, {"buffer": "b", "tokens": [1, True]}, "'tokens[1]' must be integer"),
+        (schemas.FetchRequest, {"buffer": "b", "tokens": [1, True]}, "'tokens' must be an array of int64 integers"),
         (schemas.FetchRequest, {"buffer": "b", "tokens": [1], "offset": 1.5}, "'offset' must be integer"),
-        (schemas.FetchRequest, {"buffer": "b", "tokens": [1], "deadline_s": "2s"}, "'deadline_s' must be number or null"),
+        (schemas.FetchRequest, {"buffer": "b", "tokens": [1], "options": {"deadline_s": "2s"}}, "'options.deadline_s' must be number or null"),
+        (schemas.FetchRequest, {"buffer": "b", "tokens": [1], "deadline_s": 2}, "unknown field(s) ['deadline_s']"),
         (schemas.FetchRequest, {"buffer": "b", "tokens": [1], "plan": {**schemas.to_json(PLAN), "chunks": [["q8"]]}},
          "'plan.chunks[0]' must be [string, integer]"),
         (schemas.FetchRequest, {"tokens": [1]}, "'buffer' is required"),
@@ -47,8 +72,11 @@ def test_messages_survive_json():
         (schemas.RegisterRequest, {"model": "m", "handles": {}, "paged": {"dims": "BHT(KD)", "block_size": 16}},
          "'handles' must be [object, ...] or null"),
         (schemas.FetchRequest, {"buffer": "b", "tokens": [1], "block_ids": [3, -1]}, "'block_ids[1]' must be >= 0"),
-        (schemas.LookupRequest, {"tokens": [1], "prefill_model": {"c1": 1e-4, "c2": -1e-9}}, "'prefill_model.c2' must be >= 0"),
-        (schemas.LookupRequest, {"tokens": [1], "prefill_model": {}}, "not all zero"),
+        (schemas.LookupRequest, {"tokens": [1], "options": {"prefill_model": {"c1": 1e-4, "c2": -1e-9}}},
+         "'options.prefill_model.c2' must be >= 0"),
+        (schemas.LookupRequest, {"tokens": [1], "options": {"prefill_model": {}}}, "not all zero"),
+        (schemas.LookupRequest, {"tokens": [1], "options": {"group_size": 0}}, "'options.group_size' must be >= 1"),
+        (schemas.LookupRequest, {"tokens": [1], "options": {"ttft_budget_s": 0}}, "'options.ttft_budget_s' must be > 0"),
     ],
 )
 def test_a_request_that_does_not_fit_is_refused_by_field(cls, body, detail):
@@ -62,8 +90,8 @@ def test_a_reply_may_carry_fields_a_client_does_not_know():
 
 
 def test_numbers_are_floats_where_the_schema_says_so():
-    r = schemas.from_json(schemas.LookupRequest, {"tokens": [1], "recompute_tokens_per_s": 5})
-    assert isinstance(r.recompute_tokens_per_s, float)
+    r = schemas.from_json(schemas.LookupRequest, {"tokens": [1], "options": {"recompute_tokens_per_s": 5}})
+    assert isinstance(r.options.recompute_tokens_per_s, float)
 
 
 def test_a_registration_names_one_handle():

@@ -9,6 +9,7 @@ import torch
 from kvfetcher.api.client import KVClient, SidecarError
 from kvfetcher.api.schemas import StoreReply
 from kvfetcher.fetch.prefill import PrefillModel
+from kvfetcher.fetch.plan import FetchOptions
 
 from kvtest import TOKEN, raw_request, sidecar, synthetic_kv, unreachable_s3
 
@@ -35,12 +36,12 @@ def test_store_then_load_round_trip_and_metrics(s3, buf):
         assert c.lookup(None, tokens, model=FP, dtype="float16") == 192  # a scheduler without buffers
         assert c.lookup(None, tokens, model=FP, dtype="float16", tp_rank=1, kv_shape=(2, 2, 32)) == 0  # another TP rank's namespace
         assert len(s3.list("kv/")) == 6  # two representations of three chunks
-        raw = json.loads(raw_request(sc.where["port"], "POST", "/v1/fetch", json.dumps({"buffer": bid, "tokens": tokens, "offset": 0, "recompute_tokens_per_s": 1}),
+        raw = json.loads(raw_request(sc.where["port"], "POST", "/v1/fetch", json.dumps({"buffer": bid, "tokens": tokens, "offset": 0, "options": {"recompute_tokens_per_s": 1}}),
                                      {"Authorization": f"Bearer {TOKEN}"})[1])
         assert (raw["loaded_tokens"], raw["not_loaded"]) == (192, [192, 256])  # chunk 4 was never stored
         assert 0 < raw["lookup_s"] < 30  # the listing's share of the fetch
         # a slow model (1 token/s) makes fetching the cost model's choice whatever this machine's load
-        r = c.load(bid, tokens[:240], offset=10, recompute_tokens_per_s=1.0)  # whole chunks only: 192 of 240
+        r = c.load(bid, tokens[:240], offset=10, options=FetchOptions(recompute_tokens_per_s=1.0))  # whole chunks only: 192 of 240
         assert (r.loaded_tokens, r.requested_tokens, r.error) == (192, 192, None)
         assert r.decision.preset in ("raw", "q8") and set(r.decision.options) == {"raw", "q8", "recompute"}
         got = buf.tensor[:, :, :, 10:202]
@@ -83,22 +84,22 @@ def test_cost_model_can_choose_recompute(s3, buf):
         c.save(bid, tokens)
         c.flush()
         buf.tensor.fill_(7)
-        r = c.load(bid, tokens, recompute_tokens_per_s=1e12)  # a model that prefills instantly
+        r = c.load(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1e12))  # a model that prefills instantly
         assert (r.loaded_tokens, r.reason, r.error, r.decision.preset) == (0, "cost_model", None, "recompute")
         assert bool((buf.tensor == 7).all())
         assert 'kvfetcher_fallbacks_total{reason="cost_model"} 1.0' in c.metrics()
         # the engine's prefill model wins over a constant rate: with attention this costly, 128 tokens take hours
-        r = c.load(bid, tokens, recompute_tokens_per_s=1e12, prefill_model=PrefillModel(c2=1.0))
+        r = c.load(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1e12, prefill_model=PrefillModel(c2=1.0)))
         assert r.loaded_tokens == 128 and r.decision.options["recompute"] == pytest.approx(128 * 64)
         assert 'kvfetcher_prefill_model{term="c2"} 1.0' in c.metrics()
         buf.tensor.fill_(7)
         # on a busy GPU the model server gives a TTFT budget: a fetch within it wins anyway
-        r = c.load(bid, tokens, recompute_tokens_per_s=1e12, ttft_budget_s=30.0)
+        r = c.load(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1e12, ttft_budget_s=30.0))
         assert r.loaded_tokens == 128 and r.decision.preset != "recompute"
         assert torch.equal(buf.tensor[:, :, :, :128], kv)
         for bad in (-1, "2s", True):
             with pytest.raises(SidecarError, match="ttft_budget_s"):
-                c.load(bid, tokens, ttft_budget_s=bad)
+                c.load(bid, tokens, options=FetchOptions(ttft_budget_s=bad))
 
 
 def test_allowed_presets_bound_the_choice(s3, buf):
@@ -110,9 +111,9 @@ def test_allowed_presets_bound_the_choice(s3, buf):
         buf.tensor[:, :, :, :128] = kv
         c.save(bid, tokens)
         c.flush()
-        r = c.load(bid, tokens, recompute_tokens_per_s=1.0)
+        r = c.load(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1.0))
         assert r.decision.preset == "q8" and "raw" not in r.decision.options
-        r = c.load(bid, tokens, recompute_tokens_per_s=1.0, presets=["raw"])  # not allowed here
+        r = c.load(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1.0, presets=["raw"]))  # not allowed here
         assert r.decision.preset == "recompute" and r.loaded_tokens == 0
 
 
@@ -154,7 +155,7 @@ def test_no_configured_token_refuses_tcp(s3, buf):
         ("/v1/lookup", json.dumps({"buffer": "nope", "tokens": [1]}).encode(), "unknown buffer"),
         ("/v1/lookup", json.dumps({"model": "m", "tokens": [1]}).encode(), "'dtype'"),
         ("/v1/lookup", json.dumps({"model": "m", "dtype": "int8", "tokens": [1]}).encode(), "unsupported dtype"),
-        ("/v1/fetch", json.dumps({"buffer": "nope", "tokens": ["a"]}).encode(), "'tokens[0]' must be integer"),
+        ("/v1/fetch", json.dumps({"buffer": "nope", "tokens": ["a"]}).encode(), "'tokens' must be an array of int64 integers"),
         ("/v1/fetch", json.dumps({"buffer": "b", "tokens": [1], "recompute_tps": 5}).encode(), "unknown field(s) ['recompute_tps']"),
         ("/v1/fetch", json.dumps({"buffer": "b", "tokens": [1], "plan": {"model": "m"}}).encode(), "'dtype' is required in plan"),
         ("/v1/store", json.dumps({"tokens": [1]}).encode(), "'buffer' is required"),
@@ -233,25 +234,32 @@ def test_a_load_given_a_plan_does_not_list_again(s3, buf):
         c.flush()
         buf.tensor.zero_()
         lists.clear()
-        plan = c.plan(bid, tokens, recompute_tokens_per_s=1.0)
-        assert len(lists) == 3  # one LIST per chunk
+        plan = c.plan(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1.0))
+        assert len(lists) == 0  # its own writes: answered from the sidecar's index
         assert (plan.preset, plan.hit_tokens, plan.loaded_tokens, [p for p, _ in plan.chunks]) == ("raw", 192, 192, ["raw"] * 3)
-        assert plan.predicted_s > 0 and plan.lookup_s > 0 and plan.reason is None
+        assert plan.predicted_s > 0 and plan.lookup_s is None and plan.reason is None
         r = c.load(bid, tokens, plan, offset=8)
-        assert len(lists) == 3  # the load listed nothing
+        assert len(lists) == 0  # the load listed nothing
         assert (r.loaded_tokens, r.error, r.decision.preset, r.not_loaded) == (192, None, "raw", (192, 192))
         assert torch.equal(buf.tensor[:, :, :, 8:200], kv)
-        r = c.load(bid, tokens, recompute_tokens_per_s=1.0)  # without a plan: it plans, listing once
-        assert len(lists) == 6 and r.loaded_tokens == 192
+        r = c.load(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1.0))  # without a plan: it plans, from the index
+        assert len(lists) == 0 and r.loaded_tokens == 192
         # a scheduler without buffers gets the plan of the namespace's registered buffer
-        assert c.plan(None, tokens, model=FP, dtype="float16", recompute_tokens_per_s=1.0).preset == "raw"
-        # without one, the listing only; a load given that plan chooses for its buffer, listing again
+        assert c.plan(None, tokens, model=FP, dtype="float16", options=FetchOptions(recompute_tokens_per_s=1.0)).preset == "raw"
+        # without one, the hit only; a load given that plan chooses for its buffer
         c.unregister(bid)
+        listed = c.plan(None, tokens, model=FP, dtype="float16", kv_shape=(2, 2, 32), options=FetchOptions(recompute_tokens_per_s=1.0))
+        assert (listed.preset, listed.hit_tokens, listed.chunks, len(lists)) == (None, 192, (), 0)
+        r = c.load(c.register(buf.handle, FP), tokens, listed, options=FetchOptions(recompute_tokens_per_s=1.0))
+        assert (r.loaded_tokens, r.decision.preset, len(lists)) == (192, "raw", 0)
+    with sidecar(s3, chunk_tokens=64, presets=("raw",)) as sc:  # a sidecar that did not write them: its index knows nothing
+        c = KVClient(socket_path=sc.socket)
+        bid = c.register(buf.handle, FP)
         lists.clear()
-        listed = c.plan(None, tokens, model=FP, dtype="float16", kv_shape=(2, 2, 32), recompute_tokens_per_s=1.0)
-        assert (listed.preset, listed.hit_tokens, listed.chunks, len(lists)) == (None, 192, (), 3)
-        r = c.load(c.register(buf.handle, FP), tokens, listed, recompute_tokens_per_s=1.0)
-        assert (r.loaded_tokens, r.decision.preset, len(lists)) == (192, "raw", 6)
+        refreshed = c.plan(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1.0, refresh=True))
+        assert (refreshed.preset, refreshed.hit_tokens, len(lists)) == ("raw", 192, 3)  # one LIST per chunk, then known
+        assert refreshed.lookup_s > 0
+        assert c.plan(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1.0)).hit_tokens == 192 and len(lists) == 3
 
 
 def test_a_plan_is_checked_before_it_is_trusted(s3, buf):
@@ -265,7 +273,7 @@ def test_a_plan_is_checked_before_it_is_trusted(s3, buf):
         buf.tensor[:, :, :, :128] = kv
         c.save(bid, tokens)
         c.flush()
-        plan = c.plan(bid, tokens, recompute_tokens_per_s=1.0)
+        plan = c.plan(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1.0))
         assert plan.loaded_tokens == 128
         o = KVClient(socket_path=other.socket)
         forged = [
@@ -282,6 +290,6 @@ def test_a_plan_is_checked_before_it_is_trusted(s3, buf):
         with pytest.raises(SidecarError, match="another namespace"):
             c.load(other_model, tokens, plan)
         with pytest.raises(SidecarError, match="belong to the plan"):
-            c.load(bid, tokens, plan, recompute_tokens_per_s=1.0)
+            c.load(bid, tokens, plan, options=FetchOptions(recompute_tokens_per_s=1.0))
         assert s3.exists(f"kv/{plan.prefix_key[:2]}/{plan.prefix_key}/{plan.preset}.kvfc")  # nothing was dropped
         assert c.load(bid, tokens, plan).loaded_tokens == 128

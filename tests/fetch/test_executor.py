@@ -9,6 +9,7 @@ import torch
 from kvfetcher.fetch import executor
 from kvfetcher.kvbuffer import Destination
 from kvfetcher.store.local import LocalStore
+from kvfetcher.fetch.plan import FetchOptions
 
 from kvtest import CODED_DAMAGES, DAMAGES, SENTINEL, decoded, fetch, put_chunks, rebuild, sentinel_like, synthetic_kv
 
@@ -227,7 +228,7 @@ async def test_a_sidecar_stores_zstd_and_loads_it_back_through_its_plan(tmp_path
         await sc.save(bid, list(range(64)))
         await sc.flush()
         buf.tensor.fill_(SENTINEL)
-        r = await sc.load(bid, list(range(64)), recompute_tps=1e-9)
+        r = await sc.load(bid, list(range(64)), options=FetchOptions(recompute_tokens_per_s=1e-9))
         assert (r.error, r.loaded_tokens, r.decision.preset) == (None, 64, "q8-zstd"), r
     names = sorted(n for n in Local(tmp_path).list("kv/"))
     assert len(names) == 2 and all(n.endswith("/q8-zstd.kvfc") for n in names)

@@ -18,6 +18,7 @@ from kvfetcher.chunk import decode_chunk, encode_chunk
 from kvfetcher.format import container
 from kvfetcher.api.client import KVClient
 from kvfetcher.store.local import LocalStore
+from kvfetcher.fetch.plan import FetchOptions
 
 from kvtest import SENTINEL, decoded, fetch, free_port, put_chunks, raw_request, synthetic_kv
 
@@ -122,7 +123,7 @@ def test_cuda_ipc_buffer_through_a_sidecar_process(tmp_path):
         for preset in ("q8", "raw"):
             buf.tensor.fill_(SENTINEL)
             torch.cuda.synchronize()
-            r = c.load(bid, list(range(192)), offset=32, presets=[preset], recompute_tokens_per_s=1.0)
+            r = c.load(bid, list(range(192)), offset=32, options=FetchOptions(presets=[preset], recompute_tokens_per_s=1.0))
             assert (r.error, r.loaded_tokens, r.decision.preset) == (None, 192, preset), r
             got = buf.tensor[:, :, :, 32:224].cpu()
             if preset == "raw":

@@ -12,6 +12,7 @@ from kvfetcher.fetch import executor
 from kvfetcher.kvbuffer import Destination
 from kvfetcher.store import read_into
 from kvfetcher.store.local import LocalStore
+from kvfetcher.fetch.plan import FetchOptions
 
 from benchmarks.lib.linkstore import LinkStore
 from kvtest import DAMAGES, SENTINEL, corrupt_segment, fetch, open_store, put_chunks, running
@@ -198,6 +199,6 @@ async def test_a_registered_buffer_has_its_raw_staging_before_the_first_fetch(tm
         await sc.save(bid, list(range(128)))
         await sc.flush()
         buf.tensor.fill_(SENTINEL)
-        r = await sc.load(bid, list(range(128)), recompute_tps=1e-9)
+        r = await sc.load(bid, list(range(128)), options=FetchOptions(recompute_tokens_per_s=1e-9))
         assert (r.error, r.loaded_tokens, r.decision.preset) == (None, 128, "raw"), r
         assert same_bits(buf.tensor, kv) and staging.shared().allocated == before

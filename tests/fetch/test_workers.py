@@ -17,6 +17,7 @@ from kvfetcher import ipc
 from kvfetcher.fetch.workers import DecodeWorkers, warmup_object
 from kvfetcher.kvbuffer import Destination
 from kvfetcher.store.local import LocalStore
+from kvfetcher.fetch.plan import FetchOptions
 
 from kvtest import (SENTINEL, buffer_shape, corrupt_segment, corrupt_side, decoded, fetch, foreign, garbage_bitstream, put_chunks, running,
                     synthetic_kv, truncate_after_listing, undecodable)
@@ -250,11 +251,11 @@ async def test_a_fetch_beside_a_warm_up_does_not_teach_the_estimator(tmp_path, s
         sc._warming = warming  # a registration's warm-up still under way
         try:
             for _ in range(2):  # the second would teach (the first of a format never does), but shares the workers
-                r = await sc.load(bid, list(range(64)), presets=["exact"], recompute_tps=1e-9)
+                r = await sc.load(bid, list(range(64)), options=FetchOptions(presets=["exact"], recompute_tokens_per_s=1e-9))
                 assert r.loaded_tokens == 64 and not learned(), r
         finally:
             warming.set_result(None)  # (close awaits it)
-        r = await sc.load(bid, list(range(64)), presets=["exact"], recompute_tps=1e-9)
+        r = await sc.load(bid, list(range(64)), options=FetchOptions(presets=["exact"], recompute_tokens_per_s=1e-9))
         assert r.loaded_tokens == 64 and learned(), r
         buf.close()
 
@@ -274,11 +275,11 @@ async def test_a_sidecar_warms_its_workers_and_maps_a_buffer_when_it_is_register
         round_trip(sc.workers)
         buf.close()  # only a worker that mapped it at registration can still write it
         buf.tensor.fill_(SENTINEL)
-        r = await sc.load(bid, list(range(64)), presets=["exact"], recompute_tps=1e-9)
+        r = await sc.load(bid, list(range(64)), options=FetchOptions(presets=["exact"], recompute_tokens_per_s=1e-9))
         assert (r.error, r.loaded_tokens, sc.workers.stats["chunks"]) == (None, 64, 2), r
         assert torch.equal(buf.tensor, kv)
         assert "exact" not in sc.estimator.rates(sc.store.endpoint).decode_Bps  # a first fetch pays set-up: not learned
-        r = await sc.load(bid, list(range(64)), presets=["exact"], recompute_tps=1e-9)
+        r = await sc.load(bid, list(range(64)), options=FetchOptions(presets=["exact"], recompute_tokens_per_s=1e-9))
         assert r.loaded_tokens == 64 and "exact" in sc.estimator.rates(sc.store.endpoint).decode_Bps
 
 

@@ -13,6 +13,7 @@ from kvfetcher.chunk import decode_chunk, encode_chunk
 from kvfetcher.codec import basis
 from kvfetcher.format import calibration, container, presets
 from kvfetcher.store.local import LocalStore
+from kvfetcher.fetch.plan import FetchOptions
 
 from kvtest import running
 
@@ -134,7 +135,8 @@ async def test_a_model_without_calibration_never_stores_or_plans_balanced(local,
         for k in ck:
             store.delete(keys.object_name(k, "q8"))
             store.put(keys.object_name(k, "balanced"), b"x" * 10)
-        plan = await sc.plan(bid, _tokens(), recompute_tps=1e-9)
+        sc.index.forget(ck)  # as a sidecar that did not write them sees the store: it lists them
+        plan = await sc.plan(bid, _tokens(), options=FetchOptions(recompute_tokens_per_s=1e-9, refresh=True))
         assert plan.hit_tokens == 64 and plan.preset == "recompute"  # listed, never chosen
 
 
@@ -151,7 +153,7 @@ async def test_a_sidecar_finds_its_models_calibration_in_the_store_and_stores_ba
         await sc.flush()
         assert sorted(keys.preset_of(n) for n in store.list("kv/")) == ["balanced", "balanced"]
         buf.tensor.zero_()
-        r = await sc.load(bid, _tokens(), recompute_tps=1e-9)
+        r = await sc.load(bid, _tokens(), options=FetchOptions(recompute_tokens_per_s=1e-9))
         assert (r.error, r.loaded_tokens, r.decision.preset) == (None, 64, "balanced"), r
         assert (buf.tensor.float() - kv.float()).abs().mean() < 0.2
 
@@ -178,7 +180,7 @@ async def test_a_calibration_published_after_the_sidecar_started_is_found_on_the
         await sc.save(bid, _tokens())
         await sc.flush()
         assert sorted(keys.preset_of(n) for n in store.list("kv/")) == ["balanced", "balanced", "q8", "q8"]
-        plan = await sc.plan(bid, _tokens(), recompute_tps=1e-9)
+        plan = await sc.plan(bid, _tokens(), options=FetchOptions(recompute_tokens_per_s=1e-9))
         assert plan.preset == "balanced"
         looked = sc.calibrations.finding
         await sc.plan(bid, _tokens())  # found: never looked for again

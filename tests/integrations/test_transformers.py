@@ -13,6 +13,7 @@ from kvfetcher.chunk import decode_chunk, encode_chunk
 from kvfetcher.api.client import KVClient
 from kvfetcher.integrations.transformers import CachedLM
 from kvfetcher.store.s3 import S3Store
+from kvfetcher.fetch.plan import FetchOptions
 
 from kvtest import CHUNK, NEW, TOKEN, flip, new_bucket, sidecar, unreachable_s3
 
@@ -178,7 +179,7 @@ def test_16_concurrent_fetches_of_different_prefixes_never_cross_talk(lm, prompt
         def fetch(i):
             c = KVClient(socket_path=sc.socket)
             bid = c.register(bufs[i].handle, lm.fingerprint)
-            results[i] = c.load(bid, prompts[i], offset=i % 32, recompute_tokens_per_s=SLOW_MODEL_TPS)
+            results[i] = c.load(bid, prompts[i], offset=i % 32, options=FetchOptions(recompute_tokens_per_s=SLOW_MODEL_TPS))
 
         threads = [threading.Thread(target=fetch, args=(i,)) for i in range(n)]
         for t in threads:

@@ -19,6 +19,7 @@ from kvfetcher import ipc
 from kvfetcher.api.client import KVClient, SidecarError
 from kvfetcher.api.server import Embedded
 from kvfetcher.config import Config
+from kvfetcher.fetch.plan import FetchOptions
 from kvfetcher.service import Sidecar
 from kvfetcher.store.local import LocalStore
 
@@ -42,6 +43,7 @@ def _post(port: int, path: str, body: dict) -> tuple[int, dict]:
 
 FLIPPER = """
 import os, sys
+from kvfetcher.fetch.plan import FetchOptions
 name, good, victim = sys.argv[1:]
 tmp = name + ".tmp"
 while True:
@@ -115,7 +117,7 @@ def test_a_client_truncating_its_buffer_cannot_kill_the_sidecar(served):
         c.save(bid, tokens)
         c.flush()
         buf.tensor.zero_()
-        r = c.load(bid, tokens, recompute_tokens_per_s=1e-6)
+        r = c.load(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1e-6))
         assert proc.poll() is None, "the sidecar died"
         assert r.loaded_tokens == 64 and torch.equal(buf.tensor, kv), r
     finally:

@@ -22,6 +22,7 @@ from kvfetcher.errors import RequestError
 from kvfetcher.service import Sidecar
 from kvfetcher.store import ReadOnly, StoreError, StoreFull, from_os_error
 from kvfetcher.store.local import LocalStore
+from kvfetcher.fetch.plan import FetchOptions
 from kvtest import synthetic_kv
 
 FP = "model/fp16"
@@ -135,9 +136,9 @@ async def test_stalled_reads_do_not_starve_lookups_and_abandoned_reads_are_cance
         await sc.save(bid, TOKENS)
         await sc.flush()
         store.stalled = True
-        loads = await asyncio.gather(*(sc.load(bid, TOKENS, deadline_s=0.3) for _ in range(6)))
+        loads = await asyncio.gather(*(sc.load(bid, TOKENS, options=FetchOptions(deadline_s=0.3)) for _ in range(6)))
         assert {r.reason for r in loads} == {"deadline"}
-        p = await sc.plan(bid, TOKENS, deadline_s=2.0)  # LISTs are not queued behind the stalled GETs
+        p = await sc.plan(bid, TOKENS, options=FetchOptions(deadline_s=2.0))  # LISTs are not queued behind the stalled GETs
         assert (p.hit_tokens, p.reason) == (len(TOKENS), None)
         store.release.set()
         await asyncio.sleep(0.5)
@@ -228,12 +229,21 @@ async def test_a_lookup_stops_at_the_first_miss_and_long_requests_are_refused(tm
         await sc.calibrations.finding  # the registration's one look for the model's calibration in the store
         store.lists = 0
         p = await sc.plan(bid, list(range(128 * N)))
-        assert (p.hit_tokens, store.lists) == (0, 1)  # a miss of the first chunk: one LIST, not 128
+        assert (p.hit_tokens, store.lists) == (0, 0)  # answered from the index: no store request waited for
+        await sc.catalog.settled()
+        assert store.lists == 1  # the background listing of a miss of the first chunk: one LIST, not 128
+        p = await sc.plan(bid, list(range(128 * N)))
+        await sc.catalog.settled()
+        assert (p.hit_tokens, store.lists) == (0, 1)  # the miss is remembered: not listed again
         await sc.save(bid, TOKENS)  # 8 chunks stored
         await sc.flush()
         store.lists = 0
         p = await sc.plan(bid, TOKENS + list(range(120 * N)))
-        assert p.hit_tokens == len(TOKENS) and store.lists <= 16  # batches 1, 2, 4, 8: stops at chunk 9
+        assert p.hit_tokens == len(TOKENS) and store.lists == 0  # its own writes: known without a store request
+        await sc.catalog.settled()
+        assert store.lists == 1  # what follows them: one LIST (chunk 9, absent), not one per chunk
+        p = await sc.plan(bid, TOKENS + list(range(120 * N)), FetchOptions(refresh=True))
+        assert p.hit_tokens == len(TOKENS) and store.lists == 1  # known absent, fresh: a refresh lists nothing either
         with pytest.raises(RequestError):
             await sc.plan(bid, list(range(4097)))
         with pytest.raises(RequestError):

@@ -13,6 +13,7 @@ import torch
 from kvfetcher import keys
 from kvfetcher.store import access, retention
 from kvfetcher.store.retention import Index
+from kvfetcher.fetch.plan import FetchOptions
 
 from kvtest import running, synthetic_kv
 
@@ -244,7 +245,7 @@ async def test_a_load_planned_before_an_eviction_gets_a_clean_prefix_and_recompu
         bid = sc.register(buf.handle, "m")
         buf.tensor.copy_(kv)
         await _fill(sc, bid, [prompt])
-        plan = await sc.plan(bid, prompt, recompute_tps=1e-9)
+        plan = await sc.plan(bid, prompt, options=FetchOptions(recompute_tokens_per_s=1e-9))
         assert plan.hit_tokens == 4 * CHUNK and len(plan.chunks) == 4
         ck = keys.chunk_keys(sc._buffer(bid).ns, prompt, CHUNK)
         two = sum(st.size for k in ck[:2] for st in retention.chunk_objects(store)[k].values())
@@ -286,7 +287,7 @@ async def test_concurrent_fetches_only_hit_or_miss_cleanly_while_the_evictor_run
                 buf.tensor.copy_(kv)
                 await sc.save(bid, p)
                 buf.tensor.fill_(0)
-                r = await sc.load(bid, rng.choice(prompts), recompute_tps=1e-9, presets=("raw",))  # q8 is lossy
+                r = await sc.load(bid, rng.choice(prompts), options=FetchOptions(recompute_tokens_per_s=1e-9, presets=("raw",)))  # q8 is lossy
                 outcomes.append((r.error, r.loaded_tokens))
                 assert r.error in (None, "missing"), r
                 n = r.loaded_tokens

@@ -23,8 +23,7 @@ import torch
 
 from kvfetcher import config, ipc
 from kvfetcher.api import schemas
-from kvfetcher.fetch.plan import FetchPlan, LoadReply
-from kvfetcher.fetch.prefill import PrefillModel
+from kvfetcher.fetch.plan import FetchOptions, FetchPlan, LoadReply
 from kvfetcher.kvbuffer import PagedLayout
 
 
@@ -157,70 +156,43 @@ class KVClient:
     def unregister(self, buffer: str) -> None:
         self._call(schemas.UNREGISTER, path=f"/v1/buffers/{buffer}")
 
-    def plan(self, buffer: str | None, tokens: Sequence[int], *, model: str | None = None, dtype: str = "float16", tp_rank: int = 0,
-             kv_shape: Sequence[int] | None = None, recompute_tokens_per_s: float | None = None, prefill_model: PrefillModel | None = None,
-             presets: Sequence[str] | None = None, ttft_budget_s: float | None = None, deadline_s: float | None = None,
-             may_skip_listing: bool = False, group_size: int = 1) -> FetchPlan:
-        """What a load of ``tokens`` would do: pass it to :meth:`load` unchanged.
+    def plan(self, buffer: str | None, tokens: Sequence[int], options: FetchOptions | None = None, *, model: str | None = None,
+             dtype: str = "float16", tp_rank: int = 0, kv_shape: Sequence[int] | None = None) -> FetchPlan:
+        """What a load of ``tokens`` would do, chosen as ``options`` say: pass it to :meth:`load` unchanged.
 
         Name the namespace by a registered ``buffer``, or (a scheduler with no buffers) by
         ``model``, ``dtype``, ``tp_rank`` and ``kv_shape`` (layers, kv_heads, head_dim; default: that
-        of the sidecar's registered buffer of the model, dtype and rank). The model's prefill time: the
-        engine's ``prefill_model`` where it measured one, else a constant ``recompute_tokens_per_s``
-        (else the sidecar's setting). ``ttft_budget_s``: on a busy GPU, a load predicted
-        within this many seconds is planned even where recomputing would be faster (it leaves the
-        GPU to the running requests). ``deadline_s`` bounds the listing. ``may_skip_listing``: when
-        no load could pay, the plan is a recompute and the store is not asked (a load's planner wants
-        that; a hit count does not). ``group_size``: loads that will run at once with this one (a
-        tensor-parallel group's; see :class:`kvfetcher.api.group.RankGroup`), sharing the node's link.
-        """
-        return self._lookup(buffer, tokens, model, dtype, tp_rank, kv_shape, recompute_tokens_per_s, prefill_model, presets, ttft_budget_s,
-                            deadline_s, may_skip_listing, group_size).plan
+        of the sidecar's registered buffer of the model, dtype and rank). The sidecar answers from
+        its index of the store without waiting on it (chunks it does not know are listed in the
+        background), unless ``options.refresh``."""
+        return self._lookup(buffer, tokens, options, model, dtype, tp_rank, kv_shape).plan
 
     def lookup(self, buffer: str | None, tokens: Sequence[int], *, model: str | None = None, dtype: str = "float16", tp_rank: int = 0,
-               kv_shape: Sequence[int] | None = None) -> int:
-        """How many leading tokens of ``tokens`` are stored (a multiple of the chunk size); see :meth:`plan`."""
-        return self._lookup(buffer, tokens, model, dtype, tp_rank, kv_shape).tokens
+               kv_shape: Sequence[int] | None = None, refresh: bool = True) -> int:
+        """How many leading tokens of ``tokens`` are stored (a multiple of the chunk size), as the
+        store says (``refresh``) or as the sidecar's index knows now; see :meth:`plan`."""
+        return self._lookup(buffer, tokens, FetchOptions(refresh=refresh), model, dtype, tp_rank, kv_shape).tokens
 
-    def _lookup(self, buffer, tokens, model, dtype, tp_rank, kv_shape=None, recompute_tps=None, prefill_model=None, presets=None, budget=None,
-                deadline_s=None, may_skip_listing=False, group_size=1) -> schemas.LookupReply:
+    def _lookup(self, buffer, tokens, options, model, dtype, tp_rank, kv_shape) -> schemas.LookupReply:
         ns = dict(buffer=buffer) if buffer is not None else dict(model=model, dtype=dtype, tp_rank=tp_rank,
                                                                  kv_shape=tuple(map(int, kv_shape)) if kv_shape else None)
-        return self._call(schemas.LOOKUP, schemas.LookupRequest(list(map(int, tokens)), **ns, recompute_tokens_per_s=recompute_tps,
-                                                                prefill_model=prefill_model, presets=list(presets) if presets else None, ttft_budget_s=budget,
-                                                                deadline_s=deadline_s, may_skip_listing=may_skip_listing,
-                                                                group_size=group_size))
+        return self._call(schemas.LOOKUP, schemas.LookupRequest(schemas.TokenIds.pack(tokens), **ns, options=options))
 
-    def load(
-        self,
-        buffer: str,
-        tokens: Sequence[int],
-        plan: FetchPlan | None = None,
-        *,
-        offset: int = 0,
-        slots: Sequence[int] | None = None,
-        deadline_s: float | None = None,
-        recompute_tokens_per_s: float | None = None,
-        prefill_model: PrefillModel | None = None,
-        presets: Sequence[str] | None = None,
-        ttft_budget_s: float | None = None,
-        group_size: int | None = None,
-        block_ids: Sequence[int] | None = None,
-        first_token: int = 0,
-    ) -> LoadReply:
+    def load(self, buffer: str, tokens: Sequence[int], plan: FetchPlan | None = None, *, options: FetchOptions | None = None,
+             offset: int = 0, slots: Sequence[int] | None = None, block_ids: Sequence[int] | None = None, first_token: int = 0) -> LoadReply:
         """Load the stored leading chunks of ``tokens`` into the buffer at ``offset`` (or ``slots``;
         a paged buffer: into ``block_ids``, the prompt's blocks in order).
 
         With a ``plan`` from :meth:`plan` (for this buffer's namespace and these tokens), the
-        sidecar loads what it says without listing the store again; the cost keywords are then the
-        plan's and must not be given (unless the plan chose no preset: made for a namespace without
-        a registered buffer, it is only a hit count, and the sidecar plans again). When this returns, ``loaded_tokens`` leading tokens are in the
-        buffer (on a GPU, with the sidecar's writes complete) and nothing else was touched;
-        recompute from there. Nothing before ``first_token`` is fetched or written (it is the caller's).
+        sidecar loads what it says without looking up again; ``options`` may then give only
+        ``deadline_s`` (unless the plan chose no preset: made for a namespace without a registered
+        buffer, it is only a hit count, and the sidecar looks up again). When this returns,
+        ``loaded_tokens`` leading tokens are in the buffer (on a GPU, with the sidecar's writes
+        complete) and nothing else was touched; recompute from there. Nothing before
+        ``first_token`` is fetched or written (it is the caller's).
         """
         return self._call(schemas.FETCH, schemas.FetchRequest(
-            buffer, list(map(int, tokens)), plan, offset, _ints(slots), deadline_s, recompute_tokens_per_s or None, prefill_model,
-            list(presets) if presets else None, ttft_budget_s, group_size, _ints(block_ids), first_token))
+            buffer, schemas.TokenIds.pack(tokens), plan, offset, _ints(slots), options, _ints(block_ids), first_token))
 
     def save(self, buffer: str, tokens: Sequence[int], *, offset: int = 0, slots: Sequence[int] | None = None,
              block_ids: Sequence[int] | None = None) -> schemas.StoreReply:
@@ -230,7 +202,7 @@ class KVClient:
         The KV must be in the buffer when this is called (on a GPU: written and synchronized);
         the sidecar copies it before answering, so the buffer may be reused right after.
         """
-        return self._call(schemas.STORE, schemas.StoreRequest(buffer, list(map(int, tokens)), offset, _ints(slots), _ints(block_ids)))
+        return self._call(schemas.STORE, schemas.StoreRequest(buffer, schemas.TokenIds.pack(tokens), offset, _ints(slots), _ints(block_ids)))
 
     def flush(self) -> None:
         """Wait until the sidecar has written everything queued."""

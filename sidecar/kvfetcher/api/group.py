@@ -20,10 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 from kvfetcher.api.client import KVClient
 from kvfetcher.fetch import group
 from kvfetcher.fetch.group import GroupLoad, GroupPlan
+from kvfetcher.fetch.plan import FetchOptions
 
 __all__ = ["RankGroup", "GroupPlan", "GroupLoad"]
 
@@ -59,39 +61,40 @@ class RankGroup:
                 answers.append(e)
         return answers
 
-    def plan(self, tokens: Sequence[int], buffers: Sequence[str] | None = None, **kw) -> GroupPlan:
+    def plan(self, tokens: Sequence[int], buffers: Sequence[str] | None = None, options: FetchOptions | None = None, **ns) -> GroupPlan:
         """The group's plan for ``tokens``. Name each rank's namespace by its registered buffer
         (``buffers[r]``) or, a scheduler without buffers, by ``model``, ``dtype`` and ``kv_shape``
-        (one rank's geometry; rank ``r`` plans for ``tp_rank=r``). Other keywords: those of
-        :meth:`KVClient.plan` (``presets`` is narrowed to the common preset if the ranks are asked again)."""
+        (one rank's geometry; rank ``r`` plans for ``tp_rank=r``). ``options`` as in
+        :meth:`KVClient.plan`, with the group's size (``presets`` is narrowed to the common preset if
+        the ranks are asked again)."""
         tokens = list(tokens)
+        base = replace(options or FetchOptions(), group_size=len(self.clients))
 
-        def ask(prefix: list[int], **extra) -> list:
-            opts = {**kw, **extra, "group_size": len(self.clients)}
-            return self._each(lambda r, c: c.plan(buffers[r], prefix, **opts) if buffers else c.plan(None, prefix, tp_rank=r, **opts))
+        def ask(prefix: list[int], o: FetchOptions) -> list:
+            return self._each(lambda r, c: c.plan(buffers[r], prefix, o) if buffers else c.plan(None, prefix, o, tp_rank=r, **ns))
 
-        got = group.agree(ask(tokens))
+        got = group.agree(ask(tokens, base))
         if isinstance(got, group.Retry):
-            got = group.agree(ask(tokens[: got.tokens], presets=[got.preset]), retry=got)
+            got = group.agree(ask(tokens[: got.tokens], replace(base, presets=(got.preset,))), retry=got)
         return got
 
     def load(self, plan: GroupPlan, tokens: Sequence[int], buffers: Sequence[str], *, offset: int = 0,
-             slots: Sequence[int] | None = None, deadline_s: float | None = None, **kw) -> GroupLoad:
+             slots: Sequence[int] | None = None, options: FetchOptions | None = None) -> GroupLoad:
         """Load ``plan`` (from :meth:`plan`, for these ``tokens``) into every rank's buffer at once,
         token ``i`` at slot ``offset + i`` (or ``slots[i]``) of each. When this returns, the leading
-        ``loaded_tokens`` are in every rank's buffer; every rank recomputes ``not_loaded``. Keywords
-        (cost keywords of :meth:`KVClient.load`) apply only where a rank plans at load (a plan made
-        without buffers)."""
+        ``loaded_tokens`` are in every rank's buffer; every rank recomputes ``not_loaded``.
+        ``options``: a load's deadline, and how a rank looks up at load (a plan made without buffers)."""
         if len(buffers) != len(self.clients):
             raise ValueError(f"{len(buffers)} buffers for {len(self.clients)} ranks")
         if not plan.plans or plan.loaded_tokens == 0:
             return group.settle(plan, [])
         prefix = list(tokens[: plan.tokens])
         cut = list(slots[: plan.tokens]) if slots is not None else None
+        o = options or FetchOptions()
 
         def load(r: int, c: KVClient):
             p = plan.plans[r]
-            extra = {} if p is not None else {**kw, "group_size": len(self.clients)}
-            return c.load(buffers[r], prefix, p, offset=offset, slots=cut, deadline_s=deadline_s, **extra)
+            own = FetchOptions(deadline_s=o.deadline_s) if p is not None and p.preset is not None else replace(o, group_size=len(self.clients))
+            return c.load(buffers[r], prefix, p, offset=offset, slots=cut, options=own)
 
         return group.settle(plan, self._each(load))

@@ -12,6 +12,7 @@ writes docs/api.md from :data:`ENDPOINTS`.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import functools
 import inspect
@@ -22,9 +23,11 @@ import typing
 from dataclasses import MISSING, dataclass, field
 from typing import Any, Union
 
+import numpy as np
+
 from kvfetcher import ipc
 from kvfetcher.errors import RequestError
-from kvfetcher.fetch.plan import FetchPlan, LoadDecision, LoadReply
+from kvfetcher.fetch.plan import FetchOptions, FetchPlan, LoadDecision, LoadReply
 from kvfetcher.fetch.prefill import PrefillModel
 from kvfetcher.kvbuffer import PagedLayout
 
@@ -80,23 +83,50 @@ class RegisterReply:
     buffer: str = doc("the buffer's id, for the other calls")
 
 
+class TokenIds:
+    """Prompt token ids on the wire: a JSON array of integers, or a string, the base64 of their
+    little-endian uint32 bytes (what :class:`~kvfetcher.api.client.KVClient` sends: a 128K-token
+    prompt packs and parses in about a millisecond, against tens as an array). Parsed into an int64
+    numpy array."""
+
+    @staticmethod
+    def pack(tokens) -> str:
+        ids = np.asarray(tokens)
+        if ids.ndim != 1 or (ids.size and (ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() > 0xFFFFFFFF)):
+            raise ValueError("token ids must be a flat sequence of integers in [0, 2**32)")
+        return base64.b64encode(ids.astype("<u4").tobytes()).decode()
+
+    @staticmethod
+    def parse(value: Any, where: str) -> np.ndarray:
+        if isinstance(value, str):
+            try:
+                raw = base64.b64decode(value, validate=True)
+            except ValueError:
+                _fail(where, "base64 of little-endian uint32 token ids", value)
+            if len(raw) % 4:
+                _fail(where, "a whole number of uint32 token ids", value)
+            return np.frombuffer(raw, "<u4").astype(np.int64)
+        if not isinstance(value, list):
+            _fail(where, "an array of integers or a base64 string", value)
+        ids = np.asarray(value) if value else np.zeros(0, np.int64)
+        if ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.dtype == np.uint64 or any(isinstance(v, bool) for v in value):
+            _fail(where, "an array of int64 integers", value)
+        return ids.astype(np.int64)
+
+
+TOKENS = "prompt token ids: an array, or base64 of little-endian uint32 (see TokenIds)"
+
+
 @dataclass
 class LookupRequest:
-    tokens: list[int] = doc("prompt token ids")
+    tokens: TokenIds = doc(TOKENS)
     buffer: str | None = doc("a registered buffer's id; or name the namespace by `model` and `dtype`", None)
     model: str | None = doc("model fingerprint (without `buffer`)", None)
     dtype: str | None = doc("KV dtype, e.g. `float16` (without `buffer`)", None)
     tp_rank: int = natural("tensor-parallel rank (without `buffer`)", 0)
     kv_shape: tuple[int, int, int] | None = positive("KV geometry `[layers, kv_heads, head_dim]` (without `buffer`; default: that of "
                                                      "the registered buffer of `model`, `dtype` and `tp_rank`)", None)
-    recompute_tokens_per_s: float | None = positive("the model's prefill rate, constant (default: the sidecar's setting)", None)
-    prefill_model: PrefillModel | None = doc("the engine's prefill time as it measured it (wins over `recompute_tokens_per_s`)", None)
-    presets: list[str] | None = doc("presets the load may use (within the sidecar's allowed ones)", None)
-    ttft_budget_s: float | None = positive("prefer a load predicted within this many seconds to a faster recompute", None)
-    deadline_s: float | None = positive("seconds the listing may take (default: the sidecar's `KVFETCHER_DEADLINE_S`)", None)
-    may_skip_listing: bool = doc("true: when no load could pay, plan a recompute without listing the store (`tokens` is then 0)", False)
-    group_size: int = doc("loads that will run at once as one group with this one, itself included (a tensor-parallel "
-                          "group's ranks): they share the node's link, beside the fetches the node's sidecars announce", 1, min=1)
+    options: FetchOptions | None = doc("how the load is chosen (default: the sidecar's settings)", None)
 
 
 @dataclass
@@ -111,17 +141,12 @@ class LookupReply:
 @dataclass
 class FetchRequest:
     buffer: str = doc("a registered buffer's id")
-    tokens: list[int] = doc("prompt token ids; whole chunks of them are loaded")
-    plan: FetchPlan | None = doc("a plan from `/v1/lookup` for this buffer's namespace and these tokens; without one the sidecar plans (one listing)", None)
+    tokens: TokenIds = doc(TOKENS + "; whole chunks of them are loaded")
+    plan: FetchPlan | None = doc("a plan from `/v1/lookup` for this buffer's namespace and these tokens; without one the sidecar looks up "
+                                 "(listing what its index does not know)", None)
     offset: int = natural("token `i` goes to slot `offset + i` of the buffer's token axis", 0)
     slots: list[int] | None = natural("token `i` goes to slot `slots[i]` (instead of `offset`)", None)
-    deadline_s: float | None = positive("seconds the load (and its listing, without a plan) may take (default: the sidecar's "
-                                        "`KVFETCHER_DEADLINE_S`)", None)
-    recompute_tokens_per_s: float | None = positive("without a plan: as in `/v1/lookup`", None)
-    prefill_model: PrefillModel | None = doc("without a plan: as in `/v1/lookup`", None)
-    presets: list[str] | None = doc("without a plan: as in `/v1/lookup`", None)
-    ttft_budget_s: float | None = positive("without a plan: as in `/v1/lookup`", None)
-    group_size: int | None = doc("without a plan: as in `/v1/lookup` (default 1)", None, min=1)
+    options: FetchOptions | None = doc("without a plan: as in `/v1/lookup`; with one, only `deadline_s` (of the load)", None)
     block_ids: list[int] | None = natural(BLOCK_IDS, None)
     first_token: int = natural("tokens before it are the caller's (a serving engine's own prefix-cache hit, whose blocks other requests "
                                "may share): never written, and chunks wholly before it are not fetched; a chunk straddling it writes "
@@ -131,7 +156,7 @@ class FetchRequest:
 @dataclass
 class StoreRequest:
     buffer: str = doc("a registered buffer's id")
-    tokens: list[int] = doc("prompt token ids whose KV is in the buffer; whole chunks of them are stored")
+    tokens: TokenIds = doc(TOKENS + ", whose KV is in the buffer; whole chunks of them are stored")
     offset: int = natural("token `i` is in slot `offset + i`", 0)
     slots: list[int] | None = natural("token `i` is in slot `slots[i]` (instead of `offset`)", None)
     block_ids: list[int] | None = natural(BLOCK_IDS, None)
@@ -171,7 +196,9 @@ class Endpoint:
 REGISTER = Endpoint("POST", "/v1/buffers", RegisterRequest, RegisterReply,
                     "Register a KV buffer `[layers, 2, kv_heads, capacity, head_dim]`, or a serving engine's paged KV tensors (`paged`).")
 UNREGISTER = Endpoint("DELETE", "/v1/buffers/{id}", None, Ok, "Forget a registered buffer.")
-LOOKUP = Endpoint("POST", "/v1/lookup", LookupRequest, LookupReply, "Plan a load: list the prefix once and run the cost model. Touches no buffer.")
+LOOKUP = Endpoint("POST", "/v1/lookup", LookupRequest, LookupReply,
+                  "Plan a load: the prefix's stored run from the sidecar's index of the store, then the cost model. Touches no buffer and, "
+                  "unless `options.refresh`, waits on no store request: chunks the index does not know are listed in the background.")
 FETCH = Endpoint("POST", "/v1/fetch", FetchRequest, LoadReply,
                  "Load the leading chunks into the buffer; with a plan, the store is not listed again. A storage or data failure "
                  "is not an HTTP error: the reply says how many tokens were loaded and why not more.")
@@ -179,7 +206,7 @@ STORE = Endpoint("POST", "/v1/store", StoreRequest, StoreReply,
                  "Queue the prefix for storing; the KV is copied before the reply, so the buffer may be reused at once.", 202)
 FLUSH = Endpoint("POST", "/v1/flush", None, Ok, "Wait until every queued store is written (tests, demo, shutdown).")
 ENDPOINTS = (REGISTER, UNREGISTER, LOOKUP, FETCH, STORE, FLUSH)
-MESSAGES = (FetchPlan, LoadDecision, PrefillModel, PagedLayout, ErrorReply)  # nested or shared, documented once each
+MESSAGES = (FetchOptions, FetchPlan, LoadDecision, PrefillModel, PagedLayout, ErrorReply)  # nested or shared, documented once each
 
 
 # --- checking and rendering ------------------------------------------------------------------
@@ -215,6 +242,8 @@ def _check(tp: Any, value: Any, where: str, strict: bool, want: str | None = Non
         return _check(inner, value, where, strict, want, bound)
     if dataclasses.is_dataclass(tp):
         return from_json(tp, value, strict, where)
+    if tp is TokenIds:
+        return TokenIds.parse(value, where)
     if tp in _SCALARS:
         if not _SCALARS[tp](value):
             _fail(where, want, value)
@@ -278,6 +307,8 @@ def type_name(tp: Any) -> str:
         return " or ".join(type_name(a) for a in args)
     if dataclasses.is_dataclass(tp):
         return f"[{tp.__name__}](#{tp.__name__.lower()})"
+    if tp is TokenIds:
+        return "[integer, ...] or string"
     if origin is dict:
         return f"{{string: {type_name(args[1])}}}"
     if origin is list or (origin is tuple and args[-1] is Ellipsis):

@@ -197,19 +197,14 @@ async def lookup(request: web.Request) -> web.Response:
         target = sc.namespace(r.model, r.dtype, r.tp_rank, r.kv_shape)
     else:
         raise RequestError("give 'buffer', or 'model' and 'dtype' (and 'tp_rank')")
-    plan = await sc.plan(target, r.tokens, recompute_tps=r.recompute_tokens_per_s, prefill_model=r.prefill_model, presets=r.presets, ttft_budget_s=r.ttft_budget_s,
-                         deadline_s=r.deadline_s, may_skip_listing=r.may_skip_listing, group_size=r.group_size)
+    plan = await sc.plan(target, r.tokens, r.options)
     return _reply(schemas.LookupReply(plan.hit_tokens, plan.chunk_tokens, plan, plan.error, plan.detail if plan.error else None))
 
 
 async def fetch(request: web.Request) -> web.Response:
     r = await _parse(request, schemas.FetchRequest)
-    reply = await request.app[SIDECAR].load(
-        r.buffer, r.tokens, r.plan, slots=r.slots, offset=r.offset, block_ids=r.block_ids, first_token=r.first_token,
-        deadline_s=r.deadline_s, recompute_tps=r.recompute_tokens_per_s, prefill_model=r.prefill_model, presets=r.presets,
-        ttft_budget_s=r.ttft_budget_s,
-        group_size=r.group_size,
-    )
+    reply = await request.app[SIDECAR].load(r.buffer, r.tokens, r.plan, slots=r.slots, offset=r.offset, block_ids=r.block_ids,
+                                            first_token=r.first_token, options=r.options)
     return _reply(reply)
 
 

@@ -1,9 +1,11 @@
 """plan: what a fetch would load, decided before any KV moves — and what a load answered.
 
-:func:`make_plan` lists the prefix's chunks once (one LIST per chunk, in growing batches of up to
-:data:`LOOKUP_PARALLEL`, stopping at the first chunk not stored) and runs the cost model (:func:`choice.hopeless` first, which may skip the store, then
-:func:`choice.choose`). It has no side effect but the listing: whoever calls it records metrics
-and teaches the estimator from the returned plan.
+:func:`make_plan` finds the prefix's stored run through a :class:`Catalog` (an in-memory index of
+what is stored; what it does not know is listed, one LIST per chunk in growing batches of up to
+:data:`LOOKUP_PARALLEL`, stopping at the first chunk not stored, in the background unless the
+caller asks to wait) and runs the cost model (:func:`choice.hopeless` first, then
+:func:`choice.choose`). Whoever calls it records metrics and teaches the estimator from the
+returned plan.
 
 A :class:`FetchPlan` names no object. It is bound to its prompt by ``prefix_key``, the key of the
 last requested chunk (which hashes the namespace, tenant included, and every token before it), and
@@ -26,8 +28,10 @@ from dataclasses import asdict, dataclass, field, replace
 from kvfetcher import codec, keys
 from kvfetcher.errors import Reason
 from kvfetcher.fetch import choice
+from kvfetcher.fetch.prefill import PrefillModel
 from kvfetcher.format.presets import PRESETS, measured
 from kvfetcher.store import Store, StoreError
+from kvfetcher.store.index import StoredIndex
 
 LOOKUP_PARALLEL = 16  # LISTs in flight during a listing
 #: measured size ratio vs fp16 per preset, for the no-listing shortcut (1.0 where never measured)
@@ -37,8 +41,31 @@ RATIOS = {p: (measured(p) or {}).get("ratio_vs_fp16", 1.0) for p in PRESETS}
 FORMATS = {p: PRESETS[p].codec.format for p in PRESETS if codec.decodable(PRESETS[p].codec.format)}
 
 
-def _doc(text: str, **kw):
-    return field(metadata={"doc": text}, **kw)
+def _doc(text: str, min: float | None = None, open: bool = False, **kw):
+    """A field with its doc (and, for numbers, a lower bound the API checks: ``open`` exclusive)."""
+    return field(metadata={"doc": text, **({} if min is None else {"min": min, "open": open})}, **kw)
+
+
+@dataclass(frozen=True)
+class FetchOptions:
+    """How a lookup (or a fetch that looks up) chooses what to load: the API's one options message."""
+
+    presets: tuple[str, ...] | None = _doc("presets a load may use, within the sidecar's allowed ones (default: all of those)", default=None)
+    ttft_budget_s: float | None = _doc("prefer a load predicted within this many seconds to a faster recompute (default: the "
+                                       "sidecar's `KVFETCHER_TTFT_BUDGET_S`)", min=0, open=True, default=None)
+    prefill_model: PrefillModel | None = _doc("the engine's prefill time as it measured it (wins over `recompute_tokens_per_s`)", default=None)
+    recompute_tokens_per_s: float | None = _doc("the model's prefill rate, constant (default: the sidecar's `KVFETCHER_RECOMPUTE_TPS`)",
+                                                min=0, open=True, default=None)
+    deadline_s: float | None = _doc("seconds a listing, and a fetch, may take (default: the sidecar's `KVFETCHER_DEADLINE_S`)",
+                                    min=0, open=True, default=None)
+    group_size: int = _doc("loads that will run at once as one group with this one, itself included (a tensor-parallel group's "
+                           "ranks): they share the node's link, beside the fetches the node's sidecars announce", min=1, default=1)
+    refresh: bool = _doc("list the store for the chunks the sidecar's index does not know before answering (default: answer from "
+                         "the index at once and list those in the background; a fetch that looks up always lists them)", default=False)
+
+    def __post_init__(self) -> None:
+        if self.presets is not None:
+            object.__setattr__(self, "presets", tuple(self.presets))
 
 
 @dataclass(frozen=True)
@@ -51,12 +78,12 @@ class FetchPlan:
     chunk_tokens: int = _doc("tokens per chunk")
     requested_tokens: int = _doc("the request's tokens rounded down to whole chunks")
     prefix_key: str = _doc("key of the last requested chunk (empty when none): binds the plan to its tokens")
-    hit_tokens: int = _doc("leading tokens found stored (0 when the store was not asked)")
+    hit_tokens: int = _doc("leading tokens known stored (0 when no load could pay and the store was not asked)")
     preset: str | None = _doc("the chosen preset, `recompute`, or null: not chosen (no buffer of this namespace)")
     chunks: tuple[tuple[str, int], ...] = _doc("the leading chunks to load, as [preset, object size]")
     predicted_s: float = _doc("predicted seconds of that load")
     options: dict[str, float] = _doc("predicted seconds until the whole prefix is in the buffer, per option considered")
-    lookup_s: float | None = _doc("seconds the listing took (null: the store was not asked)")
+    lookup_s: float | None = _doc("seconds the listing took (null: answered from the sidecar's index, no store request waited for)")
     reason: str | None = _doc("why it loads fewer than `requested_tokens`: `miss`, `cost_model` or a failure reason")
     detail: str | None = _doc("a human-readable detail of `reason`")
     tag: str = _doc("the issuing sidecar's seal over the other fields; a load refuses a plan whose seal does not match", default="")
@@ -134,42 +161,90 @@ async def list_prefix(store: Store, chunk_keys: Sequence[str], io_pool: Executor
     return run
 
 
+class Catalog:
+    """The store seen through a :class:`StoredIndex`: a run of stored chunks answered from memory,
+    what the index does not know listed (:func:`list_prefix`) either in the background (a lookup:
+    it never waits on the store) or before answering (``refresh``: a fetch that plans, a caller
+    that must see the store). At most ``max_listings`` background listings run at once, one per
+    unknown chunk; ``failed(reason)`` counts those that fail."""
+
+    def __init__(self, store: Store, index: StoredIndex, io_pool: Executor, failed=lambda reason: None, max_listings: int = 32):
+        self.store, self.index, self.io_pool, self.failed, self.max_listings = store, index, io_pool, failed, max_listings
+        self._listing: dict[str, asyncio.Task] = {}  # background listings by the first key they list
+
+    async def run(self, ck: Sequence[str], *, refresh: bool = False) -> list[dict[str, int]]:
+        """The leading run of ``ck`` stored. ``refresh``: list what the index does not know first
+        (the caller bounds the wait); else answer from the index and list that in the background."""
+        run, known = self.index.run(ck)
+        if known:
+            return run
+        if refresh:
+            await self._list(ck, len(run))
+            return self.index.run(ck)[0]
+        key = ck[len(run)]
+        if key not in self._listing and len(self._listing) < self.max_listings:
+            task = asyncio.get_running_loop().create_task(self._background(ck, len(run)))
+            self._listing[key] = task
+            task.add_done_callback(lambda _t: self._listing.pop(key, None))
+        return run
+
+    async def settled(self) -> None:
+        """Wait for the background listings started so far."""
+        await asyncio.gather(*self._listing.values(), return_exceptions=True)
+
+    def close(self) -> None:
+        """Cancel the background listings."""
+        for task in list(self._listing.values()):
+            task.cancel()
+
+    async def _list(self, ck: Sequence[str], start: int) -> None:
+        rest = ck[start:]
+        self.index.listed(rest, await list_prefix(self.store, rest, self.io_pool))
+
+    async def _background(self, ck: Sequence[str], start: int) -> None:
+        try:
+            await self._list(ck, start)
+        except StoreError as e:
+            self.failed(e.reason)
+        except Exception:  # noqa: BLE001 — a background listing must not die unseen (e.g. its pool shut down)
+            self.failed(Reason.INTERNAL)
+
+
 async def make_plan(
-    store: Store,
+    catalog: Catalog,
     ns: keys.Namespace,
     ck: Sequence[str],
     chunk_tokens: int,
     costs: Costs,
     *,
-    io_pool: Executor,
+    refresh: bool = False,
     deadline_s: float | None = None,
-    may_skip_listing: bool = True,
 ) -> FetchPlan:
     """Plan a load of the chunks keyed ``ck`` (:func:`keys.chunk_keys` of the prompt in ``ns``, whole
-    chunks only); the listing must end within
-    ``deadline_s``. A store failure or a missed deadline is a plan that recomputes, with its reason.
-    ``may_skip_listing``: when no load could pay (:func:`choice.hopeless`), plan a recompute without
-    asking the store (``hit_tokens`` is then 0)."""
+    chunks only) from what ``catalog`` knows is stored; with ``refresh``, what it does not know is
+    listed first, within ``deadline_s`` (a store failure or a missed deadline is a plan that
+    recomputes, with its reason). Without ``refresh`` nothing here waits on the store: when no load
+    could pay (:func:`choice.hopeless`) the catalog is not even asked."""
     n_req = len(ck) * chunk_tokens
     recompute = FetchPlan(ns.model, ns.dtype, ns.tp_rank, chunk_tokens, n_req, ck[-1] if ck else "", 0, choice.RECOMPUTE, (), 0.0,
                           {}, None, Reason.MISS.value, "nothing requested" if not ck else None)
     if not ck:
         return recompute
-    if may_skip_listing and costs.chunk_kv_bytes is not None and choice.hopeless(
+    if costs.chunk_kv_bytes is not None and choice.hopeless(
         len(ck), chunk_tokens, costs.chunk_kv_bytes, RATIOS, FORMATS, costs.rates, set(costs.allowed), budget_s=costs.budget_s,
-        lookup_s=choice.lookup_seconds(len(ck), costs.rates, LOOKUP_PARALLEL),
+        lookup_s=choice.lookup_seconds(len(ck), costs.rates, LOOKUP_PARALLEL) if refresh else 0.0,
     ):
         return replace(recompute, reason=Reason.COST_MODEL.value, detail="recompute predicted faster than any stored preset could be; store not asked")
     t = time.perf_counter()
     try:
-        async with asyncio.timeout(deadline_s):
-            run = await list_prefix(store, ck, io_pool)
+        async with asyncio.timeout(deadline_s if refresh else None):
+            run = await catalog.run(ck, refresh=refresh)
     except StoreError as e:
         return replace(recompute, reason=e.reason, detail=str(e), lookup_s=time.perf_counter() - t)
     except TimeoutError:
         return replace(recompute, reason=Reason.DEADLINE.value, detail=f"listing the prefix took longer than {deadline_s} s",
                        lookup_s=time.perf_counter() - t)
-    listed = replace(recompute, hit_tokens=len(run) * chunk_tokens, lookup_s=time.perf_counter() - t,
+    listed = replace(recompute, hit_tokens=len(run) * chunk_tokens, lookup_s=time.perf_counter() - t if refresh else None,
                      reason=None if run else Reason.MISS.value, detail=None if run else "nothing stored")
     if costs.chunk_kv_bytes is None or not run:
         return replace(listed, preset=None) if run else listed

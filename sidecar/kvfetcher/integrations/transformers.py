@@ -32,7 +32,7 @@ import torch
 from kvfetcher import ipc
 from kvfetcher.api.client import KVClient, SidecarError
 from kvfetcher.api.schemas import StoreReply
-from kvfetcher.fetch.plan import LoadReply
+from kvfetcher.fetch.plan import FetchOptions, LoadReply
 from kvfetcher.fetch.prefill import PrefillFit, terms
 
 log = logging.getLogger("kvfetcher.integrations.transformers")
@@ -95,11 +95,10 @@ class CachedLM:
         usable = min(len(prompt) - 1, self.capacity)
         loaded, load = 0, None
         try:
-            if usable > 0:  # the plan lists the prefix once (or not at all when no load could pay); the load does not
-                plan = self.client.plan(self.buffer_id, prompt[:usable], recompute_tokens_per_s=self.recompute_tps,
-                                        prefill_model=self.prefill.model(), deadline_s=deadline_s,
-                                        may_skip_listing=True)
-                load = self.client.load(self.buffer_id, prompt[:usable], plan, deadline_s=deadline_s)
+            if usable > 0:  # the plan lists what the sidecar's index lacks (not when no load could pay); the load does not
+                plan = self.client.plan(self.buffer_id, prompt[:usable], FetchOptions(
+                    recompute_tokens_per_s=self.recompute_tps, prefill_model=self.prefill.model(), deadline_s=deadline_s, refresh=True))
+                load = self.client.load(self.buffer_id, prompt[:usable], plan, options=FetchOptions(deadline_s=deadline_s))
                 loaded = load.loaded_tokens
         except (OSError, SidecarError) as e:  # no sidecar is no reason to fail a request: recompute
             log.warning("KV load failed, recomputing the prompt: %s", e)

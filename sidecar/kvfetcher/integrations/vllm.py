@@ -49,7 +49,7 @@ class KVFetcherConnector(KVConnectorBase_V1):
 
     # --- scheduler side ------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._s.matched(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:

@@ -30,7 +30,8 @@ class Options:
     presets: tuple[str, ...] | None = None  # presets a load may use (default: the sidecar's allowed ones)
     ttft_budget_s: float | None = None  # prefer a load predicted within this to a faster recompute
     recompute_tokens_per_s: float | None = None  # the prefill rate until the engine's own prefill model is fitted
-    lookup_timeout_s: float = 5.0  # the scheduler waits at most this for a plan, then recomputes
+    lookup_wait_s: float = 0.002  # the scheduler's wait for a plan in one step (then vLLM asks again at its next step)
+    lookup_timeout_s: float = 0.02  # a request waits at most this for its plan, then recomputes
     load_deadline_s: float | None = None  # a load's deadline (default: the sidecar's KVFETCHER_DEADLINE_S)
 
     @classmethod
@@ -42,7 +43,7 @@ class Options:
         kw = dict(extra)
         if "presets" in kw:
             kw["presets"] = tuple(kw["presets"].split(",") if isinstance(kw["presets"], str) else kw["presets"])
-        for name in ("ttft_budget_s", "recompute_tokens_per_s", "lookup_timeout_s", "load_deadline_s"):
+        for name in ("ttft_budget_s", "recompute_tokens_per_s", "lookup_wait_s", "lookup_timeout_s", "load_deadline_s"):
             if kw.get(name) is not None:
                 kw[name] = float(kw[name])
                 if not kw[name] > 0:

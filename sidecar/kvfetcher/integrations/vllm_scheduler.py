@@ -1,8 +1,10 @@
 """The vLLM connector's scheduler side: what to load, what to save, and what to tell routers.
 
 * :meth:`SchedulerSide.matched` (``get_num_new_matched_tokens``) asks the sidecar for a plan of the
-  prompt (all but its last token, which vLLM always computes) once per request and keeps it; it
-  has no other side effect. The tokens the plan would load beyond vLLM's own prefix-cache hit are
+  prompt (all but its last token, which vLLM always computes) once per request, in a lookup thread,
+  and keeps it; it has no other side effect. The scheduler never waits on the network: the sidecar
+  answers from its index of the store, the scheduler waits at most ``lookup_wait_s`` for that answer
+  and otherwise tells vLLM to ask again at its next step, for at most ``lookup_timeout_s``. The tokens the plan would load beyond vLLM's own prefix-cache hit are
   loaded asynchronously. Under tensor parallelism every rank's sidecar is asked
   (:class:`~kvfetcher.api.group.RankGroup`): a prefix is loaded only where every rank has its shard,
   and each worker gets its own rank's plan.
@@ -26,11 +28,13 @@ from kvfetcher import kvbuffer
 from kvfetcher.api.client import SidecarError
 from kvfetcher.api.group import RankGroup
 from kvfetcher.fetch import prefill
-from kvfetcher.fetch.plan import FetchPlan
+from kvfetcher.fetch.plan import FetchOptions, FetchPlan
+from kvfetcher.integrations.lookups import NOT_YET, Lookups
 from kvfetcher.integrations.vllm_meta import MIN_TIMED_TOKENS, LoadSpec, Options, SaveSpec, StepMeta, WorkerReport
 
 log = logging.getLogger("kvfetcher.integrations.vllm")
 
+LOOKUP_SOCKET_TIMEOUT_S = 2.0  # a lookup thread's wait for a reply (the scheduler itself waits at most lookup_wait_s)
 MEDIUM = "OBJ"  # vLLM's KV-event medium of an object store (MEDIUM_OBJ in vLLM 0.26)
 WARN_EVERY_S = 30.0
 
@@ -51,8 +55,9 @@ class SchedulerSide:
     def __init__(self, vllm_config, kv_cache_config, options: Options):
         self.options = options
         tp = vllm_config.parallel_config.tensor_parallel_size
-        self.group = RankGroup([options.client(options.lookup_timeout_s, rank=r) for r in range(tp)]) if tp > 1 else None
-        self.client = self.group.clients[0] if self.group else options.client(timeout_s=options.lookup_timeout_s)
+        self.group = RankGroup([options.client(LOOKUP_SOCKET_TIMEOUT_S, rank=r) for r in range(tp)]) if tp > 1 else None
+        self.client = self.group.clients[0] if self.group else options.client(timeout_s=LOOKUP_SOCKET_TIMEOUT_S)
+        self.lookups = Lookups(options.lookup_wait_s, options.lookup_timeout_s)  # off the scheduler's thread
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self.block_size = spec.block_size
         self.dtype = kvbuffer.dtype_name(spec.dtype)
@@ -65,26 +70,29 @@ class SchedulerSide:
         self._warned = 0.0
 
     def close(self) -> None:
+        self.lookups.close()
         (self.group or self.client).close()
 
     # --- loads -------------------------------------------------------------------------------
 
-    def _plan(self, request) -> _Request:
-        """The request's plan; its ``kv_transfer_params`` may name ``presets`` and ``ttft_budget_s``
-        (``SamplingParams(extra_args={"kv_transfer_params": {...}})``) in place of the options'."""
-        tokens = list(request.prompt_token_ids or [])[:-1]
+    def _options(self, request) -> FetchOptions:
+        """The lookup's options; a request's ``kv_transfer_params`` may name ``presets`` and
+        ``ttft_budget_s`` (``SamplingParams(extra_args={"kv_transfer_params": {...}})``) in place of the options'."""
         own = getattr(request, "kv_transfer_params", None) or {}
-        kw = dict(model=self.options.model, dtype=self.dtype, kv_shape=self.kv_shape,
-                  recompute_tokens_per_s=self.options.recompute_tokens_per_s, prefill_model=self.prefill.model(),
-                  presets=own.get("presets", self.options.presets), ttft_budget_s=own.get("ttft_budget_s", self.options.ttft_budget_s),
-                  deadline_s=self.options.lookup_timeout_s / 2, may_skip_listing=True)
+        presets = own.get("presets", self.options.presets)
+        return FetchOptions(presets=tuple(presets) if presets else None, ttft_budget_s=own.get("ttft_budget_s", self.options.ttft_budget_s),
+                            prefill_model=self.prefill.model(), recompute_tokens_per_s=self.options.recompute_tokens_per_s)
+
+    def _plan(self, request, options: FetchOptions) -> _Request:
+        """The request's plan (in a lookup thread: the sidecar answers from its index of the store)."""
+        tokens = list(request.prompt_token_ids or [])[:-1]
         plans, end = (), 0
         try:
             if self.group is not None:  # a rank that cannot answer makes the group recompute (no exception)
-                plan = self.group.plan(tokens, **kw)
+                plan = self.group.plan(tokens, None, options, model=self.options.model, dtype=self.dtype, kv_shape=self.kv_shape)
                 plans, tokens = plan.plans, tokens[: plan.tokens]
             else:
-                plan = self.client.plan(None, tokens, **kw)
+                plan = self.client.plan(None, tokens, options, model=self.options.model, dtype=self.dtype, kv_shape=self.kv_shape)
                 plans = (plan,)
             # no preset chosen: the sidecar has no buffer of this namespace yet; the load plans again
             end = plan.loaded_tokens if plan.preset else plan.hit_tokens
@@ -92,12 +100,24 @@ class SchedulerSide:
             self._warn("KV lookup failed, recomputing: %s", e)
         return _Request(request, tokens, plans, end)
 
-    def matched(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+    def _late(self, request) -> _Request:
+        self._warn("KV lookup not answered within %s s, recomputing", self.options.lookup_timeout_s)
+        return _Request(request, [], (), 0)
+
+    def matched(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """vLLM's ``get_num_new_matched_tokens``: never waits more than ``lookup_wait_s`` for the
+        sidecar. A lookup still in flight answers None (vLLM asks again at its next step, the
+        request waiting meanwhile); one not answered within ``lookup_timeout_s`` recomputes."""
         if getattr(request, "skip_reading_prefix_cache", False):  # a plain recompute (vLLM 0.26 still asks the connector)
             return 0, False
-        r = self.requests.get(request.request_id)
+        rid = request.request_id
+        r = self.requests.get(rid)
         if r is None:
-            r = self.requests[request.request_id] = self._plan(request)
+            options = self._options(request)
+            r = self.lookups.answer(rid, lambda: self._plan(request, options), lambda: self._late(request))
+            if r is NOT_YET:
+                return None, False
+            self.requests[rid] = r
         r.local = num_computed_tokens
         n = r.end - num_computed_tokens
         return (n, True) if n > 0 else (0, False)
@@ -148,6 +168,7 @@ class SchedulerSide:
 
     def finished(self, req_id: str) -> bool:
         """Whether the request's blocks must wait for its save (the workers then report it)."""
+        self.lookups.forget(req_id)  # finished (aborted) while its lookup was in flight
         r = self.requests.pop(req_id, None)
         return r is not None and r.saving
 

@@ -19,11 +19,13 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 
 import torch
 
 from kvfetcher import ipc, kvbuffer
 from kvfetcher.api.client import SidecarError
+from kvfetcher.fetch.plan import FetchOptions
 from kvfetcher.integrations.vllm_meta import MIN_TIMED_TOKENS, LoadSpec, Options, SaveSpec, StepMeta, WorkerReport
 
 log = logging.getLogger("kvfetcher.integrations.vllm")
@@ -258,11 +260,12 @@ class WorkerSide:
         """Load the request's stored chunks; the end of the tokens written (whole blocks)."""
         plan = spec.plans[self.tp_rank] if self.tp_rank < len(spec.plans) else None
         plan = plan if plan is not None and plan.tp_rank == self.tp_rank else None
-        cost = {} if plan is not None and plan.preset else dict(presets=self.options.presets, ttft_budget_s=self.options.ttft_budget_s,
-                                                                recompute_tokens_per_s=spec.recompute_tps,
-                                                                prefill_model=spec.prefill_model)
+        options = FetchOptions(deadline_s=self.options.load_deadline_s)
+        if plan is None or not plan.preset:  # the sidecar looks up at load, as the scheduler would have
+            options = replace(options, presets=self.options.presets, ttft_budget_s=self.options.ttft_budget_s,
+                              recompute_tokens_per_s=spec.recompute_tps, prefill_model=spec.prefill_model)
         # vLLM's own cache holds the tokens before ``first``, in blocks other requests may share: never written
-        kw = dict(deadline_s=self.options.load_deadline_s, first_token=spec.first, **cost)
+        kw = dict(options=options, first_token=spec.first)
         bs = self.block_size
         if not self._on_cpu():
             reply = self.client.load(buf, spec.tokens, plan, block_ids=self._blocks(spec.block_ids), **kw)

@@ -17,6 +17,7 @@ import asyncio
 import functools
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -51,10 +52,11 @@ class Job:
 
 class Writer:
     """The store queue (bounded by ``config.store_queue_chunks``) and its writing task. HEADs run
-    in ``meta_pool``, PUTs in ``data_pool``."""
+    in ``meta_pool``, PUTs in ``data_pool``; ``stored(key, preset, size)`` hears of every object written."""
 
-    def __init__(self, store: Store, config: Config, metrics: Metrics, data_pool: Executor, meta_pool: Executor):
-        self.store, self.config, self.metrics = store, config, metrics
+    def __init__(self, store: Store, config: Config, metrics: Metrics, data_pool: Executor, meta_pool: Executor,
+                 stored: Callable[[str, str, int], None] = lambda key, preset, size: None):
+        self.store, self.config, self.metrics, self.stored = store, config, metrics, stored
         self.data_pool, self.meta_pool = data_pool, meta_pool
         self.encode_pool = ThreadPoolExecutor(1, thread_name_prefix="kvf-encode")
         self._queue: asyncio.Queue[Job] | None = None
@@ -150,6 +152,7 @@ class Writer:
                                            rope_theta=self.config.rope_theta, auth=auth)
                 obj = await loop.run_in_executor(self.encode_pool, encode)
                 if await loop.run_in_executor(self.data_pool, self.store.put, name, obj):
+                    self.stored(key, preset, len(obj))
                     self.metrics.bytes_written.inc(len(obj))
                     self.metrics.compression_ratio.labels(preset).set(piece.numel() * piece.element_size() / len(obj))
                 self.metrics.store_seconds.observe(time.perf_counter() - t)

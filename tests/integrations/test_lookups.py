@@ -1,0 +1,49 @@
+"""The scheduler's lookups never hold it: a slow or silent sidecar costs it at most ``wait_s`` per ask,
+and a request at most ``timeout_s`` before it recomputes."""
+
+import socket
+import threading
+import time
+
+from kvfetcher.api.client import KVClient
+from kvfetcher.integrations.lookups import NOT_YET, Lookups
+
+
+def test_an_answer_in_time_is_taken_at_the_first_ask():
+    lk = Lookups(wait_s=1.0, timeout_s=5.0)
+    assert lk.answer("r", lambda: 42, lambda: 0) == 42
+    assert lk.asking == {}
+    lk.close()
+
+
+def test_a_failed_lookup_is_the_fallback():
+    lk = Lookups(wait_s=1.0, timeout_s=5.0)
+    assert lk.answer("r", lambda: 1 / 0, lambda: "recompute") == "recompute"
+    lk.close()
+
+
+def test_a_silent_sidecar_never_holds_the_scheduler(tmp_path):
+    """A sidecar that accepts the lookup and never answers: each ask returns within about ``wait_s``
+    (vLLM then schedules the other requests), and the request recomputes after ``timeout_s``."""
+    path = str(tmp_path / "silent.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(8)
+    held = []
+    threading.Thread(target=lambda: held.append(server.accept()), daemon=True).start()
+    client = KVClient(socket_path=path, timeout_s=30.0)
+    lk = Lookups(wait_s=0.002, timeout_s=0.05)
+    asks, started = [], time.monotonic()
+    while True:
+        t = time.monotonic()
+        got = lk.answer("r", lambda: client.plan(None, list(range(4096)), model="m", dtype="float16"), lambda: "recompute")
+        asks.append(time.monotonic() - t)
+        if got is not NOT_YET:
+            break
+    assert got == "recompute"
+    assert 0.05 <= time.monotonic() - started < 0.5  # recomputes once the timeout passed, not after the client's 30 s
+    assert max(asks) < 0.02 and len(asks) > 3  # every ask returned at once: the scheduler went on with its step
+    lk.close()
+    for conn, _ in held:  # let the lookup thread's read end
+        conn.close()
+    server.close()
