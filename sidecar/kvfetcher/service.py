@@ -106,7 +106,7 @@ class Sidecar:
         the direct path's raw chunks (a load's window of them; pinned for a GPU buffer), then the
         decode workers (:meth:`warm_workers`). Best effort, blocking; ``register`` runs it in the
         background."""
-        if any(PRESETS[p].layout.mode == "native" for p in self._served_presets()):
+        if any(PRESETS[p].direct for p in self._served_presets()):
             try:
                 n = executor.chunks_in_flight(self.config.window, self.workers)
                 staging.shared().reserve(self._chunk_kv_bytes(buf), buf.tensor.device.type == "cuda", n)
@@ -123,7 +123,7 @@ class Sidecar:
         decoders and the fused unpack are per geometry), on that buffer's device. Best effort:
         failures are logged and counted, and the sidecar serves anyway. Blocking."""
         assert self.workers is not None
-        names = [p for p in self._served_presets() if PRESETS[p].layout.mode != "native"]  # native chunks need no worker
+        names = [p for p in self._served_presets() if not PRESETS[p].direct]  # direct chunks need no worker
         if buf is not None:  # only what its model may use (not a preset needing a calibration it lacks)
             names = list(usable(names, buf.ns.model))
         if not names:
@@ -199,6 +199,10 @@ class Sidecar:
                 pass
         return bid
 
+    def _warm(self) -> bool:
+        """Whether no warm-up is using the decode workers (a load needing them would wait for it)."""
+        return self._warming is None or self._warming.done()
+
     def unregister(self, bid: str) -> None:
         buf = self.buffers.pop(bid, None)
         if buf is not None and buf.handle is not None:
@@ -271,8 +275,10 @@ class Sidecar:
         rates = self.estimator.rates(self.store.endpoint, prefill, sharers)
         # never a preset this model may not use (one needing a calibration it lacks)
         allowed = frozenset(o.presets or PRESETS) & frozenset(self.config.allowed_presets or PRESETS) & frozenset(usable(PRESETS, ns.model))
+        if o.presets is None and not self._warm():  # the decode workers are still warming: only what needs none (raw) or recompute
+            allowed = frozenset(p for p in allowed if PRESETS[p].direct)
         costs = Costs(rates, self._chunk_kv_bytes(buf) if buf else None, allowed, budget)
-        p = await make_plan(self.catalog, ns, ck, self.config.chunk_tokens, costs, refresh=o.refresh,
+        p = await make_plan(self.catalog, ns, ck, self.config.chunk_tokens, costs, refresh=o.refresh, wait_s=o.wait_s,
                             deadline_s=self.config.deadline_s if o.deadline_s is None else o.deadline_s)
         self.metrics.index_keys.set(len(self.index))
         if p.error:
@@ -315,7 +321,7 @@ class Sidecar:
         dest = buf.destination(n_req, slots, offset, block_ids, first_token)
         ck = keys.chunk_keys(buf.ns, tokens[:n_req], N)
         if plan is not None:
-            chosen = {f for f in ("presets", "ttft_budget_s", "prefill_model", "recompute_tokens_per_s", "group_size", "refresh")
+            chosen = {f for f in ("presets", "ttft_budget_s", "prefill_model", "recompute_tokens_per_s", "group_size", "refresh", "wait_s")
                       if getattr(o, f) != getattr(FetchOptions(), f)}
             if chosen and plan.preset is not None:
                 raise RequestError(f"{sorted(chosen)} belong to the plan: give them when looking up, not with a plan")
@@ -334,7 +340,7 @@ class Sidecar:
         refs, reply.loaded_tokens, reply.not_loaded = refs[mine:], mine * N, (mine * N, n_req)
         if not refs:
             return reply
-        quiet = self._warming is None or self._warming.done()  # else the warm-up shares the decode workers
+        quiet = self._warm()  # else the warm-up shares the decode workers
         async with self.link.fetch() as share:
             out = await executor.fetch(self.store, refs, dest, fingerprint=buf.ns.model, io_pool=self.data_pool, decode_pool=self.decode_pool,
                                        device=buf.tensor.device, deadline_s=max(0.0, deadline_s - (time.perf_counter() - t0)),

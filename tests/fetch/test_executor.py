@@ -238,3 +238,27 @@ async def test_a_sidecar_stores_zstd_and_loads_it_back_through_its_plan(tmp_path
         with pytest.raises(ValueError, match="GPU"):
             async with running(Local(tmp_path), chunk_tokens=32, presets=("q8-ans",), decode_procs=0, device="cpu"):
                 pass
+
+
+async def test_auto_waits_for_no_warm_up(tmp_path, shm):
+    """While a warm-up holds the decode workers, ``auto`` chooses only what needs none (raw) or
+    recompute: a load would wait behind it. A preset the caller names is still planned."""
+    from kvfetcher.store.local import LocalStore as Local
+
+    from kvtest import running
+
+    kv = synthetic_kv(layers=2, heads=2, tokens=64, head_dim=32)
+    buf = shm(kv.shape, kv.dtype)
+    async with running(Local(tmp_path), chunk_tokens=32, presets=("q8", "raw"), decode_procs=0, device="cpu") as sc:
+        buf.tensor.copy_(kv)
+        bid = sc.register(buf.handle, "m")
+        await sc.save(bid, list(range(64)))
+        await sc.flush()
+        slow_model = FetchOptions(recompute_tokens_per_s=1e-9)
+        q8_only = FetchOptions(recompute_tokens_per_s=1e-9, presets=("q8",))
+        assert {"q8", "raw"} <= set((await sc.plan(bid, list(range(64)), slow_model)).options)
+        sc._warming = asyncio.get_running_loop().create_future()  # a registration's warm-up, still running
+        assert set((await sc.plan(bid, list(range(64)), slow_model)).options) == {"raw", "recompute"}
+        assert (await sc.plan(bid, list(range(64)), q8_only)).preset == "q8"
+        sc._warming.set_result(None)
+        assert "q8" in (await sc.plan(bid, list(range(64)), slow_model)).options

@@ -63,7 +63,8 @@ def main() -> None:
         kv_transfer_config={
             "kv_connector": "KVFetcherConnector", "kv_connector_module_path": "kvfetcher.integrations.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"socket": cfg["socket"], "model": cfg["name"], "lookup_timeout_s": 10},
+            "kv_connector_extra_config": {"socket": cfg["socket"], "model": cfg["name"], "lookup_timeout_s": 10,
+                                          "listing_wait_s": 5},  # a 2-core CPU shared with the engine: answers, not timing
         },
         kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{cfg['events']}",
                           "topic": "kv"},

@@ -61,7 +61,9 @@ class FetchOptions:
     group_size: int = _doc("loads that will run at once as one group with this one, itself included (a tensor-parallel group's "
                            "ranks): they share the node's link, beside the fetches the node's sidecars announce", min=1, default=1)
     refresh: bool = _doc("list the store for the chunks the sidecar's index does not know before answering (default: answer from "
-                         "the index at once and list those in the background; a fetch that looks up always lists them)", default=False)
+                         "the index and list those in the background; a fetch that looks up always lists them)", default=False)
+    wait_s: float = _doc("without `refresh`: seconds the answer may wait for that background listing before it answers with what "
+                         "the index knows then (a serving engine's scheduler gives a few milliseconds)", min=0, default=0.0)
 
     def __post_init__(self) -> None:
         if self.presets is not None:
@@ -172,9 +174,10 @@ class Catalog:
         self.store, self.index, self.io_pool, self.failed, self.max_listings = store, index, io_pool, failed, max_listings
         self._listing: dict[str, asyncio.Task] = {}  # background listings by the first key they list
 
-    async def run(self, ck: Sequence[str], *, refresh: bool = False) -> list[dict[str, int]]:
+    async def run(self, ck: Sequence[str], *, refresh: bool = False, wait_s: float = 0.0) -> list[dict[str, int]]:
         """The leading run of ``ck`` stored. ``refresh``: list what the index does not know first
-        (the caller bounds the wait); else answer from the index and list that in the background."""
+        (the caller bounds the wait); else list that in the background and answer from the index,
+        after waiting at most ``wait_s`` for that listing."""
         run, known = self.index.run(ck)
         if known:
             return run
@@ -182,10 +185,13 @@ class Catalog:
             await self._list(ck, len(run))
             return self.index.run(ck)[0]
         key = ck[len(run)]
-        if key not in self._listing and len(self._listing) < self.max_listings:
-            task = asyncio.get_running_loop().create_task(self._background(ck, len(run)))
-            self._listing[key] = task
+        task = self._listing.get(key)
+        if task is None and len(self._listing) < self.max_listings:
+            task = self._listing[key] = asyncio.get_running_loop().create_task(self._background(ck, len(run)))
             task.add_done_callback(lambda _t: self._listing.pop(key, None))
+        if task is not None and wait_s > 0:
+            await asyncio.wait([task], timeout=wait_s)
+            return self.index.run(ck)[0]
         return run
 
     async def settled(self) -> None:
@@ -218,13 +224,14 @@ async def make_plan(
     costs: Costs,
     *,
     refresh: bool = False,
+    wait_s: float = 0.0,
     deadline_s: float | None = None,
 ) -> FetchPlan:
     """Plan a load of the chunks keyed ``ck`` (:func:`keys.chunk_keys` of the prompt in ``ns``, whole
     chunks only) from what ``catalog`` knows is stored; with ``refresh``, what it does not know is
     listed first, within ``deadline_s`` (a store failure or a missed deadline is a plan that
-    recomputes, with its reason). Without ``refresh`` nothing here waits on the store: when no load
-    could pay (:func:`choice.hopeless`) the catalog is not even asked."""
+    recomputes, with its reason). Without ``refresh`` nothing here waits on the store longer than
+    ``wait_s``: when no load could pay (:func:`choice.hopeless`) the catalog is not even asked."""
     n_req = len(ck) * chunk_tokens
     recompute = FetchPlan(ns.model, ns.dtype, ns.tp_rank, chunk_tokens, n_req, ck[-1] if ck else "", 0, choice.RECOMPUTE, (), 0.0,
                           {}, None, Reason.MISS.value, "nothing requested" if not ck else None)
@@ -238,7 +245,7 @@ async def make_plan(
     t = time.perf_counter()
     try:
         async with asyncio.timeout(deadline_s if refresh else None):
-            run = await catalog.run(ck, refresh=refresh)
+            run = await catalog.run(ck, refresh=refresh, wait_s=wait_s)
     except StoreError as e:
         return replace(recompute, reason=e.reason, detail=str(e), lookup_s=time.perf_counter() - t)
     except TimeoutError:

@@ -68,6 +68,11 @@ class Preset:
     sink_exact_only: bool = False
 
     @property
+    def direct(self) -> bool:
+        """Whether a chunk of it is the buffer's own bytes, restored by one copy (no decode worker)."""
+        return self.layout.mode == "native"
+
+    @property
     def needs_calibration(self) -> bool:
         """Whether its steps (and basis) come from a model's calibration."""
         return self.layout.sigma_steps is not None

@@ -31,6 +31,7 @@ class Options:
     ttft_budget_s: float | None = None  # prefer a load predicted within this to a faster recompute
     recompute_tokens_per_s: float | None = None  # the prefill rate until the engine's own prefill model is fitted
     lookup_wait_s: float = 0.002  # the scheduler's wait for a plan in one step (then vLLM asks again at its next step)
+    listing_wait_s: float = 0.005  # the sidecar's wait for its store listing of a prefix its index does not know
     lookup_timeout_s: float = 0.02  # a request waits at most this for its plan, then recomputes
     load_deadline_s: float | None = None  # a load's deadline (default: the sidecar's KVFETCHER_DEADLINE_S)
 
@@ -43,7 +44,7 @@ class Options:
         kw = dict(extra)
         if "presets" in kw:
             kw["presets"] = tuple(kw["presets"].split(",") if isinstance(kw["presets"], str) else kw["presets"])
-        for name in ("ttft_budget_s", "recompute_tokens_per_s", "lookup_wait_s", "lookup_timeout_s", "load_deadline_s"):
+        for name in ("ttft_budget_s", "recompute_tokens_per_s", "lookup_wait_s", "listing_wait_s", "lookup_timeout_s", "load_deadline_s"):
             if kw.get(name) is not None:
                 kw[name] = float(kw[name])
                 if not kw[name] > 0:

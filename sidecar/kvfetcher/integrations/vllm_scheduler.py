@@ -81,7 +81,8 @@ class SchedulerSide:
         own = getattr(request, "kv_transfer_params", None) or {}
         presets = own.get("presets", self.options.presets)
         return FetchOptions(presets=tuple(presets) if presets else None, ttft_budget_s=own.get("ttft_budget_s", self.options.ttft_budget_s),
-                            prefill_model=self.prefill.model(), recompute_tokens_per_s=self.options.recompute_tokens_per_s)
+                            prefill_model=self.prefill.model(), recompute_tokens_per_s=self.options.recompute_tokens_per_s,
+                            wait_s=self.options.listing_wait_s)
 
     def _plan(self, request, options: FetchOptions) -> _Request:
         """The request's plan (in a lookup thread: the sidecar answers from its index of the store)."""
