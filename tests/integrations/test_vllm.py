@@ -312,5 +312,8 @@ def test_tensor_parallel_ranks_load_only_what_every_rank_has(vllm_tp, texts):
 
     sc.store.delete(sc.refs(p[:256], shards[1])[1].name)  # rank 1 lost p's second chunk: the group loads the first only
     sc.store.delete(sc.refs(q[:128], shards[2])[0].name)  # rank 2 has nothing of q: every rank recomputes it
-    got = engine.generate(p, q)
+    # the ranks' indexes still knew those objects: the loads that found them missing recompute what they did not load
+    stale = engine.generate(p, q)
+    assert [s["tokens"] for s in stale] == [first[0]["tokens"], first[1]["tokens"]]
+    got = engine.generate(p, q)  # and the indexes forgot them
     assert got == [{"tokens": first[0]["tokens"], "cached": 128}, {"tokens": first[1]["tokens"], "cached": 0}]

@@ -80,7 +80,7 @@ class FetchPlan:
     chunk_tokens: int = _doc("tokens per chunk")
     requested_tokens: int = _doc("the request's tokens rounded down to whole chunks")
     prefix_key: str = _doc("key of the last requested chunk (empty when none): binds the plan to its tokens")
-    hit_tokens: int = _doc("leading tokens known stored (0 when no load could pay and the store was not asked)")
+    hit_tokens: int = _doc("leading tokens known stored (as the sidecar's index knows them, or as listed)")
     preset: str | None = _doc("the chosen preset, `recompute`, or null: not chosen (no buffer of this namespace)")
     chunks: tuple[tuple[str, int], ...] = _doc("the leading chunks to load, as [preset, object size]")
     predicted_s: float = _doc("predicted seconds of that load")
@@ -231,17 +231,17 @@ async def make_plan(
     chunks only) from what ``catalog`` knows is stored; with ``refresh``, what it does not know is
     listed first, within ``deadline_s`` (a store failure or a missed deadline is a plan that
     recomputes, with its reason). Without ``refresh`` nothing here waits on the store longer than
-    ``wait_s``: when no load could pay (:func:`choice.hopeless`) the catalog is not even asked."""
+    ``wait_s``, and when no load could pay (:func:`choice.hopeless`) the store is not asked at all
+    (the hit is then what the index knows)."""
     n_req = len(ck) * chunk_tokens
     recompute = FetchPlan(ns.model, ns.dtype, ns.tp_rank, chunk_tokens, n_req, ck[-1] if ck else "", 0, choice.RECOMPUTE, (), 0.0,
                           {}, None, Reason.MISS.value, "nothing requested" if not ck else None)
     if not ck:
         return recompute
-    if costs.chunk_kv_bytes is not None and choice.hopeless(
-        len(ck), chunk_tokens, costs.chunk_kv_bytes, RATIOS, FORMATS, costs.rates, set(costs.allowed), budget_s=costs.budget_s,
-        lookup_s=choice.lookup_seconds(len(ck), costs.rates, LOOKUP_PARALLEL) if refresh else 0.0,
-    ):
-        return replace(recompute, reason=Reason.COST_MODEL.value, detail="recompute predicted faster than any stored preset could be; store not asked")
+    if not refresh and costs.chunk_kv_bytes is not None and choice.hopeless(
+        len(ck), chunk_tokens, costs.chunk_kv_bytes, RATIOS, FORMATS, costs.rates, set(costs.allowed), budget_s=costs.budget_s):
+        return replace(recompute, hit_tokens=len(catalog.index.run(ck)[0]) * chunk_tokens, reason=Reason.COST_MODEL.value,
+                       detail="recompute predicted faster than any stored preset could be; store not asked")
     t = time.perf_counter()
     try:
         async with asyncio.timeout(deadline_s if refresh else None):
