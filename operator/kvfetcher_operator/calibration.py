@@ -13,7 +13,8 @@ one Job per calibration, whatever the passes. A failed Job stays, and with it th
 condition's reason and its pod's last words (FallbackToLogsOnError), until the spec changes or
 someone deletes it (then the next pass runs it again); an old Job goes with the pool.
 
-It reaches the store with scoped credentials (storage_env, as the evictor): managed MinIO's
+It tags the artefact with the pool's object key (the sidecars install no calibration without a
+valid tag). It reaches the store with scoped credentials (storage_env, as the evictor): managed MinIO's
 calibrator user, who may only list the bucket and read and write calibrations, never MinIO's root
 or the sidecars' user (who may only read them); an external store's own credentials. No service
 account token, restricted Pod Security, never injected; managed MinIO lets it in by its component.
@@ -62,7 +63,10 @@ def _template(pool: dict[str, Any]) -> dict[str, Any]:
     source = model["calibration"]["source"]
     ca = injection.ca_volume(pool)
     mounts = [{"name": "model", "mountPath": MODEL_DIR, "readOnly": True}, {"name": "work", "mountPath": WORK_DIR}]
+    pool_secret = builders.secret_name(pool["metadata"]["name"])
     env = injection.storage_env(pool, builders.CALIBRATOR_KEYS) + [
+        # the pool's object key: the artefact is tagged with it, and the pool's sidecars take no other
+        {"name": settings.OBJECT_KEY.name, "valueFrom": {"secretKeyRef": {"name": pool_secret, "key": "objectKey"}}},
         {"name": settings.CACHE.name, "value": f"{WORK_DIR}/cache"},
         {"name": settings.CALIBRATION_DIR.name, "value": f"{WORK_DIR}/calibration"},
         {"name": "HOME", "value": WORK_DIR},  # transformers' caches

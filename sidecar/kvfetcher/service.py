@@ -80,7 +80,7 @@ class Sidecar:
         self._warming: asyncio.Future | None = None  # the latest registered buffer's warm-up
         self._seal_key = secrets.token_bytes(32)  # plans this process issued carry its seal
         self._object_key = mac.key_from(self.config.object_key)  # None: objects unauthenticated
-        self.calibrations = CalibrationLookup(store, self.meta_pool, self.metrics)  # published after start (a calibration Job)
+        self.calibrations = CalibrationLookup(store, self.meta_pool, self.metrics, key=self._object_key)  # published after start (a calibration Job)
 
     # --- lifecycle -------------------------------------------------------------------------
 

@@ -61,3 +61,16 @@ class ObjectMAC:
     def same(a: bytes, b: bytes | None) -> bool:
         """Constant-time comparison of two tags (False when ``b`` is missing)."""
         return b is not None and hmac.compare_digest(a, b)
+
+
+_CALIBRATION = b"kvfetcher/calibration\0"
+
+
+def calibration_tag(key: bytes, tag: str, name: str, doc: bytes, basis_sha256: bytes) -> bytes:
+    """The tag of a calibration artefact: over its model ``tag``, its ``name`` (file stem), its
+    canonical JSON ``doc`` (without the tag) and the sha256 of its basis file (``b""``: none)."""
+    m = hmac.new(key, _CALIBRATION, hashlib.sha256)
+    for part in (tag.encode(), name.encode(), doc, basis_sha256):
+        m.update(struct.pack("<Q", len(part)))
+        m.update(part)
+    return m.digest()
