@@ -61,6 +61,18 @@ BUCKET_FORBIDDEN = r"(\.\.|\.-|-\.|^[0-9]+\.[0-9]+\.[0-9]+\.[0-9]+$|^xn--|^sthre
 ENDPOINT_PATTERN = r"^https?://([A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?(\.[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?)*|\[[0-9A-Fa-f:.]+\])(:[0-9]{1,5})?/?$"
 # What a Service name (a DNS-1035 label) allows: a managed pool's MinIO Services derive from the pool's name.
 DNS_LABEL_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+# A Secret's or a claim's name (a DNS-1123 subdomain, up to 253 characters) and a Secret's key
+# (no leading dot, so never `.` or `..`): names from the spec go into API paths and keys into file
+# paths, so nothing else may pass (no `/`, no `..`). The CRD carries the same patterns.
+OBJECT_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+SECRET_KEY_PATTERN = r"^[-_a-zA-Z0-9][-._a-zA-Z0-9]*$"
+# Where the spec names an object of the pool's namespace: (path, name field, Secret key fields)
+REFERENCES = (
+    ("storage.external.credentialsSecretRef", "name", ("accessKeyKey", "secretKeyKey")),
+    ("storage.external.tls.caSecretRef", "name", ("key",)),
+    ("tenancy.secretRef", "name", ("key",)),
+    ("model.calibration.source.persistentVolumeClaim", "claimName", ()),
+)
 RESOURCE_PARTS = ("requests", "limits")
 # A model fingerprint as the sidecar serves it: its tag (up to the first `/`, no `/` in it: the
 # store files calibrations under it), then anything a model name carries.
@@ -75,6 +87,7 @@ _BUCKET, _BUCKET_FORBIDDEN = re.compile(BUCKET_PATTERN), re.compile(BUCKET_FORBI
 _ENDPOINT = re.compile(ENDPOINT_PATTERN)
 _LABEL_KEY = re.compile(LABEL_KEY_PATTERN)
 _MODEL_NAME = re.compile(MODEL_NAME_PATTERN)
+_OBJECT_NAME, _SECRET_KEY = re.compile(OBJECT_NAME_PATTERN), re.compile(SECRET_KEY_PATTERN)
 _UNITS = {"": 1, "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "k": 10**3, "M": 10**6,
           "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
@@ -195,6 +208,35 @@ def resources_problems(path: str, resources: Any) -> list[str]:
     return out
 
 
+def object_name_problem(path: str, name: Any) -> list[str]:
+    ok = isinstance(name, str) and len(name) <= 253 and _OBJECT_NAME.fullmatch(name)
+    return [] if ok else [f"{path}: {name!r} is not an object name (lowercase letters, digits, '-' and '.', "
+                          f"up to 253 characters)"]
+
+
+def _at(spec: dict[str, Any], path: str) -> Any:
+    for part in path.split("."):
+        spec = spec.get(part) if isinstance(spec, dict) else None
+    return spec
+
+
+def reference_problems(spec: dict[str, Any]) -> list[str]:
+    """Every object name and Secret key the (defaulted) spec names that is not one (REFERENCES)."""
+    out = []
+    for path, name_field, key_fields in REFERENCES:
+        ref = _at(spec, path)
+        if not isinstance(ref, dict):
+            continue
+        if name_field in ref:
+            out += object_name_problem(f"{path}.{name_field}", ref[name_field])
+        for field in key_fields:
+            key = ref.get(field)
+            if not (isinstance(key, str) and len(key) <= 253 and _SECRET_KEY.fullmatch(key)):
+                out.append(f"{path}.{field}: {key!r} is not a Secret key (letters, digits, '-', '_' and '.', "
+                           f"not first)")
+    return out
+
+
 def _model_problems(model: Any) -> list[str]:
     if not isinstance(model, dict) or not _MODEL_NAME.match(str(model.get("name", ""))) or len(model["name"]) > 253:
         return ["model.name: a model fingerprint (up to 253 characters; its tag, up to the first '/', "
@@ -245,6 +287,7 @@ def problems(spec: dict[str, Any]) -> list[str]:
             if tls.get("caSecretRef") and tls.get("insecureSkipVerify"):
                 out.append("storage.external.tls: caSecretRef and insecureSkipVerify exclude each other")
 
+    out += reference_problems(spec)
     out += _codec_problems(spec)
 
     port = spec["sidecar"]["port"]
