@@ -297,6 +297,8 @@ def mutate(pod: dict[str, Any], pool: dict[str, Any] | None) -> Decision:
     status = pool.get("status") or {}
     if not conditions.is_true(status.get("conditions"), conditions.READY):
         return _unavailable(namespace, pool_name, f"not Ready (phase {status.get('phase', 'Pending')})")
+    if not conditions.is_current(status.get("conditions"), conditions.READY, (pool.get("metadata") or {}).get("generation")):
+        return _unavailable(namespace, pool_name, "Ready for an older spec (the reconciler has not validated this one)")
     if (served := (pool_spec.get("model") or {}).get("name")) and annotations.get(MODEL_ANNOTATION, served) != served:
         return _skip(f"the pod's {MODEL_ANNOTATION} is not {served}, the model KVCachePool {namespace}/{pool_name} serves")
     model = _model_container(containers, pool_spec["injection"].get("modelContainer"))
