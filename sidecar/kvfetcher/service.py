@@ -47,6 +47,10 @@ from kvfetcher.store.calibrations import CalibrationLookup
 
 log = logging.getLogger("kvfetcher.service")
 
+#: registrations held at once; past it the least recently used is released (a client that died
+#: without unregistering holds its memory and fd until then)
+MAX_BUFFERS = 64
+
 
 @dataclass
 class Buffer:
@@ -185,6 +189,9 @@ class Sidecar:
             raise RequestError(str(e)) from e
         bid = secrets.token_urlsafe(24)
         self.buffers[bid] = Buffer(t, ns, handle)
+        while len(self.buffers) > MAX_BUFFERS:  # a client that died without unregistering: its buffer goes first
+            log.warning("%d buffers registered: the least recently used is released", len(self.buffers))
+            self.unregister(next(iter(self.buffers)))
         self.calibrations.look(model)
         if self.config.warm_up:
             if self.workers is not None:  # mapped now (CUDA IPC), not on the first load into it
@@ -203,7 +210,9 @@ class Sidecar:
             ipc.release(buf.handle)
 
     def _buffer(self, bid: str) -> Buffer:
+        """The buffer ``bid`` names, now the most recently used (``self.buffers`` is in order of use)."""
         try:
+            self.buffers[bid] = self.buffers.pop(bid)
             return self.buffers[bid]
         except KeyError:
             raise RequestError(f"unknown buffer {bid!r}: register it first") from None
@@ -341,17 +350,22 @@ class Sidecar:
         reply.decision.actual_s = out.seconds
         self.metrics.fetch_seconds.observe(time.perf_counter() - t0)
         if out.bad_object:  # else it would block every later load, and a re-store would be a no-op
-            await self._drop(out.bad_object)
+            await self._drop(out.bad_object, out.bad_size)
         if out.error:
             self.metrics.errors.labels(out.error).inc()
             return self._fallback(reply, out.error, out.detail)
         reply.not_loaded = (reply.loaded_tokens, n_req)
         return reply
 
-    async def _drop(self, name: str) -> None:
-        """Delete an object that failed verification, so that the next save writes it anew."""
+    async def _drop(self, name: str, listed_size: int | None = None) -> None:
+        """Delete an object that failed verification, so that the next save writes it anew; not when
+        it is no longer the one the plan listed (``listed_size``: another writer stored it again)."""
         try:
-            await asyncio.get_running_loop().run_in_executor(self.meta_pool, self.store.delete, name)
+            loop = asyncio.get_running_loop()
+            if listed_size and (await loop.run_in_executor(self.meta_pool, self.store.list, name)).get(name) != listed_size:
+                log.info("bad object %s was replaced since it was listed: kept", name)
+                return
+            await loop.run_in_executor(self.meta_pool, self.store.delete, name)
             log.warning("deleted bad object %s", name)
             self.metrics.errors.labels(Reason.BAD_OBJECT_DELETED).inc()
         except StoreError as e:

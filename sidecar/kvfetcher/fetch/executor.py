@@ -74,6 +74,7 @@ class Outcome:
     decode_busy_s: float = 0.0  # time with at least one decode in flight
     header_latency_s: list[float] = field(default_factory=list)
     bad_object: str | None = None  # an object that is corrupt, truncated or foreign: drop it
+    bad_size: int | None = None  # its size as the plan listed it (not dropped if it changed since)
     direct_chunks: int = 0  # chunks restored by the direct path (native raw: read, checksum, one copy)
 
 
@@ -236,7 +237,7 @@ class _Fetch:
             log.exception("fetch failed")
         self.out.error, self.out.detail = reason, f"{type(e).__name__}: {e}" if reason is Reason.INTERNAL else str(e)
         if reason in BAD_OBJECT:
-            self.out.bad_object = getattr(e, "object_name", None)
+            self.out.bad_object, self.out.bad_size = getattr(e, "object_name", None), getattr(e, "object_size", None)
 
     async def _load(self, i: int, c: ChunkRef) -> None:
         try:
@@ -249,7 +250,7 @@ class _Fetch:
                 else:
                     await self._coded(i, c, h, head)
         except ContainerError as e:
-            e.object_name = c.name  # type: ignore[attr-defined]  # so the caller can drop a bad object
+            e.object_name, e.object_size = c.name, c.size  # type: ignore[attr-defined]  # so the caller can drop a bad object
             raise
 
     def _auth(self, c: ChunkRef) -> ObjectMAC | None:
