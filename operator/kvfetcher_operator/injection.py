@@ -285,6 +285,8 @@ def mutate(pod: dict[str, Any], pool: dict[str, Any] | None) -> Decision:
     inits = spec.get("initContainers") or []
     if any(c.get("name") == CONTAINER for c in containers + inits):
         return Decision({}, "unchanged", "already injected")
+    if spec.get("hostNetwork") or (spec.get("os") or {}).get("name") == "windows":
+        return _skip("a hostNetwork pod (the sidecar's port would be the node's) or a Windows pod is not injected")
     pool_name = annotations.get(POOL_ANNOTATION)
     if not pool_name:
         return _skip(f"no {POOL_ANNOTATION} annotation names a KVCachePool")

@@ -74,6 +74,10 @@ REFERENCES = (
     ("model.calibration.source.persistentVolumeClaim", "claimName", ()),
 )
 RESOURCE_PARTS = ("requests", "limits")
+# What a container may request: the standard resources, huge pages of a size, or an extended
+# resource named with a domain (not kubernetes.io's).
+RESOURCE_NAME_PATTERN = (r"^(cpu|memory|ephemeral-storage|hugepages-[0-9]+[KMGTPE]i?|"
+                         r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)+/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)$")
 # A model fingerprint as the sidecar serves it: its tag (up to the first `/`, no `/` in it: the
 # store files calibrations under it), then anything a model name carries.
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9][-A-Za-z0-9_.:]*(/[-A-Za-z0-9_.:/]*)?$"
@@ -88,6 +92,7 @@ _ENDPOINT = re.compile(ENDPOINT_PATTERN)
 _LABEL_KEY = re.compile(LABEL_KEY_PATTERN)
 _MODEL_NAME = re.compile(MODEL_NAME_PATTERN)
 _OBJECT_NAME, _SECRET_KEY = re.compile(OBJECT_NAME_PATTERN), re.compile(SECRET_KEY_PATTERN)
+_RESOURCE_NAME = re.compile(RESOURCE_NAME_PATTERN)
 _UNITS = {"": 1, "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "k": 10**3, "M": 10**6,
           "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
@@ -195,17 +200,31 @@ def bucket_problem(path: str, name: Any) -> list[str]:
 
 
 def resources_problems(path: str, resources: Any) -> list[str]:
-    """A container's resources as a pod spec takes them: requests and limits of valid quantities."""
+    """A container's resources as a pod spec takes them: requests and limits of valid quantities,
+    of resource names a container may request (RESOURCE_NAME_PATTERN), no request above its limit."""
     if resources is None:
         return []
     if not isinstance(resources, dict) or set(resources) - set(RESOURCE_PARTS):
         return [f"{path}: only requests and limits may be set"]
     out = []
     for part in RESOURCE_PARTS:
-        for name, value in (resources.get(part) or {}).items():
-            if isinstance(value, bool) or not _QUANTITY.match(str(value)) or str(value).startswith("-"):
+        given = resources.get(part) or {}
+        if not isinstance(given, dict):
+            out.append(f"{path}.{part}: must map resource names to quantities")
+            continue
+        for name, value in given.items():
+            if isinstance(value, bool) or not _QUANTITY.fullmatch(str(value)) or str(value).startswith("-"):
                 out.append(f"{path}.{part}.{name}: {value!r} is not a quantity")
-    return out
+            elif not _RESOURCE_NAME.fullmatch(str(name)) or str(name).split("/")[0].endswith("kubernetes.io"):
+                out.append(f"{path}.{part}.{name}: not a resource a container may request (cpu, memory, "
+                           f"ephemeral-storage, hugepages-<size>, or a domain-qualified extended resource)")
+    return out or _requests_within_limits(path, resources)
+
+
+def _requests_within_limits(path: str, resources: dict[str, Any]) -> list[str]:
+    requests, limits = resources.get("requests") or {}, resources.get("limits") or {}
+    return [f"{path}.requests.{name}: {value} is above its limit {limits[name]}" for name, value in requests.items()
+            if name in limits and quantity_value(str(value)) > quantity_value(str(limits[name]))]
 
 
 def object_name_problem(path: str, name: Any) -> list[str]:

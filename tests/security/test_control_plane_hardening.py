@@ -34,3 +34,46 @@ def test_the_pool_index_keeps_the_generation():
     entry = admission.pools.__wrapped__ if hasattr(admission.pools, "__wrapped__") else admission.pools
     out = entry(namespace="ml", name="cache", meta={"generation": 7}, spec={}, status={})
     assert out[("ml", "cache")]["metadata"]["generation"] == 7
+
+
+# --- finding 11 ------------------------------------------------------------------------------
+
+
+def test_resources_a_pod_would_be_refused_for_make_the_spec_invalid():
+    from kvfetcher_operator import spec as specs
+
+    base = {"storage": {"managed": {}}}
+    for resources, word in [({"requests": {"memory": "8Gi"}, "limits": {"memory": "4Gi"}}, "above its limit"),
+                            ({"requests": {"cpu": "2"}, "limits": {"cpu": "1500m"}}, "above its limit"),
+                            ({"limits": {"gpu": "1"}}, "not a resource"),
+                            ({"limits": {"kubernetes.io/thing": "1"}}, "not a resource"),
+                            ({"limits": "4Gi"}, "must map")]:
+        problems = specs.problems(base | {"sidecar": {"resources": resources}})
+        assert any(word in p for p in problems), (resources, problems)
+    fine = {"requests": {"cpu": "500m", "memory": "2Gi", "hugepages-2Mi": "1Gi"}, "limits": {"memory": "2Gi", "nvidia.com/gpu": 1}}
+    assert specs.problems(base | {"sidecar": {"resources": fine}}) == []
+
+
+def test_host_network_and_windows_pods_are_not_injected():
+    for extra in ({"hostNetwork": True}, {"os": {"name": "windows"}}):
+        decision = injection.mutate(pod(**extra), ready_pool())
+        assert decision.outcome == "skipped" and "hostNetwork" in decision.reason
+    assert injection.mutate(pod(os={"name": "linux"}), ready_pool()).outcome == "injected"
+
+
+# --- finding 12: calibration Jobs ------------------------------------------------------------
+
+
+def test_a_calibration_job_is_bounded_in_time_and_never_copies_its_log_into_the_status():
+    from kvfetcher_operator import calibration
+
+    p = ready_pool(model={"name": "org/m", "calibration": {"source": {"persistentVolumeClaim": {"claimName": "w", "path": "m"}}}})
+    p["metadata"]["uid"] = "u"
+    job = calibration.job(p)
+    assert job["spec"]["activeDeadlineSeconds"] > 0 and job["spec"]["ttlSecondsAfterFinished"] > 0
+    assert "terminationMessagePolicy" not in job["spec"]["template"]["spec"]["containers"][0]
+    failed = {**job, "status": {"conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]}}
+    leaked = {"metadata": {"name": "x"}, "status": {"containerStatuses": [{"state": {"terminated": {
+        "exitCode": 1, "message": "botocore: AWS_SECRET_ACCESS_KEY=hunter2 refused"}}}]}}
+    ok, reason, message = calibration.readiness(p, [], failed, [leaked])
+    assert reason == "JobFailed" and "hunter2" not in message and "exited with code 1" in message
