@@ -84,6 +84,9 @@ class Sidecar:
         self._warming: asyncio.Future | None = None  # the latest registered buffer's warm-up
         self._seal_key = secrets.token_bytes(32)  # plans this process issued carry its seal
         self._object_key = mac.key_from(self.config.object_key)  # None: objects unauthenticated
+        if self._object_key is None:
+            log.warning("no object key (KVFETCHER_OBJECT_KEY): objects and calibrations are neither tagged nor "
+                        "checked; whoever can write the store decides what this sidecar loads")
         self.calibrations = CalibrationLookup(store, self.meta_pool, self.metrics, key=self._object_key)  # published after start (a calibration Job)
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -278,6 +281,8 @@ class Sidecar:
                 self.metrics.prefill_model.labels(term).set(c)
         prefill = prefill_model or PrefillModel.linear(recompute_tps or self.config.recompute_tps)
         rates = self.estimator.rates(self.store.endpoint, prefill, sharers)
+        if unknown := sorted(set(presets or ()) - set(PRESETS)):
+            raise RequestError(f"unknown preset(s) {unknown}; known: {', '.join(PRESETS)}")
         # never a preset this model may not use (one needing a calibration it lacks)
         allowed = frozenset(presets or PRESETS) & frozenset(self.config.allowed_presets or PRESETS) & frozenset(usable(PRESETS, ns.model))
         costs = Costs(rates, self._chunk_kv_bytes(buf) if buf else None, allowed, budget)

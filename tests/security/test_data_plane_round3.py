@@ -156,3 +156,60 @@ async def test_a_stale_plan_does_not_delete_the_object_stored_again_since(tmp_pa
         assert r.loaded_tokens == 0 and not store.exists(name)
     finally:
         await sc.close()
+
+
+# --- finding 7: the Lows ---------------------------------------------------------------------------
+
+
+def _rewrite(obj: bytes, edit) -> bytes:
+    """``obj`` with its header JSON edited and its prefix checksum made right (no key: anyone can)."""
+    from kvfetcher.format import container
+
+    h = container.parse_header(obj)
+    d = json.loads(obj[container.PREFIX_SIZE : h.header_size])
+    edit(d)
+    hb = json.dumps(d).encode()
+    tag = bytes(container.TAG_SIZE)
+    return container.PREFIX.pack(container.MAGIC, container.FORMAT_VERSION, 0, len(hb), container.crc32(tag + hb), tag) \
+        + hb + obj[h.header_size :]
+
+
+def test_a_header_with_rope_bases_for_other_layers_is_corrupt_so_its_prefix_heals():
+    from kvfetcher.format import container
+
+    obj = encode_chunk(synthetic_kv(layers=2, heads=2, tokens=N, head_dim=16), "lean", FP, rope_theta=(1e4, 1e6))
+    assert container.parse_header(obj).layout.rope_theta == (1e4, 1e6)
+    bad = _rewrite(obj, lambda d: d["layout"].update(rope_theta=[1e4, 1e6, 1e6]))
+    with pytest.raises(container.CorruptError, match="3 RoPE bases for 2 layers"):
+        container.parse_header(bad)
+
+
+def test_running_without_an_object_key_says_so(tmp_path, caplog):
+    with caplog.at_level("WARNING", "kvfetcher.service"):
+        sidecar(LocalStore(tmp_path / "a"))
+    assert "no object key" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", "kvfetcher.service"):
+        sidecar(LocalStore(tmp_path / "b"), object_key="a pool's object key, 32+ chars")
+    assert "no object key" not in caplog.text
+
+
+async def test_unknown_preset_names_are_refused(tmp_path, shm):
+    sc = sidecar(LocalStore(tmp_path / "store"))
+    await sc.start()
+    try:
+        bid = sc.register(shm().handle, FP)
+        with pytest.raises(RequestError, match="unknown preset"):
+            await sc.plan(bid, TOKENS, presets=["raw", "rwa"])
+        assert (await sc.plan(bid, TOKENS, presets=["raw"])).hit_tokens == 0
+    finally:
+        await sc.close()
+
+
+def test_the_writer_remembers_a_bounded_number_of_models(tmp_path):
+    from kvfetcher.save import writer
+
+    sc = sidecar(LocalStore(tmp_path / "store"), presets=("raw", "balanced"))
+    for i in range(writer.MAX_MODELS + 50):
+        sc.writer.presets_for(f"model-{i}/fp16")
+    assert len(sc.writer._refused) <= writer.MAX_MODELS

@@ -281,6 +281,8 @@ def _check_consistent(h: Header) -> None:
         raise CorruptError(f"header shape/layout invalid: {e}") from e
     if tuple(geo.frame_shape) != tuple(h.frame_shape):
         raise CorruptError(f"frame shape {h.frame_shape} does not match layout {geo.frame_shape}")
+    if isinstance(h.layout.rope_theta, tuple) and len(h.layout.rope_theta) != h.shape[0]:
+        raise CorruptError(f"{len(h.layout.rope_theta)} RoPE bases for {h.shape[0]} layers")
     expect = 0
     for s in h.segments:
         if s.frames[0] != expect or s.frames[1] <= s.frames[0]:
