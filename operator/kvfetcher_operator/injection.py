@@ -188,6 +188,8 @@ def sidecar_env(pool: dict[str, Any], store: Stored) -> list[dict[str, Any]]:
     env = storage_env(pool) + [
         _secret_env(settings.AUTH_TOKEN, secret, "authToken"),
         _secret_env(settings.OBJECT_KEY, secret, "objectKey"),
+        {"name": settings.ACCEPTED_OBJECT_KEYS.name,  # a key rotation's previous keys (docs/security.md); optional
+         "valueFrom": {"secretKeyRef": {"name": secret, "key": "acceptedObjectKeys", "optional": True}}},
         _value_env(settings.MODEL, spec["model"]["name"]) if "model" in spec else
         {"name": settings.MODEL.name, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{MODEL_ANNOTATION}']"}}},
     ]

@@ -84,10 +84,12 @@ class Sidecar:
         self._warming: asyncio.Future | None = None  # the latest registered buffer's warm-up
         self._seal_key = secrets.token_bytes(32)  # plans this process issued carry its seal
         self._object_key = mac.key_from(self.config.object_key)  # None: objects unauthenticated
+        self._accepted_keys = tuple(mac.key_from(k) for k in self.config.accepted_object_keys)  # a rotation's previous keys
         if self._object_key is None:
             log.warning("no object key (KVFETCHER_OBJECT_KEY): objects and calibrations are neither tagged nor "
                         "checked; whoever can write the store decides what this sidecar loads")
-        self.calibrations = CalibrationLookup(store, self.meta_pool, self.metrics, key=self._object_key)  # published after start (a calibration Job)
+        self.calibrations = CalibrationLookup(store, self.meta_pool, self.metrics, key=self._object_key,
+                                              accepted=self._accepted_keys)  # published after start (a calibration Job)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -348,7 +350,8 @@ class Sidecar:
         async with self.link.fetch() as share:
             out = await executor.fetch(self.store, refs, dest, fingerprint=buf.ns.model, io_pool=self.data_pool, decode_pool=self.decode_pool,
                                        device=buf.tensor.device, deadline_s=max(0.0, deadline_s - (time.perf_counter() - t0)),
-                                       window=self.config.window, workers=self.workers, object_key=self._object_key)
+                                       window=self.config.window, workers=self.workers, object_key=self._object_key,
+                                       accepted_keys=self._accepted_keys)
         self._observe(plan, out, learn=quiet, sharers=share.sharers)
         reply.loaded_tokens += out.loaded_tokens
         reply.bytes_read, reply.kv_bytes, reply.seconds = out.bytes_read, out.kv_bytes, out.seconds

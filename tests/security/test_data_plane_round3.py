@@ -213,3 +213,54 @@ def test_the_writer_remembers_a_bounded_number_of_models(tmp_path):
     for i in range(writer.MAX_MODELS + 50):
         sc.writer.presets_for(f"model-{i}/fp16")
     assert len(sc.writer._refused) <= writer.MAX_MODELS
+
+
+# --- finding 7: key rotation -------------------------------------------------------------------------
+
+OLD, NEW = "the pool's old object key, 32+ chars", "the pool's new object key, 32+ chars"
+
+
+async def test_during_a_key_rotation_sidecars_neither_delete_nor_lose_each_others_objects(tmp_path, shm):
+    """New sidecars write under the new key and still read the old key's objects; an old sidecar meets
+    a new-key object as a miss (other_key), never deleting it as unauthenticated."""
+    store = LocalStore(tmp_path / "store")
+    old = sidecar(store, object_key=OLD)
+    new = sidecar(store, object_key=NEW, accepted_object_keys=(OLD,))
+    await old.start()
+    await new.start()
+    try:
+        a, b = old.register(shm().handle, FP), new.register(shm().handle, FP)
+        await old.save(a, TOKENS[: 2 * N])  # the old key's chunks 0-1
+        await old.flush()
+        assert (await new.load(b, TOKENS[: 2 * N], recompute_tps=1e-9)).loaded_tokens == 2 * N  # accepted
+        await new.save(b, TOKENS)  # the new key's chunks 2-3
+        await new.flush()
+        listed = store.list("kv/")
+        r = await old.load(a, TOKENS, recompute_tps=1e-9)
+        assert (r.loaded_tokens, r.error) == (2 * N, "other_key") and store.list("kv/") == listed  # nothing deleted
+        assert (await new.load(b, TOKENS, recompute_tps=1e-9)).loaded_tokens == len(TOKENS)
+    finally:
+        await old.close()
+        await new.close()
+
+
+def test_a_calibration_tagged_under_an_accepted_key_is_taken(tmp_path, monkeypatch):
+    from kvfetcher.format import calibration, mac, presets
+
+    monkeypatch.setenv("KVFETCHER_CALIBRATION_DIR", str(tmp_path / "local"))
+    presets.for_model.cache_clear()
+    store = LocalStore(tmp_path / "store")
+    doc = calibration.artefact("tiny-lm", {"basis": {"layers": [[1e-4, 2e-4]] * 2}}, None, (2, 2, 16), None, None)
+    path = calibration.write(doc, tmp_path / "made")
+    calibration.publish(store, path, None, mac.key_from(OLD))
+    assert calibration.fetch(store, "tiny-lm/fp16", mac.key_from(NEW)) is None
+    assert calibration.fetch(store, "tiny-lm/fp16", mac.key_from(NEW), accepted=(mac.key_from(OLD),)).name == path.stem
+    presets.for_model.cache_clear()
+
+
+def test_accepted_keys_need_a_writing_key_and_stay_out_of_reprs():
+    with pytest.raises(ValueError, match="needs KVFETCHER_OBJECT_KEY"):
+        Config(accepted_object_keys=(OLD,)).validate()
+    with pytest.raises(ValueError, match="at least 16"):
+        Config(object_key=NEW, accepted_object_keys=("short",)).validate()
+    assert OLD not in repr(Config(object_key=NEW, accepted_object_keys=(OLD,)))

@@ -284,22 +284,23 @@ def store_tags(store, fingerprint: str) -> list[str]:
     return sorted((t for t in tags if kvbasis.is_for(t, fingerprint)), key=lambda t: (-len(t), t))
 
 
-def fetch(store, fingerprint: str, key: bytes | None = None, longer_than: int = 0) -> Calibration | None:
+def fetch(store, fingerprint: str, key: bytes | None = None, longer_than: int = 0,
+          accepted: tuple[bytes, ...] = ()) -> Calibration | None:
     """The store's calibration of ``fingerprint``'s model (the longest matching tag, longer than
     ``longer_than`` characters; then the newest), installed into the local directory with its basis,
     or None if the store has none. With ``key``, only an artefact whose tag verifies
-    (:func:`authentic`) is taken. An artefact refused (malformed, unauthenticated, a basis not
+    (:func:`authentic`) under it or an ``accepted`` key (a rotation's previous keys) is taken. An artefact refused (malformed, unauthenticated, a basis not
     matching its name) is logged and skipped. Store errors propagate."""
     for tag in store_tags(store, fingerprint):
         if len(tag) <= longer_than:
             return None
-        cal = _fetch_tag(store, f"{STORE_PREFIX}{tag}/", fingerprint, key)
+        cal = _fetch_tag(store, f"{STORE_PREFIX}{tag}/", fingerprint, (key, *accepted) if key else ())
         if cal is not None:
             return cal
     return None
 
 
-def _fetch_tag(store, prefix: str, fingerprint: str, key: bytes | None) -> Calibration | None:
+def _fetch_tag(store, prefix: str, fingerprint: str, keys: tuple[bytes, ...]) -> Calibration | None:
     found = []
     for n in sorted(x for x in store.list(prefix) if x.endswith(".json")):
         stem = n[len(prefix):-len(".json")]
@@ -315,16 +316,17 @@ def _fetch_tag(store, prefix: str, fingerprint: str, key: bytes | None) -> Calib
         found.append((doc, cal))
     for doc, cal in sorted(found, key=lambda dc: (_created(dc[0]), dc[1].name), reverse=True):
         try:
-            return _install(store, prefix, doc, cal, key)
+            return _install(store, prefix, doc, cal, keys)
         except ValueError as e:
             log.warning("calibration %s%s refused: %s", prefix, cal.name, e)
     return None
 
 
-def _install(store, prefix: str, doc: dict, cal: Calibration, key: bytes | None) -> Calibration:
-    """Write ``cal`` (and its basis) into the local directory once both check; ``ValueError`` if not."""
+def _install(store, prefix: str, doc: dict, cal: Calibration, keys: tuple[bytes, ...]) -> Calibration:
+    """Write ``cal`` (and its basis) into the local directory once both check (with ``keys``: its tag
+    verifies under one); ``ValueError`` if not."""
     basis_bytes = store.get(f"{prefix}{cal.basis}.pt") if cal.basis is not None else None
-    if key is not None and not authentic(doc, cal, key, basis_bytes):
+    if keys and not any(authentic(doc, cal, k, basis_bytes) for k in keys):
         raise ValueError("its tag does not verify under this pool's key (unauthenticated)")
     local = Path(CALIBRATION_DIR.read())
     local.mkdir(parents=True, exist_ok=True)

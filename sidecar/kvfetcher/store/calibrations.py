@@ -33,12 +33,12 @@ MAX_MODELS = 256
 
 class CalibrationLookup:
     """The looks of one sidecar, under its object key (``format.mac.key_from``; None: artefacts are
-    taken untagged). At most ``max_models`` models are remembered (the oldest look is forgotten)."""
+    taken untagged; ``accepted``: a rotation's previous keys, whose tags are taken too). At most ``max_models`` models are remembered (the oldest look is forgotten)."""
 
     def __init__(self, store: Store, pool: Executor, metrics: Metrics, recheck_s: float = RECHECK_S,
-                 key: bytes | None = None, max_models: int = MAX_MODELS):
+                 key: bytes | None = None, max_models: int = MAX_MODELS, accepted: tuple[bytes, ...] = ()):
         self.store, self.pool, self.metrics, self.recheck_s = store, pool, metrics, recheck_s
-        self.key, self.max_models = key, max_models
+        self.key, self.accepted, self.max_models = key, accepted, max_models
         self._looked: dict[str, float] = {}  # model -> when its calibration was last looked for (insertion order)
         self.finding: asyncio.Future | None = None  # the latest look
 
@@ -65,7 +65,8 @@ class CalibrationLookup:
             local = calibration.calibration_for(model)
             if local is not None and local.model == tag_of(model):  # no longer tag can match
                 self._looked[model] = math.inf
-            elif calibration.fetch(self.store, model, self.key, longer_than=len(local.model) if local else 0) is not None:
+            elif calibration.fetch(self.store, model, self.key, longer_than=len(local.model) if local else 0,
+                                     accepted=self.accepted) is not None:
                 for_model.cache_clear()
         except Exception as e:  # a look in the background: nothing may escape it unlogged
             self.metrics.errors.labels(getattr(e, "reason", Reason.INTERNAL)).inc()
