@@ -3,7 +3,16 @@ validated, resource semantics and pods it cannot serve, calibration Jobs' bounds
 leak, and the chart's defaults."""
 from __future__ import annotations
 
-from kvfetcher_operator import conditions, injection
+from pathlib import Path
+
+import helm_python
+import pytest
+import yaml
+
+from kvfetcher_operator import calibration, conditions, injection, minio
+from kvfetcher_operator import spec as specs
+
+CHART = Path(__file__).resolve().parents[2] / "charts" / "kvfetcher"
 
 
 def pod(**spec) -> dict:
@@ -29,10 +38,9 @@ def test_the_webhook_skips_a_pool_whose_ready_is_for_an_older_generation():
 
 
 def test_the_pool_index_keeps_the_generation():
-    from kvfetcher_operator import admission
+    from kvfetcher_operator import admission  # (registers the webhook role's kopf handlers)
 
-    entry = admission.pools.__wrapped__ if hasattr(admission.pools, "__wrapped__") else admission.pools
-    out = entry(namespace="ml", name="cache", meta={"generation": 7}, spec={}, status={})
+    out = admission.pools(namespace="ml", name="cache", meta={"generation": 7}, spec={}, status={})
     assert out[("ml", "cache")]["metadata"]["generation"] == 7
 
 
@@ -40,8 +48,6 @@ def test_the_pool_index_keeps_the_generation():
 
 
 def test_resources_a_pod_would_be_refused_for_make_the_spec_invalid():
-    from kvfetcher_operator import spec as specs
-
     base = {"storage": {"managed": {}}}
     for resources, word in [({"requests": {"memory": "8Gi"}, "limits": {"memory": "4Gi"}}, "above its limit"),
                             ({"requests": {"cpu": "2"}, "limits": {"cpu": "1500m"}}, "above its limit"),
@@ -65,8 +71,6 @@ def test_host_network_and_windows_pods_are_not_injected():
 
 
 def test_a_calibration_job_is_bounded_in_time_and_never_copies_its_log_into_the_status():
-    from kvfetcher_operator import calibration
-
     p = ready_pool(model={"name": "org/m", "calibration": {"source": {"persistentVolumeClaim": {"claimName": "w", "path": "m"}}}})
     p["metadata"]["uid"] = "u"
     job = calibration.job(p)
@@ -77,3 +81,35 @@ def test_a_calibration_job_is_bounded_in_time_and_never_copies_its_log_into_the_
         "exitCode": 1, "message": "botocore: AWS_SECRET_ACCESS_KEY=hunter2 refused"}}}]}}
     ok, reason, message = calibration.readiness(p, [], failed, [leaked])
     assert reason == "JobFailed" and "hunter2" not in message and "exited with code 1" in message
+
+
+# --- finding 12: managed MinIO and the chart -------------------------------------------------
+
+
+def test_managed_minio_gets_default_requests():
+    pool = ready_pool()
+    pool["metadata"]["uid"] = "u"
+    (container,) = minio.statefulset(pool)["spec"]["template"]["spec"]["containers"]
+    assert container["resources"]["requests"] == {"cpu": "250m", "memory": "1Gi"}
+
+
+def _render(values):
+    out = helm_python.Chart.load(str(CHART)).render(values, name="kvf", namespace="kvfetcher-system", is_install=True)
+    return [d for p, t in out.items() if not p.endswith("NOTES.txt") for d in yaml.safe_load_all(t) if d]
+
+
+def test_watch_namespaces_narrow_the_webhooks_namespace_selector():
+    (config,) = [d for d in _render({"watchNamespaces": ["ml", "team-b"]}) if d["kind"] == "MutatingWebhookConfiguration"]
+    assert {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["ml", "team-b"]} in \
+        config["webhooks"][0]["namespaceSelector"]["matchExpressions"]
+    (config,) = [d for d in _render({}) if d["kind"] == "MutatingWebhookConfiguration"]
+    assert all(e["operator"] != "In" for e in config["webhooks"][0]["namespaceSelector"]["matchExpressions"])
+
+
+def test_without_created_accounts_both_roles_need_their_own():
+    for values in ({"serviceAccount": {"create": False}}, {"serviceAccount": {"create": False, "name": "op"}}):
+        with pytest.raises(Exception, match="serviceAccount"):
+            _render(values)
+    docs = _render({"serviceAccount": {"create": False, "name": "op", "webhookName": "hook"}})
+    accounts = {d["metadata"]["name"]: d["spec"]["template"]["spec"]["serviceAccountName"] for d in docs if d["kind"] == "Deployment"}
+    assert set(accounts.values()) == {"op", "hook"}
