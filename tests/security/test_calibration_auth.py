@@ -57,6 +57,12 @@ def doc_of(**changes) -> dict:
     return doc
 
 
+@pytest.fixture
+def pool():
+    with ThreadPoolExecutor(1) as p:
+        yield p
+
+
 # --- authentication (finding 1) --------------------------------------------------------------
 
 
@@ -144,14 +150,14 @@ def test_json_that_is_not_an_artefact_is_a_value_error():
             calibration.parse(calibration.loads(text, "tiny-lm"), "tiny-lm")
 
 
-async def test_a_malformed_artefact_in_the_store_is_logged_and_looked_at_again_only_later(local, tmp_path, caplog):
+async def test_a_malformed_artefact_in_the_store_is_logged_and_looked_at_again_only_later(local, tmp_path, caplog, pool):
     """It used to break every lookup, store and fetch of the model (a 500), or escape the
     background look unlogged and be retried at every plan."""
     store = LocalStore(tmp_path / "store")
     store.put("_meta/calibration/tiny-lm/tiny-lm-000000000000.json", b"[1, 2]")
     bad = doc_of(sensitivity={"basis": {"layers": [[0.0, 2e-4]] * 3}})
     store.put(f"_meta/calibration/tiny-lm/tiny-lm-{calibration.digest(bad)}.json", json.dumps(bad).encode())
-    lookup = CalibrationLookup(store, ThreadPoolExecutor(1), Metrics(), recheck_s=3600)
+    lookup = CalibrationLookup(store, pool, Metrics(), recheck_s=3600)
     with caplog.at_level(logging.WARNING, "kvfetcher.calibration"):
         lookup.look("tiny-lm/fp16")
         await lookup.finding
@@ -173,11 +179,11 @@ def test_a_malformed_file_in_the_local_directory_is_skipped(local, tmp_path):
 # --- resolution (finding 3) and the bound on models (finding 7) ------------------------------
 
 
-def test_the_longest_tag_wins_across_local_and_store_whatever_was_looked_up_first(local, tmp_path):
+def test_the_longest_tag_wins_across_local_and_store_whatever_was_looked_up_first(local, tmp_path, pool):
     store = LocalStore(tmp_path / "store")
     calibration.publish(store, *made("tiny", tmp_path / "short"), KEY)
     calibration.publish(store, *made("tiny-lm", tmp_path / "long", seed=1), KEY)
-    lookup = CalibrationLookup(store, ThreadPoolExecutor(1), Metrics(), key=KEY)
+    lookup = CalibrationLookup(store, pool, Metrics(), key=KEY)
     lookup.find("tiny-x/fp16")  # installs "tiny" locally
     assert calibration.calibration_for("tiny-x/fp16").model == "tiny"
     lookup.find("tiny-lm/fp16")
@@ -185,8 +191,8 @@ def test_the_longest_tag_wins_across_local_and_store_whatever_was_looked_up_firs
     assert calibration.calibration_for("tiny-x/fp16").model == "tiny"
 
 
-def test_a_lookup_remembers_a_bounded_number_of_models(tmp_path):
-    lookup = CalibrationLookup(LocalStore(tmp_path / "store"), ThreadPoolExecutor(1), Metrics(), max_models=4)
+def test_a_lookup_remembers_a_bounded_number_of_models(tmp_path, pool):
+    lookup = CalibrationLookup(LocalStore(tmp_path / "store"), pool, Metrics(), max_models=4)
     for i in range(50):
         lookup.look(f"model-{i}/fp16")
     assert len(lookup._looked) == 4
