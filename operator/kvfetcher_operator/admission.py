@@ -43,9 +43,10 @@ async def stop_readiness(memo: kopf.Memo, **_: Any) -> None:
 
 
 @kopf.index(*POOL)
-def pools(namespace: str, name: str, spec: Any, status: Any, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
-    """What the webhook needs of each pool, kept in memory so that admission makes no API call."""
-    return {(namespace, name): {"metadata": {"name": name, "namespace": namespace},
+def pools(namespace: str, name: str, meta: Any, spec: Any, status: Any, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    """What the webhook needs of each pool, kept in memory so that admission makes no API call; the
+    generation, so that only a spec the reconciler has validated is injected."""
+    return {(namespace, name): {"metadata": {"name": name, "namespace": namespace, "generation": meta.get("generation")},
                                 "spec": copy.deepcopy(dict(spec)), "status": copy.deepcopy(dict(status))}}
 
 

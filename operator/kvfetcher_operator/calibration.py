@@ -9,11 +9,13 @@ create a pool would read any node file through the operator's Job.
 
 The Job's name carries a digest of its pod template, so a spec change that alters what it would
 run makes a new Job (a Job's template is immutable), and an unchanged spec finds its Job again:
-one Job per calibration, whatever the passes. A failed Job stays, and with it the `Calibrated`
-condition's reason and its pod's last words (FallbackToLogsOnError), until the spec changes or
-someone deletes it (then the next pass runs it again); an old Job goes with the pool.
+one Job per calibration, whatever the passes. A Job runs at most DEADLINE_S and is deleted
+KEEP_FINISHED_S after it ends; a failed one stays until then, and with it the `Calibrated`
+condition's reason and its pod's exit code (never its output, which may hold what it read from its
+environment), unless the spec changes or someone deletes it (then the next pass runs it again).
 
-It reaches the store with scoped credentials (storage_env, as the evictor): managed MinIO's
+It tags the artefact with the pool's object key (the sidecars install no calibration without a
+valid tag). It reaches the store with scoped credentials (storage_env, as the evictor): managed MinIO's
 calibrator user, who may only list the bucket and read and write calibrations, never MinIO's root
 or the sidecars' user (who may only read them); an external store's own credentials. No service
 account token, restricted Pod Security, never injected; managed MinIO lets it in by its component.
@@ -34,6 +36,8 @@ COMPONENT = builders.CALIBRATION
 MODEL_DIR = "/model"
 WORK_DIR = "/work"  # the CLI's writable places: the model's plain copy, the artefact before publishing
 RESOURCES = {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"memory": "32Gi"}}
+DEADLINE_S = 12 * 3600  # a calibration running longer fails (DeadlineExceeded)
+KEEP_FINISHED_S = 24 * 3600  # a finished Job is deleted after this; a failed one then runs again
 
 
 def tag(model_name: str) -> str:
@@ -62,7 +66,10 @@ def _template(pool: dict[str, Any]) -> dict[str, Any]:
     source = model["calibration"]["source"]
     ca = injection.ca_volume(pool)
     mounts = [{"name": "model", "mountPath": MODEL_DIR, "readOnly": True}, {"name": "work", "mountPath": WORK_DIR}]
+    pool_secret = builders.secret_name(pool["metadata"]["name"])
     env = injection.storage_env(pool, builders.CALIBRATOR_KEYS) + [
+        # the pool's object key: the artefact is tagged with it, and the pool's sidecars take no other
+        {"name": settings.OBJECT_KEY.name, "valueFrom": {"secretKeyRef": {"name": pool_secret, "key": "objectKey"}}},
         {"name": settings.CACHE.name, "value": f"{WORK_DIR}/cache"},
         {"name": settings.CALIBRATION_DIR.name, "value": f"{WORK_DIR}/calibration"},
         {"name": "HOME", "value": WORK_DIR},  # transformers' caches
@@ -76,7 +83,6 @@ def _template(pool: dict[str, Any]) -> dict[str, Any]:
         "env": env,
         "resources": copy.deepcopy(job.get("resources") or RESOURCES),
         "securityContext": copy.deepcopy(injection.SECURITY_CONTEXT),
-        "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": mounts + ([{"name": ca["name"], "mountPath": injection.CA_DIR, "readOnly": True}] if ca else []),
     }
     return {
@@ -102,16 +108,19 @@ def job(pool: dict[str, Any]) -> dict[str, Any]:
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": builders.child_meta(pool, name, COMPONENT),
-        "spec": {"backoffLimit": 1, "template": template},
+        "spec": {"backoffLimit": 1, "activeDeadlineSeconds": DEADLINE_S, "ttlSecondsAfterFinished": KEEP_FINISHED_S,
+                 "template": template},
     }
 
 
 def _last_words(pods: list[dict[str, Any]]) -> str:
+    """Which pod failed and how; never its output (its log may hold what it read from its environment)."""
     for pod in pods:
         for c in (pod.get("status") or {}).get("containerStatuses") or []:
             ended = (c.get("state") or {}).get("terminated") or {}
-            if ended.get("exitCode") and ended.get("message"):
-                return f"; pod {pod['metadata']['name']} said: {ended['message'].strip()[-600:]}"
+            if ended.get("exitCode"):
+                return (f"; pod {pod['metadata']['name']} exited with code {ended['exitCode']} "
+                        f"({ended.get('reason', 'Error')}): see its log")
     return ""
 
 

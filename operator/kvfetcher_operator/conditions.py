@@ -30,6 +30,13 @@ def is_true(conditions: list[dict[str, Any]] | None, type_: str) -> bool:
     return bool(found) and found.get("status") == "True"
 
 
+def is_current(conditions: list[dict[str, Any]] | None, type_: str, generation: int | None) -> bool:
+    """Whether a condition is True for the spec of ``generation``: observed at that generation (a
+    condition without one, or a pool without one, counts as observed)."""
+    found = find(conditions, type_)
+    return is_true(conditions, type_) and generation in (None, found.get("observedGeneration", generation))
+
+
 def put(
     conditions: list[dict[str, Any]] | None,
     type_: str,

@@ -188,6 +188,8 @@ def sidecar_env(pool: dict[str, Any], store: Stored) -> list[dict[str, Any]]:
     env = storage_env(pool) + [
         _secret_env(settings.AUTH_TOKEN, secret, "authToken"),
         _secret_env(settings.OBJECT_KEY, secret, "objectKey"),
+        {"name": settings.ACCEPTED_OBJECT_KEYS.name,  # a key rotation's previous keys (docs/security.md); optional
+         "valueFrom": {"secretKeyRef": {"name": secret, "key": "acceptedObjectKeys", "optional": True}}},
         _value_env(settings.MODEL, spec["model"]["name"]) if "model" in spec else
         {"name": settings.MODEL.name, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{MODEL_ANNOTATION}']"}}},
     ]
@@ -285,6 +287,8 @@ def mutate(pod: dict[str, Any], pool: dict[str, Any] | None) -> Decision:
     inits = spec.get("initContainers") or []
     if any(c.get("name") == CONTAINER for c in containers + inits):
         return Decision({}, "unchanged", "already injected")
+    if spec.get("hostNetwork") or (spec.get("os") or {}).get("name") == "windows":
+        return _skip("a hostNetwork pod (the sidecar's port would be the node's) or a Windows pod is not injected")
     pool_name = annotations.get(POOL_ANNOTATION)
     if not pool_name:
         return _skip(f"no {POOL_ANNOTATION} annotation names a KVCachePool")
@@ -297,6 +301,8 @@ def mutate(pod: dict[str, Any], pool: dict[str, Any] | None) -> Decision:
     status = pool.get("status") or {}
     if not conditions.is_true(status.get("conditions"), conditions.READY):
         return _unavailable(namespace, pool_name, f"not Ready (phase {status.get('phase', 'Pending')})")
+    if not conditions.is_current(status.get("conditions"), conditions.READY, (pool.get("metadata") or {}).get("generation")):
+        return _unavailable(namespace, pool_name, "Ready for an older spec (the reconciler has not validated this one)")
     if (served := (pool_spec.get("model") or {}).get("name")) and annotations.get(MODEL_ANNOTATION, served) != served:
         return _skip(f"the pod's {MODEL_ANNOTATION} is not {served}, the model KVCachePool {namespace}/{pool_name} serves")
     model = _model_container(containers, pool_spec["injection"].get("modelContainer"))

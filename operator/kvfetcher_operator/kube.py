@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 import kopf
 import kubernetes
@@ -21,6 +22,16 @@ PLURALS = {"Secret": "secrets", "Service": "services", "StatefulSet": "statefuls
 MERGE = "application/merge-patch+json"
 # Set on a child an owner let go of (data kept); only a new owner of the same kind and name takes it back.
 RELEASED_ANNOTATION = "kvfetcher.io/released-from"
+
+
+_OBJECT_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def _segment(name: str) -> str:
+    """``name`` as one path segment, if it is an object name; else ``ValueError``."""
+    if not isinstance(name, str) or len(name) > 253 or not _OBJECT_NAME.fullmatch(name):
+        raise ValueError(f"{name!r} is not a Kubernetes object name")
+    return quote(name, safe="")
 
 
 class ApiError(Exception):
@@ -88,10 +99,11 @@ class Kube:
 
     @staticmethod
     def path(api_version: str, plural: str, namespace: str | None, name: str | None = None) -> str:
-        """The REST path; namespace None for cluster-scoped resources."""
+        """The REST path; namespace None for cluster-scoped resources. ``ValueError`` for a namespace
+        or name that is not an object name (DNS-1123 subdomain): no name can change the path."""
         root = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
-        scope = f"/namespaces/{namespace}" if namespace else ""
-        return f"{root}{scope}/{plural}" + (f"/{name}" if name else "")
+        scope = f"/namespaces/{_segment(namespace)}" if namespace else ""
+        return f"{root}{scope}/{plural}" + (f"/{_segment(name)}" if name is not None else "")
 
     def _call(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
         headers = {"Accept": "application/json", "Content-Type": content_type}

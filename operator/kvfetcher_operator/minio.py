@@ -14,12 +14,16 @@ operator; the console is not served, metrics need a token.
 """
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from . import builders
 from . import spec as specs
 
 DATA_PATH = "/data"
+# MinIO's container without `storage.managed.resources`: requests only (scheduled for what it needs,
+# never OOM-killed by a guessed limit)
+DEFAULT_RESOURCES = {"requests": {"cpu": "250m", "memory": "1Gi"}}
 
 
 def headless_name(pool_name: str) -> str:
@@ -88,7 +92,7 @@ def statefulset(pool: dict[str, Any]) -> dict[str, Any]:
         "readinessProbe": probe,
         "livenessProbe": {**probe, "httpGet": {"path": "/minio/health/live", "port": "s3"}},
         "volumeMounts": [{"name": "data", "mountPath": DATA_PATH}],
-        "resources": managed.get("resources") or {},
+        "resources": managed.get("resources") or copy.deepcopy(DEFAULT_RESOURCES),
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
     return {

@@ -61,7 +61,23 @@ BUCKET_FORBIDDEN = r"(\.\.|\.-|-\.|^[0-9]+\.[0-9]+\.[0-9]+\.[0-9]+$|^xn--|^sthre
 ENDPOINT_PATTERN = r"^https?://([A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?(\.[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?)*|\[[0-9A-Fa-f:.]+\])(:[0-9]{1,5})?/?$"
 # What a Service name (a DNS-1035 label) allows: a managed pool's MinIO Services derive from the pool's name.
 DNS_LABEL_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+# A Secret's or a claim's name (a DNS-1123 subdomain, up to 253 characters) and a Secret's key
+# (no leading dot, so never `.` or `..`): names from the spec go into API paths and keys into file
+# paths, so nothing else may pass (no `/`, no `..`). The CRD carries the same patterns.
+OBJECT_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+SECRET_KEY_PATTERN = r"^[-_a-zA-Z0-9][-._a-zA-Z0-9]*$"
+# Where the spec names an object of the pool's namespace: (path, name field, Secret key fields)
+REFERENCES = (
+    ("storage.external.credentialsSecretRef", "name", ("accessKeyKey", "secretKeyKey")),
+    ("storage.external.tls.caSecretRef", "name", ("key",)),
+    ("tenancy.secretRef", "name", ("key",)),
+    ("model.calibration.source.persistentVolumeClaim", "claimName", ()),
+)
 RESOURCE_PARTS = ("requests", "limits")
+# What a container may request: the standard resources, huge pages of a size, or an extended
+# resource named with a domain (not kubernetes.io's).
+RESOURCE_NAME_PATTERN = (r"^(cpu|memory|ephemeral-storage|hugepages-[0-9]+[KMGTPE]i?|"
+                         r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)+/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)$")
 # A model fingerprint as the sidecar serves it: its tag (up to the first `/`, no `/` in it: the
 # store files calibrations under it), then anything a model name carries.
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9][-A-Za-z0-9_.:]*(/[-A-Za-z0-9_.:/]*)?$"
@@ -75,6 +91,8 @@ _BUCKET, _BUCKET_FORBIDDEN = re.compile(BUCKET_PATTERN), re.compile(BUCKET_FORBI
 _ENDPOINT = re.compile(ENDPOINT_PATTERN)
 _LABEL_KEY = re.compile(LABEL_KEY_PATTERN)
 _MODEL_NAME = re.compile(MODEL_NAME_PATTERN)
+_OBJECT_NAME, _SECRET_KEY = re.compile(OBJECT_NAME_PATTERN), re.compile(SECRET_KEY_PATTERN)
+_RESOURCE_NAME = re.compile(RESOURCE_NAME_PATTERN)
 _UNITS = {"": 1, "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "k": 10**3, "M": 10**6,
           "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
@@ -182,16 +200,59 @@ def bucket_problem(path: str, name: Any) -> list[str]:
 
 
 def resources_problems(path: str, resources: Any) -> list[str]:
-    """A container's resources as a pod spec takes them: requests and limits of valid quantities."""
+    """A container's resources as a pod spec takes them: requests and limits of valid quantities,
+    of resource names a container may request (RESOURCE_NAME_PATTERN), no request above its limit."""
     if resources is None:
         return []
     if not isinstance(resources, dict) or set(resources) - set(RESOURCE_PARTS):
         return [f"{path}: only requests and limits may be set"]
     out = []
     for part in RESOURCE_PARTS:
-        for name, value in (resources.get(part) or {}).items():
-            if isinstance(value, bool) or not _QUANTITY.match(str(value)) or str(value).startswith("-"):
+        given = resources.get(part) or {}
+        if not isinstance(given, dict):
+            out.append(f"{path}.{part}: must map resource names to quantities")
+            continue
+        for name, value in given.items():
+            if isinstance(value, bool) or not _QUANTITY.fullmatch(str(value)) or str(value).startswith("-"):
                 out.append(f"{path}.{part}.{name}: {value!r} is not a quantity")
+            elif not _RESOURCE_NAME.fullmatch(str(name)) or str(name).split("/")[0].endswith("kubernetes.io"):
+                out.append(f"{path}.{part}.{name}: not a resource a container may request (cpu, memory, "
+                           f"ephemeral-storage, hugepages-<size>, or a domain-qualified extended resource)")
+    return out or _requests_within_limits(path, resources)
+
+
+def _requests_within_limits(path: str, resources: dict[str, Any]) -> list[str]:
+    requests, limits = resources.get("requests") or {}, resources.get("limits") or {}
+    return [f"{path}.requests.{name}: {value} is above its limit {limits[name]}" for name, value in requests.items()
+            if name in limits and quantity_value(str(value)) > quantity_value(str(limits[name]))]
+
+
+def object_name_problem(path: str, name: Any) -> list[str]:
+    ok = isinstance(name, str) and len(name) <= 253 and _OBJECT_NAME.fullmatch(name)
+    return [] if ok else [f"{path}: {name!r} is not an object name (lowercase letters, digits, '-' and '.', "
+                          f"up to 253 characters)"]
+
+
+def _at(spec: dict[str, Any], path: str) -> Any:
+    for part in path.split("."):
+        spec = spec.get(part) if isinstance(spec, dict) else None
+    return spec
+
+
+def reference_problems(spec: dict[str, Any]) -> list[str]:
+    """Every object name and Secret key the (defaulted) spec names that is not one (REFERENCES)."""
+    out = []
+    for path, name_field, key_fields in REFERENCES:
+        ref = _at(spec, path)
+        if not isinstance(ref, dict):
+            continue
+        if name_field in ref:
+            out += object_name_problem(f"{path}.{name_field}", ref[name_field])
+        for field in key_fields:
+            key = ref.get(field)
+            if not (isinstance(key, str) and len(key) <= 253 and _SECRET_KEY.fullmatch(key)):
+                out.append(f"{path}.{field}: {key!r} is not a Secret key (letters, digits, '-', '_' and '.', "
+                           f"not first)")
     return out
 
 
@@ -245,6 +306,7 @@ def problems(spec: dict[str, Any]) -> list[str]:
             if tls.get("caSecretRef") and tls.get("insecureSkipVerify"):
                 out.append("storage.external.tls: caSecretRef and insecureSkipVerify exclude each other")
 
+    out += reference_problems(spec)
     out += _codec_problems(spec)
 
     port = spec["sidecar"]["port"]

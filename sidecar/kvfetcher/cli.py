@@ -78,8 +78,9 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     from kvfetcher import store
     from kvfetcher.codec import basis
+    from kvfetcher import config as settings
     from kvfetcher.eval import calibrate, model
-    from kvfetcher.format import calibration
+    from kvfetcher.format import calibration, mac
 
     lm = model.load(args.model)
     tag = basis.tag_of(args.tag) if args.tag else lm.fingerprint.split("/", 1)[0]
@@ -100,7 +101,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         path, basis_path = Path(shutil.copy(path, out)), Path(shutil.copy(basis_path, out))
     print(json.dumps({"model": tag, "fingerprint": lm.fingerprint, "calibration": str(path), "basis": str(basis_path)}))
     if args.publish:
-        names = calibration.publish(store.from_url(args.publish), path, basis_path)
+        key = mac.key_from(settings.OBJECT_KEY.read())  # the pool's key: its sidecars take only tagged calibrations
+        names = calibration.publish(store.from_url(args.publish), path, basis_path, key)
         print(json.dumps({"published": names}))
     return 0
 

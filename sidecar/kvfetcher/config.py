@@ -140,6 +140,11 @@ OBJECT_KEY = Setting("KVFETCHER_OBJECT_KEY", str, "",
                      "Secret (16+ characters) that authenticates stored objects, each bound to its name "
                      "(unset: CRC-32 only: the store and everyone who can write to it are trusted).",
                      inject="the pool's Secret")
+ACCEPTED_OBJECT_KEYS = Setting("KVFETCHER_ACCEPTED_OBJECT_KEYS", tuple, (),
+                               "Previous object keys (comma-separated) whose tags are still accepted on read, never "
+                               "written: a key rotation (docs/security.md). An object tagged under a key neither this "
+                               "nor `KVFETCHER_OBJECT_KEY` names is a miss, never deleted.",
+                               inject="the pool's Secret (`acceptedObjectKeys`, optional)")
 MODEL = Setting("KVFETCHER_MODEL", str, "", "The model fingerprint this sidecar serves: a register or plan "
                 "naming another is refused (unset: whatever the client names).",
                 inject="the pool's `spec.model.name`, else the pod's annotation `kvfetcher.io/model`")
@@ -234,7 +239,7 @@ NAMESPACE = Setting("KVFETCHER_NAMESPACE", str, None, "The operator's own namesp
 #: table in the sidecar's container, and those of the model side's table in the model's
 TABLES: dict[str, tuple[Setting, ...]] = {
     "Sidecar (`kvfetcher serve`)": (
-        CHUNK_TOKENS, PRESET, ALLOWED_PRESETS, TENANT, POOL, OBJECT_KEY, MODEL, RECOMPUTE_TPS, ROPE_THETA, TTFT_BUDGET_S,
+        CHUNK_TOKENS, PRESET, ALLOWED_PRESETS, TENANT, POOL, OBJECT_KEY, ACCEPTED_OBJECT_KEYS, MODEL, RECOMPUTE_TPS, ROPE_THETA, TTFT_BUDGET_S,
         DECODE_PROCS, WARM_UP, S3_ENDPOINT, S3_BUCKET, S3_ACCESS_KEY, S3_SECRET_KEY, S3_REGION, S3_CA_FILE,
         S3_INSECURE, STORE_DIR, AUTH_TOKEN, AUTH_TOKEN_FILE, FUSED_UNPACK, DEADLINE_S, MAX_REQUEST_TOKENS,
         STORE_QUEUE_CHUNKS, INDEX_KEYS, NEGATIVE_TTL_S, IO_WORKERS, META_IO_WORKERS, LINK_DIR, ACCESS_LOG_S, CALIBRATION_DIR),
@@ -269,6 +274,7 @@ class Config:
     allowed_presets: tuple[str, ...] | None = env_field(ALLOWED_PRESETS)  # None: any known
     tenant: str = env_field(TENANT)
     object_key: str = env_field(OBJECT_KEY, repr=False)  # "": objects unauthenticated
+    accepted_object_keys: tuple[str, ...] = env_field(ACCEPTED_OBJECT_KEYS, repr=False)  # read, never written
     model: str = env_field(MODEL)  # "": any model fingerprint a client names
     recompute_tps: float = env_field(RECOMPUTE_TPS)
     rope_theta: float | None = env_field(ROPE_THETA)
@@ -307,8 +313,10 @@ class Config:
                 raise ValueError(f"{name.replace('_', ' ')} must be >= 1, not {getattr(self, name)}")
         if not 0 <= self.negative_ttl_s < float("inf"):
             raise ValueError(f"the negative TTL must be finite seconds >= 0, not {self.negative_ttl_s}")
-        if self.object_key and len(self.object_key) < 16:
-            raise ValueError(f"{OBJECT_KEY.name} must be at least 16 characters")
+        if self.object_key and len(self.object_key) < 16 or any(len(k) < 16 for k in self.accepted_object_keys):
+            raise ValueError(f"{OBJECT_KEY.name} and {ACCEPTED_OBJECT_KEYS.name} must be at least 16 characters each")
+        if self.accepted_object_keys and not self.object_key:
+            raise ValueError(f"{ACCEPTED_OBJECT_KEYS.name} needs {OBJECT_KEY.name} (the key objects are written with)")
         if self.decode_procs < 0:
             raise ValueError(f"decode processes must be >= 0, not {self.decode_procs}")
         if self.ttft_budget_s is not None and not self.ttft_budget_s > 0:

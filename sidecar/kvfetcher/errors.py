@@ -22,6 +22,7 @@ class Reason(str, Enum):
     FOREIGN = "foreign"
     FINGERPRINT = "fingerprint"
     UNAUTHENTICATED = "unauthenticated"
+    OTHER_KEY = "other_key"  # tagged under a key this reader does not hold (key rotation): a miss, never deleted
     # the object is fine but not for this reader
     VERSION = "version"
     INVALID = "invalid"
@@ -91,6 +92,13 @@ class UnauthenticatedError(ContainerError):
     from (forged without the key, altered, copied from another name, or written without the key)."""
 
     reason = Reason.UNAUTHENTICATED
+
+
+class OtherKeyError(ContainerError):
+    """Tagged under a key (by its key id) this reader does not hold: another sidecar's, during a key
+    rotation. A miss for this reader, never deleted (it cannot tell a valid object from a forged one)."""
+
+    reason = Reason.OTHER_KEY
 
 
 class FingerprintMismatchError(ContainerError):

@@ -33,6 +33,7 @@ import mmap
 import os
 import socket
 import stat
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -236,14 +237,21 @@ def pass_buffer(path: str, message: dict, handle: dict, timeout: float) -> dict:
         os.close(fd)
 
 
-def receive_buffer(conn: socket.socket) -> tuple[dict, int | None]:
-    """Sidecar side, blocking (``conn`` has a timeout): a client's message and the fd it passed
-    (None without one; the caller closes it). Raises ``ValueError`` for a malformed message."""
+def receive_buffer(conn: socket.socket, timeout_s: float) -> tuple[dict, int | None]:
+    """Sidecar side, blocking: a client's message and the fd it passed (None without one; the caller
+    closes it), all within ``timeout_s`` (``TimeoutError`` after: a slow client holds a thread no
+    longer, however it paces its bytes). Raises ``ValueError`` for a malformed message."""
+    deadline = time.monotonic() + timeout_s
+    _until(conn, deadline)
     data, fds, flags, _ = socket.recv_fds(conn, MAX_MESSAGE, 1)
     try:
         if flags & socket.MSG_CTRUNC:
             raise ValueError("one fd per registration")
-        message = json.loads(data + _read_all(conn, MAX_MESSAGE - len(data)))
+        message = json.loads(data + _read_all(conn, MAX_MESSAGE - len(data), deadline))
+    except RecursionError:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError("the registration nests too deep") from None
     except BaseException:
         for fd in fds:
             os.close(fd)
@@ -251,13 +259,24 @@ def receive_buffer(conn: socket.socket) -> tuple[dict, int | None]:
     return message, (fds[0] if fds else None)
 
 
-def _read_all(s: socket.socket, limit: int = MAX_MESSAGE) -> bytes:
+def _until(s: socket.socket, deadline: float) -> None:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the client did not send its message in time")
+    s.settimeout(left)
+
+
+def _read_all(s: socket.socket, limit: int = MAX_MESSAGE, deadline: float | None = None) -> bytes:
     out = b""
-    while chunk := s.recv(65536):
+    while True:
+        if deadline is not None:
+            _until(s, deadline)
+        chunk = s.recv(65536)
+        if not chunk:
+            return out
         out += chunk
         if len(out) > limit:
             raise ValueError(f"message over {limit} bytes")
-    return out
 
 
 # --- CUDA IPC -------------------------------------------------------------------------------

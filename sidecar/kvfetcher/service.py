@@ -48,6 +48,10 @@ from kvfetcher.store.index import StoredIndex
 
 log = logging.getLogger("kvfetcher.service")
 
+#: registrations held at once; past it the least recently used is released (a client that died
+#: without unregistering holds its memory and fd until then)
+MAX_BUFFERS = 64
+
 
 @dataclass
 class Buffer:
@@ -83,7 +87,12 @@ class Sidecar:
         self._warming: asyncio.Future | None = None  # the latest registered buffer's warm-up
         self._seal_key = secrets.token_bytes(32)  # plans this process issued carry its seal
         self._object_key = mac.key_from(self.config.object_key)  # None: objects unauthenticated
-        self.calibrations = CalibrationLookup(store, self.meta_pool, self.metrics)  # published after start (a calibration Job)
+        self._accepted_keys = tuple(mac.key_from(k) for k in self.config.accepted_object_keys)  # a rotation's previous keys
+        if self._object_key is None:
+            log.warning("no object key (KVFETCHER_OBJECT_KEY): objects and calibrations are neither tagged nor "
+                        "checked; whoever can write the store decides what this sidecar loads")
+        self.calibrations = CalibrationLookup(store, self.meta_pool, self.metrics, key=self._object_key,
+                                              accepted=self._accepted_keys)  # published after start (a calibration Job)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -189,6 +198,9 @@ class Sidecar:
             raise RequestError(str(e)) from e
         bid = secrets.token_urlsafe(24)
         self.buffers[bid] = Buffer(t, ns, handle)
+        while len(self.buffers) > MAX_BUFFERS:  # a client that died without unregistering: its buffer goes first
+            log.warning("%d buffers registered: the least recently used is released", len(self.buffers))
+            self.unregister(next(iter(self.buffers)))
         self.calibrations.look(model)
         if self.config.warm_up:
             if self.workers is not None:  # mapped now (CUDA IPC), not on the first load into it
@@ -211,7 +223,9 @@ class Sidecar:
             ipc.release(buf.handle)
 
     def _buffer(self, bid: str) -> Buffer:
+        """The buffer ``bid`` names, now the most recently used (``self.buffers`` is in order of use)."""
         try:
+            self.buffers[bid] = self.buffers.pop(bid)
             return self.buffers[bid]
         except KeyError:
             raise RequestError(f"unknown buffer {bid!r}: register it first") from None
@@ -273,6 +287,8 @@ class Sidecar:
                 self.metrics.prefill_model.labels(term).set(c)
         prefill = o.prefill_model or PrefillModel.linear(o.recompute_tokens_per_s or self.config.recompute_tps)
         rates = self.estimator.rates(self.store.endpoint, prefill, sharers)
+        if unknown := sorted(set(presets or ()) - set(PRESETS)):
+            raise RequestError(f"unknown preset(s) {unknown}; known: {', '.join(PRESETS)}")
         # never a preset this model may not use (one needing a calibration it lacks)
         allowed = frozenset(o.presets or PRESETS) & frozenset(self.config.allowed_presets or PRESETS) & frozenset(usable(PRESETS, ns.model))
         if o.presets is None and not self._warm():  # the decode workers are still warming: only what needs none (raw) or recompute
@@ -344,7 +360,8 @@ class Sidecar:
         async with self.link.fetch() as share:
             out = await executor.fetch(self.store, refs, dest, fingerprint=buf.ns.model, io_pool=self.data_pool, decode_pool=self.decode_pool,
                                        device=buf.tensor.device, deadline_s=max(0.0, deadline_s - (time.perf_counter() - t0)),
-                                       window=self.config.window, workers=self.workers, object_key=self._object_key)
+                                       window=self.config.window, workers=self.workers, object_key=self._object_key,
+                                       accepted_keys=self._accepted_keys)
         self._observe(plan, out, learn=quiet, sharers=share.sharers)
         reply.loaded_tokens += out.loaded_tokens
         reply.bytes_read, reply.kv_bytes, reply.seconds = out.bytes_read, out.kv_bytes, out.seconds
@@ -353,17 +370,22 @@ class Sidecar:
         if out.bad_object or out.error is Reason.MISSING:  # the index no longer trusts the chunks from the one that failed
             self.index.forget(ck[mine + out.loaded_tokens // N :])
         if out.bad_object:  # else it would block every later load, and a re-store would be a no-op
-            await self._drop(out.bad_object)
+            await self._drop(out.bad_object, out.bad_size)
         if out.error:
             self.metrics.errors.labels(out.error).inc()
             return self._fallback(reply, out.error, out.detail)
         reply.not_loaded = (reply.loaded_tokens, n_req)
         return reply
 
-    async def _drop(self, name: str) -> None:
-        """Delete an object that failed verification, so that the next save writes it anew."""
+    async def _drop(self, name: str, listed_size: int | None = None) -> None:
+        """Delete an object that failed verification, so that the next save writes it anew; not when
+        it is no longer the one the plan listed (``listed_size``: another writer stored it again)."""
         try:
-            await asyncio.get_running_loop().run_in_executor(self.meta_pool, self.store.delete, name)
+            loop = asyncio.get_running_loop()
+            if listed_size and (await loop.run_in_executor(self.meta_pool, self.store.list, name)).get(name) != listed_size:
+                log.info("bad object %s was replaced since it was listed: kept", name)
+                return
+            await loop.run_in_executor(self.meta_pool, self.store.delete, name)
             log.warning("deleted bad object %s", name)
             self.metrics.errors.labels(Reason.BAD_OBJECT_DELETED).inc()
         except StoreError as e:

@@ -103,8 +103,7 @@ def test_a_basis_that_does_not_match_its_name_is_not_installed(local, tmp_path):
     other = made("tiny-lm", tmp_path / "other", seed=9)[1]
     calibration.publish(store, path, None)
     store.put(f"_meta/calibration/tiny-lm/{bpath.name}", other.read_bytes())  # the wrong tensor under the name
-    with pytest.raises(ValueError, match="does not match its name"):
-        calibration.fetch(store, "tiny-lm/fp16")
+    assert calibration.fetch(store, "tiny-lm/fp16") is None  # refused (logged), so not installed
     assert not list(local.glob("*.pt")) and not list(local.glob("*.json"))
 
 
@@ -182,8 +181,9 @@ async def test_a_calibration_published_after_the_sidecar_started_is_found_on_the
         assert sorted(keys.preset_of(n) for n in store.list("kv/")) == ["balanced", "balanced", "q8", "q8"]
         plan = await sc.plan(bid, _tokens(), options=FetchOptions(recompute_tokens_per_s=1e-9))
         assert plan.preset == "balanced"
+        sc.calibrations.recheck_s = 3600.0
         looked = sc.calibrations.finding
-        await sc.plan(bid, _tokens())  # found: never looked for again
+        await sc.plan(bid, _tokens())  # found: looked for again only after the interval (a longer tag may come)
         assert sc.calibrations.finding is looked
 
 

@@ -180,7 +180,8 @@ def test_a_calibrated_model_gets_its_own_steps_and_the_longest_tag_wins(models_d
 def test_a_calibration_must_be_well_formed(models_dir):
     _write(models_dir, "tiny-lm", basis="smollm2-135m-4c54e39f9986")
     with pytest.raises(ValueError, match="not named for model"):
-        calibration.calibration_for("tiny-lm/fp16")
+        calibration.read(models_dir / "tiny-lm.json")
+    assert calibration.calibration_for("tiny-lm/fp16") is None  # skipped (logged): it breaks no lookup
     _write(models_dir, "tiny-lm", default=True)
     with pytest.raises(ValueError, match="exactly one"):
         calibration.default()

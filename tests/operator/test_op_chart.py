@@ -37,7 +37,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                    "operator": {"endpoints": {"deny": ["10.96.0.0/12"], "hosts": ["s3.example.com"]}}},
     "cert-manager-self-signed": {
         "webhook": {"certificates": {"mode": "certManager"}},
-        "serviceAccount": {"create": False, "name": "kvf-operator"},
+        "serviceAccount": {"create": False, "name": "kvf-operator", "webhookName": "kvf-webhook"},
         "image": {"repository": "registry.local/kvf-operator", "tag": "dev", "pullPolicy": "Always"},
         "imagePullSecrets": [{"name": "regcred"}],
         "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],

@@ -36,7 +36,7 @@ app.kubernetes.io/component: webhook
 {{- if .Values.serviceAccount.create -}}
 {{- default (include "kvfetcher.fullname" .) .Values.serviceAccount.name -}}
 {{- else -}}
-{{- default "default" .Values.serviceAccount.name -}}
+{{- required "serviceAccount.name: the reconciler's own account (not the namespace's default) when serviceAccount.create is false" .Values.serviceAccount.name -}}
 {{- end -}}
 {{- end -}}
 
@@ -44,7 +44,7 @@ app.kubernetes.io/component: webhook
 {{- if .Values.serviceAccount.create -}}
 {{- default (printf "%s-webhook" (include "kvfetcher.fullname" .)) .Values.serviceAccount.webhookName -}}
 {{- else -}}
-{{- default "default" .Values.serviceAccount.webhookName -}}
+{{- required "serviceAccount.webhookName: the webhook's own account (not the namespace's default) when serviceAccount.create is false" .Values.serviceAccount.webhookName -}}
 {{- end -}}
 {{- end -}}
 

@@ -32,6 +32,7 @@ import socket
 import tempfile
 import threading
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from aiohttp import web
@@ -68,7 +69,8 @@ class Token:
 
 
 LISTENERS = web.AppKey("listeners", list)  # buffer-socket accept loops, ended at cleanup
-RECEIVE_TIMEOUT_S = 10.0  # a client on the buffer socket that sends its registration slower is dropped
+RECEIVE_TIMEOUT_S = 10.0  # a client on the buffer socket that sends its whole registration slower is dropped
+BUFFER_CONNECTIONS = 4  # registrations on the buffer socket served at once
 
 
 def token_from_env(env: Mapping[str, str] | None = None) -> Token:
@@ -107,15 +109,32 @@ def _error(status: int, reason: str, detail: str) -> web.Response:
     return web.json_response(schemas.to_json(schemas.ErrorReply(reason, detail)), status=status)
 
 
-async def _parse(request: web.Request, cls: type):
+#: bytes of JSON per token (an int64 and a comma) and beside the tokens: a body's limit is tied to
+#: the token cap; bodies above PARSE_INLINE_BYTES are parsed and checked off the event loop
+BYTES_PER_TOKEN, BODY_OVERHEAD, PARSE_INLINE_BYTES = 21, 1 << 20, 64 << 10
+
+
+def body_limit(max_request_tokens: int) -> int:
+    """The largest request body read: ``max_request_tokens`` tokens and a fixed allowance."""
+    return max_request_tokens * BYTES_PER_TOKEN + BODY_OVERHEAD
+
+
+def _decode(raw: bytes, cls: type):
     try:
-        body = await request.json()
+        body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise RequestError("body must be JSON") from None
     except RecursionError:
         raise RequestError(f"the body nests deeper than {schemas.MAX_DEPTH} levels") from None
     schemas.check_depth(body)
     return schemas.from_json(cls, body)
+
+
+async def _parse(request: web.Request, cls: type):
+    raw = await request.read()
+    if len(raw) <= PARSE_INLINE_BYTES:
+        return _decode(raw, cls)
+    return await asyncio.get_running_loop().run_in_executor(None, _decode, raw, cls)
 
 
 def _reply(msg, status: int = 200) -> web.Response:
@@ -140,13 +159,13 @@ async def register(request: web.Request) -> web.Response:
     return _reply(schemas.RegisterReply(request.app[SIDECAR].register(handle, r.model, r.tp_rank)))
 
 
-async def _register_passed(sidecar: Sidecar, conn: socket.socket) -> None:
+async def _register_passed(sidecar: Sidecar, conn: socket.socket, pool: ThreadPoolExecutor) -> None:
     """One registration on the buffer socket: a ``RegisterRequest`` whose handle gives ``shape`` and
     ``dtype``, the memfd itself passed with it; answered with a ``RegisterReply`` or ``ErrorReply``."""
     loop, fd = asyncio.get_running_loop(), None
     try:
-        conn.settimeout(RECEIVE_TIMEOUT_S)
-        message, fd = await loop.run_in_executor(None, ipc.receive_buffer, conn)
+        message, fd = await loop.run_in_executor(pool, ipc.receive_buffer, conn, RECEIVE_TIMEOUT_S)
+        schemas.check_depth(message)
         r = schemas.from_json(schemas.RegisterRequest, message)
         if fd is None or r.paged is not None or r.handle is None or r.handle.get("kind") != "memfd":
             raise RequestError("pass exactly one memfd with a flat buffer's registration whose handle is of kind 'memfd' "
@@ -163,7 +182,8 @@ async def _register_passed(sidecar: Sidecar, conn: socket.socket) -> None:
         if fd is not None:
             os.close(fd)  # the sidecar holds its own (ipc.adopt)
     try:
-        await loop.run_in_executor(None, conn.sendall, json.dumps(schemas.to_json(reply)).encode())
+        conn.settimeout(RECEIVE_TIMEOUT_S)
+        await loop.run_in_executor(pool, conn.sendall, json.dumps(schemas.to_json(reply)).encode())
     except OSError:  # the client is gone: no one can name its registration any more
         if isinstance(reply, schemas.RegisterReply):
             sidecar.unregister(reply.buffer)
@@ -172,15 +192,21 @@ async def _register_passed(sidecar: Sidecar, conn: socket.socket) -> None:
 
 
 async def _serve_buffer_socket(sidecar: Sidecar, server: socket.socket) -> None:
+    """Registrations on the buffer socket, in threads of their own (a slow client delays no other
+    work of the sidecar); at most BUFFER_CONNECTIONS at a time, others wait to be accepted."""
     loop, pending = asyncio.get_running_loop(), set()
+    pool = ThreadPoolExecutor(BUFFER_CONNECTIONS, thread_name_prefix="kvfetcher-buffers")
     try:
         while True:
+            while len(pending) >= BUFFER_CONNECTIONS:
+                await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             conn, _ = await loop.sock_accept(server)
-            task = asyncio.ensure_future(_register_passed(sidecar, conn))
+            task = asyncio.ensure_future(_register_passed(sidecar, conn, pool))
             pending.add(task)
             task.add_done_callback(pending.discard)
     finally:
         server.close()
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 async def unregister(request: web.Request) -> web.Response:
@@ -238,7 +264,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def make_app(sidecar: Sidecar, token: str | Token | None) -> web.Application:
-    app = web.Application(middlewares=[auth, errors], client_max_size=64 * 1024 * 1024)
+    app = web.Application(middlewares=[auth, errors], client_max_size=body_limit(sidecar.config.max_request_tokens))
     app[SIDECAR] = sidecar
     app[TOKEN] = token if isinstance(token, Token) else Token(token)
     app[LISTENERS] = []

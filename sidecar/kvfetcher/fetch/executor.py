@@ -74,6 +74,7 @@ class Outcome:
     decode_busy_s: float = 0.0  # time with at least one decode in flight
     header_latency_s: list[float] = field(default_factory=list)
     bad_object: str | None = None  # an object that is corrupt, truncated or foreign: drop it
+    bad_size: int | None = None  # its size as the plan listed it (not dropped if it changed since)
     direct_chunks: int = 0  # chunks restored by the direct path (native raw: read, checksum, one copy)
 
 
@@ -98,6 +99,7 @@ async def fetch(
     workers: DecodeWorkers | None = None,
     staging_pool: staging.StagingPool | None = None,
     object_key: bytes | None = None,
+    accepted_keys: tuple[bytes, ...] = (),
 ) -> Outcome:
     """Load ``chunks`` (consecutive, from the first) into ``dest``; see the module doc for failures.
 
@@ -105,13 +107,14 @@ async def fetch(
     ``decode_pool`` threads; the window grows to keep them all busy. Native raw chunks take the
     direct path whatever ``workers`` is, staged in ``staging_pool`` (default: the process's
     shared pool). ``object_key`` (:func:`format.mac.key_from`): refuse every object whose tags do
-    not verify under it for the name it is read from (None: CRC-32 only).
+    not verify under it (or one of ``accepted_keys``, a rotation's previous keys) for the name it is read
+    from (None: CRC-32 only).
     """
     if workers is not None and dest.handle is None:
         raise ValueError("decode workers need the destination buffer's IPC handle")
     job = _Fetch(store, chunks, dest, fingerprint=fingerprint, io_pool=io_pool, decode_pool=decode_pool, device=device,
                  window=chunks_in_flight(window, workers), io_concurrency=io_concurrency, workers=workers,
-                 staging_pool=staging_pool or staging.shared(), object_key=object_key)
+                 staging_pool=staging_pool or staging.shared(), object_key=object_key, accepted_keys=accepted_keys)
     return await job.run(deadline_s)
 
 
@@ -194,10 +197,11 @@ class _Fetch:
 
     def __init__(self, store: Store, chunks: Sequence[ChunkRef], dest: Destination, *, fingerprint: str, io_pool: Executor,
                  decode_pool: Executor, device: torch.device | str, window: int, io_concurrency: int,
-                 workers: DecodeWorkers | None, staging_pool: staging.StagingPool, object_key: bytes | None = None):
+                 workers: DecodeWorkers | None, staging_pool: staging.StagingPool, object_key: bytes | None = None,
+                 accepted_keys: tuple[bytes, ...] = ()):
         self.store, self.chunks, self.dest, self.fingerprint = store, chunks, dest, fingerprint
         self.io_pool, self.decode_pool, self.device = io_pool, decode_pool, device
-        self.workers, self.staging, self.object_key = workers, staging_pool, object_key
+        self.workers, self.staging, self.object_key, self.accepted_keys = workers, staging_pool, object_key, accepted_keys
         self.window, self.io = asyncio.Semaphore(window), asyncio.Semaphore(io_concurrency)
         self.reads, self.decodes = _Busy(), _Busy()
         self.out = Outcome(0, sum(c.tokens for c in chunks))
@@ -236,7 +240,7 @@ class _Fetch:
             log.exception("fetch failed")
         self.out.error, self.out.detail = reason, f"{type(e).__name__}: {e}" if reason is Reason.INTERNAL else str(e)
         if reason in BAD_OBJECT:
-            self.out.bad_object = getattr(e, "object_name", None)
+            self.out.bad_object, self.out.bad_size = getattr(e, "object_name", None), getattr(e, "object_size", None)
 
     async def _load(self, i: int, c: ChunkRef) -> None:
         try:
@@ -249,12 +253,12 @@ class _Fetch:
                 else:
                     await self._coded(i, c, h, head)
         except ContainerError as e:
-            e.object_name = c.name  # type: ignore[attr-defined]  # so the caller can drop a bad object
+            e.object_name, e.object_size = c.name, c.size  # type: ignore[attr-defined]  # so the caller can drop a bad object
             raise
 
     def _auth(self, c: ChunkRef) -> ObjectMAC | None:
         """What the chunk's tags must verify under: the key and the name the object is read from."""
-        return ObjectMAC(self.object_key, c.name) if self.object_key else None
+        return ObjectMAC(self.object_key, c.name, self.accepted_keys) if self.object_key else None
 
     async def _get(self, name: str, offset: int, length: int) -> bytes:
         async with self.io:

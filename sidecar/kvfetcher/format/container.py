@@ -53,6 +53,7 @@ from kvfetcher.errors import (  # noqa: F401  (the format's refusals, as contain
     FingerprintMismatchError,
     ForeignObjectError,
     FutureVersionError,
+    OtherKeyError,
     TruncatedError,
     UnauthenticatedError,
 )
@@ -153,7 +154,8 @@ def build(
 
     side_seg = entry(_side_bytes(side), [0, 0]) if side is not None else None
     index = [entry(data, [f0, f1]) for (f0, f1), data in segments]
-    head = dict(header_fields, layout_version=layout.LAYOUT_VERSION, side=side_seg, segments=index)
+    head = dict(header_fields, layout_version=layout.LAYOUT_VERSION, side=side_seg, segments=index,
+                **({"key_id": auth.key_id} if auth else {}))
     hb = json.dumps(head, separators=(",", ":"), sort_keys=True).encode()
     flags = FLAG_AUTHENTICATED if auth else 0
     tag = auth.header(_TAGGED.pack(MAGIC, FORMAT_VERSION, flags, len(hb)), hb) if auth else bytes(TAG_SIZE)
@@ -211,9 +213,21 @@ def _verify_tag(data: bytes, hb: bytes, auth: ObjectMAC | None) -> bool:
     if auth is not None:
         if not authenticated:
             raise UnauthenticatedError("the object carries no tags (written without the object key)")
-        if not auth.same(auth.header(_TAGGED.pack(magic, version, flags, hlen), hb), tag):
+        kid = _key_id(hb)
+        if kid is not None and not auth.knows(kid):
+            raise OtherKeyError(f"tagged under key {kid}, which this reader does not hold")
+        if not auth.verify_header(_TAGGED.pack(magic, version, flags, hlen), hb, tag):
             raise UnauthenticatedError(f"header tag does not verify for {auth.name}")
     return authenticated
+
+
+def _key_id(hb: bytes) -> str | None:
+    """The key id an (as yet unverified) header names; None for none or a malformed header."""
+    try:
+        kid = json.loads(hb).get("key_id")
+    except (ValueError, RecursionError, AttributeError):
+        return None
+    return kid if isinstance(kid, str) else None
 
 
 def parse_header(data: bytes, auth: ObjectMAC | None = None) -> Header:
@@ -281,6 +295,8 @@ def _check_consistent(h: Header) -> None:
         raise CorruptError(f"header shape/layout invalid: {e}") from e
     if tuple(geo.frame_shape) != tuple(h.frame_shape):
         raise CorruptError(f"frame shape {h.frame_shape} does not match layout {geo.frame_shape}")
+    if isinstance(h.layout.rope_theta, tuple) and len(h.layout.rope_theta) != h.shape[0]:
+        raise CorruptError(f"{len(h.layout.rope_theta)} RoPE bases for {h.shape[0]} layers")
     expect = 0
     for s in h.segments:
         if s.frames[0] != expect or s.frames[1] <= s.frames[0]:
@@ -335,7 +351,7 @@ def check(seg: Segment, data: bytes | memoryview, auth: ObjectMAC | None = None)
         raise TruncatedError(f"segment is {len(data)} bytes, expected {seg.length}")
     if crc32(data) != seg.crc32:
         raise CorruptError(f"segment checksum mismatch at offset {seg.offset}")
-    if auth is not None and not auth.same(auth.part(seg.offset, data), seg.mac):
+    if auth is not None and not auth.verify_part(seg.offset, data, seg.mac):
         raise UnauthenticatedError(f"tag of the part at offset {seg.offset} does not verify for {auth.name}")
 
 

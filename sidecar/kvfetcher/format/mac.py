@@ -35,29 +35,66 @@ def key_from(secret: str) -> bytes | None:
     return hashlib.sha256(b"kvfetcher/object-key\0" + secret.encode()).digest()
 
 
+def key_id(key: bytes) -> str:
+    """A key's public name (16 hex digits): which key an object was tagged with, never the key."""
+    return hashlib.sha256(b"kvfetcher/key-id\0" + key).hexdigest()[:16]
+
+
 @dataclass(frozen=True)
 class ObjectMAC:
-    """Tags of the object stored at ``name``, under ``key`` (from :func:`key_from`)."""
+    """Tags of the object stored at ``name``, under ``key`` (from :func:`key_from`); a reader also
+    accepts tags made under the ``accepted`` keys (a key rotation's previous keys), never writes them."""
 
     key: bytes = field(repr=False)
     name: str
+    accepted: tuple[bytes, ...] = field(default=(), repr=False)
 
-    def _mac(self, domain: bytes, *parts) -> bytes:
+    def _mac(self, domain: bytes, *parts, key: bytes | None = None) -> bytes:
         name = self.name.encode()
-        m = hmac.new(self.key, domain + struct.pack("<I", len(name)) + name, hashlib.sha256)
+        m = hmac.new(key or self.key, domain + struct.pack("<I", len(name)) + name, hashlib.sha256)
         for p in parts:
             m.update(p)
         return m.digest()
 
-    def header(self, prefix: bytes, header: bytes) -> bytes:
+    def header(self, prefix: bytes, header: bytes, key: bytes | None = None) -> bytes:
         """The header tag: over the prefix's fixed fields (``prefix``) and the header bytes."""
-        return self._mac(_HEADER, struct.pack("<I", len(prefix)), prefix, header)
+        return self._mac(_HEADER, struct.pack("<I", len(prefix)), prefix, header, key=key)
 
-    def part(self, offset: int, data: bytes | memoryview) -> bytes:
+    def part(self, offset: int, data: bytes | memoryview, key: bytes | None = None) -> bytes:
         """The tag of the part at ``offset`` (relative to the end of the header)."""
-        return self._mac(_PART, struct.pack("<Q", offset), data)
+        return self._mac(_PART, struct.pack("<Q", offset), data, key=key)
+
+    @property
+    def key_id(self) -> str:
+        """The writing key's id (written in the header)."""
+        return key_id(self.key)
+
+    def knows(self, kid: str) -> bool:
+        """Whether ``kid`` names the key or an accepted one."""
+        return any(key_id(k) == kid for k in (self.key, *self.accepted))
+
+    def verify_header(self, prefix: bytes, header: bytes, tag: bytes) -> bool:
+        """Whether ``tag`` is the header's under the key or an accepted one."""
+        return any(self.same(self.header(prefix, header, k), tag) for k in (self.key, *self.accepted))
+
+    def verify_part(self, offset: int, data: bytes | memoryview, tag: bytes | None) -> bool:
+        """Whether ``tag`` is the part's under the key or an accepted one."""
+        return any(self.same(self.part(offset, data, k), tag) for k in (self.key, *self.accepted))
 
     @staticmethod
     def same(a: bytes, b: bytes | None) -> bool:
         """Constant-time comparison of two tags (False when ``b`` is missing)."""
         return b is not None and hmac.compare_digest(a, b)
+
+
+_CALIBRATION = b"kvfetcher/calibration\0"
+
+
+def calibration_tag(key: bytes, tag: str, name: str, doc: bytes, basis_sha256: bytes) -> bytes:
+    """The tag of a calibration artefact: over its model ``tag``, its ``name`` (file stem), its
+    canonical JSON ``doc`` (without the tag) and the sha256 of its basis file (``b""``: none)."""
+    m = hmac.new(key, _CALIBRATION, hashlib.sha256)
+    for part in (tag.encode(), name.encode(), doc, basis_sha256):
+        m.update(struct.pack("<Q", len(part)))
+        m.update(part)
+    return m.digest()

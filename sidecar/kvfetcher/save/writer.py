@@ -34,6 +34,9 @@ from kvfetcher.store import Store, StoreError
 
 log = logging.getLogger("kvfetcher.save")
 
+#: models whose refused presets are remembered (clients name their models)
+MAX_MODELS = 256
+
 
 def _encode(kv: torch.Tensor, device: str | None, *args, **kw) -> bytes:
     """:func:`encode_chunk` of ``kv``, moved to ``device`` first (in the encode thread)."""
@@ -74,6 +77,8 @@ class Writer:
         """The configured presets model ``model`` may store; the others are skipped, and each
         refusal is logged once with its reason (e.g. no calibration of the model)."""
         usable = presets.usable(self.config.presets, model)
+        if model not in self._refused and len(self._refused) >= MAX_MODELS:
+            self._refused.clear()  # clients name models: remembered within a bound (a refusal may be logged again)
         for name in set(self.config.presets) - set(usable) - self._refused.setdefault(model, set()):
             self._refused[model].add(name)
             log.warning("not storing %s: %s", name, presets.refusal(name, model))
