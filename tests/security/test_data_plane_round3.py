@@ -20,6 +20,7 @@ from kvfetcher.config import Config
 from kvfetcher.errors import RequestError
 from kvfetcher.service import Sidecar
 from kvfetcher.store.local import LocalStore
+from kvfetcher.fetch.plan import FetchOptions
 from kvtest import synthetic_kv
 
 FP = "model/fp16"
@@ -141,7 +142,7 @@ async def test_a_stale_plan_does_not_delete_the_object_stored_again_since(tmp_pa
         bid = sc.register(shm().handle, FP)
         await sc.save(bid, TOKENS)
         await sc.flush()
-        plan = await sc.plan(bid, TOKENS, recompute_tps=1e-9)
+        plan = await sc.plan(bid, TOKENS, options=FetchOptions(recompute_tokens_per_s=1e-9))
         name = keys.object_name(keys.chunk_keys(sc.buffers[bid].ns, TOKENS, N)[0], "q8")
         again = encode_chunk(synthetic_kv(layers=2, heads=2, tokens=N, head_dim=16, seed=9) * 50, "q8", FP)
         assert len(again) != store.list(name)[name]
@@ -152,7 +153,7 @@ async def test_a_stale_plan_does_not_delete_the_object_stored_again_since(tmp_pa
         # a truly truncated object (the plan lists what is there) is still dropped
         store.delete(name)
         store.put(name, again[: len(again) // 2])
-        r = await sc.load(bid, TOKENS, await sc.plan(bid, TOKENS, recompute_tps=1e-9))
+        r = await sc.load(bid, TOKENS, await sc.plan(bid, TOKENS, options=FetchOptions(recompute_tokens_per_s=1e-9, refresh=True)))
         assert r.loaded_tokens == 0 and not store.exists(name)
     finally:
         await sc.close()
@@ -200,8 +201,8 @@ async def test_unknown_preset_names_are_refused(tmp_path, shm):
     try:
         bid = sc.register(shm().handle, FP)
         with pytest.raises(RequestError, match="unknown preset"):
-            await sc.plan(bid, TOKENS, presets=["raw", "rwa"])
-        assert (await sc.plan(bid, TOKENS, presets=["raw"])).hit_tokens == 0
+            await sc.plan(bid, TOKENS, options=FetchOptions(presets=["raw", "rwa"]))
+        assert (await sc.plan(bid, TOKENS, options=FetchOptions(presets=["raw"]))).hit_tokens == 0
     finally:
         await sc.close()
 
@@ -232,13 +233,13 @@ async def test_during_a_key_rotation_sidecars_neither_delete_nor_lose_each_other
         a, b = old.register(shm().handle, FP), new.register(shm().handle, FP)
         await old.save(a, TOKENS[: 2 * N])  # the old key's chunks 0-1
         await old.flush()
-        assert (await new.load(b, TOKENS[: 2 * N], recompute_tps=1e-9)).loaded_tokens == 2 * N  # accepted
+        assert (await new.load(b, TOKENS[: 2 * N], options=FetchOptions(recompute_tokens_per_s=1e-9))).loaded_tokens == 2 * N  # accepted
         await new.save(b, TOKENS)  # the new key's chunks 2-3
         await new.flush()
         listed = store.list("kv/")
-        r = await old.load(a, TOKENS, recompute_tps=1e-9)
+        r = await old.load(a, TOKENS, options=FetchOptions(recompute_tokens_per_s=1e-9))
         assert (r.loaded_tokens, r.error) == (2 * N, "other_key") and store.list("kv/") == listed  # nothing deleted
-        assert (await new.load(b, TOKENS, recompute_tps=1e-9)).loaded_tokens == len(TOKENS)
+        assert (await new.load(b, TOKENS, options=FetchOptions(recompute_tokens_per_s=1e-9))).loaded_tokens == len(TOKENS)
     finally:
         await old.close()
         await new.close()

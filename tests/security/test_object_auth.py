@@ -304,7 +304,10 @@ async def test_a_sidecar_with_the_key_tags_what_it_stores_and_drops_what_it_cann
         store.delete(names[1])  # a writer without the key puts its own KV there
         store.put(names[1], encode_chunk(torch.zeros_like(kv[:, :, :, :CHUNK]), "raw", FP, start=CHUNK))
         buf.tensor.fill_(SENTINEL)
-        reply = await sc.load(bid, tokens)
+        reply = await sc.load(bid, tokens)  # planned from the index: the object it knew, not the one there now
+        assert reply.reason == "unauthenticated" and reply.loaded_tokens == CHUNK
+        assert bool((buf.tensor[:, :, :, CHUNK:] == SENTINEL).all())
+        reply = await sc.load(bid, tokens)  # the index forgot it: listed, the object there now is refused and dropped
         assert reply.reason == "unauthenticated" and reply.loaded_tokens == CHUNK
         assert not store.exists(names[1])  # deleted: the next store writes it anew, tagged
         assert bool((buf.tensor[:, :, :, CHUNK:] == SENTINEL).all())
