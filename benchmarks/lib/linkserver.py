@@ -18,7 +18,8 @@ parallel ranged GETs.
 
 Uploads (``PUT``; ``POST ?uploads``, ``PUT ?partNumber&uploadId``, ``POST ?uploadId``, ``DELETE
 ?uploadId``: the multipart upload the ``minio`` SDK uses for objects over 5 MiB) are not paced;
-they are counted in ``bytes_received`` and ``objects_put``.
+they are counted in ``bytes_received`` and ``objects_put`` (``discard_puts``: answered and
+counted, their bytes not kept, for runs whose saves would fill the disk).
 
 Control: ``POST /_link?rate=BYTES_PER_S`` (0: unlimited) sets the rate; ``GET /_link`` returns
 ``{"rate", "bytes_sent", "bytes_received", "objects_put", "procs"}``. Requests are not
@@ -292,12 +293,15 @@ class Handler(BaseHTTPRequestHandler):
                 return self._error(400, "InvalidArgument", "bad uploadId or partNumber", bucket, key)
             if not d.is_dir():
                 return self._error(404, "NoSuchUpload", "no such upload", bucket, key)
-            (d / f"{n:05d}").write_bytes(data)
+            if not self.server.discard_puts:
+                (d / f"{n:05d}").write_bytes(data)
             self.server.pacer.received(len(data))
             return self._reply(200, headers={"ETag": f'"{hashlib.md5(data).hexdigest()}"'})
         p = self._file(bucket, key)
-        self._write(p, [data])
         self.server.pacer.received(len(data), 1)
+        if self.server.discard_puts:
+            return self._reply(200, headers={"ETag": f'"{hashlib.md5(data).hexdigest()}"'})
+        self._write(p, [data])
         self._reply(200, headers=self._meta(p))
 
     def _write(self, p: Path, parts) -> None:
@@ -350,6 +354,12 @@ class Handler(BaseHTTPRequestHandler):
                 return self._error(404, "NoSuchUpload", "no such upload", bucket, key)
             numbers = [int(n) for n in re.findall(rb"<PartNumber>\s*(\d+)\s*</PartNumber>", body)]
             numbers = numbers or sorted(int(f.name) for f in d.iterdir())
+            if self.server.discard_puts:
+                shutil.rmtree(d, ignore_errors=True)
+                self.server.pacer.received(0, 1)
+                return self._reply(200, (
+                    '<?xml version="1.0" encoding="UTF-8"?><CompleteMultipartUploadResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+                    f"<Bucket>{escape(bucket)}</Bucket><Key>{escape(key)}</Key><ETag>\"0\"</ETag></CompleteMultipartUploadResult>").encode())
             if not all((d / f"{n:05d}").is_file() for n in numbers):
                 return self._error(400, "InvalidPart", "a listed part was not uploaded", bucket, key)
             p = self._file(bucket, key)
@@ -368,8 +378,9 @@ class LinkServer(ThreadingHTTPServer):
     request_queue_size = 1024
 
     def __init__(self, root: str | Path, port: int = 0, rate: float = 0.0, host: str = "127.0.0.1", shared: tuple | None = None,
-                 reuse_port: bool = False, procs: int = 1):
+                 reuse_port: bool = False, procs: int = 1, discard_puts: bool = False):
         self.root = Path(root)
+        self.discard_puts = discard_puts  # uploads counted, their bytes not kept (a long run's saves would fill the disk)
         self.pacer = Pacer(rate, shared)
         self.reuse_port, self.procs = reuse_port, procs
         super().__init__((host, port), Handler)
@@ -398,8 +409,8 @@ def start_thread(root: str | Path, rate: float = 0.0) -> LinkServer:
     return srv
 
 
-def _serve(root: str, port: int, shared: tuple, procs: int, q) -> None:
-    srv = LinkServer(root, port, shared=shared, reuse_port=True, procs=procs)
+def _serve(root: str, port: int, shared: tuple, procs: int, q, discard_puts: bool = False) -> None:
+    srv = LinkServer(root, port, shared=shared, reuse_port=True, procs=procs, discard_puts=discard_puts)
     q.put(srv.url)
     srv.serve_forever()
 
@@ -425,16 +436,17 @@ def default_procs() -> int:
     return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
-def start_process(root: str | Path, rate: float = 0.0, procs: int = 1) -> tuple[str, ServerGroup]:
+def start_process(root: str | Path, rate: float = 0.0, procs: int = 1, discard_puts: bool = False) -> tuple[str, ServerGroup]:
     """``procs`` servers, each a process of its own, on one port (``SO_REUSEPORT``) sharing one
-    link, so pacing and sendfile take no GIL from the client or from each other: (url, group)."""
+    link, so pacing and sendfile take no GIL from the client or from each other: (url, group).
+    ``discard_puts``: uploads are answered and counted, their bytes not kept."""
     ctx = mp.get_context("spawn")
     shared = Pacer.shared_state(rate)
     q = ctx.Queue()
     group = ServerGroup([])
     port = 0
     for _ in range(max(1, procs)):
-        p = ctx.Process(target=_serve, args=(str(root), port, shared, procs, q), daemon=True)
+        p = ctx.Process(target=_serve, args=(str(root), port, shared, procs, q, discard_puts), daemon=True)
         p.start()
         group.procs.append(p)
         url = q.get(timeout=60)
