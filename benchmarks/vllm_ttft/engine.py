@@ -275,6 +275,12 @@ def wait_stored(client, tokens: list[int], n: int, ns: dict, timeout_s: float = 
         time.sleep(0.5)
 
 
+def phase_left() -> float:
+    """Seconds left before :func:`run_phases` kills this phase (inf when run on its own)."""
+    end = os.environ.get("VLLM_TTFT_PHASE_END")
+    return float(end) - time.time() if end else float("inf")
+
+
 def counter(client, name: str) -> float:
     """A counter of the sidecar's metrics, summed over its labels."""
     return sum(float(line.rsplit(" ", 1)[1]) for line in client.metrics().splitlines()
@@ -292,7 +298,8 @@ def run_phases(module: str, phases: list[str], argv: list[str], out: Path, timeo
             status[phase] = "not run: the deadline came first"
             continue
         limit = min(timeout_s.get(phase, 600), left)
-        p = subprocess.Popen([sys.executable, "-m", module, "--phase", phase, *argv], start_new_session=True)
+        env = dict(os.environ, VLLM_TTFT_PHASE_END=str(time.time() + limit))  # the phase stops starting work before its kill
+        p = subprocess.Popen([sys.executable, "-m", module, "--phase", phase, *argv], start_new_session=True, env=env)
         try:
             rc = p.wait(limit)
             status[phase] = "ok" if rc == 0 else f"failed: exit status {rc} (its stacks and error are above)"

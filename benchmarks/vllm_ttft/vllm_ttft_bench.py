@@ -38,7 +38,7 @@ from pathlib import Path
 
 from benchmarks.vllm_ttft import report, under_load
 from benchmarks.vllm_ttft.engine import (CHUNK, Probe, breakdown, generate, kv_dtype, on_gpu, run_phases, s3_sidecar, shape_of, sidecar,
-                                         smollm2_dir, spawn_workers, start_llm, stored_presets, timing_model, wait_stored, warm_index)
+                                         smollm2_dir, spawn_workers, phase_left, start_llm, stored_presets, timing_model, wait_stored, warm_index)
 
 GBIT = 1.25e8  # bytes/s of 1 Gbit/s
 FORCE = 1e6  # a TTFT budget no load exceeds: the preset named is loaded whatever the cost model says
@@ -200,6 +200,9 @@ def ttft_cells(a, llm, client, url: str, look: dict, gbit: float, n: int, prompt
         row = dict(link_gbit=gbit, context=n, method=method)
         if transfer_s > a.cap_s:
             rows.append(dict(row, skipped=f"transfer alone {transfer_s:.0f} s > cap"))
+            continue
+        if phase_left() < 45 + 2 * transfer_s + a.cap_s:  # leave time to write what was measured
+            rows.append(dict(row, skipped="not run: the phase's time ran out"))
             continue
         warm_index(client, prompt[:-1], **look)  # the node has seen this prefix (untimed)
         probe = Probe(client, url)
