@@ -56,8 +56,9 @@ def load(res: dict) -> str:
     w = res["workload"]
     out = ["# vllm_ttft: under load\n", _head(res),
            f"{w['requests']} requests at {w['rate']}/s, {int(w['shared'] * 100)}% one of {w['prefixes']} stored {w['prefix']}-token prefixes "
-           f"plus {w['suffix']} fresh tokens, {w['output']} output tokens each, link {w['link']} Gbit/s; saves on (the sidecar writes "
-           f"`{res.get('writes')}`{'; the link server counts uploads without keeping them' if res.get('discard_puts') else ''}).\n\n",
+           f"plus {w['suffix']} fresh tokens, {w['output']} output tokens each, link {w['link']} Gbit/s. `recompute` passes the connector by "
+           f"(no lookup, load or save); `kvfetcher` (`auto`) saves as deployed (the sidecar writes `{res.get('writes')}`"
+           f"{'; the link server counts uploads without keeping them' if res.get('discard_puts') else ''}).\n\n",
            "| method | TTFT p50 s | TTFT p99 s | shared p50 s | shared p99 s | output tokens/s | tokens loaded | lookups | listing s "
            "(sum) | stored chunks | uploaded objects | dropped chunks | delivered Gbit/s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"]
     for m in ("recompute", "kvfetcher"):

@@ -6,9 +6,11 @@ The same stream runs twice through one ``AsyncLLM`` (vLLM's prefix cache off, so
 kvfetcher's): ``recompute`` (no cached KV read) and ``kvfetcher`` (the cost model's choice at the
 link ``--load-link`` Gbit/s, fed the prefill rate the recompute pass taught the connector). The
 two passes share arrivals and stored prefixes; their fresh tokens differ (else the second would
-load what the first saved). Saves are on in both, as deployed: every prefill's new chunks go to
-the sidecar, which writes them (``raw``) through the link server (on a GPU the server counts
-the uploads without keeping their bytes: tens of GB). Reported per method: TTFT p50 / p99 (all
+load what the first saved). ``recompute`` requests (``skip_reading_prefix_cache``) pass the
+connector by: no lookup, no load, no save (vLLM alone but for the connector's per-step hooks).
+``kvfetcher`` runs as deployed, saves on: every prefill's new chunks go to the sidecar, which
+writes them (``raw``) through the link server (on a GPU the server counts the uploads without
+keeping their bytes: tens of GB). Reported per method: TTFT p50 / p99 (all
 requests, and those with a stored prefix), output tokens/s over the stream, the tokens loaded,
 and the sidecar's side (lookups, listing seconds, loads, chunks stored, uploads, drops).
 
