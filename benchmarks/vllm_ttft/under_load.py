@@ -130,7 +130,7 @@ def lookup_cost(sc, ns, stored: list[int], vocab: int, reps: int, budget_s: floa
     rng = random.Random(5)
     client = sc.client()
     look = dict(model=ns.model, dtype=ns.dtype, kv_shape=ns.shape)
-    rows = []
+    rows, call = [], None
     try:
         cases = [(n, is_stored) for n in (8192, 131072) for is_stored in (True, False)]
         for i, (n, is_stored) in enumerate(cases):
@@ -141,7 +141,7 @@ def lookup_cost(sc, ns, stored: list[int], vocab: int, reps: int, budget_s: floa
             m0, times, t_end = read_metrics(client), [], time.perf_counter() + budget
             for _ in range(reps):
                 t = time.perf_counter()
-                client.plan(None, prompt, **look, may_skip_listing=True)
+                call = scheduler_call(client, prompt, look)
                 times.append(time.perf_counter() - t)
                 if time.perf_counter() > t_end:
                     break
@@ -154,7 +154,19 @@ def lookup_cost(sc, ns, stored: list[int], vocab: int, reps: int, budget_s: floa
                   f"over {len(times)}", flush=True)
     finally:
         client.close()
-    return {"reps": reps, "call": "KVClient.plan(None, tokens, model, dtype, kv_shape, may_skip_listing=True)", "rows": rows}
+    return {"reps": reps, "call": call, "rows": rows}
+
+
+def scheduler_call(client, tokens: list[int], look: dict) -> str:
+    """The connector scheduler's question for ``tokens``, as it asks it (``KVClient.plan`` with
+    ``may_skip_listing``), or the plain lookup where the client has no such call (the API may
+    change): which call was made."""
+    try:
+        client.plan(None, tokens, **look, may_skip_listing=True)
+        return "KVClient.plan(None, tokens, model, dtype, kv_shape, may_skip_listing=True)"
+    except (AttributeError, TypeError):
+        client.lookup(None, tokens, **look)
+        return "KVClient.lookup(None, tokens, model, dtype, kv_shape)"
 
 
 def phase_load(a, work: Path) -> dict:

@@ -208,7 +208,10 @@ def ttft_cells(a, llm, client, url: str, look: dict, gbit: float, n: int, prompt
         probe = Probe(client, url)
         s, [(_, cached)] = generate(llm, [prompt], 1, params, a.call_timeout_s + 2 * transfer_s)
         d = probe.delta()
-        rows.append(dict(row, ttft_s=round(s, 4), loaded_tokens=cached, **breakdown(s, d), sidecar=d))
+        t = time.perf_counter()
+        under_load.scheduler_call(client, prompt[:-1], look)  # the scheduler's call for this prompt, timed on its own after the cell
+        call_s = time.perf_counter() - t
+        rows.append(dict(row, ttft_s=round(s, 4), loaded_tokens=cached, **breakdown(s, d), lookup_call_s=round(call_s, 4), sidecar=d))
         flag = "" if (cached == want) == (preset is not None) or method == "auto" else f"  <- expected {want if preset else 0}"
         b = rows[-1]
         print(f"{gbit:>6g} Gbit/s (delivered {b['delivered_gbit'] or 0:6.2f}) {n:>6} tokens {method:>12}: {s:7.3f} s, loaded {cached}"
