@@ -50,13 +50,14 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from xml.sax.saxutils import escape
 
 MIN_SLICE, MAX_SLICE = 64 * 1024, 8 * 1024 * 1024
+BURST_S = 0.002  # the link time a late sender may catch up on (a real link's buffer)
 
 
 class Pacer:
     """A shared link: bytes leave at ``rate`` bytes/s in total, whoever sends them.
 
     Each slice reserves the next ``n / rate`` seconds of the link and waits for its turn
-    (no burst credit: an idle link does not save up). ``rate`` 0 means unlimited. With
+    (an idle link saves up no more than :data:`BURST_S` of its time). ``rate`` 0 means unlimited. With
     ``shared`` (from :meth:`shared_state`) the state is in shared memory and server processes
     share one link; else it is this process' own.
     """
@@ -111,7 +112,9 @@ class Pacer:
             if rate <= 0:
                 return
             now = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process
-            start = max(now, v[self.NEXT_T])
+            # a sender that woke late may use the last BURST_S of the link's time it missed (else every
+            # late wake-up is capacity lost and a fast link delivers less than its rate), no more
+            start = max(now - BURST_S, v[self.NEXT_T])
             v[self.NEXT_T] = start + n / rate
         if start > now:
             time.sleep(start - now)
