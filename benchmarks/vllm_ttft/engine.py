@@ -173,6 +173,24 @@ def metric(m: dict[str, float], name: str, **labels) -> float:
     return sum(v for k, v in m.items() if (k == name or k.startswith(name + "{")) and all(w in k for w in want))
 
 
+def bucket_quantile(m0: dict[str, float], m1: dict[str, float], name: str, q: float) -> float | None:
+    """The ``q`` quantile of the observations a histogram got between two readings, as the upper
+    bound of its bucket (``inf`` past the last bound; None without observations)."""
+    def buckets(m):
+        out = {}
+        for k, v in m.items():
+            if k.startswith(name + "_bucket{"):
+                le = k.split('le="', 1)[1].split('"', 1)[0]
+                out[float(le)] = out.get(float(le), 0.0) + v
+        return out
+
+    b0, b1 = buckets(m0), buckets(m1)
+    counts = sorted((le, b1[le] - b0.get(le, 0.0)) for le in b1)
+    if not counts or counts[-1][1] <= 0:
+        return None
+    return next(le for le, c in counts if c >= q * counts[-1][1])
+
+
 class Probe:
     """The sidecar's counters and the link server's bytes before a request (or a stream), and
     :meth:`delta` after it: what the sidecar reports of that time."""
@@ -190,8 +208,11 @@ class Probe:
         d = lambda name, **lb: metric(m1, name, **lb) - metric(self.m0, name, **lb)  # noqa: E731
         ld = lambda k: l1.get(k, 0) - self.l0.get(k, 0)  # noqa: E731
         return {
-            "lookups": int(d("kvfetcher_lookups_total")), "listings": int(d("kvfetcher_lookup_seconds_count")),
-            "lookup_s": d("kvfetcher_lookup_seconds_sum"), "loads": int(d("kvfetcher_fetch_seconds_count")),
+            "lookups": int(d("kvfetcher_lookups_total")), "lookup_s": d("kvfetcher_lookup_seconds_sum"),
+            "listings": int(d("kvfetcher_listing_seconds_count")), "listing_s": d("kvfetcher_listing_seconds_sum"),
+            "lookup_p50_le_s": bucket_quantile(self.m0, m1, "kvfetcher_lookup_seconds", 0.5),
+            "lookup_p99_le_s": bucket_quantile(self.m0, m1, "kvfetcher_lookup_seconds", 0.99),
+            "loads": int(d("kvfetcher_fetch_seconds_count")),
             "load_s": d("kvfetcher_fetch_seconds_sum"), "fetch_s": d("kvfetcher_fetch_busy_seconds_total", stage="fetch"),
             "read_s": d("kvfetcher_fetch_busy_seconds_total", stage="read"), "decode_s": d("kvfetcher_fetch_busy_seconds_total", stage="decode"),
             "loaded_tokens": int(d("kvfetcher_loaded_tokens_total")), "bytes_read": int(d("kvfetcher_bytes_read_total")),
@@ -206,9 +227,9 @@ class Probe:
 
 def breakdown(ttft_s: float, d: dict) -> dict:
     """A request's TTFT broken down by what the sidecar reports (a cell has one request):
-    ``lookup`` the listing of the scheduler's plan (0 where the sidecar answered without asking the
-    store); ``wait`` the sidecar's load request outside its fetch (planning again, the link's
-    share); ``download`` time with a store read in flight; ``decode`` time with a decode or
+    ``lookup`` the sidecar's time answering the scheduler's lookup (from its index; before the
+    index, the store listing); ``wait`` the sidecar's load request outside its fetch (looking up
+    again where the plan chose no preset, the link's share); ``download`` time with a store read in flight; ``decode`` time with a decode or
     restore in flight (raw: the copy into the blocks); ``restore`` the fetch's wall time (download
     and decode overlap inside it); ``prefill`` the rest of the TTFT: the remainder's prefill and
     the engine's own work. ``delivered_gbit``: the link server's bytes over the download time."""

@@ -18,8 +18,8 @@ def ttft(res: dict) -> str:
            f"Model {res['model']} ({res['kv_dtype']}), chunks of {res['chunk_tokens']} tokens, bytes a chunk: {res['object_bytes_per_chunk']}. "
            f"Link self-check on this machine: at most {c.get('delivered_gbit')} Gbit/s delivered ({c.get('procs')} server processes, "
            f"{c.get('parallel')} parallel ranged GETs). `delivered` is what the link server sent during the cell over the sidecar's download "
-           "time (time with a read in flight): the link a cell really had, next to its label. Seconds: `lookup` the store listing of the "
-           "scheduler's plan, `wait` the sidecar's load request outside its fetch, `download` / `decode` time with a read / a decode or "
+           "time (time with a read in flight): the link a cell really had, next to its label. Seconds: `lookup` the sidecar's time "
+           "answering the scheduler's lookup, `wait` the sidecar's load request outside its fetch, `download` / `decode` time with a read / a decode or "
            "restore in flight (they overlap), `restore` the fetch's wall time, `prefill` the rest of the TTFT (the remainder's prefill and "
            "the engine's own work). `call` is the scheduler's lookup call for the prompt timed from a client right after the cell "
            "(its whole cost, listing or not; not part of the TTFT shown).\n\n",
@@ -60,8 +60,9 @@ def load(res: dict) -> str:
            f"plus {w['suffix']} fresh tokens, {w['output']} output tokens each, link {w['link']} Gbit/s. `recompute` passes the connector by "
            f"(no lookup, load or save); `kvfetcher` (`auto`) saves as deployed (the sidecar writes `{res.get('writes')}`"
            f"{'; the link server counts uploads without keeping them' if res.get('discard_puts') else ''}).\n\n",
-           "| method | TTFT p50 s | TTFT p99 s | shared p50 s | shared p99 s | output tokens/s | tokens loaded | lookups | listing s "
-           "(sum) | stored chunks | uploaded objects | dropped chunks | delivered Gbit/s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"]
+           "| method | TTFT p50 s | TTFT p99 s | shared p50 s | shared p99 s | output tokens/s | tokens loaded | lookups | lookup s "
+           "(sum) | lookup p50 / p99 ≤ s (buckets) | stored chunks | uploaded objects | dropped chunks | delivered Gbit/s |\n"
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"]
     for m in ("recompute", "kvfetcher"):
         r = res.get(m)
         if not r:
@@ -69,15 +70,16 @@ def load(res: dict) -> str:
         s = r.get("sidecar", {})
         out.append(f"| {m} | {_f(r['ttft_p50_s'])} | {_f(r['ttft_p99_s'])} | {_f(r['shared_ttft_p50_s'])} | {_f(r['shared_ttft_p99_s'])} | "
                    f"{_f(r['output_tokens_per_s'], 1)} | {r['loaded_tokens']} | {s.get('lookups')} | {_f(s.get('lookup_s'))} | "
+                   f"{_f(s.get('lookup_p50_le_s'), 4)} / {_f(s.get('lookup_p99_le_s'), 4)} | "
                    f"{s.get('stored_chunks')} | {s.get('link_objects_put')} | {s.get('dropped_chunks')} | {_f(r.get('delivered_gbit'), 2)} |\n")
     lc = res.get("lookup_cost")
     if lc:
         out.append(f"\nThe lookup's own cost: the connector scheduler's call (`{lc.get('call')}`, as `get_num_new_matched_tokens` makes "
                    f"it) timed from a client against the running sidecar, {lc['reps']} repetitions each (fewer where a prompt's time ran out; ms):\n\n"
-                   "| prompt tokens | stored | calls | p50 ms | p99 ms | max ms | sidecar listing ms (mean) |\n|---|---|---|---|---|---|---|\n")
+                   "| prompt tokens | stored | calls | p50 ms | p99 ms | max ms | sidecar's answer ms (mean) | store listings |\n|---|---|---|---|---|---|---|---|\n")
         for r in lc["rows"]:
             out.append(f"| {r['tokens']} | {r['stored_tokens']} | {r['reps']} | {_f(r['p50_ms'], 2)} | {_f(r['p99_ms'], 2)} | {_f(r['max_ms'], 2)} | "
-                       f"{_f(r['sidecar_listing_ms_mean'], 2)} |\n")
+                       f"{_f(r.get('sidecar_answer_ms_mean'), 2)} | {r.get('store_listings')} |\n")
     return "".join(out)
 
 

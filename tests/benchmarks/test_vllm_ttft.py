@@ -101,3 +101,15 @@ def test_the_reports_render():
                                       link_self_check={"delivered_gbit": 120.0, "procs": 8, "parallel": 16},
                                       rows=[row, dict(link_gbit=1.0, context=65536, method="raw", skipped="transfer alone 99 s > cap")]))
     assert "| 100 Gbit/s | 80.50 | 8192 | raw | 0.500 |" in md and "skipped" in md
+
+
+def test_a_histograms_quantile_between_two_readings_is_its_buckets_bound():
+    from benchmarks.vllm_ttft.engine import bucket_quantile
+
+    def reading(counts):
+        return {f'kvfetcher_lookup_seconds_bucket{{le="{le}"}}': c for le, c in zip(("0.001", "0.01", "0.1", "+Inf"), counts)}
+
+    m0, m1 = reading((5, 5, 5, 5)), reading((5, 95, 104, 105))  # 100 new: 90 within 10 ms, 99 within 100 ms, 1 above
+    assert bucket_quantile(m0, m1, "kvfetcher_lookup_seconds", 0.5) == 0.01
+    assert bucket_quantile(m0, m1, "kvfetcher_lookup_seconds", 0.99) == 0.1
+    assert bucket_quantile(m1, m1, "kvfetcher_lookup_seconds", 0.5) is None
