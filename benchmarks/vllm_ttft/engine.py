@@ -142,9 +142,20 @@ def s3_sidecar(work: Path, name: str, prefixes: list[list[int]], ns, shape: Mode
 
 def warm_index(client, tokens: list[int], **ns) -> int:
     """One lookup of ``tokens`` that lets the sidecar list what its index lacks first
-    (``refresh=True``): the objects this benchmark hard-links into the store are unknown to a
-    sidecar whose lookup answers from its index (a node that has seen the prefix before knows
-    them). A client without ``refresh`` (before that API) gets a plain lookup. The stored tokens."""
+    (``refresh``): the objects this benchmark hard-links into the store are unknown to a sidecar
+    whose lookup answers from its index (a node that has seen the prefix before knows them). The
+    stored tokens.
+
+    Asked as a plan with a TTFT budget no load exceeds: a sidecar with a buffer of the namespace
+    registered answers a plain lookup with 0 tokens and asks the store nothing where its cost
+    model prefers a recompute, whatever is stored. A client before ``FetchOptions`` gets
+    ``lookup(refresh=True)``, and one before ``refresh`` a plain lookup."""
+    try:
+        from kvfetcher.fetch.plan import FetchOptions
+
+        return client.plan(None, tokens, FetchOptions(refresh=True, ttft_budget_s=1e6), **ns).hit_tokens
+    except (ImportError, AttributeError, TypeError):
+        pass
     try:
         return client.lookup(None, tokens, refresh=True, **ns)
     except TypeError:

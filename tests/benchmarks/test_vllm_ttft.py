@@ -78,7 +78,12 @@ def test_the_breakdown_comes_from_the_sidecars_counters():
 def test_the_index_is_warmed_with_refresh_where_the_client_has_it():
     from benchmarks.vllm_ttft.engine import warm_index
 
-    class New:
+    class Plan:  # the API with FetchOptions: a plan that may not skip the store
+        def plan(self, buffer, tokens, options, **ns):
+            self.options = options
+            return type("P", (), {"hit_tokens": 768})()
+
+    class New:  # lookup(refresh=)
         def lookup(self, buffer, tokens, *, refresh=False, **ns):
             self.refresh = refresh
             return 256
@@ -87,7 +92,8 @@ def test_the_index_is_warmed_with_refresh_where_the_client_has_it():
         def lookup(self, buffer, tokens, **ns):
             return 512
 
-    new = New()
+    plan, new = Plan(), New()
+    assert warm_index(plan, [1] * 900, model="m") == 768 and plan.options.refresh and plan.options.ttft_budget_s >= 1e6
     assert warm_index(new, [1] * 300, model="m") == 256 and new.refresh
     assert warm_index(Old(), [1] * 600, model="m") == 512
 
