@@ -146,10 +146,11 @@ def warm_index(client, tokens: list[int], **ns) -> int:
     whose lookup answers from its index (a node that has seen the prefix before knows them). The
     stored tokens.
 
-    Asked as a plan with a TTFT budget no load exceeds: a sidecar with a buffer of the namespace
-    registered answers a plain lookup with 0 tokens and asks the store nothing where its cost
-    model prefers a recompute, whatever is stored. A client before ``FetchOptions`` gets
-    ``lookup(refresh=True)``, and one before ``refresh`` a plain lookup."""
+    Asked as a plan with a TTFT budget no load exceeds, so that the store is listed whatever the
+    cost model prefers (a sidecar before main's 575c5d7 answered a plain lookup with 0 tokens,
+    asking the store nothing, where a buffer of the namespace was registered and a recompute was
+    predicted faster). A client before ``FetchOptions`` gets ``lookup(refresh=True)``, and one
+    before ``refresh`` a plain lookup."""
     try:
         from kvfetcher.fetch.plan import FetchOptions
 
