@@ -2,16 +2,31 @@
 
 The TTFT benchmark needs "a 10 Gbit/s link to object storage" on one machine. This server
 serves a directory as S3 buckets (enough of the API for the ``minio`` SDK, so the real
-``kvfetcher.store.s3.S3Store`` reads through it: GET with ranges, HEAD, PUT, DELETE,
-ListObjectsV2) and paces every response body through one token bucket shared by all
-connections, so N parallel GETs share the set rate as they would share a real link. Bodies
-go out with ``sendfile`` in slices of a few milliseconds' worth of bytes, so high rates
-(tens of Gbit/s) cost little CPU. There is no added latency: first-byte latency is loopback's.
+``kvfetcher.store.s3.S3Store`` reads and writes through it: GET with ranges, HEAD, PUT, S3
+multipart uploads, DELETE, ListObjectsV2) and paces every response body through one token
+bucket shared by all connections, so N parallel GETs share the set rate as they would share a
+real link. Bodies go out with ``sendfile`` in slices of a few milliseconds' worth of bytes.
+There is no added latency: first-byte latency is loopback's.
+
+One Python process tops out near 20 Gbit/s on loopback (its GIL), so :func:`start_process`
+runs ``procs`` server processes on one port (``SO_REUSEPORT``: the kernel spreads connections
+over them) sharing one token bucket in shared memory (:class:`Pacer` over a ``multiprocessing``
+array and lock): the set rate stays the total of them all. Whatever the set rate, what counts is
+what was delivered: ``GET /_link``'s ``bytes_sent`` over a transfer's wall time (the benchmarks
+report it beside the label), and ``--self-check`` measures the most this machine delivers with N
+parallel ranged GETs.
+
+Uploads (``PUT``; ``POST ?uploads``, ``PUT ?partNumber&uploadId``, ``POST ?uploadId``, ``DELETE
+?uploadId``: the multipart upload the ``minio`` SDK uses for objects over 5 MiB) are not paced;
+they are counted in ``bytes_received`` and ``objects_put`` (``discard_puts``: answered and
+counted, their bytes not kept, for runs whose saves would fill the disk).
 
 Control: ``POST /_link?rate=BYTES_PER_S`` (0: unlimited) sets the rate; ``GET /_link`` returns
-``{"rate": ..., "bytes_sent": ...}``. Requests are not authenticated (signatures are ignored).
+``{"rate", "bytes_sent", "bytes_received", "objects_put", "procs"}``. Requests are not
+authenticated (signatures are ignored).
 
-    python -m benchmarks.lib.linkserver --root DIR --port 9000 --rate 1.25e9
+    python -m benchmarks.lib.linkserver --root DIR --port 9000 --rate 1.25e9 --procs 8
+    python -m benchmarks.lib.linkserver --self-check --procs 8 --parallel 16   # the most it delivers here
 """
 
 from __future__ import annotations
@@ -23,45 +38,84 @@ import json
 import multiprocessing as mp
 import os
 import re
+import shutil
 import socket
+import tempfile
 import threading
 import time
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 from xml.sax.saxutils import escape
 
-MIN_SLICE, MAX_SLICE = 64 * 1024, 4 * 1024 * 1024
+MIN_SLICE, MAX_SLICE = 64 * 1024, 8 * 1024 * 1024
+BURST_S = 0.002  # the link time a late sender may catch up on (a real link's buffer)
 
 
 class Pacer:
     """A shared link: bytes leave at ``rate`` bytes/s in total, whoever sends them.
 
     Each slice reserves the next ``n / rate`` seconds of the link and waits for its turn
-    (no burst credit: an idle link does not save up). ``rate`` 0 means unlimited.
+    (an idle link saves up no more than :data:`BURST_S` of its time). ``rate`` 0 means unlimited. With
+    ``shared`` (from :meth:`shared_state`) the state is in shared memory and server processes
+    share one link; else it is this process' own.
     """
 
-    def __init__(self, rate: float = 0.0):
-        self.lock = threading.Lock()
-        self.rate = float(rate)
-        self.next_t = 0.0
-        self.sent = 0
+    RATE, NEXT_T, SENT, RECEIVED, PUTS = range(5)
+
+    def __init__(self, rate: float = 0.0, shared: tuple | None = None):
+        if shared is None:
+            shared = (threading.Lock(), [float(rate), 0.0, 0.0, 0.0, 0.0])
+        self.lock, self.v = shared
+
+    @classmethod
+    def shared_state(cls, rate: float = 0.0) -> tuple:
+        """(lock, array) shared by the :class:`Pacer` of every server process (passed at spawn)."""
+        ctx = mp.get_context("spawn")
+        v = ctx.RawArray("d", 5)
+        v[cls.RATE] = float(rate)
+        return ctx.Lock(), v
+
+    @property
+    def rate(self) -> float:
+        return self.v[self.RATE]
+
+    @property
+    def sent(self) -> int:
+        return int(self.v[self.SENT])
+
+    def stats(self) -> dict:
+        with self.lock:
+            v = list(self.v)
+        return {"rate": v[self.RATE], "bytes_sent": int(v[self.SENT]), "bytes_received": int(v[self.RECEIVED]),
+                "objects_put": int(v[self.PUTS])}
 
     def set_rate(self, rate: float) -> None:
         with self.lock:
-            self.rate, self.next_t = float(rate), 0.0
+            self.v[self.RATE], self.v[self.NEXT_T] = float(rate), 0.0
+
+    def received(self, n: int, objects: int = 0) -> None:
+        with self.lock:
+            self.v[self.RECEIVED] += n
+            self.v[self.PUTS] += objects
 
     def slice_bytes(self) -> int:
-        return MAX_SLICE if self.rate <= 0 else int(min(MAX_SLICE, max(MIN_SLICE, self.rate * 0.002)))
+        rate = self.rate
+        return MAX_SLICE if rate <= 0 else int(min(MAX_SLICE, max(MIN_SLICE, rate * 0.002)))
 
     def take(self, n: int) -> None:
         with self.lock:
-            self.sent += n
-            if self.rate <= 0:
+            v = self.v
+            v[self.SENT] += n
+            rate = v[self.RATE]
+            if rate <= 0:
                 return
-            now = time.perf_counter()
-            start = max(now, self.next_t)
-            self.next_t = start + n / self.rate
+            now = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process
+            # a sender that woke late may use the last BURST_S of the link's time it missed (else every
+            # late wake-up is capacity lost and a fast link delivers less than its rate), no more
+            start = max(now - BURST_S, v[self.NEXT_T])
+            v[self.NEXT_T] = start + n / rate
         if start > now:
             time.sleep(start - now)
 
@@ -159,7 +213,7 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         bucket, key, q = self._target()
         if bucket == "_link":
-            body = json.dumps({"rate": self.server.pacer.rate, "bytes_sent": self.server.pacer.sent}).encode()
+            body = json.dumps({**self.server.pacer.stats(), "procs": self.server.procs}).encode()
             return self._reply(200, body, "application/json")
         if not key:
             if "location" in q:
@@ -230,20 +284,51 @@ class Handler(BaseHTTPRequestHandler):
         self._reply(200, body)
 
     def do_PUT(self) -> None:
-        bucket, key, _ = self._target()
+        bucket, key, q = self._target()
         data = self._drain()
         if not key:
             (self.server.root / bucket).mkdir(parents=True, exist_ok=True)
             return self._reply(200)
+        if "uploadId" in q:  # a part of a multipart upload
+            try:
+                d, n = self._upload_dir(q["uploadId"][0]), int(q["partNumber"][0])
+            except (PermissionError, KeyError, ValueError):
+                return self._error(400, "InvalidArgument", "bad uploadId or partNumber", bucket, key)
+            if not d.is_dir():
+                return self._error(404, "NoSuchUpload", "no such upload", bucket, key)
+            if not self.server.discard_puts:
+                (d / f"{n:05d}").write_bytes(data)
+            self.server.pacer.received(len(data))
+            return self._reply(200, headers={"ETag": f'"{hashlib.md5(data).hexdigest()}"'})
         p = self._file(bucket, key)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(p.name + f".tmp{threading.get_ident()}")
-        tmp.write_bytes(data)
-        os.replace(tmp, p)
+        self.server.pacer.received(len(data), 1)
+        if self.server.discard_puts:
+            return self._reply(200, headers={"ETag": f'"{hashlib.md5(data).hexdigest()}"'})
+        self._write(p, [data])
         self._reply(200, headers=self._meta(p))
 
+    def _write(self, p: Path, parts) -> None:
+        """``parts`` (bytes or files) as the object at ``p``, atomically (a reader never sees half)."""
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(p.name + f".tmp{os.getpid()}-{threading.get_ident()}")
+        with open(tmp, "wb") as out:
+            for part in parts:
+                out.write(part if isinstance(part, bytes) else part.read_bytes())
+        os.replace(tmp, p)
+
+    def _upload_dir(self, upload_id: str) -> Path:
+        if not re.fullmatch(r"[0-9a-f]{32}", upload_id):
+            raise PermissionError(upload_id)
+        return self.server.root / "_uploads" / upload_id
+
     def do_DELETE(self) -> None:
-        bucket, key, _ = self._target()
+        bucket, key, q = self._target()
+        if "uploadId" in q:  # abort a multipart upload
+            try:
+                shutil.rmtree(self._upload_dir(q["uploadId"][0]), ignore_errors=True)
+            except PermissionError:
+                pass
+            return self._reply(204)
         try:
             self._file(bucket, key).unlink()
         except (OSError, PermissionError):
@@ -251,22 +336,62 @@ class Handler(BaseHTTPRequestHandler):
         self._reply(204)
 
     def do_POST(self) -> None:
-        bucket, _, q = self._target()
-        self._drain()
-        if bucket != "_link" or "rate" not in q:
-            return self._error(400, "InvalidRequest", "only POST /_link?rate=BYTES_PER_S is supported")
-        self.server.pacer.set_rate(float(q["rate"][0]))
-        self._reply(200, json.dumps({"rate": self.server.pacer.rate}).encode(), "application/json")
+        bucket, key, q = self._target()
+        body = self._drain()
+        if bucket == "_link" and "rate" in q:
+            self.server.pacer.set_rate(float(q["rate"][0]))
+            return self._reply(200, json.dumps({"rate": self.server.pacer.rate}).encode(), "application/json")
+        if key and "uploads" in q:  # start a multipart upload
+            upload_id = uuid.uuid4().hex
+            self._upload_dir(upload_id).mkdir(parents=True)
+            return self._reply(200, (
+                '<?xml version="1.0" encoding="UTF-8"?><InitiateMultipartUploadResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+                f"<Bucket>{escape(bucket)}</Bucket><Key>{escape(key)}</Key><UploadId>{upload_id}</UploadId>"
+                "</InitiateMultipartUploadResult>").encode())
+        if key and "uploadId" in q:  # complete it: the parts the body lists, in its order
+            try:
+                d = self._upload_dir(q["uploadId"][0])
+            except PermissionError:
+                return self._error(400, "InvalidArgument", "bad uploadId", bucket, key)
+            if not d.is_dir():
+                return self._error(404, "NoSuchUpload", "no such upload", bucket, key)
+            numbers = [int(n) for n in re.findall(rb"<PartNumber>\s*(\d+)\s*</PartNumber>", body)]
+            numbers = numbers or sorted(int(f.name) for f in d.iterdir())
+            if self.server.discard_puts:
+                shutil.rmtree(d, ignore_errors=True)
+                self.server.pacer.received(0, 1)
+                return self._reply(200, (
+                    '<?xml version="1.0" encoding="UTF-8"?><CompleteMultipartUploadResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+                    f"<Bucket>{escape(bucket)}</Bucket><Key>{escape(key)}</Key><ETag>\"0\"</ETag></CompleteMultipartUploadResult>").encode())
+            if not all((d / f"{n:05d}").is_file() for n in numbers):
+                return self._error(400, "InvalidPart", "a listed part was not uploaded", bucket, key)
+            p = self._file(bucket, key)
+            self._write(p, [d / f"{n:05d}" for n in numbers])
+            shutil.rmtree(d, ignore_errors=True)
+            self.server.pacer.received(0, 1)
+            return self._reply(200, (
+                '<?xml version="1.0" encoding="UTF-8"?><CompleteMultipartUploadResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+                f"<Location>/{escape(bucket)}/{escape(key)}</Location><Bucket>{escape(bucket)}</Bucket><Key>{escape(key)}</Key>"
+                f"<ETag>{escape(self._meta(p)['ETag'])}</ETag></CompleteMultipartUploadResult>").encode())
+        return self._error(400, "InvalidRequest", "POST is /_link?rate=BYTES_PER_S or a multipart upload (?uploads, ?uploadId)")
 
 
 class LinkServer(ThreadingHTTPServer):
     daemon_threads = True
-    request_queue_size = 128
+    request_queue_size = 1024
 
-    def __init__(self, root: str | Path, port: int = 0, rate: float = 0.0, host: str = "127.0.0.1"):
+    def __init__(self, root: str | Path, port: int = 0, rate: float = 0.0, host: str = "127.0.0.1", shared: tuple | None = None,
+                 reuse_port: bool = False, procs: int = 1, discard_puts: bool = False):
         self.root = Path(root)
-        self.pacer = Pacer(rate)
+        self.discard_puts = discard_puts  # uploads counted, their bytes not kept (a long run's saves would fill the disk)
+        self.pacer = Pacer(rate, shared)
+        self.reuse_port, self.procs = reuse_port, procs
         super().__init__((host, port), Handler)
+
+    def server_bind(self) -> None:
+        if self.reuse_port:
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        super().server_bind()
 
     @property
     def url(self) -> str:
@@ -287,20 +412,49 @@ def start_thread(root: str | Path, rate: float = 0.0) -> LinkServer:
     return srv
 
 
-def _serve(root: str, rate: float, q) -> None:
-    srv = LinkServer(root, 0, rate)
+def _serve(root: str, port: int, shared: tuple, procs: int, q, discard_puts: bool = False) -> None:
+    srv = LinkServer(root, port, shared=shared, reuse_port=True, procs=procs, discard_puts=discard_puts)
     q.put(srv.url)
     srv.serve_forever()
 
 
-def start_process(root: str | Path, rate: float = 0.0) -> tuple[str, mp.Process]:
-    """A server in its own process, so pacing and sendfile take no GIL from the client: (url, process)."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=_serve, args=(str(root), rate, q), daemon=True)
-    p.start()
-    return q.get(timeout=60), p
+class ServerGroup:
+    """The server processes of one link; ``terminate()`` stops them all."""
 
+    def __init__(self, procs: list):
+        self.procs = procs
+
+    def terminate(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            p.join(10)
+
+    def is_alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+
+def default_procs() -> int:
+    """Server processes for this machine: half its cores, 1 to 8."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+def start_process(root: str | Path, rate: float = 0.0, procs: int = 1, discard_puts: bool = False) -> tuple[str, ServerGroup]:
+    """``procs`` servers, each a process of its own, on one port (``SO_REUSEPORT``) sharing one
+    link, so pacing and sendfile take no GIL from the client or from each other: (url, group).
+    ``discard_puts``: uploads are answered and counted, their bytes not kept."""
+    ctx = mp.get_context("spawn")
+    shared = Pacer.shared_state(rate)
+    q = ctx.Queue()
+    group = ServerGroup([])
+    port = 0
+    for _ in range(max(1, procs)):
+        p = ctx.Process(target=_serve, args=(str(root), port, shared, procs, q, discard_puts), daemon=True)
+        p.start()
+        group.procs.append(p)
+        url = q.get(timeout=60)
+        port = port or int(url.rsplit(":", 1)[1])
+    return f"http://127.0.0.1:{port}", group
 
 def set_rate(url: str, rate_Bps: float) -> None:
     import urllib.request
@@ -314,15 +468,95 @@ def stats(url: str) -> dict:
     return json.loads(urllib.request.urlopen(f"{url}/_link", timeout=10).read())
 
 
+
+# --- self-check: the most this machine delivers ---------------------------------------------------
+
+
+def _reader(url: str, name: str, size: int, piece: int, until: float, q) -> None:
+    """Ranged GETs of ``piece`` bytes, round the object, until ``until`` (monotonic): bytes read."""
+    import http.client
+
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    buf = bytearray(piece)
+    got, pos = 0, 0
+    while time.monotonic() < until:
+        end = min(pos + piece, size)
+        conn.request("GET", f"/bench/{name}", headers={"Range": f"bytes={pos}-{end - 1}"})
+        r = conn.getresponse()
+        view, left = memoryview(buf), end - pos
+        while left:
+            n = r.readinto(view[: min(left, len(view))])
+            if not n:
+                raise ConnectionError("short body")
+            left -= n
+            got += n
+        pos = 0 if end >= size else end
+    conn.close()
+    q.put(got)
+
+
+def self_check(procs: int, parallel: int, seconds: float = 5.0, rate: float = 0.0, object_mib: int = 256,
+               piece_mib: int = 8) -> dict:
+    """Deliver one object with ``parallel`` readers (processes, one connection each, ranged GETs
+    of ``piece_mib``) from ``procs`` server processes at ``rate`` (0: unpaced) for ``seconds``:
+    the rate delivered, by the server's counter and by the readers'."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as root:
+        (Path(root) / "bench").mkdir()
+        size = object_mib << 20
+        with open(Path(root) / "bench" / "obj", "wb") as f:
+            f.write(os.urandom(1 << 20) * object_mib)
+        url, group = start_process(root, rate, procs)
+        try:
+            q = ctx.Queue()
+            before = stats(url)["bytes_sent"]
+            t0 = time.monotonic()
+            readers = [ctx.Process(target=_reader, args=(url, "obj", size, piece_mib << 20, t0 + 1.0 + seconds, q)) for _ in range(parallel)]
+            for p in readers:
+                p.start()
+            time.sleep(1.0)  # the readers start (spawn) before the timed window
+            a = stats(url)["bytes_sent"]
+            t1 = time.monotonic()
+            time.sleep(max(0.0, t0 + 1.0 + seconds - time.monotonic()))
+            b = stats(url)["bytes_sent"]
+            t2 = time.monotonic()
+            total = sum(q.get(timeout=120) for _ in readers)
+            for p in readers:
+                p.join(30)
+        finally:
+            group.terminate()
+    gbit = (b - a) * 8 / (t2 - t1) / 1e9
+    return {"procs": procs, "parallel": parallel, "set_gbit": rate * 8 / 1e9, "seconds": round(t2 - t1, 2),
+            "delivered_gbit": round(gbit, 2), "readers_bytes": total, "server_bytes": b - before, "cpus": os.cpu_count()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--root", required=True)
+    ap.add_argument("--root", help="the directory served (its folders are buckets)")
     ap.add_argument("--port", type=int, default=9000)
     ap.add_argument("--rate", type=float, default=0.0, help="bytes per second, 0: unlimited")
+    ap.add_argument("--procs", type=int, default=default_procs(), help="server processes sharing the link (SO_REUSEPORT)")
+    ap.add_argument("--self-check", action="store_true", help="measure the most this machine delivers, then exit")
+    ap.add_argument("--parallel", type=int, default=16, help="self-check: parallel readers (ranged GETs)")
+    ap.add_argument("--seconds", type=float, default=5.0, help="self-check: seconds measured")
     a = ap.parse_args()
-    srv = LinkServer(a.root, a.port, a.rate)
-    print(f"serving {a.root} at {srv.url}, rate {a.rate:.3g} B/s", flush=True)
-    srv.serve_forever()
+    if a.self_check:
+        res = self_check(a.procs, a.parallel, a.seconds, a.rate)
+        print(json.dumps(res))
+        paced = f", paced at {res['set_gbit']:.1f}" if a.rate else ", unpaced"
+        print(f"linkserver self-check: {res['delivered_gbit']:.1f} Gbit/s delivered by {a.procs} server processes to {a.parallel} "
+              f"parallel ranged GETs{paced} ({res['cpus']} CPUs)", flush=True)
+        return
+    if not a.root:
+        ap.error("--root is required (or --self-check)")
+    url, group = start_process(a.root, a.rate, a.procs)
+    print(f"serving {a.root} at {url}, rate {a.rate:.3g} B/s, {a.procs} processes", flush=True)
+    try:
+        while group.is_alive():
+            time.sleep(1)
+    finally:
+        group.terminate()
 
 
 if __name__ == "__main__":

@@ -36,6 +36,13 @@ def on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+def spawn_workers() -> None:
+    """Every engine this benchmark starts makes its processes by spawn: a phase whose process
+    touched CUDA before (encoding ``-ans`` chunks, ``on_gpu``) cannot fork them ("Cannot
+    re-initialize CUDA in forked subprocess")."""
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+
+
 def connector(socket: str, model: str) -> dict:
     return {"kv_connector": "KVFetcherConnector", "kv_connector_module_path": "kvfetcher.integrations.vllm", "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"socket": socket, "model": model}}
@@ -74,10 +81,16 @@ def timing_model(tiny: bool, work: Path) -> tuple[Path, dict]:
     return d, dict(load_format="dummy", skip_tokenizer_init=True)
 
 
-def store_prefixes(root: Path, prefixes: list[list[int]], ns, shape: ModelShape, workers: int) -> dict[str, int]:
-    """Every whole chunk of every token list in ``raw`` and ``balanced`` under ``root/bench`` (an S3
-    bucket for ``linkserver``), as hard links to two synthetic encoded chunks per preset (real
-    sizes and decode work, not real values); the bytes of one chunk per preset."""
+def stored_presets() -> list[str]:
+    """The presets the timing phases store every chunk in: ``raw`` and ``balanced`` (HEVC), and
+    on a GPU ``balanced-ans`` and ``compact-ans`` too (nvCOMP: no CPU decoder)."""
+    return ["raw", "balanced", "balanced-ans", "compact-ans"] if on_gpu() else ["raw", "balanced"]
+
+
+def store_prefixes(root: Path, prefixes: list[list[int]], ns, shape: ModelShape, workers: int, presets: list[str] | None = None) -> dict[str, int]:
+    """Every whole chunk of every token list in each of ``presets`` (default :func:`stored_presets`)
+    under ``root/bench`` (an S3 bucket for ``linkserver``), as hard links to two synthetic encoded
+    chunks per preset (real sizes and decode work, not real values); the bytes of one chunk per preset."""
     import torch
 
     from benchmarks.lib import fetchkit
@@ -85,13 +98,14 @@ def store_prefixes(root: Path, prefixes: list[list[int]], ns, shape: ModelShape,
 
     size = {}
     (root / "_objects").mkdir(parents=True, exist_ok=True)
-    for preset in ("raw", "balanced"):
-        objs = fetchkit.encode_objects(shape, preset, CHUNK, distinct=2, workers=workers, dtype=getattr(torch, ns.dtype))
-        size[preset] = sum(map(len, objs)) // len(objs)
-        src = []
-        for i, o in enumerate(objs):
-            (p := root / "_objects" / f"{preset}-{i}").write_bytes(o)
-            src.append(p)
+    for preset in presets or stored_presets():
+        src = sorted((root / "_objects").glob(f"{preset}-*"))
+        if not src:  # encoded once per store (a phase may store more prefixes later)
+            objs = fetchkit.encode_objects(shape, preset, CHUNK, distinct=2, workers=workers, dtype=getattr(torch, ns.dtype))
+            for i, o in enumerate(objs):
+                (p := root / "_objects" / f"{preset}-{i}").write_bytes(o)
+                src.append(p)
+        size[preset] = sum(p.stat().st_size for p in src) // len(src)
         for ids in prefixes:
             for j, k in enumerate(keys.chunk_keys(ns, ids, CHUNK)):
                 dst = root / "bench" / keys.object_name(k, preset)
@@ -102,24 +116,140 @@ def store_prefixes(root: Path, prefixes: list[list[int]], ns, shape: ModelShape,
 
 
 @contextlib.contextmanager
-def s3_sidecar(work: Path, name: str, prefixes: list[list[int]], ns, shape: ModelShape, workers: int):
+def s3_sidecar(work: Path, name: str, prefixes: list[list[int]], ns, shape: ModelShape, workers: int, *, link_procs: int = 0,
+               writes: str = "raw", discard_puts: bool = False):
     """The prefixes stored (:func:`store_prefixes`), ``linkserver`` serving them over one paced
-    link and a sidecar reading it: yields (sidecar, link url, bytes of a chunk per preset)."""
+    link (``link_procs`` server processes; 0: :func:`linkserver.default_procs`) and a sidecar
+    reading it and writing new prefixes in ``writes`` through it (saves on, as deployed;
+    ``discard_puts``: the server counts uploads without keeping them): yields (sidecar, link url,
+    bytes of a chunk per preset)."""
     from benchmarks.lib import linkserver
 
     t0 = time.perf_counter()
     size = store_prefixes(work / f"{name}-s3", prefixes, ns, shape, workers)
-    print(f"stored {len(prefixes)} prefixes in raw and balanced ({size} bytes a chunk) in {time.perf_counter() - t0:.0f} s", flush=True)
-    url, server = linkserver.start_process(work / f"{name}-s3")
+    print(f"stored {len(prefixes)} prefixes in {', '.join(size)} ({size} bytes a chunk) in {time.perf_counter() - t0:.0f} s", flush=True)
+    url, server = linkserver.start_process(work / f"{name}-s3", procs=link_procs or linkserver.default_procs(), discard_puts=discard_puts)
     try:
         sc = sidecar(work, name, KVFETCHER_S3_ENDPOINT=url, KVFETCHER_S3_BUCKET="bench", KVFETCHER_S3_ACCESS_KEY="bench",
-                     KVFETCHER_S3_SECRET_KEY="bench", KVFETCHER_PRESET="raw")
+                     KVFETCHER_S3_SECRET_KEY="bench", KVFETCHER_PRESET=writes)
         try:
             yield sc, url, size
         finally:
             sc.stop()
     finally:
         server.terminate()
+
+
+def warm_index(client, tokens: list[int], **ns) -> int:
+    """One lookup of ``tokens`` that lets the sidecar list what its index lacks first
+    (``refresh``): the objects this benchmark hard-links into the store are unknown to a sidecar
+    whose lookup answers from its index (a node that has seen the prefix before knows them). The
+    stored tokens.
+
+    Asked as a plan with a TTFT budget no load exceeds, so that the store is listed whatever the
+    cost model prefers (a sidecar before main's 575c5d7 answered a plain lookup with 0 tokens,
+    asking the store nothing, where a buffer of the namespace was registered and a recompute was
+    predicted faster). A client before ``FetchOptions`` gets ``lookup(refresh=True)``, and one
+    before ``refresh`` a plain lookup."""
+    try:
+        from kvfetcher.fetch.plan import FetchOptions
+
+        return client.plan(None, tokens, FetchOptions(refresh=True, ttft_budget_s=1e6), **ns).hit_tokens
+    except (ImportError, AttributeError, TypeError):
+        pass
+    try:
+        return client.lookup(None, tokens, refresh=True, **ns)
+    except TypeError:
+        return client.lookup(None, tokens, **ns)
+
+
+# --- what the sidecar and the link say, before and after a cell ---------------------------------
+
+
+def read_metrics(client) -> dict[str, float]:
+    """The sidecar's metrics: {series (name and labels, as exposed): value}."""
+    out = {}
+    for line in client.metrics().splitlines():
+        if line and not line.startswith("#"):
+            k, _, v = line.rpartition(" ")
+            try:
+                out[k] = float(v)
+            except ValueError:
+                pass
+    return out
+
+
+def metric(m: dict[str, float], name: str, **labels) -> float:
+    """``name`` summed over the series whose labels include ``labels``."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(v for k, v in m.items() if (k == name or k.startswith(name + "{")) and all(w in k for w in want))
+
+
+def bucket_quantile(m0: dict[str, float], m1: dict[str, float], name: str, q: float) -> float | None:
+    """The ``q`` quantile of the observations a histogram got between two readings, as the upper
+    bound of its bucket (``inf`` past the last bound; None without observations)."""
+    def buckets(m):
+        out = {}
+        for k, v in m.items():
+            if k.startswith(name + "_bucket{"):
+                le = k.split('le="', 1)[1].split('"', 1)[0]
+                out[float(le)] = out.get(float(le), 0.0) + v
+        return out
+
+    b0, b1 = buckets(m0), buckets(m1)
+    counts = sorted((le, b1[le] - b0.get(le, 0.0)) for le in b1)
+    if not counts or counts[-1][1] <= 0:
+        return None
+    return next(le for le, c in counts if c >= q * counts[-1][1])
+
+
+class Probe:
+    """The sidecar's counters and the link server's bytes before a request (or a stream), and
+    :meth:`delta` after it: what the sidecar reports of that time."""
+
+    def __init__(self, client, url: str | None):
+        from benchmarks.lib import linkserver
+
+        self.client, self.url = client, url
+        self.m0, self.l0 = read_metrics(client), (linkserver.stats(url) if url else {})
+
+    def delta(self) -> dict:
+        from benchmarks.lib import linkserver
+
+        m1, l1 = read_metrics(self.client), (linkserver.stats(self.url) if self.url else {})
+        d = lambda name, **lb: metric(m1, name, **lb) - metric(self.m0, name, **lb)  # noqa: E731
+        ld = lambda k: l1.get(k, 0) - self.l0.get(k, 0)  # noqa: E731
+        return {
+            "lookups": int(d("kvfetcher_lookups_total")), "lookup_s": d("kvfetcher_lookup_seconds_sum"),
+            "listings": int(d("kvfetcher_listing_seconds_count")), "listing_s": d("kvfetcher_listing_seconds_sum"),
+            "lookup_p50_le_s": bucket_quantile(self.m0, m1, "kvfetcher_lookup_seconds", 0.5),
+            "lookup_p99_le_s": bucket_quantile(self.m0, m1, "kvfetcher_lookup_seconds", 0.99),
+            "loads": int(d("kvfetcher_fetch_seconds_count")),
+            "load_s": d("kvfetcher_fetch_seconds_sum"), "fetch_s": d("kvfetcher_fetch_busy_seconds_total", stage="fetch"),
+            "read_s": d("kvfetcher_fetch_busy_seconds_total", stage="read"), "decode_s": d("kvfetcher_fetch_busy_seconds_total", stage="decode"),
+            "loaded_tokens": int(d("kvfetcher_loaded_tokens_total")), "bytes_read": int(d("kvfetcher_bytes_read_total")),
+            "kv_bytes": int(d("kvfetcher_kv_bytes_restored_total")), "link_bytes_sent": int(ld("bytes_sent")),
+            "stored_chunks": int(d("kvfetcher_store_seconds_count")), "bytes_written": int(d("kvfetcher_bytes_written_total")),
+            "link_bytes_received": int(ld("bytes_received")), "link_objects_put": int(ld("objects_put")),
+            "dropped_chunks": int(d("kvfetcher_store_dropped_chunks_total")), "errors": int(d("kvfetcher_errors_total")),
+            "fallbacks": {k.split('reason="', 1)[1].split('"', 1)[0]: int(v - self.m0.get(k, 0)) for k, v in m1.items()
+                          if k.startswith("kvfetcher_fallbacks_total{") and v - self.m0.get(k, 0) > 0},
+        }
+
+
+def breakdown(ttft_s: float, d: dict) -> dict:
+    """A request's TTFT broken down by what the sidecar reports (a cell has one request):
+    ``lookup`` the sidecar's time answering the scheduler's lookup (from its index; before the
+    index, the store listing); ``wait`` the sidecar's load request outside its fetch (looking up
+    again where the plan chose no preset, the link's share); ``download`` time with a store read in flight; ``decode`` time with a decode or
+    restore in flight (raw: the copy into the blocks); ``restore`` the fetch's wall time (download
+    and decode overlap inside it); ``prefill`` the rest of the TTFT: the remainder's prefill and
+    the engine's own work. ``delivered_gbit``: the link server's bytes over the download time."""
+    lookup, load = d["lookup_s"], d["load_s"]
+    r = lambda x: round(x, 4)  # noqa: E731
+    return {"lookup_s": r(lookup), "wait_s": r(max(0.0, load - d["fetch_s"])), "download_s": r(d["read_s"]), "decode_s": r(d["decode_s"]),
+            "restore_s": r(d["fetch_s"]), "prefill_s": r(max(0.0, ttft_s - lookup - load)),
+            "delivered_gbit": round(d["link_bytes_sent"] * 8 / d["read_s"] / 1e9, 3) if d["read_s"] > 0 else None}
 
 
 def smollm2_dir() -> Path:
@@ -171,10 +301,17 @@ def generate(llm, prompts: list[list[int]], max_tokens: int, params: dict | None
 def wait_stored(client, tokens: list[int], n: int, ns: dict, timeout_s: float = 120) -> None:
     """Wait until the sidecar has the first ``n`` tokens of ``tokens`` stored (saves run in the background)."""
     deadline = time.time() + timeout_s
-    while (have := client.lookup(None, tokens, **ns)) < n:
+    client.flush()
+    while (have := warm_index(client, tokens, **ns)) < n:
         if time.time() > deadline:
             raise RuntimeError(f"{n} tokens were never stored (have {have})")
         time.sleep(0.5)
+
+
+def phase_left() -> float:
+    """Seconds left before :func:`run_phases` kills this phase (inf when run on its own)."""
+    end = os.environ.get("VLLM_TTFT_PHASE_END")
+    return float(end) - time.time() if end else float("inf")
 
 
 def counter(client, name: str) -> float:
@@ -194,7 +331,8 @@ def run_phases(module: str, phases: list[str], argv: list[str], out: Path, timeo
             status[phase] = "not run: the deadline came first"
             continue
         limit = min(timeout_s.get(phase, 600), left)
-        p = subprocess.Popen([sys.executable, "-m", module, "--phase", phase, *argv], start_new_session=True)
+        env = dict(os.environ, VLLM_TTFT_PHASE_END=str(time.time() + limit))  # the phase stops starting work before its kill
+        p = subprocess.Popen([sys.executable, "-m", module, "--phase", phase, *argv], start_new_session=True, env=env)
         try:
             rc = p.wait(limit)
             status[phase] = "ok" if rc == 0 else f"failed: exit status {rc} (its stacks and error are above)"

@@ -4,9 +4,19 @@ decoding ``output`` tokens, so that prefills arrive beside ongoing decodes.
 
 The same stream runs twice through one ``AsyncLLM`` (vLLM's prefix cache off, so every reuse is
 kvfetcher's): ``recompute`` (no cached KV read) and ``kvfetcher`` (the cost model's choice at the
-link ``--load-link`` Gbit/s, fed the prefill rate the recompute pass taught the connector).
-Reported per method: TTFT p50 / p99 (all requests, and those with a stored prefix), output
-tokens/s over the stream, and the tokens loaded.
+link ``--load-link`` Gbit/s, fed the prefill rate the recompute pass taught the connector). The
+two passes share arrivals and stored prefixes; their fresh tokens differ (else the second would
+load what the first saved). ``recompute`` requests (``skip_reading_prefix_cache``) pass the
+connector by: no lookup, no load, no save (vLLM alone but for the connector's per-step hooks).
+``kvfetcher`` runs as deployed, saves on: every prefill's new chunks go to the sidecar, which
+writes them (``raw``) through the link server (on a GPU the server counts the uploads without
+keeping their bytes: tens of GB). Reported per method: TTFT p50 / p99 (all
+requests, and those with a stored prefix), output tokens/s over the stream, the tokens loaded,
+and the sidecar's side (lookups, listing seconds, loads, chunks stored, uploads, drops).
+
+Then the lookup's own cost (:func:`lookup_cost`): the scheduler's call (``KVClient.plan``, as
+the connector's ``get_num_new_matched_tokens`` makes it) timed from a client against the running
+sidecar, for 8K- and 128K-token prompts, stored and not, ``--lookup-reps`` times each: p50/p99.
 """
 
 from __future__ import annotations
@@ -17,7 +27,7 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.vllm_ttft.engine import connector, kv_dtype, on_gpu, s3_sidecar, shape_of, timing_model, watchdog
+from benchmarks.vllm_ttft.engine import Probe, connector, kv_dtype, metric, on_gpu, phase_left, read_metrics, s3_sidecar, shape_of, timing_model, warm_index, watchdog
 
 GBIT = 1.25e8
 # the workload: prompt = one of `prefixes` stored prefixes of `prefix` tokens (a `shared` share of the
@@ -32,11 +42,17 @@ def add_args(ap) -> None:
     ap.add_argument("--rate", type=float, help="load phase: requests/s (default 1; --tiny 0.3)")
     ap.add_argument("--requests", type=int, help="load phase: requests in the stream (default 48; --tiny 10)")
     ap.add_argument("--load-link", type=float, help="load phase: Gbit/s of the link to the store (default 25; --tiny 1)")
+    ap.add_argument("--lookup-reps", type=int, default=50, help="load phase: lookups timed per prompt (8K and 128K tokens, stored and not)")
+    ap.add_argument("--keep-puts", action="store_true", help="load phase: keep the uploaded bytes (default on a GPU: counted, not kept)")
 
 
-def stream(rng: random.Random, prefixes: list[list[int]], w: dict, vocab: int) -> list[tuple[float, list[int], bool]]:
-    """(arrival s, prompt, has a stored prefix) of each request, arriving every 1/rate s."""
-    fresh = lambda n: [rng.randrange(100, vocab - 1) for _ in range(n)]  # noqa: E731
+def stream(rng: random.Random, prefixes: list[list[int]], w: dict, vocab: int, fresh_rng: random.Random | None = None
+           ) -> list[tuple[float, list[int], bool]]:
+    """(arrival s, prompt, has a stored prefix) of each request, arriving every 1/rate s. The
+    fresh tokens come from ``fresh_rng`` (default ``rng``): two streams of one ``rng`` seed and
+    different ``fresh_rng`` share arrivals and prefixes, not one fresh token."""
+    fr = fresh_rng or rng
+    fresh = lambda n: [fr.randrange(100, vocab - 1) for _ in range(n)]  # noqa: E731
     out = []
     for i in range(w["requests"]):
         shared = rng.random() < w["shared"]
@@ -72,7 +88,7 @@ def summary(reqs: list[tuple[float, list[int], bool]], got: list[dict], t0: floa
             "loaded_tokens": sum(g["cached"] for g in got), "requests": len(got)}
 
 
-async def replay(a, model_dir: Path, opts: dict, sc, fingerprint: str, reqs, w: dict) -> dict:
+async def replay(a, model_dir: Path, opts: dict, sc, url: str, fingerprint: str, streams: dict, w: dict) -> dict:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -82,17 +98,81 @@ async def replay(a, model_dir: Path, opts: dict, sc, fingerprint: str, reqs, w: 
     with watchdog(a.start_timeout_s, "engine start"):
         engine = AsyncLLM.from_engine_args(args)
     res = {}
+    client = sc.client()
     try:
         for method, params in (("recompute", None), ("kvfetcher", {})):
+            reqs = streams[method]
+            probe = Probe(client, url)
             with watchdog(w["requests"] / w["rate"] + 3 * a.call_timeout_s, f"the {method} stream"):
                 t0 = time.perf_counter() + 0.5
                 got = await asyncio.gather(*(one(engine, f"{method}-{i}", t0 + at, p, params, w["output"])
                                              for i, (at, p, _) in enumerate(reqs)))
-            res[method] = summary(reqs, got, t0)
+            await asyncio.to_thread(client.flush)  # the stream's saves written (or dropped): counted in this pass
+            d = probe.delta()
+            res[method] = dict(summary(reqs, got, t0), sidecar=d,
+                               delivered_gbit=round(d["link_bytes_sent"] * 8 / d["read_s"] / 1e9, 3) if d["read_s"] > 0 else None)
             print(f"under load, {method:>9}: {res[method]}", flush=True)
     finally:
+        client.close()
         engine.shutdown()
     return res
+
+
+def pct(xs: list[float], q: int) -> float:
+    return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else xs[0]
+
+
+def lookup_cost(sc, ns, stored: list[int], vocab: int, reps: int, budget_s: float = 40.0) -> dict:
+    """The scheduler's call, timed (:func:`scheduler_call`), for prompts of 8K and 128K tokens, the
+    stored ``stored`` prefix's and fresh ones, each after one lookup that warmed the sidecar's
+    index, ``reps`` times each (fewer past ``budget_s`` a prompt): p50 / p99 / max ms of the
+    client's call, the sidecar's own answer time (mean) and the store listings they caused."""
+    rng = random.Random(5)
+    client = sc.client()
+    look = dict(model=ns.model, dtype=ns.dtype, kv_shape=ns.shape)
+    rows, call = [], None
+    try:
+        cases = [(n, is_stored) for n in (8192, 131072) for is_stored in (True, False)]
+        for i, (n, is_stored) in enumerate(cases):
+            prompt = stored[:n] if is_stored else [rng.randrange(100, vocab - 1) for _ in range(n)]
+            have = warm_index(client, prompt, **look)
+            scheduler_call(client, prompt, look)  # untimed: the connection, the sidecar's first answer
+            # within this phase's time: what is left (less the JSON's writing) shared by the cases left
+            budget = max(2.0, min(budget_s, (phase_left() - 30) / (len(cases) - i)))
+            m0, times, t_end = read_metrics(client), [], time.perf_counter() + budget
+            for _ in range(reps):
+                t = time.perf_counter()
+                call = scheduler_call(client, prompt, look)
+                times.append(time.perf_counter() - t)
+                if time.perf_counter() > t_end:
+                    break
+            m1 = read_metrics(client)
+            d = lambda name: metric(m1, name) - metric(m0, name)  # noqa: E731
+            rows.append({"tokens": n, "stored_tokens": have, "reps": len(times), "p50_ms": round(pct(times, 50) * 1e3, 3),
+                         "p99_ms": round(pct(times, 99) * 1e3, 3), "max_ms": round(max(times) * 1e3, 3),
+                         "sidecar_answer_ms_mean": round(d("kvfetcher_lookup_seconds_sum") / len(times) * 1e3, 3),
+                         "store_listings": int(d("kvfetcher_listing_seconds_count"))})
+            print(f"lookup of {n} tokens ({have} stored): p50 {rows[-1]['p50_ms']} ms, p99 {rows[-1]['p99_ms']} ms "
+                  f"over {len(times)}", flush=True)
+    finally:
+        client.close()
+    return {"reps": reps, "call": call, "rows": rows}
+
+
+def scheduler_call(client, tokens: list[int], look: dict) -> str:
+    """The connector scheduler's question for ``tokens``, as it asks it: ``KVClient.plan`` with the
+    connector's ``FetchOptions`` (answered from the sidecar's index, waiting at most
+    ``listing_wait_s`` for a background listing), or, with a client before that API, ``plan`` with
+    ``may_skip_listing``: which call was made."""
+    try:
+        from kvfetcher.fetch.plan import FetchOptions
+        from kvfetcher.integrations.vllm_meta import Options
+    except ImportError:  # the API before the index
+        client.plan(None, tokens, **look, may_skip_listing=True)
+        return "KVClient.plan(None, tokens, model, dtype, kv_shape, may_skip_listing=True)"
+    wait_s = getattr(Options, "listing_wait_s", 0.0)
+    client.plan(None, tokens, FetchOptions(wait_s=wait_s), **look)
+    return f"KVClient.plan(None, tokens, FetchOptions(wait_s={wait_s}), model, dtype, kv_shape)"
 
 
 def phase_load(a, work: Path) -> dict:
@@ -105,9 +185,18 @@ def phase_load(a, work: Path) -> dict:
     shape = shape_of(model_dir)
     rng = random.Random(2)
     prefixes = [[rng.randrange(100, shape.vocab - 1) for _ in range(w["prefix"])] for _ in range(w["prefixes"])]
-    reqs = stream(rng, prefixes, w, shape.vocab)
+    long_prefix = [rng.randrange(100, shape.vocab - 1) for _ in range(131072)]  # the lookup cost's stored 128K prompt
+    streams = {m: stream(random.Random(3), prefixes, w, shape.vocab, random.Random(seed)) for m, seed in (("recompute", 4), ("kvfetcher", 5))}
     ns = keys.Namespace(model=fetchkit.FINGERPRINT, dtype=kv_dtype(), shape=(shape.layers, shape.kv_heads, shape.head_dim))
-    with s3_sidecar(work, "load", prefixes, ns, shape, a.workers) as (sc, url, size):
+    discard = on_gpu() and not a.keep_puts
+    with s3_sidecar(work, "load", prefixes + [long_prefix], ns, shape, a.workers, link_procs=a.link_procs, writes="raw",
+                    discard_puts=discard) as (sc, url, size):
+        client = sc.client()
+        for p in prefixes:  # the node has seen the shared prefixes (untimed)
+            warm_index(client, p, model=ns.model, dtype=ns.dtype, kv_shape=ns.shape)
+        client.close()
         linkserver.set_rate(url, w["link"] * GBIT)
-        res = asyncio.run(replay(a, model_dir, opts, sc, ns.model, reqs, w))
-    return {"model": model_dir.name, "kv_dtype": ns.dtype, "workload": w, "object_bytes_per_chunk": size, **res}
+        res = asyncio.run(replay(a, model_dir, opts, sc, url, ns.model, streams, w))
+        res["lookup_cost"] = lookup_cost(sc, ns, long_prefix, shape.vocab, a.lookup_reps)
+    return {"model": model_dir.name, "kv_dtype": ns.dtype, "workload": w, "object_bytes_per_chunk": size, "writes": "raw",
+            "discard_puts": discard, **res}

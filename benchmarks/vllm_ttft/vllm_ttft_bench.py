@@ -36,70 +36,120 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.vllm_ttft import under_load
-from benchmarks.vllm_ttft.engine import (CHUNK, counter, generate, kv_dtype, on_gpu, run_phases, s3_sidecar, shape_of, sidecar,
-                                         smollm2_dir, start_llm, timing_model, wait_stored)
+from benchmarks.vllm_ttft import report, under_load
+from benchmarks.vllm_ttft.engine import (CHUNK, Probe, breakdown, generate, kv_dtype, on_gpu, run_phases, s3_sidecar, shape_of, sidecar,
+                                         smollm2_dir, spawn_workers, phase_left, start_llm, stored_presets, timing_model, wait_stored, warm_index)
 
 GBIT = 1.25e8  # bytes/s of 1 Gbit/s
-METHODS = {
-    "recompute": None,
-    "raw": {"presets": ["raw"], "ttft_budget_s": 1e6},
-    "balanced": {"presets": ["balanced"], "ttft_budget_s": 1e6},
-    "auto": {},
-}
+FORCE = 1e6  # a TTFT budget no load exceeds: the preset named is loaded whatever the cost model says
+
+
+def methods() -> dict[str, dict | None]:
+    """recompute, every stored preset forced, and the cost model's choice."""
+    return {"recompute": None, **{p: {"presets": [p], "ttft_budget_s": FORCE} for p in stored_presets()}, "auto": {}}
+
+
 GROUPS = {"identity": ["identity-store", "identity-load"], "ttft": ["ttft"], "load": ["load"]}
 TIMEOUT_S = {"identity-store": 420, "identity-load": 420, "ttft": 900, "load": 600}
-PROMPT, SHARED, NEW = 1100, 400, 32  # identity: prompt tokens, tokens the first request shares, tokens compared
+PROMPT, SPLIT, SHARED, NEW = 1100, 1024, 400, 32  # identity: prompt tokens, the split (stored prefix), vLLM's own share, tokens compared
+IDENTITY_MODEL = "smollm2-135m"  # the fingerprint with the shipped calibration (balanced-ans needs one)
 
 
 # --- phase identity ------------------------------------------------------------------------------
 
 
-def identity_prompt(model_dir: Path) -> list[int]:
+def coded_preset() -> str:
+    """The coded preset ``identity`` forces besides ``raw``: ``balanced-ans`` on a GPU (nvCOMP),
+    ``q8-zstd`` on a CPU (the zstandard package decodes it there)."""
+    return "balanced-ans" if on_gpu() else "q8-zstd"
+
+
+def identity_prompts(model_dir: Path) -> dict[str, list[int]]:
+    """Two 1,100-token prompts of real text, one per forced preset (distinct from the first token)."""
     from transformers import AutoTokenizer
 
     from kvfetcher.eval import model
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    ids = [i for name in ("code.txt", "prose.txt") for i in tok(model.sample_text(name))["input_ids"]]
-    return ids[:PROMPT]
+    text = {n: tok(model.sample_text(n))["input_ids"] for n in ("code.txt", "prose.txt")}
+    return {"raw": (text["code.txt"] + text["prose.txt"])[:PROMPT], coded_preset(): (text["prose.txt"] + text["code.txt"])[:PROMPT]}
+
+
+def filler(seed: int, n: int, vocab: int = 40000) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, vocab) for _ in range(n)]
 
 
 def phase_identity(a, work: Path) -> dict:
-    """identity-store, then identity-load (``a.phase``); both engines keep vLLM's prefix cache on."""
+    """identity-store, then identity-load (``a.phase``); both engines keep vLLM's prefix cache on.
+
+    Every KV a prompt's answer reads was computed by an engine in one pass of 1,100 tokens (the
+    same shapes, so bit-exact KV is possible), and the split is the same: tokens before
+    :data:`SPLIT` (the stored prefix) are cached, the 76 after it computed.
+
+    * identity-store (writes ``raw`` and the coded preset): per prompt P, the request
+      ``P[:1024] + 76 others`` (computed: nothing is stored yet; its save stores P's 4 chunks);
+      then P, which vLLM's own prefix cache serves at the same split (its blocks of ``P[:1024]``;
+      the sidecar loads nothing: it holds no more than vLLM does); then P recomputed.
+    * identity-load (a fresh engine): per prompt, ``P[:400] + 700 others`` recomputed (vLLM
+      now holds P's first 400 tokens itself), then P with its preset forced: kvfetcher loads
+      400..1024 past vLLM's own hit, 1024..1100 are computed. Passes when the forced ``raw``
+      load gives the tokens of vLLM's own hit at the split; every other comparison is reported.
+    """
     d = smollm2_dir()
     shape = shape_of(d)
-    p = identity_prompt(d)
-    ns = dict(model="smollm2", dtype=kv_dtype(), kv_shape=(shape.layers, shape.kv_heads, shape.head_dim))
-    sc = sidecar(work, "identity", KVFETCHER_STORE_DIR=str(work / "identity-store"), KVFETCHER_PRESET="raw")
+    prompts = identity_prompts(d)
+    ns = dict(model=IDENTITY_MODEL, dtype=kv_dtype(), kv_shape=(shape.layers, shape.kv_heads, shape.head_dim))
+    sc = sidecar(work, "identity", KVFETCHER_STORE_DIR=str(work / "identity-store"), KVFETCHER_PRESET=",".join(prompts))
+    client = sc.client()
     try:
-        llm = start_llm(d, sc.socket, "smollm2", prefix_caching=True, max_model_len=4096, timeout_s=a.start_timeout_s,
+        llm = start_llm(d, sc.socket, IDENTITY_MODEL, prefix_caching=True, max_model_len=4096, timeout_s=a.start_timeout_s,
                         gpu_memory_utilization=0.3)
 
-        def run(prompt: list[int], params: dict | None = {}):  # noqa: B006 (never mutated)
-            return generate(llm, [prompt], NEW, params, a.call_timeout_s)[1][0]
+        def run(prompt: list[int], params: dict | None) -> tuple[list[int], int, int]:
+            """(tokens, vLLM's num_cached_tokens, tokens the sidecar loaded for it)"""
+            probe = Probe(client, None)
+            tokens, cached = generate(llm, [prompt], NEW, params, a.call_timeout_s)[1][0]
+            return tokens, cached, probe.delta()["loaded_tokens"]
 
+        res = {"prompt_tokens": PROMPT, "split": SPLIT, "model": IDENTITY_MODEL, "per_preset": {}}
         if a.phase == "identity-store":
-            tokens, cached = run(p)
-            wait_stored(sc.client(), p, len(p) // CHUNK * CHUNK, ns)
-            res = {"prompt_tokens": len(p), "cached": cached, "tokens": tokens}
-        else:
-            first = json.loads((work / "identity-store.json").read_text())
-            rng = random.Random(1)
-            _, shared_cached = run(p[:SHARED] + [rng.randrange(100, 40000) for _ in range(300)])  # vLLM keeps p[:400]
-            before = counter(sc.client(), "kvfetcher_loaded_tokens_total")
-            tokens, cached = run(p)
-            loaded = counter(sc.client(), "kvfetcher_loaded_tokens_total") - before
-            ref, ref_cached = run(p, None)
-            expected = (len(p) - 1) // CHUNK * CHUNK
-            res = {"prompt_tokens": len(p), "shared_request_cached": shared_cached, "cached": cached, "expected_cached": expected,
-                   "sidecar_loaded_tokens": loaded, "reference_cached": ref_cached,
-                   "tokens_identical": tokens == ref == first["tokens"], "tokens": tokens, "reference_tokens": ref}
-            print(f"identity: cached {cached} of {len(p)} (expected {expected}); the sidecar loaded {loaded} past vLLM's own hit; "
-                  f"{NEW} tokens identical to the recompute and the first run: {res['tokens_identical']}", flush=True)
-            if not (loaded > 0 and cached == expected and ref_cached == 0 and res["tokens_identical"]):
-                raise AssertionError(f"identity failed: {json.dumps({k: v for k, v in res.items() if k not in ('tokens', 'reference_tokens')})}")
+            for i, (preset, p) in enumerate(prompts.items()):
+                _, first_cached, _ = run(p[:SPLIT] + filler(10 + i, PROMPT - SPLIT), {})
+                wait_stored(client, p, SPLIT, ns)
+                hit, hit_cached, hit_loaded = run(p, {})  # vLLM's own prefix cache at the split
+                ref, ref_cached, _ = run(p, None)
+                res["per_preset"][preset] = {"first_request_cached": first_cached, "vllm_hit_tokens": hit, "vllm_hit_cached": hit_cached,
+                                             "vllm_hit_sidecar_loaded": hit_loaded, "recompute_tokens": ref, "recompute_cached": ref_cached,
+                                             "vllm_hit_equals_recompute": hit == ref}
+                print(f"identity-store [{preset}]: vLLM's own hit cached {hit_cached} (sidecar loaded {hit_loaded}); same {NEW} tokens as "
+                      f"a recompute: {hit == ref}", flush=True)
+                if not (first_cached == 0 and hit_cached == SPLIT and hit_loaded == 0 and ref_cached == 0):
+                    raise AssertionError(f"identity-store: vLLM's own hit is not at the split: {res['per_preset'][preset]}")
+            return res
+        first = json.loads((work / "identity-store.json").read_text())["per_preset"]
+        ok = True
+        for i, (preset, p) in enumerate(prompts.items()):
+            warm_index(client, p, **ns)
+            _, shared_cached, _ = run(p[:SHARED] + filler(20 + i, PROMPT - SHARED), None)  # vLLM keeps P[:400] (whole blocks)
+            tokens, cached, loaded = run(p, {"presets": [preset], "ttft_budget_s": FORCE})
+            ref, _, _ = run(p, None)
+            f = first[preset]
+            r = {"shared_request_cached": shared_cached, "cached": cached, "expected_cached": SPLIT, "sidecar_loaded_tokens": loaded,
+                 "tokens": tokens, "equals_vllm_hit": tokens == f["vllm_hit_tokens"], "equals_recompute": tokens == ref,
+                 "recompute_equals_first_engine": ref == f["recompute_tokens"], "vllm_hit_equals_recompute": f["vllm_hit_equals_recompute"],
+                 "first_difference_vs_vllm_hit": next((j for j, (x, y) in enumerate(zip(tokens, f["vllm_hit_tokens"])) if x != y), None)}
+            r["passed"] = loaded > 0 and cached == SPLIT and (r["equals_vllm_hit"] or preset != "raw")
+            res["per_preset"][preset] = r
+            ok &= r["passed"]
+            print(f"identity [{preset} forced]: cached {cached} of {PROMPT} (expected {SPLIT}); the sidecar loaded {loaded} past vLLM's "
+                  f"own hit; {NEW} tokens equal vLLM's own hit at the split: {r['equals_vllm_hit']}, a recompute: "
+                  f"{r['equals_recompute']}{'' if preset == 'raw' else ' (reported, lossy preset)'}", flush=True)
+        res["passed"] = ok
+        if not ok:
+            raise AssertionError("identity failed: " + json.dumps({k: {x: y for x, y in v.items() if x != "tokens"} for k, v in res["per_preset"].items()}))
     finally:
+        client.close()
         sc.stop()
     return res
 
@@ -116,34 +166,57 @@ def phase_ttft(a, work: Path) -> dict:
     rng = random.Random(0)
     prompts = {n: [rng.randrange(100, shape.vocab - 1) for _ in range(n)] for n in contexts}
     ns = keys.Namespace(model=fetchkit.FINGERPRINT, dtype=kv_dtype(), shape=(shape.layers, shape.kv_heads, shape.head_dim))
+    look = dict(model=ns.model, dtype=ns.dtype, kv_shape=ns.shape)
     rows = []
-    with s3_sidecar(work, "ttft", [p[:-1] for p in prompts.values()], ns, shape, a.workers) as (sc, url, size):
+    check = linkserver.self_check(a.link_procs or linkserver.default_procs(), 4 if a.tiny else 16, seconds=2.0 if a.tiny else 4.0)
+    print(f"link self-check: {check['delivered_gbit']} Gbit/s at most ({check['procs']} server processes, {check['parallel']} parallel "
+          "ranged GETs)", flush=True)
+    with s3_sidecar(work, "ttft", [p[:-1] for p in prompts.values()], ns, shape, a.workers, link_procs=a.link_procs) as (sc, url, size):
+        client = sc.client()
         llm = start_llm(model_dir, sc.socket, ns.model, prefix_caching=False, max_model_len=max(contexts) + 256,
                         timeout_s=a.start_timeout_s, **opts)
-        for n in sorted(contexts)[:2]:  # warm-up: kernels, the connector's prefill rate, the sidecar's estimator
+        for n in sorted(contexts)[:2]:  # warm-up: kernels, the connector's prefill rate, the sidecar's estimator, each preset's decoder
+            warm_index(client, prompts[n][:-1], **look)
             generate(llm, [prompts[n]], 1, None, a.call_timeout_s)
-            generate(llm, [prompts[n]], 1, METHODS["raw"], a.call_timeout_s)
+            for m, params in methods().items():
+                if params:
+                    generate(llm, [prompts[n]], 1, params, a.call_timeout_s)
         for gbit in [float(x) for x in a.links.split(",")]:
             linkserver.set_rate(url, gbit * GBIT)
             for n in contexts:
-                rows += ttft_cells(a, llm, gbit, n, prompts[n], size)
-    return {"model": model_dir.name, "kv_dtype": ns.dtype, "object_bytes_per_chunk": size, "chunk_tokens": CHUNK, "rows": rows}
+                rows += ttft_cells(a, llm, client, url, look, gbit, n, prompts[n], size)
+        client.close()
+    return {"model": model_dir.name, "kv_dtype": ns.dtype, "object_bytes_per_chunk": size, "chunk_tokens": CHUNK, "link_self_check": check,
+            "rows": rows}
 
 
-def ttft_cells(a, llm, gbit: float, n: int, prompt: list[int], size: dict) -> list[dict]:
-    """One context at one link: every method's TTFT (a forced load must load the whole stored prefix)."""
+def ttft_cells(a, llm, client, url: str, look: dict, gbit: float, n: int, prompt: list[int], size: dict) -> list[dict]:
+    """One context at one link: every method's TTFT and its breakdown (a forced load must load
+    the whole stored prefix)."""
     rows, want = [], (n - 1) // CHUNK * CHUNK
-    for method, params in METHODS.items():
+    for method, params in methods().items():
         preset = (params or {}).get("presets", [None])[0]
         transfer_s = (n // CHUNK) * size[preset] / (gbit * GBIT) if preset else 0.0
         row = dict(link_gbit=gbit, context=n, method=method)
         if transfer_s > a.cap_s:
             rows.append(dict(row, skipped=f"transfer alone {transfer_s:.0f} s > cap"))
             continue
+        if phase_left() < 45 + 2 * transfer_s + a.cap_s:  # leave time to write what was measured
+            rows.append(dict(row, skipped="not run: the phase's time ran out"))
+            continue
+        warm_index(client, prompt[:-1], **look)  # the node has seen this prefix (untimed)
+        probe = Probe(client, url)
         s, [(_, cached)] = generate(llm, [prompt], 1, params, a.call_timeout_s + 2 * transfer_s)
-        rows.append(dict(row, ttft_s=round(s, 4), loaded_tokens=cached))
+        d = probe.delta()
+        t = time.perf_counter()
+        under_load.scheduler_call(client, prompt[:-1], look)  # the scheduler's call for this prompt, timed on its own after the cell
+        call_s = time.perf_counter() - t
+        rows.append(dict(row, ttft_s=round(s, 4), loaded_tokens=cached, **breakdown(s, d), lookup_call_s=round(call_s, 4), sidecar=d))
         flag = "" if (cached == want) == (preset is not None) or method == "auto" else f"  <- expected {want if preset else 0}"
-        print(f"{gbit:>6g} Gbit/s {n:>6} tokens {method:>9}: {s:7.3f} s, loaded {cached}{flag}", flush=True)
+        b = rows[-1]
+        print(f"{gbit:>6g} Gbit/s (delivered {b['delivered_gbit'] or 0:6.2f}) {n:>6} tokens {method:>12}: {s:7.3f} s, loaded {cached}"
+              f" [lookup {b['lookup_s']:.3f} wait {b['wait_s']:.3f} download {b['download_s']:.3f} decode {b['decode_s']:.3f} "
+              f"restore {b['restore_s']:.3f} prefill {b['prefill_s']:.3f}]{flag}", flush=True)
     return rows
 
 
@@ -160,6 +233,7 @@ def main() -> None:
     ap.add_argument("--links", help="Gbit/s (default 100,25,10,1; --tiny 1,0.1)")
     ap.add_argument("--cap-s", type=float, default=12.0, help="skip a forced load whose transfer alone takes longer")
     ap.add_argument("--workers", type=int, default=8, help="processes encoding the balanced chunks")
+    ap.add_argument("--link-procs", type=int, default=0, help="link server processes sharing the link (0: half the cores, 1 to 8)")
     ap.add_argument("--deadline-s", type=float, default=560, help="start no phase after this (a device call's limit is 600 s)")
     ap.add_argument("--start-timeout-s", type=float, default=300, help="an engine that has not started by then is a failure")
     ap.add_argument("--call-timeout-s", type=float, default=120, help="an engine call that has not answered by then is a failure")
@@ -177,6 +251,7 @@ def main() -> None:
         status = run_phases("benchmarks.vllm_ttft.vllm_ttft_bench", phases, argv, out, TIMEOUT_S, a.deadline_s)
         raise SystemExit(0 if all(s == "ok" for s in status.values()) else 1)
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    spawn_workers()
     run = {"ttft": phase_ttft, "load": under_load.phase_load}.get(a.phase, phase_identity)
     res = run(a, work)
     import torch
@@ -186,6 +261,7 @@ def main() -> None:
                tiny=a.tiny, date=time.strftime("%Y-%m-%d"))
     (work / f"{a.phase}.json").write_text(json.dumps(res, indent=1))
     (out / f"{a.phase}.json").write_text(json.dumps(res, indent=1))
+    (out / f"{a.phase}.md").write_text(report.markdown(a.phase, res))
     print(f"wrote {out / (a.phase + '.json')}", flush=True)
 
 

@@ -28,6 +28,12 @@ class Metrics:
         self.index_keys = Gauge("kvfetcher_index_keys", "Chunk keys the sidecar's index of the store knows (stored or absent)", registry=r)
         self.store_seconds = Histogram("kvfetcher_store_seconds", "Encode + upload time of one chunk", buckets=_LATENCY, registry=r)
         self.bytes_read = Counter("kvfetcher_bytes_read_total", "Bytes read from the store", registry=r)
+        # a fetch's stages (executor.Outcome), summed: with the fetch count, a load's time broken down
+        self.fetch_busy = Counter(
+            "kvfetcher_fetch_busy_seconds_total", "Seconds with at least one store read (stage=read) or one decode/restore (stage=decode) of a "
+            "fetch in flight, and the fetches' own wall time (stage=fetch); the stages overlap", ["stage"], registry=r,
+        )
+        self.kv_bytes = Counter("kvfetcher_kv_bytes_restored_total", "KV bytes written into KV buffers by fetches", registry=r)
         self.bytes_written = Counter("kvfetcher_bytes_written_total", "Bytes written to the store", registry=r)
         self.compression_ratio = Gauge(
             "kvfetcher_compression_ratio", "KV bytes / stored bytes of the last chunk stored, by preset", ["preset"], registry=r

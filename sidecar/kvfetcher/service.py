@@ -399,6 +399,9 @@ class Sidecar:
         m, ep, preset = self.metrics, self.store.endpoint, plan.preset
         m.bytes_read.inc(out.bytes_read)
         m.loaded_tokens.inc(out.loaded_tokens)
+        m.kv_bytes.inc(out.kv_bytes)
+        for stage, seconds in (("read", out.read_busy_s), ("decode", out.decode_busy_s), ("fetch", out.seconds)):
+            m.fetch_busy.labels(stage).inc(seconds)
         if out.error is None:
             fmt = PRESETS[preset].codec.format
             if out.header_latency_s:

@@ -1,5 +1,6 @@
 """The benchmark's link server: S3 subset through the real S3Store, ranges, and the shared rate."""
 
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -73,3 +74,38 @@ def test_rate_is_shared_by_all_connections(server, tmp_path):
     assert 0.85 * 2 * size / rate < two < 2.0 * 2 * size / rate  # two GETs share one link
     linkserver.set_rate(server.url, 0)
     assert linkserver.stats(server.url)["bytes_sent"] >= 3 * size
+
+
+def test_multipart_uploads_through_s3store(server, tmp_path):
+    """The minio SDK uploads objects over 5 MiB in parts (POST ?uploads ... POST ?uploadId): the
+    sidecar's saves of large chunks go through, and are counted."""
+    data = os.urandom(1 << 20) * 12  # 12 MiB: three parts of 5 MiB, 5 MiB, 2 MiB
+    s = store(server)
+    assert s.put("kv/ef/raw.kvfc", data)
+    assert s.get("kv/ef/raw.kvfc") == data
+    st = linkserver.stats(server.url)
+    assert st["objects_put"] == 1 and st["bytes_received"] == len(data)
+    assert not any((tmp_path / "_uploads").iterdir())  # the parts are gone
+    assert s.list("kv/ef/") == {"kv/ef/raw.kvfc": len(data)}
+
+
+def test_server_processes_share_one_link(tmp_path):
+    """Two server processes on one port (SO_REUSEPORT) pace against one shared budget."""
+    size, rate = 2 * 1024 * 1024, 20e6
+    (tmp_path / "bench").mkdir()
+    for i in range(4):
+        (tmp_path / "bench" / f"o{i}").write_bytes(b"x" * size)
+    url, group = linkserver.start_process(tmp_path, rate, procs=2)
+    try:
+        stores = [S3Store(url, "bench", "k", "s") for _ in range(4)]  # separate connections
+        for s in stores:
+            s.get("o0", 0, 10)
+        t = time.perf_counter()
+        with ThreadPoolExecutor(4) as ex:
+            assert [len(b) for b in ex.map(lambda i: stores[i].get(f"o{i}"), range(4))] == [size] * 4
+        took = time.perf_counter() - t
+        assert 0.85 * 4 * size / rate < took < 2.0 * 4 * size / rate
+        st = linkserver.stats(url)
+        assert st["procs"] == 2 and st["bytes_sent"] >= 4 * size and st["rate"] == rate
+    finally:
+        group.terminate()

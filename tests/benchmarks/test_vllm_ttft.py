@@ -57,3 +57,65 @@ def test_the_load_stream_arrives_at_its_rate_and_mostly_shares_stored_prefixes()
     got = [dict(ttft_s=float(i), end=10.0, tokens=5, cached=0) for i in range(len(reqs))]
     s = summary(reqs, got, 0.0)
     assert (s["ttft_p50_s"], s["output_tokens_per_s"], s["requests"]) == (99.5, 100.0, 200)
+
+
+def test_the_breakdown_comes_from_the_sidecars_counters():
+    from benchmarks.vllm_ttft.engine import breakdown, metric
+
+    text = ('kvfetcher_fetch_busy_seconds_total{stage="read"} 2.5\nkvfetcher_fetch_busy_seconds_total{stage="decode"} 1.0\n'
+            "kvfetcher_lookups_total 3.0\n# HELP x y\nkvfetcher_lookup_seconds_sum 0.25\n")
+    m = {k: float(v) for k, _, v in (line.rpartition(" ") for line in text.splitlines() if not line.startswith("#"))}
+    assert metric(m, "kvfetcher_fetch_busy_seconds_total") == 3.5
+    assert metric(m, "kvfetcher_fetch_busy_seconds_total", stage="read") == 2.5
+    assert metric(m, "kvfetcher_lookups") == 0  # a name is matched whole
+    d = dict(lookup_s=0.1, load_s=1.0, fetch_s=0.8, read_s=0.5, decode_s=0.6, link_bytes_sent=625_000_000)
+    b = breakdown(2.0, d)
+    assert (b["lookup_s"], b["wait_s"], b["restore_s"], b["prefill_s"]) == (0.1, 0.2, 0.8, 0.9)
+    assert b["delivered_gbit"] == 10.0  # 625 MB in 0.5 s of downloading
+    assert breakdown(1.0, dict(d, read_s=0.0))["delivered_gbit"] is None
+
+
+def test_the_index_is_warmed_with_refresh_where_the_client_has_it():
+    from benchmarks.vllm_ttft.engine import warm_index
+
+    class Plan:  # the API with FetchOptions: a plan that may not skip the store
+        def plan(self, buffer, tokens, options, **ns):
+            self.options = options
+            return type("P", (), {"hit_tokens": 768})()
+
+    class New:  # lookup(refresh=)
+        def lookup(self, buffer, tokens, *, refresh=False, **ns):
+            self.refresh = refresh
+            return 256
+
+    class Old:
+        def lookup(self, buffer, tokens, **ns):
+            return 512
+
+    plan, new = Plan(), New()
+    assert warm_index(plan, [1] * 900, model="m") == 768 and plan.options.refresh and plan.options.ttft_budget_s >= 1e6
+    assert warm_index(new, [1] * 300, model="m") == 256 and new.refresh
+    assert warm_index(Old(), [1] * 600, model="m") == 512
+
+
+def test_the_reports_render():
+    from benchmarks.vllm_ttft import report
+
+    row = dict(link_gbit=100.0, context=8192, method="raw", ttft_s=0.5, loaded_tokens=8192, lookup_s=0.001, wait_s=0.0, download_s=0.3,
+               decode_s=0.2, restore_s=0.35, prefill_s=0.1, delivered_gbit=80.5)
+    md = report.markdown("ttft", dict(model="llama3-8b", kv_dtype="bfloat16", chunk_tokens=256, object_bytes_per_chunk={"raw": 1},
+                                      link_self_check={"delivered_gbit": 120.0, "procs": 8, "parallel": 16},
+                                      rows=[row, dict(link_gbit=1.0, context=65536, method="raw", skipped="transfer alone 99 s > cap")]))
+    assert "| 100 Gbit/s | 80.50 | 8192 | raw | 0.500 |" in md and "skipped" in md
+
+
+def test_a_histograms_quantile_between_two_readings_is_its_buckets_bound():
+    from benchmarks.vllm_ttft.engine import bucket_quantile
+
+    def reading(counts):
+        return {f'kvfetcher_lookup_seconds_bucket{{le="{le}"}}': c for le, c in zip(("0.001", "0.01", "0.1", "+Inf"), counts)}
+
+    m0, m1 = reading((5, 5, 5, 5)), reading((5, 95, 104, 105))  # 100 new: 90 within 10 ms, 99 within 100 ms, 1 above
+    assert bucket_quantile(m0, m1, "kvfetcher_lookup_seconds", 0.5) == 0.01
+    assert bucket_quantile(m0, m1, "kvfetcher_lookup_seconds", 0.99) == 0.1
+    assert bucket_quantile(m1, m1, "kvfetcher_lookup_seconds", 0.5) is None

@@ -1,0 +1,91 @@
+"""report: each phase's JSON as a Markdown page (``<phase>.md`` beside it)."""
+
+from __future__ import annotations
+
+
+def _f(x, nd: int = 3) -> str:
+    return "" if x is None else f"{x:.{nd}f}" if isinstance(x, float) else str(x)
+
+
+def _head(res: dict) -> str:
+    return (f"Device: {res.get('device')}; vLLM {res.get('vllm')}; {res.get('date')}"
+            f"{' — a CPU smoke run of the benchmark (--tiny), not a result' if res.get('tiny') else ''}.\n\n")
+
+
+def ttft(res: dict) -> str:
+    c = res.get("link_self_check") or {}
+    out = ["# vllm_ttft: time to first token, broken down\n", _head(res),
+           f"Model {res['model']} ({res['kv_dtype']}), chunks of {res['chunk_tokens']} tokens, bytes a chunk: {res['object_bytes_per_chunk']}. "
+           f"Link self-check on this machine: at most {c.get('delivered_gbit')} Gbit/s delivered ({c.get('procs')} server processes, "
+           f"{c.get('parallel')} parallel ranged GETs). `delivered` is what the link server sent during the cell over the sidecar's download "
+           "time (time with a read in flight): the link a cell really had, next to its label. Seconds: `lookup` the sidecar's time "
+           "answering the scheduler's lookup, `wait` the sidecar's load request outside its fetch, `download` / `decode` time with a read / a decode or "
+           "restore in flight (they overlap), `restore` the fetch's wall time, `prefill` the rest of the TTFT (the remainder's prefill and "
+           "the engine's own work). `call` is the scheduler's lookup call for the prompt timed from a client right after the cell "
+           "(its whole cost, listing or not; not part of the TTFT shown).\n\n",
+           "| link (label) | delivered Gbit/s | context | method | TTFT s | loaded | lookup | wait | download | decode | restore | prefill | call |\n",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"]
+    for r in res["rows"]:
+        if "skipped" in r:
+            out.append(f"| {r['link_gbit']:g} Gbit/s | | {r['context']} | {r['method']} | skipped: {r['skipped']} | | | | | | | | |\n")
+            continue
+        out.append(f"| {r['link_gbit']:g} Gbit/s | {_f(r.get('delivered_gbit'), 2)} | {r['context']} | {r['method']} | {_f(r['ttft_s'])} | "
+                   f"{r['loaded_tokens']} | {_f(r['lookup_s'])} | {_f(r['wait_s'])} | {_f(r['download_s'])} | {_f(r['decode_s'])} | "
+                   f"{_f(r['restore_s'])} | {_f(r['prefill_s'])} | {_f(r.get('lookup_call_s'))} |\n")
+    return "".join(out)
+
+
+def identity(res: dict, phase: str) -> str:
+    out = ["# vllm_ttft: identity (" + phase + ")\n", _head(res),
+           f"{res['model']}, prompts of {res['prompt_tokens']} tokens, split at {res['split']} (the stored prefix).\n\n"]
+    if phase == "identity-store":
+        out.append("| prompt for | vLLM's own hit cached | sidecar loaded | same tokens as a recompute |\n|---|---|---|---|\n")
+        for p, r in res["per_preset"].items():
+            out.append(f"| {p} | {r['vllm_hit_cached']} | {r['vllm_hit_sidecar_loaded']} | {r['vllm_hit_equals_recompute']} |\n")
+        return "".join(out)
+    out.append("| forced preset | cached | sidecar loaded (its chunks; the one straddling vLLM's own hit writes its tail) | "
+               "= vLLM's own hit at the split | = recompute | vLLM's own hit = recompute | passed |\n|---|---|---|---|---|---|---|\n")
+    for p, r in res["per_preset"].items():
+        out.append(f"| {p} | {r['cached']} | {r['sidecar_loaded_tokens']} | {r['equals_vllm_hit']} | "
+                   f"{r['equals_recompute']} | {r['vllm_hit_equals_recompute']} | {r['passed']} |\n")
+    out.append("\nPass criterion: the forced `raw` load gives the tokens of vLLM's own prefix-cache hit at the same split; the "
+               "coded preset's comparisons and the recompute comparisons are reported, not required.\n")
+    return "".join(out)
+
+
+def load(res: dict) -> str:
+    w = res["workload"]
+    out = ["# vllm_ttft: under load\n", _head(res),
+           f"{w['requests']} requests at {w['rate']}/s, {int(w['shared'] * 100)}% one of {w['prefixes']} stored {w['prefix']}-token prefixes "
+           f"plus {w['suffix']} fresh tokens, {w['output']} output tokens each, link {w['link']} Gbit/s. `recompute` passes the connector by "
+           f"(no lookup, load or save); `kvfetcher` (`auto`) saves as deployed (the sidecar writes `{res.get('writes')}`"
+           f"{'; the link server counts uploads without keeping them' if res.get('discard_puts') else ''}).\n\n",
+           "| method | TTFT p50 s | TTFT p99 s | shared p50 s | shared p99 s | output tokens/s | tokens loaded | lookups | lookup s "
+           "(sum) | lookup p50 / p99 ≤ s (buckets) | stored chunks | uploaded objects | dropped chunks | delivered Gbit/s |\n"
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"]
+    for m in ("recompute", "kvfetcher"):
+        r = res.get(m)
+        if not r:
+            continue
+        s = r.get("sidecar", {})
+        out.append(f"| {m} | {_f(r['ttft_p50_s'])} | {_f(r['ttft_p99_s'])} | {_f(r['shared_ttft_p50_s'])} | {_f(r['shared_ttft_p99_s'])} | "
+                   f"{_f(r['output_tokens_per_s'], 1)} | {r['loaded_tokens']} | {s.get('lookups')} | {_f(s.get('lookup_s'))} | "
+                   f"{_f(s.get('lookup_p50_le_s'), 4)} / {_f(s.get('lookup_p99_le_s'), 4)} | "
+                   f"{s.get('stored_chunks')} | {s.get('link_objects_put')} | {s.get('dropped_chunks')} | {_f(r.get('delivered_gbit'), 2)} |\n")
+    lc = res.get("lookup_cost")
+    if lc:
+        out.append(f"\nThe lookup's own cost: the connector scheduler's call (`{lc.get('call')}`, as `get_num_new_matched_tokens` makes "
+                   f"it) timed from a client against the running sidecar, {lc['reps']} repetitions each (fewer where a prompt's time ran out; ms):\n\n"
+                   "| prompt tokens | stored | calls | p50 ms | p99 ms | max ms | sidecar's answer ms (mean) | store listings |\n|---|---|---|---|---|---|---|---|\n")
+        for r in lc["rows"]:
+            out.append(f"| {r['tokens']} | {r['stored_tokens']} | {r['reps']} | {_f(r['p50_ms'], 2)} | {_f(r['p99_ms'], 2)} | {_f(r['max_ms'], 2)} | "
+                       f"{_f(r.get('sidecar_answer_ms_mean'), 2)} | {r.get('store_listings')} |\n")
+    return "".join(out)
+
+
+def markdown(phase: str, res: dict) -> str:
+    if phase == "ttft":
+        return ttft(res)
+    if phase == "load":
+        return load(res)
+    return identity(res, phase)
