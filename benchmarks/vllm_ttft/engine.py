@@ -141,26 +141,10 @@ def s3_sidecar(work: Path, name: str, prefixes: list[list[int]], ns, shape: Mode
 
 
 def warm_index(client, tokens: list[int], **ns) -> int:
-    """One lookup of ``tokens`` that lets the sidecar list what its index lacks first
-    (``refresh``): the objects this benchmark hard-links into the store are unknown to a sidecar
-    whose lookup answers from its index (a node that has seen the prefix before knows them). The
-    stored tokens.
-
-    Asked as a plan with a TTFT budget no load exceeds, so that the store is listed whatever the
-    cost model prefers (a sidecar before main's 575c5d7 answered a plain lookup with 0 tokens,
-    asking the store nothing, where a buffer of the namespace was registered and a recompute was
-    predicted faster). A client before ``FetchOptions`` gets ``lookup(refresh=True)``, and one
-    before ``refresh`` a plain lookup."""
-    try:
-        from kvfetcher.fetch.plan import FetchOptions
-
-        return client.plan(None, tokens, FetchOptions(refresh=True, ttft_budget_s=1e6), **ns).hit_tokens
-    except (ImportError, AttributeError, TypeError):
-        pass
-    try:
-        return client.lookup(None, tokens, refresh=True, **ns)
-    except TypeError:
-        return client.lookup(None, tokens, **ns)
+    """The stored tokens of ``tokens``, the sidecar listing what its index lacks first (a refresh):
+    the objects this benchmark hard-links into the store are unknown to a sidecar whose lookups
+    answer from its index, as they would be known to a node that has seen the prefix before."""
+    return client.lookup(None, tokens, refresh=True, **ns)
 
 
 # --- what the sidecar and the link say, before and after a cell ---------------------------------

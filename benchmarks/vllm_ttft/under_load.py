@@ -160,19 +160,13 @@ def lookup_cost(sc, ns, stored: list[int], vocab: int, reps: int, budget_s: floa
 
 
 def scheduler_call(client, tokens: list[int], look: dict) -> str:
-    """The connector scheduler's question for ``tokens``, as it asks it: ``KVClient.plan`` with the
-    connector's ``FetchOptions`` (answered from the sidecar's index, waiting at most
-    ``listing_wait_s`` for a background listing), or, with a client before that API, ``plan`` with
-    ``may_skip_listing``: which call was made."""
-    try:
-        from kvfetcher.fetch.plan import FetchOptions
-        from kvfetcher.integrations.vllm_meta import Options
-    except ImportError:  # the API before the index
-        client.plan(None, tokens, **look, may_skip_listing=True)
-        return "KVClient.plan(None, tokens, model, dtype, kv_shape, may_skip_listing=True)"
-    wait_s = getattr(Options, "listing_wait_s", 0.0)
-    client.plan(None, tokens, FetchOptions(wait_s=wait_s), **look)
-    return f"KVClient.plan(None, tokens, FetchOptions(wait_s={wait_s}), model, dtype, kv_shape)"
+    """The connector scheduler's question for ``tokens``, as it asks it (answered from the sidecar's
+    index, waiting at most ``listing_wait_s`` for a background listing): which call was made."""
+    from kvfetcher.fetch.plan import FetchOptions
+    from kvfetcher.integrations.vllm_meta import Options
+
+    client.plan(None, tokens, FetchOptions(wait_s=Options.listing_wait_s), **look)
+    return f"KVClient.plan(None, tokens, FetchOptions(wait_s={Options.listing_wait_s}), model, dtype, kv_shape)"
 
 
 def phase_load(a, work: Path) -> dict:

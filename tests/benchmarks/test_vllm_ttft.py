@@ -75,27 +75,25 @@ def test_the_breakdown_comes_from_the_sidecars_counters():
     assert breakdown(1.0, dict(d, read_s=0.0))["delivered_gbit"] is None
 
 
-def test_the_index_is_warmed_with_refresh_where_the_client_has_it():
+def test_the_index_is_warmed_with_objects_placed_behind_the_sidecars_back(tmp_path):
     from benchmarks.vllm_ttft.engine import warm_index
+    from kvfetcher import keys
+    from kvfetcher.api.client import KVClient
+    from kvfetcher.api.server import Embedded
+    from kvfetcher.config import Config
+    from kvfetcher.fetch.plan import FetchOptions
+    from kvfetcher.service import Sidecar
+    from kvfetcher.store.local import LocalStore
 
-    class Plan:  # the API with FetchOptions: a plan that may not skip the store
-        def plan(self, buffer, tokens, options, **ns):
-            self.options = options
-            return type("P", (), {"hit_tokens": 768})()
-
-    class New:  # lookup(refresh=)
-        def lookup(self, buffer, tokens, *, refresh=False, **ns):
-            self.refresh = refresh
-            return 256
-
-    class Old:
-        def lookup(self, buffer, tokens, **ns):
-            return 512
-
-    plan, new = Plan(), New()
-    assert warm_index(plan, [1] * 900, model="m") == 768 and plan.options.refresh and plan.options.ttft_budget_s >= 1e6
-    assert warm_index(new, [1] * 300, model="m") == 256 and new.refresh
-    assert warm_index(Old(), [1] * 600, model="m") == 512
+    tokens, ns = list(range(700)), dict(model="m", dtype="float16", kv_shape=(2, 2, 32))
+    for k in keys.chunk_keys(keys.Namespace(model="m", dtype="float16", shape=(2, 2, 32)), tokens, 256):  # as the bench hard-links them
+        (tmp_path / keys.object_name(k, "raw")).parent.mkdir(parents=True)
+        (tmp_path / keys.object_name(k, "raw")).write_bytes(b"x")
+    with Embedded(Sidecar(LocalStore(tmp_path), Config(chunk_tokens=256, presets=("raw",), decode_procs=0, warm_up=False))) as sc:
+        c = KVClient(socket_path=sc.socket)
+        assert c.plan(None, tokens, **ns).hit_tokens == 0  # unknown to the index: not waited for
+        assert warm_index(c, tokens, **ns) == 512
+        assert c.plan(None, tokens, FetchOptions(), **ns).hit_tokens == 512  # known now
 
 
 def test_the_reports_render():
