@@ -218,6 +218,9 @@ class Probe:
             "dropped_chunks": int(d("kvfetcher_store_dropped_chunks_total")), "errors": int(d("kvfetcher_errors_total")),
             "fallbacks": {k.split('reason="', 1)[1].split('"', 1)[0]: int(v - self.m0.get(k, 0)) for k, v in m1.items()
                           if k.startswith("kvfetcher_fallbacks_total{") and v - self.m0.get(k, 0) > 0},
+            # the cost model's predicted seconds per option at the cell's last lookup (auto's reasons)
+            "predicted_s": {k.split('option="', 1)[1].split('"', 1)[0]: round(v, 4) for k, v in m1.items()
+                            if k.startswith("kvfetcher_lookup_option_seconds{")} if d("kvfetcher_lookups_total") else {},
         }
 
 

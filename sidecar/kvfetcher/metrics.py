@@ -25,6 +25,8 @@ class Metrics:
         self.listing_seconds = Histogram(
             "kvfetcher_listing_seconds", "Time to list a prefix's chunks the index did not know (one LIST per chunk), in the background "
             "or before a fetch", buckets=_LATENCY, registry=r)
+        self.lookup_options = Gauge("kvfetcher_lookup_option_seconds", "The last lookup's predicted seconds until the prefix is in "
+                                    "the buffer, per option the cost model weighed (a preset, or recompute)", ["option"], registry=r)
         self.index_keys = Gauge("kvfetcher_index_keys", "Chunk keys the sidecar's index of the store knows (stored or absent)", registry=r)
         self.store_seconds = Histogram("kvfetcher_store_seconds", "Encode + upload time of one chunk", buckets=_LATENCY, registry=r)
         self.bytes_read = Counter("kvfetcher_bytes_read_total", "Bytes read from the store", registry=r)

@@ -274,6 +274,8 @@ class Sidecar:
         self.calibrations.look(ns.model)
         p = await self._plan(ns, keys.chunk_keys(ns, tokens, self.config.chunk_tokens), buf, options or FetchOptions())
         self.metrics.hit_tokens.inc(p.hit_tokens)
+        for option, seconds in p.options.items():  # why auto chose what it chose
+            self.metrics.lookup_options.labels(option).set(seconds)
         self.metrics.lookup_seconds.observe(time.perf_counter() - t)
         return p
 
