@@ -29,6 +29,9 @@ What the sidecar gets, and why:
   named vllm-openai) without its own `--kv-transfer-config` gets one naming the kvfetcher connector
   on the sidecar's socket (its image must have the `kvfetcher` package); the pod annotation
   `kvfetcher.io/vllm-connector: "false"` leaves its arguments alone.
+- Its readiness probe asks whether it serves its socket (`/servingz`), never the store's health:
+  a sidecar's readiness is its pod's, and a store outage must not take the model out of its
+  Service (the cache is an optimisation; the pool's StorageReady condition reports the store).
 - It is Pod Security "restricted" compliant (non-root, no privilege escalation, no
   capabilities, RuntimeDefault seccomp), and the pod gets the sidecar's group as a
   supplemental group, so a non-root model can connect to the socket (mode 0660).
@@ -68,6 +71,7 @@ SOCKET = f"{SOCKET_DIR}/kvfetcher.sock"
 CA_DIR = "/etc/kvfetcher/s3-ca"
 SIDECAR_UID = 10001  # the sidecar image's user and group (Dockerfile.sidecar)
 NO_GPU = "void"  # NVIDIA_VISIBLE_DEVICES value for "no device", overriding any image default
+READINESS_PATH = "/servingz"  # the sidecar's readiness: its socket takes connections (kvfetcher.api.health)
 DEFAULT_RESOURCES = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "8Gi"}}
 
 
@@ -270,7 +274,8 @@ def sidecar_container(pool: dict[str, Any], model: dict[str, Any] | None,
         "resources": resources,
         "volumeMounts": mounts,
         "startupProbe": {"httpGet": {"path": "/healthz", "port": port}, "periodSeconds": 2, "failureThreshold": 60},
-        "readinessProbe": {"httpGet": {"path": "/readyz", "port": port}, "periodSeconds": 5},
+        # the socket served, never the store's health: a store outage must not take the model out of its Service
+        "readinessProbe": {"httpGet": {"path": READINESS_PATH, "port": port}, "periodSeconds": 5},
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": port}, "periodSeconds": 10},
         "securityContext": copy.deepcopy(SECURITY_CONTEXT),
     }

@@ -186,6 +186,9 @@ META_IO_WORKERS = Setting("KVFETCHER_META_IO_WORKERS", int, 8,
 ACCESS_LOG_S = Setting("KVFETCHER_ACCESS_LOG_S", float, 15.0,
                        "Seconds between the access logs a sidecar writes (which chunks it fetched, for the "
                        "evictor's least-recently-used order; 0: none).")
+STORE_CHECK_S = Setting("KVFETCHER_STORE_CHECK_S", float, 15.0,
+                        "Seconds between the sidecar's checks of the store, exported as `kvfetcher_store_up` "
+                        "(0: only when `/readyz` is asked); the store's health never decides the pod's readiness.")
 FUSED_UNPACK = Setting("KVFETCHER_FUSED_UNPACK", bool, True, "Unpack CUDA frames with the fused Triton kernel.")
 LINK_DIR = Setting("KVFETCHER_LINK_DIR", str, None,
                    "Directory shared by the sidecars of a node (one per tensor-parallel rank, other pods'): each "
@@ -231,7 +234,7 @@ TABLES: dict[str, tuple[Setting, ...]] = {
         CHUNK_TOKENS, PRESET, ALLOWED_PRESETS, TENANT, POOL, OBJECT_KEY, MODEL, RECOMPUTE_TPS, ROPE_THETA, TTFT_BUDGET_S,
         DECODE_PROCS, WARM_UP, S3_ENDPOINT, S3_BUCKET, S3_ACCESS_KEY, S3_SECRET_KEY, S3_REGION, S3_CA_FILE,
         S3_INSECURE, STORE_DIR, AUTH_TOKEN, AUTH_TOKEN_FILE, FUSED_UNPACK, DEADLINE_S, MAX_REQUEST_TOKENS,
-        STORE_QUEUE_CHUNKS, IO_WORKERS, META_IO_WORKERS, LINK_DIR, ACCESS_LOG_S, CALIBRATION_DIR),
+        STORE_QUEUE_CHUNKS, IO_WORKERS, META_IO_WORKERS, LINK_DIR, ACCESS_LOG_S, STORE_CHECK_S, CALIBRATION_DIR),
     "Model side (`KVClient`, shared buffers)": (SOCKET, URL),
     "Evaluation (`kvfetcher eval`, `calibrate`, `demo`, tests)": (CACHE, EVAL_DEVICE),
     "Operator": (WEBHOOK_ADDR, WEBHOOK_PORT, WEBHOOK_CERT, WEBHOOK_KEY, WEBHOOK_CONFIGURATION,
