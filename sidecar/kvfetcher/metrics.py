@@ -58,9 +58,10 @@ class Metrics:
             "kvfetcher_decode_warm_up_seconds", "Seconds the slowest decode worker took to warm up at start", registry=r
         )
         self.store_up = Gauge(
-            "kvfetcher_store_up", "1 when the store answered the sidecar's last check, 0 when it did not (never the pod's readiness)",
+            "kvfetcher_store_up", "1 when the store answered the sidecar's last check, 0 when it did not, NaN before the first (never the pod's readiness)",
             registry=r,
         )
+        self.store_up.set(float("nan"))
         self.store_queue_depth = Gauge("kvfetcher_store_queue_depth", "Chunks waiting to be encoded and uploaded", registry=r)
         self.store_dropped_chunks = Counter(
             "kvfetcher_store_dropped_chunks_total", "Chunks of store requests dropped because the store queue was full", registry=r

@@ -55,9 +55,10 @@ async def check_store(sidecar: Sidecar) -> tuple[Reason | None, str]:
 
 async def watch_store(sidecar: Sidecar, every_s: float) -> None:
     """Check the store every ``every_s`` seconds until cancelled, logging each change of its
-    health (``every_s`` <= 0: never)."""
+    health (``every_s`` <= 0: never; until the first check the gauge is NaN)."""
     last: Reason | None = None
     while every_s > 0:
+        await asyncio.sleep(every_s)  # the first after one period: a start does not race its store's set-up
         reason, detail = await check_store(sidecar)
         if reason != last:
             if reason is None:
@@ -65,4 +66,3 @@ async def watch_store(sidecar: Sidecar, every_s: float) -> None:
             else:
                 log.warning("store not ready (%s): %s; the pod stays ready, fetches recompute", reason, detail)
         last = reason
-        await asyncio.sleep(every_s)

@@ -189,8 +189,16 @@ async def unregister(request: web.Request) -> web.Response:
     return _reply(schemas.Ok(True))
 
 
+def _known_presets(names) -> None:
+    """A request naming an unknown preset is refused (a typo would otherwise be a miss forever)."""
+    unknown = [p for p in names or () if p not in config.PRESET_NAMES]
+    if unknown:
+        raise RequestError(f"'presets': unknown preset(s) {unknown}; known: {', '.join(config.PRESET_NAMES)}")
+
+
 async def lookup(request: web.Request) -> web.Response:
     r = await _parse(request, schemas.LookupRequest)
+    _known_presets(r.presets)
     sc = request.app[SIDECAR]
     if r.buffer is not None:
         target = r.buffer
@@ -205,6 +213,7 @@ async def lookup(request: web.Request) -> web.Response:
 
 async def fetch(request: web.Request) -> web.Response:
     r = await _parse(request, schemas.FetchRequest)
+    _known_presets(r.presets)
     reply = await request.app[SIDECAR].load(
         r.buffer, r.tokens, r.plan, slots=r.slots, offset=r.offset, block_ids=r.block_ids, first_token=r.first_token,
         deadline_s=r.deadline_s, recompute_tps=r.recompute_tokens_per_s, prefill_model=r.prefill_model, presets=r.presets,
@@ -323,7 +332,7 @@ async def serve_forever(host: str, port: int | None, socket_path: str | None) ->
     if port is not None and not token.current():
         log.warning("no KVFETCHER_AUTH_TOKEN: the TCP API refuses /v1 requests; use the Unix socket")
     runner, where = await start(make_app(sidecar, token), host, port, socket_path)
-    log.warning("kvfetcher sidecar listening on %s (store %s)", where, sidecar.store.endpoint)
+    log.info("kvfetcher sidecar listening on %s (store %s)", where, sidecar.store.endpoint)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
