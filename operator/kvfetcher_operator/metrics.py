@@ -3,13 +3,21 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, start_http_server
+import platform
+from importlib.metadata import PackageNotFoundError, version
+
+from prometheus_client import CollectorRegistry, Counter, Info, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 PHASES = ("Pending", "Provisioning", "Ready", "Failed", "Terminating")
 REGISTRY = CollectorRegistry()
 
+BUILD = Info("kvfetcher_operator_build", "The operator's version and Python.", registry=REGISTRY)
+try:
+    BUILD.info({"version": version("kvfetcher"), "python": platform.python_version()})
+except PackageNotFoundError:
+    BUILD.info({"version": "unknown", "python": platform.python_version()})
 RECONCILE_ERRORS = Counter(
     "kvfetcher_operator_reconcile_errors_total", "Reconciles of a pool that ended in an error, by reason.",
     ["reason"], registry=REGISTRY)

@@ -6,15 +6,30 @@ lets two sidecars share a process (the embedded demo, tests) without mixing thei
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import platform
+from importlib.metadata import PackageNotFoundError, version
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+def _version() -> str:
+    try:
+        return version("kvfetcher")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         r = self.registry = registry or CollectorRegistry()
+        self.build = Info("kvfetcher_build", "The sidecar's version and Python", registry=r)
+        self.build.info({"version": _version(), "python": platform.python_version()})
         self.lookups = Counter("kvfetcher_lookups_total", "Prefix lookups", registry=r)
+        self.lookup_tokens = Counter(
+            "kvfetcher_lookup_tokens_total", "Prompt tokens looked up (the hit rate: hit_tokens_total over this)", registry=r
+        )
         self.hit_tokens = Counter("kvfetcher_hit_tokens_total", "Leading prompt tokens found stored", registry=r)
         self.loaded_tokens = Counter("kvfetcher_loaded_tokens_total", "Tokens written into KV buffers", registry=r)
         self.fetch_seconds = Histogram("kvfetcher_fetch_seconds", "Wall time of a fetch", buckets=_LATENCY, registry=r)

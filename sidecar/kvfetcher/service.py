@@ -254,6 +254,7 @@ class Sidecar:
         self.metrics.lookups.inc()
         self.calibrations.look(ns.model)
         p = await self._plan(ns, keys.chunk_keys(ns, tokens, self.config.chunk_tokens), buf, **{"may_skip_listing": False, **opts})
+        self.metrics.lookup_tokens.inc(len(tokens))
         self.metrics.hit_tokens.inc(p.hit_tokens)
         return p
 
