@@ -245,6 +245,12 @@ ENDPOINT_ALLOW = Setting("KVFETCHER_ENDPOINT_ALLOW", str, "",
                          "CIDRs an external endpoint may reach despite the deny list (comma-separated).")
 ENDPOINT_HOSTS = Setting("KVFETCHER_ENDPOINT_HOSTS", str, "",
                          "The only hosts an external endpoint may name, when set (comma-separated).")
+SIDECAR_IMAGE = Setting("KVFETCHER_SIDECAR_IMAGE", str, "ghcr.io/kvfetcher/kvfetcher-sidecar:0.1.0",
+                        "The sidecar image (and its evictor's and calibration Job's) of a pool whose "
+                        "`spec.sidecar.image` is unset (the chart: `sidecar.image`, `global.imageRegistry`).")
+MINIO_IMAGE = Setting("KVFETCHER_MINIO_IMAGE", str, "quay.io/minio/minio:RELEASE.2025-04-22T22-12-26Z",
+                      "The MinIO image of a managed pool whose `spec.storage.managed.image` is unset "
+                      "(the chart: `minio.image`, `global.imageRegistry`).")
 NAMESPACE = Setting("KVFETCHER_NAMESPACE", str, None, "The operator's own namespace: MinIO's NetworkPolicy lets it in.")
 
 #: component -> the settings it reads; the operator sets those marked ``inject`` of the sidecar's
@@ -260,7 +266,7 @@ TABLES: dict[str, tuple[Setting, ...]] = {
     "Evaluation (`kvfetcher eval`, `calibrate`, `demo`, tests)": (CACHE, EVAL_DEVICE),
     "Operator": (WEBHOOK_ADDR, WEBHOOK_PORT, WEBHOOK_CERT, WEBHOOK_KEY, WEBHOOK_CONFIGURATION,
                  METRICS_ADDR, METRICS_PORT, RETRY_SECONDS, RESYNC_SECONDS, ENDPOINT_DENY, ENDPOINT_ALLOW,
-                 ENDPOINT_HOSTS, NAMESPACE, LOG_LEVEL, LOG_FORMAT),
+                 ENDPOINT_HOSTS, NAMESPACE, SIDECAR_IMAGE, MINIO_IMAGE, LOG_LEVEL, LOG_FORMAT),
 }
 SIDECAR, CLIENT, EVAL, OPERATOR = TABLES.values()
 

@@ -311,3 +311,58 @@ def test_the_service_monitor_gets_through_the_default_network_policy(chart: helm
     # Without the ServiceMonitor, and unless metricsFrom lists peers, metrics stay closed.
     for policy in by_kind(render(chart, {}), "NetworkPolicy"):
         assert all("metrics" not in str(rule["ports"]) for rule in policy["spec"]["ingress"])
+
+
+def env_of(deployment: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+
+def test_a_registry_mirror_reaches_every_image(chart: helm_python.Chart, monkeypatch: pytest.MonkeyPatch) -> None:
+    """global.imageRegistry: the operator's image, and the sidecar's and MinIO's of pools naming
+    none, all from the mirror; a pool's own image still wins."""
+    docs = render(chart, {"global": {"imageRegistry": "mirror.example.com"}})
+    version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    for name in ("kvf-kvfetcher", "kvf-kvfetcher-webhook"):
+        deployment = named(docs, "Deployment", name)
+        image = deployment["spec"]["template"]["spec"]["containers"][0]["image"]
+        assert image == f"mirror.example.com/kvfetcher/kvfetcher-operator:{version}"
+        env = env_of(deployment)
+        assert env["KVFETCHER_SIDECAR_IMAGE"] == f"mirror.example.com/kvfetcher/kvfetcher-sidecar:{version}"
+        assert env["KVFETCHER_MINIO_IMAGE"].startswith("mirror.example.com/minio/minio:RELEASE.")
+    # What the webhook then injects (it reads the variables the chart set).
+    from test_op_builders import MANAGED, gpu_pod, pool
+
+    for key in ("KVFETCHER_SIDECAR_IMAGE", "KVFETCHER_MINIO_IMAGE"):
+        monkeypatch.setenv(key, env[key])
+    decision = injection.mutate(gpu_pod(), pool(MANAGED))
+    assert decision.patch["spec"]["initContainers"][0]["image"] == env["KVFETCHER_SIDECAR_IMAGE"]
+    assert minio.statefulset(pool(MANAGED))["spec"]["template"]["spec"]["containers"][0]["image"] == env["KVFETCHER_MINIO_IMAGE"]
+    own = pool(MANAGED)
+    own["spec"]["sidecar"] = {"image": "registry.local/own-sidecar:1"}
+    assert injection.mutate(gpu_pod(), own).patch["spec"]["initContainers"][0]["image"] == "registry.local/own-sidecar:1"
+    # A repository without a registry gets the mirror in front; a digest pins.
+    docs = render(chart, {"global": {"imageRegistry": "mirror.example.com/"},
+                          "sidecar": {"image": {"repository": "kvfetcher-sidecar", "digest": "sha256:" + "b" * 64}}})
+    assert env_of(named(docs, "Deployment", "kvf-kvfetcher"))["KVFETCHER_SIDECAR_IMAGE"] == \
+        "mirror.example.com/kvfetcher-sidecar@sha256:" + "b" * 64
+
+
+def test_fullname_override_and_pod_labels(chart: helm_python.Chart) -> None:
+    docs = render(chart, {"fullnameOverride": "kvcache", "podLabels": {"team": "ml-platform"}})
+    names = {d["metadata"]["name"] for d in docs if d["kind"] in ("Deployment", "Service", "ClusterRole")}
+    assert {"kvcache", "kvcache-webhook", "kvcache-metrics", "kvcache-pool-namespace"} <= names
+    (config,) = by_kind(docs, "MutatingWebhookConfiguration")
+    assert config["webhooks"][0]["clientConfig"]["service"]["name"] == "kvcache-webhook"
+    for deployment in by_kind(docs, "Deployment"):
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert labels["team"] == "ml-platform"
+        assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_an_upgrade_says_how_to_upgrade_the_crd(chart: helm_python.Chart) -> None:
+    """Helm installs crds/ once and never upgrades it: the upgrade's notes and the docs say what to run."""
+    out = chart.render({}, name="kvf", namespace=NAMESPACE, is_upgrade=True)
+    (notes,) = [text for path, text in out.items() if path.endswith("NOTES.txt")]
+    command = "kubectl apply --server-side -f charts/kvfetcher/crds/"
+    assert command in notes
+    assert command in (REPO / "README.md").read_text() and command in (REPO / "docs" / "operations.md").read_text()
