@@ -337,8 +337,7 @@ def test_a_registry_mirror_reaches_every_image(chart: helm_python.Chart, monkeyp
     decision = injection.mutate(gpu_pod(), pool(MANAGED))
     assert decision.patch["spec"]["initContainers"][0]["image"] == env["KVFETCHER_SIDECAR_IMAGE"]
     assert minio.statefulset(pool(MANAGED))["spec"]["template"]["spec"]["containers"][0]["image"] == env["KVFETCHER_MINIO_IMAGE"]
-    own = pool(MANAGED)
-    own["spec"]["sidecar"] = {"image": "registry.local/own-sidecar:1"}
+    own = pool({**MANAGED, "sidecar": {"image": "registry.local/own-sidecar:1"}})
     assert injection.mutate(gpu_pod(), own).patch["spec"]["initContainers"][0]["image"] == "registry.local/own-sidecar:1"
     # A repository without a registry gets the mirror in front; a digest pins.
     docs = render(chart, {"global": {"imageRegistry": "mirror.example.com/"},
