@@ -116,9 +116,9 @@ async def test_readme_quick_start_reaches_ready_under_the_charts_rbac(api: Api, 
         return doc
 
     async with run_operator(request):
-        (_, pool), = [(None, p) for p in await kubectl_apply(
-            api, REPO / "examples" / "pool-external-s3.yaml", Secret=external, KVCachePool=external)
-            if p["kind"] == "KVCachePool"]
+        applied = await kubectl_apply(api, REPO / "examples" / "pool-external-s3.yaml", Secret=external,
+                                      KVCachePool=external)
+        (pool,) = [p for p in applied if p["kind"] == "KVCachePool"]
         name, pool_ns = pool["metadata"]["name"], pool["metadata"]["namespace"]
         stuck = await api.wait_for(POOLS, pool_ns, name, lambda o: cond(o, "StorageReady").get("reason") == "Forbidden")
         assert "docs/security.md" in cond(stuck, "StorageReady")["message"] and refused
