@@ -129,7 +129,8 @@ def test_operations_lists_every_sidecar_metric():
     from kvfetcher.metrics import Metrics
 
     families = Metrics().registry.collect()
-    exported = {f.name + ("_total" if f.type == "counter" else "") for f in families}
+    suffix = {"counter": "_total", "info": "_info"}
+    exported = {f.name + suffix.get(f.type, "") for f in families}
     text = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
     documented = set(re.findall(r"\bkvfetcher_(?!operator_)[a-z_]*[a-z]", text))
     assert documented == exported

@@ -18,7 +18,16 @@ import logging
 
 import kopf
 
+from kvfetcher import config as settings
+
 ROLES = {"webhook": ("admission",), "reconciler": ("handlers",), "all": ("admission", "handlers")}
+
+
+def configure_logging(verbose: bool) -> None:
+    """kopf's logging at KVFETCHER_LOG_LEVEL (DEBUG with --verbose), as text or JSON (KVFETCHER_LOG_FORMAT)."""
+    as_json = settings.LOG_FORMAT.read() == "json"
+    kopf.configure(verbose=verbose, log_format=kopf.LogFormat.JSON if as_json else kopf.LogFormat.FULL)
+    logging.getLogger().setLevel(logging.DEBUG if verbose else settings.LOG_LEVEL.read())
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -40,8 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     standalone = args.standalone or args.role == "webhook"
     for module in ROLES[args.role]:
         importlib.import_module(f"{__package__}.{module}")
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.verbose)
     asyncio.run(kopf.operator(
         clusterwide=not args.namespace,
         namespaces=args.namespace,

@@ -195,6 +195,7 @@ def _write(patch: kopf.Patch, pool: dict[str, Any], conds: list[dict[str, Any]],
     for key, value in fields.items():
         patch.status[key] = value
     metrics.POOLS.set(meta["namespace"], meta["name"], phase)
+    metrics.CONDITIONS.set(meta["namespace"], meta["name"], conds)
 
 
 def provision(body: kopf.Body, pool: dict[str, Any], k: kube.Kube, memo: kopf.Memo, announce: bool) -> bucket.Target:
@@ -344,6 +345,7 @@ def finalize(body: kopf.Body, memo: kopf.Memo, injected_pods: kopf.Index, retry:
         raise kopf.TemporaryError(f"{len(users)} pods still use the pool", delay=memo.cfg.retry_seconds)
     if specs.problems(pool["spec"]):
         metrics.POOLS.forget(meta["namespace"], meta["name"])
+        metrics.CONDITIONS.forget(meta["namespace"], meta["name"])
         return
     spec = specs.with_defaults(pool["spec"])
     if spec["retention"]["dataPolicy"] == "Retain":
@@ -351,6 +353,7 @@ def finalize(body: kopf.Body, memo: kopf.Memo, injected_pods: kopf.Index, retry:
     elif "external" in spec["storage"]:
         delete_data(body, pool, memo, retry)
     metrics.POOLS.forget(meta["namespace"], meta["name"])
+    metrics.CONDITIONS.forget(meta["namespace"], meta["name"])
 
 
 def release_secret(body: kopf.Body, pool: dict[str, Any], k: kube.Kube) -> None:

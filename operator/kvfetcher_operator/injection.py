@@ -25,10 +25,15 @@ What the sidecar gets, and why:
   model process per request. So is the model's RoPE base (`kvfetcher.io/rope-theta`), without
   which the pool's pre-RoPE presets cannot be stored: the sidecar then stores the others (or the
   q8 variant of the same back end); the pod's `kvfetcher.io/store-presets` says what and why.
-- A model container that runs vLLM (`vllm serve ...`, `python -m vllm.entrypoints...`, or an image
-  named vllm-openai) without its own `--kv-transfer-config` gets one naming the kvfetcher connector
-  on the sidecar's socket (its image must have the `kvfetcher` package); the pod annotation
-  `kvfetcher.io/vllm-connector: "false"` leaves its arguments alone.
+- A model container that runs vLLM (`vllm serve ...`, `python -m vllm.entrypoints...`, args-only
+  on an image named for vLLM, or the same inside `sh -c "..."`) without its own
+  `--kv-transfer-config` gets one naming the kvfetcher connector on the sidecar's socket (its image
+  must have `kvfetcher[vllm]`; :mod:`.vllm_args`); the pod annotation
+  `kvfetcher.io/vllm-connector: "false"` leaves its arguments alone, and
+  `kvfetcher.io/kv-transfer-config` says whether the flag was added, and how or why not.
+- Its readiness probe asks whether it serves its socket (`/servingz`), never the store's health:
+  a sidecar's readiness is its pod's, and a store outage must not take the model out of its
+  Service (the cache is an optimisation; the pool's StorageReady condition reports the store).
 - It is Pod Security "restricted" compliant (non-root, no privilege escalation, no
   capabilities, RuntimeDefault seccomp), and the pod gets the sidecar's group as a
   supplemental group, so a non-root model can connect to the socket (mode 0660).
@@ -42,13 +47,12 @@ adds anything the API server would reject.
 from __future__ import annotations
 
 import copy
-import json
 from typing import Any, NamedTuple
 
 from kvfetcher import config as settings
 from kvfetcher.config import Setting
 
-from . import builders, conditions
+from . import builders, conditions, vllm_args
 from . import spec as specs
 
 INJECT_LABEL = "kvfetcher.io/inject"
@@ -59,6 +63,7 @@ SKIPPED_ANNOTATION = "kvfetcher.io/injection-skipped"
 GPU_ANNOTATION = "kvfetcher.io/gpu-access"
 VLLM_ANNOTATION = "kvfetcher.io/vllm-connector"  # "false": do not add the connector to a vLLM container
 ROPE_THETA_ANNOTATION = "kvfetcher.io/rope-theta"  # the model's RoPE base (absent: no pre-RoPE preset stored)
+CONNECTOR_ANNOTATION = "kvfetcher.io/kv-transfer-config"  # whether the connector's flag was added, and how or why not
 STORE_ANNOTATION = "kvfetcher.io/store-presets"  # what the sidecar stores, and why if less than the pool's
 CONTAINER = "kvfetcher"
 SOCKET_VOLUME = "kvfetcher-socket"
@@ -68,6 +73,7 @@ SOCKET = f"{SOCKET_DIR}/kvfetcher.sock"
 CA_DIR = "/etc/kvfetcher/s3-ca"
 SIDECAR_UID = 10001  # the sidecar image's user and group (Dockerfile.sidecar)
 NO_GPU = "void"  # NVIDIA_VISIBLE_DEVICES value for "no device", overriding any image default
+READINESS_PATH = "/servingz"  # the sidecar's readiness: its socket takes connections (kvfetcher.api.health)
 DEFAULT_RESOURCES = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "8Gi"}}
 
 
@@ -272,7 +278,8 @@ def sidecar_container(pool: dict[str, Any], model: dict[str, Any] | None,
         "resources": resources,
         "volumeMounts": mounts,
         "startupProbe": {"httpGet": {"path": "/healthz", "port": port}, "periodSeconds": 2, "failureThreshold": 60},
-        "readinessProbe": {"httpGet": {"path": "/readyz", "port": port}, "periodSeconds": 5},
+        # the socket served, never the store's health: a store outage must not take the model out of its Service
+        "readinessProbe": {"httpGet": {"path": READINESS_PATH, "port": port}, "periodSeconds": 5},
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": port}, "periodSeconds": 10},
         "securityContext": copy.deepcopy(SECURITY_CONTEXT),
     }
@@ -316,10 +323,12 @@ def mutate(pod: dict[str, Any], pool: dict[str, Any] | None) -> Decision:
     if pool_spec["tenancy"]["saltFrom"] == "PodLabel" and not (meta.get("labels") or {}).get(label):
         return _skip(f"KVCachePool {namespace}/{pool_name} takes the tenant from the pod label {label}, "
                      f"which the pod lacks")
+    connected = vllm_connection(model, annotations)
     patch = {
         "metadata": {"annotations": {INJECTED_ANNOTATION: pool_name, GPU_ANNOTATION: gpu_access(model)[2],
-                                     STORE_ANNOTATION: stored(pool_spec, annotations, _has_gpu(model)).note}},
-        "spec": _spec_patch(spec, pool, annotations, model),
+                                     STORE_ANNOTATION: stored(pool_spec, annotations, _has_gpu(model)).note,
+                                     CONNECTOR_ANNOTATION: connected.note}},
+        "spec": _spec_patch(spec, pool, annotations, model, connected),
     }
     if SKIPPED_ANNOTATION in annotations:  # a JSON patch may not remove what is absent
         patch["metadata"]["annotations"][SKIPPED_ANNOTATION] = None
@@ -340,29 +349,22 @@ def collisions(spec: dict[str, Any], model: dict[str, Any], port: int) -> str | 
     return None
 
 
-def vllm_connector_args(container: dict[str, Any]) -> list[str]:
-    """The arguments that make a vLLM model container use the kvfetcher connector on the sidecar's
-    socket: none unless it runs vLLM and has no KV-transfer config of its own."""
-    words = [str(w) for w in (container.get("command") or []) + (container.get("args") or [])]
-    line = " ".join(words)
-    runs_vllm = "vllm serve" in line or "vllm.entrypoints" in line or "vllm-openai" in (container.get("image") or "")
-    if not runs_vllm or any(w.startswith(("--kv-transfer-config", "--kv_transfer_config")) for w in words):
-        return []
-    return ["--kv-transfer-config", json.dumps({
-        "kv_connector": "KVFetcherConnector", "kv_connector_module_path": "kvfetcher.integrations.vllm",
-        "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"socket": SOCKET},
-    }, separators=(",", ":"))]
+def vllm_connection(model: dict[str, Any], annotations: dict[str, str]) -> vllm_args.Connected:
+    """What the model container gets to use the kvfetcher connector (:mod:`.vllm_args`), unless
+    the pod's annotation opts out; either way, the line for its annotation."""
+    if annotations.get(VLLM_ANNOTATION, "").lower() == "false":
+        return vllm_args.Connected({}, f"not added: the pod's {VLLM_ANNOTATION} is false")
+    return vllm_args.connect(model, SOCKET)
 
 
 def _spec_patch(spec: dict[str, Any], pool: dict[str, Any], annotations: dict[str, str],
-                model: dict[str, Any]) -> dict[str, Any]:
+                model: dict[str, Any], connected: vllm_args.Connected) -> dict[str, Any]:
     new_containers = copy.deepcopy(spec.get("containers") or [])
     for c in new_containers:
         if c.get("name") == model.get("name"):
             c.setdefault("volumeMounts", []).append({"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR})
             c.setdefault("env", []).append(_value_env(settings.SOCKET, SOCKET))
-            if annotations.get(VLLM_ANNOTATION, "").lower() != "false" and (extra := vllm_connector_args(c)):
-                c["args"] = list(c.get("args") or []) + extra
+            c.update(connected.changes)
     volumes = copy.deepcopy(spec.get("volumes") or [])
     volumes.append({"name": SOCKET_VOLUME, "emptyDir": {}})
     if ca_volume(pool):

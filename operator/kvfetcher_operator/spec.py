@@ -29,8 +29,7 @@ STORE_DEFAULTS = ("balanced-ans", "q8")
 DEFAULTS: dict[str, Any] = {
     "codec": {"allowedPresets": list(PRESETS), "chunkTokens": 256},
     "injection": {"enabled": True},
-    "sidecar": {
-        "image": "ghcr.io/kvfetcher/kvfetcher-sidecar:0.1.0",
+    "sidecar": {  # its image: the operator's KVFETCHER_SIDECAR_IMAGE (with_defaults), not the CRD's
         "imagePullPolicy": "IfNotPresent",
         "port": 8500,
     },
@@ -39,8 +38,7 @@ DEFAULTS: dict[str, Any] = {
 }
 MANAGED_DEFAULTS: dict[str, Any] = {
     "replicas": 1,
-    "size": "50Gi",
-    "image": "quay.io/minio/minio:RELEASE.2025-04-22T22-12-26Z",
+    "size": "50Gi",  # its image: the operator's KVFETCHER_MINIO_IMAGE (with_defaults)
     "bucket": "kvcache",
 }
 SECRET_REF_DEFAULTS = {
@@ -109,11 +107,16 @@ def _merge(defaults: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
 
 
 def with_defaults(spec: dict[str, Any]) -> dict[str, Any]:
-    """The spec with every default the CRD declares filled in (the input is not changed)."""
+    """The spec with every default the CRD declares filled in, and the images the operator is
+    configured with (KVFETCHER_SIDECAR_IMAGE, KVFETCHER_MINIO_IMAGE: the chart's, a registry
+    mirror's) where it names none (the input is not changed)."""
     out = _merge(DEFAULTS, spec or {})
+    if isinstance(out.get("sidecar"), dict):
+        out["sidecar"].setdefault("image", settings.SIDECAR_IMAGE.read())
     storage = out.setdefault("storage", {})
     if isinstance(storage.get("managed"), dict):
         storage["managed"] = _merge(MANAGED_DEFAULTS, storage["managed"])
+        storage["managed"].setdefault("image", settings.MINIO_IMAGE.read())
     if isinstance(storage.get("external"), dict):
         external = _merge(SECRET_REF_DEFAULTS, storage["external"])
         tls = external.get("tls")

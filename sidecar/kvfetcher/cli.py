@@ -1,4 +1,10 @@
-"""kvfetcher command line: ``eval``, ``presets``, ``calibrate`` and ``evict`` here; ``serve`` and ``demo`` register theirs."""
+"""kvfetcher command line: ``eval``, ``presets``, ``calibrate`` and ``evict`` here; ``serve`` and ``demo`` register theirs.
+
+Errors a user can make (a missing file, an unknown preset, a bad number, a busy port, a store URL
+of an unknown scheme) end the command with one line on stderr and a non-zero status, never a
+traceback (``--log-level DEBUG`` shows it). Logs go to stderr at ``KVFETCHER_LOG_LEVEL`` (or
+``--log-level``), as text or as one JSON object a line (``KVFETCHER_LOG_FORMAT=json``, ``--log-json``).
+"""
 
 from __future__ import annotations
 
@@ -127,31 +133,108 @@ def _evict(args: argparse.Namespace) -> int:
 
 def _positive(kind):
     def parse(text: str):
-        v = kind(text)
-        if not v > 0:
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, not {text!r}") from None
+        if not 0 < v < float("inf"):
             raise argparse.ArgumentTypeError(f"must be positive, not {text}")
         return v
 
     return parse
 
 
+def _size(text: str) -> int:
+    """A byte count: a plain integer or a quantity as a pool's spec writes it (``700Gi``, ``10G``)."""
+    from kvfetcher.config import quantity_bytes
+
+    try:
+        v = quantity_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least one byte, not {text}")
+    return v
+
+
+def _preset(text: str) -> str:
+    from kvfetcher.config import PRESET_NAMES
+
+    if text not in PRESET_NAMES:
+        raise argparse.ArgumentTypeError(f"unknown preset {text!r}; known: {', '.join(PRESET_NAMES)}")
+    return text
+
+
+def _existing(text: str) -> str:
+    if not Path(text).exists():
+        raise argparse.ArgumentTypeError(f"no such file or directory: {text}")
+    return text
+
+
+def _readable(text: str) -> str:
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"no such file: {text}")
+    return text
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object a record: time, level, logger, message (and the traceback, if any)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S%z"), "level": record.levelname,
+               "logger": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def configure_logging(level: str, as_json: bool) -> None:
+    """Logs to stderr at ``level`` (a name such as INFO), as text or JSON lines."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if as_json else logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvfetcher")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument error is one line (no usage dump), status 2; subcommands' parsers are of this class too."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="kvfetcher", description=__doc__)
-    ap.add_argument("-v", "--verbose", action="store_true")
+    from kvfetcher import config
+
+    ap = _Parser(prog="kvfetcher", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--version", action="version", version=f"kvfetcher {_version()}")
+    ap.add_argument("-v", "--verbose", action="store_true", help="same as --log-level DEBUG")
+    ap.add_argument("--log-level", type=str.upper, choices=config.LOG_LEVELS, default=None,
+                    help=f"log level (default {config.LOG_LEVEL.name}, else INFO)")
+    ap.add_argument("--log-json", action="store_true", default=None,
+                    help=f"logs as one JSON object a line (default {config.LOG_FORMAT.name}=json)")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     ev = sub.add_parser("eval", help="round-trip a model's KV through a preset and measure what the model then says "
                         "(exit status 3: the preset misses its accuracy gate)")
     ev.add_argument("--model", help="a GGUF file or a transformers directory (default: the shipped SmolLM2)")
-    ev.add_argument("--text", help="text file to prefill (default: the eval-only prompt set)")
-    ev.add_argument("--tokens", type=int, default=256, help="prefix tokens per prompt")
-    ev.add_argument("--cont", type=int, default=256, help="continuation tokens scored per prompt (teacher forcing)")
+    ev.add_argument("--text", type=_readable, help="text file to prefill (default: the eval-only prompt set)")
+    ev.add_argument("--tokens", type=_positive(int), default=256, help="prefix tokens per prompt")
+    ev.add_argument("--cont", type=_positive(int), default=256, help="continuation tokens scored per prompt (teacher forcing)")
     ev.add_argument("--suite", action="store_true", help="the full prompt set, the retrieval task and greedy figures")
-    ev.add_argument("--greedy", type=int, help="greedy tokens to compare (default 32 with --suite, else none)")
-    ev.add_argument("--retrieval-tokens", type=int, help="retrieval prefix length with --suite (default 1024, "
+    ev.add_argument("--greedy", type=_positive(int), help="greedy tokens to compare (default 32 with --suite, else none)")
+    ev.add_argument("--retrieval-tokens", type=_positive(int), help="retrieval prefix length with --suite (default 1024, "
                     "or the model's sliding window)")
-    ev.add_argument("--preset", default="q8")
-    ev.add_argument("--chunk-tokens", type=int, default=256)
+    ev.add_argument("--preset", type=_preset, default="q8")
+    ev.add_argument("--chunk-tokens", type=_positive(int), default=256)
     ev.add_argument("--json", action="store_true")
     ev.add_argument("--compact", action="store_true", help="one-line JSON")
     ev.add_argument("--per-prompt", action="store_true")
@@ -165,16 +248,17 @@ def build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("evict", help="keep a store within a size and an idle time: least recently fetched prefix ends go first")
     ex.add_argument("--store", help="http(s)://host[:port]/bucket (credentials from KVFETCHER_S3_*), file:///dir or a "
                     "directory (default: the store the environment names, as the sidecar's)")
-    ex.add_argument("--max-bytes", type=_positive(int), help="bytes the store may hold, every representation counted")
+    ex.add_argument("--max-bytes", type=_size, help="bytes the store may hold, every representation counted (an "
+                    "integer or a quantity: 700Gi, 10G)")
     ex.add_argument("--ttl-days", type=_positive(float), help="evict what was not fetched (or stored) for this long")
     when = ex.add_mutually_exclusive_group()
     when.add_argument("--once", action="store_true", help="one run, then exit (the default)")
     when.add_argument("--every", type=_positive(float), metavar="S", help="a run every S seconds until stopped")
     ex.set_defaults(func=_evict)
     ca = sub.add_parser("calibrate", help="calibrate a model's basis and per-layer steps on its own KV")
-    ca.add_argument("--model", required=True, help="a transformers model directory or a GGUF file")
+    ca.add_argument("--model", required=True, type=_existing, help="a transformers model directory or a GGUF file")
     ca.add_argument("--tag", help="the fingerprint prefix it applies to (default: the model's name)")
-    ca.add_argument("--texts", nargs="+", help="calibration text files (default: the shipped calibration texts)")
+    ca.add_argument("--texts", nargs="+", type=_readable, help="calibration text files (default: the shipped calibration texts)")
     ca.add_argument("--out", help="also copy the artefact and its basis here")
     ca.add_argument("--no-measure", action="store_true", help="skip measuring its presets on evaluation prompts")
     ca.add_argument("--retune", metavar="ARTEFACT", help="only tune the budgets of this calibration of the model again "
@@ -205,9 +289,31 @@ def _plugins():
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    """Run a subcommand; its status, or 1 (a user's error: one line on stderr) or 2 (bad arguments)."""
+    from kvfetcher import config
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        level = "DEBUG" if args.verbose else args.log_level or config.LOG_LEVEL.read()
+        as_json = args.log_json if args.log_json is not None else config.LOG_FORMAT.read() == "json"
+    except ValueError as e:  # a malformed KVFETCHER_LOG_* variable
+        parser.error(str(e))
+    configure_logging(level, as_json)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        if level == "DEBUG":
+            raise
+        print(f"kvfetcher {args.cmd}: error: {_one_line(e)}", file=sys.stderr)
+        return 1
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if isinstance(e, (OSError, ValueError)) else f"{type(e).__name__}: {text}"
 
 
 if __name__ == "__main__":

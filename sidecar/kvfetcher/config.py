@@ -14,7 +14,9 @@ image has no torch): defaults that need more are computed when first read.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping
+from decimal import ROUND_CEILING, Decimal
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
@@ -197,11 +199,32 @@ META_IO_WORKERS = Setting("KVFETCHER_META_IO_WORKERS", int, 8,
 ACCESS_LOG_S = Setting("KVFETCHER_ACCESS_LOG_S", float, 15.0,
                        "Seconds between the access logs a sidecar writes (which chunks it fetched, for the "
                        "evictor's least-recently-used order; 0: none).")
+STORE_CHECK_S = Setting("KVFETCHER_STORE_CHECK_S", float, 15.0,
+                        "Seconds between the sidecar's checks of the store, exported as `kvfetcher_store_up` "
+                        "(0: only when `/readyz` is asked); the store's health never decides the pod's readiness.")
 FUSED_UNPACK = Setting("KVFETCHER_FUSED_UNPACK", bool, True, "Unpack CUDA frames with the fused Triton kernel.")
 LINK_DIR = Setting("KVFETCHER_LINK_DIR", str, None,
                    "Directory shared by the sidecars of a node (one per tensor-parallel rank, other pods'): each "
                    "announces its fetches there, and the cost model splits the node's link among them (unset: "
                    "each sidecar takes the link as its own).")
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _choice(*allowed: str, upper: bool = False) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        word = text.strip().upper() if upper else text.strip().lower()
+        if word not in allowed:
+            raise ValueError(text)
+        return word
+
+    return parse
+
+
+LOG_LEVEL = Setting("KVFETCHER_LOG_LEVEL", str, "INFO", f"Log level ({', '.join(LOG_LEVELS)}; `kvfetcher --log-level` and "
+                    "the operator's `--verbose` win).", parse=_choice(*LOG_LEVELS, upper=True))
+LOG_FORMAT = Setting("KVFETCHER_LOG_FORMAT", str, "text", "Log format: `text`, or `json` (one object a line; "
+                     "`kvfetcher --log-json` wins).", parse=_choice("text", "json"))
 
 # -- the model side (client) ------------------------------------------------------------------
 SOCKET = Setting("KVFETCHER_SOCKET", str, None, "The sidecar's Unix socket (wins over `KVFETCHER_URL`).",
@@ -233,6 +256,12 @@ ENDPOINT_ALLOW = Setting("KVFETCHER_ENDPOINT_ALLOW", str, "",
                          "CIDRs an external endpoint may reach despite the deny list (comma-separated).")
 ENDPOINT_HOSTS = Setting("KVFETCHER_ENDPOINT_HOSTS", str, "",
                          "The only hosts an external endpoint may name, when set (comma-separated).")
+SIDECAR_IMAGE = Setting("KVFETCHER_SIDECAR_IMAGE", str, "ghcr.io/kvfetcher/kvfetcher-sidecar:0.1.0",
+                        "The sidecar image (and its evictor's and calibration Job's) of a pool whose "
+                        "`spec.sidecar.image` is unset (the chart: `sidecar.image`, `global.imageRegistry`).")
+MINIO_IMAGE = Setting("KVFETCHER_MINIO_IMAGE", str, "quay.io/minio/minio:RELEASE.2025-04-22T22-12-26Z",
+                      "The MinIO image of a managed pool whose `spec.storage.managed.image` is unset "
+                      "(the chart: `minio.image`, `global.imageRegistry`).")
 NAMESPACE = Setting("KVFETCHER_NAMESPACE", str, None, "The operator's own namespace: MinIO's NetworkPolicy lets it in.")
 
 #: component -> the settings it reads; the operator sets those marked ``inject`` of the sidecar's
@@ -242,12 +271,13 @@ TABLES: dict[str, tuple[Setting, ...]] = {
         CHUNK_TOKENS, PRESET, ALLOWED_PRESETS, TENANT, POOL, OBJECT_KEY, ACCEPTED_OBJECT_KEYS, MODEL, RECOMPUTE_TPS, ROPE_THETA, TTFT_BUDGET_S,
         DECODE_PROCS, WARM_UP, S3_ENDPOINT, S3_BUCKET, S3_ACCESS_KEY, S3_SECRET_KEY, S3_REGION, S3_CA_FILE,
         S3_INSECURE, STORE_DIR, AUTH_TOKEN, AUTH_TOKEN_FILE, FUSED_UNPACK, DEADLINE_S, MAX_REQUEST_TOKENS,
-        STORE_QUEUE_CHUNKS, INDEX_KEYS, NEGATIVE_TTL_S, IO_WORKERS, META_IO_WORKERS, LINK_DIR, ACCESS_LOG_S, CALIBRATION_DIR),
+        STORE_QUEUE_CHUNKS, INDEX_KEYS, NEGATIVE_TTL_S, IO_WORKERS, META_IO_WORKERS, LINK_DIR, ACCESS_LOG_S, STORE_CHECK_S,
+        CALIBRATION_DIR, LOG_LEVEL, LOG_FORMAT),
     "Model side (`KVClient`, shared buffers)": (SOCKET, URL),
     "Evaluation (`kvfetcher eval`, `calibrate`, `demo`, tests)": (CACHE, EVAL_DEVICE),
     "Operator": (WEBHOOK_ADDR, WEBHOOK_PORT, WEBHOOK_CERT, WEBHOOK_KEY, WEBHOOK_CONFIGURATION,
                  METRICS_ADDR, METRICS_PORT, RETRY_SECONDS, RESYNC_SECONDS, ENDPOINT_DENY, ENDPOINT_ALLOW,
-                 ENDPOINT_HOSTS, NAMESPACE),
+                 ENDPOINT_HOSTS, NAMESPACE, SIDECAR_IMAGE, MINIO_IMAGE, LOG_LEVEL, LOG_FORMAT),
 }
 SIDECAR, CLIENT, EVAL, OPERATOR = TABLES.values()
 
@@ -332,6 +362,22 @@ class Config:
         need_theta = [p for p in self.presets if known_presets[p].pre_rope and not getattr(known_presets[p], "needs_calibration", False)]
         if need_theta and self.rope_theta is None:
             raise ValueError(f"preset(s) {need_theta} quantise keys before RoPE: set {ROPE_THETA.name}")
+
+
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE]([+-]?[0-9]+)|(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E))?$")
+_SUFFIX = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+
+
+def quantity_bytes(text: str) -> int:
+    """A byte count written as a pool's spec writes sizes (Kubernetes quantities: ``700Gi``,
+    ``10G``, ``1.5Ti``, ``1e9``, a plain integer), rounded up to a whole byte; ``ValueError`` else."""
+    found = _QUANTITY.match(text.strip())
+    if not found:
+        raise ValueError(f"not a size: {text!r} (an integer, or a quantity such as 700Gi or 10G)")
+    number, exponent, suffix = found.groups()
+    value = Decimal(number) * (Decimal(10) ** int(exponent) if exponent else _SUFFIX[suffix or ""])
+    return int(value.to_integral_value(rounding=ROUND_CEILING))
 
 
 def render() -> str:

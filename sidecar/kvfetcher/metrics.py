@@ -6,16 +6,31 @@ lets two sidecars share a process (the embedded demo, tests) without mixing thei
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import platform
+from importlib.metadata import PackageNotFoundError, version
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 _FAST = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
+def _version() -> str:
+    try:
+        return version("kvfetcher")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         r = self.registry = registry or CollectorRegistry()
+        self.build = Info("kvfetcher_build", "The sidecar's version and Python", registry=r)
+        self.build.info({"version": _version(), "python": platform.python_version()})
         self.lookups = Counter("kvfetcher_lookups_total", "Prefix lookups", registry=r)
+        self.lookup_tokens = Counter(
+            "kvfetcher_lookup_tokens_total", "Prompt tokens looked up (the hit rate: hit_tokens_total over this)", registry=r
+        )
         self.hit_tokens = Counter("kvfetcher_hit_tokens_total", "Leading prompt tokens found stored", registry=r)
         self.loaded_tokens = Counter("kvfetcher_loaded_tokens_total", "Tokens written into KV buffers", registry=r)
         self.fetch_seconds = Histogram("kvfetcher_fetch_seconds", "Wall time of a fetch", buckets=_LATENCY, registry=r)
@@ -70,6 +85,11 @@ class Metrics:
         self.warm_up_seconds = Gauge(
             "kvfetcher_decode_warm_up_seconds", "Seconds the slowest decode worker took to warm up at start", registry=r
         )
+        self.store_up = Gauge(
+            "kvfetcher_store_up", "1 when the store answered the sidecar's last check, 0 when it did not, NaN before the first (never the pod's readiness)",
+            registry=r,
+        )
+        self.store_up.set(float("nan"))
         self.store_queue_depth = Gauge("kvfetcher_store_queue_depth", "Chunks waiting to be encoded and uploaded", registry=r)
         self.store_dropped_chunks = Counter(
             "kvfetcher_store_dropped_chunks_total", "Chunks of store requests dropped because the store queue was full", registry=r

@@ -273,6 +273,7 @@ class Sidecar:
         self.metrics.lookups.inc()
         self.calibrations.look(ns.model)
         p = await self._plan(ns, keys.chunk_keys(ns, tokens, self.config.chunk_tokens), buf, options or FetchOptions())
+        self.metrics.lookup_tokens.inc(len(tokens))
         self.metrics.hit_tokens.inc(p.hit_tokens)
         for option, seconds in p.options.items():  # why auto chose what it chose
             self.metrics.lookup_options.labels(option).set(seconds)

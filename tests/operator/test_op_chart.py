@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "webhook": {"port": 10443, "certificates": {"mode": "certManager",
                                                     "certManager": {"issuerRef": {"name": "ca", "kind": "ClusterIssuer"}}},
                     "namespaceSelector": {"matchLabels": {"gpu": "true"}}},
-        "metrics": {"port": 9090, "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
+        "metrics": {"port": 9090, "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
+                    "prometheusRule": {"enabled": True, "labels": {"release": "prom"}}},
         "grafanaDashboard": {"enabled": False},
         "operator": {"verbose": True, "retrySeconds": 5},
         "poolNamespaces": ["ml", "team-b"],
@@ -44,7 +46,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     },
 }
 # Kinds from other projects' CRDs (cert-manager, Prometheus Operator): no bundled schema to check against.
-FOREIGN = {"Certificate", "Issuer", "ServiceMonitor", "PodMonitor"}
+FOREIGN = {"Certificate", "Issuer", "ServiceMonitor", "PodMonitor", "PrometheusRule"}
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +226,10 @@ def test_dashboard_covers_the_sidecar_metrics(chart: helm_python.Chart) -> None:
     (configmap,) = by_kind(render(chart, {}), "ConfigMap")
     dashboard = json.loads(configmap["data"]["kvfetcher-sidecar.json"])
     exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
-    for metric in ("kvfetcher_lookups_total", "kvfetcher_hit_tokens_total", "kvfetcher_fetch_seconds_bucket",
+    for metric in ("kvfetcher_lookups_total", "kvfetcher_hit_tokens_total", "kvfetcher_lookup_tokens_total",
+                   "kvfetcher_store_dropped_chunks_total", "kvfetcher_decode_warm_up_seconds",
+                   "kvfetcher_fetch_predicted_seconds_sum", "kvfetcher_fetch_actual_seconds_sum", "kvfetcher_store_up",
+                   "kvfetcher_fetch_seconds_bucket",
                    "kvfetcher_store_seconds_bucket", "kvfetcher_bytes_read_total", "kvfetcher_bytes_written_total",
                    "kvfetcher_compression_ratio", "kvfetcher_decode_bytes_per_second",
                    "kvfetcher_preset_decisions_total", "kvfetcher_fallbacks_total", "kvfetcher_errors_total",
@@ -260,3 +265,103 @@ def test_chart_ships_the_crd(chart: helm_python.Chart) -> None:
 def test_values_schema_refuses_bad_values(chart: helm_python.Chart, values: dict[str, Any]) -> None:
     with pytest.raises(helm_python.HelmValuesError, match="don't meet the specifications of the schema"):
         chart.render(values, name="kvf", namespace=NAMESPACE, is_install=True)
+
+
+def exported_metrics() -> set[str]:
+    """Every series name the sidecar and the operator export (histograms' and counters' suffixes included)."""
+    from prometheus_client import generate_latest
+
+    from kvfetcher.metrics import Metrics
+    from kvfetcher_operator import metrics
+
+    text = Metrics().exposition().decode() + generate_latest(metrics.REGISTRY).decode()
+    families = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")}
+    return families | {f + s for f in families for s in ("_total", "_sum", "_count", "_bucket", "_info")}
+
+
+def test_dashboard_and_alerts_name_only_exported_metrics(chart: helm_python.Chart) -> None:
+    docs = render(chart, VALUE_SETS["cert-manager-own-issuer"] | {"grafanaDashboard": {"enabled": True}})
+    (rule,) = by_kind(docs, "PrometheusRule")
+    alerts = {r["alert"]: r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert {"KVFetcherStoreUnreachable", "KVFetcherPoolNotReady", "KVFetcherStoreChunksDropped"} <= set(alerts)
+    assert rule["metadata"]["labels"]["release"] == "prom"
+    (configmap,) = by_kind(docs, "ConfigMap")
+    panels = json.loads(configmap["data"]["kvfetcher-sidecar.json"])["panels"]
+    exprs = list(alerts.values()) + [t["expr"] for p in panels for t in p["targets"]]
+    named_metrics = {m for e in exprs for m in re.findall(r"\bkvfetcher_[a-z_]+", e)}
+    assert named_metrics and named_metrics <= exported_metrics(), named_metrics - exported_metrics()
+    assert not by_kind(render(chart, {}), "PrometheusRule")  # off by default: its CRD may be absent
+
+
+def test_the_service_monitor_gets_through_the_default_network_policy(chart: helm_python.Chart) -> None:
+    """With only the ServiceMonitor turned on, the scrape is let in: its selector finds the metrics
+    Service, whose pods' NetworkPolicies admit Prometheus on the metrics port."""
+    docs = render(chart, {"metrics": {"serviceMonitor": {"enabled": True}}})
+    (monitor,) = by_kind(docs, "ServiceMonitor")
+    service = named(docs, "Service", "kvf-kvfetcher-metrics")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    port = monitor["spec"]["endpoints"][0]["port"]
+    assert port in {p["name"] for p in service["spec"]["ports"]}
+    prometheus = {"app.kubernetes.io/name": "prometheus"}
+    for policy in by_kind(docs, "NetworkPolicy"):
+        assert policy["spec"]["podSelector"]["matchLabels"].items() >= service["spec"]["selector"].items()
+        admitted = [rule for rule in policy["spec"]["ingress"] if {"port": "metrics", "protocol": "TCP"} in rule["ports"]]
+        assert admitted and any(peer.get("podSelector", {}).get("matchLabels") == prometheus and
+                                peer.get("namespaceSelector") == {} for peer in admitted[0]["from"]), policy
+    # Without the ServiceMonitor, and unless metricsFrom lists peers, metrics stay closed.
+    for policy in by_kind(render(chart, {}), "NetworkPolicy"):
+        assert all("metrics" not in str(rule["ports"]) for rule in policy["spec"]["ingress"])
+
+
+def env_of(deployment: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+
+def test_a_registry_mirror_reaches_every_image(chart: helm_python.Chart, monkeypatch: pytest.MonkeyPatch) -> None:
+    """global.imageRegistry: the operator's image, and the sidecar's and MinIO's of pools naming
+    none, all from the mirror; a pool's own image still wins."""
+    docs = render(chart, {"global": {"imageRegistry": "mirror.example.com"}})
+    version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    for name in ("kvf-kvfetcher", "kvf-kvfetcher-webhook"):
+        deployment = named(docs, "Deployment", name)
+        image = deployment["spec"]["template"]["spec"]["containers"][0]["image"]
+        assert image == f"mirror.example.com/kvfetcher/kvfetcher-operator:{version}"
+        env = env_of(deployment)
+        assert env["KVFETCHER_SIDECAR_IMAGE"] == f"mirror.example.com/kvfetcher/kvfetcher-sidecar:{version}"
+        assert env["KVFETCHER_MINIO_IMAGE"].startswith("mirror.example.com/minio/minio:RELEASE.")
+    # What the webhook then injects (it reads the variables the chart set).
+    from test_op_builders import MANAGED, gpu_pod, pool
+
+    for key in ("KVFETCHER_SIDECAR_IMAGE", "KVFETCHER_MINIO_IMAGE"):
+        monkeypatch.setenv(key, env[key])
+    decision = injection.mutate(gpu_pod(), pool(MANAGED))
+    assert decision.patch["spec"]["initContainers"][0]["image"] == env["KVFETCHER_SIDECAR_IMAGE"]
+    assert minio.statefulset(pool(MANAGED))["spec"]["template"]["spec"]["containers"][0]["image"] == env["KVFETCHER_MINIO_IMAGE"]
+    own = pool({**MANAGED, "sidecar": {"image": "registry.local/own-sidecar:1"}})
+    assert injection.mutate(gpu_pod(), own).patch["spec"]["initContainers"][0]["image"] == "registry.local/own-sidecar:1"
+    # A repository without a registry gets the mirror in front; a digest pins.
+    docs = render(chart, {"global": {"imageRegistry": "mirror.example.com/"},
+                          "sidecar": {"image": {"repository": "kvfetcher-sidecar", "digest": "sha256:" + "b" * 64}}})
+    assert env_of(named(docs, "Deployment", "kvf-kvfetcher"))["KVFETCHER_SIDECAR_IMAGE"] == \
+        "mirror.example.com/kvfetcher-sidecar@sha256:" + "b" * 64
+
+
+def test_fullname_override_and_pod_labels(chart: helm_python.Chart) -> None:
+    docs = render(chart, {"fullnameOverride": "kvcache", "podLabels": {"team": "ml-platform"}})
+    names = {d["metadata"]["name"] for d in docs if d["kind"] in ("Deployment", "Service", "ClusterRole")}
+    assert {"kvcache", "kvcache-webhook", "kvcache-metrics", "kvcache-pool-namespace"} <= names
+    (config,) = by_kind(docs, "MutatingWebhookConfiguration")
+    assert config["webhooks"][0]["clientConfig"]["service"]["name"] == "kvcache-webhook"
+    for deployment in by_kind(docs, "Deployment"):
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert labels["team"] == "ml-platform"
+        assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_an_upgrade_says_how_to_upgrade_the_crd(chart: helm_python.Chart) -> None:
+    """Helm installs crds/ once and never upgrades it: the upgrade's notes and the docs say what to run."""
+    out = chart.render({}, name="kvf", namespace=NAMESPACE, is_upgrade=True)
+    (notes,) = [text for path, text in out.items() if path.endswith("NOTES.txt")]
+    command = "kubectl apply --server-side -f charts/kvfetcher/crds/"
+    assert command in notes
+    assert command in (REPO / "README.md").read_text() and command in (REPO / "docs" / "operations.md").read_text()

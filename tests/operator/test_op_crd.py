@@ -60,9 +60,18 @@ def test_other_examples_are_valid_kubernetes_objects() -> None:
 
 
 @pytest.mark.parametrize("base", [MANAGED, EXTERNAL], ids=["managed", "external"])
-def test_operator_defaults_equal_the_crd_defaults(base: dict[str, Any], pool_schema: dict[str, Any]) -> None:
+def test_operator_defaults_equal_the_crd_defaults(base: dict[str, Any], pool_schema: dict[str, Any],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same but for the images: the CRD defaults none, so that the operator's configured ones
+    (the chart's, a registry mirror's) reach every pool that names none."""
     from_crd = apply_defaults(pool_schema, pool(base))["spec"]
-    assert specs.with_defaults(base) == from_crd
+    monkeypatch.setenv("KVFETCHER_SIDECAR_IMAGE", "mirror.example.com/kvfetcher/kvfetcher-sidecar:9.9")
+    monkeypatch.setenv("KVFETCHER_MINIO_IMAGE", "mirror.example.com/minio/minio:tag")
+    ours = specs.with_defaults(base)
+    assert ours["sidecar"].pop("image") == "mirror.example.com/kvfetcher/kvfetcher-sidecar:9.9"
+    if "managed" in ours["storage"]:
+        assert ours["storage"]["managed"].pop("image") == "mirror.example.com/minio/minio:tag"
+    assert ours == from_crd
 
 
 def _with(base: dict[str, Any], path: str, value: Any) -> dict[str, Any]:

@@ -1,5 +1,7 @@
 {{- define "kvfetcher.fullname" -}}
-{{- if contains .Chart.Name .Release.Name -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" -}}
+{{- else if contains .Chart.Name .Release.Name -}}
 {{- .Release.Name | trunc 50 | trimSuffix "-" -}}
 {{- else -}}
 {{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
@@ -56,12 +58,47 @@ app.kubernetes.io/component: webhook
 {{- printf "%s-webhook-tls" (include "kvfetcher.fullname" .) -}}
 {{- end -}}
 
-{{- define "kvfetcher.image" -}}
-{{- if .Values.image.digest -}}
-{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- /* An image reference from a dict of repository, tag, digest and registry (global.imageRegistry:
+it replaces the repository's registry, or prefixes a repository that names none). */ -}}
+{{- define "kvfetcher.imageRef" -}}
+{{- $repo := .repository -}}
+{{- with .registry -}}
+{{- $parts := splitList "/" $repo -}}
+{{- $first := first $parts -}}
+{{- if and (gt (len $parts) 1) (or (contains "." $first) (contains ":" $first) (eq $first "localhost")) -}}
+{{- $repo = printf "%s/%s" (trimSuffix "/" .) (join "/" (rest $parts)) -}}
 {{- else -}}
-{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- $repo = printf "%s/%s" (trimSuffix "/" .) $repo -}}
 {{- end -}}
+{{- end -}}
+{{- if .digest -}}
+{{- printf "%s@%s" $repo .digest -}}
+{{- else -}}
+{{- printf "%s:%s" $repo .tag -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvfetcher.image" -}}
+{{- include "kvfetcher.imageRef" (dict "repository" .Values.image.repository "digest" .Values.image.digest
+      "tag" (.Values.image.tag | default .Chart.AppVersion) "registry" .Values.global.imageRegistry) -}}
+{{- end -}}
+
+{{- /* The sidecar image of pools that name none (their evictor and calibration Job run it too). */ -}}
+{{- define "kvfetcher.sidecarImage" -}}
+{{- include "kvfetcher.imageRef" (dict "repository" .Values.sidecar.image.repository "digest" .Values.sidecar.image.digest
+      "tag" (.Values.sidecar.image.tag | default .Chart.AppVersion) "registry" .Values.global.imageRegistry) -}}
+{{- end -}}
+
+{{- /* The MinIO image of managed pools that name none. */ -}}
+{{- define "kvfetcher.minioImage" -}}
+{{- include "kvfetcher.imageRef" (dict "repository" .Values.minio.image.repository "digest" .Values.minio.image.digest
+      "tag" .Values.minio.image.tag "registry" .Values.global.imageRegistry) -}}
+{{- end -}}
+
+{{- /* What the reconciler and the webhook both need to know: the images of pools that name none. */ -}}
+{{- define "kvfetcher.imageEnv" -}}
+- {name: KVFETCHER_SIDECAR_IMAGE, value: {{ include "kvfetcher.sidecarImage" . | quote }}}
+- {name: KVFETCHER_MINIO_IMAGE, value: {{ include "kvfetcher.minioImage" . | quote }}}
 {{- end -}}
 
 {{- /* What the reconciler's and the webhook's pods share: Pod Security "restricted", pull secrets, scheduling. */ -}}

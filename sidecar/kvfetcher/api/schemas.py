@@ -343,8 +343,9 @@ def render() -> str:
         "`Authorization: Bearer <token>`; over the Unix socket the socket's permissions are the",
         "authentication (the scheme is case-insensitive). A malformed request (wrong types, integers beyond",
         f"int64, non-finite numbers, nesting deeper than {MAX_DEPTH}) is a 400 with an [ErrorReply](#errorreply).",
-        "`GET /healthz`, `GET /readyz` (the store is reachable and takes writes; a 503 names only the",
-        "reason) and `GET /metrics` (Prometheus) are open.",
+        "`GET /healthz`, `GET /servingz` (the Unix socket takes connections: the pod's readiness probe),",
+        "`GET /readyz` (the store is reachable and takes writes; a 503 names only the reason; no probe",
+        "asks it) and `GET /metrics` (Prometheus) are open.",
     ]
     for e in ENDPOINTS:
         out += ["", f"## `{e.method} {e.path}`", "", e.doc, ""]

@@ -10,7 +10,8 @@ restart). Without a token configured, TCP ``/v1`` requests are refused. Checking
 raises, whatever its bytes. Requests over the Unix socket are trusted: the socket file's
 permissions (0660) are the authentication, and it is never connectable by anyone else, not
 even between bind and chmod (:func:`bind_unix`). Probes and ``/metrics`` are open, as kubelet and
-Prometheus expect; an unready ``/readyz`` names only the reason, never the store's endpoint,
+Prometheus expect; the readiness probe is ``/servingz`` (:mod:`kvfetcher.api.health`), never the
+store's health; an unready ``/readyz`` (the store's health) names only the reason, never the store's endpoint,
 bucket or error text (those are logged).
 
 Buffers: ``POST /v1/buffers`` registers CUDA handles only. A host-memory buffer is a sealed
@@ -38,7 +39,7 @@ from pathlib import Path
 from aiohttp import web
 
 from kvfetcher import config, ipc
-from kvfetcher.api import schemas
+from kvfetcher.api import health, schemas
 from kvfetcher.config import Config
 from kvfetcher.errors import Reason, RequestError
 from kvfetcher.service import Sidecar
@@ -250,11 +251,10 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    try:
-        await request.app[SIDECAR].ready()
-    except Exception as e:  # the detail (endpoint, bucket, error text) goes to the log, not to an unauthenticated caller
-        reason = getattr(e, "reason", Reason.DEADLINE if isinstance(e, TimeoutError) else Reason.INTERNAL)
-        log.warning("not ready (%s): %s: %s", reason, type(e).__name__, e)
+    """The store's health, for people and dashboards: no probe asks it (:mod:`kvfetcher.api.health`)."""
+    reason, detail = await health.check_store(request.app[SIDECAR])
+    if reason is not None:  # the detail (endpoint, bucket, error text) goes to the log, not to an unauthenticated caller
+        log.warning("not ready (%s): %s", reason, detail)
         return web.Response(status=503, text=f"store not ready: {reason}\n")
     return web.Response(text="ready\n")
 
@@ -268,10 +268,13 @@ def make_app(sidecar: Sidecar, token: str | Token | None) -> web.Application:
     app[SIDECAR] = sidecar
     app[TOKEN] = token if isinstance(token, Token) else Token(token)
     app[LISTENERS] = []
+    app[health.SOCKETS] = []
 
     async def lifecycle(app: web.Application):
         await sidecar.start()
+        watch = asyncio.ensure_future(health.watch_store(sidecar, config.STORE_CHECK_S.read()))
         yield
+        watch.cancel()
         for task in app[LISTENERS]:
             task.cancel()
         await sidecar.close()
@@ -284,6 +287,7 @@ def make_app(sidecar: Sidecar, token: str | Token | None) -> web.Application:
         + [
             web.get("/healthz", healthz),
             web.get("/readyz", readyz),
+            web.get("/servingz", health.serving),
             web.get("/metrics", metrics),
         ]
     )
@@ -302,6 +306,7 @@ async def start(
         where["port"] = runner.addresses[0][1]
     if socket_path:
         await web.SockSite(runner, bind_unix(socket_path)).start()
+        runner.app[health.SOCKETS].append(socket_path)
         buffers = bind_unix(ipc.fd_socket(socket_path))
         runner.app[LISTENERS].append(asyncio.ensure_future(_serve_buffer_socket(runner.app[SIDECAR], buffers)))
         where["socket"] = socket_path
@@ -339,7 +344,7 @@ async def serve_forever(host: str, port: int | None, socket_path: str | None) ->
     if port is not None and not token.current():
         log.warning("no KVFETCHER_AUTH_TOKEN: the TCP API refuses /v1 requests; use the Unix socket")
     runner, where = await start(make_app(sidecar, token), host, port, socket_path)
-    log.warning("kvfetcher sidecar listening on %s (store %s)", where, sidecar.store.endpoint)
+    log.info("kvfetcher sidecar listening on %s (store %s)", where, sidecar.store.endpoint)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)

@@ -19,6 +19,16 @@ from kvfetcher.fetch.prefill import PrefillModel
 MIN_TIMED_TOKENS = 256  # a step computing fewer tokens times overheads, not the prefill rate
 
 
+def _presets(given: Any) -> tuple[str, ...]:
+    """``presets`` of the connector's config (a comma-separated string or a list), each a known preset."""
+    names = tuple(p.strip() for p in (given.split(",") if isinstance(given, str) else given) if str(p).strip())
+    unknown = [p for p in names if p not in config.PRESET_NAMES]
+    if unknown or not names:
+        raise ValueError(f"kvfetcher: kv_connector_extra_config 'presets': unknown preset(s) {unknown or given!r}; "
+                         f"known: {', '.join(config.PRESET_NAMES)}")
+    return names
+
+
 @dataclass(frozen=True)
 class Options:
     """``kv_connector_extra_config``; unset keys fall back to the sidecar client's settings."""
@@ -43,12 +53,16 @@ class Options:
             raise ValueError(f"kvfetcher: unknown kv_connector_extra_config key(s) {unknown}; known: {sorted(known)}")
         kw = dict(extra)
         if "presets" in kw:
-            kw["presets"] = tuple(kw["presets"].split(",") if isinstance(kw["presets"], str) else kw["presets"])
+            kw["presets"] = _presets(kw["presets"])
         for name in ("ttft_budget_s", "recompute_tokens_per_s", "lookup_wait_s", "listing_wait_s", "lookup_timeout_s", "load_deadline_s"):
             if kw.get(name) is not None:
-                kw[name] = float(kw[name])
-                if not kw[name] > 0:
-                    raise ValueError(f"kvfetcher: {name} must be positive, not {extra[name]!r}")
+                try:
+                    kw[name] = float(kw[name])
+                except (TypeError, ValueError):
+                    kw[name] = float("nan")
+                if not 0 < kw[name] < float("inf"):
+                    raise ValueError(f"kvfetcher: kv_connector_extra_config {name!r} must be positive seconds or "
+                                     f"tokens/s, not {extra[name]!r}")
         kw.setdefault("model", config.MODEL.read() or (vllm_config.model_config.model if vllm_config else ""))
         if kw.get("ttft_budget_s") is None:
             kw["ttft_budget_s"] = config.TTFT_BUDGET_S.read()

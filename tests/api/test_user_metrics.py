@@ -1,0 +1,23 @@
+"""The metrics users ask for first: the hit rate (hit over looked-up tokens) and the build."""
+
+import re
+
+from kvfetcher.api.client import KVClient
+
+from kvtest import sidecar, synthetic_kv
+
+
+def test_hit_rate_and_build_info(s3, shm):
+    buf = shm((2, 2, 2, 256, 32))
+    tokens = list(range(500, 756))
+    with sidecar(s3, chunk_tokens=64, presets=("raw",)) as sc:
+        c = KVClient(socket_path=sc.socket)
+        bid = c.register(buf.handle, "m")
+        buf.tensor.copy_(synthetic_kv(layers=2, heads=2, tokens=256, head_dim=32))
+        c.save(bid, tokens[:128])
+        c.flush()
+        assert c.lookup(bid, tokens) == 128 and c.lookup(bid, tokens[:200]) == 128
+        text = c.metrics()
+    value = lambda name: float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))  # noqa: E731
+    assert value("kvfetcher_lookup_tokens_total") == 456 and value("kvfetcher_hit_tokens_total") == 256
+    assert re.search(r'^kvfetcher_build_info\{python="[0-9.]+",version="[^"]+"\} 1\.0$', text, re.M)

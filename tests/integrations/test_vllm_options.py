@@ -1,0 +1,29 @@
+"""The connector's options refuse a typo with a message naming the key (issue 36: `presets:
+"balnced,q8"` was accepted, a miss forever). Run without vLLM (tests/vllm_stub.py)."""
+
+from __future__ import annotations
+
+import pytest
+from vllm_stub import run_without_vllm
+
+PARSE = "from kvfetcher.integrations.vllm_meta import Options\nprint(Options.parse({extra!r}))"
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"presets": "balnced,q8"}, ["'presets'", "balnced"]),
+    ({"presets": ["q8", "raw8"]}, ["'presets'", "raw8"]),
+    ({"ttft_budget_s": "soon"}, ["'ttft_budget_s'", "soon"]),
+    ({"lookup_timeout_s": -1}, ["'lookup_timeout_s'"]),
+    ({"sokcet": "/run/x"}, ["sokcet", "unknown"]),
+])
+def test_bad_options_are_refused_naming_the_key(extra, words):
+    run = run_without_vllm(PARSE.format(extra=extra))
+    assert run.returncode != 0
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("ValueError: kvfetcher:") and all(w in last for w in words), last
+
+
+def test_good_options_parse():
+    run = run_without_vllm(PARSE.format(extra={"presets": "balanced, q8", "ttft_budget_s": "1.5"}))
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "presets=('balanced', 'q8')" in run.stdout and "ttft_budget_s=1.5" in run.stdout
