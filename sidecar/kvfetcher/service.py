@@ -290,8 +290,6 @@ class Sidecar:
                 self.metrics.prefill_model.labels(term).set(c)
         prefill = o.prefill_model or PrefillModel.linear(o.recompute_tokens_per_s or self.config.recompute_tps)
         rates = self.estimator.rates(self.store.endpoint, prefill, sharers)
-        if unknown := sorted(set(o.presets or ()) - set(PRESETS)):
-            raise RequestError(f"unknown preset(s) {unknown}; known: {', '.join(PRESETS)}")
         # never a preset this model may not use (one needing a calibration it lacks)
         allowed = frozenset(o.presets or PRESETS) & frozenset(self.config.allowed_presets or PRESETS) & frozenset(usable(PRESETS, ns.model))
         if o.presets is None and not self._warm():  # the decode workers are still warming: only what needs none (raw) or recompute

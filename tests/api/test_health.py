@@ -43,8 +43,8 @@ def test_a_request_naming_an_unknown_preset_is_refused(tmp_path):
 
     with sidecar(LocalStore(str(tmp_path))) as sc:
         for path in ("/v1/lookup", "/v1/fetch"):
-            body = {"model": "m", "dtype": "float16", "tokens": [1], "presets": ["balnced", "q8"]} if path == "/v1/lookup" \
-                else {"buffer": "b", "tokens": [1], "presets": ["balnced"]}
+            body = {"model": "m", "dtype": "float16", "tokens": [1], "options": {"presets": ["balnced", "q8"]}} if path == "/v1/lookup" \
+                else {"buffer": "b", "tokens": [1], "options": {"presets": ["balnced"]}}
             status, reply = raw_request(sc.where["port"], "POST", path, json.dumps(body).encode(),
                                         {"Authorization": f"Bearer {TOKEN}"})
-            assert status == 400 and "'presets': unknown preset(s) ['balnced']" in json.loads(reply)["detail"], reply
+            assert status == 400 and "'options': unknown preset(s) ['balnced']" in json.loads(reply)["detail"], reply

@@ -200,7 +200,7 @@ async def test_unknown_preset_names_are_refused(tmp_path, shm):
     await sc.start()
     try:
         bid = sc.register(shm().handle, FP)
-        with pytest.raises(RequestError, match="unknown preset"):
+        with pytest.raises(ValueError, match="unknown preset"):  # refused where the options are made (the API: a 400)
             await sc.plan(bid, TOKENS, options=FetchOptions(presets=["raw", "rwa"]))
         assert (await sc.plan(bid, TOKENS, options=FetchOptions(presets=["raw"]))).hit_tokens == 0
     finally:

@@ -68,6 +68,8 @@ class FetchOptions:
     def __post_init__(self) -> None:
         if self.presets is not None:
             object.__setattr__(self, "presets", tuple(self.presets))
+            if unknown := [p for p in self.presets if p not in PRESETS]:  # a typo would otherwise be a miss forever
+                raise ValueError(f"unknown preset(s) {unknown}; known: {', '.join(PRESETS)}")
 
 
 @dataclass(frozen=True)
