@@ -48,6 +48,7 @@ class Reason(str, Enum):
     BAD_OBJECT_DELETED = "bad_object_deleted"
     WARM_UP = "warm_up"
     BAD_REQUEST = "bad_request"
+    NO_DEVICE = "no_device"  # a CUDA buffer handle this sidecar cannot open (a registration refused; the client stages in host memory)
 
     def __str__(self) -> str:
         return self.value
@@ -116,3 +117,13 @@ class GeometryMismatchError(ContainerError):
 
 class RequestError(ValueError):
     """The request itself is wrong (unknown buffer, bad slots...): the client's fault, a 400."""
+
+    reason = Reason.BAD_REQUEST
+
+
+class NoDeviceError(RequestError):
+    """A CUDA buffer handle this sidecar cannot open: it sees no CUDA device (a device-plugin GPU
+    given to the model container only), or not the buffer's. A 400 whose ``error`` is
+    ``no_device``: the client registers host memory instead and copies to and from its GPU itself."""
+
+    reason = Reason.NO_DEVICE

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvfetcher.errors import NoDeviceError
 from kvfetcher.kvbuffer import DTYPES, PagedKV, PagedLayout, dtype_name
 
 #: the seals a registered memfd must carry: it cannot shrink or grow, and no seal can be added or removed
@@ -337,11 +338,17 @@ def cuda_handle(t: torch.Tensor) -> dict:
 
 
 def _open_cuda(h: dict) -> torch.Tensor:
+    """The tensor of a CUDA handle; :class:`NoDeviceError` where this process has no CUDA device, or
+    CUDA cannot open the handle here (not this process's GPU)."""
     if not torch.cuda.is_available():
-        raise ValueError("a CUDA buffer handle needs a sidecar with CUDA")
+        raise NoDeviceError("a CUDA buffer handle needs a sidecar with CUDA: this one sees no CUDA device")
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    t = rebuild_cuda_tensor(*_dec(h["args"]))
+    args = _dec(h["args"])
+    try:
+        t = rebuild_cuda_tensor(*args)
+    except RuntimeError as e:  # a CUDA error: the handle's device is not one this process can open
+        raise NoDeviceError(f"this sidecar cannot open the CUDA buffer handle (not its GPU?): {e}") from None
     if list(t.shape) != list(h["shape"]) or dtype_name(t.dtype) != h["dtype"]:
         raise ValueError("CUDA handle does not describe the buffer it claims")
     return t

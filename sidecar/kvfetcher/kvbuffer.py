@@ -60,15 +60,16 @@ class ChunkRef:
     tokens: int
 
 
-def slot_list(capacity: int, tokens: int, slots: Sequence[int] | None = None, offset: int = 0) -> Sequence[int]:
+def slot_list(capacity: int, tokens: int, slots: Sequence[int] | None = None, offset: int = 0, first: int = 0) -> Sequence[int]:
     """The buffer slots of ``tokens`` tokens: ``slots[:tokens]``, or ``range(offset, offset + tokens)``.
 
     The contiguous case stays a ``range`` (no per-token list on the path that answers
-    "recompute" without touching the store). Raises ``ValueError`` for slots outside the buffer,
-    too few slots or repeated slots.
+    "recompute" without touching the store). ``offset`` may be negative: only the tokens from
+    ``first`` on need slots (a window of a longer prompt: ``offset = -first`` puts token ``first``
+    in slot 0). Raises ``ValueError`` for slots outside the buffer, too few slots or repeated slots.
     """
     if slots is None:
-        if offset < 0 or offset + tokens > capacity:
+        if offset + min(max(first, 0), tokens) < 0 or offset + tokens > capacity:
             raise ValueError(f"slots out of range for a buffer of {capacity} token slots")
         return range(offset, offset + tokens)
     idx = [int(s) for s in slots[:tokens]]
@@ -93,7 +94,8 @@ class Destination:
     A fetch writes there, a store reads there (:meth:`read`).
 
     ``buffer`` is ``[layers, 2, kv_heads, capacity, head_dim]``; the slots are ``slots[:tokens]``
-    or ``range(offset, offset + tokens)`` (:func:`slot_list`). A chunk's contiguous slots are
+    or ``range(offset, offset + tokens)`` (:func:`slot_list`; with a negative offset, tokens before
+    ``first_token`` have no slot: they are neither written nor read). A chunk's contiguous slots are
     written in place through :meth:`view` (no copy), scattered ones through :meth:`scatter`; every
     write ends with :meth:`finish`. ``handle`` is the buffer's IPC handle (:mod:`ipc`), which
     decode worker processes open to write into the same memory; they address a chunk by
@@ -113,7 +115,7 @@ class Destination:
             if slots is None:
                 raise ValueError("give the destination's slots or its number of tokens")
             tokens = len(slots)
-        self.slots = slot_list(buffer.shape[3], tokens, slots, offset)
+        self.slots = slot_list(buffer.shape[3], tokens, slots, offset, first_token)
         self.tokens = tokens
 
     def check(self, h, c: ChunkRef) -> None:
@@ -154,7 +156,9 @@ class Destination:
 
     def read(self, start: int, tokens: int) -> torch.Tensor:
         """A private host copy of the KV ``[layers, 2, kv_heads, tokens, head_dim]`` of tokens
-        ``start .. start + tokens``."""
+        ``start .. start + tokens`` (none before ``first_token``: they may have no slot)."""
+        if start < self.first_token:
+            raise ValueError(f"tokens {start}.. start before first_token {self.first_token}: they are not in the buffer")
         idx = self.slots[start : start + tokens]
         if contiguous(idx):
             return self.buffer[:, :, :, idx[0] : idx[0] + tokens].to("cpu", copy=True)

@@ -187,6 +187,8 @@ class Sidecar:
             t, handle = ipc.adopt(handle)
         except (KeyError, TypeError) as e:
             raise RequestError(f"malformed buffer handle: {e}") from e
+        except RequestError:  # NoDeviceError: a CUDA handle this process cannot open
+            raise
         except ValueError as e:
             raise RequestError(str(e)) from e
         try:
@@ -436,18 +438,21 @@ class Sidecar:
     # --- save ------------------------------------------------------------------------------
 
     async def save(self, bid: str, tokens: Sequence[int], *, slots: Sequence[int] | None = None, offset: int = 0,
-                   block_ids: Sequence[int] | None = None) -> dict:
+                   block_ids: Sequence[int] | None = None, first_token: int = 0) -> dict:
         """Queue the complete chunks of ``tokens`` (whose KV is in the buffer at ``slots``, ``offset``
         or ``block_ids``, as in :meth:`load`) for storing: the leading chunks already stored in every
         configured preset are skipped (as far as the index knows: no store request), the next ones are queued as far as the queue has room and the
-        rest are dropped and counted. Never waits for encoding or upload; the KV is copied before
-        this returns (``Destination.read``)."""
+        rest are dropped and counted. Chunks before ``first_token`` (whole chunks) are the caller's,
+        e.g. an earlier window's of a prompt longer than its buffer: not read, counted as skipped.
+        Never waits for encoding or upload; the KV is copied before this returns (``Destination.read``)."""
         self._check_length(tokens)
         buf = self._buffer(bid)
         N = self.config.chunk_tokens
+        if first_token % N:
+            raise RequestError(f"a store's first_token must be whole chunks of {N} tokens, not {first_token}")
         ck = keys.chunk_keys(buf.ns, tokens, N)
-        where = buf.destination(len(ck) * N, slots, offset, block_ids)
-        known = self._stored_run(ck, self.writer.presets_for(buf.ns.model))
+        where = buf.destination(len(ck) * N, slots, offset, block_ids, min(first_token, len(ck) * N))
+        known = max(self._stored_run(ck, self.writer.presets_for(buf.ns.model)), min(first_token // N, len(ck)))
         take = min(len(ck) - known, self.writer.room())
         dropped = len(ck) - known - take
         if dropped:

@@ -4,7 +4,8 @@ gives the same tokens as a recompute; a bad object, a dead sidecar or a missing 
 recompute with the same tokens; partial hits, shared prefixes and concurrent requests load what is
 stored and nothing else. A hybrid-attention model (Gemma 3) is loaded past its sliding window. Under
 tensor parallelism (three ranks, one KV head each) a prompt is loaded only as far as every rank has
-its shard.
+its shard. The connector's host staging holds two chunks (``staging_tokens`` 256), so longer
+prompts are loaded and saved through it in windows.
 
 The engine runs in the vLLM venv (``.venv-vllm``, built by ``make``; ``VLLM_PYTHON`` names another
 vLLM venv's Python, e.g. one with vLLM 0.26: docs/operations.md) as ``vllm_engine.py``, one
@@ -42,6 +43,7 @@ MARK = "@@kvfetcher-engine@@ "
 CHUNK = 128  # = vLLM's CPU block size
 NS = keys.Namespace(model="smollm2", dtype="float32", shape=(30, 3, 64))  # SmolLM2 in vLLM on CPU (fp32: no AVX-512 here to make bf16 fast)
 NEW = 12
+STAGING = 2 * CHUNK  # the connector's staging_tokens: prompts of more than two chunks go through it in windows
 
 
 def rank_ns(rank: int, tp: int) -> keys.Namespace:
@@ -85,7 +87,7 @@ class Engine:
         from kvtest import free_port
 
         cfg = dict(model=str(model_dir or model.cache_dir() / "smollm2-135m"), name=name, socket=sidecar.socket, max_model_len=2048,
-                   events=free_port(), tp=tp)
+                   events=free_port(), tp=tp, staging_tokens=STAGING)
         self.log = open(tmp / "engine.log", "w")
         self.proc = subprocess.Popen([str(VLLM_PY), str(Path(__file__).with_name("vllm_engine.py")), json.dumps(cfg)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,

@@ -5,7 +5,7 @@ Run by ``tests/integrations/test_vllm.py`` with the vLLM venv's Python (``.venv-
 is slow on CPUs without AVX-512, and greedy tokens near a tie are steadier). ``argv[1]`` is a JSON object:
 ``model`` (a directory vLLM loads), ``name`` (the model's name in chunk keys), ``socket`` (the
 sidecar's), ``max_model_len``, ``events`` (a free TCP port for vLLM's KV-event publisher), optionally
-``tp`` (tensor-parallel ranks, each a worker process). Each stdin line is a JSON command, answered by one
+``tp`` (tensor-parallel ranks, each a worker process) and ``staging_tokens`` (the connector's host staging). Each stdin line is a JSON command, answered by one
 stdout line starting with :data:`MARK` (vLLM's own output goes to stderr):
 
 * ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": n, "reference": false}`` ->
@@ -64,7 +64,8 @@ def main() -> None:
             "kv_connector": "KVFetcherConnector", "kv_connector_module_path": "kvfetcher.integrations.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"socket": cfg["socket"], "model": cfg["name"], "lookup_timeout_s": 10,
-                                          "listing_wait_s": 5},  # a 2-core CPU shared with the engine: answers, not timing
+                                          "listing_wait_s": 5,  # a 2-core CPU shared with the engine: answers, not timing
+                                          **({"staging_tokens": cfg["staging_tokens"]} if "staging_tokens" in cfg else {})},
         },
         kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{cfg['events']}",
                           "topic": "kv"},

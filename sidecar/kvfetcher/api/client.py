@@ -36,6 +36,12 @@ class SidecarError(RuntimeError):
         super().__init__(f"sidecar answered {status} {reason}: {detail}")
         self.status, self.reason, self.detail = status, reason, detail
 
+    @property
+    def no_device(self) -> bool:
+        """A CUDA handle refused because the sidecar cannot open it (no CUDA device, or not the
+        buffer's): register host memory instead. Older sidecars say so only in the detail."""
+        return self.reason == "no_device" or "needs a sidecar with CUDA" in self.detail
+
 
 class _UnixConnection(http.client.HTTPConnection):
     def __init__(self, path: str, timeout: float):
@@ -189,20 +195,23 @@ class KVClient:
         buffer, it is only a hit count, and the sidecar looks up again). When this returns,
         ``loaded_tokens`` leading tokens are in the buffer (on a GPU, with the sidecar's writes
         complete) and nothing else was touched; recompute from there. Nothing before
-        ``first_token`` is fetched or written (it is the caller's).
+        ``first_token`` is fetched or written (it is the caller's); a negative ``offset`` gives
+        only the tokens from ``first_token`` on slots of a flat buffer (a window of a longer prompt).
         """
         return self._call(schemas.FETCH, schemas.FetchRequest(
             buffer, schemas.TokenIds.pack(tokens), plan, offset, _ints(slots), options, _ints(block_ids), first_token))
 
     def save(self, buffer: str, tokens: Sequence[int], *, offset: int = 0, slots: Sequence[int] | None = None,
-             block_ids: Sequence[int] | None = None) -> schemas.StoreReply:
+             block_ids: Sequence[int] | None = None, first_token: int = 0) -> schemas.StoreReply:
         """Queue the prefix whose KV is in the buffer (at ``offset``, ``slots`` or ``block_ids``, as
-        in :meth:`load`) for storing; returns at once.
+        in :meth:`load`) for storing; returns at once. The chunks before ``first_token`` (whole
+        chunks) are the caller's: not read.
 
         The KV must be in the buffer when this is called (on a GPU: written and synchronized);
         the sidecar copies it before answering, so the buffer may be reused right after.
         """
-        return self._call(schemas.STORE, schemas.StoreRequest(buffer, schemas.TokenIds.pack(tokens), offset, _ints(slots), _ints(block_ids)))
+        return self._call(schemas.STORE, schemas.StoreRequest(buffer, schemas.TokenIds.pack(tokens), offset, _ints(slots), _ints(block_ids),
+                                                              first_token))
 
     def flush(self) -> None:
         """Wait until the sidecar has written everything queued."""

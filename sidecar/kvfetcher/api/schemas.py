@@ -122,6 +122,8 @@ class TokenIds:
 
 
 TOKENS = "prompt token ids: an array, or base64 of little-endian uint32 (see TokenIds)"
+WINDOW = ("negative for a window of a prompt longer than a flat buffer: only tokens from `first_token` on need slots "
+          "(`offset = -first_token` puts token `first_token` in slot 0)")
 
 
 @dataclass
@@ -151,7 +153,7 @@ class FetchRequest:
     tokens: TokenIds = doc(TOKENS + "; whole chunks of them are loaded")
     plan: FetchPlan | None = doc("a plan from `/v1/lookup` for this buffer's namespace and these tokens; without one the sidecar looks up "
                                  "(listing what its index does not know)", None)
-    offset: int = natural("token `i` goes to slot `offset + i` of the buffer's token axis", 0)
+    offset: int = doc("token `i` goes to slot `offset + i` of the buffer's token axis; " + WINDOW, 0)
     slots: list[int] | None = natural("token `i` goes to slot `slots[i]` (instead of `offset`)", None)
     options: FetchOptions | None = doc("without a plan: as in `/v1/lookup`; with one, only `deadline_s` (of the load)", None)
     block_ids: list[int] | None = natural(BLOCK_IDS, None)
@@ -164,16 +166,18 @@ class FetchRequest:
 class StoreRequest:
     buffer: str = doc("a registered buffer's id")
     tokens: TokenIds = doc(TOKENS + ", whose KV is in the buffer; whole chunks of them are stored")
-    offset: int = natural("token `i` is in slot `offset + i`", 0)
+    offset: int = doc("token `i` is in slot `offset + i`; " + WINDOW, 0)
     slots: list[int] | None = natural("token `i` is in slot `slots[i]` (instead of `offset`)", None)
     block_ids: list[int] | None = natural(BLOCK_IDS, None)
+    first_token: int = natural("whole chunks: the chunks before it are the caller's (e.g. stored by an earlier window of a prompt "
+                               "longer than the buffer): not read, not stored, counted in `skipped_chunks`", 0)
 
 
 @dataclass
 class StoreReply:
     queued_chunks: int = doc("chunks queued for storing (those after the skipped ones that fit the queue)")
     dropped: bool = doc("true: some chunks did not fit the store queue and were dropped (counted in the metrics)")
-    skipped_chunks: int = doc("leading chunks already stored in every preset this sidecar writes", 0)
+    skipped_chunks: int = doc("leading chunks already stored in every preset this sidecar writes, or before `first_token`", 0)
     dropped_chunks: int = doc("chunks dropped because the queue was full", 0)
 
 
@@ -186,7 +190,8 @@ class Ok:
 class ErrorReply:
     """The reply of a refused request (4xx)."""
 
-    error: str = doc("`bad_request` (400) or `unauthenticated` (401)")
+    error: str = doc("`bad_request` (400), `no_device` (400: a CUDA handle this sidecar cannot open, having no CUDA device or not "
+                     "the buffer's; register host memory instead) or `unauthenticated` (401)")
     detail: str = doc("what was wrong")
 
 

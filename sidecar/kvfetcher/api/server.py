@@ -147,8 +147,9 @@ async def errors(request: web.Request, handler):
     try:
         return await handler(request)
     except (RequestError, ValueError, TypeError) as e:  # a malformed request, never a crash
-        request.app[SIDECAR].metrics.errors.labels(Reason.BAD_REQUEST).inc()
-        return _error(400, Reason.BAD_REQUEST.value, str(e))
+        reason = e.reason if isinstance(e, RequestError) else Reason.BAD_REQUEST  # no_device: a CUDA handle it cannot open
+        request.app[SIDECAR].metrics.errors.labels(reason).inc()
+        return _error(400, reason.value, str(e))
 
 
 async def register(request: web.Request) -> web.Response:
@@ -237,7 +238,8 @@ async def fetch(request: web.Request) -> web.Response:
 
 async def store(request: web.Request) -> web.Response:
     r = await _parse(request, schemas.StoreRequest)
-    reply = await request.app[SIDECAR].save(r.buffer, r.tokens, slots=r.slots, offset=r.offset, block_ids=r.block_ids)
+    reply = await request.app[SIDECAR].save(r.buffer, r.tokens, slots=r.slots, offset=r.offset, block_ids=r.block_ids,
+                                            first_token=r.first_token)
     return _reply(schemas.StoreReply(**reply), status=202)
 
 

@@ -33,7 +33,7 @@ def _presets(given: Any) -> tuple[str, ...]:
 class Options:
     """``kv_connector_extra_config``; unset keys fall back to the sidecar client's settings."""
 
-    socket: str | None = None  # the sidecar's Unix socket (default KVFETCHER_SOCKET); needed for a CPU KV cache
+    socket: str | None = None  # the sidecar's Unix socket (default KVFETCHER_SOCKET); needed for host staging
     url: str | None = None  # or its URL (default KVFETCHER_URL), with KVFETCHER_AUTH_TOKEN
     # either may name ``{rank}``: one sidecar per tensor-parallel rank (default: one serves them all)
     model: str = ""  # model fingerprint (default KVFETCHER_MODEL, else vLLM's model name)
@@ -44,6 +44,8 @@ class Options:
     listing_wait_s: float = 0.005  # the sidecar's wait for its store listing of a prefix its index does not know
     lookup_timeout_s: float = 0.02  # a request waits at most this for its plan, then recomputes
     load_deadline_s: float | None = None  # a load's deadline (default: the sidecar's KVFETCHER_DEADLINE_S)
+    # host staging (a CPU cache, or a GPU the sidecar cannot open): token slots of the buffer KV goes through, in windows
+    staging_tokens: int = 8192
 
     @classmethod
     def parse(cls, extra: dict[str, Any], vllm_config=None) -> "Options":
@@ -63,6 +65,10 @@ class Options:
                 if not 0 < kw[name] < float("inf"):
                     raise ValueError(f"kvfetcher: kv_connector_extra_config {name!r} must be positive seconds or "
                                      f"tokens/s, not {extra[name]!r}")
+        if "staging_tokens" in kw:
+            n = kw["staging_tokens"]
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"kvfetcher: staging_tokens must be a positive integer, not {n!r}")
         kw.setdefault("model", config.MODEL.read() or (vllm_config.model_config.model if vllm_config else ""))
         if kw.get("ttft_budget_s") is None:
             kw["ttft_budget_s"] = config.TTFT_BUDGET_S.read()
@@ -99,6 +105,7 @@ class SaveSpec:
     req_id: str
     tokens: list[int]
     block_ids: list[int]
+    chunk_tokens: int = 0  # the sidecar's chunk size (the scheduler's client learnt it): a staged save's windows are whole chunks
 
 
 @dataclass

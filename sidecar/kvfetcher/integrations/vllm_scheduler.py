@@ -165,7 +165,7 @@ class SchedulerSide:
             return None
         r.saving = True
         self.saving[r.request.request_id] = r
-        return SaveSpec(r.request.request_id, list(prompt[:n]), blocks)
+        return SaveSpec(r.request.request_id, list(prompt[:n]), blocks, chunk)
 
     def finished(self, req_id: str) -> bool:
         """Whether the request's blocks must wait for its save (the workers then report it)."""

@@ -1,10 +1,14 @@
 """The vLLM connector's worker side: vLLM's paged KV cache registered with the sidecar, loads and
 saves in background threads.
 
-On a GPU the sidecar opens vLLM's KV tensors by CUDA IPC and loads straight into the request's
-blocks (the cross-layer tensor when vLLM gives one). On a CPU no process can map vLLM's memory, so
-a flat staging buffer (a memfd, :mod:`kvfetcher.ipc`) is registered instead and the KV is copied
-between it and the blocks with :func:`kvbuffer.write_blocks` / :func:`kvbuffer.read_blocks`.
+Two modes, chosen at registration and logged once:
+
+* direct: on a GPU the sidecar shares (DRA, a device list), it opens vLLM's KV tensors by CUDA IPC
+  and loads straight into the request's blocks (the cross-layer tensor when vLLM gives one);
+* staged: on a CPU (no process can map vLLM's memory), or on a GPU whose sidecar refuses the CUDA
+  handle (``no_device``: a device-plugin GPU held by the model container only), a bounded flat
+  host buffer of ``staging_tokens`` slots is registered instead and this process copies the KV
+  between it and the blocks, in windows of whole chunks (:class:`~kvfetcher.integrations.staged.Staging`).
 
 Invariants: a load writes only tokens ``first .. end`` of its request, in whole blocks; every block
 of that range it did not write is reported by :meth:`load_errors` no later than the step that
@@ -19,13 +23,14 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
 
 import torch
 
-from kvfetcher import ipc, kvbuffer
+from kvfetcher import kvbuffer
 from kvfetcher.api.client import SidecarError
 from kvfetcher.fetch.plan import FetchOptions
+from kvfetcher.integrations import staged
+from kvfetcher.integrations.staged import Staging
 from kvfetcher.integrations.vllm_meta import MIN_TIMED_TOKENS, LoadSpec, Options, SaveSpec, StepMeta, WorkerReport
 
 log = logging.getLogger("kvfetcher.integrations.vllm")
@@ -75,9 +80,10 @@ class WorkerSide:
         self.block_size = vllm_config.cache_config.block_size  # the scheduler's
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvfetcher")
         self.lock = threading.Lock()  # guards what the pool's threads report
-        self.staging_lock = threading.Lock()  # one load or save at a time uses the staging buffer
+        self.registering = threading.Lock()  # one registration at a time
         self.tensors, self.layout, self.ratio = None, None, 1
-        self.staging: ipc.SharedBuffer | None = None
+        self.staging: Staging | None = None  # staged mode (else direct)
+        self.mode: str | None = None  # "direct" or "staged", once registered
         self.buffer: str | None = None
         self.recving: set[str] = set()
         self.errors: set[int] = set()
@@ -121,32 +127,31 @@ class WorkerSide:
         self._registered()
 
     def _registered(self) -> str | None:
-        """The sidecar's id of our buffer, registering it first if needed (None: not now)."""
-        if self.buffer is not None or self.tensors is None:
+        """The sidecar's id of our buffer, registering it first if needed (None: not now). The mode
+        (:func:`staged.register`) is logged when it is chosen or changes."""
+        with self.registering:
+            if self.buffer is not None or self.tensors is None:
+                return self.buffer
+            tokens = min(self.options.staging_tokens, self.vllm_config.model_config.max_model_len)
+            try:
+                self.buffer, self.staging, why = staged.register(self.client, self.tensors, self.layout, self.options.model, self.tp_rank,
+                                                                 tokens, self.staging)
+            except (OSError, SidecarError, ValueError) as e:
+                log.warning("kvfetcher: cannot register the KV cache with the sidecar (will retry): %s", e)
+                return None
+            mode = "direct" if self.staging is None else "staged"
+            if mode != self.mode:
+                self.mode = mode
+                log.info("kvfetcher: %s mode: %s%s", mode, why, "" if self.staging is None else
+                         f"; loads and saves go through a host buffer of {tokens} tokens "
+                         f"({self.staging.buffer.tensor.nbytes / 2**20:.0f} MiB), copied to and from the blocks in this process")
             return self.buffer
-        try:
-            if self._on_cpu():
-                if self.staging is None:
-                    L, H, D = self._geometry()
-                    cap = self.vllm_config.model_config.max_model_len
-                    self.staging = ipc.allocate((L, 2, H, cap, D), self._t0().dtype)
-                self.buffer = self.client.register(self.staging.handle, self.options.model, self.tp_rank)
-            else:
-                self.buffer = self.client.register_paged(self.tensors, self.layout, self.options.model, self.tp_rank)
-        except (OSError, SidecarError) as e:
-            log.warning("kvfetcher: cannot register the KV cache with the sidecar (will retry): %s", e)
-        return self.buffer
 
     def _t0(self) -> torch.Tensor:
         return self.tensors if isinstance(self.tensors, torch.Tensor) else self.tensors[0]
 
     def _on_cpu(self) -> bool:
         return self._t0().device.type == "cpu"
-
-    def _geometry(self) -> tuple[int, int, int]:
-        t, dims = self._t0(), self.layout.dims
-        layers = t.shape[dims.index("L")] if "L" in dims else len(self.tensors)
-        return layers, t.shape[dims.index("H")], t.shape[dims.index("D")]
 
     def _blocks(self, block_ids: list[int]) -> list[int]:
         """vLLM's block ids as blocks of the registered tensors (kernel blocks may be smaller)."""
@@ -260,23 +265,17 @@ class WorkerSide:
         """Load the request's stored chunks; the end of the tokens written (whole blocks)."""
         plan = spec.plans[self.tp_rank] if self.tp_rank < len(spec.plans) else None
         plan = plan if plan is not None and plan.tp_rank == self.tp_rank else None
-        options = FetchOptions(deadline_s=self.options.load_deadline_s)
-        if plan is None or not plan.preset:  # the sidecar looks up at load, as the scheduler would have
-            options = replace(options, presets=self.options.presets, ttft_budget_s=self.options.ttft_budget_s,
+        # without a chosen plan the sidecar looks up at load, as the scheduler would have
+        lookup = FetchOptions(deadline_s=self.options.load_deadline_s, presets=self.options.presets, ttft_budget_s=self.options.ttft_budget_s,
                               recompute_tokens_per_s=spec.recompute_tps, prefill_model=spec.prefill_model)
-        # vLLM's own cache holds the tokens before ``first``, in blocks other requests may share: never written
-        kw = dict(options=options, first_token=spec.first)
         bs = self.block_size
-        if not self._on_cpu():
-            reply = self.client.load(buf, spec.tokens, plan, block_ids=self._blocks(spec.block_ids), **kw)
-            return max(spec.first, min(reply.loaded_tokens, spec.end) // bs * bs)
-        with self.staging_lock:
-            reply = self.client.load(buf, spec.tokens, plan, **kw)
-            n = min(reply.loaded_tokens, spec.end) // bs * bs
-            if n > spec.first:
-                kv = self.staging.tensor[:, :, :, spec.first : n]
-                kvbuffer.write_blocks(self.tensors, self.layout, self._blocks(spec.block_ids), kv, first_token=spec.first)
-        return max(spec.first, n)
+        # vLLM's own cache holds the tokens before ``first``, in blocks other requests may share: never written
+        if self.staging is not None:
+            n = self.staging.load(self.client, buf, spec.tokens, self._blocks(spec.block_ids), spec.first, spec.end, plan, lookup)
+            return max(spec.first, n // bs * bs)
+        options = lookup if plan is None or not plan.preset else FetchOptions(deadline_s=self.options.load_deadline_s)
+        reply = self.client.load(buf, spec.tokens, plan, block_ids=self._blocks(spec.block_ids), options=options, first_token=spec.first)
+        return max(spec.first, min(reply.loaded_tokens, spec.end) // bs * bs)
 
     def _save(self, spec: SaveSpec, ready) -> None:
         stored = 0
@@ -288,15 +287,12 @@ class WorkerSide:
             self.stored[spec.req_id] = stored
 
     def _save_from(self, buf: str, spec: SaveSpec, ready) -> int:
-        n = len(spec.tokens)
-        if not self._on_cpu():
-            ready.synchronize()
-            rep = self.client.save(buf, spec.tokens, block_ids=self._blocks(spec.block_ids))
-        else:
-            with self.staging_lock:
-                kv = kvbuffer.read_blocks(self.tensors, self.layout, self._blocks(spec.block_ids), 0, n)
-                self.staging.tensor[:, :, :, :n].copy_(kv)
-                rep = self.client.save(buf, spec.tokens)
+        if ready is not None:
+            ready.synchronize()  # the step's KV writes, on the GPU
+        if self.staging is not None:
+            chunk = spec.chunk_tokens or self.client.chunk_tokens
+            return self.staging.save(self.client, buf, spec.tokens, self._blocks(spec.block_ids), chunk) if chunk else 0
+        rep = self.client.save(buf, spec.tokens, block_ids=self._blocks(spec.block_ids))
         return rep.queued_chunks + rep.skipped_chunks
 
     def close(self) -> None:
