@@ -142,27 +142,19 @@ def test_the_fit_tells_fixed_overhead_from_a_slower_rate():
     assert f.scale == pytest.approx(1.2, abs=0.05) and f.overhead_s == pytest.approx(0.2, abs=0.03)
 
 
-def test_hopeless_counts_the_lookup_and_the_fit():
+def test_hopeless_counts_the_fit():
     from dataclasses import replace
-
-    from kvfetcher.fetch.choice import lookup_seconds
 
     ratios = {"raw": 1.0, "q8": 2.0}
     r = rates(bw=5e9, tps=1024 / 0.012)  # recompute 12 ms; raw's best case 8 ms
     assert not hopeless(4, 256, CHUNK_KV, ratios, FORMATS, r)
-    assert lookup_seconds(128, r, 16) == pytest.approx(8 * 0.001)
-    assert hopeless(4, 256, CHUNK_KV, ratios, FORMATS, r, lookup_s=0.005)  # the LISTs alone eat the win
-    assert hopeless(4, 256, CHUNK_KV, ratios, FORMATS, replace(r, fit={"raw": Fit(2.0), "q8": Fit(2.0)}))  # measured overheads do too
+    assert hopeless(4, 256, CHUNK_KV, ratios, FORMATS, replace(r, fit={"raw": Fit(2.0), "q8": Fit(2.0)}))  # measured overheads count
 
 
-def test_the_lookup_time_is_learned_per_endpoint():
-    from kvfetcher.fetch.choice import lookup_seconds
-
+def test_the_listing_time_is_learned_per_endpoint():
     e = Estimator(latency_s=0.002)
-    assert lookup_seconds(32, e.rates("s3"), 16) == pytest.approx(2 * 0.002)  # before any lookup: latencies
     e.observe_lookup("s3", 0.2, 8)
-    assert lookup_seconds(32, e.rates("s3"), 16) == pytest.approx(2 * 0.025)
-    assert e.rates("other").list_s is None
+    assert e.rates("s3").list_s == pytest.approx(0.025) and e.rates("other").list_s is None
 
 
 def test_each_format_reads_at_its_own_measured_rate():

@@ -160,14 +160,12 @@ def hopeless(
     allowed: set[str] | None = None,
     slack: float = 1.5,
     budget_s: float | None = None,
-    lookup_s: float = 0.0,
 ) -> bool:
     """True when even the best case loses to recompute (and misses ``budget_s``, see :func:`choose`),
     so the store need not be asked at all.
 
     Best case: every chunk stored in every allowed preset, ``slack`` times smaller than its
-    measured ratio says, no latency; the preset's fit (measured overheads) still counts, and so
-    does ``lookup_s``, what asking the store would cost first (a LIST per chunk).
+    measured ratio says, no latency; the preset's fit (measured overheads) still counts.
     Optimistic on purpose: a wrong "no" would skip a fetch that pays; a wrong "yes" costs a lookup.
     """
     if n_chunks == 0:
@@ -180,15 +178,10 @@ def hopeless(
             continue
         ratio = max(ratios.get(preset, 1.0), 1.0)
         stored = kv / (ratio * slack) if fmt != "raw" else kv  # raw's size is known, a codec's varies with content
-        fetch = lookup_s + rates.fit.get(preset, NO_FIT).apply(max(stored / read_rate(fmt, rates), kv / decode_rate(preset, fmt, rates))) + after
+        fetch = rates.fit.get(preset, NO_FIT).apply(max(stored / read_rate(fmt, rates), kv / decode_rate(preset, fmt, rates))) + after
         if fetch < recompute_all or (budget_s is not None and fetch <= budget_s):
             return False
     return True
-
-
-def lookup_seconds(n_chunks: int, rates: Rates, parallel: int) -> float:
-    """A lookup's time: one LIST per chunk, ``parallel`` at a time (a round as measured, else a latency)."""
-    return -(-n_chunks // parallel) * (rates.list_s or rates.latency_s)
 
 
 class Estimator:
