@@ -221,6 +221,9 @@ class Probe:
             # the cost model's predicted seconds per option at the cell's last lookup (auto's reasons)
             "predicted_s": {k.split('option="', 1)[1].split('"', 1)[0]: round(v, 4) for k, v in m1.items()
                             if k.startswith("kvfetcher_lookup_option_seconds{")} if d("kvfetcher_lookups_total") else {},
+            # the engine's prefill model the scheduler sent with it (the recompute side of that choice)
+            "prefill_model": {k.split('term="', 1)[1].split('"', 1)[0]: v for k, v in m1.items() if k.startswith("kvfetcher_prefill_model{")},
+            "warming": m1.get("kvfetcher_decode_warming", 0.0),  # auto's choice was limited to raw and recompute
         }
 
 

@@ -82,6 +82,8 @@ class Metrics:
         self.bandwidth = Gauge("kvfetcher_store_bandwidth_bytes_per_second", "Estimated read throughput by endpoint", ["endpoint"], registry=r)
         self.fallbacks = Counter("kvfetcher_fallbacks_total", "Tokens-to-recompute outcomes, by reason", ["reason"], registry=r)
         self.errors = Counter("kvfetcher_errors_total", "Errors, by reason", ["reason"], registry=r)
+        self.warming = Gauge("kvfetcher_decode_warming", "1 while a registered buffer's warm-up holds the decode workers (auto then "
+                             "considers only raw and recompute)", registry=r)
         self.warm_up_seconds = Gauge(
             "kvfetcher_decode_warm_up_seconds", "Seconds the slowest decode worker took to warm up at start", registry=r
         )

@@ -209,6 +209,8 @@ class Sidecar:
                 self.workers.open(handle)
             try:  # staging, and its model's chunks decoded once, in the background
                 self._warming = asyncio.get_running_loop().run_in_executor(None, self.warm_buffer, self.buffers[bid])
+                self.metrics.warming.set(1)  # auto leaves the decode workers' presets alone until it is 0
+                self._warming.add_done_callback(lambda _: self.metrics.warming.set(0))
             except RuntimeError:  # no event loop (a direct caller): nothing to run it in the background of
                 pass
         return bid
