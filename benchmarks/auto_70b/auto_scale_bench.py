@@ -154,10 +154,10 @@ def measure(args) -> None:
     print(f"prefill {res['prefill_s']}, objects {res['bytes_per_chunk']} after {time.perf_counter() - t0:.0f} s", flush=True)
     b = Bench(shape, objs, contexts, args.procs if dev == "cuda" else 0, dev)
     for p in STORED:  # warm decoders and the estimator's decode rates
-        b.sidecar.store = b.store(100.0)
+        b.sidecar.store = b.sidecar.catalog.store = b.store(100.0)  # the lookups list through the catalog
         b.kvfetcher(min(4096, contexts[0]), p, 1.0, 60)
     for gbps in links:
-        b.sidecar.store = b.store(gbps)
+        b.sidecar.store = b.sidecar.catalog.store = b.store(gbps)
         b.kvfetcher(2 * CHUNK, "raw", 1.0, 60)  # the estimator measures this link, as a sidecar on it would have
         for ctx in contexts:
             box = max(2.0, 2 * rec[ctx])

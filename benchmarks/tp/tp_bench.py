@@ -109,7 +109,7 @@ class Rank:
             self.link.Bps = gbps * 1e9 / 8
         store = linkstore.LinkStore(self.link, endpoint=f"link-{gbps:g}")
         store.objects = self.objects
-        self.sidecar.store = store
+        self.sidecar.store = self.sidecar.catalog.store = store  # the lookups list through the catalog
         dist.barrier()
 
     def gather(self, x) -> list:

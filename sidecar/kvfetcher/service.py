@@ -159,8 +159,7 @@ class Sidecar:
         """Stop; queued saves get ``drain_s`` to finish (within a pod's termination grace)."""
         await self.writer.close(drain_s)
         self.catalog.close()
-        if self._warming is not None:  # the decode workers are still in use until it ends
-            await asyncio.gather(self._warming, return_exceptions=True)
+        await self.warmed()  # the decode workers are still in use until it ends
         for pool in (self.data_pool, self.meta_pool, self.decode_pool):
             pool.shutdown(wait=False, cancel_futures=True)
         for bid in list(self.buffers):
@@ -214,6 +213,12 @@ class Sidecar:
             except RuntimeError:  # no event loop (a direct caller): nothing to run it in the background of
                 pass
         return bid
+
+    async def warmed(self) -> None:
+        """Wait until the latest registration's warm-up is done (until then ``auto`` leaves the decode
+        workers' presets alone, and a load of one would wait behind it)."""
+        if self._warming is not None:
+            await asyncio.gather(self._warming, return_exceptions=True)
 
     def _warm(self) -> bool:
         """Whether no warm-up is using the decode workers (a load needing them would wait for it)."""

@@ -54,6 +54,7 @@ async def stored_and_restored_flat(sc, shm, kv):
     assert (await sc.save(bid, TOKENS))["queued_chunks"] == 4
     await sc.flush()
     flat.tensor.fill_(SENTINEL)
+    await sc.warmed()  # until then auto leaves the decode workers' presets alone
     r = await sc.load(bid, TOKENS, options=FetchOptions(recompute_tokens_per_s=1.0))  # a slow model: fetching is the cost model's choice
     assert (r.error, r.loaded_tokens) == (None, 256), r
     return flat.tensor.clone()
@@ -82,6 +83,7 @@ def test_a_restore_into_blocks_is_the_flat_restore(tmp_path, shm, dims, preset, 
             want = await stored_and_restored_flat(sc, shm, kv)
             tensors, handle = paged(shm, dims)
             bid = sc.register(handle, FP)
+            await sc.warmed()
             spare = next(b for b in range(BLOCKS) if b not in block_ids)  # a block of the prompt's partial tail
             r = await sc.load(bid, TOKENS + [7, 8], block_ids=block_ids + [spare], options=FetchOptions(recompute_tokens_per_s=1.0))
             assert (r.error, r.loaded_tokens, r.decision.preset) == (None, 256, preset), r
@@ -140,7 +142,9 @@ def test_a_load_from_first_token_leaves_the_blocks_before_it_alone(tmp_path, shm
     async def main():
         async with running(LocalStore(tmp_path), chunk_tokens=N, presets=(preset,), decode_procs=procs, warm_up=procs > 0) as sc:
             want = await stored_and_restored_flat(sc, shm, kv)
-            full = (await sc.load(sc.register(shm((LAYERS, 2, HEADS, 256, HEAD_DIM)).handle, FP), TOKENS, options=FetchOptions(recompute_tokens_per_s=1.0))).kv_bytes
+            fid = sc.register(shm((LAYERS, 2, HEADS, 256, HEAD_DIM)).handle, FP)
+            await sc.warmed()
+            full = (await sc.load(fid, TOKENS, options=FetchOptions(recompute_tokens_per_s=1.0))).kv_bytes
             if dims is None:
                 flat = shm((LAYERS, 2, HEADS, 256, HEAD_DIM))
                 flat.tensor.copy_(theirs)
@@ -150,6 +154,7 @@ def test_a_load_from_first_token_leaves_the_blocks_before_it_alone(tmp_path, shm
                 write_blocks(tensors, PagedLayout(dims, BS), SCATTERED, theirs)
                 bid, got = sc.register(handle, FP), lambda: read_blocks(tensors, PagedLayout(dims, BS), SCATTERED, 0, 256)
             where = {} if dims is None else dict(block_ids=SCATTERED)
+            await sc.warmed()
             r = await sc.load(bid, TOKENS, first_token=first, **where, options=FetchOptions(recompute_tokens_per_s=1.0))
             assert (r.error, r.loaded_tokens, r.not_loaded) == (None, 256, (256, 256)), r
             assert r.kv_bytes == full * 3 // 4  # chunks 1..3 restored: chunk 0 was not fetched
