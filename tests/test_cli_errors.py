@@ -1,5 +1,5 @@
 """What a user typing `kvfetcher` gets wrong ends with one line and a non-zero status, never a
-traceback (issue 36); `--version`, the log level and JSON logs."""
+traceback; `--version`, the log level and JSON logs."""
 
 from __future__ import annotations
 

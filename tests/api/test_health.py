@@ -35,7 +35,7 @@ def test_the_store_is_watched_without_a_probe(s3, monkeypatch):
 
 
 def test_a_request_naming_an_unknown_preset_is_refused(tmp_path):
-    """A typo'd preset is a 400 naming it, not a miss forever (issue 36)."""
+    """A typo'd preset is a 400 naming it, not a miss forever."""
     import json
 
     from kvtest import TOKEN

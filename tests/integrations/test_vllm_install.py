@@ -1,6 +1,6 @@
 """The connector installs as documented: `pip install '<checkout>[vllm]'` into a vLLM image brings
-everything its import chain needs (issue 36: the recipe was `--no-deps`, and the chain reaches
-zstandard). Building a fresh venv with vLLM is too slow for CI; instead the connector is imported
+everything its import chain needs (zstandard among them, which a `--no-deps` install would
+miss). Building a fresh venv with vLLM is too slow for CI; instead the connector is imported
 in a subprocess where only the standard library and the distributions `kvfetcher[vllm]` requires
 (transitively, as installed here) may be imported, vLLM itself stood in for by empty modules."""
 

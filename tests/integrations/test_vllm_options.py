@@ -1,5 +1,5 @@
-"""The connector's options refuse a typo with a message naming the key (issue 36: `presets:
-"balnced,q8"` was accepted, a miss forever). Run without vLLM (tests/vllm_stub.py)."""
+"""The connector's options refuse a typo with a message naming the key (a typo such as
+`presets: "balnced,q8"` would otherwise be a miss forever). Run without vLLM (tests/vllm_stub.py)."""
 
 from __future__ import annotations
 

@@ -105,7 +105,7 @@ def test_injection_into_a_device_plugin_pod() -> None:
     assert out["metadata"]["annotations"][injection.GPU_ANNOTATION].startswith("none")
     assert env["NVIDIA_DRIVER_CAPABILITIES"]["value"] == "compute,utility,video"
     assert side["args"] == ["serve", "--port", "8500", "--socket", "/run/kvfetcher/kvfetcher.sock"]
-    assert side["readinessProbe"]["httpGet"]["path"] == "/servingz"  # the socket served, not the store (issue 36)
+    assert side["readinessProbe"]["httpGet"]["path"] == "/servingz"  # the socket served, not the store
     assert "nvidia.com/gpu" not in str(side["resources"])
     assert out["spec"]["shareProcessNamespace"] is True
     model = out["spec"]["containers"][1]

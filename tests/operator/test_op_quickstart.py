@@ -1,6 +1,6 @@
 """The README's quick start, replayed on the API emulator under the chart's rendered RBAC: its
 `helm install` line's values, its examples applied as `kubectl apply -f` would, until the pool is
-Ready (issue 36: with the chart's defaults alone a pool in the examples' namespace stopped at
+Ready (with the chart's defaults alone a pool in the examples' namespace stops at
 StorageReady=False, Forbidden).
 
 The emulator authorises nothing: the test answers the operator's requests that the rendered

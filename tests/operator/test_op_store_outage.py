@@ -1,6 +1,6 @@
 """A store outage never takes a model out of service: the injected sidecar's readiness probe keeps
 answering 200 while its store is down, and the pool's StorageReady condition, an Event and the
-metrics say why (issue 36)."""
+metrics say why."""
 from __future__ import annotations
 
 import asyncio
