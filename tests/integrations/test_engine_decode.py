@@ -6,6 +6,8 @@ raw and zstd); the gpu tests decode nvCOMP ANS in an engine whose sidecar sees n
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -214,3 +216,117 @@ def test_restore_object_is_the_one_restore(tmp_path):
     assert torch.equal(chunk.decode_chunk(obj, FP), chunk.decode_chunk(obj, FP, out=torch.empty_like(KV[:, :, :, :N])))
     with pytest.raises(Exception, match="fingerprint|model"):
         chunk.decode_chunk(obj, "another-model")
+
+
+# --- GPU: a device-plugin pod, whose sidecar sees no CUDA device -------------------------------
+
+
+def _gpu_with_nvcomp() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from kvfetcher.codec import nvcomp
+
+    if not nvcomp.available():
+        pytest.skip("needs nvCOMP (the kvfetcher[gpu] extra)")
+
+
+def _hidden_cuda_sidecar(tmp_path, **env) -> dict[str, str]:
+    return dict(KVFETCHER_STORE_DIR=str(tmp_path / "store"), KVFETCHER_CHUNK_TOKENS=str(N), KVFETCHER_PRESET="raw",
+                KVFETCHER_WARM_UP="0", CUDA_VISIBLE_DEVICES="", **env)
+
+
+@pytest.mark.gpu
+def test_gpu_blocks_load_ans_decoded_here_through_a_sidecar_without_cuda(tmp_path):
+    """GPU blocks, a sidecar process with CUDA hidden: the registration is refused as no_device, so
+    the connector decodes itself; `q8-ans` objects (coded on this GPU, as a GPU pod elsewhere in the
+    fleet would) load from token 160 byte-identical to this GPU's own decode of them, with nothing
+    decoded by the sidecar, which has no ANS decoder at all."""
+    _gpu_with_nvcomp()
+    from kvtest import served
+
+    kv = KV.cuda()
+    ns = keys.Namespace(FP, "float16", shape=(LAYERS, HEADS, HEAD_DIM))
+    store = LocalStore(tmp_path / "store")
+    want = torch.empty_like(kv)
+    for i, k in enumerate(keys.chunk_keys(ns, TOKENS, N)):
+        obj = chunk.encode_chunk(kv[:, :, :, i * N : (i + 1) * N], "q8-ans", FP, start=i * N)
+        store.put(keys.object_name(k, "q8-ans"), obj)
+        want[:, :, :, i * N : (i + 1) * N] = chunk.decode_chunk(obj, FP, device="cuda")
+    with served(str(tmp_path / "kvf.sock"), _hidden_cuda_sidecar(tmp_path)):
+        c = Loads(socket_path=str(tmp_path / "kvf.sock"))
+        dst = [b.cuda() for b in blocks()]
+        write_blocks(dst, LAYOUT, BLOCK_IDS[:10], kv[:, :, :, :160].flip(0))
+        torch.cuda.synchronize()
+        buf, st, why = staged.register(c, dst, LAYOUT, FP, 0, 192)
+        assert st is not None and st.engine is not None and "ans" in st.engine.formats and "needs a sidecar with CUDA" in why, why
+        options = FetchOptions(presets=("q8-ans",), recompute_tokens_per_s=1.0)
+        assert st.load(c, buf, TOKENS, BLOCK_IDS, 160, 640, options=options) == 640
+        got = read_blocks(dst, LAYOUT, BLOCK_IDS, 0, 640)
+        assert torch.equal(got[:, :, :, :160], kv[:, :, :, :160].flip(0))
+        assert torch.equal(got[:, :, :, 160:].view(torch.int16), want[:, :, :, 160:].view(torch.int16))
+        assert metric(c, "kvfetcher_engine_objects_total", preset="q8-ans") == 8
+        assert metric(c, "kvfetcher_kv_bytes_restored_total") == 0
+        plan = c.plan(st.arena, TOKENS, FetchOptions(recompute_tokens_per_s=1.0, refresh=True))
+        assert plan.preset == "q8-ans", plan  # auto weighs the format only this engine decodes
+
+
+@pytest.mark.gpu
+def test_gpu_vllm_engine_decodes_ans_past_its_own_hit_with_a_sidecar_without_cuda(tmp_path):
+    """A real vLLM engine (SmolLM2, bf16) beside a sidecar with CUDA hidden, as in a device-plugin pod:
+    the connector picks engine-decode by itself. A prompt's first 1,024 tokens are stored (raw, by
+    that sidecar), then also as `q8-ans` (coded on this GPU, as a GPU pod elsewhere would); after
+    the sidecar restarts (its index lists both), vLLM holds the prompt's first 400 tokens itself and
+    the forced `q8-ans` load fills 400..1024: the engine decoded the objects on its GPU (the sidecar
+    handed over 3 objects and decoded nothing, the engine reported its decodes) and the 32 greedy
+    tokens equal those of vLLM's own prefix-cache hit at the same split. One device call, <= 150 s."""
+    _gpu_with_nvcomp()
+    pytest.importorskip("vllm")
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # this process touches CUDA before the engine starts
+    from benchmarks.vllm_ttft.engine import generate, smollm2_dir, start_llm, wait_stored, warm_index
+    from benchmarks.vllm_ttft.vllm_ttft_bench import filler, identity_prompts
+    from kvtest import served
+
+    split, shared, new, chunk_tokens, fp = 1024, 400, 32, 256, "smollm2-135m"
+    d = smollm2_dir()
+    prompt = identity_prompts(d)["raw"]
+    cfg = json.loads((d / "config.json").read_text())
+    look = dict(model=fp, dtype="bfloat16", kv_shape=(cfg["num_hidden_layers"], cfg["num_key_value_heads"],
+                                                      cfg["hidden_size"] // cfg["num_attention_heads"]))
+    sock = str(tmp_path / "kvf.sock")
+    env = _hidden_cuda_sidecar(tmp_path, KVFETCHER_CHUNK_TOKENS=str(chunk_tokens))
+    llm, out = None, {}
+    with served(sock, env):
+        client = KVClient(socket_path=sock)
+        llm = start_llm(d, sock, fp, prefix_caching=True, max_model_len=2048, timeout_s=120, gpu_memory_utilization=0.3)
+        run = lambda p, params: generate(llm, [p], new, params, 60)[1][0]  # noqa: E731 - (tokens, num_cached_tokens)
+        run(prompt[:split] + filler(10, len(prompt) - split), {})  # computed; its save stores the prefix's 4 chunks
+        wait_stored(client, prompt, split, look)
+        hit, hit_cached = run(prompt, {})  # vLLM's own prefix cache at the split
+        ref, _ = run(prompt, None)  # a recompute
+        assert hit_cached == split
+    ns = keys.Namespace(fp, "bfloat16", shape=look["kv_shape"])
+    store = LocalStore(tmp_path / "store")
+    for i, k in enumerate(keys.chunk_keys(ns, prompt[:split], chunk_tokens)):  # the same KV, also as q8-ans
+        kv = chunk.decode_chunk(store.get(keys.object_name(k, "raw")), fp, device="cuda")
+        store.put(keys.object_name(k, "q8-ans"), chunk.encode_chunk(kv, "q8-ans", fp, start=i * chunk_tokens))
+    with served(sock, env):  # a fresh index, which lists both presets
+        client = KVClient(socket_path=sock)
+        assert warm_index(client, prompt, **look) == split
+        for preset in ("q8-ans", "raw"):  # raw's load carries the engine's report of its ans decodes
+            llm.reset_prefix_cache()
+            run(prompt[:shared] + filler(20, len(prompt) - shared), None)  # vLLM holds the first 400 tokens itself
+            before = (metric(client, "kvfetcher_engine_objects_total", preset=preset), metric(client, "kvfetcher_kv_bytes_restored_total"))
+            tokens, cached = run(prompt, {"presets": [preset], "ttft_budget_s": 1e6})
+            handed = metric(client, "kvfetcher_engine_objects_total", preset=preset) - before[0]
+            out[preset] = dict(cached=cached, objects=handed, equals_vllm_hit=tokens == hit, equals_recompute=tokens == ref,
+                               sidecar_decoded_bytes=metric(client, "kvfetcher_kv_bytes_restored_total") - before[1])
+            print(f"[{preset} forced] {out[preset]}", flush=True)
+        out["engine_reported_ans_kv_bytes"] = metric(client, "kvfetcher_engine_kv_bytes_total", preset="q8-ans")
+    print(json.dumps(out), flush=True)
+    if os.environ.get("OUT"):
+        (Path(os.environ["OUT"]) / "engine_decode_vllm.json").write_text(json.dumps(out, indent=1))
+    for preset in ("q8-ans", "raw"):
+        r = out[preset]
+        assert r["cached"] == split and r["objects"] == 3 and r["sidecar_decoded_bytes"] == 0, (preset, r)
+        assert r["equals_vllm_hit"], (preset, r)
+    assert out["engine_reported_ans_kv_bytes"] > 0
