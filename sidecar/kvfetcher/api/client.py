@@ -23,7 +23,7 @@ import torch
 
 from kvfetcher import config, ipc
 from kvfetcher.api import schemas
-from kvfetcher.fetch.plan import FetchOptions, FetchPlan, LoadReply
+from kvfetcher.fetch.plan import EngineDecode, EngineDecoded, FetchOptions, FetchPlan, LoadReply
 from kvfetcher.kvbuffer import PagedLayout
 
 
@@ -140,19 +140,22 @@ class KVClient:
 
     # --- the connector verbs -----------------------------------------------------------------
 
-    def register(self, handle: dict, model: str, tp_rank: int = 0) -> str:
+    def register(self, handle: dict, model: str, tp_rank: int = 0, engine: EngineDecode | None = None) -> str:
         """Register a KV buffer (see :mod:`kvfetcher.ipc`); returns its id for the other calls.
+        With ``engine`` (a host buffer) this process decodes stored objects itself: loads write
+        them into the buffer (``LoadReply.objects``) instead of KV.
 
         The id is the registration's capability: whoever holds it may load into, store from and
         unregister the buffer, so keep it in this process. A host-memory buffer (a memfd handle
         from :func:`ipc.allocate`) is registered only over the Unix socket: its fd is passed on the
         sidecar's buffer socket, never named. A CUDA handle goes over either transport."""
-        request = schemas.RegisterRequest(handle=handle, model=model, tp_rank=tp_rank)
+        request = schemas.RegisterRequest(handle=handle, model=model, tp_rank=tp_rank, engine=engine)
         if handle.get("kind") != "memfd":
             return self._call(schemas.REGISTER, request).buffer
         if self._socket_path is None:
             raise ValueError("a host-memory buffer is registered over the sidecar's Unix socket (its fd is passed), not TCP")
-        described = {**schemas.to_json(request), "handle": {k: handle[k] for k in ("kind", "shape", "dtype")}}
+        described = {k: v for k, v in schemas.to_json(request).items() if v is not None}
+        described["handle"] = {k: handle[k] for k in ("kind", "shape", "dtype")}
         reply = ipc.pass_buffer(ipc.fd_socket(self._socket_path), described, handle, self._timeout_s)
         if "error" in reply:
             raise SidecarError(400, reply["error"], reply.get("detail", ""))
@@ -200,7 +203,8 @@ class KVClient:
         return self._call(schemas.LOOKUP, schemas.LookupRequest(schemas.TokenIds.pack(tokens), **ns, options=options))
 
     def load(self, buffer: str, tokens: Sequence[int], plan: FetchPlan | None = None, *, options: FetchOptions | None = None,
-             offset: int = 0, slots: Sequence[int] | None = None, block_ids: Sequence[int] | None = None, first_token: int = 0) -> LoadReply:
+             offset: int = 0, slots: Sequence[int] | None = None, block_ids: Sequence[int] | None = None, first_token: int = 0,
+             decoded: Sequence[EngineDecoded] | None = None) -> LoadReply:
         """Load the stored leading chunks of ``tokens`` into the buffer at ``offset`` (or ``slots``;
         a paged buffer: into ``block_ids``, the prompt's blocks in order).
 
@@ -212,9 +216,12 @@ class KVClient:
         complete) and nothing else was touched; recompute from there. Nothing before
         ``first_token`` is fetched or written (it is the caller's); a negative ``offset`` gives
         only the tokens from ``first_token`` on slots of a flat buffer (a window of a longer prompt).
+        Into an engine-decode buffer the reply's ``objects`` say where the stored objects are
+        (:mod:`kvfetcher.integrations.staged` decodes them); ``decoded`` reports that engine's decodes.
         """
         return self._call(schemas.FETCH, schemas.FetchRequest(
-            buffer, schemas.TokenIds.pack(tokens), plan, offset, _ints(slots), options, _ints(block_ids), first_token))
+            buffer, schemas.TokenIds.pack(tokens), plan, offset, _ints(slots), options, _ints(block_ids), first_token,
+            list(decoded) if decoded else None))
 
     def save(self, buffer: str, tokens: Sequence[int], *, offset: int = 0, slots: Sequence[int] | None = None,
              block_ids: Sequence[int] | None = None, first_token: int = 0) -> schemas.StoreReply:

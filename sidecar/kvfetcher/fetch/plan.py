@@ -21,7 +21,7 @@ import hashlib
 import hmac
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import asdict, dataclass, field, replace
 
@@ -70,6 +70,37 @@ class FetchOptions:
             object.__setattr__(self, "presets", tuple(self.presets))
             if unknown := [p for p in self.presets if p not in PRESETS]:  # a typo would otherwise be a miss forever
                 raise ValueError(f"unknown preset(s) {unknown}; known: {', '.join(PRESETS)}")
+
+
+@dataclass(frozen=True)
+class EngineDecode:
+    """A buffer whose engine decodes stored objects itself (engine-decode mode: a GPU the sidecar
+    cannot open). Loads into it write verified stored objects, not KV; plans consider only the
+    presets of these formats, at the engine's decode rates."""
+
+    formats: tuple[str, ...] = _doc("bitstream formats the engine decodes (`raw`, `zstd`, `ans`, `hevc`)")
+    device: str = _doc("where the engine decodes: `cuda` (the cost model's GPU rates) or `cpu`", default="cuda")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "formats", tuple(self.formats))
+        known = {PRESETS[p].codec.format for p in PRESETS}
+        if unknown := [f for f in self.formats if f not in known] or not self.formats:
+            raise ValueError(f"engine formats {unknown or list(self.formats)}: name some of {', '.join(sorted(known))}")
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"engine device must be 'cuda' or 'cpu', not {self.device!r}")
+
+    def presets(self) -> dict[str, str]:
+        """Each preset the engine can decode, with its bitstream format (:data:`FORMATS`' counterpart)."""
+        return {p: PRESETS[p].codec.format for p in PRESETS if PRESETS[p].codec.format in self.formats}
+
+
+@dataclass(frozen=True)
+class EngineDecoded:
+    """What an engine that decodes itself restored of one preset (reported with its next load)."""
+
+    preset: str = _doc("the preset decoded")
+    kv_bytes: int = _doc("KV bytes restored into its blocks", min=0)
+    seconds: float = _doc("seconds its decodes and writes took", min=0)
 
 
 @dataclass(frozen=True)
@@ -125,6 +156,7 @@ class Costs:
     chunk_kv_bytes: int | None  # KV bytes of one chunk in the buffer (None: no buffer, no choice)
     allowed: frozenset[str]  # presets the fetch may use
     budget_s: float | None  # TTFT budget (see choice)
+    formats: Mapping[str, str] = field(default_factory=lambda: FORMATS)  # presets the reader decodes, with their format
 
 
 def _representations(store: Store, key: str) -> dict[str, int]:
@@ -241,7 +273,7 @@ async def make_plan(
     if not ck:
         return recompute
     if not refresh and costs.chunk_kv_bytes is not None and choice.hopeless(
-        len(ck), chunk_tokens, costs.chunk_kv_bytes, RATIOS, FORMATS, costs.rates, set(costs.allowed), budget_s=costs.budget_s):
+        len(ck), chunk_tokens, costs.chunk_kv_bytes, RATIOS, costs.formats, costs.rates, set(costs.allowed), budget_s=costs.budget_s):
         return replace(recompute, hit_tokens=len(catalog.index.run(ck)[0]) * chunk_tokens, reason=Reason.COST_MODEL.value,
                        detail="recompute predicted faster than any stored preset could be; store not asked")
     t = time.perf_counter()
@@ -262,7 +294,7 @@ async def make_plan(
 
 def decide(listed: FetchPlan, run: Sequence[dict[str, int]], costs: Costs) -> FetchPlan:
     """The cost model's choice among the listed representations ``run`` of ``listed``'s chunks."""
-    d = choice.choose(run, listed.chunk_tokens, costs.chunk_kv_bytes, FORMATS, costs.rates, set(costs.allowed), costs.budget_s)
+    d = choice.choose(run, listed.chunk_tokens, costs.chunk_kv_bytes, costs.formats, costs.rates, set(costs.allowed), costs.budget_s)
     if d.preset == choice.RECOMPUTE:
         return replace(listed, preset=d.preset, options=d.options, reason=Reason.COST_MODEL.value, detail="recompute predicted faster")
     return replace(listed, preset=d.preset, chunks=tuple((d.preset, run[i][d.preset]) for i in range(d.chunks)),
@@ -296,3 +328,7 @@ class LoadReply:
     bytes_read: int = _doc("stored bytes read", default=0)
     kv_bytes: int = _doc("KV bytes restored", default=0)
     seconds: float = _doc("seconds the fetch took", default=0.0)
+    objects: list[tuple[int, int, int]] | None = _doc(
+        "engine-decode buffers: each loaded chunk's verified stored object in the buffer's memory, as [first token, byte offset, "
+        "size], in token order (the engine decodes them). When fewer of the plan's chunks fit the buffer, the load stops after "
+        "those with no `reason`: load again from `first_token` = `loaded_tokens`", default=None)
