@@ -462,9 +462,10 @@ class Sidecar:
             fmt = PRESETS[preset].codec.format
             if out.header_latency_s:
                 self.estimator.observe_latency(ep, min(out.header_latency_s))
-            if self.estimator.settled(fmt) and learn and engine:
+            settled = self.estimator.settled(fmt)  # (once: it marks the format seen)
+            if settled and learn and engine:
                 self.estimator.observe_read(ep, out.bytes_read, out.read_busy_s, fmt, sharers)
-            elif self.estimator.settled(fmt) and learn:  # not the process' first load of this format
+            elif settled and learn:  # not the process' first load of this format
                 self.estimator.observe_read(ep, out.bytes_read, out.read_busy_s, fmt, sharers)
                 self.estimator.observe_decode(preset, out.kv_bytes, out.decode_busy_s)
                 if out.loaded_tokens == plan.loaded_tokens:  # the whole planned load: its time is comparable
