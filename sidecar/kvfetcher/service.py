@@ -294,6 +294,7 @@ class Sidecar:
         p = await self._plan(ns, keys.chunk_keys(ns, tokens, self.config.chunk_tokens), buf, options or FetchOptions())
         self.metrics.lookup_tokens.inc(len(tokens))
         self.metrics.hit_tokens.inc(p.hit_tokens)
+        self.metrics.lookup_options.clear()  # the last lookup's options only (none: it needed no cost model)
         for option, seconds in p.options.items():  # why auto chose what it chose
             self.metrics.lookup_options.labels(option).set(seconds)
         self.metrics.lookup_seconds.observe(time.perf_counter() - t)
