@@ -3,9 +3,10 @@ socket, a local store) and the real small model: a stored prompt is loaded by a 
 gives the same tokens as a recompute; a bad object, a dead sidecar or a missing socket ends in a
 recompute with the same tokens; partial hits, shared prefixes and concurrent requests load what is
 stored and nothing else; a preset a request forces is loaded also past a sidecar restart. A
-hybrid-attention model (Gemma 3) is loaded past its sliding window. Under tensor parallelism (three ranks, one KV head each) a prompt is loaded only as far as every rank has
-its shard. The connector's host staging holds two chunks (``staging_tokens`` 256), so longer
-prompts are loaded and saved through it in windows.
+hybrid-attention model (Gemma 3) is loaded past its sliding window. Under tensor parallelism (three
+ranks, one KV head each) a prompt is loaded only as far as every rank has its shard. The connector's
+host staging holds two chunks (``staging_tokens`` 256), so longer prompts are loaded and saved
+through it in windows.
 
 The engine runs in the vLLM venv (``.venv-vllm``, built by ``make``; ``VLLM_PYTHON`` names another
 vLLM venv's Python, e.g. one with vLLM 0.26: docs/operations.md) as ``vllm_engine.py``, one
