@@ -135,7 +135,12 @@ class SchedulerSide:
         rid = request.request_id
         r = self.requests.get(rid)
         if r is None:
-            options = self._options(request)
+            try:
+                options = self._options(request)
+            except (TypeError, ValueError) as e:  # a request's bad kv_transfer_params: its own recompute, not the engine's failure
+                self._warn("kvfetcher: request %s's kv_transfer_params refused, recomputing: %s", rid, e)
+                self.requests[rid] = _Request(request, [], (), 0)
+                return 0, False
             wait_s, timeout_s = self._patience(request, num_computed_tokens)
             r = self.lookups.answer(rid, lambda: self._plan(request, options), lambda: self._late(request), timeout_s, wait_s)
             if r is NOT_YET:
