@@ -28,6 +28,8 @@ def test_the_writers_encode_thread_runs_at_a_lower_priority(tmp_path):
             t.join()
             return own(), got[0]
 
-        assert w.encode_pool.submit(started_by_the_encoder).result() == (min(19, ENCODE_NICE), min(19, ENCODE_NICE))
-        assert own() == 0 or own() < ENCODE_NICE  # the caller's own priority is untouched
+        mine = own()
+        want = min(19, max(ENCODE_NICE, mine))  # (a process already nicer keeps its niceness)
+        assert w.encode_pool.submit(started_by_the_encoder).result() == (want, want)
+        assert own() == mine  # the caller's own priority is untouched
         w.encode_pool.shutdown()

@@ -44,10 +44,11 @@ ENCODE_NICE = 10
 
 
 def _lower_priority() -> None:
-    """Give this thread (and the threads it starts) :data:`ENCODE_NICE`, where the OS allows per-thread
-    niceness (Linux); elsewhere leave it as it is."""
+    """Give this thread (and the threads it starts) :data:`ENCODE_NICE` unless it is nicer already, where
+    the OS allows per-thread niceness (Linux); elsewhere leave it as it is."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), ENCODE_NICE)
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(ENCODE_NICE, os.getpriority(os.PRIO_PROCESS, tid)))
     except (AttributeError, OSError):
         pass
 
