@@ -1,16 +1,16 @@
-"""service: what one sidecar does — buffers, plan, load, save, warm-up — independent of HTTP.
+"""service: what one sidecar does — buffers, lookup, fetch, store, warm-up — independent of HTTP.
 
-* :meth:`Sidecar.plan` is the scheduler's question: it lists the prefix once and runs the cost
+* :meth:`Sidecar.lookup` is the scheduler's question: it lists the prefix once and runs the cost
   model (:mod:`kvfetcher.fetch.plan`), touching no buffer.
-* :meth:`Sidecar.load` executes a plan into a registered buffer; given none, it plans first (one
+* :meth:`Sidecar.fetch` executes a lookup's plan into a registered buffer; given none, it looks up first (one
   listing). A plan that travelled through a client is checked against its seal, the buffer's
   namespace and the tokens; object names are always re-derived here, never taken from a plan.
-* :meth:`Sidecar.save` skips the leading chunks already stored, copies the KV of the next ones
+* :meth:`Sidecar.store` skips the leading chunks already stored, copies the KV of the next ones
   that fit the store queue out of the buffer and queues them for the background writer
   (:mod:`kvfetcher.save.writer`); it never waits for encoding or upload.
 
 Store I/O runs in two bounded pools: ``meta_pool`` (LIST, HEAD, DELETE, readiness) and
-``data_pool`` (GET, PUT), so that stalled reads cannot starve lookups. Every lookup and load has a
+``data_pool`` (GET, PUT), so that stalled reads cannot starve lookups. Every lookup and fetch has a
 deadline (``config.deadline_s`` unless the request gives one); work still queued at the deadline is
 cancelled. A request names at most ``config.max_request_tokens`` tokens.
 
@@ -34,7 +34,7 @@ from kvfetcher.config import Config
 from kvfetcher.errors import Reason, RequestError
 from kvfetcher.fetch import choice, executor, staging
 from kvfetcher.fetch.linkshare import LinkShare
-from kvfetcher.fetch.plan import Catalog, Costs, FetchOptions, FetchPlan, LoadDecision, LoadReply, listing_rounds, make_plan, seal, sealed
+from kvfetcher.fetch.plan import Catalog, Costs, FetchOptions, FetchPlan, FetchDecision, FetchReply, listing_rounds, make_plan, seal, sealed
 from kvfetcher.fetch.prefill import PrefillModel
 from kvfetcher.fetch.workers import DecodeWorkers, warmup_object
 from kvfetcher.format import mac
@@ -70,7 +70,7 @@ class Buffer:
 
 class Sidecar:
     def __init__(self, store: Store, config: Config | None = None, metrics: Metrics | None = None):
-        self.store = store
+        self.objects = store
         self.config = config or Config()
         self.config.validate(PRESETS)
         self.metrics = metrics or Metrics()
@@ -156,7 +156,7 @@ class Sidecar:
                     " ".join(f"{x:.2f}" for x in w.seconds), f"; {len(w.errors)} failed: {w.errors[0]}" if w.errors else "")
 
     async def close(self, drain_s: float = 10.0) -> None:
-        """Stop; queued saves get ``drain_s`` to finish (within a pod's termination grace)."""
+        """Stop; queued stores get ``drain_s`` to finish (within a pod's termination grace)."""
         await self.writer.close(drain_s)
         self.catalog.close()
         await self.warmed()  # the decode workers are still in use until it ends
@@ -170,7 +170,7 @@ class Sidecar:
     async def ready(self) -> None:
         """Raise a :class:`StoreError` unless the store answers and takes writes (see ``Store.ping``)."""
         async with asyncio.timeout(self.config.deadline_s):
-            await asyncio.get_running_loop().run_in_executor(self.meta_pool, self.store.ping)
+            await asyncio.get_running_loop().run_in_executor(self.meta_pool, self.objects.ping)
 
     # --- buffers ---------------------------------------------------------------------------
 
@@ -265,10 +265,10 @@ class Sidecar:
         if len(tokens) > self.config.max_request_tokens:
             raise RequestError(f"{len(tokens)} tokens in one request; at most {self.config.max_request_tokens}")
 
-    # --- plan ------------------------------------------------------------------------------
+    # --- lookup ----------------------------------------------------------------------------
 
-    async def plan(self, target: str | keys.Namespace, tokens: Sequence[int], options: FetchOptions | None = None) -> FetchPlan:
-        """What a load of ``tokens`` would do, for a buffer id or a namespace (a scheduler without
+    async def lookup(self, target: str | keys.Namespace, tokens: Sequence[int], options: FetchOptions | None = None) -> FetchPlan:
+        """What a fetch of ``tokens`` would do, for a buffer id or a namespace (a scheduler without
         buffers: the cost model then uses a registered buffer of that namespace for the KV
         geometry, and without one leaves the preset unchosen), chosen as ``options`` say. Answered
         from the index of what is stored: nothing waits on the store unless ``options.refresh``."""
@@ -281,7 +281,7 @@ class Sidecar:
             ns, buf = target, next((b for b in self.buffers.values() if b.ns == target), None)
         self.metrics.lookups.inc()
         self.calibrations.look(ns.model)
-        p = await self._plan(ns, keys.chunk_keys(ns, tokens, self.config.chunk_tokens), buf, options or FetchOptions())
+        p = await self._lookup(ns, keys.chunk_keys(ns, tokens, self.config.chunk_tokens), buf, options or FetchOptions())
         self.metrics.lookup_tokens.inc(len(tokens))
         self.metrics.hit_tokens.inc(p.hit_tokens)
         for option, seconds in p.options.items():  # why auto chose what it chose
@@ -289,7 +289,7 @@ class Sidecar:
         self.metrics.lookup_seconds.observe(time.perf_counter() - t)
         return p
 
-    async def _plan(self, ns: keys.Namespace, ck: Sequence[str], buf: Buffer | None, o: FetchOptions) -> FetchPlan:
+    async def _lookup(self, ns: keys.Namespace, ck: Sequence[str], buf: Buffer | None, o: FetchOptions) -> FetchPlan:
         budget = self.config.ttft_budget_s if o.ttft_budget_s is None else o.ttft_budget_s
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0):
             raise RequestError(f"ttft_budget_s must be positive seconds, not {budget!r}")
@@ -298,7 +298,7 @@ class Sidecar:
             for term, c in asdict(o.prefill_model).items():
                 self.metrics.prefill_model.labels(term).set(c)
         prefill = o.prefill_model or PrefillModel.linear(o.recompute_tokens_per_s or self.config.recompute_tps)
-        rates = self.estimator.rates(self.store.endpoint, prefill, sharers)
+        rates = self.estimator.rates(self.objects.endpoint, prefill, sharers)
         # never a preset this model may not use (one needing a calibration it lacks)
         allowed = frozenset(o.presets or PRESETS) & frozenset(self.config.allowed_presets or PRESETS) & frozenset(usable(PRESETS, ns.model))
         if o.presets is None and not self._warm():  # the decode workers are still warming: only what needs none (raw) or recompute
@@ -311,7 +311,7 @@ class Sidecar:
             self.metrics.errors.labels(p.error).inc()
         elif p.lookup_s is not None:
             listed = min(p.hit_tokens // p.chunk_tokens + 1, p.requested_tokens // p.chunk_tokens)  # it stops at the first miss
-            self.estimator.observe_lookup(self.store.endpoint, p.lookup_s, listing_rounds(listed))
+            self.estimator.observe_lookup(self.objects.endpoint, p.lookup_s, listing_rounds(listed))
             self.metrics.listing_seconds.observe(p.lookup_s)
         return seal(p, self._seal_key)
 
@@ -323,12 +323,12 @@ class Sidecar:
         if (plan.model, plan.dtype, plan.tp_rank, plan.chunk_tokens, plan.prefix_key) != want:
             raise RequestError("the plan is for another namespace or other tokens than this load")
 
-    # --- load ------------------------------------------------------------------------------
+    # --- fetch -----------------------------------------------------------------------------
 
-    async def load(self, bid: str, tokens: Sequence[int], plan: FetchPlan | None = None, *, slots: Sequence[int] | None = None,
-                   offset: int = 0, block_ids: Sequence[int] | None = None, first_token: int = 0,
-                   options: FetchOptions | None = None) -> LoadReply:
-        """Load as many leading whole chunks of ``tokens`` as ``plan`` says into the buffer at
+    async def fetch(self, bid: str, tokens: Sequence[int], plan: FetchPlan | None = None, *, slots: Sequence[int] | None = None,
+                    offset: int = 0, block_ids: Sequence[int] | None = None, first_token: int = 0,
+                    options: FetchOptions | None = None) -> FetchReply:
+        """Fetch as many leading whole chunks of ``tokens`` as ``plan`` says into the buffer at
         ``slots`` or ``offset`` (a paged buffer: into ``block_ids``, :meth:`Buffer.destination`).
         Without a plan, or with one that chose no preset, this looks up first as ``options`` say,
         listing what the index does not know; beside a chosen plan only ``options.deadline_s`` may
@@ -353,9 +353,9 @@ class Sidecar:
                 raise RequestError(f"{sorted(chosen)} belong to the plan: give them when looking up, not with a plan")
             self._check(plan, buf, ck)
         if plan is None or plan.preset is None:  # no plan, or one made without a buffer of its namespace: look up here
-            plan = await self._plan(buf.ns, ck, buf, replace(o, deadline_s=deadline_s, refresh=True))
-        reply = LoadReply(n_req, 0, N, lookup_s=plan.lookup_s,
-                          decision=LoadDecision(plan.preset, len(plan.chunks), plan.predicted_s, plan.options))
+            plan = await self._lookup(buf.ns, ck, buf, replace(o, deadline_s=deadline_s, refresh=True))
+        reply = FetchReply(n_req, 0, N, lookup_s=plan.lookup_s,
+                           decision=FetchDecision(plan.preset, len(plan.chunks), plan.predicted_s, plan.options))
         if plan.error:  # counted in the errors metric when planning
             return self._fallback(reply, plan.error, plan.detail)
         self.metrics.decisions.labels(plan.preset).inc()
@@ -368,7 +368,7 @@ class Sidecar:
             return reply
         quiet = self._warm()  # else the warm-up shares the decode workers
         async with self.link.fetch() as share:
-            out = await executor.fetch(self.store, refs, dest, fingerprint=buf.ns.model, io_pool=self.data_pool, decode_pool=self.decode_pool,
+            out = await executor.fetch(self.objects, refs, dest, fingerprint=buf.ns.model, io_pool=self.data_pool, decode_pool=self.decode_pool,
                                        device=buf.tensor.device, deadline_s=max(0.0, deadline_s - (time.perf_counter() - t0)),
                                        window=self.config.window, workers=self.workers, object_key=self._object_key,
                                        accepted_keys=self._accepted_keys)
@@ -388,25 +388,25 @@ class Sidecar:
         return reply
 
     async def _drop(self, name: str, listed_size: int | None = None) -> None:
-        """Delete an object that failed verification, so that the next save writes it anew; not when
+        """Delete an object that failed verification, so that the next store writes it anew; not when
         it is no longer the one the plan listed (``listed_size``: another writer stored it again)."""
         try:
             loop = asyncio.get_running_loop()
-            if listed_size and (await loop.run_in_executor(self.meta_pool, self.store.list, name)).get(name) != listed_size:
+            if listed_size and (await loop.run_in_executor(self.meta_pool, self.objects.list, name)).get(name) != listed_size:
                 log.info("bad object %s was replaced since it was listed: kept", name)
                 return
-            await loop.run_in_executor(self.meta_pool, self.store.delete, name)
+            await loop.run_in_executor(self.meta_pool, self.objects.delete, name)
             log.warning("deleted bad object %s", name)
             self.metrics.errors.labels(Reason.BAD_OBJECT_DELETED).inc()
         except StoreError as e:
             self.metrics.errors.labels(e.reason).inc()
 
     def _observe(self, plan: FetchPlan, out: executor.Outcome, learn: bool = True, sharers: float = 1.0) -> None:
-        """Metrics of a load, and what it teaches the estimator. ``learn`` False: a load that ran
+        """Metrics of a fetch, and what it teaches the estimator. ``learn`` False: a load that ran
         beside a buffer's background warm-up (the decode workers shared between both) teaches only
         its latency: its rates are those of shared, partly cold workers, not a later load's.
         ``sharers``: the fetches that shared the node's link with it, itself included."""
-        m, ep, preset = self.metrics, self.store.endpoint, plan.preset
+        m, ep, preset = self.metrics, self.objects.endpoint, plan.preset
         m.bytes_read.inc(out.bytes_read)
         m.loaded_tokens.inc(out.loaded_tokens)
         m.kv_bytes.inc(out.kv_bytes)
@@ -431,23 +431,23 @@ class Sidecar:
             m.last_actual.labels(preset).set(out.seconds)
         m.bandwidth.labels(ep).set(self.estimator.bandwidth(ep))
 
-    def _fallback(self, reply: LoadReply, reason: str, detail: str | None) -> LoadReply:
-        """Finish a reply that loads fewer tokens than requested, for a decision (``miss``,
+    def _fallback(self, reply: FetchReply, reason: str, detail: str | None) -> FetchReply:
+        """Finish a fetch's reply that loads fewer tokens than requested, for a decision (``miss``,
         ``cost_model``) or a failure."""
         error = reason not in (Reason.MISS, Reason.COST_MODEL)
         self.metrics.fallbacks.labels(reason).inc()
         if error:
-            log.warning("load fell back to recompute (%s): %s", reason, detail)
+            log.warning("fetch fell back to recompute (%s): %s", reason, detail)
         reply.error, reply.reason, reply.detail = (reason if error else None), reason, detail
         reply.not_loaded = (reply.loaded_tokens, reply.requested_tokens)
         return reply
 
-    # --- save ------------------------------------------------------------------------------
+    # --- store -----------------------------------------------------------------------------
 
-    async def save(self, bid: str, tokens: Sequence[int], *, slots: Sequence[int] | None = None, offset: int = 0,
-                   block_ids: Sequence[int] | None = None, first_token: int = 0) -> dict:
+    async def store(self, bid: str, tokens: Sequence[int], *, slots: Sequence[int] | None = None, offset: int = 0,
+                    block_ids: Sequence[int] | None = None, first_token: int = 0) -> dict:
         """Queue the complete chunks of ``tokens`` (whose KV is in the buffer at ``slots``, ``offset``
-        or ``block_ids``, as in :meth:`load`) for storing: the leading chunks already stored in every
+        or ``block_ids``, as in :meth:`fetch`) for storing: the leading chunks already stored in every
         configured preset are skipped (as far as the index knows: no store request), the next ones are queued as far as the queue has room and the
         rest are dropped and counted. Chunks before ``first_token`` (whole chunks) are the caller's,
         e.g. an earlier window's of a prompt longer than its buffer: not read, counted as skipped.
@@ -479,5 +479,5 @@ class Sidecar:
         return n
 
     async def flush(self) -> None:
-        """Wait until every queued save has been written (or has failed)."""
+        """Wait until every queued store has been written (or has failed)."""
         await self.writer.flush()

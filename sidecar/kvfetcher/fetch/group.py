@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from kvfetcher.errors import Reason
 from kvfetcher.fetch.choice import RECOMPUTE
-from kvfetcher.fetch.plan import FetchPlan, LoadReply
+from kvfetcher.fetch.plan import FetchPlan, FetchReply
 
 DECISIONS = (Reason.MISS, Reason.COST_MODEL)  # reasons to load less that are not failures
 
@@ -67,7 +67,7 @@ class GroupPlan:
 
 
 @dataclass(frozen=True)
-class GroupLoad:
+class GroupFetch:
     """What the group loaded: the leading ``loaded_tokens`` are in every rank's buffer; recompute the rest."""
 
     requested_tokens: int
@@ -76,7 +76,7 @@ class GroupLoad:
     reason: str | None
     detail: str | None
     rank: int | None  # the rank whose answer decided ``reason``
-    replies: tuple[LoadReply | None, ...]  # per rank (None: no answer)
+    replies: tuple[FetchReply | None, ...]  # per rank (None: no answer)
 
     @property
     def error(self) -> str | None:
@@ -128,11 +128,11 @@ def agree(answers: Sequence[FetchPlan | BaseException], retry: Retry | None = No
     return Retry(min(p.loaded_tokens if p.preset == best else p.hit_tokens for p in plans), best, requested)
 
 
-def settle(plan: GroupPlan, answers: Sequence[LoadReply | BaseException]) -> GroupLoad:
+def settle(plan: GroupPlan, answers: Sequence[FetchReply | BaseException]) -> GroupFetch:
     """What the group loaded, from rank ``r``'s load reply (or the exception asking it raised) at
     ``answers[r]`` (none: the group did not load). A rank that failed counts as having loaded nothing."""
-    replies = tuple(a if isinstance(a, LoadReply) else None for a in answers)
-    loaded = [a.loaded_tokens if isinstance(a, LoadReply) else 0 for a in answers]
+    replies = tuple(a if isinstance(a, FetchReply) else None for a in answers)
+    loaded = [a.loaded_tokens if isinstance(a, FetchReply) else 0 for a in answers]
     common = min(loaded, default=0)
     reason, detail, rank = plan.reason, plan.detail, plan.rank
     failed = [(r, f) for r, a in enumerate(answers) if (f := _failure(a))]
@@ -144,4 +144,4 @@ def settle(plan: GroupPlan, answers: Sequence[LoadReply | BaseException]) -> Gro
         reason, detail = answers[rank].reason, f"rank {rank}: {answers[rank].detail}"
     if common == plan.requested_tokens:
         reason = detail = rank = None
-    return GroupLoad(plan.requested_tokens, common, (common, plan.requested_tokens), reason, detail, rank, replies)
+    return GroupFetch(plan.requested_tokens, common, (common, plan.requested_tokens), reason, detail, rank, replies)

@@ -50,8 +50,8 @@ def _doc(text: str, min: float | None = None, open: bool = False, **kw):
 class FetchOptions:
     """How a lookup (or a fetch that looks up) chooses what to load: the API's one options message."""
 
-    presets: tuple[str, ...] | None = _doc("presets a load may use, within the sidecar's allowed ones (default: all of those)", default=None)
-    ttft_budget_s: float | None = _doc("prefer a load predicted within this many seconds to a faster recompute (default: the "
+    presets: tuple[str, ...] | None = _doc("presets a fetch may use, within the sidecar's allowed ones (default: all of those)", default=None)
+    ttft_budget_s: float | None = _doc("prefer a fetch predicted within this many seconds to a faster recompute (default: the "
                                        "sidecar's `KVFETCHER_TTFT_BUDGET_S`)", min=0, open=True, default=None)
     prefill_model: PrefillModel | None = _doc("the engine's prefill time as it measured it (wins over `recompute_tokens_per_s`)", default=None)
     recompute_tokens_per_s: float | None = _doc("the model's prefill rate, constant (default: the sidecar's `KVFETCHER_RECOMPUTE_TPS`)",
@@ -74,7 +74,7 @@ class FetchOptions:
 
 @dataclass(frozen=True)
 class FetchPlan:
-    """What a load of `requested_tokens` leading tokens would do, and why."""
+    """What a fetch of `requested_tokens` leading tokens would do, and why: what a lookup returns."""
 
     model: str = _doc("model fingerprint of the namespace")
     dtype: str = _doc("KV dtype of the namespace, e.g. `float16`")
@@ -84,13 +84,13 @@ class FetchPlan:
     prefix_key: str = _doc("key of the last requested chunk (empty when none): binds the plan to its tokens")
     hit_tokens: int = _doc("leading tokens known stored (as the sidecar's index knows them, or as listed)")
     preset: str | None = _doc("the chosen preset, `recompute`, or null: not chosen (no buffer of this namespace)")
-    chunks: tuple[tuple[str, int], ...] = _doc("the leading chunks to load, as [preset, object size]")
-    predicted_s: float = _doc("predicted seconds of that load")
+    chunks: tuple[tuple[str, int], ...] = _doc("the leading chunks to fetch, as [preset, object size]")
+    predicted_s: float = _doc("predicted seconds of that fetch")
     options: dict[str, float] = _doc("predicted seconds until the whole prefix is in the buffer, per option considered")
     lookup_s: float | None = _doc("seconds the listing took (null: answered from the sidecar's index, no store request waited for)")
     reason: str | None = _doc("why it loads fewer than `requested_tokens`: `miss`, `cost_model` or a failure reason")
     detail: str | None = _doc("a human-readable detail of `reason`")
-    tag: str = _doc("the issuing sidecar's seal over the other fields; a load refuses a plan whose seal does not match", default="")
+    tag: str = _doc("the issuing sidecar's seal over the other fields; a fetch refuses a plan whose seal does not match", default="")
 
     @property
     def loaded_tokens(self) -> int:
@@ -173,7 +173,7 @@ class Catalog:
     unknown chunk; ``failed(reason)`` counts those that fail."""
 
     def __init__(self, store: Store, index: StoredIndex, io_pool: Executor, failed=lambda reason: None, max_listings: int = 32):
-        self.store, self.index, self.io_pool, self.failed, self.max_listings = store, index, io_pool, failed, max_listings
+        self.objects, self.index, self.io_pool, self.failed, self.max_listings = store, index, io_pool, failed, max_listings
         self._listing: dict[str, asyncio.Task] = {}  # background listings by the first key they list
 
     async def run(self, ck: Sequence[str], *, refresh: bool = False, wait_s: float = 0.0) -> list[dict[str, int]]:
@@ -207,7 +207,7 @@ class Catalog:
 
     async def _list(self, ck: Sequence[str], start: int) -> None:
         rest = ck[start:]
-        self.index.listed(rest, await list_prefix(self.store, rest, self.io_pool))
+        self.index.listed(rest, await list_prefix(self.objects, rest, self.io_pool))
 
     async def _background(self, ck: Sequence[str], start: int) -> None:
         try:
@@ -270,28 +270,28 @@ def decide(listed: FetchPlan, run: Sequence[dict[str, int]], costs: Costs) -> Fe
 
 
 @dataclass
-class LoadDecision:
-    """What a load chose, and how long it took against the prediction."""
+class FetchDecision:
+    """What a fetch chose, and how long it took against the prediction."""
 
     preset: str = _doc("the preset loaded, or `recompute`")
     chunks: int = _doc("leading chunks planned")
     predicted_s: float = _doc("the plan's predicted seconds")
     options: dict[str, float] = _doc("the plan's options (see the plan)")
-    actual_s: float | None = _doc("measured seconds of the load (null: nothing was fetched)", default=None)
+    actual_s: float | None = _doc("measured seconds of the fetch (null: nothing was fetched)", default=None)
 
 
 @dataclass
-class LoadReply:
-    """What a load did: the leading ``loaded_tokens`` are in the buffer, ``not_loaded`` are not."""
+class FetchReply:
+    """What a fetch did: the leading ``loaded_tokens`` are in the buffer, ``not_loaded`` are not."""
 
     requested_tokens: int = _doc("the request's tokens rounded down to whole chunks")
     loaded_tokens: int = _doc("leading tokens now in the buffer; recompute from here", default=0)
     chunk_tokens: int = _doc("tokens per chunk", default=0)
     not_loaded: tuple[int, int] = _doc("the `[start, end)` range of requested tokens to recompute", default=(0, 0))
-    error: str | None = _doc("the failure that stopped the load early, if any", default=None)
+    error: str | None = _doc("the failure that stopped the fetch early, if any", default=None)
     reason: str | None = _doc("why fewer than requested were loaded: `miss`, `cost_model` or the failure", default=None)
     detail: str | None = _doc("a human-readable detail of `reason`", default=None)
-    decision: LoadDecision | None = _doc("the plan's choice and the measured time", default=None)
+    decision: FetchDecision | None = _doc("the plan's choice and the measured time", default=None)
     lookup_s: float | None = _doc("seconds the plan's listing took (null: the store was not asked)", default=None)
     bytes_read: int = _doc("stored bytes read", default=0)
     kv_bytes: int = _doc("KV bytes restored", default=0)

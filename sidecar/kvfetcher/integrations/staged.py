@@ -5,14 +5,14 @@ The engine process owns the blocks (a CPU cache no other process can map, or a G
 does not see: a device-plugin GPU given to the model container only). :class:`Staging` registers a
 flat buffer ``[layers, 2, kv_heads, tokens, head_dim]`` (a memfd, :func:`kvfetcher.ipc.allocate`)
 with the sidecar and copies between it and the blocks itself (on a GPU, host-to-device and back, on
-its own CUDA stream). A load or save longer than the buffer goes through it in windows: each window
+its own CUDA stream). A fetch or store longer than the buffer goes through it in windows: each window
 is one sidecar call of the prompt's tokens up to the window's end, with ``first_token`` at the
 window's start and ``offset = -first_token`` (the window's first token in slot 0), so nothing of
 the prompt's earlier tokens is fetched, written or read again.
 
-Contracts: a load writes only tokens ``first .. end`` into the blocks, in whole blocks, and returns
-the end of what it wrote (the caller recomputes the rest); a save has copied its blocks out before
-it returns. Both hold the staging's lock: one load or save uses it at a time.
+Contracts: a fetch writes only tokens ``first .. end`` into the blocks, in whole blocks, and returns
+the end of what it wrote (the caller recomputes the rest); a store has copied its blocks out before
+it returns. Both hold the staging's lock: one fetch or store uses it at a time.
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def register(client: KVClient, tensors: torch.Tensor | Sequence[torch.Tensor], l
 
 class Staging:
     """A flat host buffer of ``tokens`` token slots for the paged KV ``tensors`` (as
-    :class:`kvbuffer.PagedKV` sees them through ``layout``), and the windowed loads and saves
-    through it. ``handle`` is what the sidecar registers (:meth:`KVClient.register`)."""
+    :class:`kvbuffer.PagedKV` sees them through ``layout``), and the windowed fetches and
+    stores through it. ``handle`` is what the sidecar registers (:meth:`KVClient.register`)."""
 
     def __init__(self, tensors: torch.Tensor | Sequence[torch.Tensor], layout: kvbuffer.PagedLayout, tokens: int):
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
@@ -85,15 +85,15 @@ class Staging:
     def close(self) -> None:
         self.buffer.close()
 
-    # --- loads -----------------------------------------------------------------------------
+    # --- fetches ---------------------------------------------------------------------------
 
-    def load(self, client: KVClient, buffer: str, tokens: Sequence[int], block_ids: Sequence[int], first: int, end: int,
-             plan: FetchPlan | None = None, options: FetchOptions | None = None) -> int:
-        """Load tokens ``first .. end`` of ``tokens`` (``first`` whole blocks) into ``block_ids`` (the
+    def fetch(self, client: KVClient, buffer: str, tokens: Sequence[int], block_ids: Sequence[int], first: int, end: int,
+              plan: FetchPlan | None = None, options: FetchOptions | None = None) -> int:
+        """Fetch tokens ``first .. end`` of ``tokens`` (``first`` whole blocks) into ``block_ids`` (the
         prompt's blocks from token 0) through the registered staging ``buffer``, window by window
         until one loads less than it asked for; the end of the tokens written (whole blocks, at
         least ``first``). ``plan`` (made for exactly ``tokens``) is used when one window holds
-        them all; other windows look up with ``options`` (``options.deadline_s`` bounds the whole load)."""
+        them all; other windows look up with ``options`` (``options.deadline_s`` bounds the whole fetch)."""
         o = options or FetchOptions()
         bs, done, t0 = self.paged.layout.block_size, first, time.monotonic()
         with self.lock:
@@ -105,7 +105,7 @@ class Staging:
                 use = plan if stop == len(tokens) else None  # a plan is bound to all of its tokens
                 chosen = use is not None and use.preset is not None  # then only the deadline goes with it
                 window = FetchOptions(deadline_s=left) if chosen else replace(o, deadline_s=left)
-                reply = client.load(buffer, tokens[:stop], use, options=window, offset=-done, first_token=done)
+                reply = client.fetch(buffer, tokens[:stop], use, options=window, offset=-done, first_token=done)
                 self._check_size(reply.chunk_tokens)
                 upto = min(reply.loaded_tokens, end) // bs * bs
                 if upto > done:
@@ -125,9 +125,9 @@ class Staging:
                 self.paged.write(self.paged.blocks_of(block_ids, a, b - a), kv)
             self._sync()
 
-    # --- saves -----------------------------------------------------------------------------
+    # --- stores ----------------------------------------------------------------------------
 
-    def save(self, client: KVClient, buffer: str, tokens: Sequence[int], block_ids: Sequence[int], chunk_tokens: int) -> int:
+    def store(self, client: KVClient, buffer: str, tokens: Sequence[int], block_ids: Sequence[int], chunk_tokens: int) -> int:
         """Store ``tokens`` (whole chunks of ``chunk_tokens``) from ``block_ids`` through the staging
         ``buffer``, in windows of whole chunks, until the sidecar drops one (the store queue is
         full: later chunks would follow a gap); the chunks it took (queued, or stored already).
@@ -141,7 +141,7 @@ class Staging:
             for a in range(0, len(tokens) // chunk_tokens * chunk_tokens, window):
                 b = min(len(tokens), a + window)
                 self._from_blocks(block_ids, a, b)
-                rep = client.save(buffer, tokens[:b], offset=-a, first_token=a)
+                rep = client.store(buffer, tokens[:b], offset=-a, first_token=a)
                 taken = rep.queued_chunks + rep.skipped_chunks
                 if rep.dropped_chunks or rep.dropped:
                     break
@@ -167,5 +167,5 @@ class Staging:
     def _check_size(self, chunk_tokens: int | None) -> None:
         if chunk_tokens and self.tokens < chunk_tokens and not self._warned:
             self._warned = True
-            log.warning("kvfetcher: the staging buffer of %d tokens holds no whole chunk of %d tokens: nothing loads or saves "
+            log.warning("kvfetcher: the staging buffer of %d tokens holds no whole chunk of %d tokens: nothing is fetched or stored "
                         "through it; raise staging_tokens", self.tokens, chunk_tokens)

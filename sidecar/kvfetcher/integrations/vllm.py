@@ -68,7 +68,7 @@ class KVFetcherConnector(KVConnectorBase_V1):
         return self._s.take_events() if self._s else ()
 
     def has_pending_push_work(self) -> bool:  # vLLM 0.32: keep stepping until the workers report the saves
-        return bool(self._s and self._s.saving)
+        return bool(self._s and self._s.storing)
 
     # --- worker side ---------------------------------------------------------------------------
 

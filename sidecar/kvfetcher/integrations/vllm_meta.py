@@ -43,7 +43,7 @@ class Options:
     lookup_wait_s: float = 0.002  # the scheduler's wait for a plan in one step (then vLLM asks again at its next step)
     listing_wait_s: float = 0.005  # the sidecar's wait for its store listing of a prefix its index does not know
     lookup_timeout_s: float = 0.02  # a request waits at most this for its plan, then recomputes
-    load_deadline_s: float | None = None  # a load's deadline (default: the sidecar's KVFETCHER_DEADLINE_S)
+    fetch_deadline_s: float | None = None  # a fetch's deadline (default: the sidecar's KVFETCHER_DEADLINE_S)
     # host staging (a CPU cache, or a GPU the sidecar cannot open): token slots of the buffer KV goes through, in windows
     staging_tokens: int = 8192
 
@@ -56,7 +56,7 @@ class Options:
         kw = dict(extra)
         if "presets" in kw:
             kw["presets"] = _presets(kw["presets"])
-        for name in ("ttft_budget_s", "recompute_tokens_per_s", "lookup_wait_s", "listing_wait_s", "lookup_timeout_s", "load_deadline_s"):
+        for name in ("ttft_budget_s", "recompute_tokens_per_s", "lookup_wait_s", "listing_wait_s", "lookup_timeout_s", "fetch_deadline_s"):
             if kw.get(name) is not None:
                 try:
                     kw[name] = float(kw[name])
@@ -83,7 +83,7 @@ class Options:
 
 
 @dataclass
-class LoadSpec:
+class FetchSpec:
     """Load the plan's chunks of ``tokens`` and write tokens ``first .. end`` into ``block_ids``
     (the request's whole block table, indexed from token 0). ``plans[r]`` is tensor-parallel rank
     ``r``'s plan (made for exactly ``tokens``); a rank without one plans at load."""
@@ -99,7 +99,7 @@ class LoadSpec:
 
 
 @dataclass
-class SaveSpec:
+class StoreSpec:
     """Store ``tokens`` (whole chunks of a finished prefill), whose KV is in ``block_ids``."""
 
     req_id: str
@@ -110,8 +110,8 @@ class SaveSpec:
 
 @dataclass
 class StepMeta(KVConnectorMetadata):
-    loads: list[LoadSpec] = field(default_factory=list)
-    saves: list[SaveSpec] = field(default_factory=list)
+    fetches: list[FetchSpec] = field(default_factory=list)
+    stores: list[StoreSpec] = field(default_factory=list)
     step_tokens: int = 0  # tokens the engine computes in this step (for the prefill model)
     preempted: set[str] = field(default_factory=set)
     step_attention: float = 0.0  # and their attention term (:func:`kvfetcher.fetch.prefill.terms`)

@@ -31,7 +31,7 @@ from kvfetcher.api.client import SidecarError
 from kvfetcher.fetch.plan import FetchOptions
 from kvfetcher.integrations import staged
 from kvfetcher.integrations.staged import Staging
-from kvfetcher.integrations.vllm_meta import MIN_TIMED_TOKENS, LoadSpec, Options, SaveSpec, StepMeta, WorkerReport
+from kvfetcher.integrations.vllm_meta import MIN_TIMED_TOKENS, FetchSpec, Options, StoreSpec, StepMeta, WorkerReport
 
 log = logging.getLogger("kvfetcher.integrations.vllm")
 
@@ -87,7 +87,7 @@ class WorkerSide:
         self.buffer: str | None = None
         self.recving: set[str] = set()
         self.errors: set[int] = set()
-        self.saves: dict[str, Future] = {}  # issued saves, until reported finished sending
+        self.stores: dict[str, Future] = {}  # issued saves, until reported finished sending
         self.vllm_finished: set[str] = set()
         self.stored: dict[str, int] = {}
         self.steps: list[tuple[int, float, float]] = []
@@ -179,8 +179,8 @@ class WorkerSide:
     def start_step(self, meta: StepMeta) -> None:
         """Start the step's loads (vLLM 0.32 calls this after launching the forward)."""
         if isinstance(meta, StepMeta):
-            for spec in meta.loads:  # each reports its request finished, loaded or not
-                self.pool.submit(self._load, spec)
+            for spec in meta.fetches:  # each reports its request finished, loaded or not
+                self.pool.submit(self._fetch, spec)
 
     def layer_start(self, meta: StepMeta) -> None:
         """An attention layer starts: the first one of a step starts the step's clock."""
@@ -195,10 +195,10 @@ class WorkerSide:
             self._timing.append(((meta.step_tokens, meta.step_attention), self._step_start, self._clock()))
             self._step_start = None
         self._collect_timing()
-        if meta.saves:
+        if meta.stores:
             ready = self._clock() if self.tensors is not None and not self._on_cpu() else None  # the step's KV writes, on the GPU
-            for spec in meta.saves:
-                self.saves[spec.req_id] = self.pool.submit(self._save, spec, ready)
+            for spec in meta.stores:
+                self.stores[spec.req_id] = self.pool.submit(self._store, spec, ready)
 
     def _clock(self):
         if self._on_cpu():
@@ -222,15 +222,15 @@ class WorkerSide:
     def preempted(self, meta: StepMeta) -> None:
         """vLLM frees a preempted request's blocks: its save must have copied them first."""
         for req_id in getattr(meta, "preempted", ()) or ():
-            if (f := self.saves.get(req_id)) is not None:
+            if (f := self.stores.get(req_id)) is not None:
                 f.exception()
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        self.vllm_finished |= finished_req_ids & set(self.saves)
-        sending = {r for r in self.vllm_finished if self.saves[r].done()}
+        self.vllm_finished |= finished_req_ids & set(self.stores)
+        sending = {r for r in self.vllm_finished if self.stores[r].done()}
         for r in sending:
             self.vllm_finished.discard(r)
-            del self.saves[r]
+            del self.stores[r]
         with self.lock:
             recving, self.recving = self.recving, set()
         return sending or None, recving or None
@@ -250,10 +250,10 @@ class WorkerSide:
 
     # --- loads and saves (pool threads) ---------------------------------------------------------
 
-    def _load(self, spec: LoadSpec) -> None:
+    def _fetch(self, spec: FetchSpec) -> None:
         written = spec.first
         try:
-            written = self._with_buffer(lambda buf: self._load_into(buf, spec)) or spec.first
+            written = self._with_buffer(lambda buf: self._fetch_into(buf, spec)) or spec.first
         except Exception as e:  # noqa: BLE001 — whatever failed, the blocks it did not write are recomputed
             log.warning("kvfetcher: KV load failed, recomputing: %s", e)
         bs = self.block_size
@@ -261,38 +261,38 @@ class WorkerSide:
             self.errors.update(spec.block_ids[written // bs : -(-spec.end // bs)])
             self.recving.add(spec.req_id)
 
-    def _load_into(self, buf: str, spec: LoadSpec) -> int:
+    def _fetch_into(self, buf: str, spec: FetchSpec) -> int:
         """Load the request's stored chunks; the end of the tokens written (whole blocks)."""
         plan = spec.plans[self.tp_rank] if self.tp_rank < len(spec.plans) else None
         plan = plan if plan is not None and plan.tp_rank == self.tp_rank else None
         # without a chosen plan the sidecar looks up at load, as the scheduler would have
-        lookup = FetchOptions(deadline_s=self.options.load_deadline_s, presets=self.options.presets, ttft_budget_s=self.options.ttft_budget_s,
+        lookup = FetchOptions(deadline_s=self.options.fetch_deadline_s, presets=self.options.presets, ttft_budget_s=self.options.ttft_budget_s,
                               recompute_tokens_per_s=spec.recompute_tps, prefill_model=spec.prefill_model)
         bs = self.block_size
         # vLLM's own cache holds the tokens before ``first``, in blocks other requests may share: never written
         if self.staging is not None:
-            n = self.staging.load(self.client, buf, spec.tokens, self._blocks(spec.block_ids), spec.first, spec.end, plan, lookup)
+            n = self.staging.fetch(self.client, buf, spec.tokens, self._blocks(spec.block_ids), spec.first, spec.end, plan, lookup)
             return max(spec.first, n // bs * bs)
-        options = lookup if plan is None or not plan.preset else FetchOptions(deadline_s=self.options.load_deadline_s)
-        reply = self.client.load(buf, spec.tokens, plan, block_ids=self._blocks(spec.block_ids), options=options, first_token=spec.first)
+        options = lookup if plan is None or not plan.preset else FetchOptions(deadline_s=self.options.fetch_deadline_s)
+        reply = self.client.fetch(buf, spec.tokens, plan, block_ids=self._blocks(spec.block_ids), options=options, first_token=spec.first)
         return max(spec.first, min(reply.loaded_tokens, spec.end) // bs * bs)
 
-    def _save(self, spec: SaveSpec, ready) -> None:
+    def _store(self, spec: StoreSpec, ready) -> None:
         stored = 0
         try:
-            stored = self._with_buffer(lambda buf: self._save_from(buf, spec, ready)) or 0
+            stored = self._with_buffer(lambda buf: self._store_from(buf, spec, ready)) or 0
         except Exception as e:  # noqa: BLE001 — a lost save costs a future recompute, never this request
             log.warning("kvfetcher: KV save failed: %s", e)
         with self.lock:
             self.stored[spec.req_id] = stored
 
-    def _save_from(self, buf: str, spec: SaveSpec, ready) -> int:
+    def _store_from(self, buf: str, spec: StoreSpec, ready) -> int:
         if ready is not None:
             ready.synchronize()  # the step's KV writes, on the GPU
         if self.staging is not None:
             chunk = spec.chunk_tokens or self.client.chunk_tokens
-            return self.staging.save(self.client, buf, spec.tokens, self._blocks(spec.block_ids), chunk) if chunk else 0
-        rep = self.client.save(buf, spec.tokens, block_ids=self._blocks(spec.block_ids))
+            return self.staging.store(self.client, buf, spec.tokens, self._blocks(spec.block_ids), chunk) if chunk else 0
+        rep = self.client.store(buf, spec.tokens, block_ids=self._blocks(spec.block_ids))
         return rep.queued_chunks + rep.skipped_chunks
 
     def close(self) -> None:
