@@ -37,8 +37,8 @@ class Options:
     url: str | None = None  # or its URL (default KVFETCHER_URL), with KVFETCHER_AUTH_TOKEN
     # either may name ``{rank}``: one sidecar per tensor-parallel rank (default: one serves them all)
     model: str = ""  # model fingerprint (default KVFETCHER_MODEL, else vLLM's model name)
-    presets: tuple[str, ...] | None = None  # presets a load may use (default: the sidecar's allowed ones)
-    ttft_budget_s: float | None = None  # prefer a load predicted within this to a faster recompute
+    presets: tuple[str, ...] | None = None  # presets a fetch may use (default: the sidecar's allowed ones)
+    ttft_budget_s: float | None = None  # prefer a fetch predicted within this to a faster recompute
     recompute_tokens_per_s: float | None = None  # the prefill rate until the engine's own prefill model is fitted
     lookup_wait_s: float = 0.002  # the scheduler's wait for a plan in one step (then vLLM asks again at its next step)
     listing_wait_s: float = 0.005  # the sidecar's wait for its store listing of a prefix its index does not know
@@ -84,9 +84,9 @@ class Options:
 
 @dataclass
 class FetchSpec:
-    """Load the plan's chunks of ``tokens`` and write tokens ``first .. end`` into ``block_ids``
+    """Fetch the plan's chunks of ``tokens`` and write tokens ``first .. end`` into ``block_ids``
     (the request's whole block table, indexed from token 0). ``plans[r]`` is tensor-parallel rank
-    ``r``'s plan (made for exactly ``tokens``); a rank without one plans at load."""
+    ``r``'s plan (made for exactly ``tokens``); a rank without one looks up at fetch."""
 
     req_id: str
     tokens: list[int]
@@ -94,7 +94,7 @@ class FetchSpec:
     first: int
     end: int
     block_ids: list[int]
-    recompute_tps: float | None = None  # the configured prefill rate, for a load that plans again
+    recompute_tps: float | None = None  # the configured prefill rate, for a fetch that looks up again
     prefill_model: PrefillModel | None = None  # the engine's, once fitted (it wins)
 
 
@@ -105,7 +105,7 @@ class StoreSpec:
     req_id: str
     tokens: list[int]
     block_ids: list[int]
-    chunk_tokens: int = 0  # the sidecar's chunk size (the scheduler's client learnt it): a staged save's windows are whole chunks
+    chunk_tokens: int = 0  # the sidecar's chunk size (the scheduler's client learnt it): a staged store's windows are whole chunks
 
 
 @dataclass

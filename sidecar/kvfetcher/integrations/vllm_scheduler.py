@@ -1,4 +1,4 @@
-"""The vLLM connector's scheduler side: what to load, what to save, and what to tell routers.
+"""The vLLM connector's scheduler side: what to fetch, what to store, and what to tell routers.
 
 * :meth:`SchedulerSide.matched` (``get_num_new_matched_tokens``) asks the sidecar for a plan of the
   prompt (all but its last token, which vLLM always computes) once per request, in a lookup thread,
@@ -9,9 +9,9 @@
   (:class:`~kvfetcher.api.group.RankGroup`): a prefix is loaded only where every rank has its shard,
   and each worker gets its own rank's plan.
 * :meth:`allocated` turns that into a :class:`FetchSpec` with the request's block table; :meth:`step`
-  (``build_connector_meta``) hands the workers the loads and, for each request whose prefill ends in
+  (``build_connector_meta``) hands the workers the fetches and, for each request whose prefill ends in
   this step, a :class:`StoreSpec` of its whole chunks; :meth:`finished` holds the request's blocks
-  until its save has copied them.
+  until its store has copied them.
 * :meth:`report` reads the workers' report: stored chunks become ``BlockStored`` events (medium
   ``OBJ``) for KV-aware routers, timed steps teach the engine's prefill model
   (:class:`~kvfetcher.fetch.prefill.PrefillFit`, fed what :meth:`step` saw each request compute
@@ -48,7 +48,7 @@ class _Request:
     loaded: int = 0  # tokens a load was asked for (stored already)
     local: int = 0  # vLLM's own prefix-cache hit when the load was decided
     blocks: list[int] = field(default_factory=list)  # the block table
-    storing: bool = False  # a save was asked for: its blocks stay until the workers copied them
+    storing: bool = False  # a store was asked for: its blocks stay until the workers copied them
 
 
 class SchedulerSide:
@@ -65,7 +65,7 @@ class SchedulerSide:
         self.prefill = prefill.PrefillFit()
         self.requests: dict[str, _Request] = {}
         self.fetches: list[FetchSpec] = []
-        self.storing: dict[str, _Request] = {}  # asked to save, not yet reported
+        self.storing: dict[str, _Request] = {}  # asked to store, not yet reported
         self.events: list = []
         self._warned = 0.0
 
@@ -73,7 +73,7 @@ class SchedulerSide:
         self.lookups.close()
         (self.group or self.client).close()
 
-    # --- loads -------------------------------------------------------------------------------
+    # --- lookups -----------------------------------------------------------------------------
 
     def _options(self, request) -> FetchOptions:
         """The lookup's options; a request's ``kv_transfer_params`` may name ``presets`` and
@@ -95,7 +95,7 @@ class SchedulerSide:
             else:
                 plan = self.client.lookup(None, tokens, options, model=self.options.model, dtype=self.dtype, kv_shape=self.kv_shape)
                 plans = (plan,)
-            # no preset chosen: the sidecar has no buffer of this namespace yet; the load plans again
+            # no preset chosen: the sidecar has no buffer of this namespace yet; the fetch looks up again
             end = plan.loaded_tokens if plan.preset else plan.hit_tokens
         except (OSError, SidecarError) as e:  # no sidecar is no reason to fail a request: recompute
             self._warn("KV lookup failed, recomputing: %s", e)
@@ -148,8 +148,8 @@ class SchedulerSide:
                 fresh = list(cached.new_block_ids[i][0])  # a resumed request gets its whole table anew
                 r.blocks = fresh if req_id in cached.resumed_req_ids else r.blocks + fresh
         for req_id, computed in had.items():  # computed once this step ends
-            if (r := self.requests.get(req_id)) is not None and (save := self._store(r, computed + out.num_scheduled_tokens[req_id])):
-                meta.stores.append(save)
+            if (r := self.requests.get(req_id)) is not None and (spec := self._store(r, computed + out.num_scheduled_tokens[req_id])):
+                meta.stores.append(spec)
         return meta
 
     def _store(self, r: _Request, computed: int) -> StoreSpec | None:
@@ -168,7 +168,7 @@ class SchedulerSide:
         return StoreSpec(r.request.request_id, list(prompt[:n]), blocks, chunk)
 
     def finished(self, req_id: str) -> bool:
-        """Whether the request's blocks must wait for its save (the workers then report it)."""
+        """Whether the request's blocks must wait for its store (the workers then report it)."""
         self.lookups.forget(req_id)  # finished (aborted) while its lookup was in flight
         r = self.requests.pop(req_id, None)
         return r is not None and r.storing

@@ -1,5 +1,5 @@
-"""The vLLM connector's worker side: vLLM's paged KV cache registered with the sidecar, loads and
-saves in background threads.
+"""The vLLM connector's worker side: vLLM's paged KV cache registered with the sidecar, fetches
+and stores in background threads (vLLM's loads and saves).
 
 Two modes, chosen at registration and logged once:
 
@@ -10,11 +10,11 @@ Two modes, chosen at registration and logged once:
   host buffer of ``staging_tokens`` slots is registered instead and this process copies the KV
   between it and the blocks, in windows of whole chunks (:class:`~kvfetcher.integrations.staged.Staging`).
 
-Invariants: a load writes only tokens ``first .. end`` of its request, in whole blocks; every block
+Invariants: a fetch writes only tokens ``first .. end`` of its request, in whole blocks; every block
 of that range it did not write is reported by :meth:`load_errors` no later than the step that
-reports the request finished receiving. A save copies its blocks before its request's id is
+reports the request finished receiving. A store copies its blocks before its request's id is
 reported finished sending (vLLM holds the blocks until then) and before a preemption frees them.
-Registration is retried on the next load or save after the sidecar was unreachable or restarted.
+Registration is retried on the next fetch or store after the sidecar was unreachable or restarted.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class WorkerSide:
         self.buffer: str | None = None
         self.recving: set[str] = set()
         self.errors: set[int] = set()
-        self.stores: dict[str, Future] = {}  # issued saves, until reported finished sending
+        self.stores: dict[str, Future] = {}  # issued stores, until reported finished sending
         self.vllm_finished: set[str] = set()
         self.stored: dict[str, int] = {}
         self.steps: list[tuple[int, float, float]] = []
@@ -143,7 +143,7 @@ class WorkerSide:
             if mode != self.mode:
                 self.mode = mode
                 log.info("kvfetcher: %s mode: %s%s", mode, why, "" if self.staging is None else
-                         f"; loads and saves go through a host buffer of {tokens} tokens "
+                         f"; fetches and stores go through a host buffer of {tokens} tokens "
                          f"({self.staging.buffer.tensor.nbytes / 2**20:.0f} MiB), copied to and from the blocks in this process")
             return self.buffer
 
@@ -177,7 +177,7 @@ class WorkerSide:
     # --- the step ------------------------------------------------------------------------------
 
     def start_step(self, meta: StepMeta) -> None:
-        """Start the step's loads (vLLM 0.32 calls this after launching the forward)."""
+        """Start the step's fetches (vLLM 0.32 calls this after launching the forward)."""
         if isinstance(meta, StepMeta):
             for spec in meta.fetches:  # each reports its request finished, loaded or not
                 self.pool.submit(self._fetch, spec)
@@ -188,7 +188,7 @@ class WorkerSide:
             self._step_start = self._clock()
 
     def end_step(self, meta: StepMeta) -> None:
-        """The forward is done: time it, and start the saves of the prefills it finished."""
+        """The forward is done: time it, and start the stores of the prefills it finished."""
         if not isinstance(meta, StepMeta):
             return
         if self._step_start is not None:
@@ -220,7 +220,7 @@ class WorkerSide:
         self._timing = pending[-64:]
 
     def preempted(self, meta: StepMeta) -> None:
-        """vLLM frees a preempted request's blocks: its save must have copied them first."""
+        """vLLM frees a preempted request's blocks: its store must have copied them first."""
         for req_id in getattr(meta, "preempted", ()) or ():
             if (f := self.stores.get(req_id)) is not None:
                 f.exception()
@@ -248,14 +248,14 @@ class WorkerSide:
             self.stored, self.steps = {}, []
         return rep
 
-    # --- loads and saves (pool threads) ---------------------------------------------------------
+    # --- fetches and stores (pool threads) ------------------------------------------------------
 
     def _fetch(self, spec: FetchSpec) -> None:
         written = spec.first
         try:
             written = self._with_buffer(lambda buf: self._fetch_into(buf, spec)) or spec.first
         except Exception as e:  # noqa: BLE001 — whatever failed, the blocks it did not write are recomputed
-            log.warning("kvfetcher: KV load failed, recomputing: %s", e)
+            log.warning("kvfetcher: KV fetch failed, recomputing: %s", e)
         bs = self.block_size
         with self.lock:
             self.errors.update(spec.block_ids[written // bs : -(-spec.end // bs)])
@@ -265,7 +265,7 @@ class WorkerSide:
         """Load the request's stored chunks; the end of the tokens written (whole blocks)."""
         plan = spec.plans[self.tp_rank] if self.tp_rank < len(spec.plans) else None
         plan = plan if plan is not None and plan.tp_rank == self.tp_rank else None
-        # without a chosen plan the sidecar looks up at load, as the scheduler would have
+        # without a chosen plan the sidecar looks up at fetch, as the scheduler would have
         lookup = FetchOptions(deadline_s=self.options.fetch_deadline_s, presets=self.options.presets, ttft_budget_s=self.options.ttft_budget_s,
                               recompute_tokens_per_s=spec.recompute_tps, prefill_model=spec.prefill_model)
         bs = self.block_size
@@ -281,8 +281,8 @@ class WorkerSide:
         stored = 0
         try:
             stored = self._with_buffer(lambda buf: self._store_from(buf, spec, ready)) or 0
-        except Exception as e:  # noqa: BLE001 — a lost save costs a future recompute, never this request
-            log.warning("kvfetcher: KV save failed: %s", e)
+        except Exception as e:  # noqa: BLE001 — a lost store costs a future recompute, never this request
+            log.warning("kvfetcher: KV store failed: %s", e)
         with self.lock:
             self.stored[spec.req_id] = stored
 
