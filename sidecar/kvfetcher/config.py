@@ -194,6 +194,11 @@ NEGATIVE_TTL_S = Setting("KVFETCHER_NEGATIVE_TTL_S", float, 5.0,
                          "Seconds a chunk found absent stays absent for lookups: a prefix another sidecar stores becomes "
                          "visible here within this plus one listing.")
 IO_WORKERS = Setting("KVFETCHER_IO_WORKERS", int, 32, "Threads for store data I/O (GET, PUT).")
+FETCH_WINDOW = Setting("KVFETCHER_FETCH_WINDOW", int, 8, "Chunks one fetch keeps in flight (read, verified, decoded "
+                       "or written at once): more overlaps more of a chunk's latency, each holds a staging buffer.")
+FETCH_READS = Setting("KVFETCHER_FETCH_READS", int, 16, "Ranged GETs one fetch keeps in flight (at most the data I/O threads).")
+DECODE_THREADS = Setting("KVFETCHER_DECODE_THREADS", int, 4, "Threads that decode entropy-coded chunks on the GPU "
+                         "and write chunks into KV buffers, each on its own CUDA stream.")
 META_IO_WORKERS = Setting("KVFETCHER_META_IO_WORKERS", int, 8,
                           "Threads for store metadata I/O (LIST, HEAD, DELETE, readiness), apart from data I/O.")
 ACCESS_LOG_S = Setting("KVFETCHER_ACCESS_LOG_S", float, 15.0,
@@ -271,7 +276,7 @@ TABLES: dict[str, tuple[Setting, ...]] = {
         CHUNK_TOKENS, PRESET, ALLOWED_PRESETS, TENANT, POOL, OBJECT_KEY, ACCEPTED_OBJECT_KEYS, MODEL, RECOMPUTE_TPS, ROPE_THETA, TTFT_BUDGET_S,
         DECODE_PROCS, WARM_UP, S3_ENDPOINT, S3_BUCKET, S3_ACCESS_KEY, S3_SECRET_KEY, S3_REGION, S3_CA_FILE,
         S3_INSECURE, STORE_DIR, AUTH_TOKEN, AUTH_TOKEN_FILE, FUSED_UNPACK, DEADLINE_S, MAX_REQUEST_TOKENS,
-        STORE_QUEUE_CHUNKS, INDEX_KEYS, NEGATIVE_TTL_S, IO_WORKERS, META_IO_WORKERS, LINK_DIR, ACCESS_LOG_S, STORE_CHECK_S,
+        STORE_QUEUE_CHUNKS, INDEX_KEYS, NEGATIVE_TTL_S, IO_WORKERS, FETCH_WINDOW, FETCH_READS, DECODE_THREADS, META_IO_WORKERS, LINK_DIR, ACCESS_LOG_S, STORE_CHECK_S,
         CALIBRATION_DIR, LOG_LEVEL, LOG_FORMAT),
     "Model side (`KVClient`, shared buffers)": (SOCKET, URL),
     "Evaluation (`kvfetcher eval`, `calibrate`, `demo`, tests)": (CACHE, EVAL_DEVICE),
@@ -314,14 +319,15 @@ class Config:
     store_queue_chunks: int = env_field(STORE_QUEUE_CHUNKS)
     index_keys: int = env_field(INDEX_KEYS)
     negative_ttl_s: float = env_field(NEGATIVE_TTL_S)
-    decode_workers: int = 2
+    decode_threads: int = env_field(DECODE_THREADS)
     decode_procs: int = env_field(DECODE_PROCS)
     device: str = field(default_factory=_device)  # where the KV buffers live: decode workers warm up there
     warm_up: bool = env_field(WARM_UP)
     io_workers: int = env_field(IO_WORKERS)  # data I/O threads
     meta_io_workers: int = env_field(META_IO_WORKERS)  # metadata I/O threads
     link_dir: str | None = env_field(LINK_DIR)  # None: the node's link is not known to be shared
-    window: int = 4  # chunks in flight per fetch
+    window: int = env_field(FETCH_WINDOW)
+    reads: int = env_field(FETCH_READS)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
@@ -338,7 +344,8 @@ class Config:
             raise ValueError(f"chunk tokens must be positive, not {self.chunk_tokens}")
         if not 0 < self.deadline_s < float("inf"):
             raise ValueError(f"the deadline must be positive, finite seconds, not {self.deadline_s}")
-        for name in ("max_request_tokens", "store_queue_chunks", "index_keys", "io_workers", "meta_io_workers"):
+        for name in ("max_request_tokens", "store_queue_chunks", "index_keys", "io_workers", "meta_io_workers", "window", "reads",
+                     "decode_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', ' ')} must be >= 1, not {getattr(self, name)}")
         if not 0 <= self.negative_ttl_s < float("inf"):

@@ -78,7 +78,7 @@ class Sidecar:
         self.buffers: dict[str, Buffer] = {}
         self.data_pool = ThreadPoolExecutor(self.config.io_workers, thread_name_prefix="kvf-io")
         self.meta_pool = ThreadPoolExecutor(self.config.meta_io_workers, thread_name_prefix="kvf-meta")
-        self.decode_pool = ThreadPoolExecutor(self.config.decode_workers, thread_name_prefix="kvf-decode")
+        self.decode_pool = ThreadPoolExecutor(self.config.decode_threads, thread_name_prefix="kvf-decode")
         self.workers = DecodeWorkers(self.config.decode_procs) if self.config.decode_procs else None
         self.index = StoredIndex(self.config.index_keys, self.config.negative_ttl_s)  # what is stored, as far as this sidecar knows
         self.catalog = Catalog(store, self.index, self.meta_pool, failed=lambda reason: self.metrics.errors.labels(reason).inc())
@@ -370,7 +370,8 @@ class Sidecar:
         async with self.link.fetch() as share:
             out = await executor.fetch(self.objects, refs, dest, fingerprint=buf.ns.model, io_pool=self.data_pool, decode_pool=self.decode_pool,
                                        device=buf.tensor.device, deadline_s=max(0.0, deadline_s - (time.perf_counter() - t0)),
-                                       window=self.config.window, workers=self.workers, object_key=self._object_key,
+                                       window=self.config.window, io_concurrency=min(self.config.reads, self.config.io_workers),
+                                       workers=self.workers, object_key=self._object_key,
                                        accepted_keys=self._accepted_keys)
         self._observe(plan, out, learn=quiet, sharers=share.sharers)
         reply.loaded_tokens += out.loaded_tokens

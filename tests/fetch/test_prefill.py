@@ -88,3 +88,19 @@ def test_a_step_without_tokens_or_time_teaches_nothing():
     fit.observe(512, 512 * 256, 0.0)
     fit.observe(512, 512 * 256, float("nan"))
     assert fit.model() is None
+
+
+def test_the_wall_scale_learns_how_much_longer_whole_prefills_take_than_the_gpu_model():
+    """Whole prefills by the wall clock 20% longer than the GPU-step model predicts: the scaled model
+    predicts them; nothing seen yet or no model leaves it as it is; the scale stays within bounds."""
+    from kvfetcher.fetch.prefill import PrefillModel, WallScale
+
+    gpu = PrefillModel(c0=0.01, c1=2e-5, c2=1e-10)
+    w = WallScale()
+    assert w.scale == 1.0 and w.apply(gpu) == gpu and w.apply(None) is None
+    for new in (4096, 8192, 16384, 32768, 8192):
+        w.observe(gpu.seconds(0, new), 1.2 * gpu.seconds(0, new))
+    assert abs(w.scale - 1.2) < 1e-9
+    assert abs(w.apply(gpu).seconds(0, 20000) - 1.2 * gpu.seconds(0, 20000)) < 1e-12
+    w.observe(1.0, 100.0)
+    assert w.scale == WallScale.HIGH

@@ -47,3 +47,18 @@ def test_a_silent_sidecar_never_holds_the_scheduler(tmp_path):
     for conn, _ in held:  # let the lookup thread's read end
         conn.close()
     server.close()
+
+
+def test_a_request_may_wait_longer_than_the_default_timeout_when_it_says_so():
+    """A per-request timeout (a long prompt's stake) replaces the instance's for that request."""
+    lk = Lookups(wait_s=0.001, timeout_s=0.01)
+    gate = threading.Event()
+    started = time.monotonic()
+    while (got := lk.answer("long", lambda: gate.wait(5) and "plan", lambda: "recompute", timeout_s=0.2)) is NOT_YET:
+        if time.monotonic() - started > 0.05:
+            gate.set()  # answered after the default timeout, before the request's own
+    assert got == "plan"
+    assert lk.answer("short", lambda: gate.clear() or time.sleep(0.2) or "plan", lambda: "recompute") is NOT_YET
+    time.sleep(0.02)
+    assert lk.answer("short", lambda: "unused", lambda: "recompute") == "recompute"
+    lk.close()

@@ -73,7 +73,8 @@ class KVClient:
             self._connect = lambda: _UnixConnection(socket_path, timeout_s)
         self._socket_path, self._timeout_s = (None if url else socket_path), timeout_s
         self.token = token if token is not None else config.AUTH_TOKEN.read()
-        self._conn: http.client.HTTPConnection | None = None
+        self._local = threading.local()  # each thread its own kept-alive connection: requests never queue
+        self._conns: list[http.client.HTTPConnection] = []  # every thread's, to close
         self._lock = threading.Lock()
         self.chunk_tokens: int | None = None  # learnt from the sidecar's replies
 
@@ -90,19 +91,17 @@ class KVClient:
         headers = {"Content-Type": "application/json"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
-        with self._lock:
-            for attempt in (0, 1):  # a kept-alive connection may have been closed by the server
-                conn = self._conn = self._conn or self._connect()
-                try:
-                    conn.request(method, path, body=data, headers=headers)
-                    resp = conn.getresponse()
-                    payload = resp.read()
-                    break
-                except (ConnectionError, http.client.BadStatusLine, http.client.CannotSendRequest):
-                    conn.close()
-                    self._conn = None
-                    if attempt:
-                        raise
+        for attempt in (0, 1):  # a kept-alive connection may have been closed by the server
+            conn = self._connection()
+            try:
+                conn.request(method, path, body=data, headers=headers)
+                resp = conn.getresponse()
+                payload = resp.read()
+                break
+            except (ConnectionError, http.client.BadStatusLine, http.client.CannotSendRequest):
+                self._drop(conn)
+                if attempt:
+                    raise
         try:
             reply = json.loads(payload) if payload else {}
         except json.JSONDecodeError:
@@ -111,11 +110,27 @@ class KVClient:
             raise SidecarError(resp.status, reply.get("error", "error"), reply.get("detail", ""))
         return reply
 
-    def close(self) -> None:
+    def _connection(self) -> http.client.HTTPConnection:
+        conn = getattr(self._local, "conn", None)
         with self._lock:
-            if self._conn:
-                self._conn.close()
-                self._conn = None
+            if conn is None or conn not in self._conns:  # none yet, or closed by close()
+                conn = self._local.conn = self._connect()
+                self._conns.append(conn)
+        return conn
+
+    def _drop(self, conn: http.client.HTTPConnection) -> None:
+        conn.close()
+        self._local.conn = None
+        with self._lock:
+            if conn in self._conns:
+                self._conns.remove(conn)
+
+    def close(self) -> None:
+        """Close every thread's connection (a thread's next request opens a new one)."""
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for conn in conns:
+            conn.close()
 
     def _call(self, endpoint: schemas.Endpoint, request=None, path: str | None = None):
         """One request of ``endpoint`` (fields left at None are not sent); its reply message."""

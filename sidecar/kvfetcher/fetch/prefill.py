@@ -121,3 +121,32 @@ class PrefillFit:
             if err < best_err - 1e-9 * self._yy:  # a later, larger subset must explain more
                 best, best_err = c / scale, err
         return PrefillModel(*map(float, best))
+
+
+class WallScale:
+    """How much longer an engine's prefills take by the wall clock than a :class:`PrefillModel`
+    fitted to its GPU step times says: the engine's scheduling, input preparation, sampling and the
+    steps of a chunked prefill, which a request's time to first token pays and the GPU's clock does
+    not see. Learnt from whole prefills, ``actual / predicted`` as a ratio of decayed sums, bounded to
+    0.5-4x; :meth:`apply` scales a model's every term by it (1 until a prefill was seen)."""
+
+    LOW, HIGH = 0.5, 4.0
+
+    def __init__(self, decay: float = 0.1):
+        self.keep = 1.0 - decay
+        self._actual = self._predicted = 0.0
+
+    def observe(self, predicted_s: float, actual_s: float) -> None:
+        if predicted_s > 0 and actual_s > 0 and math.isfinite(actual_s):
+            self._actual = self.keep * self._actual + actual_s
+            self._predicted = self.keep * self._predicted + predicted_s
+
+    @property
+    def scale(self) -> float:
+        if self._predicted <= 0:
+            return 1.0
+        return min(self.HIGH, max(self.LOW, self._actual / self._predicted))
+
+    def apply(self, model: PrefillModel | None) -> PrefillModel | None:
+        s = self.scale
+        return None if model is None else PrefillModel(model.c0 * s, model.c1 * s, model.c2 * s)

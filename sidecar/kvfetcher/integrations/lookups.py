@@ -24,16 +24,18 @@ class Lookups:
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="kvfetcher-lookup")
         self.asking: dict[Hashable, tuple[float, Future]] = {}  # in flight: when first asked, the answer to come
 
-    def answer(self, key: Hashable, ask: Callable[[], Any], fallback: Callable[[], Any]) -> Any:
-        """``ask()``'s result for ``key`` (started in the pool at the first call), :data:`NOT_YET`, or,
-        past ``timeout_s`` (or when ``ask`` raised), ``fallback()``. A key is forgotten once answered."""
+    def answer(self, key: Hashable, ask: Callable[[], Any], fallback: Callable[[], Any], timeout_s: float | None = None,
+               wait_s: float | None = None) -> Any:
+        """``ask()``'s result for ``key`` (started in the pool at the first call) if it comes within
+        ``wait_s``, else :data:`NOT_YET`, or, past ``timeout_s`` (or when ``ask`` raised), ``fallback()``;
+        both default to the instance's. A key is forgotten once answered."""
         asked = self.asking.get(key)
         if asked is None:
             asked = self.asking[key] = (time.monotonic(), self.pool.submit(ask))
         try:
-            result = asked[1].result(timeout=self.wait_s)
+            result = asked[1].result(timeout=self.wait_s if wait_s is None else wait_s)
         except FutureTimeout:
-            if time.monotonic() - asked[0] < self.timeout_s:
+            if time.monotonic() - asked[0] < (self.timeout_s if timeout_s is None else timeout_s):
                 return NOT_YET
             result = fallback()
         except Exception:  # noqa: BLE001 — a failed lookup is a recompute, never a failed request

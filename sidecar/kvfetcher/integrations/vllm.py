@@ -62,7 +62,7 @@ class KVFetcherConnector(KVConnectorBase_V1):
         self._s.report(getattr(connector_output, "kv_connector_worker_meta", None))
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._s.finished(request.request_id), None
+        return self._s.finished(request.request_id, request.num_computed_tokens >= request.num_prompt_tokens), None
 
     def take_events(self):
         return self._s.take_events() if self._s else ()

@@ -42,7 +42,8 @@ class Options:
     recompute_tokens_per_s: float | None = None  # the prefill rate until the engine's own prefill model is fitted
     lookup_wait_s: float = 0.002  # the scheduler's wait for a plan in one step (then vLLM asks again at its next step)
     listing_wait_s: float = 0.005  # the sidecar's wait for its store listing of a prefix its index does not know
-    lookup_timeout_s: float = 0.02  # a request waits at most this for its plan, then recomputes
+    lookup_timeout_s: float = 0.02  # a request waits at least this for its plan before it recomputes
+    lookup_stake: float = 0.02  # and up to this fraction of its predicted recompute (a long prompt's plan is worth a wait)
     fetch_deadline_s: float | None = None  # a fetch's deadline (default: the sidecar's KVFETCHER_DEADLINE_S)
     # host staging (a CPU cache, or a GPU the sidecar cannot open): token slots of the buffer KV goes through, in windows
     staging_tokens: int = 8192
@@ -56,7 +57,7 @@ class Options:
         kw = dict(extra)
         if "presets" in kw:
             kw["presets"] = _presets(kw["presets"])
-        for name in ("ttft_budget_s", "recompute_tokens_per_s", "lookup_wait_s", "listing_wait_s", "lookup_timeout_s", "fetch_deadline_s"):
+        for name in ("ttft_budget_s", "recompute_tokens_per_s", "lookup_wait_s", "listing_wait_s", "lookup_timeout_s", "lookup_stake", "fetch_deadline_s"):
             if kw.get(name) is not None:
                 try:
                     kw[name] = float(kw[name])

@@ -37,6 +37,8 @@ log = logging.getLogger("kvfetcher.integrations.vllm")
 LOOKUP_SOCKET_TIMEOUT_S = 2.0  # a lookup thread's wait for a reply (the scheduler itself waits at most lookup_wait_s)
 MEDIUM = "OBJ"  # vLLM's KV-event medium of an object store (MEDIUM_OBJ in vLLM 0.26)
 WARN_EVERY_S = 30.0
+MAX_WAIT_S = 0.01  # the most one lookup's ask holds the scheduler (and every request decoding) in a step
+LOOKUP_THREADS = 4  # lookups in flight at once (requests arriving together are not asked in turn)
 
 
 @dataclass
@@ -57,12 +59,14 @@ class SchedulerSide:
         tp = vllm_config.parallel_config.tensor_parallel_size
         self.group = RankGroup([options.client(LOOKUP_SOCKET_TIMEOUT_S, rank=r) for r in range(tp)]) if tp > 1 else None
         self.client = self.group.clients[0] if self.group else options.client(timeout_s=LOOKUP_SOCKET_TIMEOUT_S)
-        self.lookups = Lookups(options.lookup_wait_s, options.lookup_timeout_s)  # off the scheduler's thread
+        self.lookups = Lookups(options.lookup_wait_s, options.lookup_timeout_s, LOOKUP_THREADS)  # off the scheduler's thread
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self.block_size = spec.block_size
         self.dtype = kvbuffer.dtype_name(spec.dtype)
         self.kv_shape = (len(kv_cache_config.kv_cache_groups[0].layer_names), spec.num_kv_heads, spec.head_size)
-        self.prefill = prefill.PrefillFit()
+        self.prefill = prefill.PrefillFit()  # the engine's prefill by its GPU steps ...
+        self.wall = prefill.WallScale()  # ... and how much longer whole prefills take by the wall clock
+        self.prefilling: dict[str, tuple[float, int, int]] = {}  # req_id -> (first scheduled, computed then, prompt tokens)
         self.requests: dict[str, _Request] = {}
         self.fetches: list[FetchSpec] = []
         self.storing: dict[str, _Request] = {}  # asked to store, not yet reported
@@ -81,7 +85,7 @@ class SchedulerSide:
         own = getattr(request, "kv_transfer_params", None) or {}
         presets = own.get("presets", self.options.presets)
         return FetchOptions(presets=tuple(presets) if presets else None, ttft_budget_s=own.get("ttft_budget_s", self.options.ttft_budget_s),
-                            prefill_model=self.prefill.model(), recompute_tokens_per_s=self.options.recompute_tokens_per_s,
+                            prefill_model=self.prefill_model(), recompute_tokens_per_s=self.options.recompute_tokens_per_s,
                             wait_s=self.options.listing_wait_s)
 
     def _lookup(self, request, options: FetchOptions) -> _Request:
@@ -102,20 +106,37 @@ class SchedulerSide:
         return _Request(request, tokens, plans, end)
 
     def _late(self, request) -> _Request:
-        self._warn("KV lookup not answered within %s s, recomputing", self.options.lookup_timeout_s)
+        self._warn("KV lookup not answered in time (lookup_timeout_s %s, lookup_stake %s), recomputing",
+                   self.options.lookup_timeout_s, self.options.lookup_stake)
         return _Request(request, [], (), 0)
+
+    def prefill_model(self) -> prefill.PrefillModel | None:
+        """The engine's prefill time by the wall clock, as a request's first token waits for it
+        (None until a step was timed)."""
+        return self.wall.apply(self.prefill.model())
+
+    def _patience(self, request, num_computed_tokens: int) -> tuple[float, float]:
+        """How long one ask may hold the scheduler and how long a request's plan may keep it
+        waiting, from its stake (``lookup_stake`` of its predicted recompute): the ask waits up to a
+        quarter of the stake (at most :data:`MAX_WAIT_S`, at least ``lookup_wait_s``) so that a long
+        prompt is not put off a whole step for want of a few milliseconds; the request up to the stake
+        (at least ``lookup_timeout_s``)."""
+        model, new = self.prefill_model(), len(request.prompt_token_ids or ()) - num_computed_tokens
+        stake = self.options.lookup_stake * model.seconds(num_computed_tokens, new) if model is not None and new > 0 else 0.0
+        return max(self.options.lookup_wait_s, min(MAX_WAIT_S, stake / 4)), max(self.options.lookup_timeout_s, stake)
 
     def matched(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """vLLM's ``get_num_new_matched_tokens``: never waits more than ``lookup_wait_s`` for the
         sidecar. A lookup still in flight answers None (vLLM asks again at its next step, the
-        request waiting meanwhile); one not answered within ``lookup_timeout_s`` recomputes."""
+        request waiting meanwhile); one not answered in time (:meth:`_patience`) recomputes."""
         if getattr(request, "skip_reading_prefix_cache", False):  # a plain recompute (vLLM 0.26 still asks the connector)
             return 0, False
         rid = request.request_id
         r = self.requests.get(rid)
         if r is None:
             options = self._options(request)
-            r = self.lookups.answer(rid, lambda: self._lookup(request, options), lambda: self._late(request))
+            wait_s, timeout_s = self._patience(request, num_computed_tokens)
+            r = self.lookups.answer(rid, lambda: self._lookup(request, options), lambda: self._late(request), timeout_s, wait_s)
             if r is NOT_YET:
                 return None, False
             self.requests[rid] = r
@@ -129,7 +150,7 @@ class SchedulerSide:
             return
         r.blocks, r.loaded = list(block_ids), r.end
         self.fetches.append(FetchSpec(request.request_id, r.tokens, r.plans, r.local, r.local + num_external_tokens, r.blocks,
-                                      self.options.recompute_tokens_per_s, self.prefill.model()))
+                                      self.options.recompute_tokens_per_s, self.prefill_model()))
         r.end = 0  # one load per request: vLLM asks again only after it failed (or a preemption), then recompute
 
     # --- the step ----------------------------------------------------------------------------
@@ -140,6 +161,7 @@ class SchedulerSide:
         _, attention = prefill.terms((had[r], out.num_scheduled_tokens[r]) for r in had)
         meta = StepMeta(self.fetches, [], out.total_num_scheduled_tokens, set(getattr(out, "preempted_req_ids", None) or ()), attention)
         self.fetches = []
+        self._time_prefills(new, had, meta.preempted)
         for n in new:
             if (r := self.requests.get(n.req_id)) is not None:
                 r.blocks = list(n.block_ids[0])
@@ -167,8 +189,33 @@ class SchedulerSide:
         self.storing[r.request.request_id] = r
         return StoreSpec(r.request.request_id, list(prompt[:n]), blocks, chunk)
 
-    def finished(self, req_id: str) -> bool:
-        """Whether the request's blocks must wait for its store (the workers then report it)."""
+    def _time_prefills(self, new, had: dict[str, int], preempted: set[str]) -> None:
+        """Whole prefills by the wall clock, from the step that first schedules a request to the
+        first step after its prompt is computed (or its end, :meth:`finished`): :attr:`wall`."""
+        now = time.perf_counter()
+        for n in new:
+            prompt = len(n.prompt_token_ids or ())
+            if prompt - n.num_computed_tokens >= MIN_TIMED_TOKENS:
+                self.prefilling[n.req_id] = (now, n.num_computed_tokens, prompt)
+        for req_id in preempted:
+            self.prefilling.pop(req_id, None)
+        for req_id, computed in had.items():
+            if req_id in self.prefilling and computed >= self.prefilling[req_id][2]:
+                self._prefilled(req_id, now)
+
+    def _prefilled(self, req_id: str, now: float) -> None:
+        t0, computed, prompt = self.prefilling.pop(req_id)
+        if (model := self.prefill.model()) is not None:
+            self.wall.observe(model.seconds(computed, prompt - computed), now - t0)
+
+    def finished(self, req_id: str, prefilled: bool = False) -> bool:
+        """Whether the request's blocks must wait for its store (the workers then report it).
+        ``prefilled``: its prompt was computed (its prefill's wall time ends here, if not before)."""
+        if req_id in self.prefilling:
+            if prefilled:
+                self._prefilled(req_id, time.perf_counter())
+            else:
+                del self.prefilling[req_id]
         self.lookups.forget(req_id)  # finished (aborted) while its lookup was in flight
         r = self.requests.pop(req_id, None)
         return r is not None and r.storing
