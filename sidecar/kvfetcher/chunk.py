@@ -2,8 +2,9 @@
 
 This is the seam between the pure parts (layout, container) and the codec backends.
 :func:`restore_chunk` is the one restore of a chunk into a KV :class:`Destination`: a whole
-object in memory (:func:`decode_chunk`), a decode worker's request and the fetch executor's
-in-process path all go through it (the executor calls its two halves,
+object in memory (:func:`restore_object`: :func:`decode_chunk`, and a serving engine decoding the
+objects its sidecar verified, engine-decode mode), a decode worker's request and the fetch
+executor's in-process path all go through it (the executor calls its two halves,
 :func:`verify_and_decode` then :meth:`Decoded.write`, so that a fetch given up on between them
 writes nothing; for parts it read and checked itself, :func:`decode_verified` then the write).
 An entropy-coded chunk is unpacked into a GPU buffer on a stream of the writing thread's own, so
@@ -104,17 +105,26 @@ def decode_chunk(
     (:func:`restore_chunk`); so does an ``out`` not of the chunk's shape and dtype. With ``auth``
     the object must be authenticated for the name it names.
     """
-    h = container.parse_header(obj, auth)
-    container.check_fingerprint(h, expected_fingerprint)
-    container.check_size(h, len(obj))
     if out is None:
+        h = container.parse_header(obj, auth)
         out = torch.empty(h.shape, dtype=h.torch_dtype, device=device)
+    restore_object(Destination(out, tokens=out.shape[3]), ChunkRef("", len(obj), 0, out.shape[3]), obj, expected_fingerprint,
+                   device=device, backend=backend, auth=auth)
+    return out
+
+
+def restore_object(dest: Destination, ref: ChunkRef, obj: Bytes, fingerprint: str | None, *, device: torch.device | str | None = None,
+                   backend: str | None = None, auth: ObjectMAC | None = None) -> tuple[container.Header, int]:
+    """One whole stored object (bytes, or a view of shared memory) restored into ``ref``'s slots of
+    ``dest``: its header parsed and checked (``fingerprint``, size), then :func:`restore_chunk`
+    (every part verified before the first write). Its header and the KV bytes written."""
+    h = container.parse_header(obj, auth)
+    container.check_fingerprint(h, fingerprint)
+    container.check_size(h, len(obj))
     mem = memoryview(obj)
     part = lambda s: mem[h.header_size + s.offset : h.header_size + s.offset + s.length]  # noqa: E731
     side = part(h.side) if h.side else None
-    restore_chunk(Destination(out, tokens=h.tokens), ChunkRef("", len(obj), 0, h.tokens), h, side,
-                  [part(s) for s in h.segments], device=device, backend=backend, auth=auth)
-    return out
+    return h, restore_chunk(dest, ref, h, side, [part(s) for s in h.segments], device=device, backend=backend, auth=auth)
 
 
 @dataclass(frozen=True)

@@ -194,10 +194,10 @@ NEGATIVE_TTL_S = Setting("KVFETCHER_NEGATIVE_TTL_S", float, 5.0,
                          "Seconds a chunk found absent stays absent for lookups: a prefix another sidecar stores becomes "
                          "visible here within this plus one listing.")
 IO_WORKERS = Setting("KVFETCHER_IO_WORKERS", int, 32, "Threads for store data I/O (GET, PUT).")
-FETCH_WINDOW = Setting("KVFETCHER_FETCH_WINDOW", int, 8, "Chunks one fetch keeps in flight (read, verified, decoded "
+FETCH_WINDOW = Setting("KVFETCHER_FETCH_WINDOW", int, 4, "Chunks one fetch keeps in flight (read, verified, decoded "
                        "or written at once): more overlaps more of a chunk's latency, each holds a staging buffer.")
-FETCH_READS = Setting("KVFETCHER_FETCH_READS", int, 16, "Ranged GETs one fetch keeps in flight (at most the data I/O threads).")
-DECODE_THREADS = Setting("KVFETCHER_DECODE_THREADS", int, 4, "Threads that decode entropy-coded chunks on the GPU "
+FETCH_READS = Setting("KVFETCHER_FETCH_READS", int, 8, "Ranged GETs one fetch keeps in flight (at most the data I/O threads).")
+DECODE_THREADS = Setting("KVFETCHER_DECODE_THREADS", int, 2, "Threads that decode entropy-coded chunks on the GPU "
                          "and write chunks into KV buffers, each on its own CUDA stream.")
 META_IO_WORKERS = Setting("KVFETCHER_META_IO_WORKERS", int, 8,
                           "Threads for store metadata I/O (LIST, HEAD, DELETE, readiness), apart from data I/O.")

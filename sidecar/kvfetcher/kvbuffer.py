@@ -186,6 +186,58 @@ class Destination:
         self.finish()
 
 
+# --- stored objects for the engine to decode -----------------------------------------------------
+
+#: an object's place in an :class:`ObjectArena` starts at a multiple of this (aligned reads of its parts)
+ARENA_ALIGN = 64
+
+
+class ObjectArena:
+    """A registered host buffer (``buffer``, any shape: its bytes) that holds verified stored
+    objects, whole, for the engine to decode itself (engine-decode mode) instead of KV. The chunks
+    given are placed back to back in order (:meth:`place`: as many leading ones as fit), each at a
+    multiple of :data:`ARENA_ALIGN`; :meth:`put` writes one there, once every part of it verified.
+    ``shape`` and ``dtype`` are the KV geometry the objects must fit (:meth:`check`)."""
+
+    handle = None  # decode workers never write here
+    device = torch.device("cpu")
+
+    def __init__(self, buffer: torch.Tensor, shape: tuple[int, int, int]):
+        self.bytes = buffer.view(-1).view(torch.uint8)
+        self.shape, self.dtype = shape, buffer.dtype
+        self.offsets: dict[int, int] = {}  # a placed chunk's first token -> its offset
+
+    def place(self, chunks: Sequence[ChunkRef]) -> int:
+        """Place the leading ``chunks`` that fit (by their listed sizes); how many."""
+        at = 0
+        for n, c in enumerate(chunks):
+            if at + c.size > self.bytes.numel():
+                return n
+            self.offsets[c.start] = at
+            at += -(-c.size // ARENA_ALIGN) * ARENA_ALIGN
+        return len(chunks)
+
+    def check(self, h, c: ChunkRef) -> None:
+        """Refuse a chunk that does not fit the KV geometry (as :meth:`Destination.check`) or was not placed."""
+        L, H, D = self.shape
+        if tuple(h.shape) != (L, 2, H, c.tokens, D) or h.torch_dtype != self.dtype:
+            raise GeometryMismatchError(f"chunk {tuple(h.shape)} {h.dtype} does not fit a buffer of (layers, kv_heads, head_dim) "
+                                        f"{self.shape} {dtype_name(self.dtype)}")
+        if c.start not in self.offsets:
+            raise ValueError(f"chunk at token {c.start} has no place in the buffer")
+
+    def put(self, c: ChunkRef, header: bytes, payload: torch.Tensor) -> int:
+        """Write a verified object (its header bytes, then its payload) at the chunk's place; its size."""
+        a, n = self.offsets[c.start], len(header)
+        self.bytes[a : a + n].numpy()[:] = memoryview(header).cast("B")
+        self.bytes[a + n : a + n + payload.numel()].copy_(payload)
+        return n + payload.numel()
+
+    def where(self, c: ChunkRef) -> tuple[int, int]:
+        """(offset, size) of a placed chunk's object."""
+        return self.offsets[c.start], c.size
+
+
 # --- paged KV ---------------------------------------------------------------------------------
 
 _LETTERS = "LKBTHD"

@@ -51,6 +51,12 @@ class Metrics:
             "fetch in flight, and the fetches' own wall time (stage=fetch); the stages overlap", ["stage"], registry=r,
         )
         self.kv_bytes = Counter("kvfetcher_kv_bytes_restored_total", "KV bytes written into KV buffers by fetches", registry=r)
+        self.engine_objects = Counter("kvfetcher_engine_objects_total", "Verified stored objects written for an engine that decodes "
+                                      "itself (engine-decode mode), by preset", ["preset"], registry=r)
+        self.engine_kv_bytes = Counter("kvfetcher_engine_kv_bytes_total", "KV bytes engines that decode themselves reported restoring, "
+                                       "by preset", ["preset"], registry=r)
+        self.engine_decode_seconds = Counter("kvfetcher_engine_decode_seconds_total", "Seconds engines that decode themselves reported "
+                                             "decoding and writing, by preset", ["preset"], registry=r)
         self.bytes_written = Counter("kvfetcher_bytes_written_total", "Bytes written to the store", registry=r)
         self.compression_ratio = Gauge(
             "kvfetcher_compression_ratio", "KV bytes / stored bytes of the last chunk stored, by preset", ["preset"], registry=r

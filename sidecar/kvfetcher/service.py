@@ -34,12 +34,12 @@ from kvfetcher.config import Config
 from kvfetcher.errors import Reason, RequestError
 from kvfetcher.fetch import choice, executor, staging
 from kvfetcher.fetch.linkshare import LinkShare
-from kvfetcher.fetch.plan import Catalog, Costs, FetchOptions, FetchPlan, FetchDecision, FetchReply, listing_rounds, make_plan, seal, sealed
+from kvfetcher.fetch.plan import FORMATS, Catalog, Costs, EngineDecode, EngineDecoded, FetchOptions, FetchPlan, FetchDecision, FetchReply, listing_rounds, make_plan, seal, sealed
 from kvfetcher.fetch.prefill import PrefillModel
 from kvfetcher.fetch.workers import DecodeWorkers, warmup_object
 from kvfetcher.format import mac
 from kvfetcher.format.presets import PRESETS, usable
-from kvfetcher.kvbuffer import Destination, PagedKV
+from kvfetcher.kvbuffer import Destination, ObjectArena, PagedKV
 from kvfetcher.metrics import Metrics
 from kvfetcher.save.writer import Job, Writer
 from kvfetcher.store import Store, StoreError
@@ -58,10 +58,16 @@ class Buffer:
     tensor: torch.Tensor | PagedKV  # aliasing the model's memory: a flat [layers, 2, kv_heads, capacity, head_dim], or paged blocks
     ns: keys.Namespace
     handle: dict | None = None  # this process's handle (ipc.adopt): what decode worker processes open to write into the same memory
+    engine: EngineDecode | None = None  # engine-decode mode: fetches write verified stored objects here, which the engine decodes
 
     def destination(self, tokens: int, slots: Sequence[int] | None = None, offset: int = 0,
-                    block_ids: Sequence[int] | None = None, first_token: int = 0) -> Destination:
-        """Where ``tokens`` tokens of a request live in this buffer (:func:`kvbuffer.destination`)."""
+                    block_ids: Sequence[int] | None = None, first_token: int = 0) -> Destination | ObjectArena:
+        """Where ``tokens`` tokens of a request live in this buffer (:func:`kvbuffer.destination`);
+        for an engine that decodes itself, the arena its stored objects go to."""
+        if self.engine is not None:
+            if slots is not None or offset or block_ids is not None:
+                raise RequestError("an engine-decode buffer holds stored objects: give no slots, offset or block_ids")
+            return ObjectArena(self.tensor, self.ns.shape)
         try:
             return kvbuffer.destination(self.tensor, tokens, slots, offset, block_ids, self.handle, first_token)
         except ValueError as e:
@@ -90,7 +96,7 @@ class Sidecar:
         self._accepted_keys = tuple(mac.key_from(k) for k in self.config.accepted_object_keys)  # a rotation's previous keys
         if self._object_key is None:
             log.warning("no object key (KVFETCHER_OBJECT_KEY): objects and calibrations are neither tagged nor "
-                        "checked; whoever can write the store decides what this sidecar loads")
+                        "checked; whoever can write the store decides what this sidecar fetches")
         self.calibrations = CalibrationLookup(store, self.meta_pool, self.metrics, key=self._object_key,
                                               accepted=self._accepted_keys)  # published after start (a calibration Job)
 
@@ -111,23 +117,23 @@ class Sidecar:
         return self.config.allowed_presets or self.config.presets
 
     def warm_buffer(self, buf: Buffer) -> None:
-        """What a first load into ``buf`` would otherwise set up on its path: staging buffers for
-        the direct path's raw chunks (a load's window of them; pinned for a GPU buffer), then the
+        """What a first fetch into ``buf`` would otherwise set up on its path: staging buffers for
+        the direct path's raw chunks (a fetch's window of them; pinned for a GPU buffer), then the
         decode workers (:meth:`warm_workers`). Best effort, blocking; ``register`` runs it in the
         background."""
         if any(PRESETS[p].direct for p in self._served_presets()):
             try:
                 n = executor.chunks_in_flight(self.config.window, self.workers)
                 staging.shared().reserve(self._chunk_kv_bytes(buf), buf.tensor.device.type == "cuda", n)
-            except Exception:  # e.g. pinned memory refused: the first raw load allocates instead
+            except Exception:  # e.g. pinned memory refused: the first raw fetch allocates instead
                 log.exception("staging reservation failed")
                 self.metrics.errors.labels(Reason.WARM_UP).inc()
         if self.workers is not None:
             self.warm_workers(buf)
 
     def warm_workers(self, buf: Buffer | None = None) -> None:
-        """Restore a chunk of every preset this sidecar may load in each decode worker, so that the
-        first load neither waits for CUDA and NVDEC set-up nor teaches the cost model a cold rate:
+        """Restore a chunk of every preset this sidecar may fetch in each decode worker, so that the
+        first fetch neither waits for CUDA and NVDEC set-up nor teaches the cost model a cold rate:
         at start a tiny one; for a registered buffer ``buf`` one of its model's chunk geometry (NVDEC
         decoders and the fused unpack are per geometry), on that buffer's device. Best effort:
         failures are logged and counted, and the sidecar serves anyway. Blocking."""
@@ -174,13 +180,14 @@ class Sidecar:
 
     # --- buffers ---------------------------------------------------------------------------
 
-    def register(self, handle: dict, model: str, tp_rank: int = 0) -> str:
+    def register(self, handle: dict, model: str, tp_rank: int = 0, engine: EngineDecode | None = None) -> str:
         """Map the buffer ``handle`` names (:mod:`kvfetcher.ipc`; a memfd handle must name an fd of
         this process: the API passes only fds its buffer socket received; a paged handle, paged KV
-        whose block size divides ``chunk_tokens``) and return its id.
+        whose block size divides ``chunk_tokens``) and return its id. With ``engine`` (a flat host
+        buffer) the engine decodes itself: fetches write verified stored objects into the buffer.
 
         The id is the registration's capability: unguessable, given only to the registering peer,
-        never logged or listed; whoever presents it may load into, store from and unregister the
+        never logged or listed; whoever presents it may fetch into, store from and unregister the
         buffer, and nothing else names the buffer."""
         try:
             t, handle = ipc.adopt(handle)
@@ -191,6 +198,8 @@ class Sidecar:
         except ValueError as e:
             raise RequestError(str(e)) from e
         try:
+            if engine is not None and (isinstance(t, PagedKV) or t.device.type != "cpu"):
+                raise ValueError("an engine that decodes itself registers a flat host buffer (a memfd) for the stored objects")
             if isinstance(t, PagedKV) and self.config.chunk_tokens % t.layout.block_size:
                 raise ValueError(f"block_size {t.layout.block_size} does not divide the sidecar's chunks of {self.config.chunk_tokens} tokens")
             ns = self.namespace(model, kvbuffer.dtype_name(t.dtype), tp_rank, t.shape if isinstance(t, PagedKV) else kvbuffer.check_shape(t))
@@ -198,13 +207,13 @@ class Sidecar:
             ipc.release(handle)
             raise RequestError(str(e)) from e
         bid = secrets.token_urlsafe(24)
-        self.buffers[bid] = Buffer(t, ns, handle)
+        self.buffers[bid] = Buffer(t, ns, handle, engine)
         while len(self.buffers) > MAX_BUFFERS:  # a client that died without unregistering: its buffer goes first
             log.warning("%d buffers registered: the least recently used is released", len(self.buffers))
             self.unregister(next(iter(self.buffers)))
         self.calibrations.look(model)
-        if self.config.warm_up:
-            if self.workers is not None:  # mapped now (CUDA IPC), not on the first load into it
+        if self.config.warm_up and engine is None:  # (an engine that decodes itself warms its own decoders)
+            if self.workers is not None:  # mapped now (CUDA IPC), not on the first fetch into it
                 self.workers.open(handle)
             try:  # staging, and its model's chunks decoded once, in the background
                 self._warming = asyncio.get_running_loop().run_in_executor(None, self.warm_buffer, self.buffers[bid])
@@ -216,12 +225,12 @@ class Sidecar:
 
     async def warmed(self) -> None:
         """Wait until the latest registration's warm-up is done (until then ``auto`` leaves the decode
-        workers' presets alone, and a load of one would wait behind it)."""
+        workers' presets alone, and a fetch of one would wait behind it)."""
         if self._warming is not None:
             await asyncio.gather(self._warming, return_exceptions=True)
 
     def _warm(self) -> bool:
-        """Whether no warm-up is using the decode workers (a load needing them would wait for it)."""
+        """Whether no warm-up is using the decode workers (a fetch needing them would wait for it)."""
         return self._warming is None or self._warming.done()
 
     def unregister(self, bid: str) -> None:
@@ -278,12 +287,14 @@ class Sidecar:
             buf = self._buffer(target)
             ns = buf.ns
         else:
-            ns, buf = target, next((b for b in self.buffers.values() if b.ns == target), None)
+            ns, mine = target, [b for b in self.buffers.values() if b.ns == target]  # an engine that decodes itself fetches into its own
+            buf = next((b for b in mine if b.engine is not None), mine[0] if mine else None)
         self.metrics.lookups.inc()
         self.calibrations.look(ns.model)
         p = await self._lookup(ns, keys.chunk_keys(ns, tokens, self.config.chunk_tokens), buf, options or FetchOptions())
         self.metrics.lookup_tokens.inc(len(tokens))
         self.metrics.hit_tokens.inc(p.hit_tokens)
+        self.metrics.lookup_options.clear()  # the last lookup's options only (none: it needed no cost model)
         for option, seconds in p.options.items():  # why auto chose what it chose
             self.metrics.lookup_options.labels(option).set(seconds)
         self.metrics.lookup_seconds.observe(time.perf_counter() - t)
@@ -298,12 +309,13 @@ class Sidecar:
             for term, c in asdict(o.prefill_model).items():
                 self.metrics.prefill_model.labels(term).set(c)
         prefill = o.prefill_model or PrefillModel.linear(o.recompute_tokens_per_s or self.config.recompute_tps)
-        rates = self.estimator.rates(self.objects.endpoint, prefill, sharers)
+        engine = buf.engine if buf is not None else None  # the engine decodes: its formats, at its rates
+        rates = self.estimator.rates(self.objects.endpoint, prefill, sharers, engine=engine.device if engine else None)
         # never a preset this model may not use (one needing a calibration it lacks)
         allowed = frozenset(o.presets or PRESETS) & frozenset(self.config.allowed_presets or PRESETS) & frozenset(usable(PRESETS, ns.model))
-        if o.presets is None and not self._warm():  # the decode workers are still warming: only what needs none (raw) or recompute
+        if o.presets is None and engine is None and not self._warm():  # the decode workers are still warming: only what needs none (raw) or recompute
             allowed = frozenset(p for p in allowed if PRESETS[p].direct)
-        costs = Costs(rates, self._chunk_kv_bytes(buf) if buf else None, allowed, budget)
+        costs = Costs(rates, self._chunk_kv_bytes(buf) if buf else None, allowed, budget, engine.presets() if engine else FORMATS)
         p = await make_plan(self.catalog, ns, ck, self.config.chunk_tokens, costs, refresh=o.refresh, wait_s=o.wait_s,
                             deadline_s=self.config.deadline_s if o.deadline_s is None else o.deadline_s)
         self.metrics.index_keys.set(len(self.index))
@@ -321,19 +333,23 @@ class Sidecar:
             raise RequestError("the plan was not issued by this sidecar, or was changed: plan again")
         want = (buf.ns.model, buf.ns.dtype, buf.ns.tp_rank, self.config.chunk_tokens, chunk_keys[-1] if chunk_keys else "")
         if (plan.model, plan.dtype, plan.tp_rank, plan.chunk_tokens, plan.prefix_key) != want:
-            raise RequestError("the plan is for another namespace or other tokens than this load")
+            raise RequestError("the plan is for another namespace or other tokens than this fetch")
 
-    # --- fetch -----------------------------------------------------------------------------
+    # --- fetch ------------------------------------------------------------------------------
 
     async def fetch(self, bid: str, tokens: Sequence[int], plan: FetchPlan | None = None, *, slots: Sequence[int] | None = None,
                     offset: int = 0, block_ids: Sequence[int] | None = None, first_token: int = 0,
-                    options: FetchOptions | None = None) -> FetchReply:
+                    options: FetchOptions | None = None, decoded: Sequence[EngineDecoded] = ()) -> FetchReply:
         """Fetch as many leading whole chunks of ``tokens`` as ``plan`` says into the buffer at
         ``slots`` or ``offset`` (a paged buffer: into ``block_ids``, :meth:`Buffer.destination`).
         Without a plan, or with one that chose no preset, this looks up first as ``options`` say,
         listing what the index does not know; beside a chosen plan only ``options.deadline_s`` may
         be given. Tokens before ``first_token`` are the caller's: chunks wholly before it are not
         fetched, nor written; they count as loaded.
+
+        Into an engine-decode buffer (:class:`ObjectArena`) the chunks' verified stored objects are
+        written instead, as many leading ones as fit, and the reply says where (``objects``);
+        ``decoded`` is what that engine reports of its own decodes since (its rates teach the cost model).
 
         ``options.deadline_s`` covers the listing too. Never raises for a storage or data problem:
         the reply says how many leading tokens were loaded and which to recompute."""
@@ -342,6 +358,7 @@ class Sidecar:
         deadline_s = self.config.deadline_s if o.deadline_s is None else o.deadline_s
         self._check_length(tokens)
         buf = self._buffer(bid)
+        self._observe_engine(buf, decoded)
         N = self.config.chunk_tokens
         n_req = len(tokens) // N * N
         dest = buf.destination(n_req, slots, offset, block_ids, first_token)
@@ -352,6 +369,8 @@ class Sidecar:
             if chosen and plan.preset is not None:
                 raise RequestError(f"{sorted(chosen)} belong to the plan: give them when looking up, not with a plan")
             self._check(plan, buf, ck)
+        if plan is not None and buf.engine is not None and plan.preset not in buf.engine.presets():
+            plan = None  # made for another buffer of the namespace, in a preset this engine does not decode: plan anew
         if plan is None or plan.preset is None:  # no plan, or one made without a buffer of its namespace: look up here
             plan = await self._lookup(buf.ns, ck, buf, replace(o, deadline_s=deadline_s, refresh=True))
         reply = FetchReply(n_req, 0, N, lookup_s=plan.lookup_s,
@@ -366,27 +385,53 @@ class Sidecar:
         refs, reply.loaded_tokens, reply.not_loaded = refs[mine:], mine * N, (mine * N, n_req)
         if not refs:
             return reply
+        if isinstance(dest, ObjectArena):
+            refs = self._place(dest, refs)
         quiet = self._warm()  # else the warm-up shares the decode workers
         async with self.link.fetch() as share:
             out = await executor.fetch(self.objects, refs, dest, fingerprint=buf.ns.model, io_pool=self.data_pool, decode_pool=self.decode_pool,
                                        device=buf.tensor.device, deadline_s=max(0.0, deadline_s - (time.perf_counter() - t0)),
                                        window=self.config.window, io_concurrency=min(self.config.reads, self.config.io_workers),
-                                       workers=self.workers, object_key=self._object_key,
-                                       accepted_keys=self._accepted_keys)
-        self._observe(plan, out, learn=quiet, sharers=share.sharers)
+                                       workers=None if buf.engine else self.workers,
+                                       object_key=self._object_key, accepted_keys=self._accepted_keys)
+        self._observe(plan, out, learn=quiet, sharers=share.sharers, engine=buf.engine is not None)
+        if isinstance(dest, ObjectArena):
+            placed = refs[: out.loaded_tokens // N]
+            reply.objects = [(c.start, *dest.where(c)) for c in placed]
+            self.metrics.engine_objects.labels(plan.preset).inc(len(placed))
         reply.loaded_tokens += out.loaded_tokens
         reply.bytes_read, reply.kv_bytes, reply.seconds = out.bytes_read, out.kv_bytes, out.seconds
         reply.decision.actual_s = out.seconds
         self.metrics.fetch_seconds.observe(time.perf_counter() - t0)
         if out.bad_object or out.error is Reason.MISSING:  # the index no longer trusts the chunks from the one that failed
             self.index.forget(ck[mine + out.loaded_tokens // N :])
-        if out.bad_object:  # else it would block every later load, and a re-store would be a no-op
+        if out.bad_object:  # else it would block every later fetch, and a re-store would be a no-op
             await self._drop(out.bad_object, out.bad_size)
         if out.error:
             self.metrics.errors.labels(out.error).inc()
             return self._fallback(reply, out.error, out.detail)
         reply.not_loaded = (reply.loaded_tokens, n_req)
         return reply
+
+    @staticmethod
+    def _place(arena: ObjectArena, refs: list[kvbuffer.ChunkRef]) -> list[kvbuffer.ChunkRef]:
+        """The leading ``refs`` whose objects fit the engine's buffer, placed there; a fetch that
+        stops at the last of them answers with no reason (the engine fetches again from there)."""
+        n = arena.place(refs)
+        if not n:
+            raise RequestError(f"the engine's buffer of {arena.bytes.numel()} bytes holds no stored object of {refs[0].size} bytes: "
+                               "give it more tokens")
+        return refs[:n]
+
+    def _observe_engine(self, buf: Buffer, decoded: Sequence[EngineDecoded]) -> None:
+        """What an engine that decodes itself reports of its decodes: its rates, for the cost model."""
+        if decoded and buf.engine is None:
+            raise RequestError("'decoded' reports an engine's own decodes: only for an engine-decode buffer")
+        for d in decoded:
+            if d.preset in PRESETS:
+                self.estimator.observe_engine_decode(d.preset, d.kv_bytes, d.seconds)
+                self.metrics.engine_kv_bytes.labels(d.preset).inc(d.kv_bytes)
+                self.metrics.engine_decode_seconds.labels(d.preset).inc(d.seconds)
 
     async def _drop(self, name: str, listed_size: int | None = None) -> None:
         """Delete an object that failed verification, so that the next store writes it anew; not when
@@ -402,11 +447,12 @@ class Sidecar:
         except StoreError as e:
             self.metrics.errors.labels(e.reason).inc()
 
-    def _observe(self, plan: FetchPlan, out: executor.Outcome, learn: bool = True, sharers: float = 1.0) -> None:
-        """Metrics of a fetch, and what it teaches the estimator. ``learn`` False: a load that ran
+    def _observe(self, plan: FetchPlan, out: executor.Outcome, learn: bool = True, sharers: float = 1.0, engine: bool = False) -> None:
+        """Metrics of a fetch, and what it teaches the estimator. ``learn`` False: a fetch that ran
         beside a buffer's background warm-up (the decode workers shared between both) teaches only
-        its latency: its rates are those of shared, partly cold workers, not a later load's.
-        ``sharers``: the fetches that shared the node's link with it, itself included."""
+        its latency: its rates are those of shared, partly cold workers, not a later fetch's.
+        ``sharers``: the fetches that shared the node's link with it, itself included. ``engine``:
+        a fetch for an engine that decodes itself teaches the read rate only (the engine reports its decodes)."""
         m, ep, preset = self.metrics, self.objects.endpoint, plan.preset
         m.bytes_read.inc(out.bytes_read)
         m.loaded_tokens.inc(out.loaded_tokens)
@@ -417,14 +463,17 @@ class Sidecar:
             fmt = PRESETS[preset].codec.format
             if out.header_latency_s:
                 self.estimator.observe_latency(ep, min(out.header_latency_s))
-            if self.estimator.settled(fmt) and learn:  # not the process' first load of this format
+            settled = self.estimator.settled(fmt)  # (once: it marks the format seen)
+            if settled and learn and engine:
+                self.estimator.observe_read(ep, out.bytes_read, out.read_busy_s, fmt, sharers)
+            elif settled and learn:  # not the process' first fetch of this format
                 self.estimator.observe_read(ep, out.bytes_read, out.read_busy_s, fmt, sharers)
                 self.estimator.observe_decode(preset, out.kv_bytes, out.decode_busy_s)
-                if out.loaded_tokens == plan.loaded_tokens:  # the whole planned load: its time is comparable
+                if out.loaded_tokens == plan.loaded_tokens:  # the whole planned fetch: its time is comparable
                     fit = self.estimator.observe_fit(ep, preset, fmt, out.bytes_read, out.kv_bytes, out.seconds, sharers)
                     m.fit.labels(preset).set(fit.scale)
                     m.fit_overhead.labels(preset).set(fit.overhead_s)
-            if out.decode_busy_s > 0:
+            if out.decode_busy_s > 0 and not engine:
                 m.decode_rate.labels(preset).set(out.kv_bytes / out.decode_busy_s)
             m.predicted_seconds.observe(plan.predicted_s)
             m.actual_seconds.observe(out.seconds)
@@ -433,7 +482,7 @@ class Sidecar:
         m.bandwidth.labels(ep).set(self.estimator.bandwidth(ep))
 
     def _fallback(self, reply: FetchReply, reason: str, detail: str | None) -> FetchReply:
-        """Finish a fetch's reply that loads fewer tokens than requested, for a decision (``miss``,
+        """Finish a fetch's reply that writes fewer tokens than requested, for a decision (``miss``,
         ``cost_model``) or a failure."""
         error = reason not in (Reason.MISS, Reason.COST_MODEL)
         self.metrics.fallbacks.labels(reason).inc()
@@ -443,7 +492,7 @@ class Sidecar:
         reply.not_loaded = (reply.loaded_tokens, reply.requested_tokens)
         return reply
 
-    # --- store -----------------------------------------------------------------------------
+    # --- store ------------------------------------------------------------------------------
 
     async def store(self, bid: str, tokens: Sequence[int], *, slots: Sequence[int] | None = None, offset: int = 0,
                     block_ids: Sequence[int] | None = None, first_token: int = 0) -> dict:

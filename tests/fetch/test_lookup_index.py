@@ -51,3 +51,17 @@ async def test_an_absence_is_remembered_for_the_negative_ttl(tmp_path, shm):
         assert (await sc.lookup(bid, TOKENS, FetchOptions(wait_s=10.0))).hit_tokens == 0  # still trusted absent
         await asyncio.sleep(0.35)
         assert (await sc.lookup(bid, TOKENS, FetchOptions(wait_s=10.0))).hit_tokens == 96  # expired: listed again
+
+
+async def test_the_option_gauges_show_the_last_lookup_only(tmp_path, shm):
+    """`kvfetcher_lookup_option_seconds` is the last lookup's reasoning: a lookup that weighs no
+    option (a miss) leaves none of an earlier lookup's options behind."""
+    buf = await stored_by_another_sidecar(tmp_path, shm)
+    async with running(LocalStore(tmp_path), chunk_tokens=32, presets=("raw",), decode_procs=0, device="cpu") as sc:
+        bid = sc.register(buf.handle, "m")
+        await sc.lookup(bid, TOKENS, FetchOptions(refresh=True, **SLOW_MODEL))
+        options = lambda: {s.labels["option"] for m in sc.metrics.registry.collect() if m.name == "kvfetcher_lookup_option_seconds"  # noqa: E731
+                           for s in m.samples}
+        assert options() == {"recompute", "raw"}
+        await sc.lookup(bid, [7, 7, 7] * 32, FetchOptions(refresh=True, **SLOW_MODEL))  # stored nowhere
+        assert options() <= {"recompute"}

@@ -3,7 +3,7 @@
 * :meth:`KVClient.lookup` — the scheduler's question, "what of this prompt would you fetch, and how
   long would it take?" (vLLM's ``get_num_new_matched_tokens``), answered with a plan;
   :meth:`KVClient.hit_tokens` is only its hit count;
-* :meth:`KVClient.fetch` — the worker's "write them into these slots (or blocks) of my KV buffers",
+* :meth:`KVClient.fetch` — the worker's "fetch them into these slots (or blocks) of my KV buffers",
   given the plan (the store is then not listed again) or not; it answers with how many tokens were
   really loaded (the rest is recomputed);
 * :meth:`KVClient.store` — "store this prefix", which returns at once.
@@ -24,7 +24,7 @@ import torch
 
 from kvfetcher import config, ipc
 from kvfetcher.api import schemas
-from kvfetcher.fetch.plan import FetchOptions, FetchPlan, FetchReply
+from kvfetcher.fetch.plan import EngineDecode, EngineDecoded, FetchOptions, FetchPlan, FetchReply
 from kvfetcher.kvbuffer import PagedLayout
 
 
@@ -141,19 +141,22 @@ class KVClient:
 
     # --- the API's verbs ---------------------------------------------------------------------
 
-    def register(self, handle: dict, model: str, tp_rank: int = 0) -> str:
+    def register(self, handle: dict, model: str, tp_rank: int = 0, engine: EngineDecode | None = None) -> str:
         """Register a KV buffer (see :mod:`kvfetcher.ipc`); returns its id for the other calls.
+        With ``engine`` (a host buffer) this process decodes stored objects itself: fetches write
+        them into the buffer (``FetchReply.objects``) instead of KV.
 
-        The id is the registration's capability: whoever holds it may load into, store from and
+        The id is the registration's capability: whoever holds it may fetch into, store from and
         unregister the buffer, so keep it in this process. A host-memory buffer (a memfd handle
         from :func:`ipc.allocate`) is registered only over the Unix socket: its fd is passed on the
         sidecar's buffer socket, never named. A CUDA handle goes over either transport."""
-        request = schemas.RegisterRequest(handle=handle, model=model, tp_rank=tp_rank)
+        request = schemas.RegisterRequest(handle=handle, model=model, tp_rank=tp_rank, engine=engine)
         if handle.get("kind") != "memfd":
             return self._call(schemas.REGISTER, request).buffer
         if self._socket_path is None:
             raise ValueError("a host-memory buffer is registered over the sidecar's Unix socket (its fd is passed), not TCP")
-        described = {**schemas.to_json(request), "handle": {k: handle[k] for k in ("kind", "shape", "dtype")}}
+        described = {k: v for k, v in schemas.to_json(request).items() if v is not None}
+        described["handle"] = {k: handle[k] for k in ("kind", "shape", "dtype")}
         reply = ipc.pass_buffer(ipc.fd_socket(self._socket_path), described, handle, self._timeout_s)
         if "error" in reply:
             raise SidecarError(400, reply["error"], reply.get("detail", ""))
@@ -202,7 +205,8 @@ class KVClient:
         return self._call(schemas.LOOKUP, schemas.LookupRequest(schemas.TokenIds.pack(tokens), **ns, options=options))
 
     def fetch(self, buffer: str, tokens: Sequence[int], plan: FetchPlan | None = None, *, options: FetchOptions | None = None,
-              offset: int = 0, slots: Sequence[int] | None = None, block_ids: Sequence[int] | None = None, first_token: int = 0) -> FetchReply:
+              offset: int = 0, slots: Sequence[int] | None = None, block_ids: Sequence[int] | None = None, first_token: int = 0,
+              decoded: Sequence[EngineDecoded] | None = None) -> FetchReply:
         """Fetch the stored leading chunks of ``tokens`` into the buffer at ``offset`` (or ``slots``;
         a paged buffer: into ``block_ids``, the prompt's blocks in order).
 
@@ -214,9 +218,12 @@ class KVClient:
         complete) and nothing else was touched; recompute from there. Nothing before
         ``first_token`` is fetched or written (it is the caller's); a negative ``offset`` gives
         only the tokens from ``first_token`` on slots of a flat buffer (a window of a longer prompt).
+        Into an engine-decode buffer the reply's ``objects`` say where the stored objects are
+        (:mod:`kvfetcher.integrations.staged` decodes them); ``decoded`` reports that engine's decodes.
         """
         return self._call(schemas.FETCH, schemas.FetchRequest(
-            buffer, schemas.TokenIds.pack(tokens), plan, offset, _ints(slots), options, _ints(block_ids), first_token))
+            buffer, schemas.TokenIds.pack(tokens), plan, offset, _ints(slots), options, _ints(block_ids), first_token,
+            list(decoded) if decoded else None))
 
     def store(self, buffer: str, tokens: Sequence[int], *, offset: int = 0, slots: Sequence[int] | None = None,
               block_ids: Sequence[int] | None = None, first_token: int = 0) -> schemas.StoreReply:

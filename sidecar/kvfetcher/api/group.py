@@ -1,4 +1,4 @@
-"""group: the sidecars of one tensor-parallel group, asked together — every rank loads a prompt, or none.
+"""group: the sidecars of one tensor-parallel group, asked together — every rank fetches a prompt, or none.
 
 One sidecar per GPU: rank ``r``'s sidecar stores and fetches rank ``r``'s shard of the KV (its
 heads) under its own namespace. :class:`RankGroup` holds one :class:`KVClient` per rank, asks all

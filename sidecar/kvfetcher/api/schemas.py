@@ -29,7 +29,7 @@ import numpy as np
 
 from kvfetcher import ipc
 from kvfetcher.errors import RequestError
-from kvfetcher.fetch.plan import FetchOptions, FetchPlan, FetchDecision, FetchReply
+from kvfetcher.fetch.plan import EngineDecode, EngineDecoded, FetchOptions, FetchPlan, FetchDecision, FetchReply
 from kvfetcher.fetch.prefill import PrefillModel
 from kvfetcher.kvbuffer import PagedLayout
 
@@ -67,6 +67,9 @@ class RegisterRequest:
     tp_rank: int = natural("tensor-parallel rank", 0)
     paged: PagedLayout | None = doc("absent: a flat buffer `[layers, 2, kv_heads, capacity, head_dim]`; present: the registered tensors "
                                     "hold KV in blocks, laid out as this says (fetches and stores then name `block_ids`)", None)
+    engine: EngineDecode | None = doc("a flat host buffer (memfd) of an engine that decodes stored objects itself (engine-decode mode: "
+                                      "a GPU this sidecar cannot open): fetches into it write verified stored objects, not KV "
+                                      "(`objects` in the reply), and plans use the engine's formats and decode rates", None)
 
     def buffer_handle(self) -> dict:
         """The one handle (:mod:`kvfetcher.ipc`) this registers: ``handle``, or for a paged buffer the
@@ -135,7 +138,7 @@ class LookupRequest:
     tp_rank: int = natural("tensor-parallel rank (without `buffer`)", 0)
     kv_shape: tuple[int, int, int] | None = positive("KV geometry `[layers, kv_heads, head_dim]` (without `buffer`; default: that of "
                                                      "the registered buffer of `model`, `dtype` and `tp_rank`)", None)
-    options: FetchOptions | None = doc("how the load is chosen (default: the sidecar's settings)", None)
+    options: FetchOptions | None = doc("how the fetch is chosen (default: the sidecar's settings)", None)
 
 
 @dataclass
@@ -160,6 +163,8 @@ class FetchRequest:
     first_token: int = natural("tokens before it are the caller's (a serving engine's own prefix-cache hit, whose blocks other requests "
                                "may share): never written, and chunks wholly before it are not fetched; a chunk straddling it writes "
                                "only its tail. A paged buffer needs whole blocks. `loaded_tokens` still counts from token 0", 0)
+    decoded: list[EngineDecoded] | None = doc("an engine-decode buffer's engine: its own decodes since its last fetch (they teach the "
+                                              "cost model its decode rates)", None)
 
 
 @dataclass
@@ -218,7 +223,7 @@ STORE = Endpoint("POST", "/v1/store", StoreRequest, StoreReply,
                  "Queue the prefix for storing; the KV is copied before the reply, so the buffer may be reused at once.", 202)
 FLUSH = Endpoint("POST", "/v1/flush", None, Ok, "Wait until every queued store is written (tests, demo, shutdown).")
 ENDPOINTS = (REGISTER, UNREGISTER, LOOKUP, FETCH, STORE, FLUSH)
-MESSAGES = (FetchOptions, FetchPlan, FetchDecision, PrefillModel, PagedLayout, ErrorReply)  # nested or shared, documented once each
+MESSAGES = (FetchOptions, FetchPlan, FetchDecision, PrefillModel, PagedLayout, EngineDecode, EngineDecoded, ErrorReply)  # nested or shared, documented once each
 
 
 # --- checking and rendering ------------------------------------------------------------------

@@ -158,6 +158,8 @@ async def register(request: web.Request) -> web.Response:
     if any(h.get("kind") != "cuda" for h in r.handles or [r.handle]):  # a memfd handle names the holder's fd: only the buffer socket passes one
         raise RequestError("over HTTP only a CUDA handle registers (one per paged tensor); a host-memory buffer is a sealed memfd passed "
                            "on the sidecar's buffer socket (KVClient over the Unix socket does it)")
+    if r.engine is not None:
+        raise RequestError("an engine that decodes itself registers a host buffer: a memfd passed on the sidecar's buffer socket")
     return _reply(schemas.RegisterReply(request.app[SIDECAR].register(handle, r.model, r.tp_rank)))
 
 
@@ -173,7 +175,7 @@ async def _register_passed(sidecar: Sidecar, conn: socket.socket, pool: ThreadPo
             raise RequestError("pass exactly one memfd with a flat buffer's registration whose handle is of kind 'memfd' "
                                "(paged buffers register CUDA handles over HTTP)")
         handle = ipc.memfd_handle(fd, r.handle.get("shape", []), r.handle.get("dtype"))
-        reply = schemas.RegisterReply(sidecar.register(handle, r.model, r.tp_rank))
+        reply = schemas.RegisterReply(sidecar.register(handle, r.model, r.tp_rank, r.engine))
     except (RequestError, ValueError, TypeError, OSError) as e:
         sidecar.metrics.errors.labels(Reason.BAD_REQUEST).inc()
         reply = schemas.ErrorReply(Reason.BAD_REQUEST.value, str(e))
@@ -232,7 +234,7 @@ async def lookup(request: web.Request) -> web.Response:
 async def fetch(request: web.Request) -> web.Response:
     r = await _parse(request, schemas.FetchRequest)
     reply = await request.app[SIDECAR].fetch(r.buffer, r.tokens, r.plan, slots=r.slots, offset=r.offset, block_ids=r.block_ids,
-                                             first_token=r.first_token, options=r.options)
+                                             first_token=r.first_token, options=r.options, decoded=r.decoded or ())
     return _reply(reply)
 
 

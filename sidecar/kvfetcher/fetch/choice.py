@@ -82,6 +82,7 @@ class Rates:
     fit: Mapping[str, Fit] = field(default_factory=dict)  # by preset, where measured
     list_s: float | None = None  # one round of a lookup's parallel LISTs, measured (None: take the latency)
     format_bandwidth: Mapping[str, float] = field(default_factory=dict)  # by bitstream format, where measured
+    overlap: bool = True  # decode pipelined with the download (False: the engine decodes after the sidecar's fetch)
 
 
 @dataclass(frozen=True)
@@ -107,8 +108,13 @@ def read_rate(fmt: str | None, rates: Rates) -> float:
     return rates.format_bandwidth.get(fmt or "", 0.0) or rates.bandwidth_Bps
 
 
+def stages(read_s: float, decode_s: float, rates: Rates) -> float:
+    """Seconds of a download and a decode: overlapped (the slower), or one after the other."""
+    return max(read_s, decode_s) if rates.overlap else read_s + decode_s
+
+
 def fetch_seconds(stored_bytes: int, kv_bytes: int, decode_Bps: float, rates: Rates, fit: Fit = NO_FIT, fmt: str | None = None) -> float:
-    return fit.apply(rates.latency_s + max(stored_bytes / read_rate(fmt, rates), kv_bytes / decode_Bps))
+    return fit.apply(rates.latency_s + stages(stored_bytes / read_rate(fmt, rates), kv_bytes / decode_Bps, rates))
 
 
 def choose(
@@ -178,7 +184,7 @@ def hopeless(
             continue
         ratio = max(ratios.get(preset, 1.0), 1.0)
         stored = kv / (ratio * slack) if fmt != "raw" else kv  # raw's size is known, a codec's varies with content
-        fetch = rates.fit.get(preset, NO_FIT).apply(max(stored / read_rate(fmt, rates), kv / decode_rate(preset, fmt, rates))) + after
+        fetch = rates.fit.get(preset, NO_FIT).apply(stages(stored / read_rate(fmt, rates), kv / decode_rate(preset, fmt, rates), rates)) + after
         if fetch < recompute_all or (budget_s is not None and fetch <= budget_s):
             return False
     return True
@@ -201,6 +207,7 @@ class Estimator:
         self._lat: dict[str, float] = {}
         self._decode_prior = dict(GPU_DECODE_PRIOR if gpu else DECODE_PRIOR)
         self._decode: dict[str, tuple[float, float]] = {}  # a first measurement replaces the prior
+        self._engine_decode: dict[str, tuple[float, float]] = {}  # by preset: an engine decoding itself (engine-decode mode)
         self._fit: dict[tuple[str, str | None], tuple[float, ...]] = {}  # (preset, endpoint | None for all)
         self._list: dict[str, float] = {}
         self._fmt_bw: dict[tuple[str, str], tuple[float, float]] = {}  # (format, endpoint)
@@ -244,6 +251,11 @@ class Estimator:
         if kv_bytes > 0 and busy_s > 0:
             self._add(self._decode, preset, kv_bytes, busy_s)
 
+    def observe_engine_decode(self, preset: str, kv_bytes: int, busy_s: float) -> None:
+        """An engine that decodes itself restored ``kv_bytes`` of ``preset`` in ``busy_s`` seconds."""
+        if kv_bytes > 0 and busy_s > 0:
+            self._add(self._engine_decode, preset, kv_bytes, busy_s)
+
     def observe_lookup(self, endpoint: str, seconds: float, rounds: int) -> None:
         if rounds > 0 and seconds > 0:
             self._ewma(self._list, endpoint, seconds / rounds)
@@ -284,12 +296,18 @@ class Estimator:
         """The link's rate to ``endpoint``: what one fetch gets alone."""
         return self._rate(self._bw, endpoint) or self._prior[0]
 
-    def rates(self, endpoint: str, prefill: PrefillModel = NO_PREFILL, sharers: float = 1.0) -> Rates:
+    def rates(self, endpoint: str, prefill: PrefillModel = NO_PREFILL, sharers: float = 1.0, engine: str | None = None) -> Rates:
         """The rates a fetch from ``endpoint`` can expect while ``sharers`` fetches (itself included)
-        share the link, with the engine's ``prefill`` model."""
+        share the link, with the engine's ``prefill`` model. ``engine`` (``cuda`` or ``cpu``): the
+        engine decodes itself there, after the fetch: its measured decode rates (else that device's
+        priors), not overlapped with the download, and no fit (the fits are of this sidecar's decodes)."""
         share = max(1.0, sharers)
-        decode = {**self._decode_prior, **{p: v for p in self._decode if (v := self._rate(self._decode, p))}}
+        if engine is None:
+            prior, table = self._decode_prior, self._decode
+        else:
+            prior, table = (GPU_DECODE_PRIOR if engine == "cuda" else DECODE_PRIOR), self._engine_decode
+        decode = {**prior, **{p: v for p in table if (v := self._rate(table, p))}}
         by_format = {fmt: v / share for (fmt, ep) in self._fmt_bw if ep == endpoint and (v := self._rate(self._fmt_bw, (fmt, ep)))}
-        fits = {p: self.fit(p, endpoint) for p, _ in self._fit}
+        fits = {p: self.fit(p, endpoint) for p, _ in self._fit} if engine is None else {}
         return Rates(self.bandwidth(endpoint) / share, self._lat.get(endpoint, self._prior[1]), decode, prefill, fits,
-                     self._list.get(endpoint), by_format)
+                     self._list.get(endpoint), by_format, overlap=engine is None)

@@ -20,6 +20,10 @@ way: side information and segment read into one staging buffer, each part checks
 thread that read it; then decoded in the decode pool straight from that buffer (nvCOMP on the
 GPU's SMs: one copy to the GPU, the decode, the fused unpack into the buffer; no NVDEC worker).
 
+Engine-decode mode: into an :class:`~kvfetcher.kvbuffer.ObjectArena` (a host buffer of an engine
+that decodes itself) a chunk is not decoded: its parts are read and checked as above, then the
+whole object (header and payload) is copied to its place in the arena, as a write is.
+
 Authentication: with ``object_key`` (:mod:`format.mac`), every object's header tag is verified
 for the name it was read from before its header is trusted, and every part's tag with its CRC-32
 (by the thread that read it, a decode worker, or the decode pool) before anything is decoded.
@@ -53,7 +57,7 @@ from kvfetcher.fetch import staging
 from kvfetcher.fetch.workers import BufferOpenError, DecodeWorkers, WorkerError
 from kvfetcher.format import container
 from kvfetcher.format.mac import ObjectMAC
-from kvfetcher.kvbuffer import ChunkRef, Destination
+from kvfetcher.kvbuffer import ChunkRef, Destination, ObjectArena
 from kvfetcher.store import Store, StoreError, read_into
 
 log = logging.getLogger("kvfetcher.fetch.executor")
@@ -246,7 +250,9 @@ class _Fetch:
         try:
             async with self.window:
                 h, head = await self._header(c)
-                if container.is_native(h):
+                if isinstance(self.dest, ObjectArena):
+                    await self._object(i, c, h, head)
+                elif container.is_native(h):
                     await self._direct(i, c, h, head)
                 elif h.codec.format in ENTROPY_FORMATS:
                     await self._entropy(i, c, h, head)
@@ -341,6 +347,15 @@ class _Fetch:
         # Everything of this chunk verified and decoded: only now touch the KV buffers.
         n = await self._write(i, asyncio.get_running_loop().run_in_executor(self.decode_pool, decoded.write, self.dest, c))
         self.out.kv_bytes += n
+
+    async def _object(self, i: int, c: ChunkRef, h: container.Header, head: bytes) -> None:
+        """A chunk for the engine to decode (engine-decode mode): its parts read into one staging
+        buffer and checked there, then the whole object written to its place in the arena."""
+        parts = ([h.side] if h.side else []) + list(h.segments)
+        async with self._staged(c, h, head, parts, finite=False) as (host, started):
+            # Every part verified: only now touch the arena.
+            put = _submit(started, _copy_threads(), self.dest.put, c, head[: h.header_size], host)
+            await _timed(self.decodes, self._write(i, put))
 
     @contextlib.asynccontextmanager
     async def _staged(self, c: ChunkRef, h: container.Header, head: bytes, parts: Sequence[container.Segment], finite: bool):

@@ -1,4 +1,4 @@
-"""plan: what a fetch would load, decided before any KV moves — and what a load answered.
+"""plan: what a lookup decides a fetch will do, before any KV moves — and what the fetch answered.
 
 :func:`make_plan` finds the prefix's stored run through a :class:`Catalog` (an in-memory index of
 what is stored; what it does not know is listed, one LIST per chunk in growing batches of up to
@@ -10,7 +10,7 @@ returned plan.
 A :class:`FetchPlan` names no object. It is bound to its prompt by ``prefix_key``, the key of the
 last requested chunk (which hashes the namespace, tenant included, and every token before it), and
 sealed by the sidecar that made it (:func:`seal`), so that a plan that travelled through a client
-can be checked before a load trusts its presets and object sizes. A load re-derives every object
+can be checked before a fetch trusts its presets and object sizes. A fetch re-derives every object
 name from its own buffer's namespace and tokens.
 """
 
@@ -21,7 +21,7 @@ import hashlib
 import hmac
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import asdict, dataclass, field, replace
 
@@ -48,7 +48,7 @@ def _doc(text: str, min: float | None = None, open: bool = False, **kw):
 
 @dataclass(frozen=True)
 class FetchOptions:
-    """How a lookup (or a fetch that looks up) chooses what to load: the API's one options message."""
+    """How a lookup (or a fetch that looks up) chooses what to fetch: the API's one options message."""
 
     presets: tuple[str, ...] | None = _doc("presets a fetch may use, within the sidecar's allowed ones (default: all of those)", default=None)
     ttft_budget_s: float | None = _doc("prefer a fetch predicted within this many seconds to a faster recompute (default: the "
@@ -58,7 +58,7 @@ class FetchOptions:
                                                 min=0, open=True, default=None)
     deadline_s: float | None = _doc("seconds a listing, and a fetch, may take (default: the sidecar's `KVFETCHER_DEADLINE_S`)",
                                     min=0, open=True, default=None)
-    group_size: int = _doc("loads that will run at once as one group with this one, itself included (a tensor-parallel group's "
+    group_size: int = _doc("fetches that will run at once as one group with this one, itself included (a tensor-parallel group's "
                            "ranks): they share the node's link, beside the fetches the node's sidecars announce", min=1, default=1)
     refresh: bool = _doc("list the store for the chunks the sidecar's index does not know before answering (default: answer from "
                          "the index and list those in the background; a fetch that looks up always lists them)", default=False)
@@ -70,6 +70,37 @@ class FetchOptions:
             object.__setattr__(self, "presets", tuple(self.presets))
             if unknown := [p for p in self.presets if p not in PRESETS]:  # a typo would otherwise be a miss forever
                 raise ValueError(f"unknown preset(s) {unknown}; known: {', '.join(PRESETS)}")
+
+
+@dataclass(frozen=True)
+class EngineDecode:
+    """A buffer whose engine decodes stored objects itself (engine-decode mode: a GPU the sidecar
+    cannot open). Fetches into it write verified stored objects, not KV; plans consider only the
+    presets of these formats, at the engine's decode rates."""
+
+    formats: tuple[str, ...] = _doc("bitstream formats the engine decodes (`raw`, `zstd`, `ans`, `hevc`)")
+    device: str = _doc("where the engine decodes: `cuda` (the cost model's GPU rates) or `cpu`", default="cuda")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "formats", tuple(self.formats))
+        known = {PRESETS[p].codec.format for p in PRESETS}
+        if unknown := [f for f in self.formats if f not in known] or not self.formats:
+            raise ValueError(f"engine formats {unknown or list(self.formats)}: name some of {', '.join(sorted(known))}")
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"engine device must be 'cuda' or 'cpu', not {self.device!r}")
+
+    def presets(self) -> dict[str, str]:
+        """Each preset the engine can decode, with its bitstream format (:data:`FORMATS`' counterpart)."""
+        return {p: PRESETS[p].codec.format for p in PRESETS if PRESETS[p].codec.format in self.formats}
+
+
+@dataclass(frozen=True)
+class EngineDecoded:
+    """What an engine that decodes itself restored of one preset (reported with its next fetch)."""
+
+    preset: str = _doc("the preset decoded")
+    kv_bytes: int = _doc("KV bytes restored into its blocks", min=0)
+    seconds: float = _doc("seconds its decodes and writes took", min=0)
 
 
 @dataclass(frozen=True)
@@ -88,13 +119,13 @@ class FetchPlan:
     predicted_s: float = _doc("predicted seconds of that fetch")
     options: dict[str, float] = _doc("predicted seconds until the whole prefix is in the buffer, per option considered")
     lookup_s: float | None = _doc("seconds the listing took (null: answered from the sidecar's index, no store request waited for)")
-    reason: str | None = _doc("why it loads fewer than `requested_tokens`: `miss`, `cost_model` or a failure reason")
+    reason: str | None = _doc("why it fetches fewer than `requested_tokens`: `miss`, `cost_model` or a failure reason")
     detail: str | None = _doc("a human-readable detail of `reason`")
     tag: str = _doc("the issuing sidecar's seal over the other fields; a fetch refuses a plan whose seal does not match", default="")
 
     @property
     def loaded_tokens(self) -> int:
-        """Tokens the plan loads."""
+        """Tokens the plan fetches."""
         return len(self.chunks) * self.chunk_tokens
 
     @property
@@ -125,6 +156,7 @@ class Costs:
     chunk_kv_bytes: int | None  # KV bytes of one chunk in the buffer (None: no buffer, no choice)
     allowed: frozenset[str]  # presets the fetch may use
     budget_s: float | None  # TTFT budget (see choice)
+    formats: Mapping[str, str] = field(default_factory=lambda: FORMATS)  # presets the reader decodes, with their format
 
 
 def _representations(store: Store, key: str) -> dict[str, int]:
@@ -229,11 +261,11 @@ async def make_plan(
     wait_s: float = 0.0,
     deadline_s: float | None = None,
 ) -> FetchPlan:
-    """Plan a load of the chunks keyed ``ck`` (:func:`keys.chunk_keys` of the prompt in ``ns``, whole
+    """Plan a fetch of the chunks keyed ``ck`` (:func:`keys.chunk_keys` of the prompt in ``ns``, whole
     chunks only) from what ``catalog`` knows is stored; with ``refresh``, what it does not know is
     listed first, within ``deadline_s`` (a store failure or a missed deadline is a plan that
     recomputes, with its reason). Without ``refresh`` nothing here waits on the store longer than
-    ``wait_s``, and when no load could pay (:func:`choice.hopeless`) the store is not asked at all
+    ``wait_s``, and when no fetch could pay (:func:`choice.hopeless`) the store is not asked at all
     (the hit is then what the index knows)."""
     n_req = len(ck) * chunk_tokens
     recompute = FetchPlan(ns.model, ns.dtype, ns.tp_rank, chunk_tokens, n_req, ck[-1] if ck else "", 0, choice.RECOMPUTE, (), 0.0,
@@ -241,7 +273,7 @@ async def make_plan(
     if not ck:
         return recompute
     if not refresh and costs.chunk_kv_bytes is not None and choice.hopeless(
-        len(ck), chunk_tokens, costs.chunk_kv_bytes, RATIOS, FORMATS, costs.rates, set(costs.allowed), budget_s=costs.budget_s):
+        len(ck), chunk_tokens, costs.chunk_kv_bytes, RATIOS, costs.formats, costs.rates, set(costs.allowed), budget_s=costs.budget_s):
         return replace(recompute, hit_tokens=len(catalog.index.run(ck)[0]) * chunk_tokens, reason=Reason.COST_MODEL.value,
                        detail="recompute predicted faster than any stored preset could be; store not asked")
     t = time.perf_counter()
@@ -262,7 +294,7 @@ async def make_plan(
 
 def decide(listed: FetchPlan, run: Sequence[dict[str, int]], costs: Costs) -> FetchPlan:
     """The cost model's choice among the listed representations ``run`` of ``listed``'s chunks."""
-    d = choice.choose(run, listed.chunk_tokens, costs.chunk_kv_bytes, FORMATS, costs.rates, set(costs.allowed), costs.budget_s)
+    d = choice.choose(run, listed.chunk_tokens, costs.chunk_kv_bytes, costs.formats, costs.rates, set(costs.allowed), costs.budget_s)
     if d.preset == choice.RECOMPUTE:
         return replace(listed, preset=d.preset, options=d.options, reason=Reason.COST_MODEL.value, detail="recompute predicted faster")
     return replace(listed, preset=d.preset, chunks=tuple((d.preset, run[i][d.preset]) for i in range(d.chunks)),
@@ -296,3 +328,7 @@ class FetchReply:
     bytes_read: int = _doc("stored bytes read", default=0)
     kv_bytes: int = _doc("KV bytes restored", default=0)
     seconds: float = _doc("seconds the fetch took", default=0.0)
+    objects: list[tuple[int, int, int]] | None = _doc(
+        "engine-decode buffers: each loaded chunk's verified stored object in the buffer's memory, as [first token, byte offset, "
+        "size], in token order (the engine decodes them). When fewer of the plan's chunks fit the buffer, the fetch stops after "
+        "those with no `reason`: fetch again from `first_token` = `loaded_tokens`", default=None)

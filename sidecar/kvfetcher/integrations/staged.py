@@ -1,5 +1,5 @@
 """Host staging: KV moved between the sidecar and a serving engine's paged blocks that the sidecar
-cannot map, through a bounded flat buffer in host memory.
+cannot map, through a bounded flat buffer in host memory; on a GPU, fetches in engine-decode mode.
 
 The engine process owns the blocks (a CPU cache no other process can map, or a GPU the sidecar
 does not see: a device-plugin GPU given to the model container only). :class:`Staging` registers a
@@ -9,6 +9,19 @@ its own CUDA stream). A fetch or store longer than the buffer goes through it in
 is one sidecar call of the prompt's tokens up to the window's end, with ``first_token`` at the
 window's start and ``offset = -first_token`` (the window's first token in slot 0), so nothing of
 the prompt's earlier tokens is fetched, written or read again.
+
+Engine-decode mode (a GPU the sidecar cannot open, the default there): the same memory is
+registered a second time as the engine's arena (:class:`~kvfetcher.fetch.plan.EngineDecode`). A fetch
+asks the sidecar to fetch the stored objects, not to decode them: it reads and verifies every part
+(CRC-32, and tags with the pool's key) and only then copies the whole object into the arena, and
+answers where each lies once none of its writes can still run. This process then restores each
+object into the blocks with the sidecar's own restore (:func:`kvfetcher.chunk.restore_object`:
+header and fingerprint checked, every part's CRC-32 checked again on the bytes it decodes, decoded
+on this GPU: nvCOMP for ``ans`` and ``zstd``, NVDEC for HEVC where present, then the same unpack).
+The engine holds no object key, so the tags are the sidecar's to check; the CRC re-check makes sure
+the engine decodes exactly the bytes that were verified (a reply naming other bytes, or an arena
+changed since, is refused, and what was not restored is recomputed). Windows follow the arena's
+size: a fetch that fills it stops with no reason and the next starts where it ended.
 
 Contracts: a fetch writes only tokens ``first .. end`` into the blocks, in whole blocks, and returns
 the end of what it wrote (the caller recomputes the rest); a store has copied its blocks out before
@@ -26,21 +39,32 @@ from dataclasses import replace
 
 import torch
 
-from kvfetcher import ipc, kvbuffer
+from kvfetcher import chunk, codec, ipc, kvbuffer
 from kvfetcher.api.client import KVClient, SidecarError
-from kvfetcher.fetch.plan import FetchOptions, FetchPlan
+from kvfetcher.codec import CodecError
+from kvfetcher.errors import ContainerError, GeometryMismatchError
+from kvfetcher.fetch.plan import EngineDecode, EngineDecoded, FetchOptions, FetchPlan, FetchReply
 
 log = logging.getLogger("kvfetcher.integrations.staged")
 
 COPY_BYTES = 64 << 20  # a copy between the staging and the blocks moves at most this much at once (its transient device tensor)
 
 
+def engine_formats(device: torch.device) -> tuple[str, ...]:
+    """The bitstream formats this process decodes on ``device`` in engine-decode mode: raw and zstd
+    anywhere, ``ans`` with nvCOMP on a GPU, HEVC on a GPU with NVDEC (on a CPU, libavcodec)."""
+    if device.type != "cuda":
+        return ("raw", "zstd", "hevc")
+    return ("raw", "zstd") + (("ans",) if codec.decodable("ans") else ()) + (("hevc",) if codec.capabilities()["nvdec"] else ())
+
+
 def register(client: KVClient, tensors: torch.Tensor | Sequence[torch.Tensor], layout: kvbuffer.PagedLayout, model: str, tp_rank: int,
-             staging_tokens: int, staging: Staging | None = None) -> tuple[str, Staging | None, str]:
+             staging_tokens: int, staging: Staging | None = None, engine_decode: bool | None = None) -> tuple[str, Staging | None, str]:
     """Register paged KV ``tensors`` with the sidecar: straight (CUDA IPC) where the sidecar opens
     them, else (host memory, or a sidecar answering ``no_device``) the host ``staging`` given, or a
-    new one of ``staging_tokens`` slots. The buffer id, the staging (None: direct) and why this
-    mode; a refusal other than ``no_device`` raises (:class:`SidecarError`, ``OSError``)."""
+    new one of ``staging_tokens`` slots, whose fetches this process decodes (engine-decode mode) when
+    ``engine_decode`` says, by default on a GPU. The buffer id, the staging (None: direct) and why
+    this mode; a refusal other than ``no_device`` raises (:class:`SidecarError`, ``OSError``)."""
     if staging is None:
         t0 = tensors if isinstance(tensors, torch.Tensor) else tensors[0]
         if t0.device.type == "cuda":
@@ -52,11 +76,13 @@ def register(client: KVClient, tensors: torch.Tensor | Sequence[torch.Tensor], l
                 why = f"the sidecar cannot open the GPU's memory ({e.detail})"
         else:
             why = "the KV cache is in host memory, which no other process can map"
-        fresh = staging = Staging(tensors, layout, staging_tokens)
+        here = engine_decode if engine_decode is not None else t0.device.type == "cuda"
+        engine = EngineDecode(engine_formats(t0.device), t0.device.type) if here else None
+        fresh = staging = Staging(tensors, layout, staging_tokens, engine)
     else:
         fresh, why = None, "host staging, as before"
     try:
-        return client.register(staging.handle, model, tp_rank), staging, why
+        return staging.register(client, model, tp_rank), staging, why
     except BaseException:
         if fresh is not None:
             fresh.close()
@@ -65,10 +91,12 @@ def register(client: KVClient, tensors: torch.Tensor | Sequence[torch.Tensor], l
 
 class Staging:
     """A flat host buffer of ``tokens`` token slots for the paged KV ``tensors`` (as
-    :class:`kvbuffer.PagedKV` sees them through ``layout``), and the windowed fetches and
-    stores through it. ``handle`` is what the sidecar registers (:meth:`KVClient.register`)."""
+    :class:`kvbuffer.PagedKV` sees them through ``layout``), and the windowed fetches and stores
+    through it. ``handle`` is what the sidecar registers (:meth:`KVClient.register`). With
+    ``engine`` fetches go through it in engine-decode mode (the module's doc)."""
 
-    def __init__(self, tensors: torch.Tensor | Sequence[torch.Tensor], layout: kvbuffer.PagedLayout, tokens: int):
+    def __init__(self, tensors: torch.Tensor | Sequence[torch.Tensor], layout: kvbuffer.PagedLayout, tokens: int,
+                 engine: EngineDecode | None = None):
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
             raise ValueError(f"staging tokens must be a positive integer, not {tokens!r}")
         self.paged = kvbuffer.PagedKV(tensors, layout)
@@ -81,19 +109,34 @@ class Staging:
         per_token = L * 2 * H * D * kvbuffer.bytes_per_value(self.paged.dtype)
         self.copy_tokens = max(bs, COPY_BYTES // per_token // bs * bs)
         self._warned = False
+        self.engine, self.arena, self.model = engine, None, ""  # engine-decode mode: the arena's id, the model's fingerprint
+        self._memory = memoryview(self.buffer.tensor.view(-1).view(torch.uint8).numpy())
+        self._decoded: dict[str, tuple[int, float]] = {}  # per preset: KV bytes and seconds not yet reported
+        self._cold: set[str] = set(getattr(engine, "formats", ()))  # formats whose first decode (set-up) is not reported
+
+    def register(self, client: KVClient, model: str, tp_rank: int) -> str:
+        """Register the buffer with the sidecar (in engine-decode mode a second time, as the arena);
+        the id that stores use."""
+        buffer = client.register(self.handle, model, tp_rank)
+        if self.engine is not None:
+            self.arena = client.register(self.handle, model, tp_rank, self.engine)
+        self.model = model
+        return buffer
 
     def close(self) -> None:
         self.buffer.close()
 
-    # --- fetches ---------------------------------------------------------------------------
+    # --- fetches -----------------------------------------------------------------------------
 
     def fetch(self, client: KVClient, buffer: str, tokens: Sequence[int], block_ids: Sequence[int], first: int, end: int,
               plan: FetchPlan | None = None, options: FetchOptions | None = None) -> int:
         """Fetch tokens ``first .. end`` of ``tokens`` (``first`` whole blocks) into ``block_ids`` (the
         prompt's blocks from token 0) through the registered staging ``buffer``, window by window
-        until one loads less than it asked for; the end of the tokens written (whole blocks, at
+        until one fetches less than it asked for; the end of the tokens written (whole blocks, at
         least ``first``). ``plan`` (made for exactly ``tokens``) is used when one window holds
         them all; other windows look up with ``options`` (``options.deadline_s`` bounds the whole fetch)."""
+        if self.engine is not None:
+            return self._fetch_objects(client, tokens, block_ids, first, end, plan, options)
         o = options or FetchOptions()
         bs, done, t0 = self.paged.layout.block_size, first, time.monotonic()
         with self.lock:
@@ -115,6 +158,65 @@ class Staging:
                 done = upto
         return done
 
+    def _fetch_objects(self, client: KVClient, tokens: Sequence[int], block_ids: Sequence[int], first: int, end: int,
+                       plan: FetchPlan | None, options: FetchOptions | None) -> int:
+        """:meth:`fetch` in engine-decode mode: windows of what fits the arena, each restored here."""
+        o = options or FetchOptions()
+        chosen = plan is not None and plan.preset is not None  # then only the deadline goes with it
+        done, t0 = first, time.monotonic()
+        with self.lock:
+            while done < end:
+                left = None if o.deadline_s is None else o.deadline_s - (time.monotonic() - t0)
+                if left is not None and left <= 0:
+                    break
+                window = FetchOptions(deadline_s=left) if chosen else replace(o, deadline_s=left)
+                reply = client.fetch(self.arena, tokens, plan, options=window, first_token=done, decoded=self._report())
+                upto = self._restore(reply, block_ids, done, end)
+                if upto <= done or reply.reason is not None or reply.loaded_tokens >= reply.requested_tokens or upto < reply.loaded_tokens:
+                    return max(done, upto)
+                done = upto
+        return done
+
+    def _restore(self, reply: FetchReply, block_ids: Sequence[int], first: int, end: int) -> int:
+        """Restore the reply's objects (whole chunks ending by ``end``) into the blocks, tokens from
+        ``first`` on, in order until one fails; the end of the tokens written (at least ``first``)."""
+        n = reply.chunk_tokens
+        objects = [o for o in reply.objects or () if o[0] + n <= end]
+        if not objects or not n:
+            return first
+        dest = kvbuffer.PagedDestination(self.paged, block_ids, objects[-1][0] + n, first_token=first)
+        done = first
+        with self._on_stream():
+            for start, offset, size in objects:
+                if start > done or offset < 0 or offset + size > len(self._memory):
+                    log.warning("kvfetcher: the sidecar named a stored object the buffer does not hold in order (token %d, bytes %d+%d)",
+                                start, offset, size)
+                    break
+                t = time.perf_counter()
+                try:
+                    h, kv_bytes = chunk.restore_object(dest, kvbuffer.ChunkRef("", size, start, n), self._memory[offset : offset + size],
+                                                       self.model, device=self.paged.device)
+                except (ContainerError, GeometryMismatchError, CodecError, ValueError) as e:
+                    log.warning("kvfetcher: a stored object for tokens %d.. did not restore here, recomputing from there: %s", start, e)
+                    break
+                self._decoded_one(h, kv_bytes, time.perf_counter() - t)
+                done = start + n
+        return done
+
+    def _decoded_one(self, h, kv_bytes: int, seconds: float) -> None:
+        """Count one object's restore for the next report (not a format's first: it paid the decoder's set-up)."""
+        fmt = h.codec.format
+        if fmt in self._cold:
+            self._cold.discard(fmt)
+            return
+        b, s = self._decoded.get(h.preset, (0, 0.0))
+        self._decoded[h.preset] = (b + kv_bytes, s + seconds)
+
+    def _report(self) -> list[EngineDecoded]:
+        """The restores since the last report, per preset (sent with the next fetch)."""
+        out, self._decoded = [EngineDecoded(p, b, s) for p, (b, s) in self._decoded.items()], {}
+        return out
+
     def _to_blocks(self, block_ids: Sequence[int], start: int, end: int) -> None:
         """Copy tokens ``start .. end`` from the staging (token ``start`` in slot 0) into their blocks,
         finished when this returns."""
@@ -125,7 +227,7 @@ class Staging:
                 self.paged.write(self.paged.blocks_of(block_ids, a, b - a), kv)
             self._sync()
 
-    # --- stores ----------------------------------------------------------------------------
+    # --- stores -----------------------------------------------------------------------------
 
     def store(self, client: KVClient, buffer: str, tokens: Sequence[int], block_ids: Sequence[int], chunk_tokens: int) -> int:
         """Store ``tokens`` (whole chunks of ``chunk_tokens``) from ``block_ids`` through the staging
@@ -167,5 +269,5 @@ class Staging:
     def _check_size(self, chunk_tokens: int | None) -> None:
         if chunk_tokens and self.tokens < chunk_tokens and not self._warned:
             self._warned = True
-            log.warning("kvfetcher: the staging buffer of %d tokens holds no whole chunk of %d tokens: nothing is fetched or stored "
+            log.warning("kvfetcher: the staging buffer of %d tokens holds no whole chunk of %d tokens: nothing fetches or stores "
                         "through it; raise staging_tokens", self.tokens, chunk_tokens)

@@ -1,14 +1,17 @@
 """The vLLM connector's worker side: vLLM's paged KV cache registered with the sidecar, fetches
 and stores in background threads (vLLM's loads and saves).
 
-Two modes, chosen at registration and logged once:
+Three modes, chosen at registration and logged once:
 
 * direct: on a GPU the sidecar shares (DRA, a device list), it opens vLLM's KV tensors by CUDA IPC
   and loads straight into the request's blocks (the cross-layer tensor when vLLM gives one);
-* staged: on a CPU (no process can map vLLM's memory), or on a GPU whose sidecar refuses the CUDA
-  handle (``no_device``: a device-plugin GPU held by the model container only), a bounded flat
-  host buffer of ``staging_tokens`` slots is registered instead and this process copies the KV
-  between it and the blocks, in windows of whole chunks (:class:`~kvfetcher.integrations.staged.Staging`).
+* engine-decode: on a GPU whose sidecar refuses the CUDA handle (``no_device``: a device-plugin GPU
+  held by the model container only), a bounded flat host buffer of ``staging_tokens`` slots is
+  registered instead; a load has the sidecar fetch and verify the stored objects into it and this
+  process decodes them on its GPU into the blocks with the sidecar's own restore; a save copies the
+  blocks' KV into it for the sidecar to store (:class:`~kvfetcher.integrations.staged.Staging`);
+* staged: on a CPU (no process can map vLLM's memory) the same buffer carries KV both ways: the
+  sidecar decodes into it and this process copies it into the blocks, in windows of whole chunks.
 
 Invariants: a fetch writes only tokens ``first .. end`` of its request, in whole blocks; every block
 of that range it did not write is reported by :meth:`load_errors` no later than the step that
@@ -83,7 +86,7 @@ class WorkerSide:
         self.registering = threading.Lock()  # one registration at a time
         self.tensors, self.layout, self.ratio = None, None, 1
         self.staging: Staging | None = None  # staged mode (else direct)
-        self.mode: str | None = None  # "direct" or "staged", once registered
+        self.mode: str | None = None  # "direct", "engine-decode" or "staged", once registered
         self.buffer: str | None = None
         self.recving: set[str] = set()
         self.errors: set[int] = set()
@@ -139,12 +142,14 @@ class WorkerSide:
             except (OSError, SidecarError, ValueError) as e:
                 log.warning("kvfetcher: cannot register the KV cache with the sidecar (will retry): %s", e)
                 return None
-            mode = "direct" if self.staging is None else "staged"
+            mode = "direct" if self.staging is None else "staged" if self.staging.engine is None else "engine-decode"
             if mode != self.mode:
                 self.mode = mode
-                log.info("kvfetcher: %s mode: %s%s", mode, why, "" if self.staging is None else
+                log.info("kvfetcher: %s mode: %s%s%s", mode, why, "" if self.staging is None else
                          f"; fetches and stores go through a host buffer of {tokens} tokens "
-                         f"({self.staging.buffer.tensor.nbytes / 2**20:.0f} MiB), copied to and from the blocks in this process")
+                         f"({self.staging.buffer.tensor.nbytes / 2**20:.0f} MiB), copied to and from the blocks in this process",
+                         "" if mode != "engine-decode" else
+                         f"; loads decode here, on {self.staging.paged.device} ({', '.join(self.staging.engine.formats)})")
             return self.buffer
 
     def _t0(self) -> torch.Tensor:
