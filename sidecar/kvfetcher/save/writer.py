@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -36,6 +38,18 @@ log = logging.getLogger("kvfetcher.save")
 
 #: models whose refused presets are remembered (clients name their models)
 MAX_MODELS = 256
+#: the encode thread's niceness (and that of the threads its encoders start, e.g. x265's pool): a
+#: store competes for the CPU with the serving engine beside it, and must lose
+ENCODE_NICE = 10
+
+
+def _lower_priority() -> None:
+    """Give this thread (and the threads it starts) :data:`ENCODE_NICE`, where the OS allows per-thread
+    niceness (Linux); elsewhere leave it as it is."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), ENCODE_NICE)
+    except (AttributeError, OSError):
+        pass
 
 
 def _encode(kv: torch.Tensor, device: str | None, *args, **kw) -> bytes:
@@ -61,7 +75,7 @@ class Writer:
                  stored: Callable[[str, str, int], None] = lambda key, preset, size: None):
         self.store, self.config, self.metrics, self.stored = store, config, metrics, stored
         self.data_pool, self.meta_pool = data_pool, meta_pool
-        self.encode_pool = ThreadPoolExecutor(1, thread_name_prefix="kvf-encode")
+        self.encode_pool = ThreadPoolExecutor(1, thread_name_prefix="kvf-encode", initializer=_lower_priority)
         self._queue: asyncio.Queue[Job] | None = None
         self._task: asyncio.Task | None = None
         self.pending_chunks = 0
