@@ -2,10 +2,11 @@
 socket, a local store) and the real small model: a stored prompt is loaded by a later request and
 gives the same tokens as a recompute; a bad object, a dead sidecar or a missing socket ends in a
 recompute with the same tokens; partial hits, shared prefixes and concurrent requests load what is
-stored and nothing else. A hybrid-attention model (Gemma 3) is loaded past its sliding window. Under
-tensor parallelism (three ranks, one KV head each) a prompt is loaded only as far as every rank has
-its shard. The connector's host staging holds two chunks (``staging_tokens`` 256), so longer
-prompts are loaded and saved through it in windows.
+stored and nothing else; a preset a request forces is loaded also past a sidecar restart. A
+hybrid-attention model (Gemma 3) is loaded past its sliding window. Under tensor parallelism (three
+ranks, one KV head each) a prompt is loaded only as far as every rank has its shard. The connector's
+host staging holds two chunks (``staging_tokens`` 256), so longer prompts are loaded and saved
+through it in windows.
 
 The engine runs in the vLLM venv (``.venv-vllm``, built by ``make``; ``VLLM_PYTHON`` names another
 vLLM venv's Python, e.g. one with vLLM 0.26: docs/operations.md) as ``vllm_engine.py``, one
@@ -27,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.lib.sidecar_proc import SidecarProcess
-from kvfetcher import keys
+from kvfetcher import chunk, keys
 from kvfetcher.eval import model
 from kvfetcher.fetch.prefill import PrefillModel
 from kvfetcher.kvbuffer import ChunkRef
@@ -70,10 +71,11 @@ class Sidecar(SidecarProcess):
                 raise AssertionError(f"{n} tokens never stored (have {self.stored(tokens, ns)})")
             time.sleep(0.3)
 
-    def counter(self, name: str) -> float:
-        """A counter of the sidecar's metrics, summed over its labels."""
+    def counter(self, name: str, **labels: str) -> float:
+        """A counter of the sidecar's metrics, summed over its labels (those with ``labels``)."""
+        want = [f'{k}="{v}"' for k, v in labels.items()]
         return sum(float(line.rsplit(" ", 1)[1]) for line in self.client().metrics().splitlines()
-                   if line.startswith(name + " ") or line.startswith(name + "{"))
+                   if (line.startswith(name + " ") or line.startswith(name + "{")) and all(w in line for w in want))
 
     def refs(self, tokens: list[int], ns: keys.Namespace = NS) -> list[ChunkRef]:
         names = [keys.object_name(k, "raw") for k in keys.chunk_keys(ns, tokens, CHUNK)]
@@ -111,10 +113,11 @@ class Engine:
         self.proc.stdin.flush()
         return self._reply()
 
-    def generate(self, *prompts: list[int], reference: bool = False) -> list[dict]:
-        """Greedy generations of ``prompts`` in one batch, after vLLM forgot its own cached blocks."""
+    def generate(self, *prompts: list[int], reference: bool = False, params: dict | None = None) -> list[dict]:
+        """Greedy generations of ``prompts`` in one batch, after vLLM forgot its own cached blocks
+        (``params``: the requests' ``kv_transfer_params``)."""
         self.call(op="reset_prefix_cache")
-        return self.call(op="generate", prompts=list(prompts), max_tokens=NEW, reference=reference)["outputs"]
+        return self.call(op="generate", prompts=list(prompts), max_tokens=NEW, reference=reference, params=params)["outputs"]
 
     def events(self, n: int, timeout_s: float = 30) -> list[dict]:
         """The OBJ ``BlockStored`` events published since the last call, once there are ``n``."""
@@ -224,6 +227,26 @@ def test_a_dead_sidecar_or_missing_socket_means_recompute_and_a_restarted_one_is
     sc.start()  # a new sidecar over the same store: the engine registers its KV cache again
     (back,) = engine.generate(p)
     assert back == {"tokens": first["tokens"], "cached": 384}
+
+
+def test_a_preset_a_request_forces_is_loaded_by_a_restarted_sidecar(vllm, texts):
+    """A request's ``kv_transfer_params`` presets reach its load also when the scheduler's lookup
+    chose none: a restarted sidecar knows no buffer of the engine until the load registers it again,
+    so the load plans itself, with the request's presets and budget (not the connector's)."""
+    engine, sc = vllm
+    p = fresh(texts, 300)
+    engine.generate(p)
+    sc.wait_stored(p, 256)
+    for i, k in enumerate(keys.chunk_keys(NS, p[:256], CHUNK)):  # the same KV, also as q8-zstd
+        kv = chunk.decode_chunk(sc.store.get(keys.object_name(k, "raw")), NS.model)
+        sc.store.put(keys.object_name(k, "q8-zstd"), chunk.encode_chunk(kv, "q8-zstd", NS.model, start=i * CHUNK))
+    sc.stop()
+    sc.start()
+    before = sc.counter("kvfetcher_preset_decisions_total", preset="q8-zstd"), sc.counter("kvfetcher_loaded_tokens_total")
+    (forced,) = engine.generate(p, params={"presets": ["q8-zstd"], "ttft_budget_s": 1e6})
+    got = sc.counter("kvfetcher_preset_decisions_total", preset="q8-zstd") - before[0], sc.counter("kvfetcher_loaded_tokens_total") - before[1]
+    why = [line for line in sc.client().metrics().splitlines() if line.startswith(("kvfetcher_preset_decisions_total{", "kvfetcher_fallbacks_total{"))]
+    assert forced["cached"] == 256 and got == (1, 256), (forced["cached"], got, why)
 
 
 def test_a_partial_hit_loads_the_stored_chunks_only(vllm, texts):

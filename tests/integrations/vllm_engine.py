@@ -8,9 +8,10 @@ sidecar's), ``max_model_len``, ``events`` (a free TCP port for vLLM's KV-event p
 ``tp`` (tensor-parallel ranks, each a worker process) and ``staging_tokens`` (the connector's host staging). Each stdin line is a JSON command, answered by one
 stdout line starting with :data:`MARK` (vLLM's own output goes to stderr):
 
-* ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": n, "reference": false}`` ->
+* ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": n, "reference": false, "params": {...}}`` ->
   ``{"outputs": [{"tokens": [...], "cached": num_cached_tokens}, ...]}``, greedy; ``reference``:
-  read no cached KV at all (``skip_reading_prefix_cache``), a plain recompute;
+  read no cached KV at all (``skip_reading_prefix_cache``), a plain recompute; ``params``
+  (optional): the requests' ``kv_transfer_params``;
 * ``{"op": "reset_prefix_cache"}`` -> ``{"ok": true}`` (vLLM forgets its own cached blocks);
 * ``{"op": "events"}`` -> ``{"events": [...]}``: the ``BlockStored`` events of medium OBJ published
   since the last call, as ``{"block_hashes", "parent", "tokens", "block_size"}``.
@@ -75,7 +76,8 @@ def main() -> None:
         cmd = json.loads(line)
         if cmd["op"] == "generate":
             params = SamplingParams(temperature=0.0, max_tokens=cmd["max_tokens"], ignore_eos=True,
-                                    skip_reading_prefix_cache=cmd.get("reference", False))
+                                    skip_reading_prefix_cache=cmd.get("reference", False),
+                                    extra_args={"kv_transfer_params": cmd["params"]} if cmd.get("params") else None)
             res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in cmd["prompts"]], params, use_tqdm=False)
             reply = {"outputs": [{"tokens": list(r.outputs[0].token_ids), "cached": r.num_cached_tokens or 0} for r in res]}
         elif cmd["op"] == "reset_prefix_cache":

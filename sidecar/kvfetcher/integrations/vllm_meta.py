@@ -13,8 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from kvfetcher import config
 from kvfetcher.api.client import KVClient
-from kvfetcher.fetch.plan import FetchPlan
-from kvfetcher.fetch.prefill import PrefillModel
+from kvfetcher.fetch.plan import FetchOptions, FetchPlan
 
 MIN_TIMED_TOKENS = 256  # a step computing fewer tokens times overheads, not the prefill rate
 
@@ -87,7 +86,8 @@ class Options:
 class FetchSpec:
     """Fetch the plan's chunks of ``tokens`` and write tokens ``first .. end`` into ``block_ids``
     (the request's whole block table, indexed from token 0). ``plans[r]`` is tensor-parallel rank
-    ``r``'s plan (made for exactly ``tokens``); a rank without one looks up at fetch."""
+    ``r``'s plan (made for exactly ``tokens``); a rank without one, or whose plan chose no preset,
+    looks up at fetch with ``lookup``: the options of the request's own lookup (its presets and budget)."""
 
     req_id: str
     tokens: list[int]
@@ -95,8 +95,7 @@ class FetchSpec:
     first: int
     end: int
     block_ids: list[int]
-    recompute_tps: float | None = None  # the configured prefill rate, for a fetch that looks up again
-    prefill_model: PrefillModel | None = None  # the engine's, once fitted (it wins)
+    lookup: FetchOptions
 
 
 @dataclass

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvfetcher import kvbuffer
 from kvfetcher.api.client import SidecarError
@@ -47,6 +47,7 @@ class _Request:
     tokens: list[int]  # what was planned: the prompt but its last token (or the leading part all ranks agreed on)
     plans: tuple[FetchPlan | None, ...]  # per tensor-parallel rank
     end: int  # tokens the plan would load, from token 0 (0 once the load was handed to the workers)
+    options: FetchOptions = field(default_factory=FetchOptions)  # the lookup's: a load without a chosen plan plans with them
     loaded: int = 0  # tokens a load was asked for (stored already)
     local: int = 0  # vLLM's own prefix-cache hit when the load was decided
     blocks: list[int] = field(default_factory=list)  # the block table
@@ -103,7 +104,7 @@ class SchedulerSide:
             end = plan.loaded_tokens if plan.preset else plan.hit_tokens
         except (OSError, SidecarError) as e:  # no sidecar is no reason to fail a request: recompute
             self._warn("KV lookup failed, recomputing: %s", e)
-        return _Request(request, tokens, plans, end)
+        return _Request(request, tokens, plans, end, options)
 
     def _late(self, request) -> _Request:
         self._warn("KV lookup not answered in time (lookup_timeout_s %s, lookup_stake %s), recomputing",
@@ -134,7 +135,12 @@ class SchedulerSide:
         rid = request.request_id
         r = self.requests.get(rid)
         if r is None:
-            options = self._options(request)
+            try:
+                options = self._options(request)
+            except (TypeError, ValueError) as e:  # a request's bad kv_transfer_params: its own recompute, not the engine's failure
+                self._warn("kvfetcher: request %s's kv_transfer_params refused, recomputing: %s", rid, e)
+                self.requests[rid] = _Request(request, [], (), 0)
+                return 0, False
             wait_s, timeout_s = self._patience(request, num_computed_tokens)
             r = self.lookups.answer(rid, lambda: self._lookup(request, options), lambda: self._late(request), timeout_s, wait_s)
             if r is NOT_YET:
@@ -149,8 +155,8 @@ class SchedulerSide:
         if r is None or num_external_tokens <= 0:
             return
         r.blocks, r.loaded = list(block_ids), r.end
-        self.fetches.append(FetchSpec(request.request_id, r.tokens, r.plans, r.local, r.local + num_external_tokens, r.blocks,
-                                      self.options.recompute_tokens_per_s, self.prefill_model()))
+        lookup = replace(r.options, prefill_model=self.prefill_model(), wait_s=0.0)  # the prefill model as fitted by now
+        self.fetches.append(FetchSpec(request.request_id, r.tokens, r.plans, r.local, r.local + num_external_tokens, r.blocks, lookup))
         r.end = 0  # one load per request: vLLM asks again only after it failed (or a preemption), then recompute
 
     # --- the step ----------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 
 import torch
 
@@ -270,9 +271,8 @@ class WorkerSide:
         """Load the request's stored chunks; the end of the tokens written (whole blocks)."""
         plan = spec.plans[self.tp_rank] if self.tp_rank < len(spec.plans) else None
         plan = plan if plan is not None and plan.tp_rank == self.tp_rank else None
-        # without a chosen plan the sidecar looks up at fetch, as the scheduler would have
-        lookup = FetchOptions(deadline_s=self.options.fetch_deadline_s, presets=self.options.presets, ttft_budget_s=self.options.ttft_budget_s,
-                              recompute_tokens_per_s=spec.recompute_tps, prefill_model=spec.prefill_model)
+        # without a chosen plan the sidecar looks up at fetch, as the scheduler did (the request's presets and budget)
+        lookup = replace(spec.lookup, deadline_s=self.options.fetch_deadline_s)
         bs = self.block_size
         # vLLM's own cache holds the tokens before ``first``, in blocks other requests may share: never written
         if self.staging is not None:
