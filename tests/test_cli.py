@@ -48,12 +48,12 @@ def test_serve_from_the_operators_environment(s3_endpoint, tmp_path):
             buf.tensor.normal_()
             c = KVClient(socket_path=sock, token="")
             bid = c.register(buf.handle, "m")
-            assert c.save(bid, list(range(64))).queued_chunks == 2  # KVFETCHER_CHUNK_TOKENS=32
+            assert c.store(bid, list(range(64))).queued_chunks == 2  # KVFETCHER_CHUNK_TOKENS=32
             c.flush()
             assert sorted(n.rsplit("/", 1)[1] for n in bucket.list("kv/")) == ["raw.kvfc", "raw.kvfc"]  # KVFETCHER_PRESET
             t = KVClient(f"http://127.0.0.1:{port}", token="s3cret")
-            assert t.lookup(None, list(range(64)), model="m", dtype="float16") == 64
-            assert c.save(bid, list(range(100, 164))).queued_chunks == 2  # queued, then SIGTERM at once
+            assert t.hit_tokens(None, list(range(64)), model="m", dtype="float16") == 64
+            assert c.store(bid, list(range(100, 164))).queued_chunks == 2  # queued, then SIGTERM at once
         finally:
             buf.close()
     finally:

@@ -113,7 +113,7 @@ def test_client_from_env():
     c = KVClient.from_env({"KVFETCHER_URL": f"http://127.0.0.1:{free_port()}", "KVFETCHER_AUTH_TOKEN": "t"})
     assert c.token == "t"
     with pytest.raises(OSError):  # nothing listens there: a clear connection error
-        c.lookup("b", [1])
+        c.hit_tokens("b", [1])
 
 
 def test_every_variable_the_code_and_chart_name_is_declared():

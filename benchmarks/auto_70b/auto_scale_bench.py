@@ -1,7 +1,7 @@
 """auto_scale_bench: the sidecar's automatic choice, end to end, on Llama-3-70B-shaped KV.
 
 ``scale_bench`` found where fetching pays (70B, 5-10 Gbit/s links) by a model fed with
-measured parts. This measures it: the real ``Sidecar.load`` (lookup, cost model, pipelined
+measured parts. This measures it: the real ``Sidecar.fetch`` (lookup, cost model, pipelined
 fetch through decode worker processes into an IPC-registered GPU buffer) on 70B-shaped
 contexts over emulated links, beside a forced raw fetch through the same sidecar, the plain
 raw fetch (bytes straight into the buffer, ``fetchkit.fetch_raw_direct``) and recompute.
@@ -105,12 +105,12 @@ class Bench:
         """Forced ``preset`` or (None) the automatic choice; seconds until the KV is in the buffer."""
         kw = {"presets": (preset,), "recompute_tokens_per_s": 1e-9} if preset else {"recompute_tokens_per_s": ctx / recompute_s}
         t = time.perf_counter()
-        r = dataclasses.asdict(asyncio.run(self.sidecar.load("b", self.tokens[:ctx], options=FetchOptions(deadline_s=box, **kw))))
+        r = dataclasses.asdict(asyncio.run(self.sidecar.fetch("b", self.tokens[:ctx], options=FetchOptions(deadline_s=box, **kw))))
         s = time.perf_counter() - t
         d = r.get("decision") or {}
         out = {"decision": d.get("preset"), "predicted_s": d.get("predicted_s"), "bytes_read": r.get("bytes_read", 0),
                "options": d.get("options"), "lookup_s": r.get("lookup_s")}
-        self.journal.append(["fetch", ctx, preset, self.sidecar.store.endpoint, s, out["decision"]])
+        self.journal.append(["fetch", ctx, preset, self.sidecar.objects.endpoint, s, out["decision"]])
         if r["loaded_tokens"] == ctx:
             return out | {"seconds": s}
         if preset is None and not r.get("error"):  # chose recompute: the model prefills after the decision
@@ -119,7 +119,7 @@ class Bench:
 
     def raw_direct(self, ctx: int) -> float:
         refs = [kvbuffer.ChunkRef(f"raw-direct/{i}.kvfc", len(self.raw[i % 2]), i * CHUNK, CHUNK) for i in range(ctx // CHUNK)]
-        return fetchkit.fetch_raw_direct(self.sidecar.store, refs, self.shared.tensor, 0, self.io, window=16)
+        return fetchkit.fetch_raw_direct(self.sidecar.objects, refs, self.shared.tensor, 0, self.io, window=16)
 
 
 def journal(est) -> list:
@@ -154,10 +154,10 @@ def measure(args) -> None:
     print(f"prefill {res['prefill_s']}, objects {res['bytes_per_chunk']} after {time.perf_counter() - t0:.0f} s", flush=True)
     b = Bench(shape, objs, contexts, args.procs if dev == "cuda" else 0, dev)
     for p in STORED:  # warm decoders and the estimator's decode rates
-        b.sidecar.store = b.sidecar.catalog.store = b.store(100.0)  # the lookups list through the catalog
+        b.sidecar.objects = b.sidecar.catalog.objects = b.store(100.0)  # the lookups list through the catalog
         b.kvfetcher(min(4096, contexts[0]), p, 1.0, 60)
     for gbps in links:
-        b.sidecar.store = b.sidecar.catalog.store = b.store(gbps)
+        b.sidecar.objects = b.sidecar.catalog.objects = b.store(gbps)
         b.kvfetcher(2 * CHUNK, "raw", 1.0, 60)  # the estimator measures this link, as a sidecar on it would have
         for ctx in contexts:
             box = max(2.0, 2 * rec[ctx])

@@ -108,7 +108,7 @@ def one_round(a, mode: str, store_dir: Path, tokens: list[int], buf: ipc.SharedB
         time.sleep(a.gap_s)
         for which in ("first", "second"):
             t = time.perf_counter()
-            r = c.load(bid, tokens, options=FetchOptions(presets=[a.preset], recompute_tokens_per_s=1.0))
+            r = c.fetch(bid, tokens, options=FetchOptions(presets=[a.preset], recompute_tokens_per_s=1.0))
             s = time.perf_counter() - t
             if r.error or r.loaded_tokens != len(tokens):
                 raise RuntimeError(f"{which} fetch loaded {r.loaded_tokens} of {len(tokens)} tokens: {r.error} {r.reason}")

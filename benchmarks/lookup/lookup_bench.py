@@ -1,7 +1,7 @@
 """What does the scheduler's lookup cost, per request, against a real sidecar process?
 
 A `kvfetcher serve` process on a Unix socket with a local store and one registered (small, flat,
-Llama-3-8B-shaped) buffer; the client is the connector's (`KVClient.plan` by namespace, as vLLM's
+Llama-3-8B-shaped) buffer; the client is the connector's (`KVClient.lookup` by namespace, as vLLM's
 scheduler asks it). Prompts of 8K and 128K tokens; per case, `--reps` timed lookups after one
 untimed one:
 
@@ -53,7 +53,7 @@ def stored_placeholders(root: Path, tokens: list[int]) -> None:
 
 
 def timed(client, tokens: list[int], reps: int, options: FetchOptions) -> list[float]:
-    ask = lambda: client.plan(None, tokens, options, model=MODEL, dtype="float16")  # noqa: E731
+    ask = lambda: client.lookup(None, tokens, options, model=MODEL, dtype="float16")  # noqa: E731
     ask()
     out = []
     for _ in range(reps):
@@ -90,7 +90,7 @@ def main() -> None:
             c.register(buf.handle, MODEL)
             for n in contexts:
                 miss = list(range(10**6, 10**6 + n))
-                c.plan(None, hits[n], FetchOptions(refresh=True, recompute_tokens_per_s=1.0), model=MODEL, dtype="float16")  # the index learns the run
+                c.lookup(None, hits[n], FetchOptions(refresh=True, recompute_tokens_per_s=1.0), model=MODEL, dtype="float16")  # the index learns the run
                 slow = dict(recompute_tokens_per_s=1.0)  # a load always could pay: the index and the cost model both run
                 for case, tokens, o in (("miss", miss, FetchOptions(**slow)), ("hit", hits[n], FetchOptions(**slow)),
                                         ("miss (store asked)", miss, FetchOptions(**slow, refresh=True, deadline_s=30))):

@@ -109,7 +109,7 @@ class Rank:
             self.link.Bps = gbps * 1e9 / 8
         store = linkstore.LinkStore(self.link, endpoint=f"link-{gbps:g}")
         store.objects = self.objects
-        self.sidecar.store = self.sidecar.catalog.store = store  # the lookups list through the catalog
+        self.sidecar.objects = self.sidecar.catalog.objects = store  # the lookups list through the catalog
         dist.barrier()
 
     def gather(self, x) -> list:
@@ -125,12 +125,12 @@ class Rank:
         tokens = self.tokens[:ctx]
         dist.barrier()
         t = time.perf_counter()
-        g = group.agree(self.gather(asyncio.run(self.sidecar.plan("b", tokens, o))))
+        g = group.agree(self.gather(asyncio.run(self.sidecar.lookup("b", tokens, o))))
         if isinstance(g, group.Retry):
-            again = asyncio.run(self.sidecar.plan("b", tokens[: g.tokens], dataclasses.replace(o, presets=(g.preset,))))
+            again = asyncio.run(self.sidecar.lookup("b", tokens[: g.tokens], dataclasses.replace(o, presets=(g.preset,))))
             g = group.agree(self.gather(again), retry=g)
         loads = bool(g.plans and g.loaded_tokens)
-        reply = asyncio.run(self.sidecar.load("b", tokens[: g.tokens], g.plans[self.rank], options=FetchOptions(deadline_s=box))) if loads else None
+        reply = asyncio.run(self.sidecar.fetch("b", tokens[: g.tokens], g.plans[self.rank], options=FetchOptions(deadline_s=box))) if loads else None
         out = group.settle(g, self.gather(reply) if loads else [])
         s = time.perf_counter() - t
         cell = {"decision": g.preset, "predicted_s": g.predicted_s, "loaded_tokens": out.loaded_tokens, "error": out.error,

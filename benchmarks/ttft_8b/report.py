@@ -59,7 +59,7 @@ def ttft_md(r: dict, notes: str = "") -> str:
         f"* Link: {r['link']}. The set rate is the token bucket's; what it delivered to the S3 client "
         "(8 parallel 8 MB ranged GETs, `link_probe`) is in the table below; where it falls short of the set rate, this "
         "machine's loopback and Python S3 client, not the bucket, set the rate, and those rows are really the delivered rate.",
-        "* kvfetcher goes through the real sidecar (`Sidecar.load`: one LIST per chunk, the cost model, `pipeline.fetch` "
+        "* kvfetcher goes through the real sidecar (`Sidecar.fetch`: one LIST per chunk, the cost model, `pipeline.fetch` "
         f"over `S3Store`), NVDEC decoding in {r.get('decode_workers')} threads"
         + (f" and {r['decode_procs']} decode worker processes" if r.get("decode_procs") else " (no decode worker processes on main at run time)")
         + ". Peers fetch through the same store and link (one GET per part, parts decoded in threads as they arrive, 4 chunks in flight).",

@@ -3,7 +3,7 @@
 One GPU, a Llama-3-8B-shaped model with random bf16 weights (timing only), contexts of 4K,
 16K and 32K tokens, links of 1-100 Gbit/s emulated by ``linkserver`` (an S3-compatible
 server on loopback, one token bucket shared by all connections). kvfetcher fetches through
-the real sidecar (``service.Sidecar.load``: LIST lookup, cost model, ``pipeline.fetch`` over
+the real sidecar (``service.Sidecar.fetch``: LIST lookup, cost model, ``pipeline.fetch`` over
 ``S3Store``); the peers (``peers``) through the same store and link. TTFT is the time until
 the first output token's logits exist: a full prefill for recompute; for a fetch, the fetch
 plus one decode step over the restored KV. ``auto`` is the sidecar's own choice with its
@@ -250,7 +250,7 @@ class Race:
         """``preset`` forced (recompute never chosen), or None: the sidecar's automatic choice."""
         t0 = time.perf_counter()
         kw = {"presets": (preset,), "recompute_tokens_per_s": 1e-9} if preset else {"recompute_tokens_per_s": recompute_tps, "presets": self.auto_presets}
-        r = dataclasses.asdict(await self.sidecar.load(self.bids[ctx], self.tokens[:ctx], options=FetchOptions(deadline_s=box, **kw)))
+        r = dataclasses.asdict(await self.sidecar.fetch(self.bids[ctx], self.tokens[:ctx], options=FetchOptions(deadline_s=box, **kw)))
         fetch_s = time.perf_counter() - t0
         rec = {"fetch_s": fetch_s, "bytes_read": r.get("bytes_read", 0), "decision": r.get("decision"), "error": r.get("error"),
                "lookup_s": r.get("lookup_s")}
@@ -287,7 +287,7 @@ class Race:
         each new link rate, so ``auto`` decides with this link's measured bandwidth."""
         smallest = min(kv_presets(), key=lambda p: self.sizes.get(p, 1e18))
         n = min(chunks, ctx // CHUNK) * CHUNK
-        await self.sidecar.load(self.bids[ctx], self.tokens[:n], options=FetchOptions(deadline_s=60, presets=[smallest], recompute_tokens_per_s=1e-9))
+        await self.sidecar.fetch(self.bids[ctx], self.tokens[:n], options=FetchOptions(deadline_s=60, presets=[smallest], recompute_tokens_per_s=1e-9))
 
 
 def link_probe(url: str, root: Path, rate_Bps: float, seconds: float = 0.5) -> dict:

@@ -144,7 +144,7 @@ def warm_index(client, tokens: list[int], **ns) -> int:
     """The stored tokens of ``tokens``, the sidecar listing what its index lacks first (a refresh):
     the objects this benchmark hard-links into the store are unknown to a sidecar whose lookups
     answer from its index, as they would be known to a node that has seen the prefix before."""
-    return client.lookup(None, tokens, refresh=True, **ns)
+    return client.hit_tokens(None, tokens, refresh=True, **ns)
 
 
 # --- what the sidecar and the link say, before and after a cell ---------------------------------

@@ -14,7 +14,7 @@ keeping their bytes: tens of GB). Reported per method: TTFT p50 / p99 (all
 requests, and those with a stored prefix), output tokens/s over the stream, the tokens loaded,
 and the sidecar's side (lookups, listing seconds, loads, chunks stored, uploads, drops).
 
-Then the lookup's own cost (:func:`lookup_cost`): the scheduler's call (``KVClient.plan``, as
+Then the lookup's own cost (:func:`lookup_cost`): the scheduler's call (``KVClient.lookup``, as
 the connector's ``get_num_new_matched_tokens`` makes it) timed from a client against the running
 sidecar, for 8K- and 128K-token prompts, stored and not, ``--lookup-reps`` times each: p50/p99.
 """
@@ -165,8 +165,8 @@ def scheduler_call(client, tokens: list[int], look: dict) -> str:
     from kvfetcher.fetch.plan import FetchOptions
     from kvfetcher.integrations.vllm_meta import Options
 
-    client.plan(None, tokens, FetchOptions(wait_s=Options.listing_wait_s), **look)
-    return f"KVClient.plan(None, tokens, FetchOptions(wait_s={Options.listing_wait_s}), model, dtype, kv_shape)"
+    client.lookup(None, tokens, FetchOptions(wait_s=Options.listing_wait_s), **look)
+    return f"KVClient.lookup(None, tokens, FetchOptions(wait_s={Options.listing_wait_s}), model, dtype, kv_shape)"
 
 
 def phase_load(a, work: Path) -> dict:

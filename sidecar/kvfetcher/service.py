@@ -1,16 +1,16 @@
-"""service: what one sidecar does — buffers, plan, load, save, warm-up — independent of HTTP.
+"""service: what one sidecar does — buffers, lookup, fetch, store, warm-up — independent of HTTP.
 
-* :meth:`Sidecar.plan` is the scheduler's question: it lists the prefix once and runs the cost
+* :meth:`Sidecar.lookup` is the scheduler's question: it lists the prefix once and runs the cost
   model (:mod:`kvfetcher.fetch.plan`), touching no buffer.
-* :meth:`Sidecar.load` executes a plan into a registered buffer; given none, it plans first (one
+* :meth:`Sidecar.fetch` executes a lookup's plan into a registered buffer; given none, it looks up first (one
   listing). A plan that travelled through a client is checked against its seal, the buffer's
   namespace and the tokens; object names are always re-derived here, never taken from a plan.
-* :meth:`Sidecar.save` skips the leading chunks already stored, copies the KV of the next ones
+* :meth:`Sidecar.store` skips the leading chunks already stored, copies the KV of the next ones
   that fit the store queue out of the buffer and queues them for the background writer
   (:mod:`kvfetcher.save.writer`); it never waits for encoding or upload.
 
 Store I/O runs in two bounded pools: ``meta_pool`` (LIST, HEAD, DELETE, readiness) and
-``data_pool`` (GET, PUT), so that stalled reads cannot starve lookups. Every lookup and load has a
+``data_pool`` (GET, PUT), so that stalled reads cannot starve lookups. Every lookup and fetch has a
 deadline (``config.deadline_s`` unless the request gives one); work still queued at the deadline is
 cancelled. A request names at most ``config.max_request_tokens`` tokens.
 
@@ -34,7 +34,7 @@ from kvfetcher.config import Config
 from kvfetcher.errors import Reason, RequestError
 from kvfetcher.fetch import choice, executor, staging
 from kvfetcher.fetch.linkshare import LinkShare
-from kvfetcher.fetch.plan import FORMATS, Catalog, Costs, EngineDecode, EngineDecoded, FetchOptions, FetchPlan, LoadDecision, LoadReply, listing_rounds, make_plan, seal, sealed
+from kvfetcher.fetch.plan import FORMATS, Catalog, Costs, EngineDecode, EngineDecoded, FetchOptions, FetchPlan, FetchDecision, FetchReply, listing_rounds, make_plan, seal, sealed
 from kvfetcher.fetch.prefill import PrefillModel
 from kvfetcher.fetch.workers import DecodeWorkers, warmup_object
 from kvfetcher.format import mac
@@ -58,7 +58,7 @@ class Buffer:
     tensor: torch.Tensor | PagedKV  # aliasing the model's memory: a flat [layers, 2, kv_heads, capacity, head_dim], or paged blocks
     ns: keys.Namespace
     handle: dict | None = None  # this process's handle (ipc.adopt): what decode worker processes open to write into the same memory
-    engine: EngineDecode | None = None  # engine-decode mode: loads write verified stored objects here, which the engine decodes
+    engine: EngineDecode | None = None  # engine-decode mode: fetches write verified stored objects here, which the engine decodes
 
     def destination(self, tokens: int, slots: Sequence[int] | None = None, offset: int = 0,
                     block_ids: Sequence[int] | None = None, first_token: int = 0) -> Destination | ObjectArena:
@@ -76,7 +76,7 @@ class Buffer:
 
 class Sidecar:
     def __init__(self, store: Store, config: Config | None = None, metrics: Metrics | None = None):
-        self.store = store
+        self.objects = store
         self.config = config or Config()
         self.config.validate(PRESETS)
         self.metrics = metrics or Metrics()
@@ -96,7 +96,7 @@ class Sidecar:
         self._accepted_keys = tuple(mac.key_from(k) for k in self.config.accepted_object_keys)  # a rotation's previous keys
         if self._object_key is None:
             log.warning("no object key (KVFETCHER_OBJECT_KEY): objects and calibrations are neither tagged nor "
-                        "checked; whoever can write the store decides what this sidecar loads")
+                        "checked; whoever can write the store decides what this sidecar fetches")
         self.calibrations = CalibrationLookup(store, self.meta_pool, self.metrics, key=self._object_key,
                                               accepted=self._accepted_keys)  # published after start (a calibration Job)
 
@@ -117,23 +117,23 @@ class Sidecar:
         return self.config.allowed_presets or self.config.presets
 
     def warm_buffer(self, buf: Buffer) -> None:
-        """What a first load into ``buf`` would otherwise set up on its path: staging buffers for
-        the direct path's raw chunks (a load's window of them; pinned for a GPU buffer), then the
+        """What a first fetch into ``buf`` would otherwise set up on its path: staging buffers for
+        the direct path's raw chunks (a fetch's window of them; pinned for a GPU buffer), then the
         decode workers (:meth:`warm_workers`). Best effort, blocking; ``register`` runs it in the
         background."""
         if any(PRESETS[p].direct for p in self._served_presets()):
             try:
                 n = executor.chunks_in_flight(self.config.window, self.workers)
                 staging.shared().reserve(self._chunk_kv_bytes(buf), buf.tensor.device.type == "cuda", n)
-            except Exception:  # e.g. pinned memory refused: the first raw load allocates instead
+            except Exception:  # e.g. pinned memory refused: the first raw fetch allocates instead
                 log.exception("staging reservation failed")
                 self.metrics.errors.labels(Reason.WARM_UP).inc()
         if self.workers is not None:
             self.warm_workers(buf)
 
     def warm_workers(self, buf: Buffer | None = None) -> None:
-        """Restore a chunk of every preset this sidecar may load in each decode worker, so that the
-        first load neither waits for CUDA and NVDEC set-up nor teaches the cost model a cold rate:
+        """Restore a chunk of every preset this sidecar may fetch in each decode worker, so that the
+        first fetch neither waits for CUDA and NVDEC set-up nor teaches the cost model a cold rate:
         at start a tiny one; for a registered buffer ``buf`` one of its model's chunk geometry (NVDEC
         decoders and the fused unpack are per geometry), on that buffer's device. Best effort:
         failures are logged and counted, and the sidecar serves anyway. Blocking."""
@@ -162,7 +162,7 @@ class Sidecar:
                     " ".join(f"{x:.2f}" for x in w.seconds), f"; {len(w.errors)} failed: {w.errors[0]}" if w.errors else "")
 
     async def close(self, drain_s: float = 10.0) -> None:
-        """Stop; queued saves get ``drain_s`` to finish (within a pod's termination grace)."""
+        """Stop; queued stores get ``drain_s`` to finish (within a pod's termination grace)."""
         await self.writer.close(drain_s)
         self.catalog.close()
         await self.warmed()  # the decode workers are still in use until it ends
@@ -176,7 +176,7 @@ class Sidecar:
     async def ready(self) -> None:
         """Raise a :class:`StoreError` unless the store answers and takes writes (see ``Store.ping``)."""
         async with asyncio.timeout(self.config.deadline_s):
-            await asyncio.get_running_loop().run_in_executor(self.meta_pool, self.store.ping)
+            await asyncio.get_running_loop().run_in_executor(self.meta_pool, self.objects.ping)
 
     # --- buffers ---------------------------------------------------------------------------
 
@@ -184,10 +184,10 @@ class Sidecar:
         """Map the buffer ``handle`` names (:mod:`kvfetcher.ipc`; a memfd handle must name an fd of
         this process: the API passes only fds its buffer socket received; a paged handle, paged KV
         whose block size divides ``chunk_tokens``) and return its id. With ``engine`` (a flat host
-        buffer) the engine decodes itself: loads write verified stored objects into the buffer.
+        buffer) the engine decodes itself: fetches write verified stored objects into the buffer.
 
         The id is the registration's capability: unguessable, given only to the registering peer,
-        never logged or listed; whoever presents it may load into, store from and unregister the
+        never logged or listed; whoever presents it may fetch into, store from and unregister the
         buffer, and nothing else names the buffer."""
         try:
             t, handle = ipc.adopt(handle)
@@ -213,7 +213,7 @@ class Sidecar:
             self.unregister(next(iter(self.buffers)))
         self.calibrations.look(model)
         if self.config.warm_up and engine is None:  # (an engine that decodes itself warms its own decoders)
-            if self.workers is not None:  # mapped now (CUDA IPC), not on the first load into it
+            if self.workers is not None:  # mapped now (CUDA IPC), not on the first fetch into it
                 self.workers.open(handle)
             try:  # staging, and its model's chunks decoded once, in the background
                 self._warming = asyncio.get_running_loop().run_in_executor(None, self.warm_buffer, self.buffers[bid])
@@ -225,12 +225,12 @@ class Sidecar:
 
     async def warmed(self) -> None:
         """Wait until the latest registration's warm-up is done (until then ``auto`` leaves the decode
-        workers' presets alone, and a load of one would wait behind it)."""
+        workers' presets alone, and a fetch of one would wait behind it)."""
         if self._warming is not None:
             await asyncio.gather(self._warming, return_exceptions=True)
 
     def _warm(self) -> bool:
-        """Whether no warm-up is using the decode workers (a load needing them would wait for it)."""
+        """Whether no warm-up is using the decode workers (a fetch needing them would wait for it)."""
         return self._warming is None or self._warming.done()
 
     def unregister(self, bid: str) -> None:
@@ -274,10 +274,10 @@ class Sidecar:
         if len(tokens) > self.config.max_request_tokens:
             raise RequestError(f"{len(tokens)} tokens in one request; at most {self.config.max_request_tokens}")
 
-    # --- plan ------------------------------------------------------------------------------
+    # --- lookup ----------------------------------------------------------------------------
 
-    async def plan(self, target: str | keys.Namespace, tokens: Sequence[int], options: FetchOptions | None = None) -> FetchPlan:
-        """What a load of ``tokens`` would do, for a buffer id or a namespace (a scheduler without
+    async def lookup(self, target: str | keys.Namespace, tokens: Sequence[int], options: FetchOptions | None = None) -> FetchPlan:
+        """What a fetch of ``tokens`` would do, for a buffer id or a namespace (a scheduler without
         buffers: the cost model then uses a registered buffer of that namespace for the KV
         geometry, and without one leaves the preset unchosen), chosen as ``options`` say. Answered
         from the index of what is stored: nothing waits on the store unless ``options.refresh``."""
@@ -287,11 +287,11 @@ class Sidecar:
             buf = self._buffer(target)
             ns = buf.ns
         else:
-            ns, mine = target, [b for b in self.buffers.values() if b.ns == target]  # an engine that decodes itself loads into its own
+            ns, mine = target, [b for b in self.buffers.values() if b.ns == target]  # an engine that decodes itself fetches into its own
             buf = next((b for b in mine if b.engine is not None), mine[0] if mine else None)
         self.metrics.lookups.inc()
         self.calibrations.look(ns.model)
-        p = await self._plan(ns, keys.chunk_keys(ns, tokens, self.config.chunk_tokens), buf, options or FetchOptions())
+        p = await self._lookup(ns, keys.chunk_keys(ns, tokens, self.config.chunk_tokens), buf, options or FetchOptions())
         self.metrics.lookup_tokens.inc(len(tokens))
         self.metrics.hit_tokens.inc(p.hit_tokens)
         self.metrics.lookup_options.clear()  # the last lookup's options only (none: it needed no cost model)
@@ -300,7 +300,7 @@ class Sidecar:
         self.metrics.lookup_seconds.observe(time.perf_counter() - t)
         return p
 
-    async def _plan(self, ns: keys.Namespace, ck: Sequence[str], buf: Buffer | None, o: FetchOptions) -> FetchPlan:
+    async def _lookup(self, ns: keys.Namespace, ck: Sequence[str], buf: Buffer | None, o: FetchOptions) -> FetchPlan:
         budget = self.config.ttft_budget_s if o.ttft_budget_s is None else o.ttft_budget_s
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0):
             raise RequestError(f"ttft_budget_s must be positive seconds, not {budget!r}")
@@ -310,7 +310,7 @@ class Sidecar:
                 self.metrics.prefill_model.labels(term).set(c)
         prefill = o.prefill_model or PrefillModel.linear(o.recompute_tokens_per_s or self.config.recompute_tps)
         engine = buf.engine if buf is not None else None  # the engine decodes: its formats, at its rates
-        rates = self.estimator.rates(self.store.endpoint, prefill, sharers, engine=engine.device if engine else None)
+        rates = self.estimator.rates(self.objects.endpoint, prefill, sharers, engine=engine.device if engine else None)
         # never a preset this model may not use (one needing a calibration it lacks)
         allowed = frozenset(o.presets or PRESETS) & frozenset(self.config.allowed_presets or PRESETS) & frozenset(usable(PRESETS, ns.model))
         if o.presets is None and engine is None and not self._warm():  # the decode workers are still warming: only what needs none (raw) or recompute
@@ -323,7 +323,7 @@ class Sidecar:
             self.metrics.errors.labels(p.error).inc()
         elif p.lookup_s is not None:
             listed = min(p.hit_tokens // p.chunk_tokens + 1, p.requested_tokens // p.chunk_tokens)  # it stops at the first miss
-            self.estimator.observe_lookup(self.store.endpoint, p.lookup_s, listing_rounds(listed))
+            self.estimator.observe_lookup(self.objects.endpoint, p.lookup_s, listing_rounds(listed))
             self.metrics.listing_seconds.observe(p.lookup_s)
         return seal(p, self._seal_key)
 
@@ -333,14 +333,14 @@ class Sidecar:
             raise RequestError("the plan was not issued by this sidecar, or was changed: plan again")
         want = (buf.ns.model, buf.ns.dtype, buf.ns.tp_rank, self.config.chunk_tokens, chunk_keys[-1] if chunk_keys else "")
         if (plan.model, plan.dtype, plan.tp_rank, plan.chunk_tokens, plan.prefix_key) != want:
-            raise RequestError("the plan is for another namespace or other tokens than this load")
+            raise RequestError("the plan is for another namespace or other tokens than this fetch")
 
-    # --- load ------------------------------------------------------------------------------
+    # --- fetch ------------------------------------------------------------------------------
 
-    async def load(self, bid: str, tokens: Sequence[int], plan: FetchPlan | None = None, *, slots: Sequence[int] | None = None,
-                   offset: int = 0, block_ids: Sequence[int] | None = None, first_token: int = 0,
-                   options: FetchOptions | None = None, decoded: Sequence[EngineDecoded] = ()) -> LoadReply:
-        """Load as many leading whole chunks of ``tokens`` as ``plan`` says into the buffer at
+    async def fetch(self, bid: str, tokens: Sequence[int], plan: FetchPlan | None = None, *, slots: Sequence[int] | None = None,
+                    offset: int = 0, block_ids: Sequence[int] | None = None, first_token: int = 0,
+                    options: FetchOptions | None = None, decoded: Sequence[EngineDecoded] = ()) -> FetchReply:
+        """Fetch as many leading whole chunks of ``tokens`` as ``plan`` says into the buffer at
         ``slots`` or ``offset`` (a paged buffer: into ``block_ids``, :meth:`Buffer.destination`).
         Without a plan, or with one that chose no preset, this looks up first as ``options`` say,
         listing what the index does not know; beside a chosen plan only ``options.deadline_s`` may
@@ -372,9 +372,9 @@ class Sidecar:
         if plan is not None and buf.engine is not None and plan.preset not in buf.engine.presets():
             plan = None  # made for another buffer of the namespace, in a preset this engine does not decode: plan anew
         if plan is None or plan.preset is None:  # no plan, or one made without a buffer of its namespace: look up here
-            plan = await self._plan(buf.ns, ck, buf, replace(o, deadline_s=deadline_s, refresh=True))
-        reply = LoadReply(n_req, 0, N, lookup_s=plan.lookup_s,
-                          decision=LoadDecision(plan.preset, len(plan.chunks), plan.predicted_s, plan.options))
+            plan = await self._lookup(buf.ns, ck, buf, replace(o, deadline_s=deadline_s, refresh=True))
+        reply = FetchReply(n_req, 0, N, lookup_s=plan.lookup_s,
+                           decision=FetchDecision(plan.preset, len(plan.chunks), plan.predicted_s, plan.options))
         if plan.error:  # counted in the errors metric when planning
             return self._fallback(reply, plan.error, plan.detail)
         self.metrics.decisions.labels(plan.preset).inc()
@@ -389,7 +389,7 @@ class Sidecar:
             refs = self._place(dest, refs)
         quiet = self._warm()  # else the warm-up shares the decode workers
         async with self.link.fetch() as share:
-            out = await executor.fetch(self.store, refs, dest, fingerprint=buf.ns.model, io_pool=self.data_pool, decode_pool=self.decode_pool,
+            out = await executor.fetch(self.objects, refs, dest, fingerprint=buf.ns.model, io_pool=self.data_pool, decode_pool=self.decode_pool,
                                        device=buf.tensor.device, deadline_s=max(0.0, deadline_s - (time.perf_counter() - t0)),
                                        window=self.config.window, io_concurrency=min(self.config.reads, self.config.io_workers),
                                        workers=None if buf.engine else self.workers,
@@ -405,7 +405,7 @@ class Sidecar:
         self.metrics.fetch_seconds.observe(time.perf_counter() - t0)
         if out.bad_object or out.error is Reason.MISSING:  # the index no longer trusts the chunks from the one that failed
             self.index.forget(ck[mine + out.loaded_tokens // N :])
-        if out.bad_object:  # else it would block every later load, and a re-store would be a no-op
+        if out.bad_object:  # else it would block every later fetch, and a re-store would be a no-op
             await self._drop(out.bad_object, out.bad_size)
         if out.error:
             self.metrics.errors.labels(out.error).inc()
@@ -415,8 +415,8 @@ class Sidecar:
 
     @staticmethod
     def _place(arena: ObjectArena, refs: list[kvbuffer.ChunkRef]) -> list[kvbuffer.ChunkRef]:
-        """The leading ``refs`` whose objects fit the engine's buffer, placed there; a load that
-        stops at the last of them answers with no reason (the engine loads again from there)."""
+        """The leading ``refs`` whose objects fit the engine's buffer, placed there; a fetch that
+        stops at the last of them answers with no reason (the engine fetches again from there)."""
         n = arena.place(refs)
         if not n:
             raise RequestError(f"the engine's buffer of {arena.bytes.numel()} bytes holds no stored object of {refs[0].size} bytes: "
@@ -434,26 +434,26 @@ class Sidecar:
                 self.metrics.engine_decode_seconds.labels(d.preset).inc(d.seconds)
 
     async def _drop(self, name: str, listed_size: int | None = None) -> None:
-        """Delete an object that failed verification, so that the next save writes it anew; not when
+        """Delete an object that failed verification, so that the next store writes it anew; not when
         it is no longer the one the plan listed (``listed_size``: another writer stored it again)."""
         try:
             loop = asyncio.get_running_loop()
-            if listed_size and (await loop.run_in_executor(self.meta_pool, self.store.list, name)).get(name) != listed_size:
+            if listed_size and (await loop.run_in_executor(self.meta_pool, self.objects.list, name)).get(name) != listed_size:
                 log.info("bad object %s was replaced since it was listed: kept", name)
                 return
-            await loop.run_in_executor(self.meta_pool, self.store.delete, name)
+            await loop.run_in_executor(self.meta_pool, self.objects.delete, name)
             log.warning("deleted bad object %s", name)
             self.metrics.errors.labels(Reason.BAD_OBJECT_DELETED).inc()
         except StoreError as e:
             self.metrics.errors.labels(e.reason).inc()
 
     def _observe(self, plan: FetchPlan, out: executor.Outcome, learn: bool = True, sharers: float = 1.0, engine: bool = False) -> None:
-        """Metrics of a load, and what it teaches the estimator. ``learn`` False: a load that ran
+        """Metrics of a fetch, and what it teaches the estimator. ``learn`` False: a fetch that ran
         beside a buffer's background warm-up (the decode workers shared between both) teaches only
-        its latency: its rates are those of shared, partly cold workers, not a later load's.
+        its latency: its rates are those of shared, partly cold workers, not a later fetch's.
         ``sharers``: the fetches that shared the node's link with it, itself included. ``engine``:
-        a load for an engine that decodes itself teaches the read rate only (the engine reports its decodes)."""
-        m, ep, preset = self.metrics, self.store.endpoint, plan.preset
+        a fetch for an engine that decodes itself teaches the read rate only (the engine reports its decodes)."""
+        m, ep, preset = self.metrics, self.objects.endpoint, plan.preset
         m.bytes_read.inc(out.bytes_read)
         m.loaded_tokens.inc(out.loaded_tokens)
         m.kv_bytes.inc(out.kv_bytes)
@@ -466,10 +466,10 @@ class Sidecar:
             settled = self.estimator.settled(fmt)  # (once: it marks the format seen)
             if settled and learn and engine:
                 self.estimator.observe_read(ep, out.bytes_read, out.read_busy_s, fmt, sharers)
-            elif settled and learn:  # not the process' first load of this format
+            elif settled and learn:  # not the process' first fetch of this format
                 self.estimator.observe_read(ep, out.bytes_read, out.read_busy_s, fmt, sharers)
                 self.estimator.observe_decode(preset, out.kv_bytes, out.decode_busy_s)
-                if out.loaded_tokens == plan.loaded_tokens:  # the whole planned load: its time is comparable
+                if out.loaded_tokens == plan.loaded_tokens:  # the whole planned fetch: its time is comparable
                     fit = self.estimator.observe_fit(ep, preset, fmt, out.bytes_read, out.kv_bytes, out.seconds, sharers)
                     m.fit.labels(preset).set(fit.scale)
                     m.fit_overhead.labels(preset).set(fit.overhead_s)
@@ -481,23 +481,23 @@ class Sidecar:
             m.last_actual.labels(preset).set(out.seconds)
         m.bandwidth.labels(ep).set(self.estimator.bandwidth(ep))
 
-    def _fallback(self, reply: LoadReply, reason: str, detail: str | None) -> LoadReply:
-        """Finish a reply that loads fewer tokens than requested, for a decision (``miss``,
+    def _fallback(self, reply: FetchReply, reason: str, detail: str | None) -> FetchReply:
+        """Finish a fetch's reply that writes fewer tokens than requested, for a decision (``miss``,
         ``cost_model``) or a failure."""
         error = reason not in (Reason.MISS, Reason.COST_MODEL)
         self.metrics.fallbacks.labels(reason).inc()
         if error:
-            log.warning("load fell back to recompute (%s): %s", reason, detail)
+            log.warning("fetch fell back to recompute (%s): %s", reason, detail)
         reply.error, reply.reason, reply.detail = (reason if error else None), reason, detail
         reply.not_loaded = (reply.loaded_tokens, reply.requested_tokens)
         return reply
 
-    # --- save ------------------------------------------------------------------------------
+    # --- store ------------------------------------------------------------------------------
 
-    async def save(self, bid: str, tokens: Sequence[int], *, slots: Sequence[int] | None = None, offset: int = 0,
-                   block_ids: Sequence[int] | None = None, first_token: int = 0) -> dict:
+    async def store(self, bid: str, tokens: Sequence[int], *, slots: Sequence[int] | None = None, offset: int = 0,
+                    block_ids: Sequence[int] | None = None, first_token: int = 0) -> dict:
         """Queue the complete chunks of ``tokens`` (whose KV is in the buffer at ``slots``, ``offset``
-        or ``block_ids``, as in :meth:`load`) for storing: the leading chunks already stored in every
+        or ``block_ids``, as in :meth:`fetch`) for storing: the leading chunks already stored in every
         configured preset are skipped (as far as the index knows: no store request), the next ones are queued as far as the queue has room and the
         rest are dropped and counted. Chunks before ``first_token`` (whole chunks) are the caller's,
         e.g. an earlier window's of a prompt longer than its buffer: not read, counted as skipped.
@@ -529,5 +529,5 @@ class Sidecar:
         return n
 
     async def flush(self) -> None:
-        """Wait until every queued save has been written (or has failed)."""
+        """Wait until every queued store has been written (or has failed)."""
         await self.writer.flush()

@@ -51,11 +51,11 @@ async def stored_and_restored_flat(sc, shm, kv):
     flat = shm((LAYERS, 2, HEADS, len(TOKENS), HEAD_DIM))
     flat.tensor.copy_(kv)
     bid = sc.register(flat.handle, FP)
-    assert (await sc.save(bid, TOKENS))["queued_chunks"] == 4
+    assert (await sc.store(bid, TOKENS))["queued_chunks"] == 4
     await sc.flush()
     flat.tensor.fill_(SENTINEL)
     await sc.warmed()  # until then auto leaves the decode workers' presets alone
-    r = await sc.load(bid, TOKENS, options=FetchOptions(recompute_tokens_per_s=1.0))  # a slow model: fetching is the cost model's choice
+    r = await sc.fetch(bid, TOKENS, options=FetchOptions(recompute_tokens_per_s=1.0))  # a slow model: fetching is the cost model's choice
     assert (r.error, r.loaded_tokens) == (None, 256), r
     return flat.tensor.clone()
 
@@ -85,7 +85,7 @@ def test_a_restore_into_blocks_is_the_flat_restore(tmp_path, shm, dims, preset, 
             bid = sc.register(handle, FP)
             await sc.warmed()
             spare = next(b for b in range(BLOCKS) if b not in block_ids)  # a block of the prompt's partial tail
-            r = await sc.load(bid, TOKENS + [7, 8], block_ids=block_ids + [spare], options=FetchOptions(recompute_tokens_per_s=1.0))
+            r = await sc.fetch(bid, TOKENS + [7, 8], block_ids=block_ids + [spare], options=FetchOptions(recompute_tokens_per_s=1.0))
             assert (r.error, r.loaded_tokens, r.decision.preset) == (None, 256, preset), r
             got = read_blocks(tensors, PagedLayout(dims, BS), block_ids, 0, 256)
             assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # byte-identical
@@ -106,18 +106,18 @@ def test_a_store_reads_blocks_and_a_flat_buffer_loads_it_and_back(tmp_path, shm)
             layout = PagedLayout("BHT(KD)", BS)
             write_blocks(tensors, layout, SCATTERED, kv)
             pid = sc.register(handle, FP)
-            assert (await sc.save(pid, TOKENS, block_ids=SCATTERED))["queued_chunks"] == 4
+            assert (await sc.store(pid, TOKENS, block_ids=SCATTERED))["queued_chunks"] == 4
             for t in tensors:
                 t.fill_(SENTINEL)  # the KV was copied when the store was queued
             await sc.flush()
             flat = shm((LAYERS, 2, HEADS, 300, HEAD_DIM), fill=SENTINEL)
             fid = sc.register(flat.handle, FP)
-            r = await sc.load(fid, TOKENS, offset=20, options=FetchOptions(recompute_tokens_per_s=1.0))
+            r = await sc.fetch(fid, TOKENS, offset=20, options=FetchOptions(recompute_tokens_per_s=1.0))
             assert (r.error, r.loaded_tokens) == (None, 256) and torch.equal(flat.tensor[:, :, :, 20:276], kv)
             flat.tensor[:, :, :, 20:276] = kv.flip(3)  # other tokens' KV, stored from the flat buffer
-            assert (await sc.save(fid, other, offset=20))["queued_chunks"] == 4
+            assert (await sc.store(fid, other, offset=20))["queued_chunks"] == 4
             await sc.flush()
-            r = await sc.load(pid, other, block_ids=REVERSED, options=FetchOptions(recompute_tokens_per_s=1.0))
+            r = await sc.fetch(pid, other, block_ids=REVERSED, options=FetchOptions(recompute_tokens_per_s=1.0))
             assert (r.error, r.loaded_tokens) == (None, 256) and torch.equal(read_blocks(tensors, layout, REVERSED, 0, 256), kv.flip(3))
 
     asyncio.run(main())
@@ -144,7 +144,7 @@ def test_a_load_from_first_token_leaves_the_blocks_before_it_alone(tmp_path, shm
             want = await stored_and_restored_flat(sc, shm, kv)
             fid = sc.register(shm((LAYERS, 2, HEADS, 256, HEAD_DIM)).handle, FP)
             await sc.warmed()
-            full = (await sc.load(fid, TOKENS, options=FetchOptions(recompute_tokens_per_s=1.0))).kv_bytes
+            full = (await sc.fetch(fid, TOKENS, options=FetchOptions(recompute_tokens_per_s=1.0))).kv_bytes
             if dims is None:
                 flat = shm((LAYERS, 2, HEADS, 256, HEAD_DIM))
                 flat.tensor.copy_(theirs)
@@ -155,17 +155,17 @@ def test_a_load_from_first_token_leaves_the_blocks_before_it_alone(tmp_path, shm
                 bid, got = sc.register(handle, FP), lambda: read_blocks(tensors, PagedLayout(dims, BS), SCATTERED, 0, 256)
             where = {} if dims is None else dict(block_ids=SCATTERED)
             await sc.warmed()
-            r = await sc.load(bid, TOKENS, first_token=first, **where, options=FetchOptions(recompute_tokens_per_s=1.0))
+            r = await sc.fetch(bid, TOKENS, first_token=first, **where, options=FetchOptions(recompute_tokens_per_s=1.0))
             assert (r.error, r.loaded_tokens, r.not_loaded) == (None, 256, (256, 256)), r
             assert r.kv_bytes == full * 3 // 4  # chunks 1..3 restored: chunk 0 was not fetched
             assert torch.equal(got()[:, :, :, :first].view(torch.int16), theirs[:, :, :, :first].view(torch.int16))
             assert torch.equal(got()[:, :, :, first:].view(torch.int16), want[:, :, :, first:].view(torch.int16))
             if dims is not None:
                 assert untouched(tensors, dims, SCATTERED)
-                r = await sc.load(bid, TOKENS, first_token=256, **where, options=FetchOptions(recompute_tokens_per_s=1.0))  # all of it is the engine's
+                r = await sc.fetch(bid, TOKENS, first_token=256, **where, options=FetchOptions(recompute_tokens_per_s=1.0))  # all of it is the engine's
                 assert (r.error, r.loaded_tokens, r.bytes_read) == (None, 256, 0)
                 with pytest.raises(RequestError, match="whole blocks"):
-                    await sc.load(bid, TOKENS, first_token=first + 1, **where, options=FetchOptions(recompute_tokens_per_s=1.0))
+                    await sc.fetch(bid, TOKENS, first_token=first + 1, **where, options=FetchOptions(recompute_tokens_per_s=1.0))
 
     asyncio.run(main())
 
@@ -215,13 +215,13 @@ def test_addressing_that_does_not_fit_writes_nothing(tmp_path, shm, where, detai
             tensors, handle = paged(shm, "BHT(KD)")
             bid = sc.register(handle, FP)
             with pytest.raises(RequestError, match=detail):
-                await sc.load(bid, TOKENS, **where, options=FetchOptions(recompute_tokens_per_s=1.0))
+                await sc.fetch(bid, TOKENS, **where, options=FetchOptions(recompute_tokens_per_s=1.0))
             with pytest.raises(RequestError, match=detail):
-                await sc.save(bid, TOKENS, **where)
+                await sc.store(bid, TOKENS, **where)
             assert all(bool((t == SENTINEL).all()) for t in tensors)
             flat = shm((LAYERS, 2, HEADS, 256, HEAD_DIM))
             with pytest.raises(RequestError, match="this one is flat"):
-                await sc.load(sc.register(flat.handle, FP), TOKENS, block_ids=list(range(16)))
+                await sc.fetch(sc.register(flat.handle, FP), TOKENS, block_ids=list(range(16)))
 
     asyncio.run(main())
 
@@ -234,14 +234,14 @@ def test_blocks_over_http_with_the_client(s3, shm):
         write_blocks(tensors, layout, SCATTERED, kv)
         bid = sc.sidecar.register(handle, FP)  # host tensors: only in the sidecar's own process (no memfd list crosses a socket)
         c = KVClient(socket_path=sc.socket)
-        assert c.save(bid, TOKENS, block_ids=SCATTERED).queued_chunks == 4
+        assert c.store(bid, TOKENS, block_ids=SCATTERED).queued_chunks == 4
         c.flush()
         tensors[0].fill_(SENTINEL)
-        r = c.load(bid, TOKENS, block_ids=REVERSED, options=FetchOptions(recompute_tokens_per_s=1.0))
+        r = c.fetch(bid, TOKENS, block_ids=REVERSED, options=FetchOptions(recompute_tokens_per_s=1.0))
         assert (r.error, r.loaded_tokens) == (None, 256) and torch.equal(read_blocks(tensors, layout, REVERSED, 0, 256), kv)
         assert untouched(tensors, "BLTH(KD)", REVERSED)
         with pytest.raises(SidecarError) as e:
-            c.load(bid, TOKENS, block_ids=REVERSED[:-1] + [REVERSED[0]])
+            c.fetch(bid, TOKENS, block_ids=REVERSED[:-1] + [REVERSED[0]])
         assert e.value.status == 400 and "distinct" in e.value.detail
 
 
@@ -296,7 +296,7 @@ def test_cuda_paged_tensors_restore_as_the_flat_buffer_does(tmp_path):
         flat.tensor.copy_(kv)
         torch.cuda.synchronize()
         fid = c.register(flat.handle, FP)
-        assert c.save(fid, TOKENS).queued_chunks == 4
+        assert c.store(fid, TOKENS).queued_chunks == 4
         c.flush()
         per_layer = [torch.zeros(BLOCKS, BS, HEADS, 2 * HEAD_DIM, dtype=torch.float16, device="cuda").permute(0, 2, 1, 3)
                      for _ in range(LAYERS)]  # logical (blocks, heads, block_size, 2 * head_dim) of NHD memory
@@ -309,8 +309,8 @@ def test_cuda_paged_tensors_restore_as_the_flat_buffer_does(tmp_path):
                 for t in tensors if isinstance(tensors, list) else [tensors]:
                     t.fill_(SENTINEL)
                 torch.cuda.synchronize()
-                want = c.load(fid, TOKENS, options=FetchOptions(presets=[preset], recompute_tokens_per_s=1.0))
-                r = c.load(pid, TOKENS, block_ids=SCATTERED, options=FetchOptions(presets=[preset], recompute_tokens_per_s=1.0))
+                want = c.fetch(fid, TOKENS, options=FetchOptions(presets=[preset], recompute_tokens_per_s=1.0))
+                r = c.fetch(pid, TOKENS, block_ids=SCATTERED, options=FetchOptions(presets=[preset], recompute_tokens_per_s=1.0))
                 assert (r.error, r.loaded_tokens, r.decision.preset) == (None, 256, preset) and want.loaded_tokens == 256, r
                 got = read_blocks(tensors, layout, SCATTERED, 0, 256)
                 assert torch.equal(got.view(torch.int16), flat.tensor.view(torch.int16)), (dims, preset)

@@ -10,7 +10,7 @@ import pytest
 
 from kvfetcher.api import schemas
 from kvfetcher.errors import RequestError
-from kvfetcher.fetch.plan import FetchOptions, FetchPlan, LoadDecision, LoadReply
+from kvfetcher.fetch.plan import FetchOptions, FetchPlan, FetchDecision, FetchReply
 from kvfetcher.fetch.prefill import PrefillModel
 from kvfetcher.kvbuffer import PagedLayout
 
@@ -31,7 +31,7 @@ def _plain(msg):
 
 def test_messages_survive_json():
     options = FetchOptions(presets=("q8",), prefill_model=PrefillModel(0.01, 1e-4, 2e-9), refresh=True)
-    for msg in (PLAN, LoadReply(128, 64, 64, (64, 128), "corrupt", "corrupt", "crc", LoadDecision("q8", 2, 0.25, {"q8": 0.25}, 0.3)),
+    for msg in (PLAN, FetchReply(128, 64, 64, (64, 128), "corrupt", "corrupt", "crc", FetchDecision("q8", 2, 0.25, {"q8": 0.25}, 0.3)),
                 schemas.FetchRequest("b", [1, 2], PLAN, slots=[3, 4]), schemas.LookupRequest([1], options=options),
                 schemas.StoreRequest("b", [1, 2], block_ids=[7, 3]),
                 schemas.RegisterRequest(handles=[{"kind": "cuda"}] * 2, model="m", paged=PagedLayout("BHT(KD)", 16))):

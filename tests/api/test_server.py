@@ -27,21 +27,21 @@ def test_store_then_load_round_trip_and_metrics(s3, buf):
     with sidecar(s3, chunk_tokens=64, presets=("raw", "q8")) as sc:
         c = KVClient(socket_path=sc.socket)
         bid = c.register(buf.handle, FP)
-        assert c.lookup(bid, tokens) == 0
+        assert c.hit_tokens(bid, tokens) == 0
         buf.tensor[:, :, :, :256] = kv
-        assert c.save(bid, tokens[:250]) == StoreReply(queued_chunks=3, dropped=False)  # complete chunks only
+        assert c.store(bid, tokens[:250]) == StoreReply(queued_chunks=3, dropped=False)  # complete chunks only
         buf.tensor.zero_()  # the sidecar copied at request time: the model may reuse its buffer at once
         c.flush()
-        assert c.lookup(bid, tokens) == 192
-        assert c.lookup(None, tokens, model=FP, dtype="float16") == 192  # a scheduler without buffers
-        assert c.lookup(None, tokens, model=FP, dtype="float16", tp_rank=1, kv_shape=(2, 2, 32)) == 0  # another TP rank's namespace
+        assert c.hit_tokens(bid, tokens) == 192
+        assert c.hit_tokens(None, tokens, model=FP, dtype="float16") == 192  # a scheduler without buffers
+        assert c.hit_tokens(None, tokens, model=FP, dtype="float16", tp_rank=1, kv_shape=(2, 2, 32)) == 0  # another TP rank's namespace
         assert len(s3.list("kv/")) == 6  # two representations of three chunks
         raw = json.loads(raw_request(sc.where["port"], "POST", "/v1/fetch", json.dumps({"buffer": bid, "tokens": tokens, "offset": 0, "options": {"recompute_tokens_per_s": 1}}),
                                      {"Authorization": f"Bearer {TOKEN}"})[1])
         assert (raw["loaded_tokens"], raw["not_loaded"]) == (192, [192, 256])  # chunk 4 was never stored
         assert 0 < raw["lookup_s"] < 30  # the listing's share of the fetch
         # a slow model (1 token/s) makes fetching the cost model's choice whatever this machine's load
-        r = c.load(bid, tokens[:240], offset=10, options=FetchOptions(recompute_tokens_per_s=1.0))  # whole chunks only: 192 of 240
+        r = c.fetch(bid, tokens[:240], offset=10, options=FetchOptions(recompute_tokens_per_s=1.0))  # whole chunks only: 192 of 240
         assert (r.loaded_tokens, r.requested_tokens, r.error) == (192, 192, None)
         assert r.decision.preset in ("raw", "q8") and set(r.decision.options) == {"raw", "q8", "recompute"}
         got = buf.tensor[:, :, :, 10:202]
@@ -50,7 +50,7 @@ def test_store_then_load_round_trip_and_metrics(s3, buf):
         assert (got.float() - kv[:, :, :, :192].float()).abs().max() < 0.1
         # re-storing is a no-op: nothing more is written
         written = s3.list("kv/")
-        c.save(bid, tokens[:250])
+        c.store(bid, tokens[:250])
         c.flush()
         assert s3.list("kv/") == written
         text = c.metrics()
@@ -81,25 +81,25 @@ def test_cost_model_can_choose_recompute(s3, buf):
         c = KVClient(socket_path=sc.socket)
         bid = c.register(buf.handle, FP)
         buf.tensor[:, :, :, :128] = kv
-        c.save(bid, tokens)
+        c.store(bid, tokens)
         c.flush()
         buf.tensor.fill_(7)
-        r = c.load(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1e12))  # a model that prefills instantly
+        r = c.fetch(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1e12))  # a model that prefills instantly
         assert (r.loaded_tokens, r.reason, r.error, r.decision.preset) == (0, "cost_model", None, "recompute")
         assert bool((buf.tensor == 7).all())
         assert 'kvfetcher_fallbacks_total{reason="cost_model"} 1.0' in c.metrics()
         # the engine's prefill model wins over a constant rate: with attention this costly, 128 tokens take hours
-        r = c.load(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1e12, prefill_model=PrefillModel(c2=1.0)))
+        r = c.fetch(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1e12, prefill_model=PrefillModel(c2=1.0)))
         assert r.loaded_tokens == 128 and r.decision.options["recompute"] == pytest.approx(128 * 64)
         assert 'kvfetcher_prefill_model{term="c2"} 1.0' in c.metrics()
         buf.tensor.fill_(7)
         # on a busy GPU the model server gives a TTFT budget: a fetch within it wins anyway
-        r = c.load(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1e12, ttft_budget_s=30.0))
+        r = c.fetch(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1e12, ttft_budget_s=30.0))
         assert r.loaded_tokens == 128 and r.decision.preset != "recompute"
         assert torch.equal(buf.tensor[:, :, :, :128], kv)
         for bad in (-1, "2s", True):
             with pytest.raises(SidecarError, match="ttft_budget_s"):
-                c.load(bid, tokens, options=FetchOptions(ttft_budget_s=bad))
+                c.fetch(bid, tokens, options=FetchOptions(ttft_budget_s=bad))
 
 
 def test_allowed_presets_bound_the_choice(s3, buf):
@@ -109,11 +109,11 @@ def test_allowed_presets_bound_the_choice(s3, buf):
         c = KVClient(socket_path=sc.socket)
         bid = c.register(buf.handle, FP)
         buf.tensor[:, :, :, :128] = kv
-        c.save(bid, tokens)
+        c.store(bid, tokens)
         c.flush()
-        r = c.load(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1.0))
+        r = c.fetch(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1.0))
         assert r.decision.preset == "q8" and "raw" not in r.decision.options
-        r = c.load(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1.0, presets=["raw"]))  # not allowed here
+        r = c.fetch(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1.0, presets=["raw"]))  # not allowed here
         assert r.decision.preset == "recompute" and r.loaded_tokens == 0
 
 
@@ -126,7 +126,7 @@ def test_auth_tcp_token_and_unix_socket(s3, buf, tmp_path):
         status, reply = raw_request(port, "POST", "/v1/buffers", body, {"Authorization": "Bearer wrong"})
         assert status == 401 and json.loads(reply)["error"] == "unauthenticated"
         with pytest.raises(SidecarError) as e:
-            KVClient(sc.url, token="nope").lookup("x", [1])
+            KVClient(sc.url, token="nope").hit_tokens("x", [1])
         assert e.value.status == 401
         with pytest.raises(ValueError, match="Unix socket"):  # a host buffer's fd is passed, never over TCP
             KVClient(sc.url, token=TOKEN).register(buf.handle, FP)
@@ -134,7 +134,7 @@ def test_auth_tcp_token_and_unix_socket(s3, buf, tmp_path):
         assert oct(__import__("os").stat(sock).st_mode & 0o777) == "0o660"
         u = KVClient(socket_path=sock, token="")
         bid = u.register(buf.handle, FP)
-        assert u.lookup(bid, list(range(100))) == 0
+        assert u.hit_tokens(bid, list(range(100))) == 0
         # probes and metrics are open
         assert raw_request(port, "GET", "/healthz")[0] == 200
         assert raw_request(port, "GET", "/readyz")[0] == 200
@@ -144,7 +144,7 @@ def test_auth_tcp_token_and_unix_socket(s3, buf, tmp_path):
 def test_no_configured_token_refuses_tcp(s3, buf):
     with sidecar(s3, token=None) as sc:
         with pytest.raises(SidecarError, match="no token is configured"):
-            KVClient(sc.url, token="anything").lookup("x", [1])
+            KVClient(sc.url, token="anything").hit_tokens("x", [1])
 
 
 @pytest.mark.parametrize(
@@ -175,9 +175,9 @@ def test_bad_slots_are_refused(s3, buf):
         c = KVClient(socket_path=sc.socket)
         bid = c.register(buf.handle, FP)
         with pytest.raises(SidecarError, match="slots"):
-            c.load(bid, list(range(128)), offset=200)  # 200 + 128 > 256 slots
+            c.fetch(bid, list(range(128)), offset=200)  # 200 + 128 > 256 slots
         with pytest.raises(SidecarError, match="slots"):
-            c.save(bid, list(range(128)), slots=[0] * 128)
+            c.store(bid, list(range(128)), slots=[0] * 128)
 
 
 def test_store_down_readyz_lookup_and_store(buf):
@@ -186,10 +186,10 @@ def test_store_down_readyz_lookup_and_store(buf):
         assert raw_request(sc.where["port"], "GET", "/healthz")[0] == 200
         c = KVClient(socket_path=sc.socket)
         bid = c.register(buf.handle, FP)
-        assert c.lookup(bid, list(range(128))) == 0
-        r = c.load(bid, list(range(128)))
+        assert c.hit_tokens(bid, list(range(128))) == 0
+        r = c.fetch(bid, list(range(128)))
         assert (r.loaded_tokens, r.error) == (0, "store_down")
-        assert c.save(bid, list(range(128))).queued_chunks == 2  # accepted; the upload fails later...
+        assert c.store(bid, list(range(128))).queued_chunks == 2  # accepted; the upload fails later...
         c.flush()
         assert 'kvfetcher_errors_total{reason="store_down"}' in c.metrics()  # ...and is counted
 
@@ -200,7 +200,7 @@ def test_store_queue_is_bounded_and_never_blocks(s3, buf):
         bid = c.register(buf.handle, FP)
         buf.tensor.copy_(synthetic_kv(layers=2, heads=2, tokens=256, head_dim=32))
         t = time.perf_counter()
-        replies = [c.save(bid, list(range(i, i + 256))) for i in range(3)]  # 4 chunks each
+        replies = [c.store(bid, list(range(i, i + 256))) for i in range(3)]  # 4 chunks each
         assert time.perf_counter() - t < 1.0  # encoding runs in the background
         assert [r.dropped for r in replies] == [False, True, True]
         assert "kvfetcher_store_dropped_chunks_total 8.0" in c.metrics()
@@ -231,36 +231,36 @@ def test_a_load_given_a_plan_does_not_list_again(s3, buf):
         c = KVClient(socket_path=sc.socket)
         bid = c.register(buf.handle, FP)
         buf.tensor[:, :, :, :192] = kv
-        c.save(bid, tokens)
+        c.store(bid, tokens)
         c.flush()
         buf.tensor.zero_()
         lists.clear()
-        plan = c.plan(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1.0))
+        plan = c.lookup(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1.0))
         assert len(lists) == 0  # its own writes: answered from the sidecar's index
         assert (plan.preset, plan.hit_tokens, plan.loaded_tokens, [p for p, _ in plan.chunks]) == ("raw", 192, 192, ["raw"] * 3)
         assert plan.predicted_s > 0 and plan.lookup_s is None and plan.reason is None
-        r = c.load(bid, tokens, plan, offset=8)
+        r = c.fetch(bid, tokens, plan, offset=8)
         assert len(lists) == 0  # the load listed nothing
         assert (r.loaded_tokens, r.error, r.decision.preset, r.not_loaded) == (192, None, "raw", (192, 192))
         assert torch.equal(buf.tensor[:, :, :, 8:200], kv)
-        r = c.load(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1.0))  # without a plan: it plans, from the index
+        r = c.fetch(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1.0))  # without a plan: it plans, from the index
         assert len(lists) == 0 and r.loaded_tokens == 192
         # a scheduler without buffers gets the plan of the namespace's registered buffer
-        assert c.plan(None, tokens, model=FP, dtype="float16", options=FetchOptions(recompute_tokens_per_s=1.0)).preset == "raw"
+        assert c.lookup(None, tokens, model=FP, dtype="float16", options=FetchOptions(recompute_tokens_per_s=1.0)).preset == "raw"
         # without one, the hit only; a load given that plan chooses for its buffer
         c.unregister(bid)
-        listed = c.plan(None, tokens, model=FP, dtype="float16", kv_shape=(2, 2, 32), options=FetchOptions(recompute_tokens_per_s=1.0))
+        listed = c.lookup(None, tokens, model=FP, dtype="float16", kv_shape=(2, 2, 32), options=FetchOptions(recompute_tokens_per_s=1.0))
         assert (listed.preset, listed.hit_tokens, listed.chunks, len(lists)) == (None, 192, (), 0)
-        r = c.load(c.register(buf.handle, FP), tokens, listed, options=FetchOptions(recompute_tokens_per_s=1.0))
+        r = c.fetch(c.register(buf.handle, FP), tokens, listed, options=FetchOptions(recompute_tokens_per_s=1.0))
         assert (r.loaded_tokens, r.decision.preset, len(lists)) == (192, "raw", 0)
     with sidecar(s3, chunk_tokens=64, presets=("raw",)) as sc:  # a sidecar that did not write them: its index knows nothing
         c = KVClient(socket_path=sc.socket)
         bid = c.register(buf.handle, FP)
         lists.clear()
-        refreshed = c.plan(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1.0, refresh=True))
+        refreshed = c.lookup(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1.0, refresh=True))
         assert (refreshed.preset, refreshed.hit_tokens, len(lists)) == ("raw", 192, 3)  # one LIST per chunk, then known
         assert refreshed.lookup_s > 0
-        assert c.plan(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1.0)).hit_tokens == 192 and len(lists) == 3
+        assert c.lookup(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1.0)).hit_tokens == 192 and len(lists) == 3
 
 
 def test_a_plan_is_checked_before_it_is_trusted(s3, buf):
@@ -272,25 +272,25 @@ def test_a_plan_is_checked_before_it_is_trusted(s3, buf):
         c = KVClient(socket_path=sc.socket)
         bid = c.register(buf.handle, FP)
         buf.tensor[:, :, :, :128] = kv
-        c.save(bid, tokens)
+        c.store(bid, tokens)
         c.flush()
-        plan = c.plan(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1.0))
+        plan = c.lookup(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1.0))
         assert plan.loaded_tokens == 128
         o = KVClient(socket_path=other.socket)
         forged = [
             (tokens[:64] + [7] * 64, plan, "other tokens"),  # another prompt's plan
             (tokens, replace(plan, chunks=((plan.preset, 10**9),) * 2), "not issued by this sidecar"),  # sizes changed
             (tokens, replace(plan, model="another-model"), "not issued by this sidecar"),
-            (tokens, o.plan(o.register(buf.handle, FP), tokens), "not issued by this sidecar"),  # another sidecar's
+            (tokens, o.lookup(o.register(buf.handle, FP), tokens), "not issued by this sidecar"),  # another sidecar's
         ]
         for toks, p, detail in forged:
             with pytest.raises(SidecarError, match=detail) as e:
-                c.load(bid, toks, p)
+                c.fetch(bid, toks, p)
             assert e.value.status == 400
         other_model = c.register(buf.handle, "another-model")
         with pytest.raises(SidecarError, match="another namespace"):
-            c.load(other_model, tokens, plan)
+            c.fetch(other_model, tokens, plan)
         with pytest.raises(SidecarError, match="belong to the plan"):
-            c.load(bid, tokens, plan, options=FetchOptions(recompute_tokens_per_s=1.0))
+            c.fetch(bid, tokens, plan, options=FetchOptions(recompute_tokens_per_s=1.0))
         assert s3.exists(f"kv/{plan.prefix_key[:2]}/{plan.prefix_key}/{plan.preset}.kvfc")  # nothing was dropped
-        assert c.load(bid, tokens, plan).loaded_tokens == 128
+        assert c.fetch(bid, tokens, plan).loaded_tokens == 128

@@ -14,9 +14,9 @@ def test_hit_rate_and_build_info(s3, shm):
         c = KVClient(socket_path=sc.socket)
         bid = c.register(buf.handle, "m")
         buf.tensor.copy_(synthetic_kv(layers=2, heads=2, tokens=256, head_dim=32))
-        c.save(bid, tokens[:128])
+        c.store(bid, tokens[:128])
         c.flush()
-        assert c.lookup(bid, tokens) == 128 and c.lookup(bid, tokens[:200]) == 128
+        assert c.hit_tokens(bid, tokens) == 128 and c.hit_tokens(bid, tokens[:200]) == 128
         text = c.metrics()
     value = lambda name: float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))  # noqa: E731
     assert value("kvfetcher_lookup_tokens_total") == 456 and value("kvfetcher_hit_tokens_total") == 256

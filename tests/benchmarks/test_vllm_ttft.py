@@ -91,9 +91,9 @@ def test_the_index_is_warmed_with_objects_placed_behind_the_sidecars_back(tmp_pa
         (tmp_path / keys.object_name(k, "raw")).write_bytes(b"x")
     with Embedded(Sidecar(LocalStore(tmp_path), Config(chunk_tokens=256, presets=("raw",), decode_procs=0, warm_up=False))) as sc:
         c = KVClient(socket_path=sc.socket)
-        assert c.plan(None, tokens, **ns).hit_tokens == 0  # unknown to the index: not waited for
+        assert c.lookup(None, tokens, **ns).hit_tokens == 0  # unknown to the index: not waited for
         assert warm_index(c, tokens, **ns) == 512
-        assert c.plan(None, tokens, FetchOptions(), **ns).hit_tokens == 512  # known now
+        assert c.lookup(None, tokens, FetchOptions(), **ns).hit_tokens == 512  # known now
 
 
 def test_the_reports_render():

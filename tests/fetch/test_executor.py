@@ -225,10 +225,10 @@ async def test_a_sidecar_stores_zstd_and_loads_it_back_through_its_plan(tmp_path
     async with running(Local(tmp_path), chunk_tokens=32, presets=("q8-zstd",), decode_procs=0, device="cpu") as sc:
         buf.tensor.copy_(kv)
         bid = sc.register(buf.handle, "m")
-        await sc.save(bid, list(range(64)))
+        await sc.store(bid, list(range(64)))
         await sc.flush()
         buf.tensor.fill_(SENTINEL)
-        r = await sc.load(bid, list(range(64)), options=FetchOptions(recompute_tokens_per_s=1e-9))
+        r = await sc.fetch(bid, list(range(64)), options=FetchOptions(recompute_tokens_per_s=1e-9))
         assert (r.error, r.loaded_tokens, r.decision.preset) == (None, 64, "q8-zstd"), r
     names = sorted(n for n in Local(tmp_path).list("kv/"))
     assert len(names) == 2 and all(n.endswith("/q8-zstd.kvfc") for n in names)
@@ -252,13 +252,13 @@ async def test_auto_waits_for_no_warm_up(tmp_path, shm):
     async with running(Local(tmp_path), chunk_tokens=32, presets=("q8", "raw"), decode_procs=0, device="cpu") as sc:
         buf.tensor.copy_(kv)
         bid = sc.register(buf.handle, "m")
-        await sc.save(bid, list(range(64)))
+        await sc.store(bid, list(range(64)))
         await sc.flush()
         slow_model = FetchOptions(recompute_tokens_per_s=1e-9)
         q8_only = FetchOptions(recompute_tokens_per_s=1e-9, presets=("q8",))
-        assert {"q8", "raw"} <= set((await sc.plan(bid, list(range(64)), slow_model)).options)
+        assert {"q8", "raw"} <= set((await sc.lookup(bid, list(range(64)), slow_model)).options)
         sc._warming = asyncio.get_running_loop().create_future()  # a registration's warm-up, still running
-        assert set((await sc.plan(bid, list(range(64)), slow_model)).options) == {"raw", "recompute"}
-        assert (await sc.plan(bid, list(range(64)), q8_only)).preset == "q8"
+        assert set((await sc.lookup(bid, list(range(64)), slow_model)).options) == {"raw", "recompute"}
+        assert (await sc.lookup(bid, list(range(64)), q8_only)).preset == "q8"
         sc._warming.set_result(None)
-        assert "q8" in (await sc.plan(bid, list(range(64)), slow_model)).options
+        assert "q8" in (await sc.lookup(bid, list(range(64)), slow_model)).options

@@ -118,12 +118,12 @@ def test_cuda_ipc_buffer_through_a_sidecar_process(tmp_path):
         buf.tensor[:, :, :, :192] = kv.cuda()
         c = KVClient(f"http://127.0.0.1:{port}", token="t")
         bid = c.register(buf.handle, "m")
-        assert c.save(bid, list(range(192))).queued_chunks == 3
+        assert c.store(bid, list(range(192))).queued_chunks == 3
         c.flush()
         for preset in ("q8", "raw"):
             buf.tensor.fill_(SENTINEL)
             torch.cuda.synchronize()
-            r = c.load(bid, list(range(192)), offset=32, options=FetchOptions(presets=[preset], recompute_tokens_per_s=1.0))
+            r = c.fetch(bid, list(range(192)), offset=32, options=FetchOptions(presets=[preset], recompute_tokens_per_s=1.0))
             assert (r.error, r.loaded_tokens, r.decision.preset) == (None, 192, preset), r
             got = buf.tensor[:, :, :, 32:224].cpu()
             if preset == "raw":

@@ -10,7 +10,7 @@ import pytest
 
 from kvfetcher.fetch import choice, group
 from kvfetcher.fetch.linkshare import LinkShare, Share
-from kvfetcher.fetch.plan import FetchPlan, LoadReply
+from kvfetcher.fetch.plan import FetchPlan, FetchReply
 
 N = 256  # tokens per chunk
 
@@ -26,7 +26,7 @@ def plan(hit, preset="raw", chunks=None, requested=8 * N, options=None, reason=N
 
 
 def reply(loaded, requested=8 * N, error=None):
-    return LoadReply(requested, loaded, N, (loaded, requested), error, error, "detail")
+    return FetchReply(requested, loaded, N, (loaded, requested), error, error, "detail")
 
 
 # --- planning ------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ def group(tmp_path, shm, stores, tokens=TOKENS, **config):
         for r, (c, b) in enumerate(zip(g.clients, bufs)):
             bids.append(c.register(b.handle, MODEL, tp_rank=r))
             b.tensor[:, :, :, : len(tokens)] = kv[:, :, r : r + 1]
-            c.save(bids[-1], tokens)
+            c.store(bids[-1], tokens)
         for c, b in zip(g.clients, bufs):
             c.flush()
             b.tensor.fill_(SENTINEL)
@@ -52,29 +52,29 @@ def local(tmp_path, n=RANKS):
 
 def test_every_rank_loads_its_own_shard(tmp_path, shm):
     with group(tmp_path, shm, local(tmp_path)) as (g, bids, bufs, _, kv):
-        p = g.plan(TOKENS, bids, options=FetchOptions(recompute_tokens_per_s=1.0))
+        p = g.lookup(TOKENS, bids, options=FetchOptions(recompute_tokens_per_s=1.0))
         assert (p.preset, p.loaded_tokens, p.error) == ("raw", len(TOKENS), None)
-        out = g.load(p, TOKENS, bids, offset=8)
+        out = g.fetch(p, TOKENS, bids, offset=8)
         assert (out.loaded_tokens, out.not_loaded, out.error) == (len(TOKENS), (len(TOKENS), len(TOKENS)), None)
         for r, b in enumerate(bufs):
             assert torch.equal(b[:, :, :, 8 : 8 + len(TOKENS)], kv[:, :, r : r + 1])
         # a scheduler without buffers plans by namespace: the same common hit
-        assert g.plan(TOKENS, model=MODEL, dtype="float16", kv_shape=(LAYERS, 1, DIM)).hit_tokens == len(TOKENS)
+        assert g.lookup(TOKENS, model=MODEL, dtype="float16", kv_shape=(LAYERS, 1, DIM)).hit_tokens == len(TOKENS)
 
 
 def test_one_ranks_missing_shard_limits_every_rank_to_the_common_prefix(tmp_path, shm):
     stores = local(tmp_path)
     with group(tmp_path, shm, stores) as (g, bids, bufs, scs, kv):
         stores[1].delete(object_name(scs[1], 1, 2))  # rank 1 loses its shard of chunk 2 (evicted) after its sidecar stored it
-        stale = g.plan(TOKENS, bids, options=FetchOptions(recompute_tokens_per_s=1.0))
+        stale = g.lookup(TOKENS, bids, options=FetchOptions(recompute_tokens_per_s=1.0))
         assert stale.loaded_tokens == len(TOKENS)  # what rank 1's index knew
-        out = g.load(stale, TOKENS, bids)  # the group loads what every rank loaded
+        out = g.fetch(stale, TOKENS, bids)  # the group loads what every rank loaded
         assert (out.loaded_tokens, out.not_loaded) == (2 * CHUNK, (2 * CHUNK, len(TOKENS)))
-        p = g.plan(TOKENS, bids, options=FetchOptions(recompute_tokens_per_s=1.0))  # rank 1's index forgot what failed
+        p = g.lookup(TOKENS, bids, options=FetchOptions(recompute_tokens_per_s=1.0))  # rank 1's index forgot what failed
         assert (p.tokens, p.loaded_tokens, p.reason) == (2 * CHUNK, 2 * CHUNK, "miss")
         for b in bufs:
             b.fill_(SENTINEL)
-        out = g.load(p, TOKENS, bids)
+        out = g.fetch(p, TOKENS, bids)
         assert (out.loaded_tokens, out.not_loaded) == (2 * CHUNK, (2 * CHUNK, len(TOKENS)))
         for r, b in enumerate(bufs):  # no rank holds more than the others: nothing past the common prefix was written
             assert torch.equal(b[:, :, :, : 2 * CHUNK], kv[:, :, r : r + 1, : 2 * CHUNK])
@@ -84,12 +84,12 @@ def test_one_ranks_missing_shard_limits_every_rank_to_the_common_prefix(tmp_path
 def test_one_ranks_corrupt_shard_makes_every_rank_recompute(tmp_path, shm):
     stores = local(tmp_path)
     with group(tmp_path, shm, stores) as (g, bids, _, scs, _):
-        p = g.plan(TOKENS, bids, options=FetchOptions(recompute_tokens_per_s=1.0))
+        p = g.lookup(TOKENS, bids, options=FetchOptions(recompute_tokens_per_s=1.0))
         name = object_name(scs[2], 2, 0)
         obj = stores[2].get(name)
         stores[2].delete(name)
         stores[2].put(name, flip(obj, len(obj) - 100))  # found by the listing, refused by its checksum
-        out = g.load(p, TOKENS, bids)
+        out = g.fetch(p, TOKENS, bids)
         assert (out.loaded_tokens, out.not_loaded, out.error, out.rank) == (0, (0, len(TOKENS)), "corrupt", 2)
         assert out.replies[0].loaded_tokens == len(TOKENS)  # rank 0 had its shard, and recomputes with the others
 
@@ -104,22 +104,22 @@ def test_a_killed_ranks_sidecar_makes_every_rank_recompute(tmp_path, shm):
         with RankGroup([KVClient(socket_path=rank0.socket), KVClient(socket_path=sock)]) as g:
             bids = [c.register(b.handle, MODEL, tp_rank=r) for r, (c, b) in enumerate(zip(g.clients, bufs))]
             for c, bid in zip(g.clients, bids):
-                c.save(bid, TOKENS)
+                c.store(bid, TOKENS)
                 c.flush()
-            p = g.plan(TOKENS, bids, options=FetchOptions(recompute_tokens_per_s=1.0))
+            p = g.lookup(TOKENS, bids, options=FetchOptions(recompute_tokens_per_s=1.0))
             assert p.loaded_tokens == len(TOKENS)
             proc.kill()  # between the plan and the load
             proc.wait(30)
-            out = g.load(p, TOKENS, bids)
+            out = g.fetch(p, TOKENS, bids)
             assert (out.loaded_tokens, out.error, out.rank) == (0, "sidecar_down", 1)
-            again = g.plan(TOKENS, bids, options=FetchOptions(recompute_tokens_per_s=1.0))
+            again = g.lookup(TOKENS, bids, options=FetchOptions(recompute_tokens_per_s=1.0))
             assert (again.preset, again.loaded_tokens, again.error, again.rank) == ("recompute", 0, "sidecar_down", 1)
 
 
 def test_the_group_plans_with_the_link_split_among_its_ranks(tmp_path, shm):
     with group(tmp_path, shm, local(tmp_path)) as (g, bids, _, _, _):
-        p = g.plan(TOKENS, bids, options=FetchOptions(recompute_tokens_per_s=1.0))
-        alone = g.clients[0].plan(bids[0], TOKENS, options=FetchOptions(recompute_tokens_per_s=1.0))
+        p = g.lookup(TOKENS, bids, options=FetchOptions(recompute_tokens_per_s=1.0))
+        alone = g.clients[0].lookup(bids[0], TOKENS, options=FetchOptions(recompute_tokens_per_s=1.0))
         assert alone.preset == p.plans[0].preset == "raw"
         # every rank's estimator is fresh (the prior link, latency and decode rates): the transfer is the
         # stored bytes over the link's share
@@ -144,8 +144,8 @@ def test_ranks_fetching_at_once_learn_the_links_rate_not_their_share(tmp_path, s
         with group(tmp_path, shm, stores, tokens, io_workers=4) as (g, bids, _, scs, _):
             linkserver.set_rate(server.url, rate)
             for _ in range(2):  # a sidecar's first fetch of a format teaches nothing
-                p = g.plan(tokens, bids, options=FetchOptions(recompute_tokens_per_s=1.0))
-                assert g.load(p, tokens, bids).loaded_tokens == len(tokens)
+                p = g.lookup(tokens, bids, options=FetchOptions(recompute_tokens_per_s=1.0))
+                assert g.fetch(p, tokens, bids).loaded_tokens == len(tokens)
             learnt = [sc.sidecar.estimator.bandwidth(stores[0].endpoint) for sc in scs]
             assert all(0.6 * rate < b < 1.4 * rate for b in learnt), learnt  # alone on it, each would have learnt ~rate / 3
     finally:

@@ -18,7 +18,7 @@ async def stored_by_another_sidecar(root, shm):
     buf = shm(kv.shape, kv.dtype)
     buf.tensor.copy_(kv)
     async with running(LocalStore(root), chunk_tokens=32, presets=("raw",), decode_procs=0, device="cpu") as writer:
-        await writer.save(writer.register(buf.handle, "m"), TOKENS)
+        await writer.store(writer.register(buf.handle, "m"), TOKENS)
         await writer.flush()
     return buf
 
@@ -27,10 +27,10 @@ async def test_a_prefix_stored_elsewhere_is_found_by_a_background_listing(tmp_pa
     buf = await stored_by_another_sidecar(tmp_path, shm)
     async with running(LocalStore(tmp_path), chunk_tokens=32, presets=("raw",), decode_procs=0, device="cpu") as sc:
         bid = sc.register(buf.handle, "m")
-        cold = await sc.plan(bid, TOKENS, FetchOptions(**SLOW_MODEL))
+        cold = await sc.lookup(bid, TOKENS, FetchOptions(**SLOW_MODEL))
         assert (cold.hit_tokens, cold.preset, cold.lookup_s) == (0, "recompute", None)  # not known yet: no wait
         await sc.catalog.settled()
-        warm = await sc.plan(bid, TOKENS, FetchOptions(**SLOW_MODEL))
+        warm = await sc.lookup(bid, TOKENS, FetchOptions(**SLOW_MODEL))
         assert (warm.hit_tokens, warm.preset) == (96, "raw")
 
 
@@ -38,7 +38,7 @@ async def test_a_lookup_may_wait_a_little_for_the_listing(tmp_path, shm):
     buf = await stored_by_another_sidecar(tmp_path, shm)
     async with running(LocalStore(tmp_path), chunk_tokens=32, presets=("raw",), decode_procs=0, device="cpu") as sc:
         bid = sc.register(buf.handle, "m")
-        p = await sc.plan(bid, TOKENS, FetchOptions(**SLOW_MODEL, wait_s=10.0))  # a local store lists in well under that
+        p = await sc.lookup(bid, TOKENS, FetchOptions(**SLOW_MODEL, wait_s=10.0))  # a local store lists in well under that
         assert (p.hit_tokens, p.preset) == (96, "raw")
 
 
@@ -46,11 +46,11 @@ async def test_an_absence_is_remembered_for_the_negative_ttl(tmp_path, shm):
     async with running(LocalStore(tmp_path), chunk_tokens=32, presets=("raw",), decode_procs=0, device="cpu", negative_ttl_s=0.3) as sc:
         kv = synthetic_kv(layers=2, heads=2, tokens=96, head_dim=32)
         bid = sc.register(shm(kv.shape, kv.dtype).handle, "m")
-        assert (await sc.plan(bid, TOKENS, FetchOptions(wait_s=10.0))).hit_tokens == 0  # listed: absent
+        assert (await sc.lookup(bid, TOKENS, FetchOptions(wait_s=10.0))).hit_tokens == 0  # listed: absent
         await stored_by_another_sidecar(tmp_path, shm)
-        assert (await sc.plan(bid, TOKENS, FetchOptions(wait_s=10.0))).hit_tokens == 0  # still trusted absent
+        assert (await sc.lookup(bid, TOKENS, FetchOptions(wait_s=10.0))).hit_tokens == 0  # still trusted absent
         await asyncio.sleep(0.35)
-        assert (await sc.plan(bid, TOKENS, FetchOptions(wait_s=10.0))).hit_tokens == 96  # expired: listed again
+        assert (await sc.lookup(bid, TOKENS, FetchOptions(wait_s=10.0))).hit_tokens == 96  # expired: listed again
 
 
 async def test_the_option_gauges_show_the_last_lookup_only(tmp_path, shm):
@@ -59,9 +59,9 @@ async def test_the_option_gauges_show_the_last_lookup_only(tmp_path, shm):
     buf = await stored_by_another_sidecar(tmp_path, shm)
     async with running(LocalStore(tmp_path), chunk_tokens=32, presets=("raw",), decode_procs=0, device="cpu") as sc:
         bid = sc.register(buf.handle, "m")
-        await sc.plan(bid, TOKENS, FetchOptions(refresh=True, **SLOW_MODEL))
+        await sc.lookup(bid, TOKENS, FetchOptions(refresh=True, **SLOW_MODEL))
         options = lambda: {s.labels["option"] for m in sc.metrics.registry.collect() if m.name == "kvfetcher_lookup_option_seconds"  # noqa: E731
                            for s in m.samples}
         assert options() == {"recompute", "raw"}
-        await sc.plan(bid, [7, 7, 7] * 32, FetchOptions(refresh=True, **SLOW_MODEL))  # stored nowhere
+        await sc.lookup(bid, [7, 7, 7] * 32, FetchOptions(refresh=True, **SLOW_MODEL))  # stored nowhere
         assert options() <= {"recompute"}

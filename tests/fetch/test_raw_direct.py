@@ -196,9 +196,9 @@ async def test_a_registered_buffer_has_its_raw_staging_before_the_first_fetch(tm
         bid = sc.register(buf.handle, "m")
         await sc._warming
         before = staging.shared().allocated
-        await sc.save(bid, list(range(128)))
+        await sc.store(bid, list(range(128)))
         await sc.flush()
         buf.tensor.fill_(SENTINEL)
-        r = await sc.load(bid, list(range(128)), options=FetchOptions(recompute_tokens_per_s=1e-9))
+        r = await sc.fetch(bid, list(range(128)), options=FetchOptions(recompute_tokens_per_s=1e-9))
         assert (r.error, r.loaded_tokens, r.decision.preset) == (None, 128, "raw"), r
         assert same_bits(buf.tensor, kv) and staging.shared().allocated == before

@@ -244,18 +244,18 @@ async def test_a_fetch_beside_a_warm_up_does_not_teach_the_estimator(tmp_path, s
         buf = shared(kv)
         buf.tensor.copy_(kv)
         bid = sc.register(buf.handle, "m")
-        await sc.save(bid, list(range(64)))
+        await sc.store(bid, list(range(64)))
         await sc.flush()
-        learned = lambda: "exact" in sc.estimator.rates(sc.store.endpoint).decode_Bps  # noqa: E731
+        learned = lambda: "exact" in sc.estimator.rates(sc.objects.endpoint).decode_Bps  # noqa: E731
         warming = asyncio.get_running_loop().create_future()
         sc._warming = warming  # a registration's warm-up still under way
         try:
             for _ in range(2):  # the second would teach (the first of a format never does), but shares the workers
-                r = await sc.load(bid, list(range(64)), options=FetchOptions(presets=["exact"], recompute_tokens_per_s=1e-9))
+                r = await sc.fetch(bid, list(range(64)), options=FetchOptions(presets=["exact"], recompute_tokens_per_s=1e-9))
                 assert r.loaded_tokens == 64 and not learned(), r
         finally:
             warming.set_result(None)  # (close awaits it)
-        r = await sc.load(bid, list(range(64)), options=FetchOptions(presets=["exact"], recompute_tokens_per_s=1e-9))
+        r = await sc.fetch(bid, list(range(64)), options=FetchOptions(presets=["exact"], recompute_tokens_per_s=1e-9))
         assert r.loaded_tokens == 64 and learned(), r
         buf.close()
 
@@ -270,17 +270,17 @@ async def test_a_sidecar_warms_its_workers_and_maps_a_buffer_when_it_is_register
         bid = sc.register(buf.handle, "m")
         await sc._warming  # this model's chunk geometry, in the background
         assert sc.metrics.registry.get_sample_value("kvfetcher_errors_total", {"reason": "warm_up"}) is None
-        await sc.save(bid, list(range(64)))
+        await sc.store(bid, list(range(64)))
         await sc.flush()
         round_trip(sc.workers)
         buf.close()  # only a worker that mapped it at registration can still write it
         buf.tensor.fill_(SENTINEL)
-        r = await sc.load(bid, list(range(64)), options=FetchOptions(presets=["exact"], recompute_tokens_per_s=1e-9))
+        r = await sc.fetch(bid, list(range(64)), options=FetchOptions(presets=["exact"], recompute_tokens_per_s=1e-9))
         assert (r.error, r.loaded_tokens, sc.workers.stats["chunks"]) == (None, 64, 2), r
         assert torch.equal(buf.tensor, kv)
-        assert "exact" not in sc.estimator.rates(sc.store.endpoint).decode_Bps  # a first fetch pays set-up: not learned
-        r = await sc.load(bid, list(range(64)), options=FetchOptions(presets=["exact"], recompute_tokens_per_s=1e-9))
-        assert r.loaded_tokens == 64 and "exact" in sc.estimator.rates(sc.store.endpoint).decode_Bps
+        assert "exact" not in sc.estimator.rates(sc.objects.endpoint).decode_Bps  # a first fetch pays set-up: not learned
+        r = await sc.fetch(bid, list(range(64)), options=FetchOptions(presets=["exact"], recompute_tokens_per_s=1e-9))
+        assert r.loaded_tokens == 64 and "exact" in sc.estimator.rates(sc.objects.endpoint).decode_Bps
 
 
 async def test_a_gpu_sidecar_touches_no_gpu_before_a_model_registers_one(tmp_path):

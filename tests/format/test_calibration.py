@@ -123,11 +123,11 @@ async def test_a_model_without_calibration_never_stores_or_plans_balanced(local,
         bid = sc.register(buf.handle, "uncalibrated-lm/fp16")
         await sc.calibrations.finding
         assert sc.writer.presets_for("uncalibrated-lm/fp16") == ("q8",)
-        await sc.save(bid, _tokens())
+        await sc.store(bid, _tokens())
         await sc.flush()
         stored = sorted(keys.preset_of(n) for n in store.list("kv/"))
         assert stored == ["q8", "q8"]
-        again = await sc.save(bid, _tokens())  # stored in every preset it may store: nothing to queue
+        again = await sc.store(bid, _tokens())  # stored in every preset it may store: nothing to queue
         assert again["skipped_chunks"] == 2
         # a balanced object under its name (e.g. written before) is never chosen
         ck = keys.chunk_keys(sc.buffers[bid].ns, _tokens(), 32)
@@ -135,7 +135,7 @@ async def test_a_model_without_calibration_never_stores_or_plans_balanced(local,
             store.delete(keys.object_name(k, "q8"))
             store.put(keys.object_name(k, "balanced"), b"x" * 10)
         sc.index.forget(ck)  # as a sidecar that did not write them sees the store: it lists them
-        plan = await sc.plan(bid, _tokens(), options=FetchOptions(recompute_tokens_per_s=1e-9, refresh=True))
+        plan = await sc.lookup(bid, _tokens(), options=FetchOptions(recompute_tokens_per_s=1e-9, refresh=True))
         assert plan.hit_tokens == 64 and plan.preset == "recompute"  # listed, never chosen
 
 
@@ -148,11 +148,11 @@ async def test_a_sidecar_finds_its_models_calibration_in_the_store_and_stores_ba
     async with running(store, chunk_tokens=32, presets=("balanced",), decode_procs=0, device="cpu", warm_up=False) as sc:
         bid = sc.register(buf.handle, "tiny-lm/fp16")
         await sc.calibrations.finding
-        await sc.save(bid, _tokens())
+        await sc.store(bid, _tokens())
         await sc.flush()
         assert sorted(keys.preset_of(n) for n in store.list("kv/")) == ["balanced", "balanced"]
         buf.tensor.zero_()
-        r = await sc.load(bid, _tokens(), options=FetchOptions(recompute_tokens_per_s=1e-9))
+        r = await sc.fetch(bid, _tokens(), options=FetchOptions(recompute_tokens_per_s=1e-9))
         assert (r.error, r.loaded_tokens, r.decision.preset) == (None, 64, "balanced"), r
         assert (buf.tensor.float() - kv.float()).abs().mean() < 0.2
 
@@ -170,20 +170,20 @@ async def test_a_calibration_published_after_the_sidecar_started_is_found_on_the
         assert sc.writer.presets_for("tiny-lm/fp16") == ("q8",)
         calibration.publish(store, *made("tiny-lm", tmp_path / "made"))
         looked = sc.calibrations.finding
-        await sc.plan(bid, _tokens())  # within the interval: no second look
+        await sc.lookup(bid, _tokens())  # within the interval: no second look
         assert sc.calibrations.finding is looked and sc.writer.presets_for("tiny-lm/fp16") == ("q8",)
         sc.calibrations.recheck_s = 0.0
-        await sc.plan(bid, _tokens())
+        await sc.lookup(bid, _tokens())
         await sc.calibrations.finding
         assert sc.writer.presets_for("tiny-lm/fp16") == ("q8", "balanced")
-        await sc.save(bid, _tokens())
+        await sc.store(bid, _tokens())
         await sc.flush()
         assert sorted(keys.preset_of(n) for n in store.list("kv/")) == ["balanced", "balanced", "q8", "q8"]
-        plan = await sc.plan(bid, _tokens(), options=FetchOptions(recompute_tokens_per_s=1e-9))
+        plan = await sc.lookup(bid, _tokens(), options=FetchOptions(recompute_tokens_per_s=1e-9))
         assert plan.preset == "balanced"
         sc.calibrations.recheck_s = 3600.0
         looked = sc.calibrations.finding
-        await sc.plan(bid, _tokens())  # found: looked for again only after the interval (a longer tag may come)
+        await sc.lookup(bid, _tokens())  # found: looked for again only after the interval (a longer tag may come)
         assert sc.calibrations.finding is looked
 
 

@@ -61,8 +61,8 @@ class Loads(KVClient):
         super().__init__(*a, **kw)
         self.calls, self.after = [], None
 
-    def load(self, buffer, tokens, plan=None, **kw):
-        reply = super().load(buffer, tokens, plan, **kw)
+    def fetch(self, buffer, tokens, plan=None, **kw):
+        reply = super().fetch(buffer, tokens, plan, **kw)
         self.calls.append((buffer, kw.get("first_token", 0), kw.get("offset", 0), [tuple(o) for o in reply.objects or ()]))
         if self.after:
             self.after(reply)
@@ -77,7 +77,7 @@ def served_sidecar(tmp_path):
         write_blocks(src, LAYOUT, BLOCK_IDS, KV)
         buf, st, _ = staged.register(c, src, LAYOUT, FP, 0, 1024)
         assert st.engine is None  # host memory: the sidecar decodes (staged mode) unless asked
-        assert st.save(c, buf, TOKENS, BLOCK_IDS, N) == 10
+        assert st.store(c, buf, TOKENS, BLOCK_IDS, N) == 10
         c.flush()
         st.close()
         yield sc
@@ -96,7 +96,7 @@ def sidecar_decoded(sc, preset: str) -> torch.Tensor:
     """What the sidecar itself restores of the prompt in ``preset`` into a flat host buffer."""
     c = KVClient(socket_path=sc.socket)
     flat = ipc.allocate((LAYERS, 2, HEADS, len(TOKENS), HEAD_DIM), torch.float16)
-    assert c.load(c.register(flat.handle, FP), TOKENS, options=FetchOptions(presets=(preset,), recompute_tokens_per_s=1.0)).loaded_tokens == 640
+    assert c.fetch(c.register(flat.handle, FP), TOKENS, options=FetchOptions(presets=(preset,), recompute_tokens_per_s=1.0)).loaded_tokens == 640
     return flat.tensor.clone()
 
 
@@ -108,7 +108,7 @@ def test_the_engine_restores_the_verified_objects_past_its_own_hit_in_arena_wind
     c, dst, _, st = engine(served_sidecar)
     kv_before = metric(c, "kvfetcher_kv_bytes_restored_total")
     options = FetchOptions(presets=(preset,), recompute_tokens_per_s=1.0)
-    assert st.load(c, st.arena, TOKENS, BLOCK_IDS, 160, 640, options=options) == 640
+    assert st.fetch(c, st.arena, TOKENS, BLOCK_IDS, 160, 640, options=options) == 640
     assert all(b == st.arena and off == 0 for b, _, off, _ in c.calls)  # the arena is addressed by first_token only
     firsts = [first for _, first, _, _ in c.calls]
     assert firsts[0] == 160 and all(f % N == 0 for f in firsts[1:]) and len(firsts) >= 2, firsts  # windows of what fit
@@ -120,16 +120,16 @@ def test_the_engine_restores_the_verified_objects_past_its_own_hit_in_arena_wind
     assert torch.equal(got[:, :, :, 160:].view(torch.int16), want[:, :, :, 160:].view(torch.int16))
     assert untouched(dst, BLOCK_IDS)
     assert metric(c, "kvfetcher_engine_objects_total", preset=preset) == 8
-    st.load(c, st.arena, TOKENS, BLOCK_IDS, 160, 640, options=options)  # its report of the first load rides on this one
+    st.fetch(c, st.arena, TOKENS, BLOCK_IDS, 160, 640, options=options)  # its report of the first load rides on this one
     assert metric(c, "kvfetcher_engine_kv_bytes_total", preset=preset) > 0
     assert metric(c, "kvfetcher_engine_decode_seconds_total", preset=preset) > 0
 
 
 def test_a_load_ends_at_end_and_a_window_never_writes_past_it(served_sidecar):
     c, dst, _, st = engine(served_sidecar, staging_tokens=1024)
-    plan = c.plan(st.arena, TOKENS + [1, 2], FetchOptions(presets=("q8-zstd",), recompute_tokens_per_s=1.0))
+    plan = c.lookup(st.arena, TOKENS + [1, 2], FetchOptions(presets=("q8-zstd",), recompute_tokens_per_s=1.0))
     assert (plan.preset, plan.loaded_tokens) == ("q8-zstd", 640)
-    assert st.load(c, st.arena, TOKENS + [1, 2], BLOCK_IDS, 0, 320, plan) == 320
+    assert st.fetch(c, st.arena, TOKENS + [1, 2], BLOCK_IDS, 0, 320, plan) == 320
     assert len(c.calls) == 1  # one window holds it all, with the plan
     got = read_blocks(dst, LAYOUT, BLOCK_IDS, 0, 640)
     assert bool((got[:, :, :, 320:] == SENTINEL).all()) and untouched(dst, BLOCK_IDS[:20])
@@ -145,7 +145,7 @@ def test_a_corrupt_stored_object_never_reaches_the_blocks(served_sidecar, tmp_pa
     obj[h.header_size + h.segments[0].offset + 5] ^= 0xFF
     path.write_bytes(bytes(obj))
     c, dst, _, st = engine(served_sidecar, staging_tokens=1024)
-    assert st.load(c, st.arena, TOKENS, BLOCK_IDS, 128, 640, options=FetchOptions(presets=("q8-zstd",), recompute_tokens_per_s=1.0)) == 320
+    assert st.fetch(c, st.arena, TOKENS, BLOCK_IDS, 128, 640, options=FetchOptions(presets=("q8-zstd",), recompute_tokens_per_s=1.0)) == 320
     assert [o[0] for o in c.calls[0][3]] == [128, 192, 256]
     got = read_blocks(dst, LAYOUT, BLOCK_IDS, 0, 640)
     assert bool((got[:, :, :, 320:] == SENTINEL).all()) and untouched(dst, BLOCK_IDS[:20])
@@ -163,7 +163,7 @@ def test_bytes_changed_in_the_arena_after_the_reply_are_refused_by_the_engine(se
         st._memory[offset + size - 3] ^= 0xFF  # inside its last segment
 
     c.after = damage
-    assert st.load(c, st.arena, TOKENS, BLOCK_IDS, 0, 640, options=FetchOptions(presets=("q8-zstd",), recompute_tokens_per_s=1.0)) == 128
+    assert st.fetch(c, st.arena, TOKENS, BLOCK_IDS, 0, 640, options=FetchOptions(presets=("q8-zstd",), recompute_tokens_per_s=1.0)) == 128
     got = read_blocks(dst, LAYOUT, BLOCK_IDS, 0, 640)
     assert torch.equal(got[:, :, :, 128:160], KV[:, :, :, 128:160].flip(0))  # its blocks as the engine had them
     assert bool((got[:, :, :, 160:] == SENTINEL).all()) and untouched(dst, BLOCK_IDS[:10])
@@ -182,10 +182,10 @@ def test_plans_for_an_engine_buffer_use_its_formats_and_rates(served_sidecar, tm
     own = c.register(flat.handle, FP)
     gpu = c.register(flat.handle, FP, engine=EngineDecode(("raw", "zstd", "ans"), "cuda"))
     slow = FetchOptions(recompute_tokens_per_s=1.0, refresh=True)
-    mine, theirs = c.plan(own, tokens, slow), c.plan(gpu, tokens, slow)
+    mine, theirs = c.lookup(own, tokens, slow), c.lookup(gpu, tokens, slow)
     assert "q8-ans" not in mine.options and "q8-ans" in theirs.options
     assert theirs.options["q8-zstd"] < mine.options["q8-zstd"]  # decoded at a GPU's rate, not this CPU's
-    assert c.plan(None, tokens, slow, model=FP, kv_shape=(LAYERS, HEADS, HEAD_DIM)).options.keys() == theirs.options.keys()  # the scheduler's
+    assert c.lookup(None, tokens, slow, model=FP, kv_shape=(LAYERS, HEADS, HEAD_DIM)).options.keys() == theirs.options.keys()  # the scheduler's
 
 
 def test_the_wire_contract_is_checked(served_sidecar):
@@ -194,9 +194,9 @@ def test_the_wire_contract_is_checked(served_sidecar):
     own = c.register(flat.handle, FP)
     arena = c.register(flat.handle, FP, engine=EngineDecode(("raw", "zstd"), "cpu"))
     with pytest.raises(SidecarError, match="only for an engine-decode buffer"):
-        c.load(own, TOKENS, decoded=[EngineDecoded("raw", 10, 0.1)])
+        c.fetch(own, TOKENS, decoded=[EngineDecoded("raw", 10, 0.1)])
     with pytest.raises(SidecarError, match="no slots, offset or block_ids"):
-        c.load(arena, TOKENS, offset=-64, first_token=64)
+        c.fetch(arena, TOKENS, offset=-64, first_token=64)
     for formats, device, match in ((("h264",), "cuda", "engine formats"), (("raw",), "tpu", "engine device")):
         body = {"model": FP, "handle": {"kind": "cuda", "args": {"tuple": []}, "shape": [1], "dtype": "float16"},
                 "engine": {"formats": list(formats), "device": device}}
@@ -213,7 +213,7 @@ def test_an_arena_holding_no_object_is_a_clear_error(served_sidecar):
     tiny = ipc.allocate((LAYERS, 2, HEADS, 8, HEAD_DIM), torch.float16)
     arena = c.register(tiny.handle, FP, engine=EngineDecode(("raw",), "cpu"))
     with pytest.raises(SidecarError, match="holds no stored object"):
-        c.load(arena, TOKENS, options=FetchOptions(presets=("raw",), recompute_tokens_per_s=1.0))
+        c.fetch(arena, TOKENS, options=FetchOptions(presets=("raw",), recompute_tokens_per_s=1.0))
 
 
 def test_restore_object_is_the_one_restore(tmp_path):
@@ -266,13 +266,13 @@ def test_gpu_blocks_load_ans_decoded_here_through_a_sidecar_without_cuda(tmp_pat
         buf, st, why = staged.register(c, dst, LAYOUT, FP, 0, 192)
         assert st is not None and st.engine is not None and "ans" in st.engine.formats and "needs a sidecar with CUDA" in why, why
         options = FetchOptions(presets=("q8-ans",), recompute_tokens_per_s=1.0)
-        assert st.load(c, buf, TOKENS, BLOCK_IDS, 160, 640, options=options) == 640
+        assert st.fetch(c, buf, TOKENS, BLOCK_IDS, 160, 640, options=options) == 640
         got = read_blocks(dst, LAYOUT, BLOCK_IDS, 0, 640)
         assert torch.equal(got[:, :, :, :160], kv[:, :, :, :160].flip(0))
         assert torch.equal(got[:, :, :, 160:].view(torch.int16), want[:, :, :, 160:].view(torch.int16))
         assert metric(c, "kvfetcher_engine_objects_total", preset="q8-ans") == 8
         assert metric(c, "kvfetcher_kv_bytes_restored_total") == 0
-        plan = c.plan(st.arena, TOKENS, FetchOptions(recompute_tokens_per_s=1.0, refresh=True))
+        plan = c.lookup(st.arena, TOKENS, FetchOptions(recompute_tokens_per_s=1.0, refresh=True))
         assert plan.preset == "q8-ans", plan  # auto weighs the format only this engine decodes
 
 

@@ -36,7 +36,7 @@ def test_a_silent_sidecar_never_holds_the_scheduler(tmp_path):
     asks, started = [], time.monotonic()
     while True:
         t = time.monotonic()
-        got = lk.answer("r", lambda: client.plan(None, list(range(4096)), model="m", dtype="float16"), lambda: "recompute")
+        got = lk.answer("r", lambda: client.lookup(None, list(range(4096)), model="m", dtype="float16"), lambda: "recompute")
         asks.append(time.monotonic() - t)
         if got is not NOT_YET:
             break

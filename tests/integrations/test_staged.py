@@ -39,13 +39,13 @@ class Recording(KVClient):
         super().__init__(*a, **kw)
         self.calls: list[tuple[str, int, int, int, bool]] = []
 
-    def load(self, buffer, tokens, plan=None, **kw):
+    def fetch(self, buffer, tokens, plan=None, **kw):
         self.calls.append(("load", len(tokens), kw.get("first_token", 0), kw.get("offset", 0), plan is not None))
-        return super().load(buffer, tokens, plan, **kw)
+        return super().fetch(buffer, tokens, plan, **kw)
 
-    def save(self, buffer, tokens, **kw):
+    def store(self, buffer, tokens, **kw):
         self.calls.append(("save", len(tokens), kw.get("first_token", 0), kw.get("offset", 0), False))
-        return super().save(buffer, tokens, **kw)
+        return super().store(buffer, tokens, **kw)
 
 
 def blocks(fill=SENTINEL, device="cpu"):
@@ -70,7 +70,7 @@ def stored(sc, kv, tokens=TOKENS, staging_tokens=192) -> list[tuple]:
     write_blocks(src, PagedLayout(DIMS, BS), BLOCK_IDS[: len(tokens) // BS], kv)
     c = Recording(socket_path=sc.socket)
     buf, st, _ = staged.register(c, src, PagedLayout(DIMS, BS), FP, 0, staging_tokens)
-    assert st.save(c, buf, tokens, BLOCK_IDS, N) == len(tokens) // N
+    assert st.store(c, buf, tokens, BLOCK_IDS, N) == len(tokens) // N
     c.flush()
     st.close()
     return c.calls
@@ -89,7 +89,7 @@ def test_a_prompt_longer_than_the_staging_is_stored_and_loaded_in_windows_from_a
     c = Recording(socket_path=served_sidecar.socket)
     buf, st, why = staged.register(c, dst, layout, FP, 0, 192)
     assert "host memory" in why
-    assert st.load(c, buf, TOKENS, BLOCK_IDS, 160, 640, options=SLOW_MODEL) == 640
+    assert st.fetch(c, buf, TOKENS, BLOCK_IDS, 160, 640, options=SLOW_MODEL) == 640
     assert [call[1:4] for call in c.calls] == [(352, 160, -160), (512, 320, -320), (640, 512, -512)]  # whole chunks in 192 slots
     got = read_blocks(dst, layout, BLOCK_IDS, 0, 640)
     assert torch.equal(got[:, :, :, :160].view(torch.int16), theirs[:, :, :, :160].view(torch.int16))  # never written
@@ -104,9 +104,9 @@ def test_a_plan_is_used_when_one_window_holds_the_prompt_and_a_load_ends_at_end(
     layout = PagedLayout(DIMS, BS)
     c = Recording(socket_path=served_sidecar.socket)
     buf, st, _ = staged.register(c, dst, layout, FP, 0, 1024)
-    plan = c.plan(buf, TOKENS + [1, 2, 3], SLOW_MODEL)
+    plan = c.lookup(buf, TOKENS + [1, 2, 3], SLOW_MODEL)
     assert (plan.preset, plan.loaded_tokens) == ("raw", 640)
-    assert st.load(c, buf, TOKENS + [1, 2, 3], BLOCK_IDS, 0, 320, plan, SLOW_MODEL) == 320
+    assert st.fetch(c, buf, TOKENS + [1, 2, 3], BLOCK_IDS, 0, 320, plan, SLOW_MODEL) == 320
     assert c.calls == [("load", 643, 0, 0, True)]
     got = read_blocks(dst, layout, BLOCK_IDS, 0, 640)
     assert torch.equal(got[:, :, :, :320], kv[:, :, :, :320]) and bool((got[:, :, :, 320:] == SENTINEL).all())  # nothing past end
@@ -119,7 +119,7 @@ def test_a_partial_hit_loads_the_stored_chunks_and_stops(served_sidecar):
     dst = blocks()
     c = Recording(socket_path=served_sidecar.socket)
     buf, st, _ = staged.register(c, dst, PagedLayout(DIMS, BS), FP, 0, 192)
-    assert st.load(c, buf, TOKENS, BLOCK_IDS, 0, 640, options=SLOW_MODEL) == 256
+    assert st.fetch(c, buf, TOKENS, BLOCK_IDS, 0, 640, options=SLOW_MODEL) == 256
     assert [call[1:4] for call in c.calls] == [(192, 0, 0), (384, 192, -192)]  # the second window found chunk 4 missing
     assert torch.equal(read_blocks(dst, PagedLayout(DIMS, BS), BLOCK_IDS, 0, 256), kv[:, :, :, :256])
     assert untouched(dst, BLOCK_IDS[:16])
@@ -131,8 +131,8 @@ def test_a_staging_smaller_than_a_chunk_moves_nothing(served_sidecar):
     c = KVClient(socket_path=served_sidecar.socket)
     dst = blocks()
     buf, st, _ = staged.register(c, dst, PagedLayout(DIMS, BS), FP, 0, 48)
-    assert st.load(c, buf, TOKENS, BLOCK_IDS, 0, 640, options=SLOW_MODEL) == 0
-    assert st.save(c, buf, TOKENS, BLOCK_IDS, N) == 0
+    assert st.fetch(c, buf, TOKENS, BLOCK_IDS, 0, 640, options=SLOW_MODEL) == 0
+    assert st.store(c, buf, TOKENS, BLOCK_IDS, N) == 0
     assert untouched(dst, [])
 
 
@@ -142,16 +142,16 @@ def test_windows_over_http_are_checked(served_sidecar):
     c = KVClient(socket_path=served_sidecar.socket)
     buf, st, _ = staged.register(c, blocks(), PagedLayout(DIMS, BS), FP, 0, 128)
     with pytest.raises(SidecarError, match="out of range"):
-        c.load(buf, TOKENS[:128], offset=-10, first_token=0)
+        c.fetch(buf, TOKENS[:128], offset=-10, first_token=0)
     with pytest.raises(SidecarError, match="out of range"):
-        c.load(buf, TOKENS[:256], offset=-64, first_token=64)  # 192 tokens from 64 do not fit 128 slots
+        c.fetch(buf, TOKENS[:256], offset=-64, first_token=64)  # 192 tokens from 64 do not fit 128 slots
     with pytest.raises(SidecarError, match="whole chunks"):
-        c.save(buf, TOKENS[:256], offset=-96, first_token=96)
+        c.store(buf, TOKENS[:256], offset=-96, first_token=96)
     st.buffer.tensor.fill_(1.0)
-    rep = c.save(buf, TOKENS[:256], offset=-128, first_token=128)
+    rep = c.store(buf, TOKENS[:256], offset=-128, first_token=128)
     assert (rep.skipped_chunks, rep.queued_chunks) == (2, 2)
     c.flush()
-    assert c.lookup(buf, TOKENS[:256]) == 0  # chunks 0 and 1 were never stored: the run starts with a miss
+    assert c.hit_tokens(buf, TOKENS[:256]) == 0  # chunks 0 and 1 were never stored: the run starts with a miss
 
 
 def test_a_cuda_handle_to_a_sidecar_without_cuda_is_refused_as_no_device(served_sidecar):
@@ -200,20 +200,20 @@ def test_gpu_blocks_through_a_sidecar_without_cuda(tmp_path):
         torch.cuda.synchronize()
         buf, st, why = staged.register(c, src, layout, FP, 0, 192)
         assert st is not None and "needs a sidecar with CUDA" in why, why
-        assert st.save(c, buf, TOKENS, BLOCK_IDS, N) == 10
+        assert st.store(c, buf, TOKENS, BLOCK_IDS, N) == 10
         c.flush()
         for preset in ("raw", "q8", "q8-zstd"):
             dst = blocks(device="cuda")
             write_blocks(dst, layout, BLOCK_IDS[:10], kv[:, :, :, :160].flip(0))  # the engine's own KV before token 160
             dbuf, dst_staging, _ = staged.register(c, dst, layout, FP, 0, 192)
             options = FetchOptions(presets=(preset,), recompute_tokens_per_s=1.0)
-            assert dst_staging.load(c, dbuf, TOKENS, BLOCK_IDS, 160, 640, options=options) == 640, preset
+            assert dst_staging.fetch(c, dbuf, TOKENS, BLOCK_IDS, 160, 640, options=options) == 640, preset
             got = read_blocks(dst, layout, BLOCK_IDS, 0, 640)
             assert torch.equal(got[:, :, :, :160], kv[:, :, :, :160].flip(0))
             if preset == "raw":
                 assert torch.equal(got[:, :, :, 160:].view(torch.int16), kv[:, :, :, 160:].view(torch.int16))  # byte-identical
             else:  # a lossy preset: what a flat host buffer loads, byte for byte
                 flat = ipc.allocate((LAYERS, 2, HEADS, 640, HEAD_DIM), torch.float16)
-                assert c.load(c.register(flat.handle, FP), TOKENS, options=options).loaded_tokens == 640
+                assert c.fetch(c.register(flat.handle, FP), TOKENS, options=options).loaded_tokens == 640
                 assert torch.equal(got[:, :, :, 160:].cpu().view(torch.int16), flat.tensor[:, :, :, 160:].view(torch.int16)), preset
             assert untouched(dst, BLOCK_IDS)

@@ -35,7 +35,7 @@ def test_store_then_fetch_gives_identical_generation(lm, prompt, s3):
         KVClient(a.url, token=TOKEN).flush()
         gb = cached_lm(lm, b, recompute_tps=SLOW_MODEL_TPS).generate(ids, NEW, store=False)
         assert "kvfetcher_lookup_seconds_count 1.0" in KVClient(b.url, token=TOKEN).metrics()  # the prefix listed once
-    assert gb.load.error is None and gb.load.decision.preset == "q8"
+    assert gb.fetch.error is None and gb.fetch.decision.preset == "q8"
     assert gb.loaded_tokens == (len(ids) - 1) // CHUNK * CHUNK
     assert gb.computed_tokens == len(ids) - gb.loaded_tokens
     assert gb.tokens == ga.tokens
@@ -72,7 +72,7 @@ def test_fault_sidecar_gone(lm, prompt, s3):
     with sidecar(s3) as sc:
         m = cached_lm(lm, sc, recompute_tps=SLOW_MODEL_TPS)
     g = m.generate(ids, NEW)  # the sidecar has stopped: lookup, load and store all fail to connect
-    assert (g.loaded_tokens, g.load, g.store) == (0, None, None)
+    assert (g.loaded_tokens, g.fetch, g.store) == (0, None, None)
     assert g.tokens == reference
 
 
@@ -109,7 +109,7 @@ def test_fault_falls_back_to_recompute(lm, prompt, objects, s3_endpoint, slow_pr
     with sidecar(store) as sc:
         g = cached_lm(lm, sc, recompute_tps=SLOW_MODEL_TPS).generate(ids, NEW, store=False)
         metrics = KVClient(sc.url, token=TOKEN).metrics()
-    assert g.load is not None and g.load.error == reason, g.load
+    assert g.fetch is not None and g.fetch.error == reason, g.fetch
     assert g.loaded_tokens == CHUNK  # chunk 0 is good; chunk 1 is not, so it and what follows are recomputed
     assert g.computed_tokens == len(ids) - CHUNK
     assert g.tokens == reference
@@ -127,8 +127,8 @@ def test_fault_slow_link_past_the_deadline(lm, prompt, objects, s3_endpoint, slo
     store = S3Store(proxy.endpoint, direct.bucket, "testing", "testing")
     with sidecar(store) as sc:
         g = cached_lm(lm, sc, recompute_tps=SLOW_MODEL_TPS).generate(ids, NEW, store=False, deadline_s=0.5)
-    assert g.load.error == "deadline"
-    assert g.load.seconds < 1.5
+    assert g.fetch.error == "deadline"
+    assert g.fetch.seconds < 1.5
     assert g.loaded_tokens < len(ids) // CHUNK * CHUNK
     assert g.tokens == reference
     assert all(direct.exists(n) for n, _ in objects)  # a slow link loses nothing
@@ -145,8 +145,8 @@ def test_a_dropped_bad_object_is_repaired_by_the_next_store(lm, prompt, objects,
         first = m.generate(ids, NEW)  # falls back at chunk 1, then stores the prompt again
         KVClient(sc.url, token=TOKEN).flush()
         second = m.generate(ids, NEW, store=False)
-    assert first.load.error == "corrupt" and first.tokens == reference
-    assert second.load.error is None and second.loaded_tokens == len(objects) * CHUNK
+    assert first.fetch.error == "corrupt" and first.tokens == reference
+    assert second.fetch.error is None and second.loaded_tokens == len(objects) * CHUNK
     assert second.tokens == reference
     # rewritten from the second prefill (on top of the fp16 chunk 0, so close to, not equal to, the first)
     _, kv, _ = prompt
@@ -171,7 +171,7 @@ def test_16_concurrent_fetches_of_different_prefixes_never_cross_talk(lm, prompt
         wid = writer.register(wbuf.handle, lm.fingerprint)
         for p, k in zip(prompts, kvs):
             wbuf.tensor.copy_(k)
-            assert writer.save(wid, p).queued_chunks == 3
+            assert writer.store(wid, p).queued_chunks == 3
         writer.flush()
         bufs = [ipc.allocate((L, 2, H, length + 32, D), torch.float16) for _ in range(n)]
         results = [None] * n
@@ -179,7 +179,7 @@ def test_16_concurrent_fetches_of_different_prefixes_never_cross_talk(lm, prompt
         def fetch(i):
             c = KVClient(socket_path=sc.socket)
             bid = c.register(bufs[i].handle, lm.fingerprint)
-            results[i] = c.load(bid, prompts[i], offset=i % 32, options=FetchOptions(recompute_tokens_per_s=SLOW_MODEL_TPS))
+            results[i] = c.fetch(bid, prompts[i], offset=i % 32, options=FetchOptions(recompute_tokens_per_s=SLOW_MODEL_TPS))
 
         threads = [threading.Thread(target=fetch, args=(i,)) for i in range(n)]
         for t in threads:

@@ -50,7 +50,7 @@ def test_exact_restores_every_layer_and_generates_the_models_own_tokens(gemma, c
         KVClient(a.url, token=TOKEN).flush()
         gb = cached(gemma, b, recompute_tps=SLOW_TPS).generate(ids, NEW, store=False)
     assert ga.loaded_tokens == 0 and ga.tokens == reference
-    assert gb.load.error is None and gb.load.decision.preset == "exact" and gb.loaded_tokens == 640
+    assert gb.fetch.error is None and gb.fetch.decision.preset == "exact" and gb.loaded_tokens == 640
     assert gb.tokens == reference
 
 
@@ -80,6 +80,6 @@ def test_calibrate_publish_fetch_and_generate_with_balanced(gemma, case, s3, tmp
         assert (tmp_path / "node" / path.name).exists()  # fetched from the store at registration
         gc = cached(gemma, c, recompute_tps=SLOW_TPS).generate(ids, NEW, store=False)
     assert ga.tokens == reference and ga.store.queued_chunks == 5
-    assert gc.load.error is None and gc.load.decision.preset == "balanced" and gc.loaded_tokens == 640
+    assert gc.fetch.error is None and gc.fetch.decision.preset == "balanced" and gc.loaded_tokens == 640
     assert sum(x == y for x, y in zip(gc.tokens, reference)) >= NEW // 2
     presets.for_model.cache_clear()

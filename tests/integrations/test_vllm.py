@@ -61,7 +61,7 @@ class Sidecar(SidecarProcess):
 
     def stored(self, tokens: list[int], ns: keys.Namespace = NS) -> int:
         """Leading tokens of ``tokens`` stored (of rank ``ns.tp_rank``'s shard)."""
-        return self.client(30).lookup(None, tokens, model=ns.model, dtype=ns.dtype, tp_rank=ns.tp_rank, kv_shape=ns.shape)
+        return self.client(30).hit_tokens(None, tokens, model=ns.model, dtype=ns.dtype, tp_rank=ns.tp_rank, kv_shape=ns.shape)
 
     def wait_stored(self, tokens: list[int], n: int, timeout_s: float = 60, ns: keys.Namespace = NS) -> None:
         """Wait until the engine's save of ``tokens`` reached the store (it runs in the background)."""

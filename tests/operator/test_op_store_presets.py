@@ -133,7 +133,7 @@ async def test_a_sidecar_from_the_injected_env_stores_exactly_the_pools_presets(
     store = LocalStore(str(tmp_path))
     async with running(store, **{f: getattr(cfg, f) for f in cfg.__dataclass_fields__}) as sc:
         bid = sc.register(buf.handle, "m")
-        reply = await sc.save(bid, list(range(48)))
+        reply = await sc.store(bid, list(range(48)))
         await sc.flush()
     assert reply["queued_chunks"] == 3
     names = store.list("kv/")

@@ -114,10 +114,10 @@ def test_a_client_truncating_its_buffer_cannot_kill_the_sidecar(served):
         with contextlib.suppress(PermissionError):  # a sealed memfd refuses to shrink
             _shrink(buf.handle)
         tokens = list(range(64))
-        c.save(bid, tokens)
+        c.store(bid, tokens)
         c.flush()
         buf.tensor.zero_()
-        r = c.load(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1e-6))
+        r = c.fetch(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1e-6))
         assert proc.poll() is None, "the sidecar died"
         assert r.loaded_tokens == 64 and torch.equal(buf.tensor, kv), r
     finally:

@@ -88,11 +88,11 @@ async def test_registrations_are_bounded_and_the_least_recently_used_goes_first(
     await sc.start()
     try:
         a, b = sc.register(shm().handle, FP), sc.register(shm().handle, FP)
-        await sc.plan(a, TOKENS)  # a used since b registered
+        await sc.lookup(a, TOKENS)  # a used since b registered
         c = sc.register(shm().handle, FP)
         assert set(sc.buffers) == {a, c}
         with pytest.raises(RequestError, match="unknown buffer"):
-            await sc.plan(b, TOKENS)
+            await sc.lookup(b, TOKENS)
     finally:
         await sc.close()
 
@@ -140,20 +140,20 @@ async def test_a_stale_plan_does_not_delete_the_object_stored_again_since(tmp_pa
     await sc.start()
     try:
         bid = sc.register(shm().handle, FP)
-        await sc.save(bid, TOKENS)
+        await sc.store(bid, TOKENS)
         await sc.flush()
-        plan = await sc.plan(bid, TOKENS, options=FetchOptions(recompute_tokens_per_s=1e-9))
+        plan = await sc.lookup(bid, TOKENS, options=FetchOptions(recompute_tokens_per_s=1e-9))
         name = keys.object_name(keys.chunk_keys(sc.buffers[bid].ns, TOKENS, N)[0], "q8")
         again = encode_chunk(synthetic_kv(layers=2, heads=2, tokens=N, head_dim=16, seed=9) * 50, "q8", FP)
         assert len(again) != store.list(name)[name]
         store.delete(name)  # evicted, and stored again by another writer
         store.put(name, again)
-        r = await sc.load(bid, TOKENS, plan)
+        r = await sc.fetch(bid, TOKENS, plan)
         assert r.loaded_tokens == 0 and store.get(name) == again  # kept
         # a truly truncated object (the plan lists what is there) is still dropped
         store.delete(name)
         store.put(name, again[: len(again) // 2])
-        r = await sc.load(bid, TOKENS, await sc.plan(bid, TOKENS, options=FetchOptions(recompute_tokens_per_s=1e-9, refresh=True)))
+        r = await sc.fetch(bid, TOKENS, await sc.lookup(bid, TOKENS, options=FetchOptions(recompute_tokens_per_s=1e-9, refresh=True)))
         assert r.loaded_tokens == 0 and not store.exists(name)
     finally:
         await sc.close()
@@ -201,8 +201,8 @@ async def test_unknown_preset_names_are_refused(tmp_path, shm):
     try:
         bid = sc.register(shm().handle, FP)
         with pytest.raises(ValueError, match="unknown preset"):  # refused where the options are made (the API: a 400)
-            await sc.plan(bid, TOKENS, options=FetchOptions(presets=["raw", "rwa"]))
-        assert (await sc.plan(bid, TOKENS, options=FetchOptions(presets=["raw"]))).hit_tokens == 0
+            await sc.lookup(bid, TOKENS, options=FetchOptions(presets=["raw", "rwa"]))
+        assert (await sc.lookup(bid, TOKENS, options=FetchOptions(presets=["raw"]))).hit_tokens == 0
     finally:
         await sc.close()
 
@@ -231,15 +231,15 @@ async def test_during_a_key_rotation_sidecars_neither_delete_nor_lose_each_other
     await new.start()
     try:
         a, b = old.register(shm().handle, FP), new.register(shm().handle, FP)
-        await old.save(a, TOKENS[: 2 * N])  # the old key's chunks 0-1
+        await old.store(a, TOKENS[: 2 * N])  # the old key's chunks 0-1
         await old.flush()
-        assert (await new.load(b, TOKENS[: 2 * N], options=FetchOptions(recompute_tokens_per_s=1e-9))).loaded_tokens == 2 * N  # accepted
-        await new.save(b, TOKENS)  # the new key's chunks 2-3
+        assert (await new.fetch(b, TOKENS[: 2 * N], options=FetchOptions(recompute_tokens_per_s=1e-9))).loaded_tokens == 2 * N  # accepted
+        await new.store(b, TOKENS)  # the new key's chunks 2-3
         await new.flush()
         listed = store.list("kv/")
-        r = await old.load(a, TOKENS, options=FetchOptions(recompute_tokens_per_s=1e-9))
+        r = await old.fetch(a, TOKENS, options=FetchOptions(recompute_tokens_per_s=1e-9))
         assert (r.loaded_tokens, r.error) == (2 * N, "other_key") and store.list("kv/") == listed  # nothing deleted
-        assert (await new.load(b, TOKENS, options=FetchOptions(recompute_tokens_per_s=1e-9))).loaded_tokens == len(TOKENS)
+        assert (await new.fetch(b, TOKENS, options=FetchOptions(recompute_tokens_per_s=1e-9))).loaded_tokens == len(TOKENS)
     finally:
         await old.close()
         await new.close()

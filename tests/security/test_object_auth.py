@@ -296,7 +296,7 @@ async def test_a_sidecar_with_the_key_tags_what_it_stores_and_drops_what_it_cann
         await sc.start()
         buf.tensor.copy_(kv)
         bid = sc.register(buf.handle, FP)
-        await sc.save(bid, tokens)
+        await sc.store(bid, tokens)
         await sc.flush()
         names = [keys.object_name(k, "raw") for k in keys.chunk_keys(sc.buffers[bid].ns, tokens, CHUNK)]
         for n in names:  # written with tags bound to the name
@@ -304,10 +304,10 @@ async def test_a_sidecar_with_the_key_tags_what_it_stores_and_drops_what_it_cann
         store.delete(names[1])  # a writer without the key puts its own KV there
         store.put(names[1], encode_chunk(torch.zeros_like(kv[:, :, :, :CHUNK]), "raw", FP, start=CHUNK))
         buf.tensor.fill_(SENTINEL)
-        reply = await sc.load(bid, tokens)  # planned from the index: the object it knew, not the one there now
+        reply = await sc.fetch(bid, tokens)  # planned from the index: the object it knew, not the one there now
         assert reply.reason == "unauthenticated" and reply.loaded_tokens == CHUNK
         assert bool((buf.tensor[:, :, :, CHUNK:] == SENTINEL).all())
-        reply = await sc.load(bid, tokens)  # the index forgot it: listed, the object there now is refused and dropped
+        reply = await sc.fetch(bid, tokens)  # the index forgot it: listed, the object there now is refused and dropped
         assert reply.reason == "unauthenticated" and reply.loaded_tokens == CHUNK
         assert not store.exists(names[1])  # deleted: the next store writes it anew, tagged
         assert bool((buf.tensor[:, :, :, CHUNK:] == SENTINEL).all())
@@ -323,7 +323,7 @@ async def test_the_deployment_fixes_the_model_fingerprint(tmp_path):
         with pytest.raises(RequestError, match="serves model"):
             sc.register(buf.handle, "a-poisoners-claim")
         with pytest.raises(RequestError, match="serves model"):
-            await sc.plan(sc.namespace("a-poisoners-claim", "float16"), list(range(CHUNK)))
+            await sc.lookup(sc.namespace("a-poisoners-claim", "float16"), list(range(CHUNK)))
         assert sc.buffers[sc.register(buf.handle, FP)].ns.model == FP
     finally:
         await sc.close()

@@ -78,13 +78,13 @@ async def test_differently_shaped_buffers_never_share_or_delete_chunks(tmp_path,
     sc = await started(store)
     try:
         a, b = sc.register(shm(heads=2).handle, FP), sc.register(shm(heads=4).handle, FP)
-        await sc.save(a, TOKENS)
+        await sc.store(a, TOKENS)
         await sc.flush()
         stored = store.list("kv/")
-        r = await sc.load(b, TOKENS)  # same model and dtype, other geometry: a clean miss
+        r = await sc.fetch(b, TOKENS)  # same model and dtype, other geometry: a clean miss
         assert (r.loaded_tokens, r.reason, r.error) == (0, "miss", None)
         assert store.list("kv/") == stored  # nothing deleted
-        assert (await sc.load(a, TOKENS)).loaded_tokens == len(TOKENS)
+        assert (await sc.fetch(a, TOKENS)).loaded_tokens == len(TOKENS)
     finally:
         await sc.close()
 
@@ -97,7 +97,7 @@ async def test_a_chunk_that_does_not_fit_is_a_miss_and_is_never_deleted(tmp_path
         key = keys.chunk_keys(sc.buffers[bid].ns, TOKENS, N)[0]
         other = encode_chunk(synthetic_kv(layers=2, heads=4, tokens=N, head_dim=16), "raw", FP)  # another geometry
         store.put(keys.object_name(key, "raw"), other)
-        r = await sc.load(bid, TOKENS[:N])
+        r = await sc.fetch(bid, TOKENS[:N])
         assert (r.loaded_tokens, r.reason) == (0, "geometry")
         assert store.exists(keys.object_name(key, "raw"))
     finally:
@@ -133,12 +133,12 @@ async def test_stalled_reads_do_not_starve_lookups_and_abandoned_reads_are_cance
     sc = await started(store, io_workers=2, meta_io_workers=2)
     try:
         bid = sc.register(shm().handle, FP)
-        await sc.save(bid, TOKENS)
+        await sc.store(bid, TOKENS)
         await sc.flush()
         store.stalled = True
-        loads = await asyncio.gather(*(sc.load(bid, TOKENS, options=FetchOptions(deadline_s=0.3)) for _ in range(6)))
+        loads = await asyncio.gather(*(sc.fetch(bid, TOKENS, options=FetchOptions(deadline_s=0.3)) for _ in range(6)))
         assert {r.reason for r in loads} == {"deadline"}
-        p = await sc.plan(bid, TOKENS, options=FetchOptions(deadline_s=2.0))  # LISTs are not queued behind the stalled GETs
+        p = await sc.lookup(bid, TOKENS, options=FetchOptions(deadline_s=2.0))  # LISTs are not queued behind the stalled GETs
         assert (p.hit_tokens, p.reason) == (len(TOKENS), None)
         store.release.set()
         await asyncio.sleep(0.5)
@@ -184,7 +184,7 @@ async def test_a_read_only_store_is_not_ready_and_a_bad_object_there_does_not_fa
     with Embedded(sc, "t") as e:
         status, text = request(e.where["port"], "GET", "/readyz")
         assert (status, text) == (503, "store not ready: store_read_only\n")  # no path, no error text
-        r = await sc.load(bid, TOKENS[:N])  # the delete of the bad object fails: counted, not raised
+        r = await sc.fetch(bid, TOKENS[:N])  # the delete of the bad object fails: counted, not raised
         assert r.loaded_tokens == 0 and r.error in ("truncated", "corrupt")
         assert 'kvfetcher_errors_total{reason="store_read_only"} 1.0' in sc.metrics.exposition().decode()
 
@@ -200,7 +200,7 @@ async def test_a_full_store_is_not_ready_and_its_failed_stores_are_counted_as_su
         with pytest.raises(StoreFull):
             store.ping()
         bid = sc.register(shm(capacity=64 * N).handle, FP)
-        await sc.save(bid, list(range(64 * N)))
+        await sc.store(bid, list(range(64 * N)))
         await sc.flush()
         text = sc.metrics.exposition().decode()
         assert 'kvfetcher_errors_total{reason="store_full"} 1.0' in text and 'reason="internal"' not in text
@@ -228,26 +228,26 @@ async def test_a_lookup_stops_at_the_first_miss_and_long_requests_are_refused(tm
         bid = sc.register(shm(capacity=128 * N).handle, FP)
         await sc.calibrations.finding  # the registration's one look for the model's calibration in the store
         store.lists = 0
-        p = await sc.plan(bid, list(range(128 * N)))
+        p = await sc.lookup(bid, list(range(128 * N)))
         assert (p.hit_tokens, store.lists) == (0, 0)  # answered from the index: no store request waited for
         await sc.catalog.settled()
         assert store.lists == 1  # the background listing of a miss of the first chunk: one LIST, not 128
-        p = await sc.plan(bid, list(range(128 * N)))
+        p = await sc.lookup(bid, list(range(128 * N)))
         await sc.catalog.settled()
         assert (p.hit_tokens, store.lists) == (0, 1)  # the miss is remembered: not listed again
-        await sc.save(bid, TOKENS)  # 8 chunks stored
+        await sc.store(bid, TOKENS)  # 8 chunks stored
         await sc.flush()
         store.lists = 0
-        p = await sc.plan(bid, TOKENS + list(range(120 * N)))
+        p = await sc.lookup(bid, TOKENS + list(range(120 * N)))
         assert p.hit_tokens == len(TOKENS) and store.lists == 0  # its own writes: known without a store request
         await sc.catalog.settled()
         assert store.lists == 1  # what follows them: one LIST (chunk 9, absent), not one per chunk
-        p = await sc.plan(bid, TOKENS + list(range(120 * N)), FetchOptions(refresh=True))
+        p = await sc.lookup(bid, TOKENS + list(range(120 * N)), FetchOptions(refresh=True))
         assert p.hit_tokens == len(TOKENS) and store.lists == 1  # known absent, fresh: a refresh lists nothing either
         with pytest.raises(RequestError):
-            await sc.plan(bid, list(range(4097)))
+            await sc.lookup(bid, list(range(4097)))
         with pytest.raises(RequestError):
-            await sc.save(bid, list(range(4097)))
+            await sc.store(bid, list(range(4097)))
     finally:
         await sc.close()
 
@@ -261,16 +261,16 @@ async def test_a_long_store_queues_the_leading_chunks_that_fit_and_skips_stored_
     try:
         buf = shm()
         bid = sc.register(buf.handle, FP)
-        r = await sc.save(bid, TOKENS)  # 8 chunks, room for 4: the first 4 are stored
+        r = await sc.store(bid, TOKENS)  # 8 chunks, room for 4: the first 4 are stored
         assert (r["queued_chunks"], r["skipped_chunks"], r["dropped_chunks"], r["dropped"]) == (4, 0, 4, True)
         await sc.flush()
-        r = await sc.save(bid, TOKENS)  # the stored 4 take no room: the other 4 now fit
+        r = await sc.store(bid, TOKENS)  # the stored 4 take no room: the other 4 now fit
         assert (r["queued_chunks"], r["skipped_chunks"], r["dropped_chunks"]) == (4, 4, 0)
         await sc.flush()
         assert "kvfetcher_store_dropped_chunks_total 4.0" in sc.metrics.exposition().decode()
         expected = buf.tensor.clone()
         buf.tensor.zero_()
-        assert (await sc.load(bid, TOKENS)).loaded_tokens == len(TOKENS)
+        assert (await sc.fetch(bid, TOKENS)).loaded_tokens == len(TOKENS)
         assert torch.equal(buf.tensor, expected)  # each chunk stored from its own slots
     finally:
         await sc.close()

@@ -154,7 +154,7 @@ def _prefix_closed(stored: dict, prompts: list[list[int]], ns) -> bool:
 
 async def _fill(sc, bid, prompts):
     for p in prompts:
-        await sc.save(bid, p)
+        await sc.store(bid, p)
     await sc.flush()
 
 
@@ -245,13 +245,13 @@ async def test_a_load_planned_before_an_eviction_gets_a_clean_prefix_and_recompu
         bid = sc.register(buf.handle, "m")
         buf.tensor.copy_(kv)
         await _fill(sc, bid, [prompt])
-        plan = await sc.plan(bid, prompt, options=FetchOptions(recompute_tokens_per_s=1e-9))
+        plan = await sc.lookup(bid, prompt, options=FetchOptions(recompute_tokens_per_s=1e-9))
         assert plan.hit_tokens == 4 * CHUNK and len(plan.chunks) == 4
         ck = keys.chunk_keys(sc._buffer(bid).ns, prompt, CHUNK)
         two = sum(st.size for k in ck[:2] for st in retention.chunk_objects(store)[k].values())
         assert (await asyncio.to_thread(retention.enforce, store, two, None)).evicted_chunks == 2
         buf.tensor.fill_(0)
-        r = await sc.load(bid, prompt, plan)
+        r = await sc.fetch(bid, prompt, plan)
     assert (r.error, r.loaded_tokens, r.not_loaded) == ("missing", 2 * CHUNK, (2 * CHUNK, 4 * CHUNK))
     assert torch.equal(buf.tensor[:, :, :, : 2 * CHUNK], kv[:, :, :, : 2 * CHUNK])
     assert bool((buf.tensor[:, :, :, 2 * CHUNK :] == 0).all())
@@ -285,9 +285,9 @@ async def test_concurrent_fetches_only_hit_or_miss_cleanly_while_the_evictor_run
             for _ in range(16):
                 p = rng.choice(prompts)
                 buf.tensor.copy_(kv)
-                await sc.save(bid, p)
+                await sc.store(bid, p)
                 buf.tensor.fill_(0)
-                r = await sc.load(bid, rng.choice(prompts), options=FetchOptions(recompute_tokens_per_s=1e-9, presets=("raw",)))  # q8 is lossy
+                r = await sc.fetch(bid, rng.choice(prompts), options=FetchOptions(recompute_tokens_per_s=1e-9, presets=("raw",)))  # q8 is lossy
                 outcomes.append((r.error, r.loaded_tokens))
                 assert r.error in (None, "missing"), r
                 n = r.loaded_tokens

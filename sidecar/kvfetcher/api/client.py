@@ -1,11 +1,12 @@
-"""client: the model side of the sidecar, in vLLM KV-connector terms.
+"""client: the model side of the sidecar: lookup, fetch and store, as the HTTP API says.
 
-* :meth:`KVClient.plan` — the scheduler's question, "what of this prompt would you load, and how
-  long would it take?" (``get_num_new_matched_tokens``); :meth:`KVClient.lookup` is its hit count;
-* :meth:`KVClient.load` — the worker's "load them into these slots (or blocks) of my KV buffers",
+* :meth:`KVClient.lookup` — the scheduler's question, "what of this prompt would you fetch, and how
+  long would it take?" (vLLM's ``get_num_new_matched_tokens``), answered with a plan;
+  :meth:`KVClient.hit_tokens` is only its hit count;
+* :meth:`KVClient.fetch` — the worker's "fetch them into these slots (or blocks) of my KV buffers",
   given the plan (the store is then not listed again) or not; it answers with how many tokens were
   really loaded (the rest is recomputed);
-* :meth:`KVClient.save` — "store this prefix", which returns at once.
+* :meth:`KVClient.store` — "store this prefix", which returns at once.
 
 Messages are those of :mod:`kvfetcher.api.schemas`. Synchronous (model code is), one keep-alive
 connection per client, over TCP with a bearer token or over the sidecar's Unix socket.
@@ -23,7 +24,7 @@ import torch
 
 from kvfetcher import config, ipc
 from kvfetcher.api import schemas
-from kvfetcher.fetch.plan import EngineDecode, EngineDecoded, FetchOptions, FetchPlan, LoadReply
+from kvfetcher.fetch.plan import EngineDecode, EngineDecoded, FetchOptions, FetchPlan, FetchReply
 from kvfetcher.kvbuffer import PagedLayout
 
 
@@ -138,14 +139,14 @@ class KVClient:
         self.chunk_tokens = getattr(reply, "chunk_tokens", None) or self.chunk_tokens
         return reply
 
-    # --- the connector verbs -----------------------------------------------------------------
+    # --- the API's verbs ---------------------------------------------------------------------
 
     def register(self, handle: dict, model: str, tp_rank: int = 0, engine: EngineDecode | None = None) -> str:
         """Register a KV buffer (see :mod:`kvfetcher.ipc`); returns its id for the other calls.
-        With ``engine`` (a host buffer) this process decodes stored objects itself: loads write
-        them into the buffer (``LoadReply.objects``) instead of KV.
+        With ``engine`` (a host buffer) this process decodes stored objects itself: fetches write
+        them into the buffer (``FetchReply.objects``) instead of KV.
 
-        The id is the registration's capability: whoever holds it may load into, store from and
+        The id is the registration's capability: whoever holds it may fetch into, store from and
         unregister the buffer, so keep it in this process. A host-memory buffer (a memfd handle
         from :func:`ipc.allocate`) is registered only over the Unix socket: its fd is passed on the
         sidecar's buffer socket, never named. A CUDA handle goes over either transport."""
@@ -168,7 +169,7 @@ class KVClient:
     def register_paged(self, tensors: torch.Tensor | Sequence[torch.Tensor], layout: PagedLayout, model: str, tp_rank: int = 0) -> str:
         """Register a serving engine's paged KV on the GPU by CUDA IPC: one tensor holding every layer
         (``L`` in ``layout.dims``) or one per layer, in layer order (:class:`kvfetcher.kvbuffer.PagedLayout`);
-        loads and saves then name ``block_ids``. The sidecar restores straight into the blocks.
+        fetches and stores then name ``block_ids``. The sidecar restores straight into the blocks.
         On a CPU no process can map another's tensors: register a flat buffer (:meth:`register`)
         and copy with :func:`kvfetcher.kvbuffer.write_blocks` / ``read_blocks``."""
         handles = [ipc.cuda_handle(t) for t in ([tensors] if isinstance(tensors, torch.Tensor) else tensors)]
@@ -180,9 +181,9 @@ class KVClient:
     def unregister(self, buffer: str) -> None:
         self._call(schemas.UNREGISTER, path=f"/v1/buffers/{buffer}")
 
-    def plan(self, buffer: str | None, tokens: Sequence[int], options: FetchOptions | None = None, *, model: str | None = None,
-             dtype: str = "float16", tp_rank: int = 0, kv_shape: Sequence[int] | None = None) -> FetchPlan:
-        """What a load of ``tokens`` would do, chosen as ``options`` say: pass it to :meth:`load` unchanged.
+    def lookup(self, buffer: str | None, tokens: Sequence[int], options: FetchOptions | None = None, *, model: str | None = None,
+               dtype: str = "float16", tp_rank: int = 0, kv_shape: Sequence[int] | None = None) -> FetchPlan:
+        """What a fetch of ``tokens`` would do, chosen as ``options`` say: pass it to :meth:`fetch` unchanged.
 
         Name the namespace by a registered ``buffer``, or (a scheduler with no buffers) by
         ``model``, ``dtype``, ``tp_rank`` and ``kv_shape`` (layers, kv_heads, head_dim; default: that
@@ -191,10 +192,11 @@ class KVClient:
         background), unless ``options.refresh``."""
         return self._lookup(buffer, tokens, options, model, dtype, tp_rank, kv_shape).plan
 
-    def lookup(self, buffer: str | None, tokens: Sequence[int], *, model: str | None = None, dtype: str = "float16", tp_rank: int = 0,
-               kv_shape: Sequence[int] | None = None, refresh: bool = True) -> int:
+    def hit_tokens(self, buffer: str | None, tokens: Sequence[int], *, model: str | None = None, dtype: str = "float16", tp_rank: int = 0,
+                   kv_shape: Sequence[int] | None = None, refresh: bool = True) -> int:
         """How many leading tokens of ``tokens`` are stored (a multiple of the chunk size), as the
-        store says (``refresh``) or as the sidecar's index knows now; see :meth:`plan`."""
+        store says (``refresh``) or as the sidecar's index knows now: a :meth:`lookup`'s
+        ``hit_tokens``."""
         return self._lookup(buffer, tokens, FetchOptions(refresh=refresh), model, dtype, tp_rank, kv_shape).tokens
 
     def _lookup(self, buffer, tokens, options, model, dtype, tp_rank, kv_shape) -> schemas.LookupReply:
@@ -202,14 +204,14 @@ class KVClient:
                                                                  kv_shape=tuple(map(int, kv_shape)) if kv_shape else None)
         return self._call(schemas.LOOKUP, schemas.LookupRequest(schemas.TokenIds.pack(tokens), **ns, options=options))
 
-    def load(self, buffer: str, tokens: Sequence[int], plan: FetchPlan | None = None, *, options: FetchOptions | None = None,
-             offset: int = 0, slots: Sequence[int] | None = None, block_ids: Sequence[int] | None = None, first_token: int = 0,
-             decoded: Sequence[EngineDecoded] | None = None) -> LoadReply:
-        """Load the stored leading chunks of ``tokens`` into the buffer at ``offset`` (or ``slots``;
+    def fetch(self, buffer: str, tokens: Sequence[int], plan: FetchPlan | None = None, *, options: FetchOptions | None = None,
+              offset: int = 0, slots: Sequence[int] | None = None, block_ids: Sequence[int] | None = None, first_token: int = 0,
+              decoded: Sequence[EngineDecoded] | None = None) -> FetchReply:
+        """Fetch the stored leading chunks of ``tokens`` into the buffer at ``offset`` (or ``slots``;
         a paged buffer: into ``block_ids``, the prompt's blocks in order).
 
-        With a ``plan`` from :meth:`plan` (for this buffer's namespace and these tokens), the
-        sidecar loads what it says without looking up again; ``options`` may then give only
+        With a ``plan`` from :meth:`lookup` (for this buffer's namespace and these tokens), the
+        sidecar fetches what it says without looking up again; ``options`` may then give only
         ``deadline_s`` (unless the plan chose no preset: made for a namespace without a registered
         buffer, it is only a hit count, and the sidecar looks up again). When this returns,
         ``loaded_tokens`` leading tokens are in the buffer (on a GPU, with the sidecar's writes
@@ -223,10 +225,10 @@ class KVClient:
             buffer, schemas.TokenIds.pack(tokens), plan, offset, _ints(slots), options, _ints(block_ids), first_token,
             list(decoded) if decoded else None))
 
-    def save(self, buffer: str, tokens: Sequence[int], *, offset: int = 0, slots: Sequence[int] | None = None,
-             block_ids: Sequence[int] | None = None, first_token: int = 0) -> schemas.StoreReply:
+    def store(self, buffer: str, tokens: Sequence[int], *, offset: int = 0, slots: Sequence[int] | None = None,
+              block_ids: Sequence[int] | None = None, first_token: int = 0) -> schemas.StoreReply:
         """Queue the prefix whose KV is in the buffer (at ``offset``, ``slots`` or ``block_ids``, as
-        in :meth:`load`) for storing; returns at once. The chunks before ``first_token`` (whole
+        in :meth:`fetch`) for storing; returns at once. The chunks before ``first_token`` (whole
         chunks) are the caller's: not read.
 
         The KV must be in the buffer when this is called (on a GPU: written and synchronized);

@@ -29,7 +29,7 @@ import numpy as np
 
 from kvfetcher import ipc
 from kvfetcher.errors import RequestError
-from kvfetcher.fetch.plan import EngineDecode, EngineDecoded, FetchOptions, FetchPlan, LoadDecision, LoadReply
+from kvfetcher.fetch.plan import EngineDecode, EngineDecoded, FetchOptions, FetchPlan, FetchDecision, FetchReply
 from kvfetcher.fetch.prefill import PrefillModel
 from kvfetcher.kvbuffer import PagedLayout
 
@@ -66,9 +66,9 @@ class RegisterRequest:
     model: str = doc("model fingerprint")
     tp_rank: int = natural("tensor-parallel rank", 0)
     paged: PagedLayout | None = doc("absent: a flat buffer `[layers, 2, kv_heads, capacity, head_dim]`; present: the registered tensors "
-                                    "hold KV in blocks, laid out as this says (loads and stores then name `block_ids`)", None)
+                                    "hold KV in blocks, laid out as this says (fetches and stores then name `block_ids`)", None)
     engine: EngineDecode | None = doc("a flat host buffer (memfd) of an engine that decodes stored objects itself (engine-decode mode: "
-                                      "a GPU this sidecar cannot open): loads into it write verified stored objects, not KV "
+                                      "a GPU this sidecar cannot open): fetches into it write verified stored objects, not KV "
                                       "(`objects` in the reply), and plans use the engine's formats and decode rates", None)
 
     def buffer_handle(self) -> dict:
@@ -138,14 +138,14 @@ class LookupRequest:
     tp_rank: int = natural("tensor-parallel rank (without `buffer`)", 0)
     kv_shape: tuple[int, int, int] | None = positive("KV geometry `[layers, kv_heads, head_dim]` (without `buffer`; default: that of "
                                                      "the registered buffer of `model`, `dtype` and `tp_rank`)", None)
-    options: FetchOptions | None = doc("how the load is chosen (default: the sidecar's settings)", None)
+    options: FetchOptions | None = doc("how the fetch is chosen (default: the sidecar's settings)", None)
 
 
 @dataclass
 class LookupReply:
     tokens: int = doc("leading tokens found stored (the plan's `hit_tokens`)")
     chunk_tokens: int = doc("tokens per chunk")
-    plan: FetchPlan = doc("what a load would do: pass it back to `/v1/fetch` unchanged")
+    plan: FetchPlan = doc("what a fetch would do: pass it back to `/v1/fetch` unchanged")
     error: str | None = doc("why the store could not be listed, if it could not", None)
     detail: str | None = doc("a human-readable detail of `error`", None)
 
@@ -153,17 +153,17 @@ class LookupReply:
 @dataclass
 class FetchRequest:
     buffer: str = doc("a registered buffer's id")
-    tokens: TokenIds = doc(TOKENS + "; whole chunks of them are loaded")
+    tokens: TokenIds = doc(TOKENS + "; whole chunks of them are fetched")
     plan: FetchPlan | None = doc("a plan from `/v1/lookup` for this buffer's namespace and these tokens; without one the sidecar looks up "
                                  "(listing what its index does not know)", None)
     offset: int = doc("token `i` goes to slot `offset + i` of the buffer's token axis; " + WINDOW, 0)
     slots: list[int] | None = natural("token `i` goes to slot `slots[i]` (instead of `offset`)", None)
-    options: FetchOptions | None = doc("without a plan: as in `/v1/lookup`; with one, only `deadline_s` (of the load)", None)
+    options: FetchOptions | None = doc("without a plan: as in `/v1/lookup`; with one, only `deadline_s` (of the fetch)", None)
     block_ids: list[int] | None = natural(BLOCK_IDS, None)
     first_token: int = natural("tokens before it are the caller's (a serving engine's own prefix-cache hit, whose blocks other requests "
                                "may share): never written, and chunks wholly before it are not fetched; a chunk straddling it writes "
                                "only its tail. A paged buffer needs whole blocks. `loaded_tokens` still counts from token 0", 0)
-    decoded: list[EngineDecoded] | None = doc("an engine-decode buffer's engine: its own decodes since its last load (they teach the "
+    decoded: list[EngineDecoded] | None = doc("an engine-decode buffer's engine: its own decodes since its last fetch (they teach the "
                                               "cost model its decode rates)", None)
 
 
@@ -214,16 +214,16 @@ REGISTER = Endpoint("POST", "/v1/buffers", RegisterRequest, RegisterReply,
                     "Register a KV buffer `[layers, 2, kv_heads, capacity, head_dim]`, or a serving engine's paged KV tensors (`paged`).")
 UNREGISTER = Endpoint("DELETE", "/v1/buffers/{id}", None, Ok, "Forget a registered buffer.")
 LOOKUP = Endpoint("POST", "/v1/lookup", LookupRequest, LookupReply,
-                  "Plan a load: the prefix's stored run from the sidecar's index of the store, then the cost model. Touches no buffer and, "
+                  "Plan a fetch: the prefix's stored run from the sidecar's index of the store, then the cost model. Touches no buffer and, "
                   "unless `options.refresh`, waits on no store request: chunks the index does not know are listed in the background.")
-FETCH = Endpoint("POST", "/v1/fetch", FetchRequest, LoadReply,
-                 "Load the leading chunks into the buffer; with a plan, the store is not listed again. A storage or data failure "
+FETCH = Endpoint("POST", "/v1/fetch", FetchRequest, FetchReply,
+                 "Fetch the leading chunks into the buffer; with a plan, the store is not listed again. A storage or data failure "
                  "is not an HTTP error: the reply says how many tokens were loaded and why not more.")
 STORE = Endpoint("POST", "/v1/store", StoreRequest, StoreReply,
                  "Queue the prefix for storing; the KV is copied before the reply, so the buffer may be reused at once.", 202)
 FLUSH = Endpoint("POST", "/v1/flush", None, Ok, "Wait until every queued store is written (tests, demo, shutdown).")
 ENDPOINTS = (REGISTER, UNREGISTER, LOOKUP, FETCH, STORE, FLUSH)
-MESSAGES = (FetchOptions, FetchPlan, LoadDecision, PrefillModel, PagedLayout, EngineDecode, EngineDecoded, ErrorReply)  # nested or shared, documented once each
+MESSAGES = (FetchOptions, FetchPlan, FetchDecision, PrefillModel, PagedLayout, EngineDecode, EngineDecoded, ErrorReply)  # nested or shared, documented once each
 
 
 # --- checking and rendering ------------------------------------------------------------------

@@ -227,21 +227,21 @@ async def lookup(request: web.Request) -> web.Response:
         target = sc.namespace(r.model, r.dtype, r.tp_rank, r.kv_shape)
     else:
         raise RequestError("give 'buffer', or 'model' and 'dtype' (and 'tp_rank')")
-    plan = await sc.plan(target, r.tokens, r.options)
+    plan = await sc.lookup(target, r.tokens, r.options)
     return _reply(schemas.LookupReply(plan.hit_tokens, plan.chunk_tokens, plan, plan.error, plan.detail if plan.error else None))
 
 
 async def fetch(request: web.Request) -> web.Response:
     r = await _parse(request, schemas.FetchRequest)
-    reply = await request.app[SIDECAR].load(r.buffer, r.tokens, r.plan, slots=r.slots, offset=r.offset, block_ids=r.block_ids,
-                                            first_token=r.first_token, options=r.options, decoded=r.decoded or ())
+    reply = await request.app[SIDECAR].fetch(r.buffer, r.tokens, r.plan, slots=r.slots, offset=r.offset, block_ids=r.block_ids,
+                                             first_token=r.first_token, options=r.options, decoded=r.decoded or ())
     return _reply(reply)
 
 
 async def store(request: web.Request) -> web.Response:
     r = await _parse(request, schemas.StoreRequest)
-    reply = await request.app[SIDECAR].save(r.buffer, r.tokens, slots=r.slots, offset=r.offset, block_ids=r.block_ids,
-                                            first_token=r.first_token)
+    reply = await request.app[SIDECAR].store(r.buffer, r.tokens, slots=r.slots, offset=r.offset, block_ids=r.block_ids,
+                                             first_token=r.first_token)
     return _reply(schemas.StoreReply(**reply), status=202)
 
 
@@ -348,7 +348,7 @@ async def serve_forever(host: str, port: int | None, socket_path: str | None) ->
     if port is not None and not token.current():
         log.warning("no KVFETCHER_AUTH_TOKEN: the TCP API refuses /v1 requests; use the Unix socket")
     runner, where = await start(make_app(sidecar, token), host, port, socket_path)
-    log.info("kvfetcher sidecar listening on %s (store %s)", where, sidecar.store.endpoint)
+    log.info("kvfetcher sidecar listening on %s (store %s)", where, sidecar.objects.endpoint)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)

@@ -61,8 +61,8 @@ def run(prompt_tokens: int = 1800, new_tokens: int = 32, chunk_tokens: int = 256
         b.close()
     if tmp:
         tmp.cleanup()
-    load = gb.load
-    bytes_fetched = load.bytes_read if load else 0
+    fetched = gb.fetch
+    bytes_fetched = fetched.bytes_read if fetched else 0
     kv_bytes = gb.loaded_tokens * b.buffer.tensor[:, :, :, :1].numel() * b.buffer.tensor.element_size()
     same = sum(x == y for x, y in zip(ga.tokens, gb.tokens))
     return {
@@ -75,10 +75,10 @@ def run(prompt_tokens: int = 1800, new_tokens: int = 32, chunk_tokens: int = 256
         "speedup": round(ga.ttft_s / gb.ttft_s, 2),
         "loaded_tokens": gb.loaded_tokens,
         "computed_tokens": gb.computed_tokens,
-        "fetch_s": round(load.seconds, 3) if load else 0.0,
-        "fetch_decision": load.decision.preset if load and load.decision else None,
-        "fetch_predicted_s": round(load.decision.predicted_s, 3) if load and load.decision else None,
-        "fetch_error": load.error if load else None,
+        "fetch_s": round(fetched.seconds, 3) if fetched else 0.0,
+        "fetch_decision": fetched.decision.preset if fetched and fetched.decision else None,
+        "fetch_predicted_s": round(fetched.decision.predicted_s, 3) if fetched and fetched.decision else None,
+        "fetch_error": fetched.error if fetched else None,
         "bytes_fetched": bytes_fetched,
         "kv_bytes_fp16": kv_bytes,
         "compression_ratio": round(kv_bytes / bytes_fetched, 2) if bytes_fetched else None,

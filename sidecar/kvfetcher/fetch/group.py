@@ -1,4 +1,4 @@
-"""group: one prompt across the sidecars of a tensor-parallel group: every rank loads it, or none does.
+"""group: one prompt across the sidecars of a tensor-parallel group: every rank fetches it, or none does.
 
 Under tensor parallelism each rank's KV buffer holds its own KV heads, and each rank's sidecar
 stores and fetches that shard under its own namespace (``keys.Namespace.tp_rank``). A prefix is
@@ -12,16 +12,16 @@ Planning (:func:`agree`), from every rank's plan of the same prompt:
 * a rank that did not answer, or whose plan failed (store down, deadline), makes the group recompute;
 * plans that agree on preset and chunk count are the group's plan as they are (the usual case:
   shards of one geometry, stored together, priced with similar rates);
-* otherwise the group takes the option whose slowest rank is predicted fastest (the ranks load at
+* otherwise the group takes the option whose slowest rank is predicted fastest (the ranks fetch at
   once, so the slowest decides; recompute included), over the shortest leading run among the
   ranks, and asks every rank once more for exactly that (:class:`Retry`: the prompt's first
   ``tokens`` tokens, that preset only). A plan is sealed by its sidecar, so the group never edits
   one: it only asks again. Plans that still disagree make the group recompute.
 
-Loading (:func:`settle`): every rank loads its own plan; the group holds what *every* rank loaded,
+Fetching (:func:`settle`): every rank fetches its own plan; the group holds what *every* rank loaded,
 the least of the ranks' loaded tokens. The rest is recomputed on all ranks, whatever the others
 wrote: a rank that failed, was killed or met a corrupt shard makes every rank treat its shortfall
-as a load error. (vLLM does the same with each worker's ``get_block_ids_with_load_errors``: its
+as a fetch error. (vLLM does the same with each worker's ``get_block_ids_with_load_errors``: its
 scheduler unions the invalid blocks of all workers.)
 """
 
@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 from kvfetcher.errors import Reason
 from kvfetcher.fetch.choice import RECOMPUTE
-from kvfetcher.fetch.plan import FetchPlan, LoadReply
+from kvfetcher.fetch.plan import FetchPlan, FetchReply
 
-DECISIONS = (Reason.MISS, Reason.COST_MODEL)  # reasons to load less that are not failures
+DECISIONS = (Reason.MISS, Reason.COST_MODEL)  # reasons to fetch less that are not failures
 
 
 @dataclass(frozen=True)
@@ -48,15 +48,15 @@ class Retry:
 
 @dataclass(frozen=True)
 class GroupPlan:
-    """What the group loads: rank ``r`` loads the first ``tokens`` prompt tokens with ``plans[r]``."""
+    """What the group fetches: rank ``r`` fetches the first ``tokens`` prompt tokens with ``plans[r]``."""
 
-    plans: tuple[FetchPlan | None, ...]  # per rank; () when the group recomputes; None: that rank plans at load
-    tokens: int  # leading prompt tokens each rank's load is given (its plan was made for them)
+    plans: tuple[FetchPlan | None, ...]  # per rank; () when the group recomputes; None: that rank plans at fetch
+    tokens: int  # leading prompt tokens each rank's fetch is given (its plan was made for them)
     requested_tokens: int  # the whole prompt's, in whole chunks
     hit_tokens: int  # leading tokens every rank found stored
-    loaded_tokens: int  # tokens every rank's plan loads (for plans that chose no preset: the common hit)
-    preset: str | None  # the common preset, `recompute`, or None: each rank chooses at load
-    predicted_s: float  # the slowest rank's predicted load
+    loaded_tokens: int  # tokens every rank's plan fetches (for plans that chose no preset: the common hit)
+    preset: str | None  # the common preset, `recompute`, or None: each rank chooses at fetch
+    predicted_s: float  # the slowest rank's predicted fetch
     reason: str | None = None  # why fewer than requested: a decision (`miss`, `cost_model`) or a failure
     detail: str | None = None
     rank: int | None = None  # the rank whose answer decided ``reason``
@@ -67,7 +67,7 @@ class GroupPlan:
 
 
 @dataclass(frozen=True)
-class GroupLoad:
+class GroupFetch:
     """What the group loaded: the leading ``loaded_tokens`` are in every rank's buffer; recompute the rest."""
 
     requested_tokens: int
@@ -76,7 +76,7 @@ class GroupLoad:
     reason: str | None
     detail: str | None
     rank: int | None  # the rank whose answer decided ``reason``
-    replies: tuple[LoadReply | None, ...]  # per rank (None: no answer)
+    replies: tuple[FetchReply | None, ...]  # per rank (None: no answer)
 
     @property
     def error(self) -> str | None:
@@ -84,7 +84,7 @@ class GroupLoad:
 
 
 def _failure(answer) -> tuple[str, str] | None:
-    """(reason, detail) when a rank's answer is an exception or a failed plan or load."""
+    """(reason, detail) when a rank's answer is an exception or a failed plan or fetch."""
     if isinstance(answer, BaseException):
         return str(getattr(answer, "reason", None) or Reason.SIDECAR_DOWN), f"{type(answer).__name__}: {answer}"
     return (answer.error, answer.detail or "") if answer.error else None
@@ -104,7 +104,7 @@ def agree(answers: Sequence[FetchPlan | BaseException], retry: Retry | None = No
         if failed := _failure(a):
             return _recompute(requested, failed[0], f"rank {r}: {failed[1]}", r)
     hit = min(p.hit_tokens for p in plans)
-    if any(p.preset is None for p in plans):  # hit counts only (no buffer of the namespace): each rank plans at load
+    if any(p.preset is None for p in plans):  # hit counts only (no buffer of the namespace): each rank plans at fetch
         return GroupPlan((None,) * len(plans), hit, requested, hit, hit, None, 0.0, None if hit else Reason.MISS.value)
     first = plans[0]
     if all((p.preset, len(p.chunks), p.requested_tokens) == (first.preset, len(first.chunks), first.requested_tokens) for p in plans):
@@ -124,15 +124,15 @@ def agree(answers: Sequence[FetchPlan | BaseException], retry: Retry | None = No
     common = set.intersection(*(set(p.options) for p in plans))
     best = min(common, key=lambda o: max(p.options[o] for p in plans), default=RECOMPUTE)
     if best == RECOMPUTE:
-        return _recompute(requested, Reason.COST_MODEL, "recompute predicted faster than the slowest rank's load", None, hit)
+        return _recompute(requested, Reason.COST_MODEL, "recompute predicted faster than the slowest rank's fetch", None, hit)
     return Retry(min(p.loaded_tokens if p.preset == best else p.hit_tokens for p in plans), best, requested)
 
 
-def settle(plan: GroupPlan, answers: Sequence[LoadReply | BaseException]) -> GroupLoad:
-    """What the group loaded, from rank ``r``'s load reply (or the exception asking it raised) at
-    ``answers[r]`` (none: the group did not load). A rank that failed counts as having loaded nothing."""
-    replies = tuple(a if isinstance(a, LoadReply) else None for a in answers)
-    loaded = [a.loaded_tokens if isinstance(a, LoadReply) else 0 for a in answers]
+def settle(plan: GroupPlan, answers: Sequence[FetchReply | BaseException]) -> GroupFetch:
+    """What the group loaded, from rank ``r``'s fetch reply (or the exception asking it raised) at
+    ``answers[r]`` (none: the group did not fetch). A rank that failed counts as having loaded nothing."""
+    replies = tuple(a if isinstance(a, FetchReply) else None for a in answers)
+    loaded = [a.loaded_tokens if isinstance(a, FetchReply) else 0 for a in answers]
     common = min(loaded, default=0)
     reason, detail, rank = plan.reason, plan.detail, plan.rank
     failed = [(r, f) for r, a in enumerate(answers) if (f := _failure(a))]
@@ -144,4 +144,4 @@ def settle(plan: GroupPlan, answers: Sequence[LoadReply | BaseException]) -> Gro
         reason, detail = answers[rank].reason, f"rank {rank}: {answers[rank].detail}"
     if common == plan.requested_tokens:
         reason = detail = rank = None
-    return GroupLoad(plan.requested_tokens, common, (common, plan.requested_tokens), reason, detail, rank, replies)
+    return GroupFetch(plan.requested_tokens, common, (common, plan.requested_tokens), reason, detail, rank, replies)

@@ -1,4 +1,4 @@
-"""plan: what a fetch would load, decided before any KV moves — and what a load answered.
+"""plan: what a lookup decides a fetch will do, before any KV moves — and what the fetch answered.
 
 :func:`make_plan` finds the prefix's stored run through a :class:`Catalog` (an in-memory index of
 what is stored; what it does not know is listed, one LIST per chunk in growing batches of up to
@@ -10,7 +10,7 @@ returned plan.
 A :class:`FetchPlan` names no object. It is bound to its prompt by ``prefix_key``, the key of the
 last requested chunk (which hashes the namespace, tenant included, and every token before it), and
 sealed by the sidecar that made it (:func:`seal`), so that a plan that travelled through a client
-can be checked before a load trusts its presets and object sizes. A load re-derives every object
+can be checked before a fetch trusts its presets and object sizes. A fetch re-derives every object
 name from its own buffer's namespace and tokens.
 """
 
@@ -48,17 +48,17 @@ def _doc(text: str, min: float | None = None, open: bool = False, **kw):
 
 @dataclass(frozen=True)
 class FetchOptions:
-    """How a lookup (or a fetch that looks up) chooses what to load: the API's one options message."""
+    """How a lookup (or a fetch that looks up) chooses what to fetch: the API's one options message."""
 
-    presets: tuple[str, ...] | None = _doc("presets a load may use, within the sidecar's allowed ones (default: all of those)", default=None)
-    ttft_budget_s: float | None = _doc("prefer a load predicted within this many seconds to a faster recompute (default: the "
+    presets: tuple[str, ...] | None = _doc("presets a fetch may use, within the sidecar's allowed ones (default: all of those)", default=None)
+    ttft_budget_s: float | None = _doc("prefer a fetch predicted within this many seconds to a faster recompute (default: the "
                                        "sidecar's `KVFETCHER_TTFT_BUDGET_S`)", min=0, open=True, default=None)
     prefill_model: PrefillModel | None = _doc("the engine's prefill time as it measured it (wins over `recompute_tokens_per_s`)", default=None)
     recompute_tokens_per_s: float | None = _doc("the model's prefill rate, constant (default: the sidecar's `KVFETCHER_RECOMPUTE_TPS`)",
                                                 min=0, open=True, default=None)
     deadline_s: float | None = _doc("seconds a listing, and a fetch, may take (default: the sidecar's `KVFETCHER_DEADLINE_S`)",
                                     min=0, open=True, default=None)
-    group_size: int = _doc("loads that will run at once as one group with this one, itself included (a tensor-parallel group's "
+    group_size: int = _doc("fetches that will run at once as one group with this one, itself included (a tensor-parallel group's "
                            "ranks): they share the node's link, beside the fetches the node's sidecars announce", min=1, default=1)
     refresh: bool = _doc("list the store for the chunks the sidecar's index does not know before answering (default: answer from "
                          "the index and list those in the background; a fetch that looks up always lists them)", default=False)
@@ -75,7 +75,7 @@ class FetchOptions:
 @dataclass(frozen=True)
 class EngineDecode:
     """A buffer whose engine decodes stored objects itself (engine-decode mode: a GPU the sidecar
-    cannot open). Loads into it write verified stored objects, not KV; plans consider only the
+    cannot open). Fetches into it write verified stored objects, not KV; plans consider only the
     presets of these formats, at the engine's decode rates."""
 
     formats: tuple[str, ...] = _doc("bitstream formats the engine decodes (`raw`, `zstd`, `ans`, `hevc`)")
@@ -96,7 +96,7 @@ class EngineDecode:
 
 @dataclass(frozen=True)
 class EngineDecoded:
-    """What an engine that decodes itself restored of one preset (reported with its next load)."""
+    """What an engine that decodes itself restored of one preset (reported with its next fetch)."""
 
     preset: str = _doc("the preset decoded")
     kv_bytes: int = _doc("KV bytes restored into its blocks", min=0)
@@ -105,7 +105,7 @@ class EngineDecoded:
 
 @dataclass(frozen=True)
 class FetchPlan:
-    """What a load of `requested_tokens` leading tokens would do, and why."""
+    """What a fetch of `requested_tokens` leading tokens would do, and why: what a lookup returns."""
 
     model: str = _doc("model fingerprint of the namespace")
     dtype: str = _doc("KV dtype of the namespace, e.g. `float16`")
@@ -115,17 +115,17 @@ class FetchPlan:
     prefix_key: str = _doc("key of the last requested chunk (empty when none): binds the plan to its tokens")
     hit_tokens: int = _doc("leading tokens known stored (as the sidecar's index knows them, or as listed)")
     preset: str | None = _doc("the chosen preset, `recompute`, or null: not chosen (no buffer of this namespace)")
-    chunks: tuple[tuple[str, int], ...] = _doc("the leading chunks to load, as [preset, object size]")
-    predicted_s: float = _doc("predicted seconds of that load")
+    chunks: tuple[tuple[str, int], ...] = _doc("the leading chunks to fetch, as [preset, object size]")
+    predicted_s: float = _doc("predicted seconds of that fetch")
     options: dict[str, float] = _doc("predicted seconds until the whole prefix is in the buffer, per option considered")
     lookup_s: float | None = _doc("seconds the listing took (null: answered from the sidecar's index, no store request waited for)")
-    reason: str | None = _doc("why it loads fewer than `requested_tokens`: `miss`, `cost_model` or a failure reason")
+    reason: str | None = _doc("why it fetches fewer than `requested_tokens`: `miss`, `cost_model` or a failure reason")
     detail: str | None = _doc("a human-readable detail of `reason`")
-    tag: str = _doc("the issuing sidecar's seal over the other fields; a load refuses a plan whose seal does not match", default="")
+    tag: str = _doc("the issuing sidecar's seal over the other fields; a fetch refuses a plan whose seal does not match", default="")
 
     @property
     def loaded_tokens(self) -> int:
-        """Tokens the plan loads."""
+        """Tokens the plan fetches."""
         return len(self.chunks) * self.chunk_tokens
 
     @property
@@ -205,7 +205,7 @@ class Catalog:
     unknown chunk; ``failed(reason)`` counts those that fail."""
 
     def __init__(self, store: Store, index: StoredIndex, io_pool: Executor, failed=lambda reason: None, max_listings: int = 32):
-        self.store, self.index, self.io_pool, self.failed, self.max_listings = store, index, io_pool, failed, max_listings
+        self.objects, self.index, self.io_pool, self.failed, self.max_listings = store, index, io_pool, failed, max_listings
         self._listing: dict[str, asyncio.Task] = {}  # background listings by the first key they list
 
     async def run(self, ck: Sequence[str], *, refresh: bool = False, wait_s: float = 0.0) -> list[dict[str, int]]:
@@ -239,7 +239,7 @@ class Catalog:
 
     async def _list(self, ck: Sequence[str], start: int) -> None:
         rest = ck[start:]
-        self.index.listed(rest, await list_prefix(self.store, rest, self.io_pool))
+        self.index.listed(rest, await list_prefix(self.objects, rest, self.io_pool))
 
     async def _background(self, ck: Sequence[str], start: int) -> None:
         try:
@@ -261,11 +261,11 @@ async def make_plan(
     wait_s: float = 0.0,
     deadline_s: float | None = None,
 ) -> FetchPlan:
-    """Plan a load of the chunks keyed ``ck`` (:func:`keys.chunk_keys` of the prompt in ``ns``, whole
+    """Plan a fetch of the chunks keyed ``ck`` (:func:`keys.chunk_keys` of the prompt in ``ns``, whole
     chunks only) from what ``catalog`` knows is stored; with ``refresh``, what it does not know is
     listed first, within ``deadline_s`` (a store failure or a missed deadline is a plan that
     recomputes, with its reason). Without ``refresh`` nothing here waits on the store longer than
-    ``wait_s``, and when no load could pay (:func:`choice.hopeless`) the store is not asked at all
+    ``wait_s``, and when no fetch could pay (:func:`choice.hopeless`) the store is not asked at all
     (the hit is then what the index knows)."""
     n_req = len(ck) * chunk_tokens
     recompute = FetchPlan(ns.model, ns.dtype, ns.tp_rank, chunk_tokens, n_req, ck[-1] if ck else "", 0, choice.RECOMPUTE, (), 0.0,
@@ -302,33 +302,33 @@ def decide(listed: FetchPlan, run: Sequence[dict[str, int]], costs: Costs) -> Fe
 
 
 @dataclass
-class LoadDecision:
-    """What a load chose, and how long it took against the prediction."""
+class FetchDecision:
+    """What a fetch chose, and how long it took against the prediction."""
 
     preset: str = _doc("the preset loaded, or `recompute`")
     chunks: int = _doc("leading chunks planned")
     predicted_s: float = _doc("the plan's predicted seconds")
     options: dict[str, float] = _doc("the plan's options (see the plan)")
-    actual_s: float | None = _doc("measured seconds of the load (null: nothing was fetched)", default=None)
+    actual_s: float | None = _doc("measured seconds of the fetch (null: nothing was fetched)", default=None)
 
 
 @dataclass
-class LoadReply:
-    """What a load did: the leading ``loaded_tokens`` are in the buffer, ``not_loaded`` are not."""
+class FetchReply:
+    """What a fetch did: the leading ``loaded_tokens`` are in the buffer, ``not_loaded`` are not."""
 
     requested_tokens: int = _doc("the request's tokens rounded down to whole chunks")
     loaded_tokens: int = _doc("leading tokens now in the buffer; recompute from here", default=0)
     chunk_tokens: int = _doc("tokens per chunk", default=0)
     not_loaded: tuple[int, int] = _doc("the `[start, end)` range of requested tokens to recompute", default=(0, 0))
-    error: str | None = _doc("the failure that stopped the load early, if any", default=None)
+    error: str | None = _doc("the failure that stopped the fetch early, if any", default=None)
     reason: str | None = _doc("why fewer than requested were loaded: `miss`, `cost_model` or the failure", default=None)
     detail: str | None = _doc("a human-readable detail of `reason`", default=None)
-    decision: LoadDecision | None = _doc("the plan's choice and the measured time", default=None)
+    decision: FetchDecision | None = _doc("the plan's choice and the measured time", default=None)
     lookup_s: float | None = _doc("seconds the plan's listing took (null: the store was not asked)", default=None)
     bytes_read: int = _doc("stored bytes read", default=0)
     kv_bytes: int = _doc("KV bytes restored", default=0)
     seconds: float = _doc("seconds the fetch took", default=0.0)
     objects: list[tuple[int, int, int]] | None = _doc(
         "engine-decode buffers: each loaded chunk's verified stored object in the buffer's memory, as [first token, byte offset, "
-        "size], in token order (the engine decodes them). When fewer of the plan's chunks fit the buffer, the load stops after "
-        "those with no `reason`: load again from `first_token` = `loaded_tokens`", default=None)
+        "size], in token order (the engine decodes them). When fewer of the plan's chunks fit the buffer, the fetch stops after "
+        "those with no `reason`: fetch again from `first_token` = `loaded_tokens`", default=None)

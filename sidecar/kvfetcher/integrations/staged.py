@@ -1,17 +1,17 @@
 """Host staging: KV moved between the sidecar and a serving engine's paged blocks that the sidecar
-cannot map, through a bounded flat buffer in host memory; on a GPU, loads in engine-decode mode.
+cannot map, through a bounded flat buffer in host memory; on a GPU, fetches in engine-decode mode.
 
 The engine process owns the blocks (a CPU cache no other process can map, or a GPU the sidecar
 does not see: a device-plugin GPU given to the model container only). :class:`Staging` registers a
 flat buffer ``[layers, 2, kv_heads, tokens, head_dim]`` (a memfd, :func:`kvfetcher.ipc.allocate`)
 with the sidecar and copies between it and the blocks itself (on a GPU, host-to-device and back, on
-its own CUDA stream). A load or save longer than the buffer goes through it in windows: each window
+its own CUDA stream). A fetch or store longer than the buffer goes through it in windows: each window
 is one sidecar call of the prompt's tokens up to the window's end, with ``first_token`` at the
 window's start and ``offset = -first_token`` (the window's first token in slot 0), so nothing of
 the prompt's earlier tokens is fetched, written or read again.
 
 Engine-decode mode (a GPU the sidecar cannot open, the default there): the same memory is
-registered a second time as the engine's arena (:class:`~kvfetcher.fetch.plan.EngineDecode`). A load
+registered a second time as the engine's arena (:class:`~kvfetcher.fetch.plan.EngineDecode`). A fetch
 asks the sidecar to fetch the stored objects, not to decode them: it reads and verifies every part
 (CRC-32, and tags with the pool's key) and only then copies the whole object into the arena, and
 answers where each lies once none of its writes can still run. This process then restores each
@@ -21,11 +21,11 @@ on this GPU: nvCOMP for ``ans`` and ``zstd``, NVDEC for HEVC where present, then
 The engine holds no object key, so the tags are the sidecar's to check; the CRC re-check makes sure
 the engine decodes exactly the bytes that were verified (a reply naming other bytes, or an arena
 changed since, is refused, and what was not restored is recomputed). Windows follow the arena's
-size: a load that fills it stops with no reason and the next starts where it ended.
+size: a fetch that fills it stops with no reason and the next starts where it ended.
 
-Contracts: a load writes only tokens ``first .. end`` into the blocks, in whole blocks, and returns
-the end of what it wrote (the caller recomputes the rest); a save has copied its blocks out before
-it returns. Both hold the staging's lock: one load or save uses it at a time.
+Contracts: a fetch writes only tokens ``first .. end`` into the blocks, in whole blocks, and returns
+the end of what it wrote (the caller recomputes the rest); a store has copied its blocks out before
+it returns. Both hold the staging's lock: one fetch or store uses it at a time.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from kvfetcher import chunk, codec, ipc, kvbuffer
 from kvfetcher.api.client import KVClient, SidecarError
 from kvfetcher.codec import CodecError
 from kvfetcher.errors import ContainerError, GeometryMismatchError
-from kvfetcher.fetch.plan import EngineDecode, EngineDecoded, FetchOptions, FetchPlan, LoadReply
+from kvfetcher.fetch.plan import EngineDecode, EngineDecoded, FetchOptions, FetchPlan, FetchReply
 
 log = logging.getLogger("kvfetcher.integrations.staged")
 
@@ -62,7 +62,7 @@ def register(client: KVClient, tensors: torch.Tensor | Sequence[torch.Tensor], l
              staging_tokens: int, staging: Staging | None = None, engine_decode: bool | None = None) -> tuple[str, Staging | None, str]:
     """Register paged KV ``tensors`` with the sidecar: straight (CUDA IPC) where the sidecar opens
     them, else (host memory, or a sidecar answering ``no_device``) the host ``staging`` given, or a
-    new one of ``staging_tokens`` slots, whose loads this process decodes (engine-decode mode) when
+    new one of ``staging_tokens`` slots, whose fetches this process decodes (engine-decode mode) when
     ``engine_decode`` says, by default on a GPU. The buffer id, the staging (None: direct) and why
     this mode; a refusal other than ``no_device`` raises (:class:`SidecarError`, ``OSError``)."""
     if staging is None:
@@ -91,9 +91,9 @@ def register(client: KVClient, tensors: torch.Tensor | Sequence[torch.Tensor], l
 
 class Staging:
     """A flat host buffer of ``tokens`` token slots for the paged KV ``tensors`` (as
-    :class:`kvbuffer.PagedKV` sees them through ``layout``), and the windowed loads and saves
+    :class:`kvbuffer.PagedKV` sees them through ``layout``), and the windowed fetches and stores
     through it. ``handle`` is what the sidecar registers (:meth:`KVClient.register`). With
-    ``engine`` loads go through it in engine-decode mode (the module's doc)."""
+    ``engine`` fetches go through it in engine-decode mode (the module's doc)."""
 
     def __init__(self, tensors: torch.Tensor | Sequence[torch.Tensor], layout: kvbuffer.PagedLayout, tokens: int,
                  engine: EngineDecode | None = None):
@@ -116,7 +116,7 @@ class Staging:
 
     def register(self, client: KVClient, model: str, tp_rank: int) -> str:
         """Register the buffer with the sidecar (in engine-decode mode a second time, as the arena);
-        the id that saves use."""
+        the id that stores use."""
         buffer = client.register(self.handle, model, tp_rank)
         if self.engine is not None:
             self.arena = client.register(self.handle, model, tp_rank, self.engine)
@@ -126,17 +126,17 @@ class Staging:
     def close(self) -> None:
         self.buffer.close()
 
-    # --- loads -----------------------------------------------------------------------------
+    # --- fetches -----------------------------------------------------------------------------
 
-    def load(self, client: KVClient, buffer: str, tokens: Sequence[int], block_ids: Sequence[int], first: int, end: int,
-             plan: FetchPlan | None = None, options: FetchOptions | None = None) -> int:
-        """Load tokens ``first .. end`` of ``tokens`` (``first`` whole blocks) into ``block_ids`` (the
+    def fetch(self, client: KVClient, buffer: str, tokens: Sequence[int], block_ids: Sequence[int], first: int, end: int,
+              plan: FetchPlan | None = None, options: FetchOptions | None = None) -> int:
+        """Fetch tokens ``first .. end`` of ``tokens`` (``first`` whole blocks) into ``block_ids`` (the
         prompt's blocks from token 0) through the registered staging ``buffer``, window by window
-        until one loads less than it asked for; the end of the tokens written (whole blocks, at
+        until one fetches less than it asked for; the end of the tokens written (whole blocks, at
         least ``first``). ``plan`` (made for exactly ``tokens``) is used when one window holds
-        them all; other windows look up with ``options`` (``options.deadline_s`` bounds the whole load)."""
+        them all; other windows look up with ``options`` (``options.deadline_s`` bounds the whole fetch)."""
         if self.engine is not None:
-            return self._load_objects(client, tokens, block_ids, first, end, plan, options)
+            return self._fetch_objects(client, tokens, block_ids, first, end, plan, options)
         o = options or FetchOptions()
         bs, done, t0 = self.paged.layout.block_size, first, time.monotonic()
         with self.lock:
@@ -148,7 +148,7 @@ class Staging:
                 use = plan if stop == len(tokens) else None  # a plan is bound to all of its tokens
                 chosen = use is not None and use.preset is not None  # then only the deadline goes with it
                 window = FetchOptions(deadline_s=left) if chosen else replace(o, deadline_s=left)
-                reply = client.load(buffer, tokens[:stop], use, options=window, offset=-done, first_token=done)
+                reply = client.fetch(buffer, tokens[:stop], use, options=window, offset=-done, first_token=done)
                 self._check_size(reply.chunk_tokens)
                 upto = min(reply.loaded_tokens, end) // bs * bs
                 if upto > done:
@@ -158,9 +158,9 @@ class Staging:
                 done = upto
         return done
 
-    def _load_objects(self, client: KVClient, tokens: Sequence[int], block_ids: Sequence[int], first: int, end: int,
-                      plan: FetchPlan | None, options: FetchOptions | None) -> int:
-        """:meth:`load` in engine-decode mode: windows of what fits the arena, each restored here."""
+    def _fetch_objects(self, client: KVClient, tokens: Sequence[int], block_ids: Sequence[int], first: int, end: int,
+                       plan: FetchPlan | None, options: FetchOptions | None) -> int:
+        """:meth:`fetch` in engine-decode mode: windows of what fits the arena, each restored here."""
         o = options or FetchOptions()
         chosen = plan is not None and plan.preset is not None  # then only the deadline goes with it
         done, t0 = first, time.monotonic()
@@ -170,14 +170,14 @@ class Staging:
                 if left is not None and left <= 0:
                     break
                 window = FetchOptions(deadline_s=left) if chosen else replace(o, deadline_s=left)
-                reply = client.load(self.arena, tokens, plan, options=window, first_token=done, decoded=self._report())
+                reply = client.fetch(self.arena, tokens, plan, options=window, first_token=done, decoded=self._report())
                 upto = self._restore(reply, block_ids, done, end)
                 if upto <= done or reply.reason is not None or reply.loaded_tokens >= reply.requested_tokens or upto < reply.loaded_tokens:
                     return max(done, upto)
                 done = upto
         return done
 
-    def _restore(self, reply: LoadReply, block_ids: Sequence[int], first: int, end: int) -> int:
+    def _restore(self, reply: FetchReply, block_ids: Sequence[int], first: int, end: int) -> int:
         """Restore the reply's objects (whole chunks ending by ``end``) into the blocks, tokens from
         ``first`` on, in order until one fails; the end of the tokens written (at least ``first``)."""
         n = reply.chunk_tokens
@@ -213,7 +213,7 @@ class Staging:
         self._decoded[h.preset] = (b + kv_bytes, s + seconds)
 
     def _report(self) -> list[EngineDecoded]:
-        """The restores since the last report, per preset (sent with the next load)."""
+        """The restores since the last report, per preset (sent with the next fetch)."""
         out, self._decoded = [EngineDecoded(p, b, s) for p, (b, s) in self._decoded.items()], {}
         return out
 
@@ -227,9 +227,9 @@ class Staging:
                 self.paged.write(self.paged.blocks_of(block_ids, a, b - a), kv)
             self._sync()
 
-    # --- saves -----------------------------------------------------------------------------
+    # --- stores -----------------------------------------------------------------------------
 
-    def save(self, client: KVClient, buffer: str, tokens: Sequence[int], block_ids: Sequence[int], chunk_tokens: int) -> int:
+    def store(self, client: KVClient, buffer: str, tokens: Sequence[int], block_ids: Sequence[int], chunk_tokens: int) -> int:
         """Store ``tokens`` (whole chunks of ``chunk_tokens``) from ``block_ids`` through the staging
         ``buffer``, in windows of whole chunks, until the sidecar drops one (the store queue is
         full: later chunks would follow a gap); the chunks it took (queued, or stored already).
@@ -243,7 +243,7 @@ class Staging:
             for a in range(0, len(tokens) // chunk_tokens * chunk_tokens, window):
                 b = min(len(tokens), a + window)
                 self._from_blocks(block_ids, a, b)
-                rep = client.save(buffer, tokens[:b], offset=-a, first_token=a)
+                rep = client.store(buffer, tokens[:b], offset=-a, first_token=a)
                 taken = rep.queued_chunks + rep.skipped_chunks
                 if rep.dropped_chunks or rep.dropped:
                     break
@@ -269,5 +269,5 @@ class Staging:
     def _check_size(self, chunk_tokens: int | None) -> None:
         if chunk_tokens and self.tokens < chunk_tokens and not self._warned:
             self._warned = True
-            log.warning("kvfetcher: the staging buffer of %d tokens holds no whole chunk of %d tokens: nothing loads or saves "
+            log.warning("kvfetcher: the staging buffer of %d tokens holds no whole chunk of %d tokens: nothing fetches or stores "
                         "through it; raise staging_tokens", self.tokens, chunk_tokens)

@@ -1,7 +1,7 @@
 """Hugging Face transformers with remote KV reuse: fetch -> build the cache -> generate the rest.
 
 :class:`CachedLM` wraps a loaded causal LM and a :class:`~kvfetcher.api.client.KVClient`. For each
-prompt it asks the sidecar for a plan (the listing and the cost model), has it load what the plan
+prompt it looks up (the sidecar's listing and cost model give a plan), has the sidecar fetch what the plan
 says into a shared KV buffer, builds a ``DynamicCache`` from it, prefills only the remaining tokens, and after that
 prefill hands the prompt's KV back to the sidecar to store. The buffer is in the storage dtype
 (fp16 by default, what a GPU server's cache holds); the model may run in another dtype.
@@ -32,7 +32,7 @@ import torch
 from kvfetcher import ipc
 from kvfetcher.api.client import KVClient, SidecarError
 from kvfetcher.api.schemas import StoreReply
-from kvfetcher.fetch.plan import FetchOptions, LoadReply
+from kvfetcher.fetch.plan import FetchOptions, FetchReply
 from kvfetcher.fetch.prefill import PrefillFit, terms
 
 log = logging.getLogger("kvfetcher.integrations.transformers")
@@ -41,10 +41,10 @@ log = logging.getLogger("kvfetcher.integrations.transformers")
 @dataclass
 class Generation:
     tokens: list[int]
-    ttft_s: float  # request start -> first new token (plan + load + prefill of the rest)
+    ttft_s: float  # request start -> first new token (lookup + fetch + prefill of the rest)
     loaded_tokens: int  # prompt tokens restored from the store
     computed_tokens: int  # prompt tokens prefilled by the model
-    load: LoadReply | None  # the sidecar's answer, when a load was attempted
+    fetch: FetchReply | None  # the sidecar's answer, when a fetch was attempted
     store: StoreReply | None  # the sidecar's answer to the store request
 
 
@@ -93,15 +93,15 @@ class CachedLM:
         t0 = time.perf_counter()
         prompt = [int(x) for x in ids]
         usable = min(len(prompt) - 1, self.capacity)
-        loaded, load = 0, None
+        loaded, fetched = 0, None
         try:
-            if usable > 0:  # the plan lists what the sidecar's index lacks (not when no load could pay); the load does not
-                plan = self.client.plan(self.buffer_id, prompt[:usable], FetchOptions(
+            if usable > 0:  # the lookup lists what the sidecar's index lacks (not when no fetch could pay); the fetch does not
+                plan = self.client.lookup(self.buffer_id, prompt[:usable], FetchOptions(
                     recompute_tokens_per_s=self.recompute_tps, prefill_model=self.prefill.model(), deadline_s=deadline_s, refresh=True))
-                load = self.client.load(self.buffer_id, prompt[:usable], plan, options=FetchOptions(deadline_s=deadline_s))
-                loaded = load.loaded_tokens
+                fetched = self.client.fetch(self.buffer_id, prompt[:usable], plan, options=FetchOptions(deadline_s=deadline_s))
+                loaded = fetched.loaded_tokens
         except (OSError, SidecarError) as e:  # no sidecar is no reason to fail a request: recompute
-            log.warning("KV load failed, recomputing the prompt: %s", e)
+            log.warning("KV fetch failed, recomputing the prompt: %s", e)
         dtype = next(self.model.parameters()).dtype
         cache = DynamicCache()  # every layer keeps every token (module doc: hybrid attention)
         if loaded:
@@ -128,7 +128,7 @@ class CachedLM:
             if self.buffer.tensor.is_cuda:  # the sidecar (another process) copies it next
                 torch.cuda.synchronize(self.buffer.tensor.device)
             try:
-                stored = self.client.save(self.buffer_id, prompt[:n_store])
+                stored = self.client.store(self.buffer_id, prompt[:n_store])
             except (OSError, SidecarError) as e:
                 log.warning("KV store request failed (the answer is unaffected): %s", e)
 
@@ -139,4 +139,4 @@ class CachedLM:
             cache_out = self.model(nxt, past_key_values=cache, use_cache=True)
             cache = cache_out.past_key_values
             tokens.append(int(torch.argmax(cache_out.logits[0, -1])))
-        return Generation(tokens, ttft, loaded, computed, load, stored)
+        return Generation(tokens, ttft, loaded, computed, fetched, stored)

@@ -8,9 +8,9 @@ Configured the ordinary way (vLLM 0.26 and 0.32 checked; see docs/operations.md)
                            "kv_connector_extra_config": {"socket": "/run/kvfetcher/kvfetcher.sock"}}'
 
 vLLM builds one instance in the scheduler and one per worker; each delegates to its side:
-:class:`~kvfetcher.integrations.vllm_scheduler.SchedulerSide` (plans, block tables, saves to ask
+:class:`~kvfetcher.integrations.vllm_scheduler.SchedulerSide` (lookups, block tables, stores to ask
 for, KV events, the engine's prefill model) and :class:`~kvfetcher.integrations.vllm_worker.WorkerSide`
-(registers the KV cache, loads and saves in background threads). Contract with the engine: a load
+(registers the KV cache, fetches and stores in background threads). Contract with the engine: a fetch
 is asynchronous and reports its request finished only when it is over; blocks it did not write are
 reported as load errors, so vLLM recomputes them and never reads an unverified block. A failing or
 absent sidecar makes every request a plain recompute.
@@ -44,7 +44,7 @@ class KVFetcherConnector(KVConnectorBase_V1):
         return True
 
     @property
-    def requires_kv_delivery(self) -> bool:  # a dropped save is a future miss, not a lost hand-off
+    def requires_kv_delivery(self) -> bool:  # a dropped store is a future miss, not a lost hand-off
         return False
 
     # --- scheduler side ------------------------------------------------------------------------
@@ -67,8 +67,8 @@ class KVFetcherConnector(KVConnectorBase_V1):
     def take_events(self):
         return self._s.take_events() if self._s else ()
 
-    def has_pending_push_work(self) -> bool:  # vLLM 0.32: keep stepping until the workers report the saves
-        return bool(self._s and self._s.saving)
+    def has_pending_push_work(self) -> bool:  # vLLM 0.32: keep stepping until the workers report the stores
+        return bool(self._s and self._s.storing)
 
     # --- worker side ---------------------------------------------------------------------------
 

@@ -36,14 +36,14 @@ class Options:
     url: str | None = None  # or its URL (default KVFETCHER_URL), with KVFETCHER_AUTH_TOKEN
     # either may name ``{rank}``: one sidecar per tensor-parallel rank (default: one serves them all)
     model: str = ""  # model fingerprint (default KVFETCHER_MODEL, else vLLM's model name)
-    presets: tuple[str, ...] | None = None  # presets a load may use (default: the sidecar's allowed ones)
-    ttft_budget_s: float | None = None  # prefer a load predicted within this to a faster recompute
+    presets: tuple[str, ...] | None = None  # presets a fetch may use (default: the sidecar's allowed ones)
+    ttft_budget_s: float | None = None  # prefer a fetch predicted within this to a faster recompute
     recompute_tokens_per_s: float | None = None  # the prefill rate until the engine's own prefill model is fitted
     lookup_wait_s: float = 0.002  # the scheduler's wait for a plan in one step (then vLLM asks again at its next step)
     listing_wait_s: float = 0.005  # the sidecar's wait for its store listing of a prefix its index does not know
     lookup_timeout_s: float = 0.02  # a request waits at least this for its plan before it recomputes
     lookup_stake: float = 0.02  # and up to this fraction of its predicted recompute (a long prompt's plan is worth a wait)
-    load_deadline_s: float | None = None  # a load's deadline (default: the sidecar's KVFETCHER_DEADLINE_S)
+    fetch_deadline_s: float | None = None  # a fetch's deadline (default: the sidecar's KVFETCHER_DEADLINE_S)
     # host staging (a CPU cache, or a GPU the sidecar cannot open): token slots of the buffer KV goes through, in windows
     staging_tokens: int = 8192
 
@@ -56,7 +56,7 @@ class Options:
         kw = dict(extra)
         if "presets" in kw:
             kw["presets"] = _presets(kw["presets"])
-        for name in ("ttft_budget_s", "recompute_tokens_per_s", "lookup_wait_s", "listing_wait_s", "lookup_timeout_s", "lookup_stake", "load_deadline_s"):
+        for name in ("ttft_budget_s", "recompute_tokens_per_s", "lookup_wait_s", "listing_wait_s", "lookup_timeout_s", "lookup_stake", "fetch_deadline_s"):
             if kw.get(name) is not None:
                 try:
                     kw[name] = float(kw[name])
@@ -83,11 +83,11 @@ class Options:
 
 
 @dataclass
-class LoadSpec:
-    """Load the plan's chunks of ``tokens`` and write tokens ``first .. end`` into ``block_ids``
+class FetchSpec:
+    """Fetch the plan's chunks of ``tokens`` and write tokens ``first .. end`` into ``block_ids``
     (the request's whole block table, indexed from token 0). ``plans[r]`` is tensor-parallel rank
     ``r``'s plan (made for exactly ``tokens``); a rank without one, or whose plan chose no preset,
-    plans at load with ``lookup``: the options of the request's own lookup (its presets and budget)."""
+    looks up at fetch with ``lookup``: the options of the request's own lookup (its presets and budget)."""
 
     req_id: str
     tokens: list[int]
@@ -99,19 +99,19 @@ class LoadSpec:
 
 
 @dataclass
-class SaveSpec:
+class StoreSpec:
     """Store ``tokens`` (whole chunks of a finished prefill), whose KV is in ``block_ids``."""
 
     req_id: str
     tokens: list[int]
     block_ids: list[int]
-    chunk_tokens: int = 0  # the sidecar's chunk size (the scheduler's client learnt it): a staged save's windows are whole chunks
+    chunk_tokens: int = 0  # the sidecar's chunk size (the scheduler's client learnt it): a staged store's windows are whole chunks
 
 
 @dataclass
 class StepMeta(KVConnectorMetadata):
-    loads: list[LoadSpec] = field(default_factory=list)
-    saves: list[SaveSpec] = field(default_factory=list)
+    fetches: list[FetchSpec] = field(default_factory=list)
+    stores: list[StoreSpec] = field(default_factory=list)
     step_tokens: int = 0  # tokens the engine computes in this step (for the prefill model)
     preempted: set[str] = field(default_factory=set)
     step_attention: float = 0.0  # and their attention term (:func:`kvfetcher.fetch.prefill.terms`)

@@ -1,4 +1,4 @@
-"""The vLLM connector's scheduler side: what to load, what to save, and what to tell routers.
+"""The vLLM connector's scheduler side: what to fetch, what to store, and what to tell routers.
 
 * :meth:`SchedulerSide.matched` (``get_num_new_matched_tokens``) asks the sidecar for a plan of the
   prompt (all but its last token, which vLLM always computes) once per request, in a lookup thread,
@@ -8,10 +8,10 @@
   loaded asynchronously. Under tensor parallelism every rank's sidecar is asked
   (:class:`~kvfetcher.api.group.RankGroup`): a prefix is loaded only where every rank has its shard,
   and each worker gets its own rank's plan.
-* :meth:`allocated` turns that into a :class:`LoadSpec` with the request's block table; :meth:`step`
-  (``build_connector_meta``) hands the workers the loads and, for each request whose prefill ends in
-  this step, a :class:`SaveSpec` of its whole chunks; :meth:`finished` holds the request's blocks
-  until its save has copied them.
+* :meth:`allocated` turns that into a :class:`FetchSpec` with the request's block table; :meth:`step`
+  (``build_connector_meta``) hands the workers the fetches and, for each request whose prefill ends in
+  this step, a :class:`StoreSpec` of its whole chunks; :meth:`finished` holds the request's blocks
+  until its store has copied them.
 * :meth:`report` reads the workers' report: stored chunks become ``BlockStored`` events (medium
   ``OBJ``) for KV-aware routers, timed steps teach the engine's prefill model
   (:class:`~kvfetcher.fetch.prefill.PrefillFit`, fed what :meth:`step` saw each request compute
@@ -30,7 +30,7 @@ from kvfetcher.api.group import RankGroup
 from kvfetcher.fetch import prefill
 from kvfetcher.fetch.plan import FetchOptions, FetchPlan
 from kvfetcher.integrations.lookups import NOT_YET, Lookups
-from kvfetcher.integrations.vllm_meta import MIN_TIMED_TOKENS, LoadSpec, Options, SaveSpec, StepMeta, WorkerReport
+from kvfetcher.integrations.vllm_meta import MIN_TIMED_TOKENS, FetchSpec, Options, StoreSpec, StepMeta, WorkerReport
 
 log = logging.getLogger("kvfetcher.integrations.vllm")
 
@@ -51,7 +51,7 @@ class _Request:
     loaded: int = 0  # tokens a load was asked for (stored already)
     local: int = 0  # vLLM's own prefix-cache hit when the load was decided
     blocks: list[int] = field(default_factory=list)  # the block table
-    saving: bool = False  # a save was asked for: its blocks stay until the workers copied them
+    storing: bool = False  # a store was asked for: its blocks stay until the workers copied them
 
 
 class SchedulerSide:
@@ -69,8 +69,8 @@ class SchedulerSide:
         self.wall = prefill.WallScale()  # ... and how much longer whole prefills take by the wall clock
         self.prefilling: dict[str, tuple[float, int, int]] = {}  # req_id -> (first scheduled, computed then, prompt tokens)
         self.requests: dict[str, _Request] = {}
-        self.loads: list[LoadSpec] = []
-        self.saving: dict[str, _Request] = {}  # asked to save, not yet reported
+        self.fetches: list[FetchSpec] = []
+        self.storing: dict[str, _Request] = {}  # asked to store, not yet reported
         self.events: list = []
         self._warned = 0.0
 
@@ -78,7 +78,7 @@ class SchedulerSide:
         self.lookups.close()
         (self.group or self.client).close()
 
-    # --- loads -------------------------------------------------------------------------------
+    # --- lookups -----------------------------------------------------------------------------
 
     def _options(self, request) -> FetchOptions:
         """The lookup's options; a request's ``kv_transfer_params`` may name ``presets`` and
@@ -89,18 +89,18 @@ class SchedulerSide:
                             prefill_model=self.prefill_model(), recompute_tokens_per_s=self.options.recompute_tokens_per_s,
                             wait_s=self.options.listing_wait_s)
 
-    def _plan(self, request, options: FetchOptions) -> _Request:
+    def _lookup(self, request, options: FetchOptions) -> _Request:
         """The request's plan (in a lookup thread: the sidecar answers from its index of the store)."""
         tokens = list(request.prompt_token_ids or [])[:-1]
         plans, end = (), 0
         try:
             if self.group is not None:  # a rank that cannot answer makes the group recompute (no exception)
-                plan = self.group.plan(tokens, None, options, model=self.options.model, dtype=self.dtype, kv_shape=self.kv_shape)
+                plan = self.group.lookup(tokens, None, options, model=self.options.model, dtype=self.dtype, kv_shape=self.kv_shape)
                 plans, tokens = plan.plans, tokens[: plan.tokens]
             else:
-                plan = self.client.plan(None, tokens, options, model=self.options.model, dtype=self.dtype, kv_shape=self.kv_shape)
+                plan = self.client.lookup(None, tokens, options, model=self.options.model, dtype=self.dtype, kv_shape=self.kv_shape)
                 plans = (plan,)
-            # no preset chosen: the sidecar has no buffer of this namespace yet; the load plans again
+            # no preset chosen: the sidecar has no buffer of this namespace yet; the fetch looks up again
             end = plan.loaded_tokens if plan.preset else plan.hit_tokens
         except (OSError, SidecarError) as e:  # no sidecar is no reason to fail a request: recompute
             self._warn("KV lookup failed, recomputing: %s", e)
@@ -142,7 +142,7 @@ class SchedulerSide:
                 self.requests[rid] = _Request(request, [], (), 0)
                 return 0, False
             wait_s, timeout_s = self._patience(request, num_computed_tokens)
-            r = self.lookups.answer(rid, lambda: self._plan(request, options), lambda: self._late(request), timeout_s, wait_s)
+            r = self.lookups.answer(rid, lambda: self._lookup(request, options), lambda: self._late(request), timeout_s, wait_s)
             if r is NOT_YET:
                 return None, False
             self.requests[rid] = r
@@ -156,7 +156,7 @@ class SchedulerSide:
             return
         r.blocks, r.loaded = list(block_ids), r.end
         lookup = replace(r.options, prefill_model=self.prefill_model(), wait_s=0.0)  # the prefill model as fitted by now
-        self.loads.append(LoadSpec(request.request_id, r.tokens, r.plans, r.local, r.local + num_external_tokens, r.blocks, lookup))
+        self.fetches.append(FetchSpec(request.request_id, r.tokens, r.plans, r.local, r.local + num_external_tokens, r.blocks, lookup))
         r.end = 0  # one load per request: vLLM asks again only after it failed (or a preemption), then recompute
 
     # --- the step ----------------------------------------------------------------------------
@@ -165,8 +165,8 @@ class SchedulerSide:
         new, cached = out.scheduled_new_reqs, out.scheduled_cached_reqs
         had = {n.req_id: n.num_computed_tokens for n in new} | dict(zip(cached.req_ids, cached.num_computed_tokens))
         _, attention = prefill.terms((had[r], out.num_scheduled_tokens[r]) for r in had)
-        meta = StepMeta(self.loads, [], out.total_num_scheduled_tokens, set(getattr(out, "preempted_req_ids", None) or ()), attention)
-        self.loads = []
+        meta = StepMeta(self.fetches, [], out.total_num_scheduled_tokens, set(getattr(out, "preempted_req_ids", None) or ()), attention)
+        self.fetches = []
         self._time_prefills(new, had, meta.preempted)
         for n in new:
             if (r := self.requests.get(n.req_id)) is not None:
@@ -176,14 +176,14 @@ class SchedulerSide:
                 fresh = list(cached.new_block_ids[i][0])  # a resumed request gets its whole table anew
                 r.blocks = fresh if req_id in cached.resumed_req_ids else r.blocks + fresh
         for req_id, computed in had.items():  # computed once this step ends
-            if (r := self.requests.get(req_id)) is not None and (save := self._save(r, computed + out.num_scheduled_tokens[req_id])):
-                meta.saves.append(save)
+            if (r := self.requests.get(req_id)) is not None and (spec := self._store(r, computed + out.num_scheduled_tokens[req_id])):
+                meta.stores.append(spec)
         return meta
 
-    def _save(self, r: _Request, computed: int) -> SaveSpec | None:
+    def _store(self, r: _Request, computed: int) -> StoreSpec | None:
         chunk = self.client.chunk_tokens
         prompt = r.request.prompt_token_ids or []
-        if r.saving or not chunk or computed < len(prompt):
+        if r.storing or not chunk or computed < len(prompt):
             return None
         n = len(prompt) // chunk * chunk
         if n <= r.loaded:  # nothing new: those chunks were loaded from the store
@@ -191,9 +191,9 @@ class SchedulerSide:
         blocks = r.blocks[: -(-n // self.block_size)]
         if len(blocks) * self.block_size < n:
             return None
-        r.saving = True
-        self.saving[r.request.request_id] = r
-        return SaveSpec(r.request.request_id, list(prompt[:n]), blocks, chunk)
+        r.storing = True
+        self.storing[r.request.request_id] = r
+        return StoreSpec(r.request.request_id, list(prompt[:n]), blocks, chunk)
 
     def _time_prefills(self, new, had: dict[str, int], preempted: set[str]) -> None:
         """Whole prefills by the wall clock, from the step that first schedules a request to the
@@ -215,7 +215,7 @@ class SchedulerSide:
             self.wall.observe(model.seconds(computed, prompt - computed), now - t0)
 
     def finished(self, req_id: str, prefilled: bool = False) -> bool:
-        """Whether the request's blocks must wait for its save (the workers then report it).
+        """Whether the request's blocks must wait for its store (the workers then report it).
         ``prefilled``: its prompt was computed (its prefill's wall time ends here, if not before)."""
         if req_id in self.prefilling:
             if prefilled:
@@ -224,7 +224,7 @@ class SchedulerSide:
                 del self.prefilling[req_id]
         self.lookups.forget(req_id)  # finished (aborted) while its lookup was in flight
         r = self.requests.pop(req_id, None)
-        return r is not None and r.saving
+        return r is not None and r.storing
 
     # --- what the workers report -------------------------------------------------------------
 
@@ -232,7 +232,7 @@ class SchedulerSide:
         if not isinstance(rep, WorkerReport):
             return
         for req_id, chunks in rep.stored_chunks.items():
-            r = self.saving.pop(req_id, None)
+            r = self.storing.pop(req_id, None)
             if r is not None and chunks:
                 self.events.extend(self._stored_events(r, chunks * self.client.chunk_tokens))
         for tokens, attention, seconds in rep.steps:

@@ -1,5 +1,5 @@
-"""The vLLM connector's worker side: vLLM's paged KV cache registered with the sidecar, loads and
-saves in background threads.
+"""The vLLM connector's worker side: vLLM's paged KV cache registered with the sidecar, fetches
+and stores in background threads (vLLM's loads and saves).
 
 Three modes, chosen at registration and logged once:
 
@@ -13,11 +13,11 @@ Three modes, chosen at registration and logged once:
 * staged: on a CPU (no process can map vLLM's memory) the same buffer carries KV both ways: the
   sidecar decodes into it and this process copies it into the blocks, in windows of whole chunks.
 
-Invariants: a load writes only tokens ``first .. end`` of its request, in whole blocks; every block
+Invariants: a fetch writes only tokens ``first .. end`` of its request, in whole blocks; every block
 of that range it did not write is reported by :meth:`load_errors` no later than the step that
-reports the request finished receiving. A save copies its blocks before its request's id is
+reports the request finished receiving. A store copies its blocks before its request's id is
 reported finished sending (vLLM holds the blocks until then) and before a preemption frees them.
-Registration is retried on the next load or save after the sidecar was unreachable or restarted.
+Registration is retried on the next fetch or store after the sidecar was unreachable or restarted.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from kvfetcher.api.client import SidecarError
 from kvfetcher.fetch.plan import FetchOptions
 from kvfetcher.integrations import staged
 from kvfetcher.integrations.staged import Staging
-from kvfetcher.integrations.vllm_meta import MIN_TIMED_TOKENS, LoadSpec, Options, SaveSpec, StepMeta, WorkerReport
+from kvfetcher.integrations.vllm_meta import MIN_TIMED_TOKENS, FetchSpec, Options, StoreSpec, StepMeta, WorkerReport
 
 log = logging.getLogger("kvfetcher.integrations.vllm")
 
@@ -91,7 +91,7 @@ class WorkerSide:
         self.buffer: str | None = None
         self.recving: set[str] = set()
         self.errors: set[int] = set()
-        self.saves: dict[str, Future] = {}  # issued saves, until reported finished sending
+        self.stores: dict[str, Future] = {}  # issued stores, until reported finished sending
         self.vllm_finished: set[str] = set()
         self.stored: dict[str, int] = {}
         self.steps: list[tuple[int, float, float]] = []
@@ -147,7 +147,7 @@ class WorkerSide:
             if mode != self.mode:
                 self.mode = mode
                 log.info("kvfetcher: %s mode: %s%s%s", mode, why, "" if self.staging is None else
-                         f"; loads and saves go through a host buffer of {tokens} tokens "
+                         f"; fetches and stores go through a host buffer of {tokens} tokens "
                          f"({self.staging.buffer.tensor.nbytes / 2**20:.0f} MiB), copied to and from the blocks in this process",
                          "" if mode != "engine-decode" else
                          f"; loads decode here, on {self.staging.paged.device} ({', '.join(self.staging.engine.formats)})")
@@ -183,10 +183,10 @@ class WorkerSide:
     # --- the step ------------------------------------------------------------------------------
 
     def start_step(self, meta: StepMeta) -> None:
-        """Start the step's loads (vLLM 0.32 calls this after launching the forward)."""
+        """Start the step's fetches (vLLM 0.32 calls this after launching the forward)."""
         if isinstance(meta, StepMeta):
-            for spec in meta.loads:  # each reports its request finished, loaded or not
-                self.pool.submit(self._load, spec)
+            for spec in meta.fetches:  # each reports its request finished, loaded or not
+                self.pool.submit(self._fetch, spec)
 
     def layer_start(self, meta: StepMeta) -> None:
         """An attention layer starts: the first one of a step starts the step's clock."""
@@ -194,17 +194,17 @@ class WorkerSide:
             self._step_start = self._clock()
 
     def end_step(self, meta: StepMeta) -> None:
-        """The forward is done: time it, and start the saves of the prefills it finished."""
+        """The forward is done: time it, and start the stores of the prefills it finished."""
         if not isinstance(meta, StepMeta):
             return
         if self._step_start is not None:
             self._timing.append(((meta.step_tokens, meta.step_attention), self._step_start, self._clock()))
             self._step_start = None
         self._collect_timing()
-        if meta.saves:
+        if meta.stores:
             ready = self._clock() if self.tensors is not None and not self._on_cpu() else None  # the step's KV writes, on the GPU
-            for spec in meta.saves:
-                self.saves[spec.req_id] = self.pool.submit(self._save, spec, ready)
+            for spec in meta.stores:
+                self.stores[spec.req_id] = self.pool.submit(self._store, spec, ready)
 
     def _clock(self):
         if self._on_cpu():
@@ -226,17 +226,17 @@ class WorkerSide:
         self._timing = pending[-64:]
 
     def preempted(self, meta: StepMeta) -> None:
-        """vLLM frees a preempted request's blocks: its save must have copied them first."""
+        """vLLM frees a preempted request's blocks: its store must have copied them first."""
         for req_id in getattr(meta, "preempted", ()) or ():
-            if (f := self.saves.get(req_id)) is not None:
+            if (f := self.stores.get(req_id)) is not None:
                 f.exception()
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        self.vllm_finished |= finished_req_ids & set(self.saves)
-        sending = {r for r in self.vllm_finished if self.saves[r].done()}
+        self.vllm_finished |= finished_req_ids & set(self.stores)
+        sending = {r for r in self.vllm_finished if self.stores[r].done()}
         for r in sending:
             self.vllm_finished.discard(r)
-            del self.saves[r]
+            del self.stores[r]
         with self.lock:
             recving, self.recving = self.recving, set()
         return sending or None, recving or None
@@ -254,50 +254,50 @@ class WorkerSide:
             self.stored, self.steps = {}, []
         return rep
 
-    # --- loads and saves (pool threads) ---------------------------------------------------------
+    # --- fetches and stores (pool threads) ------------------------------------------------------
 
-    def _load(self, spec: LoadSpec) -> None:
+    def _fetch(self, spec: FetchSpec) -> None:
         written = spec.first
         try:
-            written = self._with_buffer(lambda buf: self._load_into(buf, spec)) or spec.first
+            written = self._with_buffer(lambda buf: self._fetch_into(buf, spec)) or spec.first
         except Exception as e:  # noqa: BLE001 — whatever failed, the blocks it did not write are recomputed
-            log.warning("kvfetcher: KV load failed, recomputing: %s", e)
+            log.warning("kvfetcher: KV fetch failed, recomputing: %s", e)
         bs = self.block_size
         with self.lock:
             self.errors.update(spec.block_ids[written // bs : -(-spec.end // bs)])
             self.recving.add(spec.req_id)
 
-    def _load_into(self, buf: str, spec: LoadSpec) -> int:
+    def _fetch_into(self, buf: str, spec: FetchSpec) -> int:
         """Load the request's stored chunks; the end of the tokens written (whole blocks)."""
         plan = spec.plans[self.tp_rank] if self.tp_rank < len(spec.plans) else None
         plan = plan if plan is not None and plan.tp_rank == self.tp_rank else None
-        # without a chosen plan the sidecar looks up at load, as the scheduler did (the request's presets and budget)
-        lookup = replace(spec.lookup, deadline_s=self.options.load_deadline_s)
+        # without a chosen plan the sidecar looks up at fetch, as the scheduler did (the request's presets and budget)
+        lookup = replace(spec.lookup, deadline_s=self.options.fetch_deadline_s)
         bs = self.block_size
         # vLLM's own cache holds the tokens before ``first``, in blocks other requests may share: never written
         if self.staging is not None:
-            n = self.staging.load(self.client, buf, spec.tokens, self._blocks(spec.block_ids), spec.first, spec.end, plan, lookup)
+            n = self.staging.fetch(self.client, buf, spec.tokens, self._blocks(spec.block_ids), spec.first, spec.end, plan, lookup)
             return max(spec.first, n // bs * bs)
-        options = lookup if plan is None or not plan.preset else FetchOptions(deadline_s=self.options.load_deadline_s)
-        reply = self.client.load(buf, spec.tokens, plan, block_ids=self._blocks(spec.block_ids), options=options, first_token=spec.first)
+        options = lookup if plan is None or not plan.preset else FetchOptions(deadline_s=self.options.fetch_deadline_s)
+        reply = self.client.fetch(buf, spec.tokens, plan, block_ids=self._blocks(spec.block_ids), options=options, first_token=spec.first)
         return max(spec.first, min(reply.loaded_tokens, spec.end) // bs * bs)
 
-    def _save(self, spec: SaveSpec, ready) -> None:
+    def _store(self, spec: StoreSpec, ready) -> None:
         stored = 0
         try:
-            stored = self._with_buffer(lambda buf: self._save_from(buf, spec, ready)) or 0
-        except Exception as e:  # noqa: BLE001 — a lost save costs a future recompute, never this request
-            log.warning("kvfetcher: KV save failed: %s", e)
+            stored = self._with_buffer(lambda buf: self._store_from(buf, spec, ready)) or 0
+        except Exception as e:  # noqa: BLE001 — a lost store costs a future recompute, never this request
+            log.warning("kvfetcher: KV store failed: %s", e)
         with self.lock:
             self.stored[spec.req_id] = stored
 
-    def _save_from(self, buf: str, spec: SaveSpec, ready) -> int:
+    def _store_from(self, buf: str, spec: StoreSpec, ready) -> int:
         if ready is not None:
             ready.synchronize()  # the step's KV writes, on the GPU
         if self.staging is not None:
             chunk = spec.chunk_tokens or self.client.chunk_tokens
-            return self.staging.save(self.client, buf, spec.tokens, self._blocks(spec.block_ids), chunk) if chunk else 0
-        rep = self.client.save(buf, spec.tokens, block_ids=self._blocks(spec.block_ids))
+            return self.staging.store(self.client, buf, spec.tokens, self._blocks(spec.block_ids), chunk) if chunk else 0
+        rep = self.client.store(buf, spec.tokens, block_ids=self._blocks(spec.block_ids))
         return rep.queued_chunks + rep.skipped_chunks
 
     def close(self) -> None:
