@@ -80,7 +80,10 @@ class LayoutParams:
             raise ValueError("sparse_step must be in [0.01, 1] steps")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not self.sort_components:  # headers of the layouts before it stay byte for byte the same
+            del d["sort_components"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "LayoutParams":
