@@ -40,8 +40,8 @@ from kvfetcher.format import presets
 
 OUT = Path(__file__).resolve().parent / "curves"
 GATE = {"tf_top1": 0.99, "nll_increase_pct": 0.5}
-DEFAULT = ("transform-zstdx1,transform-zstdx1.3,transform-zstdx1.7,transform-zstdx2.2,balanced,compact,"
-           "kvtc@1.5,kvtc@2,kvtc@3,kvtc@4,cachegen")
+DEFAULT = ("transform-zstdx0.8,transform-zstdx1,transform-zstdx1.3,transform-zstdx1.7,transform-zstdx2.2,balanced,compact,"
+           "kvtc@3,kvtc@4,kvtc@5,kvtc@6,cachegen")
 GENRES = ("legal", "prose", "code", "tables", "dialogue")
 SCALED = re.compile(r"(transform-zstd|transform-ans|balanced|compact)x([0-9.]+)")
 
@@ -123,8 +123,8 @@ def render() -> str:
             ok = [(n, p) for n, p in mine if p["gate"]]
             top = max(ok, key=lambda np: np[1]["ratio_vs_fp16"]) if ok else None
             fine = min(mine, key=lambda np: np[1]["ratio_vs_fp16"])
-            best.append(f"| {r['model']} | {r['tokens']} | {fam} | {f'{top[1][chr(114) + 'atio_vs_fp16']:.2f}x ({top[0]})' if top else 'none passes'} | "
-                        f"{fine[1]['ratio_vs_fp16']:.2f}x, {fine[1]['tf_top1']:.4f} |")
+            at_gate = f"{top[1]['ratio_vs_fp16']:.2f}x ({top[0]})" if top else "none passes"
+            best.append(f"| {r['model']} | {r['tokens']} | {fam} | {at_gate} | {fine[1]['ratio_vs_fp16']:.2f}x, {fine[1]['tf_top1']:.4f} |")
     meta = {(r["model"], r["tokens"]): (r["date"], r["device"], r["continuation"], r["prompts"]) for r in runs}
     lines = [f"- {m} at {t} tokens: {d}, {dev}; {c} continuation tokens scored; prompts {', '.join(ps)}" for (m, t), (d, dev, c, ps) in meta.items()]
     return "\n".join(["Ratio at the gate per family (the largest ratio of a point passing it):", "", *best, "", "Every point:", "", *head, "",

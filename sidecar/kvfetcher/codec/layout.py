@@ -156,7 +156,7 @@ def _tail(side: torch.Tensor, shape: tuple[int, ...], params: LayoutParams) -> t
 
 def component_order(classes: torch.Tensor) -> torch.Tensor:
     """Rows' order from the class bytes: a stable sort, so the same on every device."""
-    return torch.sort(classes.to(torch.int16), stable=True).indices
+    return torch.sort(classes.to(torch.int32), stable=True).indices
 
 
 def _sorted_frames(tiles: torch.Tensor, geo: Geometry, b0: int) -> tuple[torch.Tensor, torch.Tensor]:
