@@ -131,6 +131,34 @@ def render() -> str:
                       "Runs:", "", *lines]) + "\n"
 
 
+def plot(path: Path) -> None:
+    """Ratio against median top-1, a panel per model x length, a line per family."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [json.loads(p.read_text()) for p in sorted(OUT.glob("*.json"), key=lambda p: (p.stem.split("-")[0], int(p.stem.split("-")[1])))]
+    models = list(dict.fromkeys(r["model"] for r in runs))
+    lengths = sorted({r["tokens"] for r in runs})
+    fig, axes = plt.subplots(len(models), len(lengths), figsize=(4.2 * len(lengths), 3.6 * len(models)), squeeze=False)
+    for r in runs:
+        ax = axes[models.index(r["model"])][lengths.index(r["tokens"])]
+        fams: dict[str, list] = {}
+        for n, p in r["codecs"].items():
+            fams.setdefault(family(n), []).append((p["ratio_vs_fp16"], p["tf_top1"]))
+        for fam, pts in fams.items():
+            pts.sort()
+            ax.plot([x for x, _ in pts], [y for _, y in pts], "o-" if len(pts) > 1 else "s", label=fam, ms=4)
+        ax.axhline(GATE["tf_top1"], color="k", ls=":", lw=0.8)
+        ax.set(title=f"{r['model']}, {r['tokens']} tokens, {len(r['prompts'])} prompts", xlabel="ratio vs fp16",
+               ylabel="tf top-1, median", ylim=(0.85, 1.002))
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=list(ab.MODELS))
@@ -143,6 +171,7 @@ def main() -> None:
     torch.set_grad_enabled(False)
     if args.render:
         (OUT.parent / "curves.md").write_text(render())
+        plot(OUT.parent / "curves.png")
         return
     run(args.model, args.tokens, args.prompts, args.cont, args.codecs.split(","))
 
