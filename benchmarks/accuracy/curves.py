@@ -15,7 +15,8 @@ prefixes, where no single held-out text is long enough, the eval texts of all fi
 starting from a different genre per prompt (the continuation is whatever follows the prefix there).
 A point passes the gate when its median top-1 is >= 0.99 and its median NLL increase <= 0.5%
 (retrieval is judged by accuracy_bench, not here). Each model x length's figures are written as
-soon as they exist, to ``curves/<model>-<tokens>.json``; ``--render`` makes ``curves.md`` from them.
+soon as they exist, to ``curves/<model>-<tokens>.json`` (a run on the same prompts keeps the points of
+codecs it does not run); ``--render`` makes ``curves.md`` and ``curves.png`` from them.
 
     python -m benchmarks.accuracy.curves --model smollm2 --tokens 256 --prompts 5
     python -m benchmarks.accuracy.curves --render
@@ -40,8 +41,8 @@ from kvfetcher.format import presets
 
 OUT = Path(__file__).resolve().parent / "curves"
 GATE = {"tf_top1": 0.99, "nll_increase_pct": 0.5}
-DEFAULT = ("transform-zstdx0.8,transform-zstdx1,transform-zstdx1.3,transform-zstdx1.7,transform-zstdx2.2,balanced,compact,"
-           "kvtc@3,kvtc@4,kvtc@5,kvtc@6,cachegen")
+DEFAULT = ("transform-zstdx1,transform-zstdx1.3,transform-zstdx1.7,transform-zstdx2.2,transform-zstdx3,transform-zstdx4,"
+           "balanced,compact,kvtc@4,kvtc@5,kvtc@6,cachegen")
 GENRES = ("legal", "prose", "code", "tables", "dialogue")
 SCALED = re.compile(r"(transform-zstd|transform-ans|balanced|compact)x([0-9.]+)")
 
@@ -84,9 +85,11 @@ def run(key: str, tokens: int, prompts: int, cont: int, names: list[str]) -> dic
            "date": datetime.date.today().isoformat(), "device": ab.device(), "codecs": {}}
     path = OUT / f"{key}-{tokens}.json"
     OUT.mkdir(exist_ok=True)
+    before = json.loads(path.read_text()) if path.exists() else {}
+    kept = {n: p for n, p in before.get("codecs", {}).items() if n not in names} if before.get("prompts") == out["prompts"] else {}
 
     def progress(reports):
-        out["codecs"] = {n: _point(r.summary()) for n, r in reports.items()}
+        out["codecs"] = kept | {n: _point(r.summary()) for n, r in reports.items()}
         out["seconds"] = time.time() - t0
         path.write_text(json.dumps(out, indent=1) + "\n")
 
