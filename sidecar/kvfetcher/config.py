@@ -116,9 +116,11 @@ DEFAULT_PRESETS = ("q8",)
 #: Every preset a pool may name. The operator checks a pool's presets against these names (it
 #: cannot import the codecs); :mod:`kvfetcher.format.presets` defines them, and a test keeps both equal.
 PRESET_NAMES = ("raw", "exact", "q8", "lean", "balanced", "compact",
-                "q8-ans", "balanced-ans", "compact-ans", "q8-zstd", "balanced-zstd", "compact-zstd")
+                "q8-ans", "balanced-ans", "compact-ans", "q8-zstd", "balanced-zstd", "compact-zstd",
+                "transform-ans", "transform-zstd")
 #: Those that quantise keys before RoPE: stored only where ``KVFETCHER_ROPE_THETA`` is set.
-PRE_ROPE_PRESETS = ("lean", "balanced", "compact", "balanced-ans", "compact-ans", "balanced-zstd", "compact-zstd")
+PRE_ROPE_PRESETS = ("lean", "balanced", "compact", "balanced-ans", "compact-ans", "balanced-zstd", "compact-zstd",
+                    "transform-ans", "transform-zstd")
 
 
 def _presets(text: str) -> tuple[str, ...]:

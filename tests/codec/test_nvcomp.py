@@ -53,7 +53,7 @@ def test_a_corrupt_ans_object_never_reaches_the_buffer():
     assert bool((out == 7.0).all())
 
 
-@pytest.mark.parametrize("name", ["q8", "balanced", "compact"])
+@pytest.mark.parametrize("name", ["q8", "balanced", "compact", "transform"])
 def test_a_chunk_coded_on_the_gpu_restores_what_its_planes_give_on_any_path(name):
     """Packed and coded on the GPU, ``-ans`` and ``-zstd`` objects hold the very planes the layout made
     (lossless), so a GPU restore, the CPU zstd decode and the layout's own unpack of those planes
@@ -126,7 +126,7 @@ def test_threads_decoding_side_by_side_each_get_their_own_planes():
     assert all(torch.equal(o, frames[i % 8]) for i, o in enumerate(outs))
 
 
-@pytest.mark.parametrize("preset", ["q8-ans", "balanced-ans"])
+@pytest.mark.parametrize("preset", ["q8-ans", "balanced-ans", "transform-ans"])
 def test_a_fetch_restores_ans_chunks_into_a_cuda_buffer_and_stops_at_a_damaged_one(tmp_path, preset):
     """Through the executor's staged path (pinned staging, checksums in the reading threads, decode
     from the staging buffer): each chunk as decode_chunk restores it; the chunk whose segment is

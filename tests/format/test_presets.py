@@ -96,6 +96,7 @@ HEADER_DIGESTS = {
     "raw": "925b143014e6ba76", "exact": "1832593fa2f54ccc", "q8": "ebfe073824711109",
     "lean": "c51d807611c99bd6", "balanced": "69622cac7878d5f9", "compact": "513520e8d3b3fd04",
     "q8-zstd": "d4536c514b2c7482", "balanced-zstd": "00cf8207b2a4b502", "compact-zstd": "faa9f1eca1d1f79f",
+    "transform-zstd": "121bf50dcd92ceed",
 }  # (the -ans presets code only on a GPU; their headers differ from -zstd's in the format alone)
 
 

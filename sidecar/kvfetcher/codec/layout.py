@@ -44,6 +44,12 @@ neighbours, so the layout decides what sits next to what:
   quantisation, in integer units of ``sparse_step`` times the rows' step (int8), with the token
   indices (int16). ``unpack`` adds them back with one scatter before the inverse basis:
   these rows carry several times their share of the model's error.
+* ``sort_components`` (with ``sigma_steps``; for the entropy formats) writes the samples
+  component-major instead of as tiles: each (layer, k|v, head, component)'s tokens as one row,
+  rows in the stable order of a class byte per component (``4 log2(1 + sd)`` of its body's
+  samples, in side information). An entropy coder codes blocks alone from their own symbol
+  counts; sorted, a block holds samples of one spread instead of a mixture of every
+  component's, which costs fewer bits. ``unpack`` puts the rows back into tiles first.
 
 Pure torch, no I/O: the same code runs on CPU and on the GPU, and ``unpack`` can write straight
 into a destination view of the model's KV buffers.
@@ -93,14 +99,24 @@ def _sparse_bytes(shape: tuple[int, ...], params: LayoutParams) -> int:
     return 2 * n + 2 * n * head_dim  # int16 token indices, int8 key and value rows
 
 
+def _order_bytes(shape: tuple[int, ...], params: LayoutParams) -> int:
+    layers, _, heads, _, head_dim = shape
+    return layers * 2 * heads * head_dim if params.sort_components and params.mode not in LOSSLESS_MODES else 0
+
+
+def _tail_bytes(shape: tuple[int, ...], params: LayoutParams) -> int:
+    """Bytes after the values of side information: the sparse corrections, then the class bytes."""
+    return _sparse_bytes(shape, params) + _order_bytes(shape, params)
+
+
 def side_numel(shape: tuple[int, ...], params: LayoutParams, dtype: torch.dtype = torch.float16) -> int:
     """Values of side information (in the KV dtype): per-channel (offset, step), the exact
-    leading tokens, then the sparse corrections' bytes (padded to whole values)."""
+    leading tokens, then the sparse corrections' and the components' class bytes (padded to whole values)."""
     if params.mode in LOSSLESS_MODES:
         return 0
     layers, _, heads, tokens, head_dim = shape
     bpv = bytes_per_value(dtype)
-    return layers * 2 * heads * head_dim * (2 + min(params.exact_tokens, tokens)) + -(-_sparse_bytes(shape, params) // bpv)
+    return layers * 2 * heads * head_dim * (2 + min(params.exact_tokens, tokens)) + -(-_tail_bytes(shape, params) // bpv)
 
 
 def split_side(side: torch.Tensor, shape: tuple[int, ...], params: LayoutParams) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,11 +135,50 @@ def split_sparse(side: torch.Tensor, shape: tuple[int, ...], params: LayoutParam
     ``[L, 2, H, k, D]`` int8 rows in units of ``sparse_step`` steps)."""
     layers, _, heads, tokens, head_dim = shape
     k = sparse_count(shape, params)
-    raw = side.contiguous().view(torch.uint8)
-    a = (side.numel() - -(-_sparse_bytes(shape, params) // side.element_size())) * side.element_size()
+    raw, a = _tail(side, shape, params)
     idx = raw[a : a + 2 * layers * heads * k].view(torch.int16).view(layers, heads, k)
     rows = raw[a + 2 * layers * heads * k : a + _sparse_bytes(shape, params)].view(torch.int8)
     return idx, rows.view(layers, 2, heads, k, head_dim)
+
+
+def split_order(side: torch.Tensor, shape: tuple[int, ...], params: LayoutParams) -> torch.Tensor:
+    """The components' class bytes of flat side information (``sort_components``): uint8 ``[L * 2 * H * D]``."""
+    raw, a = _tail(side, shape, params)
+    a += _sparse_bytes(shape, params)
+    return raw[a : a + _order_bytes(shape, params)]
+
+
+def _tail(side: torch.Tensor, shape: tuple[int, ...], params: LayoutParams) -> tuple[torch.Tensor, int]:
+    """(side information's bytes, where its tail bytes start)."""
+    size = side.element_size()
+    return side.contiguous().view(torch.uint8), (side.numel() - -(-_tail_bytes(shape, params) // size)) * size
+
+
+def component_order(classes: torch.Tensor) -> torch.Tensor:
+    """Rows' order from the class bytes: a stable sort, so the same on every device."""
+    return torch.sort(classes.to(torch.int32), stable=True).indices
+
+
+def _sorted_frames(tiles: torch.Tensor, geo: Geometry, b0: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tiles ``[L, 2, T, H, D]`` -> (frames holding each component's tokens as one row, rows in
+    class order; the class bytes)."""
+    tokens = tiles.shape[2]
+    rows = tiles.permute(0, 1, 3, 4, 2).reshape(-1, tokens)  # [L * 2 * H * D, T]
+    sd = rows[:, b0:].float().std(dim=1, correction=0) if tokens - b0 > 1 else rows.new_zeros(rows.shape[0], dtype=torch.float32)
+    classes = torch.round(4 * torch.log2(1 + sd)).clamp_(0, 255).to(torch.uint8)
+    frames = torch.zeros(geo.frame_shape, dtype=torch.uint8, device=tiles.device)
+    frames.view(-1)[: rows.numel()] = rows[component_order(classes)].reshape(-1)
+    return frames, classes
+
+
+def _tiles_of_sorted(frames: torch.Tensor, classes: torch.Tensor, shape: tuple[int, ...], geo: Geometry) -> torch.Tensor:
+    """Inverse of :func:`_sorted_frames`: the same frames in the tiles' order."""
+    layers, _, heads, tokens, head_dim = shape
+    n = layers * 2 * heads * head_dim
+    rows = torch.empty((n, tokens), dtype=torch.uint8, device=frames.device)
+    rows[component_order(classes.to(frames.device))] = frames.reshape(-1)[: n * tokens].view(n, tokens)
+    tiles = rows.view(layers, 2, heads, head_dim, tokens).permute(0, 1, 4, 2, 3).reshape(layers * 2, tokens, heads * head_dim)
+    return tiling.tiles_to_frames(tiles, geo)
 
 
 def levels(params: LayoutParams, layers: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -233,12 +288,20 @@ def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
         q.copy_(u.clamp_(max=255) if params.sigma_steps is not None else torch.minimum(u, top.unsqueeze(-1)))
     if b0:  # exact rows: repeat the first quantised row, cheapest for the codec
         q[:, :, :, :b0] = q[:, :, :, b0 : b0 + 1]
-    parts = [ranges.reshape(-1), kv[:, :, :, :e].reshape(-1)]
+    tail = []
     ks = sparse_count(tuple(kv.shape), params)
     if ks:
-        parts.append(_sparse_pack(x, q, lo_r, scale_r, params, b0, ks, bytes_per_value(kv.dtype)).view(kv.dtype))
-    side = torch.cat(parts)
-    return Packed(tiling.tiles_to_frames(tiles.view(layers * 2, tokens, heads * head_dim), geo), side, geo)
+        tail.append(_sparse_pack(x, q, lo_r, scale_r, params, b0, ks))
+    if params.sort_components:
+        frames, classes = _sorted_frames(tiles, geo, b0)
+        tail.append(classes)
+    else:
+        frames = tiling.tiles_to_frames(tiles.view(layers * 2, tokens, heads * head_dim), geo)
+    parts = [ranges.reshape(-1), kv[:, :, :, :e].reshape(-1)]
+    if tail:
+        raw = torch.cat(tail)
+        parts.append(torch.cat([raw, raw.new_zeros(-raw.numel() % bytes_per_value(kv.dtype))]).view(kv.dtype))
+    return Packed(frames, torch.cat(parts), geo)
 
 
 def _dequantise(t: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, params: LayoutParams, b0: int) -> torch.Tensor:
@@ -253,7 +316,7 @@ def _dequantise(t: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, params: 
 
 
 def _sparse_pack(x: torch.Tensor, q: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, params: LayoutParams,
-                 b0: int, ks: int, bpv: int) -> torch.Tensor:
+                 b0: int, ks: int) -> torch.Tensor:
     """The sparse corrections' bytes: per (layer, head) the ``ks`` body tokens of largest key norm
     in the basis (int16 indices, ascending) and their key and value rows' error, int8 in units of
     ``sparse_step`` times the component's step. ``x`` ``[L, 2, H, T, D]`` (basis, less its mean),
@@ -268,8 +331,7 @@ def _sparse_pack(x: torch.Tensor, q: torch.Tensor, lo: torch.Tensor, scale: torc
     err = x.gather(3, g) - rec.gather(3, g)
     unit = scale.unsqueeze(3) * params.sparse_step
     r = torch.round(err / torch.where(unit > 0, unit, torch.ones_like(unit))).clamp_(-127, 127).to(torch.int8)
-    raw = torch.cat([idx.to(torch.int16).reshape(-1).view(torch.uint8), r.reshape(-1).view(torch.uint8)])
-    return torch.cat([raw, raw.new_zeros(-raw.numel() % bpv)])  # whole values of the KV dtype
+    return torch.cat([idx.to(torch.int16).reshape(-1).view(torch.uint8), r.reshape(-1).view(torch.uint8)])
 
 
 def unpack(
@@ -292,6 +354,8 @@ def unpack(
         raise ValueError(f"frames {tuple(frames.shape)} {frames.dtype} do not match layout {geo.frame_shape} uint8")
     if params.mode == "native":
         return _restore(frames.contiguous().view(dtype).view(tuple(shape)), shape, dtype, out)
+    if params.sort_components and side is not None:
+        frames = _tiles_of_sorted(frames, split_order(side, shape, params), shape, geo)
     tiles = tiling.frames_to_tiles(frames, geo, tokens, heads * head_dim)
     if params.mode == "exact":
         nbytes = bytes_per_value(dtype)

@@ -40,6 +40,10 @@ class LayoutParams:
     # key and value rows' error corrected in side information (int8 in units of sparse_step x step)
     sparse_tokens: int = 0
     sparse_step: float = 0.25
+    # planes hold each component's tokens as one row, rows sorted by the spread of their samples (a
+    # class byte per component in side information): blocks an entropy coder codes alone then hold
+    # samples of one distribution. For the entropy formats only (video codecs want the tiles)
+    sort_components: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("native", "exact", "quant"):
@@ -70,11 +74,16 @@ class LayoutParams:
             raise ValueError("trellis needs sigma_steps (its grid step per component)")
         if self.sparse_tokens < 0 or (self.sparse_tokens and self.basis is None):
             raise ValueError("sparse_tokens must be >= 0 and needs a basis (keys are ranked by their norm in it)")
+        if self.sort_components and self.sigma_steps is None:
+            raise ValueError("sort_components needs sigma_steps (components ranked by their samples' spread)")
         if not 0.01 <= self.sparse_step <= 1:
             raise ValueError("sparse_step must be in [0.01, 1] steps")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not self.sort_components:  # headers of the layouts before it stay byte for byte the same
+            del d["sort_components"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "LayoutParams":

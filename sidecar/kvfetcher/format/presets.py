@@ -125,7 +125,8 @@ def _build(cal: Calibration) -> dict[str, Preset]:
                pre_rope=True, sink_exact_only=True),
     ]
     base = {p.name: p for p in presets}
-    return base | {v.name: v for name in ENTROPY_BASES for fmt in ENTROPY_FORMATS for v in [entropy_variant(base[name], fmt)]}
+    coded = {v.name: v for name in ENTROPY_BASES for fmt in ENTROPY_FORMATS for v in [entropy_variant(base[name], fmt)]}
+    return base | coded | {v.name: v for fmt in ENTROPY_FORMATS for v in [transform(base["balanced"], fmt)]}
 
 
 #: presets whose planes also come entropy-coded: ``<name>-zstd`` and ``<name>-ans``
@@ -143,6 +144,16 @@ def entropy_variant(p: Preset, fmt: str, block_bytes: int = ENTROPY_BLOCK) -> Pr
     as ``fmt`` instead of HEVC: one segment per chunk (a GPU codes its blocks in one batch)."""
     return dataclasses.replace(p, name=f"{p.name}-{fmt}", codec=CodecParams(format=fmt, block_bytes=block_bytes),
                                summary=f"{p.name}'s planes entropy-coded in {block_bytes >> 10} KiB {_ENTROPY_SUMMARY[fmt]}", segment_bytes=1 << 30)
+
+
+def transform(balanced: Preset, fmt: str, block_bytes: int = ENTROPY_BLOCK) -> Preset:
+    """``transform-<fmt>``: ``balanced``'s transform and quantisation (so its restored KV) with the
+    planes written for an entropy coder, not a video codec: each component's tokens one row,
+    rows sorted by their samples' spread (layout ``sort_components``), coded as ``fmt``."""
+    p = entropy_variant(balanced, fmt, block_bytes)
+    return dataclasses.replace(p, name=f"transform-{fmt}", layout=dataclasses.replace(p.layout, sort_components=True),
+                               summary=f"balanced's transform coding (basis, steps by sensitivity, trellis, sparse corrections) "
+                                       f"with its components' rows sorted by spread for the entropy coder, {_ENTROPY_SUMMARY[fmt]}")
 
 
 #: The presets of the default calibration (what a name means when no model is given).
