@@ -115,13 +115,7 @@ def main() -> None:
     args = ap.parse_args()
     if not nvcomp.available():
         raise SystemExit("needs a CUDA GPU and nvCOMP (pip install nvidia-nvcomp-cu13 nvidia-libnvcomp-cu13)")
-    try:
-        src, kv_desc = torch.load(args.kvsrc), f"real ({args.kvsrc}), tiled to Llama-3-8B's shape"
-        kvs = [c.to(torch.float16).cuda() for c in kvsource.chunks(src, args.distinct, torch.float16)]
-    except FileNotFoundError:
-        L, _, H, T, D = kvsource.SHAPE
-        kv_desc = "synthetic (no --kvsrc): ratios mean nothing"
-        kvs = [kvsource.synthetic_kv(L, H, T, D, torch.float16, seed=i).cuda() for i in range(args.distinct)]
+    kvs, kv_desc = kvsource.gpu_chunks(args.kvsrc, args.distinct)
     L, _, H, T, D = kvs[0].shape
     buf = torch.zeros(L, 2, H, args.chunks * T, D, dtype=torch.float16, device="cuda")
     rows = [run_config("raw", presets.get("raw"), kvs, buf, args)]

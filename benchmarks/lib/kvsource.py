@@ -121,9 +121,21 @@ def real_chunks(src: dict, n: int, layers: int = SHAPE[0], dtype: torch.dtype = 
     return [torch.cat(chunks(src, per * (i + 1), dtype, start=i * SHAPE[3])[per * i :], 0)[:layers].contiguous() for i in range(n)]
 
 
+def gpu_chunks(path: str, distinct: int) -> tuple[list, str]:
+    """``distinct`` fp16 chunks of 8B shape on the GPU: real KV from ``path`` (tiled to the shape),
+    else synthetic KV; and a description of which (synthetic KV's ratios mean nothing)."""
+    try:
+        src = torch.load(path)
+    except FileNotFoundError:
+        L, _, H, T, D = SHAPE
+        return [synthetic_kv(L, H, T, D, torch.float16, seed=i).cuda() for i in range(distinct)], "synthetic (no --kvsrc): ratios mean nothing"
+    return [c.to(torch.float16).cuda() for c in chunks(src, distinct, torch.float16)], f"real ({path}), tiled to Llama-3-8B's shape"
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokens", type=int, default=256)
     a = ap.parse_args()
     save_source(a.out, a.tokens)
+
