@@ -65,3 +65,13 @@ async def test_the_option_gauges_show_the_last_lookup_only(tmp_path, shm):
         assert options() == {"recompute", "raw"}
         await sc.lookup(bid, [7, 7, 7] * 32, FetchOptions(refresh=True, **SLOW_MODEL))  # stored nowhere
         assert options() <= {"recompute"}
+
+
+async def test_a_lookup_the_shortcut_decides_shows_recompute_alone(tmp_path, shm):
+    """Where no stored preset could beat recompute (a prefill faster than any read), the lookup
+    answers without weighing presets, and says so: recompute is its only option."""
+    buf = await stored_by_another_sidecar(tmp_path, shm)
+    async with running(LocalStore(tmp_path), chunk_tokens=32, presets=("raw",), decode_procs=0, device="cpu") as sc:
+        bid = sc.register(buf.handle, "m")
+        p = await sc.lookup(bid, TOKENS, FetchOptions(recompute_tokens_per_s=1e15))
+        assert (p.preset, p.reason, set(p.options)) == ("recompute", "cost_model", {"recompute"}), p

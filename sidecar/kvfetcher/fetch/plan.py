@@ -275,7 +275,8 @@ async def make_plan(
     if not refresh and costs.chunk_kv_bytes is not None and choice.hopeless(
         len(ck), chunk_tokens, costs.chunk_kv_bytes, RATIOS, costs.formats, costs.rates, set(costs.allowed), budget_s=costs.budget_s):
         return replace(recompute, hit_tokens=len(catalog.index.run(ck)[0]) * chunk_tokens, reason=Reason.COST_MODEL.value,
-                       detail="recompute predicted faster than any stored preset could be; store not asked")
+                       detail="recompute predicted faster than any stored preset could be; store not asked",
+                       options={choice.RECOMPUTE: costs.rates.prefill.seconds(0, n_req)})  # (recompute alone: the shortcut decided)
     t = time.perf_counter()
     try:
         async with asyncio.timeout(deadline_s if refresh else None):
