@@ -154,8 +154,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def _target(self) -> tuple[str, str, dict]:
         u = urlsplit(self.path)
-        parts = unquote(u.path).lstrip("/").split("/", 1)
-        return parts[0], parts[1] if len(parts) > 1 else "", parse_qs(u.query, keep_blank_values=True)
+        path, q = unquote(u.path).lstrip("/"), parse_qs(u.query, keep_blank_values=True)
+        if self.server.bucket and path != "_link":  # a client that names no bucket: the whole path is the key
+            return self.server.bucket, path, q
+        parts = path.split("/", 1)
+        return parts[0], parts[1] if len(parts) > 1 else "", q
 
     def _file(self, bucket: str, key: str) -> Path:
         p = (self.server.root / bucket / key).resolve()
@@ -381,8 +384,9 @@ class LinkServer(ThreadingHTTPServer):
     request_queue_size = 1024
 
     def __init__(self, root: str | Path, port: int = 0, rate: float = 0.0, host: str = "127.0.0.1", shared: tuple | None = None,
-                 reuse_port: bool = False, procs: int = 1, discard_puts: bool = False):
+                 reuse_port: bool = False, procs: int = 1, discard_puts: bool = False, bucket: str = ""):
         self.root = Path(root)
+        self.bucket = bucket  # set: every path is a key in this bucket (LMCache's S3 connector sends "/<key>")
         self.discard_puts = discard_puts  # uploads counted, their bytes not kept (a long run's saves would fill the disk)
         self.pacer = Pacer(rate, shared)
         self.reuse_port, self.procs = reuse_port, procs
@@ -412,8 +416,8 @@ def start_thread(root: str | Path, rate: float = 0.0) -> LinkServer:
     return srv
 
 
-def _serve(root: str, port: int, shared: tuple, procs: int, q, discard_puts: bool = False) -> None:
-    srv = LinkServer(root, port, shared=shared, reuse_port=True, procs=procs, discard_puts=discard_puts)
+def _serve(root: str, port: int, shared: tuple, procs: int, q, discard_puts: bool = False, bucket: str = "") -> None:
+    srv = LinkServer(root, port, shared=shared, reuse_port=True, procs=procs, discard_puts=discard_puts, bucket=bucket)
     q.put(srv.url)
     srv.serve_forever()
 
@@ -439,17 +443,19 @@ def default_procs() -> int:
     return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
-def start_process(root: str | Path, rate: float = 0.0, procs: int = 1, discard_puts: bool = False) -> tuple[str, ServerGroup]:
+def start_process(root: str | Path, rate: float = 0.0, procs: int = 1, discard_puts: bool = False,
+                  bucket: str = "") -> tuple[str, ServerGroup]:
     """``procs`` servers, each a process of its own, on one port (``SO_REUSEPORT``) sharing one
     link, so pacing and sendfile take no GIL from the client or from each other: (url, group).
-    ``discard_puts``: uploads are answered and counted, their bytes not kept."""
+    ``discard_puts``: uploads are answered and counted, their bytes not kept. ``bucket``: every
+    request path is a key in that bucket (clients that name none)."""
     ctx = mp.get_context("spawn")
     shared = Pacer.shared_state(rate)
     q = ctx.Queue()
     group = ServerGroup([])
     port = 0
     for _ in range(max(1, procs)):
-        p = ctx.Process(target=_serve, args=(str(root), port, shared, procs, q, discard_puts), daemon=True)
+        p = ctx.Process(target=_serve, args=(str(root), port, shared, procs, q, discard_puts, bucket), daemon=True)
         p.start()
         group.procs.append(p)
         url = q.get(timeout=60)

@@ -81,6 +81,14 @@ def timing_model(tiny: bool, work: Path) -> tuple[Path, dict]:
     return d, dict(load_format="dummy", skip_tokenizer_init=True)
 
 
+def ttft_prompts(contexts: list[int], vocab: int) -> dict[int, list[int]]:
+    """The timing phases' prompts: random token ids (seed 0), one prompt per context length."""
+    import random
+
+    rng = random.Random(0)
+    return {n: [rng.randrange(100, vocab - 1) for _ in range(n)] for n in contexts}
+
+
 def stored_presets() -> list[str]:
     """The presets the timing phases store every chunk in: ``raw`` and ``balanced`` (HEVC), and
     on a GPU ``balanced-ans`` and ``compact-ans`` too (nvCOMP: no CPU decoder)."""

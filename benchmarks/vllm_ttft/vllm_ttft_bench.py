@@ -36,9 +36,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.vllm_ttft import report, under_load
+from benchmarks.vllm_ttft import peers, report, under_load
 from benchmarks.vllm_ttft.engine import (CHUNK, Probe, breakdown, generate, kv_dtype, on_gpu, run_phases, s3_sidecar, shape_of, sidecar,
-                                         smollm2_dir, spawn_workers, phase_left, start_llm, stored_presets, timing_model, wait_stored, warm_index)
+                                         smollm2_dir, spawn_workers, phase_left, start_llm, stored_presets, timing_model, ttft_prompts, wait_stored,
+                                         warm_index)
 
 GBIT = 1.25e8  # bytes/s of 1 Gbit/s
 FORCE = 1e6  # a TTFT budget no load exceeds: the preset named is loaded whatever the cost model says
@@ -49,8 +50,9 @@ def methods() -> dict[str, dict | None]:
     return {"recompute": None, **{p: {"presets": [p], "ttft_budget_s": FORCE} for p in stored_presets()}, "auto": {}}
 
 
-GROUPS = {"identity": ["identity-store", "identity-load"], "ttft": ["ttft"], "load": ["load"]}
-TIMEOUT_S = {"identity-store": 420, "identity-load": 420, "ttft": 900, "load": 600}
+GROUPS = {"identity": ["identity-store", "identity-load"], "ttft": ["ttft"], "load": ["load"], "peers": [f"peer-{m}" for m in peers.PEERS],
+          **{f"peer-{m}": [f"peer-{m}"] for m in peers.PEERS}}
+TIMEOUT_S = {"identity-store": 420, "identity-load": 420, "ttft": 900, "load": 600, **{f"peer-{m}": 420 for m in peers.PEERS}}
 PROMPT, SPLIT, SHARED, NEW = 1100, 1024, 400, 32  # identity: prompt tokens, the split (stored prefix), vLLM's own share, tokens compared
 IDENTITY_MODEL = "smollm2-135m"  # the fingerprint with the shipped calibration (balanced-ans needs one)
 
@@ -163,8 +165,7 @@ def phase_ttft(a, work: Path) -> dict:
 
     model_dir, opts = timing_model(a.tiny, work)
     shape, contexts = shape_of(model_dir), [int(x) for x in a.contexts.split(",")]
-    rng = random.Random(0)
-    prompts = {n: [rng.randrange(100, shape.vocab - 1) for _ in range(n)] for n in contexts}
+    prompts = ttft_prompts(contexts, shape.vocab)
     ns = keys.Namespace(model=fetchkit.FINGERPRINT, dtype=kv_dtype(), shape=(shape.layers, shape.kv_heads, shape.head_dim))
     look = dict(model=ns.model, dtype=ns.dtype, kv_shape=ns.shape)
     rows = []
@@ -226,7 +227,8 @@ def ttft_cells(a, llm, client, url: str, look: dict, gbit: float, n: int, prompt
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--phases", default="identity,ttft,load", help="of identity, ttft, load; each in its own process")
+    ap.add_argument("--phases", default="identity,ttft,load", help="of identity, ttft, load, peers (or one peer-<method>: "
+                    + ", ".join(peers.PEERS) + "); each in its own process")
     ap.add_argument("--phase", help=argparse.SUPPRESS)  # one phase, in this process (what --phases runs)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke mode: SmolLM2 everywhere, short prompts, slow links")
     ap.add_argument("--contexts", help="prompt tokens (default 8192,16384,32768,65536; --tiny 512,1024)")
@@ -252,7 +254,7 @@ def main() -> None:
         raise SystemExit(0 if all(s == "ok" for s in status.values()) else 1)
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     spawn_workers()
-    run = {"ttft": phase_ttft, "load": under_load.phase_load}.get(a.phase, phase_identity)
+    run = {"ttft": phase_ttft, "load": under_load.phase_load}.get(a.phase, peers.phase_peer if a.phase.startswith("peer-") else phase_identity)
     res = run(a, work)
     import torch
     import vllm

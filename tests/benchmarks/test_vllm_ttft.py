@@ -117,3 +117,64 @@ def test_a_histograms_quantile_between_two_readings_is_its_buckets_bound():
     assert bucket_quantile(m0, m1, "kvfetcher_lookup_seconds", 0.5) == 0.01
     assert bucket_quantile(m0, m1, "kvfetcher_lookup_seconds", 0.99) == 0.1
     assert bucket_quantile(m1, m1, "kvfetcher_lookup_seconds", 0.5) is None
+
+
+def test_the_peers_configs_name_their_connectors_and_refuse_bad_input():
+    import pytest
+
+    from benchmarks.vllm_ttft import peers
+
+    c = peers.offloading_config(3 << 30)
+    assert c == {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                 "kv_connector_extra_config": {"cpu_bytes_to_use": 3 << 30, "block_size": 256}}
+    with pytest.raises(ValueError):
+        peers.offloading_config(0)
+    raw, cg = (peers.lmcache_settings(m, "http://127.0.0.1:9123") for m in ("lmcache-raw", "lmcache-cachegen"))
+    assert (raw["remote_serde"], cg["remote_serde"]) == ("naive", "cachegen")
+    assert raw["remote_url"] == "s3://127.0.0.1:9123" and raw["local_cpu"] is False and raw["extra_config"]["disable_tls"] is True
+    with pytest.raises(ValueError, match="not an LMCache method"):
+        peers.lmcache_settings("native-cpu", "http://127.0.0.1:9123")
+    with pytest.raises(ValueError, match="no host"):
+        peers.lmcache_settings("lmcache-raw", "127.0.0.1")
+    with pytest.raises(ValueError, match="not a peer"):
+        peers.missing("kvfetcher")
+
+
+def test_a_peer_that_cannot_run_here_is_reported_without_an_engine(tmp_path, monkeypatch):
+    import argparse
+    import importlib.util
+
+    from benchmarks.vllm_ttft import peers, report
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lmcache" else real(name, *a))
+    monkeypatch.setattr(peers, "on_gpu", lambda: False)
+    for method, why in (("lmcache-cachegen", "not installed: lmcache"), ("native-cpu", "is_cuda or is_xpu")):
+        res = peers.phase_peer(argparse.Namespace(phase=f"peer-{method}"), tmp_path)
+        assert why in res["unavailable"] and res["rows"] == []
+        assert "Not run: " in report.markdown(f"peer-{method}", res)
+
+
+def test_the_peer_report_renders_rows():
+    from benchmarks.vllm_ttft import report
+
+    row = dict(link_gbit=10.0, context=8192, ttft_s=0.25, loaded_tokens=8192, stored_bytes_per_token=131072.0, link_bytes_sent=0,
+               store_request_s=0.3, over_link=False)
+    md = report.markdown("peer-native-cpu", dict(method="native-cpu", model="llama3-8b", kv_dtype="bfloat16", rows=[row]))
+    assert "| 10 Gbit/s | 8192 | 0.250 | 8192 | 131072 | 0.0 | 0.300 |" in md and "host memory, not the link" in md
+
+
+def test_the_link_server_takes_bucketless_paths_when_given_a_bucket(tmp_path):
+    import urllib.request
+
+    from benchmarks.lib import linkserver
+
+    url, group = linkserver.start_process(tmp_path, procs=1, bucket="lmcache")
+    try:
+        urllib.request.urlopen(urllib.request.Request(f"{url}/model@1@abc_0", data=b"kv" * 10, method="PUT"), timeout=10).read()
+        assert (tmp_path / "lmcache" / "model@1@abc_0").read_bytes() == b"kv" * 10
+        assert urllib.request.urlopen(f"{url}/model@1@abc_0", timeout=10).read() == b"kv" * 10
+        linkserver.set_rate(url, 5e6)  # the control path stays the control path
+        assert linkserver.stats(url)["rate"] == 5e6 and linkserver.stats(url)["bytes_received"] >= 20
+    finally:
+        group.terminate()
