@@ -1,4 +1,4 @@
-"""Shared fixtures: a real S3 server, stores, shared KV buffers, the real model and its KV; and the
+"""Shared fixtures: a real S3 server, stores, shared KV buffers, an empty calibration directory, the real model and its KV; and the
 ``gpu`` marker's skip on a machine without CUDA. Plain helpers are in ``kvtest``.
 
 Heavy imports (torch, the data plane) happen inside the fixtures, so that the operator's tests,
@@ -112,6 +112,22 @@ def shm():
     yield allocate
     for b in made:
         b.close()
+
+
+@pytest.fixture
+def local(tmp_path, monkeypatch):
+    """An empty local calibration directory (``KVFETCHER_CALIBRATION_DIR``), with the caches of what
+    was read from the calibration directories cleared before and after."""
+    from kvfetcher.codec import basis
+    from kvfetcher.format import presets
+
+    d = tmp_path / "calibration"
+    monkeypatch.setenv("KVFETCHER_CALIBRATION_DIR", str(d))
+    presets.for_model.cache_clear()
+    basis.load.cache_clear()
+    yield d
+    presets.for_model.cache_clear()
+    basis.load.cache_clear()
 
 
 # --- the real model -------------------------------------------------------------------------------

@@ -21,18 +21,6 @@ GEO = (3, 1, 64)  # layers, KV heads, head_dim
 THETAS = (1e4, 1e4, 1e6)
 
 
-@pytest.fixture
-def local(tmp_path, monkeypatch):
-    """An empty local calibration directory."""
-    d = tmp_path / "calibration"
-    monkeypatch.setenv("KVFETCHER_CALIBRATION_DIR", str(d))
-    presets.for_model.cache_clear()
-    basis.load.cache_clear()
-    yield d
-    presets.for_model.cache_clear()
-    basis.load.cache_clear()
-
-
 def made(tag: str, directory: Path, seed: int = 0) -> tuple[Path, Path]:
     """A calibration of a 3-layer model (random orthogonal basis) written as ``calibrate`` does."""
     L, H, D = GEO

@@ -25,18 +25,6 @@ GEO = (3, 1, 64)
 KEY, OTHER_KEY = mac.key_from("a pool's object key, 32+ chars"), mac.key_from("another pool's key, 32+ chars")
 
 
-@pytest.fixture
-def local(tmp_path, monkeypatch):
-    """An empty local calibration directory."""
-    d = tmp_path / "calibration"
-    monkeypatch.setenv("KVFETCHER_CALIBRATION_DIR", str(d))
-    presets.for_model.cache_clear()
-    basis.load.cache_clear()
-    yield d
-    presets.for_model.cache_clear()
-    basis.load.cache_clear()
-
-
 def made(tag: str, directory: Path, seed: int = 0, created: float | None = None) -> tuple[Path, Path]:
     """A calibration of a 3-layer model, written as ``calibrate`` does."""
     L, H, D = GEO
