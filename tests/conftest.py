@@ -95,7 +95,8 @@ def slow_proxy(s3_endpoint):
 @pytest.fixture
 def shm():
     """A factory of shared KV buffers as a model allocates them (``ipc.allocate``: a sealed memfd on the
-    CPU, CUDA IPC with ``device="cuda"``), optionally filled with ``fill``; all closed after the test."""
+    CPU, CUDA IPC with ``device="cuda"``), optionally filled with ``fill`` (a value, or a tensor to
+    copy); all closed after the test."""
     from kvfetcher import ipc
 
     made = []
@@ -104,7 +105,9 @@ def shm():
         import torch
 
         b = ipc.allocate(tuple(shape), dtype or torch.float16, device)
-        if fill is not None:
+        if isinstance(fill, torch.Tensor):
+            b.tensor.copy_(fill)
+        elif fill is not None:
             b.tensor.fill_(fill)
         made.append(b)
         return b

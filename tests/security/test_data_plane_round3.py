@@ -29,18 +29,10 @@ TOKENS = list(range(1000, 1000 + 4 * N))
 
 
 @pytest.fixture
-def shm():
-    made = []
-
-    def make(heads=2, capacity=4 * N, seed=0):
-        b = ipc.allocate((2, 2, heads, capacity, 16), torch.float16)
-        b.tensor.copy_(synthetic_kv(layers=2, heads=heads, tokens=capacity, head_dim=16, seed=seed))
-        made.append(b)
-        return b
-
-    yield make
-    for b in made:
-        b.close()
+def shm(shm):
+    """KV buffers of this module's geometry, filled with synthetic KV (``seed``)."""
+    return lambda heads=2, capacity=4 * N, seed=0: shm((2, 2, heads, capacity, 16), fill=synthetic_kv(
+        layers=2, heads=heads, tokens=capacity, head_dim=16, seed=seed))
 
 
 def sidecar(store, **kw) -> Sidecar:

@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from kvfetcher import ipc, keys
+from kvfetcher import keys
 from kvfetcher.api.client import KVClient
 from kvfetcher.api.server import Embedded, Token
 from kvfetcher.chunk import encode_chunk
@@ -31,18 +31,9 @@ TOKENS = list(range(1000, 1000 + 8 * N))
 
 
 @pytest.fixture
-def shm():
-    made = []
-
-    def make(heads=2, capacity=8 * N):
-        b = ipc.allocate((2, 2, heads, capacity, 16), torch.float16)
-        b.tensor.copy_(synthetic_kv(layers=2, heads=heads, tokens=capacity, head_dim=16))
-        made.append(b)
-        return b
-
-    yield make
-    for b in made:
-        b.close()
+def shm(shm):
+    """KV buffers of this module's geometry, filled with synthetic KV."""
+    return lambda heads=2, capacity=8 * N: shm((2, 2, heads, capacity, 16), fill=synthetic_kv(layers=2, heads=heads, tokens=capacity, head_dim=16))
 
 
 def sidecar(store, **kw) -> Sidecar:
