@@ -313,3 +313,19 @@ async def running(store, **config):
         yield sc
     finally:
         await sc.close()
+
+
+def rewrite_header(obj: bytes, edit) -> bytes:
+    """A stored object with its header JSON changed by ``edit`` (a function of the parsed dict) and its
+    prefix checksum made right again, untagged: what anyone can forge without a key."""
+    import json
+
+    from kvfetcher.format import container
+
+    h = container.parse_header(obj)
+    d = json.loads(obj[container.PREFIX_SIZE : h.header_size])
+    edit(d)
+    hb = json.dumps(d).encode()
+    tag = bytes(container.TAG_SIZE)
+    return container.PREFIX.pack(container.MAGIC, container.FORMAT_VERSION, 0, len(hb), container.crc32(tag + hb), tag) \
+        + hb + obj[h.header_size :]

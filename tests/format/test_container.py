@@ -1,13 +1,12 @@
 """Every kind of bad stored object raises its own error and never yields (or writes) a tensor."""
 
-import json
 import struct
 import zlib
 
 import pytest
 import torch
 
-from kvtest import synthetic_kv
+from kvtest import rewrite_header, synthetic_kv
 from kvfetcher.format import calibration, container
 from kvfetcher.chunk import decode_chunk, encode_chunk, restore_chunk
 from kvfetcher.kvbuffer import ChunkRef, Destination
@@ -18,16 +17,6 @@ FP = "test-model/fp16"
 @pytest.fixture(scope="module")
 def obj():
     return encode_chunk(synthetic_kv(tokens=64), "q8", FP)
-
-
-def _rewrite_header(obj: bytes, edit) -> bytes:
-    h = container.parse_header(obj)
-    d = json.loads(obj[container.PREFIX_SIZE : h.header_size])
-    edit(d)
-    hb = json.dumps(d).encode()
-    tag = bytes(container.TAG_SIZE)
-    prefix = container.PREFIX.pack(b"KVFC", container.FORMAT_VERSION, 0, len(hb), zlib.crc32(tag + hb), tag)
-    return prefix + hb + obj[h.header_size :]
 
 
 def test_round_trip_and_header(obj):
@@ -90,7 +79,7 @@ def test_corrupt_side_information_is_caught(obj):
 )
 def test_well_checksummed_but_inconsistent_headers_are_refused(obj, edit, error):
     with pytest.raises(error):
-        decode_chunk(_rewrite_header(obj, edit), FP)
+        decode_chunk(rewrite_header(obj, edit), FP)
 
 
 def test_bitstream_that_does_not_decode_is_corrupt(obj):
@@ -106,7 +95,7 @@ def test_bitstream_that_does_not_decode_is_corrupt(obj):
     start = h.header_size + seg.offset
     swapped = obj[:start] + junk + obj[start + seg.length :]
     with pytest.raises(container.CorruptError):
-        decode_chunk(_rewrite_header(swapped, edit), FP)
+        decode_chunk(rewrite_header(swapped, edit), FP)
 
 
 def test_foreign_model_is_refused(obj):
@@ -170,7 +159,7 @@ def test_native_headers_must_cover_the_chunk_back_to_back(edit):
     obj = encode_chunk(synthetic_kv(layers=8, tokens=64), replace(presets.get("raw"), segment_bytes=70_000), FP)
     assert len(container.parse_header(obj).segments) == 4  # 2 layers of 32 KB each
     with pytest.raises(container.CorruptError):
-        decode_chunk(_rewrite_header(obj, edit), FP)
+        decode_chunk(rewrite_header(obj, edit), FP)
 
 
 def test_objects_of_an_older_layout_are_foreign():
@@ -178,7 +167,7 @@ def test_objects_of_an_older_layout_are_foreign():
     (side information was uncompressed before v5) is refused as foreign, not decoded wrongly."""
     obj = encode_chunk(synthetic_kv(tokens=64), "q8", FP)
     with pytest.raises(container.ForeignObjectError):
-        decode_chunk(_rewrite_header(obj, lambda d: d.update(layout_version=4)), FP)
+        decode_chunk(rewrite_header(obj, lambda d: d.update(layout_version=4)), FP)
 
 
 def test_side_information_is_stored_compressed_and_checked():
@@ -252,7 +241,7 @@ def test_an_unknown_or_misfitting_basis_is_refused_before_decoding():
 
     for edit in (unknown, misfit):
         with pytest.raises(container.CorruptError, match="basis"):
-            decode_chunk(_rewrite_header(obj, edit), fp)
+            decode_chunk(rewrite_header(obj, edit), fp)
 
 
 @pytest.mark.parametrize("part", ["side", "first segment", "last segment"])

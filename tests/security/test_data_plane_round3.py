@@ -21,7 +21,7 @@ from kvfetcher.errors import RequestError
 from kvfetcher.service import Sidecar
 from kvfetcher.store.local import LocalStore
 from kvfetcher.fetch.plan import FetchOptions
-from kvtest import synthetic_kv
+from kvtest import rewrite_header, synthetic_kv
 
 FP = "model/fp16"
 N = 32
@@ -154,25 +154,12 @@ async def test_a_stale_plan_does_not_delete_the_object_stored_again_since(tmp_pa
 # --- finding 7: the Lows ---------------------------------------------------------------------------
 
 
-def _rewrite(obj: bytes, edit) -> bytes:
-    """``obj`` with its header JSON edited and its prefix checksum made right (no key: anyone can)."""
-    from kvfetcher.format import container
-
-    h = container.parse_header(obj)
-    d = json.loads(obj[container.PREFIX_SIZE : h.header_size])
-    edit(d)
-    hb = json.dumps(d).encode()
-    tag = bytes(container.TAG_SIZE)
-    return container.PREFIX.pack(container.MAGIC, container.FORMAT_VERSION, 0, len(hb), container.crc32(tag + hb), tag) \
-        + hb + obj[h.header_size :]
-
-
 def test_a_header_with_rope_bases_for_other_layers_is_corrupt_so_its_prefix_heals():
     from kvfetcher.format import container
 
     obj = encode_chunk(synthetic_kv(layers=2, heads=2, tokens=N, head_dim=16), "lean", FP, rope_theta=(1e4, 1e6))
     assert container.parse_header(obj).layout.rope_theta == (1e4, 1e6)
-    bad = _rewrite(obj, lambda d: d["layout"].update(rope_theta=[1e4, 1e6, 1e6]))
+    bad = rewrite_header(obj, lambda d: d["layout"].update(rope_theta=[1e4, 1e6, 1e6]))
     with pytest.raises(container.CorruptError, match="3 RoPE bases for 2 layers"):
         container.parse_header(bad)
 
