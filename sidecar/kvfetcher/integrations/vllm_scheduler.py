@@ -80,13 +80,13 @@ class SchedulerSide:
 
     # --- lookups -----------------------------------------------------------------------------
 
-    def _options(self, request) -> FetchOptions:
-        """The lookup's options; a request's ``kv_transfer_params`` may name ``presets`` and
+    def _options(self, request, model: prefill.PrefillModel | None) -> FetchOptions:
+        """The lookup's options, with the engine's prefill ``model``; a request's ``kv_transfer_params`` may name ``presets`` and
         ``ttft_budget_s`` (``SamplingParams(extra_args={"kv_transfer_params": {...}})``) in place of the options'."""
         own = getattr(request, "kv_transfer_params", None) or {}
         presets = own.get("presets", self.options.presets)
         return FetchOptions(presets=tuple(presets) if presets else None, ttft_budget_s=own.get("ttft_budget_s", self.options.ttft_budget_s),
-                            prefill_model=self.prefill_model(), recompute_tokens_per_s=self.options.recompute_tokens_per_s,
+                            prefill_model=model, recompute_tokens_per_s=self.options.recompute_tokens_per_s,
                             wait_s=self.options.listing_wait_s)
 
     def _lookup(self, request, options: FetchOptions) -> _Request:
@@ -116,13 +116,13 @@ class SchedulerSide:
         (None until a step was timed)."""
         return self.wall.apply(self.prefill.model())
 
-    def _patience(self, request, num_computed_tokens: int) -> tuple[float, float]:
+    def _patience(self, request, num_computed_tokens: int, model: prefill.PrefillModel | None) -> tuple[float, float]:
         """How long one ask may hold the scheduler and how long a request's plan may keep it
         waiting, from its stake (``lookup_stake`` of its predicted recompute): the ask waits up to a
         quarter of the stake (at most :data:`MAX_WAIT_S`, at least ``lookup_wait_s``) so that a long
         prompt is not put off a whole step for want of a few milliseconds; the request up to the stake
         (at least ``lookup_timeout_s``)."""
-        model, new = self.prefill_model(), len(request.prompt_token_ids or ()) - num_computed_tokens
+        new = len(request.prompt_token_ids or ()) - num_computed_tokens
         stake = self.options.lookup_stake * model.seconds(num_computed_tokens, new) if model is not None and new > 0 else 0.0
         return max(self.options.lookup_wait_s, min(MAX_WAIT_S, stake / 4)), max(self.options.lookup_timeout_s, stake)
 
@@ -135,13 +135,14 @@ class SchedulerSide:
         rid = request.request_id
         r = self.requests.get(rid)
         if r is None:
+            model = self.prefill_model()
             try:
-                options = self._options(request)
+                options = self._options(request, model)
             except (TypeError, ValueError) as e:  # a request's bad kv_transfer_params: its own recompute, not the engine's failure
                 self._warn("kvfetcher: request %s's kv_transfer_params refused, recomputing: %s", rid, e)
                 self.requests[rid] = _Request(request, [], (), 0)
                 return 0, False
-            wait_s, timeout_s = self._patience(request, num_computed_tokens)
+            wait_s, timeout_s = self._patience(request, num_computed_tokens, model)
             r = self.lookups.answer(rid, lambda: self._lookup(request, options), lambda: self._late(request), timeout_s, wait_s)
             if r is NOT_YET:
                 return None, False
