@@ -4,8 +4,7 @@ For ``balanced`` and ``transform`` (the same quantisation, so the same restored 
 held-out texts of the five genres (``--tokens`` per prefix, 256-token chunks): the stored object
 through lossless HEVC (x265, ``balanced`` only: the transform's order is not for video), through
 zstd (``-zstd``: what a CPU stores), and the order-0 entropy of each 64 KiB block of the planes
-plus the object's other bytes (what an ANS coder such as nvCOMP's approaches; nvCOMP's measured
-ANS ratio on ``balanced``'s planes was ~7% under this bound, FACTS 2026-11-24). Writes
+plus the object's other bytes (a bound an ANS coder such as nvCOMP's approaches from below). Writes
 ``coder_ratio.json`` and ``coder_ratio.md`` beside this file.
 
     python -m benchmarks.transform.coder_ratio --tokens 1024

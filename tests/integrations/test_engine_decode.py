@@ -339,5 +339,5 @@ def test_gpu_vllm_engine_decodes_ans_past_its_own_hit_with_a_sidecar_without_cud
         assert r["cached"] == split and r["objects"] == 3 and r["sidecar_decoded_bytes"] == 0, (preset, r)
         decided = {k: v for k, v in r["counters_grew"].items() if k.startswith(("kvfetcher_preset_decisions_total", "kvfetcher_fallbacks_total"))}
         assert decided == {f'kvfetcher_preset_decisions_total{{preset="{preset}"}}': 1.0}, (preset, r)
-        assert r["equals_vllm_hit"] and r["equals_recompute"], (preset, r)  # q8 is lossy: on this prompt, not a token moved (H200, 2026-11-29)
+        assert r["equals_vllm_hit"] and r["equals_recompute"], (preset, r)  # q8 is lossy, yet on this prompt not one of the 32 tokens may move
     assert out["engine_reported_ans_kv_bytes"] > 0, out
