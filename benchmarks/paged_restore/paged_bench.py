@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import tempfile
@@ -74,9 +75,54 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-async def fetch(store, refs, dest, workers, io, dec):
+async def fetch(store, refs, dest, workers, io, dec, window: int, reads: int):
     return await executor.fetch(store, refs, dest, fingerprint=FINGERPRINT, io_pool=io, decode_pool=dec, device=dest.device,
-                                window=8, workers=workers)
+                                window=window, io_concurrency=reads, workers=workers)
+
+
+def tunings(text: str) -> list[tuple[int, int, int]]:
+    """``"8x8x4,4x8x2"`` -> [(window, reads, decode threads), ...]."""
+    return [tuple(int(v) for v in t.split("x")) for t in text.split(",")]
+
+
+@contextlib.contextmanager
+def object_store(source: str, root: str):
+    """(where objects are written, where they are read): a local directory, or the same objects read
+    over S3 from the link server serving it (unpaced: the sidecar's own read path is measured, not a link)."""
+    bucket = Path(root) / "kvbench"
+    bucket.mkdir()
+    if source == "local":
+        yield LocalStore(bucket), LocalStore(bucket)
+        return
+    from benchmarks.lib import linkserver
+    from kvfetcher.store.s3 import S3Store
+
+    url, group = linkserver.start_process(root, 0.0, linkserver.default_procs())
+    try:
+        yield LocalStore(bucket), S3Store(url, "kvbench", "bench", "bench", verify_tls=False)
+    finally:
+        group.terminate()
+
+
+def fetch_all(dests, tokens, kv_bytes, block_ids, repeats, store, refs, workers, io, dec, window, reads, key) -> dict:
+    """Each destination: median fetch seconds of ``repeats`` after a warm-up, and whether it restored
+    what the first one (the flat buffer, when timed) did."""
+    row, first = {}, None
+    for name, (tensors, layout, handle) in dests.items():
+        dest = kvbuffer.destination(tensors if layout is None else kvbuffer.PagedKV(tensors, layout), tokens,
+                                    block_ids=None if layout is None else block_ids, handle=handle)
+        secs = []
+        for _ in range(repeats + 1):  # the first warms workers, decoders and staging
+            out = asyncio.run(fetch(store, refs, dest, workers, io, dec, window, reads))
+            assert out.error is None and out.loaded_tokens == tokens, out
+            secs.append(out.seconds)
+        med = statistics.median(secs[1:])
+        got = restored(tensors, layout, block_ids, tokens)
+        first = got if first is None else first
+        row[name] = {"fetch_s": round(med, 4), "kv_GB_s": round(kv_bytes / med / 1e9, 2),
+                     "identical_to_flat": bool(torch.equal(got.view(torch.int16), first.view(torch.int16)))}
+        print(key, name, json.dumps(row[name]), flush=True)
+    return row
 
 
 def main() -> None:
@@ -88,6 +134,9 @@ def main() -> None:
     ap.add_argument("--procs", type=int, default=8, help="decode worker processes for coded presets")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dests", default="flat,paged_per_layer,paged_cross_layer", help="destinations timed (flat first: the reference)")
+    ap.add_argument("--tunings", default="8x8x4", help="window x reads x decode threads, comma-separated: each is timed")
+    ap.add_argument("--source", default="local", choices=["local", "s3"], help="s3: the same objects over the link server, unpaced")
     ap.add_argument("--out")
     args = ap.parse_args()
     shape, T = SHAPES[args.shape], 256
@@ -99,7 +148,9 @@ def main() -> None:
     chunk = torch.randn(shape.layers, 2, shape.kv_heads, T, shape.head_dim, device=args.device).to(torch.bfloat16)
     cuda = args.device == "cuda"
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "date": time.strftime("%Y-%m-%d"), "shape": args.shape, "tokens": tokens,
-              "kv_bytes": kv_bytes, "block_size": args.block_size, "procs": args.procs, "scatter_one_chunk": {}, "fetch": {}}
+              "kv_bytes": kv_bytes, "block_size": args.block_size, "procs": args.procs, "source": args.source, "scatter_one_chunk": {},
+              "fetch": {}}
+    dests = {k: v for k, v in dests.items() if k in args.dests.split(",")}
     for name, (tensors, layout, _) in dests.items():
         if layout is not None:
             s = scatter_s(tensors, layout, block_ids, chunk)
@@ -109,26 +160,14 @@ def main() -> None:
     if workers is not None:
         workers.start()
     try:
-        with tempfile.TemporaryDirectory() as d, ThreadPoolExecutor(32) as io, ThreadPoolExecutor(4) as dec:
-            store = LocalStore(d)
+        with tempfile.TemporaryDirectory() as d, object_store(args.source, d) as (writer, store), ThreadPoolExecutor(32) as io:
             for preset in args.presets.split(","):
-                refs = put_prefix(store, preset, encode_objects(shape, preset, T, distinct=4), args.chunks, T)
-                row, flat_bytes = result["fetch"].setdefault(preset, {}), None
-                for name, (tensors, layout, handle) in dests.items():
-                    dest = kvbuffer.destination(tensors if layout is None else kvbuffer.PagedKV(tensors, layout), tokens,
-                                                block_ids=None if layout is None else block_ids, handle=handle)
-                    w = None if preset == "raw" else workers
-                    secs = []
-                    for _ in range(args.repeats + 1):  # the first warms workers, decoders and staging
-                        out = asyncio.run(fetch(store, refs, dest, w, io, dec))
-                        assert out.error is None and out.loaded_tokens == tokens, out
-                        secs.append(out.seconds)
-                    med = statistics.median(secs[1:])
-                    got = restored(tensors, layout, block_ids, tokens)
-                    flat_bytes = got if flat_bytes is None else flat_bytes
-                    row[name] = {"fetch_s": round(med, 4), "kv_GB_s": round(kv_bytes / med / 1e9, 2),
-                                 "identical_to_flat": bool(torch.equal(got.view(torch.int16), flat_bytes.view(torch.int16)))}
-                    print(preset, name, json.dumps(row[name]), flush=True)
+                refs = put_prefix(writer, preset, encode_objects(shape, preset, T, distinct=4), args.chunks, T)
+                for window, reads, threads in tunings(args.tunings):
+                    key = preset if "," not in args.tunings else f"{preset} {window}x{reads}x{threads}"
+                    with ThreadPoolExecutor(threads) as dec:
+                        result["fetch"][key] = fetch_all(dests, tokens, kv_bytes, block_ids, args.repeats, store, refs,
+                                                         None if preset == "raw" else workers, io, dec, window, reads, key)
     finally:
         if workers is not None:
             workers.close()
