@@ -14,6 +14,7 @@ PARSE = "from kvfetcher.integrations.vllm_meta import Options\nprint(Options.par
     ({"presets": ["q8", "raw8"]}, ["'presets'", "raw8"]),
     ({"ttft_budget_s": "soon"}, ["'ttft_budget_s'", "soon"]),
     ({"lookup_timeout_s": -1}, ["'lookup_timeout_s'"]),
+    ({"lookup_stake": "much"}, ["'lookup_stake'", "much"]),
     ({"sokcet": "/run/x"}, ["sokcet", "unknown"]),
 ])
 def test_bad_options_are_refused_naming_the_key(extra, words):
