@@ -76,3 +76,67 @@ def test_s3_down_fails_fast_and_clearly():
     with pytest.raises(Unavailable):
         s.ping()
     assert time.perf_counter() - t < 5
+
+
+@pytest.fixture
+def keepalive_s3(tmp_path):
+    """An S3Store on an S3 server that keeps connections alive (moto's closes each one)."""
+    from benchmarks.lib import linkserver
+
+    (tmp_path / "bench").mkdir()
+    srv = linkserver.start_thread(tmp_path)
+    yield S3Store(srv.url, "bench", "k", "s")
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_s3_ranged_reads_land_whole_and_reuse_one_connection(keepalive_s3, monkeypatch):
+    import urllib3
+
+    s3 = keepalive_s3
+    data = bytes(range(256)) * 4096  # 1 MiB
+    s3.put("kv/big", data)
+    connects = []
+    real = urllib3.connection.HTTPConnection.connect
+    monkeypatch.setattr(urllib3.connection.HTTPConnection, "connect", lambda self: connects.append(1) or real(self))
+    for offset, size in [(0, 10), (5, 300_000), (1000, 1 << 20), (len(data) - 7, 100), (0, len(data))]:
+        buf = bytearray(size)
+        n = s3.get_into("kv/big", offset, memoryview(buf))
+        assert n == min(size, len(data) - offset)
+        assert bytes(buf[:n]) == data[offset : offset + n]
+        assert s3.get("kv/big", offset, size) == data[offset : offset + size]
+    assert len(connects) <= 1  # keep-alive: every read above went over one connection
+
+
+def _bad_server(body_sent: int, then: str):
+    """An HTTP server that answers one GET with a 206 promising 1000 bytes, sends ``body_sent`` of
+    them, then hangs (``then="hang"``) or closes the connection: (url, stop)."""
+    import socket
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve():
+        conn, _ = srv.accept()
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 206 Partial Content\r\nContent-Length: 1000\r\nContent-Range: bytes 0-999/5000\r\n\r\n"
+                     + b"x" * body_sent)
+        if then == "hang":
+            stop.wait(10)
+        conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"http://127.0.0.1:{srv.getsockname()[1]}", stop
+
+
+@pytest.mark.parametrize("then", ["hang", "close"])
+def test_s3_body_that_stalls_or_ends_early_is_unavailable_not_short(then):
+    url, stop = _bad_server(10, then)
+    s = S3Store(url, "bucket", "k", "s", read_timeout_s=0.5)
+    t = time.perf_counter()
+    try:
+        with pytest.raises(Unavailable):
+            s.get_into("kv/x", 0, memoryview(bytearray(1000)))
+    finally:
+        stop.set()
+    assert time.perf_counter() - t < 5

@@ -4,11 +4,21 @@ A PUT is atomic by nature (an object appears whole or not at all); a HEAD first 
 re-storing an existing chunk a cheap no-op. Reads use ranged GETs. The HTTP pool is sized
 for the fetch pipeline's concurrent GETs and retries little: a store that is down should
 turn into a recompute quickly, not after a long backoff.
+
+Connections are kept alive: a response read to its end goes back to the pool (a response
+abandoned mid-body is closed instead). Over plain HTTP on Linux a range's body lands in the
+caller's buffer through one blocking ``recv_into(MSG_WAITALL)`` on the connection's socket (with
+the read timeout as ``SO_RCVTIMEO``): the GIL is released once per range rather than once per
+socket read, so reader threads are not starved by busy Python threads in the same process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
+import socket
+import struct
+import sys
 from urllib.parse import urlparse
 
 import urllib3
@@ -77,14 +87,22 @@ class S3Store:
         )
         return True
 
+    @contextlib.contextmanager
+    def _response(self, name: str, offset: int, length: int):
+        """A ranged GET's response; its connection goes back to the pool if the body was read to
+        its end (the block left without an exception), else it is closed."""
+        r = self.client.get_object(self.bucket, name, offset=offset, length=length)
+        try:
+            yield r
+        except BaseException:
+            r.close()
+            raise
+        r.release_conn()
+
     def get(self, name: str, offset: int = 0, length: int | None = None) -> bytes:
         def read() -> bytes:
-            r = self.client.get_object(self.bucket, name, offset=offset, length=length or 0)
-            try:
+            with self._response(name, offset, length or 0) as r:
                 return r.read()
-            finally:
-                r.close()
-                r.release_conn()
 
         return self._ranged(read, name, b"")
 
@@ -100,27 +118,22 @@ class S3Store:
     def get_into(self, name: str, offset: int, buf: memoryview) -> int:
         """A ranged GET read into ``buf``; the number of bytes the object had there.
 
-        urllib3's own ``readinto`` reads into a temporary ``bytes`` and copies; the response's
-        underlying ``http.client`` stream reads from the socket into ``buf`` directly, so that is
-        used when the body is not content-encoded. A connection that ends before the promised
+        The body goes from the socket into ``buf`` without an intermediate copy (:func:`_body_into`)
+        when it is not content-encoded. A connection that ends before the promised
         ``Content-Length`` is the link's fault (:class:`Unavailable`), not a truncated object.
         """
         if len(buf) == 0:
             return 0
 
         def read() -> int:
-            r = self.client.get_object(self.bucket, name, offset=offset, length=len(buf))
-            try:
+            with self._response(name, offset, len(buf)) as r:
                 promised = int(r.headers.get("Content-Length", -1))
-                fp = getattr(r, "_fp", None)
-                plain = fp is not None and hasattr(fp, "readinto") and not r.headers.get("Content-Encoding")
-                n = fill(fp.readinto if plain else r.readinto, buf)
+                n = _body_into(r, buf) if not r.headers.get("Content-Encoding") else fill(r.readinto, buf)
                 if 0 <= promised != n and n < len(buf):
                     raise urllib3.exceptions.ProtocolError(f"connection closed after {n} of {promised} bytes")
+                if n == len(buf) and promised > n:
+                    raise urllib3.exceptions.ProtocolError(f"{promised} bytes sent for a range of {n}")
                 return n
-            finally:
-                r.close()
-                r.release_conn()
 
         return self._ranged(read, name, 0)
 
@@ -144,3 +157,50 @@ class S3Store:
     def ping(self) -> None:
         if not self._call(lambda: self.client.bucket_exists(self.bucket)):
             raise StoreError(f"bucket {self.bucket!r} does not exist")
+
+
+def _body_into(r: urllib3.BaseHTTPResponse, buf: memoryview) -> int:
+    """Read the body of ``r`` (not content-encoded) into ``buf``; the bytes read.
+
+    What ``http.client`` has buffered is taken first; the rest comes with one blocking
+    ``recv_into(MSG_WAITALL)`` where the socket is a plain TCP socket on Linux (the read timeout
+    becomes ``SO_RCVTIMEO`` meanwhile), else by ``http.client``'s own ``readinto`` loop. The
+    response's remaining length is kept right, so that a body read to its end lets the
+    connection be reused.
+    """
+    fp = getattr(r, "_fp", None)  # the http.client response
+    stream = getattr(fp, "fp", None)
+    sock = getattr(getattr(stream, "raw", None), "_sock", None)
+    if stream is None or type(sock) is not socket.socket or fp.length is None or sys.platform != "linux":
+        return fill(fp.readinto if fp is not None and hasattr(fp, "readinto") else r.readinto, buf)
+    want = min(len(buf), fp.length)
+    n = stream.readinto(buf[: min(want, len(stream.peek(0)))]) if want else 0
+    if n < want:
+        n += _recv_all(sock, buf[n:want])
+    fp.length -= n
+    if fp.length == 0:
+        fp.read()  # the body's end: lets http.client mark the response complete
+    return n
+
+
+def _recv_all(sock: socket.socket, buf: memoryview) -> int:
+    """``recv_into(MSG_WAITALL)`` until ``buf`` is full or the peer closes; the socket's timeout
+    applies to each wait for data (as ``SO_RCVTIMEO``), and is restored after."""
+    timeout = sock.gettimeout()
+    sock.settimeout(None)
+    if timeout:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(timeout), int(timeout % 1 * 1e6)))
+    n = 0
+    try:
+        while n < len(buf):
+            k = sock.recv_into(buf[n:], len(buf) - n, socket.MSG_WAITALL)
+            if not k:
+                break
+            n += k
+    except BlockingIOError:  # SO_RCVTIMEO passed with no data
+        raise TimeoutError(f"no data for {timeout} s") from None
+    finally:
+        if timeout:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
+        sock.settimeout(timeout)
+    return n
