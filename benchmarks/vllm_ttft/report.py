@@ -22,17 +22,39 @@ def ttft(res: dict) -> str:
            "answering the scheduler's lookup, `wait` the sidecar's load request outside its fetch, `download` / `decode` time with a read / a decode or "
            "restore in flight (they overlap), `restore` the fetch's wall time, `prefill` the rest of the TTFT (the remainder's prefill and "
            "the engine's own work). `call` is the scheduler's lookup call for the prompt timed from a client right after the cell "
-           "(its whole cost, listing or not; not part of the TTFT shown).\n\n",
-           "| link (label) | delivered Gbit/s | context | method | TTFT s | loaded | lookup | wait | download | decode | restore | prefill | call |\n",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"]
+           "(its whole cost, listing or not; not part of the TTFT shown). With repeats, TTFT is the median of the `samples` and "
+           "the breakdown is the median sample's.\n\n",
+           "| link (label) | delivered Gbit/s | context | method | TTFT s | samples | loaded | lookup | wait | download | decode | restore | prefill | call |\n",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"]
     for r in res["rows"]:
         if "skipped" in r:
-            out.append(f"| {r['link_gbit']:g} Gbit/s | | {r['context']} | {r['method']} | skipped: {r['skipped']} | | | | | | | | |\n")
+            out.append(f"| {r['link_gbit']:g} Gbit/s | | {r['context']} | {r['method']} | skipped: {r['skipped']} | | | | | | | | | |\n")
             continue
+        samples = " ".join(_f(x) for x in r.get("ttft_samples_s", [r["ttft_s"]]))
         out.append(f"| {r['link_gbit']:g} Gbit/s | {_f(r.get('delivered_gbit'), 2)} | {r['context']} | {r['method']} | {_f(r['ttft_s'])} | "
-                   f"{r['loaded_tokens']} | {_f(r['lookup_s'])} | {_f(r['wait_s'])} | {_f(r['download_s'])} | {_f(r['decode_s'])} | "
+                   f"{samples} | {r['loaded_tokens']} | {_f(r['lookup_s'])} | {_f(r['wait_s'])} | {_f(r['download_s'])} | {_f(r['decode_s'])} | "
                    f"{_f(r['restore_s'])} | {_f(r['prefill_s'])} | {_f(r.get('lookup_call_s'))} |\n")
+    out += auto_verdicts(res["rows"])
     return "".join(out)
+
+
+def auto_verdicts(rows: list[dict]) -> list[str]:
+    """Markdown lines: per cell, ``auto`` against the best of recompute and every forced preset
+    (medians), and whether it is within 2% or 10 ms of it (issue 34's criterion)."""
+    cells: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        if "ttft_s" in r:
+            cells.setdefault((r["link_gbit"], r["context"]), {})[r["method"]] = r["ttft_s"]
+    out = ["\n`auto` against the best other method per cell (medians; passes within 2% or 10 ms):\n\n",
+           "| link (label) | context | best | its TTFT s | auto s | auto vs best | passes |\n|---|---|---|---|---|---|---|\n"]
+    for (gbit, n), t in cells.items():
+        if "auto" not in t or len(t) < 2:
+            continue
+        best = min((m for m in t if m != "auto"), key=t.get)
+        gap = t["auto"] - t[best]
+        ok = gap <= max(0.02 * t[best], 0.010)
+        out.append(f"| {gbit:g} Gbit/s | {n} | {best} | {_f(t[best])} | {_f(t['auto'])} | {gap / t[best]:+.1%} | {'yes' if ok else 'no'} |\n")
+    return out
 
 
 def identity(res: dict, phase: str) -> str:

@@ -202,17 +202,21 @@ def ttft_cells(a, llm, client, url: str, look: dict, gbit: float, n: int, prompt
         if transfer_s > a.cap_s:
             rows.append(dict(row, skipped=f"transfer alone {transfer_s:.0f} s > cap"))
             continue
-        if phase_left() < 45 + 2 * transfer_s + a.cap_s:  # leave time to write what was measured
+        if phase_left() < 45 + a.repeats * (2 * transfer_s + a.cap_s):  # leave time to write what was measured
             rows.append(dict(row, skipped="not run: the phase's time ran out"))
             continue
-        warm_index(client, prompt[:-1], **look)  # the node has seen this prefix (untimed)
-        probe = Probe(client, url)
-        s, [(_, cached)] = generate(llm, [prompt], 1, params, a.call_timeout_s + 2 * transfer_s)
-        d = probe.delta()
+        samples = []
+        for _ in range(a.repeats):
+            warm_index(client, prompt[:-1], **look)  # the node has seen this prefix (untimed)
+            probe = Probe(client, url)
+            s, [(_, cached)] = generate(llm, [prompt], 1, params, a.call_timeout_s + 2 * transfer_s)
+            samples.append((s, cached, probe.delta()))
+        s, cached, d = sorted(samples, key=lambda x: x[0])[len(samples) // 2]  # the median sample, with its breakdown
         t = time.perf_counter()
         under_load.scheduler_call(client, prompt[:-1], look)  # the scheduler's call for this prompt, timed on its own after the cell
         call_s = time.perf_counter() - t
-        rows.append(dict(row, ttft_s=round(s, 4), loaded_tokens=cached, **breakdown(s, d), lookup_call_s=round(call_s, 4), sidecar=d))
+        rows.append(dict(row, ttft_s=round(s, 4), ttft_samples_s=[round(x[0], 4) for x in samples], loaded_tokens=cached,
+                         loaded_samples=[x[1] for x in samples], **breakdown(s, d), lookup_call_s=round(call_s, 4), sidecar=d))
         flag = "" if (cached == want) == (preset is not None) or method == "auto" else f"  <- expected {want if preset else 0}"
         b = rows[-1]
         print(f"{gbit:>6g} Gbit/s (delivered {b['delivered_gbit'] or 0:6.2f}) {n:>6} tokens {method:>12}: {s:7.3f} s, loaded {cached}"
@@ -234,6 +238,7 @@ def main() -> None:
     ap.add_argument("--contexts", help="prompt tokens (default 8192,16384,32768,65536; --tiny 512,1024)")
     ap.add_argument("--links", help="Gbit/s (default 100,25,10,1; --tiny 1,0.1)")
     ap.add_argument("--cap-s", type=float, default=12.0, help="skip a forced load whose transfer alone takes longer")
+    ap.add_argument("--repeats", type=int, default=3, help="requests per ttft cell; the cell reports the median (--tiny: 1)")
     ap.add_argument("--workers", type=int, default=8, help="processes encoding the balanced chunks")
     ap.add_argument("--link-procs", type=int, default=0, help="link server processes sharing the link (0: half the cores, 1 to 8)")
     ap.add_argument("--deadline-s", type=float, default=560, help="start no phase after this (a device call's limit is 600 s)")
@@ -243,6 +248,7 @@ def main() -> None:
     under_load.add_args(ap)
     a = ap.parse_args()
     a.contexts = a.contexts or ("512,1024" if a.tiny else "8192,16384,32768,65536")
+    a.repeats = 1 if a.tiny and "--repeats" not in sys.argv else a.repeats
     a.links = a.links or ("1,0.1" if a.tiny else "100,25,10,1")
     out, work = Path(a.out), Path(a.work)
     out.mkdir(parents=True, exist_ok=True)

@@ -178,3 +178,18 @@ def test_the_link_server_takes_bucketless_paths_when_given_a_bucket(tmp_path):
         assert linkserver.stats(url)["rate"] == 5e6 and linkserver.stats(url)["bytes_received"] >= 20
     finally:
         group.terminate()
+
+
+def test_auto_verdicts_judge_medians_by_two_percent_or_ten_ms():
+    from benchmarks.vllm_ttft.report import auto_verdicts
+
+    def cell(link, n, **ttft):
+        return [dict(link_gbit=link, context=n, method=m, ttft_s=s) for m, s in ttft.items()]
+
+    rows = (cell(100, 8192, recompute=0.200, raw=0.350, auto=0.209)  # 9 ms behind: passes
+            + cell(10, 32768, recompute=1.180, **{"compact-ans": 1.144}, auto=1.185)  # 3.6% behind: fails
+            + cell(10, 65536, recompute=3.25, raw=7.0, auto=2.10)  # faster than all: passes
+            + [dict(link_gbit=1, context=8192, method="raw", skipped="cap")])
+    lines = [ln for ln in auto_verdicts(rows) if ln.startswith("| ") and "Gbit/s" in ln]
+    assert [ln.rstrip().endswith("| yes |") for ln in lines] == [True, False, True]
+    assert "compact-ans" in lines[1] and "+3.6%" in lines[1]
