@@ -6,8 +6,9 @@
   listing). A plan that travelled through a client is checked against its seal, the buffer's
   namespace and the tokens; object names are always re-derived here, never taken from a plan.
 * :meth:`Sidecar.store` skips the leading chunks already stored, copies the KV of the next ones
-  that fit the store queue out of the buffer and queues them for the background writer
-  (:mod:`kvfetcher.save.writer`); it never waits for encoding or upload.
+  that fit the store queue out of the buffer (in a thread: the event loop keeps answering
+  lookups) and queues them for the background writer (:mod:`kvfetcher.save.writer`); it never
+  waits for encoding or upload.
 
 Store I/O runs in two bounded pools: ``meta_pool`` (LIST, HEAD, DELETE, readiness) and
 ``data_pool`` (GET, PUT), so that stalled reads cannot starve lookups. Every lookup and fetch has a
@@ -85,6 +86,7 @@ class Sidecar:
         self.data_pool = ThreadPoolExecutor(self.config.io_workers, thread_name_prefix="kvf-io")
         self.meta_pool = ThreadPoolExecutor(self.config.meta_io_workers, thread_name_prefix="kvf-meta")
         self.decode_pool = ThreadPoolExecutor(self.config.decode_threads, thread_name_prefix="kvf-decode")
+        self.copy_pool = ThreadPoolExecutor(1, thread_name_prefix="kvf-copy-out")  # a store's copy out of a buffer, off the event loop
         self.workers = DecodeWorkers(self.config.decode_procs) if self.config.decode_procs else None
         self.index = StoredIndex(self.config.index_keys, self.config.negative_ttl_s)  # what is stored, as far as this sidecar knows
         self.catalog = Catalog(store, self.index, self.meta_pool, failed=lambda reason: self.metrics.errors.labels(reason).inc())
@@ -166,7 +168,7 @@ class Sidecar:
         await self.writer.close(drain_s)
         self.catalog.close()
         await self.warmed()  # the decode workers are still in use until it ends
-        for pool in (self.data_pool, self.meta_pool, self.decode_pool):
+        for pool in (self.data_pool, self.meta_pool, self.decode_pool, self.copy_pool):
             pool.shutdown(wait=False, cancel_futures=True)
         for bid in list(self.buffers):
             self.unregister(bid)
@@ -515,7 +517,8 @@ class Sidecar:
         if dropped:
             self.writer.dropped(dropped)
         if take:
-            kv = where.read(known * N, take * N)
+            # a device-to-host copy of up to a prompt's KV: in a thread, so lookups are answered meanwhile
+            kv = await asyncio.get_running_loop().run_in_executor(self.copy_pool, where.read, known * N, take * N)
             self.writer.submit(Job(buf.ns, ck[known : known + take], kv, first=known, parent=ck[known - 1] if known else ""))
         return {"queued_chunks": take, "skipped_chunks": known, "dropped_chunks": dropped, "dropped": dropped > 0}
 

@@ -9,6 +9,7 @@ import http.client
 import json
 import subprocess
 import threading
+import time
 
 import pytest
 import torch
@@ -136,6 +137,30 @@ async def test_stalled_reads_do_not_starve_lookups_and_abandoned_reads_are_cance
         assert store.reads <= 2  # only the reads that had a thread ran; the queued ones were cancelled
     finally:
         store.release.set()
+        await sc.close()
+
+
+async def test_a_stores_copy_out_of_the_buffer_does_not_hold_up_lookups(tmp_path, shm, monkeypatch):
+    from kvfetcher import kvbuffer
+
+    real = kvbuffer.Destination.read
+
+    def slow_read(self, start, tokens):  # a long device-to-host copy (a 64K-token prompt's raw KV)
+        time.sleep(0.6)
+        return real(self, start, tokens)
+
+    monkeypatch.setattr(kvbuffer.Destination, "read", slow_read)
+    sc = await started(LocalStore(tmp_path))
+    try:
+        bid = sc.register(shm().handle, FP)
+        storing = asyncio.ensure_future(sc.store(bid, TOKENS))
+        await asyncio.sleep(0.1)  # the copy has started
+        t = time.perf_counter()
+        p = await sc.lookup(bid, TOKENS[:64], options=FetchOptions(deadline_s=2.0))
+        assert time.perf_counter() - t < 0.3 and not storing.done()  # answered while the copy ran
+        assert p.hit_tokens == 0
+        assert (await storing)["queued_chunks"] == len(TOKENS) // N  # and the store still took the KV
+    finally:
         await sc.close()
 
 
