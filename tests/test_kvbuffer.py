@@ -146,3 +146,23 @@ def test_kv_of_another_geometry_or_dtype_is_refused(kv):
     with pytest.raises(ValueError, match="does not fit"):
         write_blocks(tensors, PagedLayout("BHT(KD)", BS), [1], kv)
     assert all(bool((t == -1).all()) for t in tensors)
+
+
+@pytest.mark.parametrize("piece_bytes", [1, 3000, 1 << 30])
+def test_a_store_reads_the_same_kv_in_pieces_as_in_one(piece_bytes, monkeypatch):
+    from kvfetcher import kvbuffer
+
+    monkeypatch.setattr(kvbuffer, "READ_PIECE_BYTES", piece_bytes)
+    L, H, D, T, bs = 2, 3, 4, 48, 8
+    flat = torch.randn(L, 2, H, 64, D)
+    slots = [(7 * i) % 64 for i in range(T)]  # scattered
+    assert torch.equal(kvbuffer.destination(flat, T, slots=slots).read(8, 32), flat[:, :, :, slots[8:40]])
+    assert torch.equal(kvbuffer.destination(flat, T, offset=5).read(0, T), flat[:, :, :, 5 : 5 + T])
+    kv = torch.randn(L, 2, H, T, D)
+    cross = torch.zeros(12, L, bs, H, 2 * D)
+    block_ids = [9, 2, 7, 0, 5, 11]
+    write_blocks(cross, PagedLayout("BLTH(KD)", bs), block_ids, kv)
+    paged = kvbuffer.destination(PagedKV(cross, PagedLayout("BLTH(KD)", bs)), T, block_ids=block_ids, first_token=8)
+    assert torch.equal(paged.read(8, 40), kv[:, :, :, 8:48])
+    with pytest.raises(ValueError, match="first_token"):
+        paged.read(0, 8)

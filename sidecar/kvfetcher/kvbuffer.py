@@ -156,13 +156,30 @@ class Destination:
 
     def read(self, start: int, tokens: int) -> torch.Tensor:
         """A private host copy of the KV ``[layers, 2, kv_heads, tokens, head_dim]`` of tokens
-        ``start .. start + tokens`` (none before ``first_token``: they may have no slot)."""
+        ``start .. start + tokens`` (none before ``first_token``: they may have no slot). Read in
+        pieces of at most :data:`READ_PIECE_BYTES`: a gather on the device never allocates more
+        (the model's GPU has little to spare) and each piece is copied to the host as it is made."""
         if start < self.first_token:
             raise ValueError(f"tokens {start}.. start before first_token {self.first_token}: they are not in the buffer")
+        L, H, D = self.shape
+        out = torch.empty((L, 2, H, tokens, D), dtype=self.dtype)
+        step = self._piece_tokens()
+        for a in range(0, tokens, step):
+            b = min(tokens, a + step)
+            out[:, :, :, a:b].copy_(self._piece(start + a, b - a))
+        return out
+
+    def _piece_tokens(self) -> int:
+        """Tokens one piece of a :meth:`read` takes."""
+        L, H, D = self.shape
+        return max(1, READ_PIECE_BYTES // (L * 2 * H * D * self.buffer.element_size()))
+
+    def _piece(self, start: int, tokens: int) -> torch.Tensor:
+        """The KV of tokens ``start .. start + tokens``: a view where their slots are contiguous, else a gathered copy."""
         idx = self.slots[start : start + tokens]
         if contiguous(idx):
-            return self.buffer[:, :, :, idx[0] : idx[0] + tokens].to("cpu", copy=True)
-        return self.buffer.index_select(3, torch.tensor(idx, device=self.device)).cpu()
+            return self.buffer[:, :, :, idx[0] : idx[0] + tokens]
+        return self.buffer.index_select(3, torch.tensor(idx, device=self.device))
 
     def finish(self) -> None:
         """Wait until the writes queued on the GPU are done: the model (another process) reads the
@@ -188,6 +205,8 @@ class Destination:
 
 # --- stored objects for the engine to decode -----------------------------------------------------
 
+#: a store's copy out of a buffer (:meth:`Destination.read`) gathers at most this much on the device at once
+READ_PIECE_BYTES = 64 << 20
 #: an object's place in an :class:`ObjectArena` starts at a multiple of this (aligned reads of its parts)
 ARENA_ALIGN = 64
 
@@ -421,8 +440,13 @@ class PagedDestination(Destination):
         s = self.skip(c)
         self.kv.write(self._blocks(c.start + s, c.tokens - s), kv[:, :, :, s:])
 
-    def read(self, start: int, tokens: int) -> torch.Tensor:
-        return self.kv.read(self._blocks(start, tokens)).cpu()
+    def _piece_tokens(self) -> int:
+        bs = self.kv.layout.block_size
+        L, H, D = self.shape
+        return max(bs, READ_PIECE_BYTES // (L * 2 * H * D * self.kv.dtype.itemsize) // bs * bs)
+
+    def _piece(self, start: int, tokens: int) -> torch.Tensor:
+        return self.kv.read(self._blocks(start, tokens))
 
 
 def destination(buffer: torch.Tensor | PagedKV, tokens: int, slots: Sequence[int] | None = None, offset: int = 0,
