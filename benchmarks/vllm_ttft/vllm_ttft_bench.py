@@ -45,9 +45,16 @@ GBIT = 1.25e8  # bytes/s of 1 Gbit/s
 FORCE = 1e6  # a TTFT budget no load exceeds: the preset named is loaded whatever the cost model says
 
 
-def methods() -> dict[str, dict | None]:
-    """recompute, every stored preset forced, and the cost model's choice."""
-    return {"recompute": None, **{p: {"presets": [p], "ttft_budget_s": FORCE} for p in stored_presets()}, "auto": {}}
+def methods(only: str | None = None) -> dict[str, dict | None]:
+    """recompute, every stored preset forced, and the cost model's choice (``only``: those of
+    these names, comma-separated; ``ValueError`` for a name that is none of them)."""
+    every = {"recompute": None, **{p: {"presets": [p], "ttft_budget_s": FORCE} for p in stored_presets()}, "auto": {}}
+    if only is None:
+        return every
+    names = only.split(",")
+    if unknown := [n for n in names if n not in every]:
+        raise ValueError(f"unknown methods {unknown}: choose among {list(every)}")
+    return {n: every[n] for n in names}
 
 
 GROUPS = {"identity": ["identity-store", "identity-load"], "ttft": ["ttft"], "load": ["load"], "peers": [f"peer-{m}" for m in peers.PEERS],
@@ -179,7 +186,7 @@ def phase_ttft(a, work: Path) -> dict:
         for n in sorted(contexts)[:2]:  # warm-up: kernels, the connector's prefill rate, the sidecar's estimator, each preset's decoder
             warm_index(client, prompts[n][:-1], **look)
             generate(llm, [prompts[n]], 1, None, a.call_timeout_s)
-            for m, params in methods().items():
+            for m, params in methods(a.methods).items():
                 if params:
                     generate(llm, [prompts[n]], 1, params, a.call_timeout_s)
         for gbit in [float(x) for x in a.links.split(",")]:
@@ -195,7 +202,7 @@ def ttft_cells(a, llm, client, url: str, look: dict, gbit: float, n: int, prompt
     """One context at one link: every method's TTFT and its breakdown (a forced load must load
     the whole stored prefix)."""
     rows, want = [], (n - 1) // CHUNK * CHUNK
-    for method, params in methods().items():
+    for method, params in methods(a.methods).items():
         preset = (params or {}).get("presets", [None])[0]
         transfer_s = (n // CHUNK) * size[preset] / (gbit * GBIT) if preset else 0.0
         row = dict(link_gbit=gbit, context=n, method=method)
@@ -238,6 +245,7 @@ def main() -> None:
     ap.add_argument("--contexts", help="prompt tokens (default 8192,16384,32768,65536; --tiny 512,1024)")
     ap.add_argument("--links", help="Gbit/s (default 100,25,10,1; --tiny 1,0.1)")
     ap.add_argument("--cap-s", type=float, default=12.0, help="skip a forced load whose transfer alone takes longer")
+    ap.add_argument("--methods", help="ttft methods timed, comma-separated (default: recompute, every stored preset, auto)")
     ap.add_argument("--repeats", type=int, default=3, help="requests per ttft cell; the cell reports the median (--tiny: 1)")
     ap.add_argument("--workers", type=int, default=8, help="processes encoding the balanced chunks")
     ap.add_argument("--link-procs", type=int, default=0, help="link server processes sharing the link (0: half the cores, 1 to 8)")
@@ -249,6 +257,8 @@ def main() -> None:
     a = ap.parse_args()
     a.contexts = a.contexts or ("512,1024" if a.tiny else "8192,16384,32768,65536")
     a.repeats = 1 if a.tiny and "--repeats" not in sys.argv else a.repeats
+    if a.methods:
+        methods(a.methods)  # a wrong name fails here, before any engine starts
     a.links = a.links or ("1,0.1" if a.tiny else "100,25,10,1")
     out, work = Path(a.out), Path(a.work)
     out.mkdir(parents=True, exist_ok=True)

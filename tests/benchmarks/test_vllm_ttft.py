@@ -193,3 +193,15 @@ def test_auto_verdicts_judge_medians_by_two_percent_or_ten_ms():
     lines = [ln for ln in auto_verdicts(rows) if ln.startswith("| ") and "Gbit/s" in ln]
     assert [ln.rstrip().endswith("| yes |") for ln in lines] == [True, False, True]
     assert "compact-ans" in lines[1] and "+3.6%" in lines[1]
+
+
+def test_the_ttft_methods_can_be_narrowed_and_a_wrong_name_is_refused():
+    import pytest
+
+    from benchmarks.vllm_ttft.vllm_ttft_bench import methods
+
+    assert list(methods("recompute,raw,auto")) == ["recompute", "raw", "auto"]
+    assert methods("raw")["raw"]["presets"] == ["raw"]
+    assert list(methods())[0] == "recompute" and list(methods())[-1] == "auto"
+    with pytest.raises(ValueError, match="unknown methods"):
+        methods("raw,fast")
