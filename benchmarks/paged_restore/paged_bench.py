@@ -32,6 +32,7 @@ from benchmarks.lib.fetchkit import FINGERPRINT, encode_objects, put_prefix
 from kvfetcher import ipc, kvbuffer
 from kvfetcher.eval.costmodel import SHAPES
 from kvfetcher.fetch import executor
+from kvfetcher.fetch.readers import ReadProcs, SharedStaging
 from kvfetcher.fetch.workers import DecodeWorkers
 from kvfetcher.store.local import LocalStore
 
@@ -75,14 +76,34 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-async def fetch(store, refs, dest, workers, io, dec, window: int, reads: int):
+async def fetch(store, refs, dest, workers, io, dec, window: int, reads: int, readers=None):
     return await executor.fetch(store, refs, dest, fingerprint=FINGERPRINT, io_pool=io, decode_pool=dec, device=dest.device,
-                                window=window, io_concurrency=reads, workers=workers)
+                                window=window, io_concurrency=reads, workers=workers, readers=readers)
 
 
-def tunings(text: str) -> list[tuple[int, int, int]]:
-    """``"8x8x4,4x8x2"`` -> [(window, reads, decode threads), ...]."""
-    return [tuple(int(v) for v in t.split("x")) for t in text.split(",")]
+def tunings(text: str) -> list[tuple[int, int, int, int]]:
+    """``"8x8x4,4x8x2x8"`` -> [(window, reads, decode threads, reader processes), ...] (reader
+    processes 0 unless a fourth number gives them: ``KVFETCHER_READ_PROCS``)."""
+    out = []
+    for t in text.split(","):
+        v = [int(x) for x in t.split("x")]
+        if len(v) not in (3, 4):
+            raise ValueError(f"a tuning is window x reads x decode threads [x reader processes], not {t!r}")
+        out.append((*v, 0) if len(v) == 3 else tuple(v))
+    return out
+
+
+@contextlib.contextmanager
+def reader_procs(store, procs: int):
+    """``procs`` reader processes over ``store`` (:mod:`kvfetcher.fetch.readers`), or None for 0."""
+    if not procs:
+        yield None
+        return
+    readers = ReadProcs(store.opener(), procs, SharedStaging())
+    try:
+        yield readers
+    finally:
+        readers.close()
 
 
 @contextlib.contextmanager
@@ -104,7 +125,7 @@ def object_store(source: str, root: str):
         group.terminate()
 
 
-def fetch_all(dests, tokens, kv_bytes, block_ids, repeats, store, refs, workers, io, dec, window, reads, key) -> dict:
+def fetch_all(dests, tokens, kv_bytes, block_ids, repeats, store, refs, workers, io, dec, window, reads, key, readers=None) -> dict:
     """Each destination: median fetch seconds of ``repeats`` after a warm-up, and whether it restored
     what the first one (the flat buffer, when timed) did."""
     row, first = {}, None
@@ -113,7 +134,7 @@ def fetch_all(dests, tokens, kv_bytes, block_ids, repeats, store, refs, workers,
                                     block_ids=None if layout is None else block_ids, handle=handle)
         secs = []
         for _ in range(repeats + 1):  # the first warms workers, decoders and staging
-            out = asyncio.run(fetch(store, refs, dest, workers, io, dec, window, reads))
+            out = asyncio.run(fetch(store, refs, dest, workers, io, dec, window, reads, readers))
             assert out.error is None and out.loaded_tokens == tokens, out
             secs.append(out.seconds)
         med = statistics.median(secs[1:])
@@ -135,7 +156,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dests", default="flat,paged_per_layer,paged_cross_layer", help="destinations timed (flat first: the reference)")
-    ap.add_argument("--tunings", default="8x8x4", help="window x reads x decode threads, comma-separated: each is timed")
+    ap.add_argument("--tunings", default="8x8x4", help="window x reads x decode threads [x reader processes], comma-separated: each is timed")
     ap.add_argument("--source", default="local", choices=["local", "s3"], help="s3: the same objects over the link server, unpaced")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -163,11 +184,11 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as d, object_store(args.source, d) as (writer, store), ThreadPoolExecutor(32) as io:
             for preset in args.presets.split(","):
                 refs = put_prefix(writer, preset, encode_objects(shape, preset, T, distinct=4), args.chunks, T)
-                for window, reads, threads in tunings(args.tunings):
-                    key = preset if "," not in args.tunings else f"{preset} {window}x{reads}x{threads}"
-                    with ThreadPoolExecutor(threads) as dec:
+                for window, reads, threads, procs in tunings(args.tunings):
+                    key = preset if "," not in args.tunings else f"{preset} {window}x{reads}x{threads}" + (f"x{procs}" if procs else "")
+                    with ThreadPoolExecutor(threads) as dec, reader_procs(store, procs) as readers:
                         result["fetch"][key] = fetch_all(dests, tokens, kv_bytes, block_ids, args.repeats, store, refs,
-                                                         None if preset == "raw" else workers, io, dec, window, reads, key)
+                                                         None if preset == "raw" else workers, io, dec, window, reads, key, readers)
     finally:
         if workers is not None:
             workers.close()

@@ -199,6 +199,9 @@ IO_WORKERS = Setting("KVFETCHER_IO_WORKERS", int, 32, "Threads for store data I/
 FETCH_WINDOW = Setting("KVFETCHER_FETCH_WINDOW", int, 4, "Chunks one fetch keeps in flight (read, verified, decoded "
                        "or written at once): more overlaps more of a chunk's latency, each holds a staging buffer.")
 FETCH_READS = Setting("KVFETCHER_FETCH_READS", int, 8, "Ranged GETs one fetch keeps in flight (at most the data I/O threads).")
+READ_PROCS = Setting("KVFETCHER_READ_PROCS", int, 0, "Processes that read staged chunk parts (raw and entropy-coded) "
+                     "from the store into shared memory, each with its own GIL (0: the data I/O threads read). Unmeasured "
+                     "on a GPU yet: see `benchmarks/paged_restore --read-procs`.")
 DECODE_THREADS = Setting("KVFETCHER_DECODE_THREADS", int, 2, "Threads that decode entropy-coded chunks on the GPU "
                          "and write chunks into KV buffers, each on its own CUDA stream.")
 META_IO_WORKERS = Setting("KVFETCHER_META_IO_WORKERS", int, 8,
@@ -278,7 +281,7 @@ TABLES: dict[str, tuple[Setting, ...]] = {
         CHUNK_TOKENS, PRESET, ALLOWED_PRESETS, TENANT, POOL, OBJECT_KEY, ACCEPTED_OBJECT_KEYS, MODEL, RECOMPUTE_TPS, ROPE_THETA, TTFT_BUDGET_S,
         DECODE_PROCS, WARM_UP, S3_ENDPOINT, S3_BUCKET, S3_ACCESS_KEY, S3_SECRET_KEY, S3_REGION, S3_CA_FILE,
         S3_INSECURE, STORE_DIR, AUTH_TOKEN, AUTH_TOKEN_FILE, FUSED_UNPACK, DEADLINE_S, MAX_REQUEST_TOKENS,
-        STORE_QUEUE_CHUNKS, INDEX_KEYS, NEGATIVE_TTL_S, IO_WORKERS, FETCH_WINDOW, FETCH_READS, DECODE_THREADS, META_IO_WORKERS, LINK_DIR, ACCESS_LOG_S, STORE_CHECK_S,
+        STORE_QUEUE_CHUNKS, INDEX_KEYS, NEGATIVE_TTL_S, IO_WORKERS, FETCH_WINDOW, FETCH_READS, READ_PROCS, DECODE_THREADS, META_IO_WORKERS, LINK_DIR, ACCESS_LOG_S, STORE_CHECK_S,
         CALIBRATION_DIR, LOG_LEVEL, LOG_FORMAT),
     "Model side (`KVClient`, shared buffers)": (SOCKET, URL),
     "Evaluation (`kvfetcher eval`, `calibrate`, `demo`, tests)": (CACHE, EVAL_DEVICE),
@@ -330,6 +333,7 @@ class Config:
     link_dir: str | None = env_field(LINK_DIR)  # None: the node's link is not known to be shared
     window: int = env_field(FETCH_WINDOW)
     reads: int = env_field(FETCH_READS)
+    read_procs: int = env_field(READ_PROCS)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
@@ -356,6 +360,8 @@ class Config:
             raise ValueError(f"{OBJECT_KEY.name} and {ACCEPTED_OBJECT_KEYS.name} must be at least 16 characters each")
         if self.accepted_object_keys and not self.object_key:
             raise ValueError(f"{ACCEPTED_OBJECT_KEYS.name} needs {OBJECT_KEY.name} (the key objects are written with)")
+        if self.read_procs < 0:
+            raise ValueError(f"read processes must be >= 0, not {self.read_procs}")
         if self.decode_procs < 0:
             raise ValueError(f"decode processes must be >= 0, not {self.decode_procs}")
         if self.ttft_budget_s is not None and not self.ttft_budget_s > 0:

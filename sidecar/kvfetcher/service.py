@@ -35,6 +35,7 @@ from kvfetcher.config import Config
 from kvfetcher.errors import Reason, RequestError
 from kvfetcher.fetch import choice, executor, staging
 from kvfetcher.fetch.linkshare import LinkShare
+from kvfetcher.fetch.readers import ReadProcs, SharedStaging
 from kvfetcher.fetch.plan import FORMATS, Catalog, Costs, EngineDecode, EngineDecoded, FetchOptions, FetchPlan, FetchDecision, FetchReply, listing_rounds, make_plan, seal, sealed
 from kvfetcher.fetch.prefill import PrefillModel
 from kvfetcher.fetch.workers import DecodeWorkers, warmup_object
@@ -88,6 +89,7 @@ class Sidecar:
         self.decode_pool = ThreadPoolExecutor(self.config.decode_threads, thread_name_prefix="kvf-decode")
         self.copy_pool = ThreadPoolExecutor(1, thread_name_prefix="kvf-copy-out")  # a store's copy out of a buffer, off the event loop
         self.workers = DecodeWorkers(self.config.decode_procs) if self.config.decode_procs else None
+        self.readers = self._readers()
         self.index = StoredIndex(self.config.index_keys, self.config.negative_ttl_s)  # what is stored, as far as this sidecar knows
         self.catalog = Catalog(store, self.index, self.meta_pool, failed=lambda reason: self.metrics.errors.labels(reason).inc())
         self.writer = Writer(store, self.config, self.metrics, self.data_pool, self.meta_pool, stored=self.index.stored)
@@ -101,6 +103,20 @@ class Sidecar:
                         "checked; whoever can write the store decides what this sidecar fetches")
         self.calibrations = CalibrationLookup(store, self.meta_pool, self.metrics, key=self._object_key,
                                               accepted=self._accepted_keys)  # published after start (a calibration Job)
+
+    def _readers(self) -> ReadProcs | None:
+        """Reader processes (``config.read_procs``), where the store can be opened in another process."""
+        opener = getattr(self.objects, "opener", None)
+        if not self.config.read_procs:
+            return None
+        if opener is None:
+            log.warning("the store cannot be opened in another process: reads stay in this one")
+            return None
+        return ReadProcs(opener(), self.config.read_procs, SharedStaging())
+
+    def _staging(self) -> staging.StagingPool:
+        """Where fetches stage what they read: the reader processes' shared buffers, or this process's pool."""
+        return self.readers.staging if self.readers is not None else staging.shared()
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -126,7 +142,7 @@ class Sidecar:
         if any(PRESETS[p].direct for p in self._served_presets()):
             try:
                 n = executor.chunks_in_flight(self.config.window, self.workers)
-                staging.shared().reserve(self._chunk_kv_bytes(buf), buf.tensor.device.type == "cuda", n)
+                self._staging().reserve(self._chunk_kv_bytes(buf), buf.tensor.device.type == "cuda", n)
             except Exception:  # e.g. pinned memory refused: the first raw fetch allocates instead
                 log.exception("staging reservation failed")
                 self.metrics.errors.labels(Reason.WARM_UP).inc()
@@ -174,6 +190,8 @@ class Sidecar:
             self.unregister(bid)
         if self.workers is not None:
             self.workers.close()
+        if self.readers is not None:
+            self.readers.close()
 
     async def ready(self) -> None:
         """Raise a :class:`StoreError` unless the store answers and takes writes (see ``Store.ping``)."""
@@ -394,7 +412,7 @@ class Sidecar:
             out = await executor.fetch(self.objects, refs, dest, fingerprint=buf.ns.model, io_pool=self.data_pool, decode_pool=self.decode_pool,
                                        device=buf.tensor.device, deadline_s=max(0.0, deadline_s - (time.perf_counter() - t0)),
                                        window=self.config.window, io_concurrency=min(self.config.reads, self.config.io_workers),
-                                       workers=None if buf.engine else self.workers,
+                                       workers=None if buf.engine else self.workers, readers=self.readers,
                                        object_key=self._object_key, accepted_keys=self._accepted_keys)
         self._observe(plan, out, learn=quiet, sharers=share.sharers, engine=buf.engine is not None)
         if isinstance(dest, ObjectArena):

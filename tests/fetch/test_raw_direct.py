@@ -3,6 +3,7 @@ checksums per segment, one copy into the destination. On a local directory and o
 server (moto on loopback), and through a store without ``get_into`` (the benchmarks' LinkStore)."""
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -137,7 +138,7 @@ async def test_staging_buffers_are_reused_across_chunks_and_fetches(tmp_path):
 async def test_a_read_abandoned_at_the_deadline_never_lands_in_a_reused_buffer(tmp_path, monkeypatch):
     """A GET still running in its thread when the fetch gives up keeps writing into its staging
     buffer: that buffer must not go back to the pool, where another chunk could be verified in it
-    and then overwritten before its copy."""
+    and then overwritten before its copy. It goes back once that read has ended."""
     import numpy as np
 
     from kvfetcher.fetch.staging import StagingPool
@@ -156,11 +157,13 @@ async def test_a_read_abandoned_at_the_deadline_never_lands_in_a_reused_buffer(t
     monkeypatch.setattr(executor, "HEADER_GUESS", 64)  # the header read brings no segment bytes: all slow
     pool = StagingPool()
     buf = torch.full((L, 2, H, 128, D), SENTINEL, dtype=torch.float16)
-    out = await fetch(store, refs, Destination(buf, tokens=128), deadline_s=0.2, staging_pool=pool, window=4)
-    assert out.error == "deadline" and out.loaded_tokens == 0 and store.targets
-    free = [b for bufs in pool._free.values() for b in bufs]
-    for addr in store.targets:  # no free buffer contains an address a running read writes to
-        assert not any(b.data_ptr() <= addr < b.data_ptr() + b.numel() for b in free)
+    holds = lambda addr: [b for bufs in pool._free.values() for b in bufs if b.data_ptr() <= addr < b.data_ptr() + b.numel()]  # noqa: E731
+    with ThreadPoolExecutor(8) as io, ThreadPoolExecutor(2) as dec:
+        out = await executor.fetch(store, refs, Destination(buf, tokens=128), fingerprint="fp", io_pool=io, decode_pool=dec,
+                                   deadline_s=0.2, staging_pool=pool, window=4)
+        assert out.error == "deadline" and out.loaded_tokens == 0 and store.targets
+        assert not any(holds(addr) for addr in store.targets)  # no free buffer contains an address a running read writes to
+    assert all(holds(addr) for addr in store.targets)  # once those reads ended, their buffers are back for reuse
     assert bool((buf == SENTINEL).all())
 
 

@@ -11,7 +11,6 @@ one-way. One definition of each message serves both ends of the pipe.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import time
 from collections import OrderedDict
@@ -21,6 +20,7 @@ from typing import Literal
 import torch
 
 from kvfetcher.chunk import restore_chunk
+from kvfetcher.fetch.slab import Slab
 from kvfetcher.errors import ContainerError
 from kvfetcher.format import container
 from kvfetcher.format.mac import ObjectMAC
@@ -107,34 +107,6 @@ class Failed:
 
     def __str__(self) -> str:
         return f"{self.error}: {self.message}"
-
-
-class Slab:
-    """Shared memory the coordinator writes a chunk's bytes into and a worker reads them from: a
-    memfd of the coordinator (``path`` None creates one), which the worker opens by ``path``,
-    ``/proc/<coordinator pid>/fd/<fd>``. No file in a shared directory: nothing another process
-    can name, replace or shrink."""
-
-    def __init__(self, size: int, path: str | None = None):
-        self.fd = os.memfd_create("kvfetcher-slab", os.MFD_CLOEXEC) if path is None else None
-        fd = self.fd if self.fd is not None else os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        try:
-            if self.fd is not None:
-                os.ftruncate(fd, size)
-            self.mm = mmap.mmap(fd, size)
-        except BaseException:
-            os.close(fd)
-            raise
-        if self.fd is None:
-            os.close(fd)  # the mapping keeps the memory
-        self.path, self.size = path or f"/proc/{os.getpid()}/fd/{fd}", size
-
-    def close(self) -> None:
-        """Unmap; the coordinator's slab also closes its memfd (a worker's mapping stays valid)."""
-        self.mm.close()
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
 
 
 class _OpenFailed(Exception):

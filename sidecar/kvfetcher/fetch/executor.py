@@ -43,6 +43,7 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -54,6 +55,7 @@ from kvfetcher import chunk
 from kvfetcher.codec import ENTROPY_FORMATS, CodecError
 from kvfetcher.errors import BAD_OBJECT, ContainerError, Reason, TruncatedError
 from kvfetcher.fetch import staging
+from kvfetcher.fetch.readers import ReadProcs
 from kvfetcher.fetch.workers import BufferOpenError, DecodeWorkers, WorkerError
 from kvfetcher.format import container
 from kvfetcher.format.mac import ObjectMAC
@@ -104,6 +106,7 @@ async def fetch(
     staging_pool: staging.StagingPool | None = None,
     object_key: bytes | None = None,
     accepted_keys: tuple[bytes, ...] = (),
+    readers: ReadProcs | None = None,
 ) -> Outcome:
     """Load ``chunks`` (consecutive, from the first) into ``dest``; see the module doc for failures.
 
@@ -112,13 +115,15 @@ async def fetch(
     direct path whatever ``workers`` is, staged in ``staging_pool`` (default: the process's
     shared pool). ``object_key`` (:func:`format.mac.key_from`): refuse every object whose tags do
     not verify under it (or one of ``accepted_keys``, a rotation's previous keys) for the name it is read
-    from (None: CRC-32 only).
+    from (None: CRC-32 only). With ``readers`` the staged reads (raw and entropy-coded segments)
+    run in its reader processes, into its shared staging buffers (``staging_pool`` is then ignored).
     """
     if workers is not None and dest.handle is None:
         raise ValueError("decode workers need the destination buffer's IPC handle")
     job = _Fetch(store, chunks, dest, fingerprint=fingerprint, io_pool=io_pool, decode_pool=decode_pool, device=device,
                  window=chunks_in_flight(window, workers), io_concurrency=io_concurrency, workers=workers,
-                 staging_pool=staging_pool or staging.shared(), object_key=object_key, accepted_keys=accepted_keys)
+                 staging_pool=readers.staging if readers else staging_pool or staging.shared(), object_key=object_key,
+                 accepted_keys=accepted_keys, read=readers.read_into if readers else None)
     return await job.run(deadline_s)
 
 
@@ -162,12 +167,13 @@ def _copy_threads() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(4, thread_name_prefix="kvf-copy")
 
 
-def _read_verified(store: Store, name: str, offset: int, part: memoryview, have: int, seg: container.Segment,
+def _read_verified(read, name: str, offset: int, part: memoryview, have: int, seg: container.Segment,
                    h: container.Header, auth: ObjectMAC | None, finite: bool) -> int:
     """Fill ``part`` (a native segment of ``h`` whose first ``have`` bytes are there) from ``name`` at
-    ``offset``, then check its length, CRC-32, tag (with ``auth``) and, with ``finite``, that it holds
-    no NaN or infinity; returns the bytes read. Blocking: runs in an I/O thread."""
-    n = read_into(store, name, offset + have, part[have:]) if have < len(part) else 0
+    ``offset`` with ``read`` (as :func:`kvfetcher.store.read_into` of the store), then check its
+    length, CRC-32, tag (with ``auth``) and, with ``finite``, that it holds no NaN or infinity;
+    returns the bytes read. Blocking: runs in an I/O thread."""
+    n = read(name, offset + have, part[have:]) if have < len(part) else 0
     container.check(seg, part[: have + n], auth)
     if finite:
         container.check_finite(part, h.torch_dtype)
@@ -183,6 +189,25 @@ def _write_native(dest: Destination, c: ChunkRef, kv: torch.Tensor) -> None:
         kv = kv.to(dest.device, non_blocking=True)
         container.check_finite(kv, kv.dtype)
     dest.write_kv(c, kv)
+
+
+def _give_when_done(started: list[concurrent.futures.Future], give) -> None:
+    """Call ``give`` once every future of ``started`` is done (now, if they all are)."""
+    left = [f for f in started if not f.done()]
+    if not left:
+        give()
+        return
+    count, lock = [len(left)], threading.Lock()
+
+    def one_done(_f) -> None:
+        with lock:
+            count[0] -= 1
+            last = count[0] == 0
+        if last:
+            give()
+
+    for f in left:
+        f.add_done_callback(one_done)
 
 
 def _submit(started: list[concurrent.futures.Future], executor: Executor, fn, *args) -> asyncio.Future:
@@ -202,8 +227,9 @@ class _Fetch:
     def __init__(self, store: Store, chunks: Sequence[ChunkRef], dest: Destination, *, fingerprint: str, io_pool: Executor,
                  decode_pool: Executor, device: torch.device | str, window: int, io_concurrency: int,
                  workers: DecodeWorkers | None, staging_pool: staging.StagingPool, object_key: bytes | None = None,
-                 accepted_keys: tuple[bytes, ...] = ()):
+                 accepted_keys: tuple[bytes, ...] = (), read=None):
         self.store, self.chunks, self.dest, self.fingerprint = store, chunks, dest, fingerprint
+        self.read = read or functools.partial(read_into, store)  # a staged part's bytes: (name, offset, buf) -> n
         self.io_pool, self.decode_pool, self.device = io_pool, decode_pool, device
         self.workers, self.staging, self.object_key, self.accepted_keys = workers, staging_pool, object_key, accepted_keys
         self.window, self.io = asyncio.Semaphore(window), asyncio.Semaphore(io_concurrency)
@@ -375,10 +401,9 @@ class _Fetch:
         finally:
             for t in reads:  # a cancelled read submits nothing more
                 t.cancel()
-            if all(f.done() for f in started):
-                self.staging.give(host, pinned)
-            # else a read, copy or decode abandoned at a failure or deadline still runs in a thread
-            # and owns ``host`` (its memoryview keeps it alive): never reuse it, let it be freed after
+            # a read, copy or decode abandoned at a failure or deadline may still run in a thread and
+            # own ``host``: it goes back to the pool once the last of them is done
+            _give_when_done(started, lambda: self.staging.give(host, pinned))
 
     async def _read_segment(self, c: ChunkRef, h: container.Header, head: bytes, mem: memoryview, seg: container.Segment,
                             started: list[concurrent.futures.Future], finite: bool) -> None:
@@ -388,6 +413,6 @@ class _Fetch:
         part[: len(have)] = have
         async with self.io:
             with self.reads:  # (the CRC reads bytes still in cache)
-                n = await _submit(started, self.io_pool, _read_verified, self.store, c.name, a, part, len(have), seg, h,
+                n = await _submit(started, self.io_pool, _read_verified, self.read, c.name, a, part, len(have), seg, h,
                                   self._auth(c), finite)
         self.out.bytes_read += n

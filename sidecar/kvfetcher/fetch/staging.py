@@ -49,7 +49,14 @@ class StagingPool:
             if free:
                 return free.pop()
             self.allocated += 1
+        return self._allocate(size, pinned)
+
+    def _allocate(self, size: int, pinned: bool) -> torch.Tensor:
+        """A new buffer of ``size`` bytes."""
         return torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+
+    def _free_buffer(self, buf: torch.Tensor) -> None:
+        """A buffer the pool lets go of (nothing uses it): freed with its last reference."""
 
     def reserve(self, nbytes: int, pinned: bool, count: int) -> int:
         """Allocate ahead, off any request's path, until ``count`` free buffers of this kind wait
@@ -62,7 +69,7 @@ class StagingPool:
                 if len(self._free[(size, pinned)]) >= want:
                     break
                 self.allocated += 1
-            buf = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+            buf = self._allocate(size, pinned)
             if not pinned:
                 buf.zero_()
             self.give(buf, pinned)
@@ -76,6 +83,8 @@ class StagingPool:
             free = self._free[(buf.numel(), pinned)]
             if len(free) < self.keep:
                 free.append(buf)
+                return
+        self._free_buffer(buf)
 
 
 _shared = StagingPool()

@@ -41,6 +41,7 @@ import torch
 from kvfetcher.chunk import encode_chunk
 from kvfetcher.codec import basis
 from kvfetcher.errors import ContainerError
+from kvfetcher.fetch.slab import Slab
 from kvfetcher.fetch.decode_worker import (
     Failed,
     Forget,
@@ -49,7 +50,6 @@ from kvfetcher.fetch.decode_worker import (
     Open,
     Restore,
     Restored,
-    Slab,
     Stop,
     serve,
 )

@@ -39,6 +39,10 @@ class LocalStore:
         self.root.mkdir(parents=True, exist_ok=True)
         self.endpoint = f"file://{self.root}"
 
+    def opener(self):
+        """A picklable call that opens this store again (in another process)."""
+        return functools.partial(LocalStore, self.root)
+
     def _path(self, name: str) -> Path:
         p = (self.root / name).resolve()
         if not p.is_relative_to(self.root.resolve()):

@@ -15,6 +15,7 @@ socket read, so reader threads are not starved by busy Python threads in the sam
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import socket
 import struct
@@ -52,6 +53,9 @@ class S3Store:
         ca_file: str | None = None,
         verify_tls: bool = True,
     ):
+        self._args = (endpoint, bucket, access_key, secret_key)
+        self._kw = dict(region=region, connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s, pool=pool, ca_file=ca_file,
+                        verify_tls=verify_tls)
         u = urlparse(endpoint if "://" in endpoint else f"http://{endpoint}")
         self.endpoint = f"{u.scheme}://{u.netloc}/{bucket}"
         self.bucket = bucket
@@ -65,6 +69,10 @@ class S3Store:
         )
         if create_bucket:
             self._call(lambda: self.client.bucket_exists(bucket) or self.client.make_bucket(bucket))
+
+    def opener(self):
+        """A picklable call that opens this store again (in another process: it carries the credentials)."""
+        return functools.partial(S3Store, *self._args, **self._kw)
 
     def _call(self, fn, name: str = ""):
         try:

@@ -1,0 +1,34 @@
+"""slab: shared memory between the sidecar's processes, named by a path only they can open."""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+
+class Slab:
+    """Shared memory the coordinator writes a chunk's bytes into and a worker reads them from: a
+    memfd of the coordinator (``path`` None creates one), which the worker opens by ``path``,
+    ``/proc/<coordinator pid>/fd/<fd>``. No file in a shared directory: nothing another process
+    can name, replace or shrink."""
+
+    def __init__(self, size: int, path: str | None = None):
+        self.fd = os.memfd_create("kvfetcher-slab", os.MFD_CLOEXEC) if path is None else None
+        fd = self.fd if self.fd is not None else os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            if self.fd is not None:
+                os.ftruncate(fd, size)
+            self.mm = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        if self.fd is None:
+            os.close(fd)  # the mapping keeps the memory
+        self.path, self.size = path or f"/proc/{os.getpid()}/fd/{fd}", size
+
+    def close(self) -> None:
+        """Unmap; the coordinator's slab also closes its memfd (a worker's mapping stays valid)."""
+        self.mm.close()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
