@@ -276,7 +276,8 @@ def main() -> None:
     import vllm
 
     res.update(device=torch.cuda.get_device_name() if on_gpu() else "cpu (a smoke run, not a result)", vllm=vllm.__version__,
-               tiny=a.tiny, date=time.strftime("%Y-%m-%d"))
+               tiny=a.tiny, date=time.strftime("%Y-%m-%d"),
+               settings={k: v for k, v in sorted(os.environ.items()) if k.startswith("KVFETCHER_")})  # the sidecars inherit them
     (work / f"{a.phase}.json").write_text(json.dumps(res, indent=1))
     (out / f"{a.phase}.json").write_text(json.dumps(res, indent=1))
     (out / f"{a.phase}.md").write_text(report.markdown(a.phase, res))

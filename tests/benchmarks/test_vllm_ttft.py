@@ -205,3 +205,10 @@ def test_the_ttft_methods_can_be_narrowed_and_a_wrong_name_is_refused():
     assert list(methods())[0] == "recompute" and list(methods())[-1] == "auto"
     with pytest.raises(ValueError, match="unknown methods"):
         methods("raw,fast")
+
+
+def test_the_reports_state_the_sidecar_settings_a_run_had():
+    from benchmarks.vllm_ttft.report import _head
+
+    assert "`KVFETCHER_READ_PROCS=8`" in _head({"device": "H200", "vllm": "0.26.0", "date": "d", "settings": {"KVFETCHER_READ_PROCS": "8"}})
+    assert "settings" not in _head({"device": "H200", "vllm": "0.26.0", "date": "d"})
