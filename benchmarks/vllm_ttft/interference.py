@@ -29,8 +29,8 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.vllm_ttft.engine import (CHUNK, Probe, breakdown, connector, kv_dtype, on_gpu, phase_left, s3_sidecar, shape_of, stored_presets,
-                                         timing_model, warm_index, watchdog)
+from benchmarks.vllm_ttft.engine import (CHUNK, Probe, breakdown, connector, kv_dtype, on_gpu, phase_left, read_metrics, s3_sidecar, shape_of,
+                                         stored_presets, timing_model, warm_index, watchdog)
 
 GBIT = 1.25e8  # bytes/s of 1 Gbit/s
 FORCE = 1e6  # a TTFT budget no load exceeds: the preset named is loaded whatever the cost model says
@@ -112,7 +112,8 @@ STATS = ("tpot_p50_ms", "tpot_p99_ms", "tpot_mean_ms", "tpot_max_ms", "ttft_s", 
 
 def summarise(samples: list[dict]) -> dict[str, dict]:
     """Per path (in first-seen order): the median over its samples of each of :data:`STATS` a
-    sample has (None where none has it), the samples' count, the tokens loaded per sample, and each
+    sample has (None where none has it), the samples' count, the tokens loaded and the sidecar's
+    choices (:func:`decisions`) per sample, and each
     TPOT statistic over the baseline's median (``*_x``; None without a baseline). ``p50_within_target``:
     the p50 ratio is at most :data:`TARGET_P50`."""
     by: dict[str, list[dict]] = {}
@@ -122,12 +123,23 @@ def summarise(samples: list[dict]) -> dict[str, dict]:
     base = med.get("baseline", {})
     out = {}
     for p, ss in by.items():
-        r = dict(med[p], samples=len(ss), loaded_tokens=[s.get("loaded_tokens") for s in ss])
+        r = dict(med[p], samples=len(ss), loaded_tokens=[s.get("loaded_tokens") for s in ss], chose=[s.get("chose") for s in ss])
         for k in ("tpot_p50_ms", "tpot_p99_ms", "tpot_mean_ms", "tpot_max_ms"):
             r[k[:-3] + "_x"] = round(r[k] / base[k], 3) if r[k] is not None and base.get(k) else None
         r["p50_within_target"] = None if r["tpot_p50_x"] is None else r["tpot_p50_x"] <= TARGET_P50
         out[p] = r
     return out
+
+
+def decisions(m0: dict[str, float], m1: dict[str, float]) -> list[str]:
+    """The sidecar's fetch-time choices between two metric readings (``kvfetcher_preset_decisions_total``
+    by preset: a preset or ``recompute``), each as often as it was made, sorted."""
+    name = "kvfetcher_preset_decisions_total{"
+    out = []
+    for k, v in m1.items():
+        if k.startswith(name) and 'preset="' in k:
+            out += [k.split('preset="', 1)[1].split('"', 1)[0]] * int(v - m0.get(k, 0.0))
+    return sorted(out)
 
 
 def _median(xs: list) -> float | None:
@@ -229,6 +241,7 @@ async def measure(a, model_dir: Path, opts: dict, sc, url: str, look: dict, prom
                 d = await asyncio.to_thread(probe.delta)
                 if s["ttft_s"] is not None:
                     s["breakdown"] = breakdown(s["ttft_s"], d)
+                    s["chose"] = decisions(probe.m0, await asyncio.to_thread(read_metrics, client))
                 samples.append(dict(s, round=rep))
                 print(f"interference round {rep} {path:>12}: window {s['window_s']:.3f} s, loaded {s['loaded_tokens']}, TPOT p50 "
                       f"{s['tpot_p50_ms']} ms p99 {s['tpot_p99_ms']} ms max {s['tpot_max_ms']} ms over {s['gaps']} gaps", flush=True)

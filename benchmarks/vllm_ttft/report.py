@@ -136,18 +136,23 @@ def interference(res: dict) -> str:
            f"arrives in each path in turn, over a {w['link']:g} Gbit/s link: `recompute` (the engine prefills it), each stored preset "
            "forced, `auto` (the cost model), and a `baseline` with no request (a "
            f"{w['base_window_s']:g} s window). The window is the request's arrival to its first token; the streams' inter-token "
-           "times (TPOT) overlapping it give p50 / p99 / mean / max. Medians over "
+           "times (TPOT) overlapping it give p50 / p99 / mean / max; `loaded` and `sidecar chose` are per sample. Medians over "
            f"{res.get('repeats')} rounds (one sample of each path per round); `x` is the median over the baseline's. "
            f"Target (issue 35): p50 at most {target:.2f}x the baseline's; ShadowServe reports GPU decompression slowing decoding "
            f"by up to {shadow:g}x.\n\n",
-           "| path | TTFT s | loaded | TPOT p50 ms | p50 x | TPOT p99 ms | p99 x | mean ms | mean x | max gap ms | samples | "
-           f"p50 within +{(target - 1):.0%} |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"]
+           "| path | TTFT s | loaded | sidecar chose | TPOT p50 ms | p50 x | TPOT p99 ms | p99 x | mean ms | mean x | max gap ms | samples | "
+           f"p50 within +{(target - 1):.0%} |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"]
     for p, r in res["paths"].items():
         ok = {None: "", True: "yes", False: "no"}[r.get("p50_within_target")] if p != "baseline" else "(reference)"
         loaded = " ".join(str(x) for x in r.get("loaded_tokens", []) if x is not None)
-        out.append(f"| {p} | {_f(r.get('ttft_s'))} | {loaded} | {_f(r.get('tpot_p50_ms'), 2)} | {_x(r.get('tpot_p50_x'))} | "
+        chose = " ".join("+".join(c) or "-" for c in r.get("chose", []) if c is not None)
+        out.append(f"| {p} | {_f(r.get('ttft_s'))} | {loaded} | {chose} | {_f(r.get('tpot_p50_ms'), 2)} | {_x(r.get('tpot_p50_x'))} | "
                    f"{_f(r.get('tpot_p99_ms'), 2)} | {_x(r.get('tpot_p99_x'))} | {_f(r.get('tpot_mean_ms'), 2)} | {_x(r.get('tpot_mean_x'))} | "
                    f"{_f(r.get('tpot_max_ms'), 1)} | {r.get('samples')} | {ok} |\n")
+    short = [p for p, r in res["paths"].items() if p not in ("baseline", "recompute", "auto")
+             and any(x is not None and x < res["workload"]["prefix"] for x in r.get("loaded_tokens", []))]
+    if short:
+        out.append(f"\nForced loads that loaded less than the stored prefix in some sample (partly a recompute): {', '.join(short)}.\n")
     if res.get("stopped_early"):
         out.append("\nThe phase's time ran short: the rounds stopped early (see `samples`).\n")
     if any(s.get("streams_ended_in_window") for s in res.get("samples", [])):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.vllm_ttft import report
-from benchmarks.vllm_ttft.interference import TARGET_P50, gap_stats, summarise, token_gaps, window_gaps, workload
+from benchmarks.vllm_ttft.interference import TARGET_P50, decisions, gap_stats, summarise, token_gaps, window_gaps, workload
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PY = Path(os.environ.get("VLLM_PYTHON") or ROOT / ".venv-vllm" / "bin" / "python")
@@ -40,9 +40,17 @@ def test_gap_stats_in_ms_and_none_without_gaps():
     assert gap_stats([]) == {"tpot_p50_ms": None, "tpot_p99_ms": None, "tpot_mean_ms": None, "tpot_max_ms": None, "gaps": 0}
 
 
-def _sample(path, p50, ttft=None, loaded=None, p99=None):
+def _sample(path, p50, ttft=None, loaded=None, p99=None, chose=None):
     return dict(path=path, tpot_p50_ms=p50, tpot_p99_ms=p99 or 2 * p50, tpot_mean_ms=p50, tpot_max_ms=3 * p50, ttft_s=ttft,
-                window_s=ttft or 2.0, loaded_tokens=loaded)
+                window_s=ttft or 2.0, loaded_tokens=loaded, chose=chose)
+
+
+def test_the_sidecars_choices_between_two_readings():
+    m0 = {'kvfetcher_preset_decisions_total{preset="raw"}': 2.0, "kvfetcher_lookups_total": 5.0}
+    m1 = {'kvfetcher_preset_decisions_total{preset="raw"}': 3.0, 'kvfetcher_preset_decisions_total{preset="recompute"}': 2.0,
+          "kvfetcher_lookups_total": 9.0}
+    assert decisions(m0, m1) == ["raw", "recompute", "recompute"]
+    assert decisions(m1, m1) == []
 
 
 def test_the_summary_is_the_median_per_path_over_the_baselines_median():
@@ -75,12 +83,14 @@ def test_the_workload_takes_overrides_in_whole_chunks_and_refuses_an_empty_one()
 
 
 def test_the_interference_report_shows_each_path_against_the_target():
-    samples = [_sample("baseline", 10.0), _sample("raw", 10.2, 0.5, 768), _sample("recompute", 30.0, 2.0, 0)]
+    samples = [_sample("baseline", 10.0), _sample("raw", 10.2, 0.5, 768, chose=["raw"]), _sample("recompute", 30.0, 2.0, 0),
+               _sample("balanced", 10.0, 0.5, 512, chose=["balanced"])]
     res = dict(model="smollm2-135m", kv_dtype="float32", workload=dict(workload(argparse.Namespace(
         tiny=True, interference_streams=None, interference_prefix=None, interference_link=None))), repeats=1, max_num_batched_tokens=2048,
         samples=samples, paths=summarise(samples), device="cpu", vllm="0.32.0", date="2026-11-29", tiny=True)
     md = report.markdown("interference", res)
-    assert "| raw | 0.500 | 768 | 10.20 | 1.02x |" in md and md.count("| yes |") == 1 and md.count("| no |") == 1
+    assert "| raw | 0.500 | 768 | raw | 10.20 | 1.02x |" in md and md.count("| yes |") == 2 and md.count("| no |") == 1
+    assert "less than the stored prefix in some sample (partly a recompute): balanced." in md
     assert "2.2x" in md and "(reference)" in md
 
 
@@ -102,5 +112,6 @@ def test_a_tiny_interference_run_in_a_real_engine_reports_every_paths_tpot(tmp_p
         assert p["tpot_p50_ms"] > 0 and p["tpot_p99_ms"] >= p["tpot_p50_ms"] and p["tpot_p50_x"] is not None, (path, p)
     assert res["paths"]["raw"]["loaded_tokens"] == [768] and res["paths"]["balanced"]["loaded_tokens"] == [768]
     assert res["paths"]["recompute"]["loaded_tokens"] == [0] and res["paths"]["recompute"]["ttft_s"] > 0
+    assert res["paths"]["raw"]["chose"] == [["raw"]] and res["paths"]["auto"]["chose"][0]
     assert res["device"] and res["vllm"] and res["date"]
     assert "| raw |" in (out / "interference.md").read_text()
