@@ -208,6 +208,21 @@ async def sample(engine, tag: str, path: str, params, prompt: list[int], stream_
                 streams_ended_in_window=ended, **gap_stats(window_gaps(stamps, start, end)))
 
 
+async def probed(engine, client, url: str, look: dict, path: str, params, prompt: list[int], streams: list[list[int]], w: dict, rep: int,
+                 timeout_s: float) -> dict:
+    """One timed :func:`sample` of round ``rep``, the node having seen the prefix (an untimed refresh
+    first), with what the sidecar reports of it: the request's TTFT breakdown (as in ``ttft``) and
+    the sidecar's choices (:func:`decisions`; none for the baseline)."""
+    await asyncio.to_thread(warm_index, client, prompt[:w["prefix"]], **look)
+    probe = await asyncio.to_thread(Probe, client, url)
+    s = await sample(engine, f"{path}-{rep}", path, params, prompt, streams, w, timeout_s)
+    d = await asyncio.to_thread(probe.delta)
+    if s["ttft_s"] is not None:
+        s["breakdown"] = breakdown(s["ttft_s"], d)
+        s["chose"] = decisions(probe.m0, await asyncio.to_thread(read_metrics, client))
+    return dict(s, round=rep)
+
+
 async def measure(a, model_dir: Path, opts: dict, sc, url: str, look: dict, prompt: list[int], w: dict) -> dict:
     """The engine, a warm-up of every path, then ``a.repeats`` rounds of one sample per path (fewer
     when the phase's time runs short): {"samples": [...], "max_num_batched_tokens": ..., "stopped_early": ...}.
@@ -234,15 +249,9 @@ async def measure(a, model_dir: Path, opts: dict, sc, url: str, look: dict, prom
                 if phase_left() < 60:
                     print(f"interference: the phase's time ran short; stopped before round {rep} {path}", flush=True)
                     return {"samples": samples, "max_num_batched_tokens": _batched(engine), "stopped_early": True}
-                await asyncio.to_thread(warm_index, client, prompt[:w["prefix"]], **look)
-                probe = await asyncio.to_thread(Probe, client, url)
                 with watchdog(3 * a.call_timeout_s, f"interference {path} round {rep}"):
-                    s = await sample(engine, f"{path}-{rep}", path, params, prompt, streams, w, a.call_timeout_s)
-                d = await asyncio.to_thread(probe.delta)
-                if s["ttft_s"] is not None:
-                    s["breakdown"] = breakdown(s["ttft_s"], d)
-                    s["chose"] = decisions(probe.m0, await asyncio.to_thread(read_metrics, client))
-                samples.append(dict(s, round=rep))
+                    s = await probed(engine, client, url, look, path, params, prompt, streams, w, rep, a.call_timeout_s)
+                samples.append(s)
                 print(f"interference round {rep} {path:>12}: window {s['window_s']:.3f} s, loaded {s['loaded_tokens']}, TPOT p50 "
                       f"{s['tpot_p50_ms']} ms p99 {s['tpot_p99_ms']} ms max {s['tpot_max_ms']} ms over {s['gaps']} gaps", flush=True)
         return {"samples": samples, "max_num_batched_tokens": _batched(engine), "stopped_early": False}
