@@ -38,7 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.vllm_ttft import interference, peers, report, under_load
+from benchmarks.vllm_ttft import interference
+from benchmarks.vllm_ttft import peers, report, under_load
 from benchmarks.vllm_ttft.engine import (CHUNK, Probe, breakdown, generate, kv_dtype, on_gpu, run_phases, s3_sidecar, shape_of, sidecar,
                                          smollm2_dir, spawn_workers, phase_left, start_llm, stored_presets, timing_model, ttft_prompts, wait_stored,
                                          warm_index)
@@ -59,8 +60,8 @@ def methods(only: str | None = None) -> dict[str, dict | None]:
     return {n: every[n] for n in names}
 
 
-GROUPS = {"identity": ["identity-store", "identity-load"], "ttft": ["ttft"], "load": ["load"], "interference": ["interference"], "peers": [f"peer-{m}" for m in peers.PEERS],
-          **{f"peer-{m}": [f"peer-{m}"] for m in peers.PEERS}}
+GROUPS = {"identity": ["identity-store", "identity-load"], "ttft": ["ttft"], "load": ["load"], "peers": [f"peer-{m}" for m in peers.PEERS],
+          "interference": ["interference"], **{f"peer-{m}": [f"peer-{m}"] for m in peers.PEERS}}
 TIMEOUT_S = {"identity-store": 420, "identity-load": 420, "ttft": 900, "load": 600, "interference": 600, **{f"peer-{m}": 420 for m in peers.PEERS}}
 PROMPT, SPLIT, SHARED, NEW = 1100, 1024, 400, 32  # identity: prompt tokens, the split (stored prefix), vLLM's own share, tokens compared
 IDENTITY_MODEL = "smollm2-135m"  # the fingerprint with the shipped calibration (balanced-ans needs one)
@@ -273,7 +274,8 @@ def main() -> None:
         raise SystemExit(0 if all(s == "ok" for s in status.values()) else 1)
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     spawn_workers()
-    run = {"ttft": phase_ttft, "load": under_load.phase_load, "interference": interference.phase_interference}.get(a.phase, peers.phase_peer if a.phase.startswith("peer-") else phase_identity)
+    run = {"ttft": phase_ttft, "load": under_load.phase_load, "interference": interference.phase_interference}.get(
+        a.phase, peers.phase_peer if a.phase.startswith("peer-") else phase_identity)
     res = run(a, work)
     import torch
     import vllm
