@@ -127,9 +127,50 @@ def peer(res: dict) -> str:
     return "".join(out)
 
 
+def interference(res: dict) -> str:
+    """The ``interference`` phase: per path, the decoding streams' TPOT during the request's window
+    against the baseline's, its TTFT, and where it stands against issue 35's target and ShadowServe."""
+    w, target, shadow = res["workload"], res.get("target_p50_x", 1.05), res.get("shadowserve_x", 2.2)
+    out = ["# vllm_ttft: interference — decoding beside a load\n", _head(res),
+           f"Model {res['model']} ({res['kv_dtype']}). {w['streams']} requests decode ({w['stream_prompt']}-token prompts, no cached KV "
+           f"read) in one engine with the kvfetcher connector (vLLM's prefix cache off; {res.get('max_num_batched_tokens')} tokens a step at "
+           f"most); once each has {w['warm']} tokens, one request of a stored {w['prefix']}-token prefix plus {w['suffix']} fresh tokens "
+           f"arrives in each path in turn, over a {w['link']:g} Gbit/s link: `recompute` (the engine prefills it), each stored preset "
+           "forced, `auto` (the cost model), and a `baseline` with no request (a "
+           f"{w['base_window_s']:g} s window). The window is the request's arrival to its first token; the streams' inter-token "
+           "times (TPOT) overlapping it give p50 / p99 / mean / max; `loaded` and `sidecar chose` are per sample. Medians over "
+           f"{res.get('repeats')} rounds (one sample of each path per round); `x` is the median over the baseline's. "
+           f"Target (issue 35): p50 at most {target:.2f}x the baseline's; ShadowServe reports GPU decompression slowing decoding "
+           f"by up to {shadow:g}x.\n\n",
+           "| path | TTFT s | loaded | sidecar chose | TPOT p50 ms | p50 x | TPOT p99 ms | p99 x | mean ms | mean x | max gap ms | samples | "
+           f"p50 within +{(target - 1):.0%} |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"]
+    for p, r in res["paths"].items():
+        ok = {None: "", True: "yes", False: "no"}[r.get("p50_within_target")] if p != "baseline" else "(reference)"
+        loaded = " ".join(str(x) for x in r.get("loaded_tokens", []) if x is not None)
+        chose = " ".join("+".join(c) or "-" for c in r.get("chose", []) if c is not None)
+        out.append(f"| {p} | {_f(r.get('ttft_s'))} | {loaded} | {chose} | {_f(r.get('tpot_p50_ms'), 2)} | {_x(r.get('tpot_p50_x'))} | "
+                   f"{_f(r.get('tpot_p99_ms'), 2)} | {_x(r.get('tpot_p99_x'))} | {_f(r.get('tpot_mean_ms'), 2)} | {_x(r.get('tpot_mean_x'))} | "
+                   f"{_f(r.get('tpot_max_ms'), 1)} | {r.get('samples')} | {ok} |\n")
+    short = [p for p, r in res["paths"].items() if p not in ("baseline", "recompute", "auto")
+             and any(x is not None and x < res["workload"]["prefix"] for x in r.get("loaded_tokens", []))]
+    if short:
+        out.append(f"\nForced loads that loaded less than the stored prefix in some sample (partly a recompute): {', '.join(short)}.\n")
+    if res.get("stopped_early"):
+        out.append("\nThe phase's time ran short: the rounds stopped early (see `samples`).\n")
+    if any(s.get("streams_ended_in_window") for s in res.get("samples", [])):
+        out.append("\nSome stream reached its output limit inside a window: that sample's figures cover less than its window.\n")
+    return "".join(out)
+
+
+def _x(r) -> str:
+    return "" if r is None else f"{r:.2f}x"
+
+
 def markdown(phase: str, res: dict) -> str:
     if phase.startswith("peer-"):
         return peer(res)
+    if phase == "interference":
+        return interference(res)
     if phase == "ttft":
         return ttft(res)
     if phase == "load":

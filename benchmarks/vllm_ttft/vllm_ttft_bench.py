@@ -20,6 +20,8 @@ a time limit (:mod:`benchmarks.vllm_ttft.engine`), every engine call under a wat
   cell whose transfer alone would exceed ``--cap-s`` is skipped.
 * ``load``: requests arriving at a fixed rate, most sharing long prefixes, beside ongoing decodes
   (:mod:`benchmarks.vllm_ttft.under_load`).
+* ``interference``: decoding streams' TPOT while a stored prefix loads in each path, against none
+  (:mod:`benchmarks.vllm_ttft.interference`).
 
     python -m benchmarks.vllm_ttft.vllm_ttft_bench --out results/vllm_ttft                  # GPU
     python -m benchmarks.vllm_ttft.vllm_ttft_bench --tiny --out benchmarks/vllm_ttft/cpu_smoke  # CPU
@@ -36,6 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.vllm_ttft import interference
 from benchmarks.vllm_ttft import peers, report, under_load
 from benchmarks.vllm_ttft.engine import (CHUNK, Probe, breakdown, generate, kv_dtype, on_gpu, run_phases, s3_sidecar, shape_of, sidecar,
                                          smollm2_dir, spawn_workers, phase_left, start_llm, stored_presets, timing_model, ttft_prompts, wait_stored,
@@ -58,8 +61,8 @@ def methods(only: str | None = None) -> dict[str, dict | None]:
 
 
 GROUPS = {"identity": ["identity-store", "identity-load"], "ttft": ["ttft"], "load": ["load"], "peers": [f"peer-{m}" for m in peers.PEERS],
-          **{f"peer-{m}": [f"peer-{m}"] for m in peers.PEERS}}
-TIMEOUT_S = {"identity-store": 420, "identity-load": 420, "ttft": 900, "load": 600, **{f"peer-{m}": 420 for m in peers.PEERS}}
+          "interference": ["interference"], **{f"peer-{m}": [f"peer-{m}"] for m in peers.PEERS}}
+TIMEOUT_S = {"identity-store": 420, "identity-load": 420, "ttft": 900, "load": 600, "interference": 600, **{f"peer-{m}": 420 for m in peers.PEERS}}
 PROMPT, SPLIT, SHARED, NEW = 1100, 1024, 400, 32  # identity: prompt tokens, the split (stored prefix), vLLM's own share, tokens compared
 IDENTITY_MODEL = "smollm2-135m"  # the fingerprint with the shipped calibration (balanced-ans needs one)
 
@@ -238,7 +241,7 @@ def ttft_cells(a, llm, client, url: str, look: dict, gbit: float, n: int, prompt
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--phases", default="identity,ttft,load", help="of identity, ttft, load, peers (or one peer-<method>: "
+    ap.add_argument("--phases", default="identity,ttft,load", help="of identity, ttft, load, interference, peers (or one peer-<method>: "
                     + ", ".join(peers.PEERS) + "); each in its own process")
     ap.add_argument("--phase", help=argparse.SUPPRESS)  # one phase, in this process (what --phases runs)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke mode: SmolLM2 everywhere, short prompts, slow links")
@@ -254,6 +257,7 @@ def main() -> None:
     ap.add_argument("--call-timeout-s", type=float, default=120, help="an engine call that has not answered by then is a failure")
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "vllm_ttft_work"), help="stores and logs")
     under_load.add_args(ap)
+    interference.add_args(ap)
     a = ap.parse_args()
     a.contexts = a.contexts or ("512,1024" if a.tiny else "8192,16384,32768,65536")
     a.repeats = 1 if a.tiny and "--repeats" not in sys.argv else a.repeats
@@ -270,7 +274,8 @@ def main() -> None:
         raise SystemExit(0 if all(s == "ok" for s in status.values()) else 1)
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     spawn_workers()
-    run = {"ttft": phase_ttft, "load": under_load.phase_load}.get(a.phase, peers.phase_peer if a.phase.startswith("peer-") else phase_identity)
+    run = {"ttft": phase_ttft, "load": under_load.phase_load, "interference": interference.phase_interference}.get(
+        a.phase, peers.phase_peer if a.phase.startswith("peer-") else phase_identity)
     res = run(a, work)
     import torch
     import vllm
