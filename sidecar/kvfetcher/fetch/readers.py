@@ -9,7 +9,7 @@ one). Checksums stay with the caller, in the I/O thread that waited for the read
 the GIL).
 
 Off unless ``KVFETCHER_READ_PROCS`` is set: not yet measured where it matters (a GPU machine's
-cores and a 100 Gbit/s link: ``benchmarks/paged_restore --read-procs``); on the loaded 2-core CPU
+cores and a 100 Gbit/s link: ``benchmarks/paged_restore``, a tuning's fourth number); on the loaded 2-core CPU
 machine reads through processes and through threads ran at the same rate.
 
 A reader that dies fails its read (:class:`~kvfetcher.store.Unavailable`: the fetch falls back to
