@@ -50,14 +50,6 @@ neighbours, so the layout decides what sits next to what:
   samples, in side information). An entropy coder codes blocks alone from their own symbol
   counts; sorted, a block holds samples of one spread instead of a mixture of every
   component's, which costs fewer bits. ``unpack`` puts the rows back into tiles first.
-* ``token_steps`` (with ``basis``) gives each (layer, KV head, token) of a chunk a step
-  multiplier of its own, one of a few classes, for its key and value rows: tokens whose pre-RoPE
-  key is large in the basis draw the metric's queries' attention and get finer steps, the rest
-  coarser ones (``(energy / geometric mean) ** -token_power``, never finer than lets every
-  component stay on the grid). The class bytes ``[L, H, T]`` are the last of side information.
-  Quantising warps each value about its component's mean (level 128) by its token's multiplier,
-  so the samples, the trellis, the ranges and the sparse corrections keep their form (the
-  corrections are of the warped values); ``unpack`` unwarps after adding the corrections.
 
 Pure torch, no I/O: the same code runs on CPU and on the GPU, and ``unpack`` can write straight
 into a destination view of the model's KV buffers.
@@ -112,15 +104,9 @@ def _order_bytes(shape: tuple[int, ...], params: LayoutParams) -> int:
     return layers * 2 * heads * head_dim if params.sort_components and params.mode not in LOSSLESS_MODES else 0
 
 
-def _token_bytes(shape: tuple[int, ...], params: LayoutParams) -> int:
-    layers, _, heads, tokens, _ = shape
-    return layers * heads * tokens if params.token_steps is not None and params.mode not in LOSSLESS_MODES else 0
-
-
 def _tail_bytes(shape: tuple[int, ...], params: LayoutParams) -> int:
-    """Bytes after the values of side information: the sparse corrections, the components' class
-    bytes, then the tokens' class bytes."""
-    return _sparse_bytes(shape, params) + _order_bytes(shape, params) + _token_bytes(shape, params)
+    """Bytes after the values of side information: the sparse corrections, then the class bytes."""
+    return _sparse_bytes(shape, params) + _order_bytes(shape, params)
 
 
 def side_numel(shape: tuple[int, ...], params: LayoutParams, dtype: torch.dtype = torch.float16) -> int:
@@ -160,52 +146,6 @@ def split_order(side: torch.Tensor, shape: tuple[int, ...], params: LayoutParams
     raw, a = _tail(side, shape, params)
     a += _sparse_bytes(shape, params)
     return raw[a : a + _order_bytes(shape, params)]
-
-
-def split_token_classes(side: torch.Tensor, shape: tuple[int, ...], params: LayoutParams) -> torch.Tensor:
-    """The tokens' class bytes of flat side information (``token_steps``): uint8 ``[L, H, T]``."""
-    layers, _, heads, tokens, _ = shape
-    raw, a = _tail(side, shape, params)
-    a += _sparse_bytes(shape, params) + _order_bytes(shape, params)
-    return raw[a : a + _token_bytes(shape, params)].view(layers, heads, tokens)
-
-
-def side_problem(side: torch.Tensor, shape: tuple[int, ...], params: LayoutParams) -> str | None:
-    """Why flat side information of the right size cannot be unpacked with ``params`` (a token
-    class with no step multiplier), or None; its values' finiteness is checked elsewhere."""
-    if params.token_steps is None:
-        return None
-    top = int(split_token_classes(side, shape, params).max()) if _token_bytes(shape, params) else 0
-    if top >= len(params.token_steps):
-        return f"token class {top} in side information, the layout has {len(params.token_steps)}"
-    return None
-
-
-def token_classes(x: torch.Tensor, mu: torch.Tensor, step: torch.Tensor, params: LayoutParams, b0: int) -> torch.Tensor:
-    """Each (layer, KV head, token)'s class (uint8 ``[L, H, T]``, index into ``token_steps``).
-
-    ``x`` ``[L, 2, H, T, D]`` in the basis less its mean, ``mu``/``step`` ``[L, 2, H, D]`` each
-    component's level-128 value and step as the reader will use them. The energy is the key's
-    ``|x|^2`` over the body (the exact tokens get the middle class; they are not quantised)."""
-    mults = torch.tensor(params.token_steps, dtype=torch.float32, device=x.device)
-    energy = x[:, 0, :, b0:].square().sum(-1).clamp_min(1e-12)  # [L, H, body]
-    want = (energy / energy.log().mean(-1, keepdim=True).exp()).pow(-params.token_power)
-    # the finest multiplier that keeps every component of the token's key and value on the grid
-    reach = 250 if params.trellis else 126  # as _sigma_ranges widens the step (1.0 always fits), less rounding
-    need = ((x[:, :, :, b0:] - mu.unsqueeze(3)).abs() / (reach * step.unsqueeze(3))).amax(dim=(1, 4)) * 0.995  # [L, H, body]
-    want = torch.maximum(want, need)
-    # the class whose multiplier is nearest in log, then coarser until it fits
-    c = (want.clamp_min(1e-12).log().unsqueeze(-1) - mults.log()).abs().argmin(-1)
-    c = torch.maximum(c, torch.searchsorted(mults, need.contiguous()).clamp_max(len(mults) - 1))
-    out = torch.full((x.shape[0], x.shape[2], x.shape[3]), len(mults) // 2, dtype=torch.uint8, device=x.device)
-    out[:, :, b0:] = c.to(torch.uint8)
-    return out
-
-
-def _token_mults(classes: torch.Tensor, params: LayoutParams) -> torch.Tensor:
-    """Step multipliers ``[L, 1, H, T, 1]`` (float32) of class bytes ``[L, H, T]``."""
-    mults = torch.tensor(params.token_steps, dtype=torch.float32, device=classes.device)
-    return mults[classes.long()].unsqueeze(1).unsqueeze(-1)
 
 
 def _tail(side: torch.Tensor, shape: tuple[int, ...], params: LayoutParams) -> tuple[torch.Tensor, int]:
@@ -337,11 +277,6 @@ def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
     lo_r, scale_r = rf[..., 0], rf[..., 1]
     safe = torch.where(scale_r > 0, scale_r, 1.0)
     b0 = _body_start(params, tokens)  # first row of the body
-    tclasses = None
-    if params.token_steps is not None:  # warp each value about its mean by its token's multiplier
-        mu = (lo_r + 128 * scale_r).unsqueeze(3)
-        tclasses = token_classes(x, mu.squeeze(3), safe, params, b0)
-        x = mu + (x - mu) / _token_mults(tclasses, params)
     tiles = torch.empty((layers, 2, tokens, heads, head_dim), dtype=torch.uint8, device=kv.device)
     q = tiles.permute(0, 1, 3, 2, 4)  # the samples [L, 2, H, T, D], written in the tiles' order
     if params.trellis:  # indices along the body's tokens, from the trellis' start state
@@ -360,9 +295,7 @@ def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
     if params.sort_components:
         frames, classes = _sorted_frames(tiles, geo, b0)
         tail.append(classes)
-    if tclasses is not None:
-        tail.append(tclasses.reshape(-1))
-    if not params.sort_components:
+    else:
         frames = tiling.tiles_to_frames(tiles.view(layers * 2, tokens, heads * head_dim), geo)
     parts = [ranges.reshape(-1), kv[:, :, :, :e].reshape(-1)]
     if tail:
@@ -436,10 +369,8 @@ def unpack(
         if side is None:
             raise ValueError("quantised layout needs side information")
         side = side.to(frames.device)  # once: the ranges, exact rows and sparse corrections all read it
-        # the kernel takes one rotation table and one step per component: layers with their own RoPE
-        # bases and steps per token take the torch path
-        if fused_unpack.enabled(frames) and fused_unpack.supports(head_dim, tokens) and not isinstance(params.rope_theta, tuple) \
-                and params.token_steps is None:
+        # the kernel takes one rotation table: layers with their own RoPE bases take the torch path
+        if fused_unpack.enabled(frames) and fused_unpack.supports(head_dim, tokens) and not isinstance(params.rope_theta, tuple):
             return _unpack_fused(frames, side, tuple(shape), dtype, params, geo, out, start)
         ranges, exact = split_side(side, shape, params)
         lo = ranges[..., 0].float().reshape(layers, 2, 1, heads * head_dim)
@@ -453,11 +384,6 @@ def unpack(
             unit = scale.view(layers, 2, 1, heads, head_dim) * params.sparse_step
             src = rows.permute(0, 1, 3, 2, 4).float() * unit  # [L, 2, k, H, D]
             vals.view(layers, 2, tokens, heads, head_dim).scatter_add_(2, g, src)
-        if params.token_steps is not None:  # unwarp about each component's mean
-            mu = (lo + 128 * scale).view(layers, 2, 1, heads, head_dim)
-            m = _token_mults(split_token_classes(side, shape, params), params).permute(0, 1, 3, 2, 4)  # [L, 1, T, H, 1]
-            v5 = vals.view(layers, 2, tokens, heads, head_dim)
-            v5.sub_(mu).mul_(m).add_(mu)
         if params.basis is not None:
             _, dec, mean = _basis(params, layers, heads, head_dim, frames.device)
             y = vals.view(layers, 2, tokens, heads, head_dim) + mean.unsqueeze(2)
