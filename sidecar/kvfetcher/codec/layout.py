@@ -50,20 +50,6 @@ neighbours, so the layout decides what sits next to what:
   samples, in side information). An entropy coder codes blocks alone from their own symbol
   counts; sorted, a block holds samples of one spread instead of a mixture of every
   component's, which costs fewer bits. ``unpack`` puts the rows back into tiles first.
-* ``token_steps`` (with ``basis``) gives each (layer, KV head, token) of a chunk a step
-  multiplier of its own, one of a few classes, for its key and value rows: tokens whose pre-RoPE
-  key is large in the basis draw the metric's queries' attention and get finer steps, the rest
-  coarser ones (``(energy / geometric mean) ** -token_power``, never finer than lets every
-  component stay on the grid). The class bytes ``[L, H, T]`` are the last of side information.
-  Quantising warps each value about its component's mean (level 128) by its token's multiplier,
-  so the samples, the trellis, the ranges and the sparse corrections keep their form (the
-  corrections are of the warped values); ``unpack`` unwarps after adding the corrections.
-  ``fine_tokens`` tokens of largest energy per (layer, KV head) get the finest class.
-* ``wide_samples`` (with ``sort_components``, no trellis) stores each sample as 16 bits: the
-  rows of low bytes in class order, then the rows of high bytes in the same order. Sample
-  ``128 + k`` of index ``k`` has a zero high byte unless ``|k|`` passes 127, which only values far
-  from their mean or at fine token steps do, so the high rows cost an entropy coder almost
-  nothing, and no step is widened to keep a far value on an 8-bit grid.
 
 Pure torch, no I/O: the same code runs on CPU and on the GPU, and ``unpack`` can write straight
 into a destination view of the model's KV buffers.
@@ -118,15 +104,9 @@ def _order_bytes(shape: tuple[int, ...], params: LayoutParams) -> int:
     return layers * 2 * heads * head_dim if params.sort_components and params.mode not in LOSSLESS_MODES else 0
 
 
-def _token_bytes(shape: tuple[int, ...], params: LayoutParams) -> int:
-    layers, _, heads, tokens, _ = shape
-    return layers * heads * tokens if params.token_steps is not None and params.mode not in LOSSLESS_MODES else 0
-
-
 def _tail_bytes(shape: tuple[int, ...], params: LayoutParams) -> int:
-    """Bytes after the values of side information: the sparse corrections, the components' class
-    bytes, then the tokens' class bytes."""
-    return _sparse_bytes(shape, params) + _order_bytes(shape, params) + _token_bytes(shape, params)
+    """Bytes after the values of side information: the sparse corrections, then the class bytes."""
+    return _sparse_bytes(shape, params) + _order_bytes(shape, params)
 
 
 def side_numel(shape: tuple[int, ...], params: LayoutParams, dtype: torch.dtype = torch.float16) -> int:
@@ -168,54 +148,6 @@ def split_order(side: torch.Tensor, shape: tuple[int, ...], params: LayoutParams
     return raw[a : a + _order_bytes(shape, params)]
 
 
-def split_token_classes(side: torch.Tensor, shape: tuple[int, ...], params: LayoutParams) -> torch.Tensor:
-    """The tokens' class bytes of flat side information (``token_steps``): uint8 ``[L, H, T]``."""
-    layers, _, heads, tokens, _ = shape
-    raw, a = _tail(side, shape, params)
-    a += _sparse_bytes(shape, params) + _order_bytes(shape, params)
-    return raw[a : a + _token_bytes(shape, params)].view(layers, heads, tokens)
-
-
-def side_problem(side: torch.Tensor, shape: tuple[int, ...], params: LayoutParams) -> str | None:
-    """Why flat side information of the right size cannot be unpacked with ``params`` (a token
-    class with no step multiplier), or None; its values' finiteness is checked elsewhere."""
-    if params.token_steps is None:
-        return None
-    top = int(split_token_classes(side, shape, params).max()) if _token_bytes(shape, params) else 0
-    if top >= len(params.token_steps):
-        return f"token class {top} in side information, the layout has {len(params.token_steps)}"
-    return None
-
-
-def token_classes(x: torch.Tensor, mu: torch.Tensor, step: torch.Tensor, params: LayoutParams, b0: int) -> torch.Tensor:
-    """Each (layer, KV head, token)'s class (uint8 ``[L, H, T]``, index into ``token_steps``).
-
-    ``x`` ``[L, 2, H, T, D]`` in the basis less its mean, ``mu``/``step`` ``[L, 2, H, D]`` each
-    component's level-128 value and step as the reader will use them. The energy is the key's
-    ``|x|^2`` over the body (the exact tokens get the middle class; they are not quantised)."""
-    mults = torch.tensor(params.token_steps, dtype=torch.float32, device=x.device)
-    energy = x[:, 0, :, b0:].square().sum(-1).clamp_min(1e-12)  # [L, H, body]
-    want = (energy / energy.log().mean(-1, keepdim=True).exp()).pow(-params.token_power)
-    if params.fine_tokens:
-        want.scatter_(-1, energy.topk(min(params.fine_tokens, energy.shape[-1]), dim=-1).indices, 0.0)
-    # the finest multiplier that keeps every component of the token's key and value on the grid
-    reach = _reach(params)  # as _sigma_ranges widens the step (1.0 always fits), less rounding
-    need = ((x[:, :, :, b0:] - mu.unsqueeze(3)).abs() / (reach * step.unsqueeze(3))).amax(dim=(1, 4)) * 0.995  # [L, H, body]
-    want = torch.maximum(want, need)
-    # the class whose multiplier is nearest in log, then coarser until it fits
-    c = (want.clamp_min(1e-12).log().unsqueeze(-1) - mults.log()).abs().argmin(-1)
-    c = torch.maximum(c, torch.searchsorted(mults, need.contiguous()).clamp_max(len(mults) - 1))
-    out = torch.full((x.shape[0], x.shape[2], x.shape[3]), len(mults) // 2, dtype=torch.uint8, device=x.device)
-    out[:, :, b0:] = c.to(torch.uint8)
-    return out
-
-
-def _token_mults(classes: torch.Tensor, params: LayoutParams) -> torch.Tensor:
-    """Step multipliers ``[L, 1, H, T, 1]`` (float32) of class bytes ``[L, H, T]``."""
-    mults = torch.tensor(params.token_steps, dtype=torch.float32, device=classes.device)
-    return mults[classes.long()].unsqueeze(1).unsqueeze(-1)
-
-
 def _tail(side: torch.Tensor, shape: tuple[int, ...], params: LayoutParams) -> tuple[torch.Tensor, int]:
     """(side information's bytes, where its tail bytes start)."""
     size = side.element_size()
@@ -227,19 +159,15 @@ def component_order(classes: torch.Tensor) -> torch.Tensor:
     return torch.sort(classes.to(torch.int32), stable=True).indices
 
 
-def _sorted_frames(tiles: torch.Tensor, geo: Geometry, b0: int, high: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _sorted_frames(tiles: torch.Tensor, geo: Geometry, b0: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Tiles ``[L, 2, T, H, D]`` -> (frames holding each component's tokens as one row, rows in
-    class order; the class bytes). ``high``: the samples' high bytes (``wide_samples``), their rows
-    after all the low bytes' rows, in the same order."""
+    class order; the class bytes)."""
     tokens = tiles.shape[2]
     rows = tiles.permute(0, 1, 3, 4, 2).reshape(-1, tokens)  # [L * 2 * H * D, T]
     sd = rows[:, b0:].float().std(dim=1, correction=0) if tokens - b0 > 1 else rows.new_zeros(rows.shape[0], dtype=torch.float32)
     classes = torch.round(4 * torch.log2(1 + sd)).clamp_(0, 255).to(torch.uint8)
     frames = torch.zeros(geo.frame_shape, dtype=torch.uint8, device=tiles.device)
-    order = component_order(classes)
-    frames.view(-1)[: rows.numel()] = rows[order].reshape(-1)
-    if high is not None:
-        frames.view(-1)[rows.numel() : 2 * rows.numel()] = high.permute(0, 1, 3, 4, 2).reshape(-1, tokens)[order].reshape(-1)
+    frames.view(-1)[: rows.numel()] = rows[component_order(classes)].reshape(-1)
     return frames, classes
 
 
@@ -247,11 +175,10 @@ def _tiles_of_sorted(frames: torch.Tensor, classes: torch.Tensor, shape: tuple[i
     """Inverse of :func:`_sorted_frames`: the same frames in the tiles' order."""
     layers, _, heads, tokens, head_dim = shape
     n = layers * 2 * heads * head_dim
-    parts = geo.n_tiles // (layers * 2)  # 2 with wide samples: low bytes, then high bytes
-    rows = torch.empty((parts, n, tokens), dtype=torch.uint8, device=frames.device)
-    rows[:, component_order(classes.to(frames.device))] = frames.reshape(-1)[: parts * n * tokens].view(parts, n, tokens)
-    tiles = rows.view(parts, layers, 2, heads, head_dim, tokens).permute(1, 2, 0, 5, 3, 4)  # [L, 2, part, T, H, D]
-    return tiling.tiles_to_frames(tiles.reshape(layers * 2 * parts, tokens, heads * head_dim), geo)
+    rows = torch.empty((n, tokens), dtype=torch.uint8, device=frames.device)
+    rows[component_order(classes.to(frames.device))] = frames.reshape(-1)[: n * tokens].view(n, tokens)
+    tiles = rows.view(layers, 2, heads, head_dim, tokens).permute(0, 1, 4, 2, 3).reshape(layers * 2, tokens, heads * head_dim)
+    return tiling.tiles_to_frames(tiles, geo)
 
 
 def levels(params: LayoutParams, layers: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -283,12 +210,6 @@ def _profile(steps: tuple[tuple[float, float], ...], layers: int, device: str) -
     return prof[torch.arange(layers, device=device) * len(steps) // layers]
 
 
-def _reach(params: LayoutParams) -> int:
-    """Steps from the mean (level 128) the farthest value may be: 8-bit samples 126, indices of the
-    trellis' grid 250, 16-bit samples 32000 (each less headroom for the stored step's rounding)."""
-    return 32000 if params.wide_samples else 250 if params.trellis else 126
-
-
 def _sigma_ranges(body: torch.Tensor, params: LayoutParams) -> tuple[torch.Tensor, torch.Tensor]:
     """(offset, step) per channel: mean at level 128, step ``s * std`` widened so no value clips.
     With ``trellis`` the step is the grid of the two quantisers, whose points reach 254 steps.
@@ -304,7 +225,7 @@ def _sigma_ranges(body: torch.Tensor, params: LayoutParams) -> tuple[torch.Tenso
     reach = torch.maximum(high - mu, mu - low)
     # the farthest value must stay on the grid: 128 steps, 254 with trellis (indices reach 127,
     # reconstructions twice that), less headroom for the stored step's rounding
-    step = torch.maximum(sd * steps, reach / _reach(params))
+    step = torch.maximum(sd * steps, reach / (250 if params.trellis else 126))
     return torch.sub(mu, step, alpha=128), step
 
 
@@ -356,39 +277,25 @@ def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
     lo_r, scale_r = rf[..., 0], rf[..., 1]
     safe = torch.where(scale_r > 0, scale_r, 1.0)
     b0 = _body_start(params, tokens)  # first row of the body
-    tclasses = None
-    if params.token_steps is not None:  # warp each value about its mean by its token's multiplier
-        mu = (lo_r + 128 * scale_r).unsqueeze(3)
-        tclasses = token_classes(x, mu.squeeze(3), safe, params, b0)
-        x = mu + (x - mu) / _token_mults(tclasses, params)
     tiles = torch.empty((layers, 2, tokens, heads, head_dim), dtype=torch.uint8, device=kv.device)
     q = tiles.permute(0, 1, 3, 2, 4)  # the samples [L, 2, H, T, D], written in the tiles' order
     if params.trellis:  # indices along the body's tokens, from the trellis' start state
         g, body_t = layers * 2, tokens - b0
         trellis.samples(x[:, :, :, b0:].transpose(2, 3).reshape(g, body_t, heads, head_dim), lo_r.reshape(g, 1, heads, head_dim),
                         safe.view(g, 1, heads, head_dim), tiles[:, :, b0:].view(g, body_t, heads, head_dim))
-    elif params.wide_samples:  # 128 + k as 16 bits: the low bytes here, the high ones beside
-        u = torch.round((x - lo_r.unsqueeze(3)) / safe.unsqueeze(3)).clamp_(-32768, 32767).to(torch.int32) & 0xFFFF
-        high = torch.empty_like(tiles)
-        q.copy_(u & 0xFF)
-        high.permute(0, 1, 3, 2, 4).copy_(u >> 8)
     else:
         u = torch.round((x - lo_r.unsqueeze(3)) / safe.unsqueeze(3)).clamp_(min=0)
         q.copy_(u.clamp_(max=255) if params.sigma_steps is not None else torch.minimum(u, top.unsqueeze(-1)))
     if b0:  # exact rows: repeat the first quantised row, cheapest for the codec
         q[:, :, :, :b0] = q[:, :, :, b0 : b0 + 1]
-        if params.wide_samples:
-            high[:, :, :b0] = high[:, :, b0 : b0 + 1]
     tail = []
     ks = sparse_count(tuple(kv.shape), params)
     if ks:
         tail.append(_sparse_pack(x, q, lo_r, scale_r, params, b0, ks))
     if params.sort_components:
-        frames, classes = _sorted_frames(tiles, geo, b0, high if params.wide_samples else None)
+        frames, classes = _sorted_frames(tiles, geo, b0)
         tail.append(classes)
-    if tclasses is not None:
-        tail.append(tclasses.reshape(-1))
-    if not params.sort_components:
+    else:
         frames = tiling.tiles_to_frames(tiles.view(layers * 2, tokens, heads * head_dim), geo)
     parts = [ranges.reshape(-1), kv[:, :, :, :e].reshape(-1)]
     if tail:
@@ -397,15 +304,8 @@ def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
     return Packed(frames, torch.cat(parts), geo)
 
 
-def _wide(tiles: torch.Tensor, layers: int, tokens: int) -> torch.Tensor:
-    """Tiles of low and high bytes ``[L * 2 * 2, T, C]`` -> samples ``[L, 2, T, C]`` (float32)."""
-    t = tiles.reshape(layers, 2, 2, tokens, -1).to(torch.int32)
-    u = t[:, :, 0] | (t[:, :, 1] << 8)
-    return (u - ((u >> 15) << 16)).float()  # as a signed 16-bit number
-
-
 def _dequantise(t: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, params: LayoutParams, b0: int) -> torch.Tensor:
-    """Samples ``[L, 2, T, C]`` (uint8, or float32 of wide samples) -> values ``[L, 2, T, C]`` float32 (rows before ``b0``: ``lo``)."""
+    """Samples ``[L, 2, T, C]`` (uint8) -> values ``[L, 2, T, C]`` float32 (rows before ``b0``: ``lo``)."""
     if not params.trellis:
         return t.float() * scale + lo
     vals = torch.empty(t.shape, device=t.device)
@@ -469,15 +369,13 @@ def unpack(
         if side is None:
             raise ValueError("quantised layout needs side information")
         side = side.to(frames.device)  # once: the ranges, exact rows and sparse corrections all read it
-        # the kernel takes one rotation table, one step per component and 8-bit samples: layers with
-        # their own RoPE bases, steps per token and wide samples take the torch path
-        if fused_unpack.enabled(frames) and fused_unpack.supports(head_dim, tokens) and not isinstance(params.rope_theta, tuple) \
-                and params.token_steps is None and not params.wide_samples:
+        # the kernel takes one rotation table: layers with their own RoPE bases take the torch path
+        if fused_unpack.enabled(frames) and fused_unpack.supports(head_dim, tokens) and not isinstance(params.rope_theta, tuple):
             return _unpack_fused(frames, side, tuple(shape), dtype, params, geo, out, start)
         ranges, exact = split_side(side, shape, params)
         lo = ranges[..., 0].float().reshape(layers, 2, 1, heads * head_dim)
         scale = ranges[..., 1].float().reshape(layers, 2, 1, heads * head_dim)
-        t = _wide(tiles, layers, tokens) if params.wide_samples else tiles.reshape(layers, 2, tokens, heads * head_dim)
+        t = tiles.reshape(layers, 2, tokens, heads * head_dim)
         vals = _dequantise(t, lo, scale, params, _body_start(params, tokens))
         ks = sparse_count(tuple(shape), params)
         if ks:  # add the corrections of the sparse rows: one scatter
@@ -486,11 +384,6 @@ def unpack(
             unit = scale.view(layers, 2, 1, heads, head_dim) * params.sparse_step
             src = rows.permute(0, 1, 3, 2, 4).float() * unit  # [L, 2, k, H, D]
             vals.view(layers, 2, tokens, heads, head_dim).scatter_add_(2, g, src)
-        if params.token_steps is not None:  # unwarp about each component's mean
-            mu = (lo + 128 * scale).view(layers, 2, 1, heads, head_dim)
-            m = _token_mults(split_token_classes(side, shape, params), params).permute(0, 1, 3, 2, 4)  # [L, 1, T, H, 1]
-            v5 = vals.view(layers, 2, tokens, heads, head_dim)
-            v5.sub_(mu).mul_(m).add_(mu)
         if params.basis is not None:
             _, dec, mean = _basis(params, layers, heads, head_dim, frames.device)
             y = vals.view(layers, 2, tokens, heads, head_dim) + mean.unsqueeze(2)

@@ -7,8 +7,6 @@ from dataclasses import asdict, dataclass
 LAYOUT_VERSION = 7  # 2: exact leading tokens in the side information; 3: sigma_steps in the header;
 #                    4: native mode (raw); 5: per-model basis, zstd-compressed side information;
 #                    6: trellis-coded quantisation; 7: sparse corrections of outlier-key tokens
-#                    (sort_components and token_steps came later without a new version: a header
-#                    without them means what it meant, and an older reader refuses one with them)
 #: oldest layout whose objects this code still decodes (side information is compressed since v5;
 #: a v5 header has no ``trellis`` field, a v5/v6 header no ``sparse_tokens``, and means what it meant)
 MIN_READABLE_LAYOUT = 5
@@ -46,19 +44,6 @@ class LayoutParams:
     # class byte per component in side information): blocks an entropy coder codes alone then hold
     # samples of one distribution. For the entropy formats only (video codecs want the tiles)
     sort_components: bool = False
-    # steps per token: the step multipliers of token classes (ascending); each (layer, KV head,
-    # token) of a chunk gets a class from its key's energy in the basis (tokens with large keys draw
-    # attention, so their errors cost more), stored as a byte in side information. ``token_power``:
-    # the multiplier wanted is (energy / its geometric mean over the chunk) ** -token_power, snapped
-    # to a class (sparse corrections, if any, apply to the warped values: see layout.py)
-    token_steps: tuple[float, ...] | None = None
-    token_power: float = 0.3
-    # with token_steps: the tokens of largest key energy per (layer, KV head) get the finest class
-    fine_tokens: int = 0
-    # samples of 16 bits as two planes (low bytes, then high bytes; with sort_components, for the
-    # entropy formats): indices are not bounded by 8 bits, so no step is widened for a far value and
-    # any token can have a fine step; the high bytes are almost all zero and cost nearly nothing
-    wide_samples: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("native", "exact", "quant"):
@@ -93,34 +78,11 @@ class LayoutParams:
             raise ValueError("sort_components needs sigma_steps (components ranked by their samples' spread)")
         if not 0.01 <= self.sparse_step <= 1:
             raise ValueError("sparse_step must be in [0.01, 1] steps")
-        self._check_token_steps()
-
-    def _check_token_steps(self) -> None:
-        if self.wide_samples and (not self.sort_components or self.trellis or self.sparse_tokens):
-            raise ValueError("wide_samples needs sort_components (the entropy formats) and excludes trellis and sparse_tokens")
-        if self.token_steps is None:
-            if self.fine_tokens:
-                raise ValueError("fine_tokens needs token_steps")
-            return
-        ts = self.token_steps
-        if self.basis is None:
-            raise ValueError("token_steps needs a basis (keys are ranked by their energy in it)")
-        if not 1 <= len(ts) <= 64 or not all(isinstance(m, (int, float)) and 1 / 64 <= m <= 16 for m in ts) \
-                or any(b <= a for a, b in zip(ts, ts[1:])) or ts[-1] < 1:
-            raise ValueError("token_steps must be 1 to 64 ascending step multipliers in [1/64, 16], the last at least 1 "
-                             "(every token must fit the grid)")
-        if not 0 <= self.token_power <= 2 or self.fine_tokens < 0:
-            raise ValueError("token_power must be in [0, 2] and fine_tokens >= 0")
 
     def to_dict(self) -> dict:
         d = asdict(self)
         if not self.sort_components:  # headers of the layouts before it stay byte for byte the same
             del d["sort_components"]
-        if self.token_steps is None:
-            for f in ("token_steps", "token_power", "fine_tokens"):
-                del d[f]
-        if not self.wide_samples:
-            del d["wide_samples"]
         return d
 
     @classmethod
@@ -128,9 +90,8 @@ class LayoutParams:
         d = dict(d)
         if isinstance(d.get("rope_theta"), list):
             d["rope_theta"] = tuple(d["rope_theta"])
-        for f in ("kv_bits", "token_steps"):
-            if d.get(f) is not None:
-                d[f] = tuple(d[f])
+        if d.get("kv_bits") is not None:
+            d["kv_bits"] = tuple(d["kv_bits"])
         for f in ("bits_map", "sigma_steps"):
             if d.get(f) is not None:
                 d[f] = tuple(tuple(kv) for kv in d[f])

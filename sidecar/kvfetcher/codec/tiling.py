@@ -57,7 +57,7 @@ def geometry(shape: tuple[int, ...], dtype: torch.dtype, params: LayoutParams) -
         raise ValueError(f"KV chunk must be [layers, 2, kv_heads, tokens, head_dim], got {tuple(shape)}")
     if params.mode == "native":  # one frame per layer: a single row of that layer's bytes
         return Geometry(layers, 1, 2 * heads * tokens * head_dim * bytes_per_value(dtype), 1, 1)
-    per_value = bytes_per_value(dtype) if params.mode == "exact" else 2 if params.wide_samples else 1
+    per_value = bytes_per_value(dtype) if params.mode == "exact" else 1
     rows, cols = _round8(tokens), _round8(heads * head_dim)
     # NVDEC needs planes of at least 144 x 144 (HEVC); stacking tiles grows the height.
     n_tiles = layers * 2 * per_value
