@@ -29,7 +29,6 @@ from kvfetcher.codec.base import CodecError, CodecParams
 
 _HEAD = struct.Struct("<II")
 DEFAULT_BLOCK = 1 << 16  # nvCOMP's own default chunk: 64 KiB
-DEFAULT_LEVEL = 3  # the zstd level of the side information (format/container.py)
 #: the CPU encoder's zstd parameters when the preset names no level: a quantised plane is noise to
 #: an LZ coder (each sample its own draw), so the short matches a standard level finds and codes
 #: as sequences cost more than the literals they replace; with matches of at least 7 bytes and a
