@@ -4,8 +4,8 @@ Each family is run at several points on the same fp16 caches through the accurac
 (teacher-forced top-1, KL, NLL; kvfetcher.eval.accuracy):
 
 * ``transform-zstd x f``: the transform family's layout with every step times ``f`` (zstd here on
-  the CPU; nvCOMP's ANS on a GPU codes the same planes: its ratio there is measured by
-  benchmarks/entropy);
+  the CPU, with the encoder's literal parameters; nvCOMP's ANS on a GPU codes the same planes: its
+  ratio there is measured by benchmarks/entropy);
 * ``balanced``, ``compact`` (lossless HEVC, x265) and ``balanced x f``;
 * ``kvtc@b``: the KVTC-style peer (kvtc.py) at ``b`` bits per value before DEFLATE;
 * ``cachegen``: CacheGen's quantisation (its size estimated from its symbols' entropy, as in accuracy_bench).
@@ -132,8 +132,9 @@ def render() -> str:
     lines = [f"- {m} at {t} tokens: {d}, {dev}; {c} continuation tokens scored; prompts {', '.join(ps)}" for (m, t), (d, dev, c, ps) in meta.items()]
     preface = ("Made by `python -m benchmarks.accuracy.curves --render` (see README.md). A point passes the gate when its median "
                "teacher-forced top-1 over the prompts is >= 0.99 and its median NLL increase <= 0.5% (retrieval: accuracy_bench). "
-               "Coders: `transform-zstd` zstd -3 on the CPU (nvCOMP ANS codes the same planes on a GPU, ~8% smaller: "
-               "../transform/coder_ratio.md); `balanced`, `compact` lossless HEVC (x265); `kvtc` DEFLATE (zlib 6); `cachegen` "
+               "Coders: `transform-zstd` zstd on the CPU as the encoder codes it with no level set (mostly literals: "
+               "`entropy.LITERAL_PARAMS`, 6-11% smaller than zstd -3, ../transform/zstd_params.md; nvCOMP ANS codes the same "
+               "planes on a GPU and approaches their order-0 entropy per block, 2-6% under this zstd); `balanced`, `compact` lossless HEVC (x265); `kvtc` DEFLATE (zlib 6); `cachegen` "
                "its symbols' entropy (an estimate). `<family>x<f>`: every step times f. [curves.png](curves.png)")
     return "\n".join([preface, "", "Ratio at the gate per family (the largest ratio of a point passing it):", "", *best, "", "Every point:", "", *head, "",
                       "Runs:", "", *lines]) + "\n"

@@ -56,6 +56,28 @@ def test_a_bitstream_of_blocks_coded_elsewhere_decodes():
     assert torch.equal(entropy.ZstdCodec().decode(data, tuple(f.shape)), f)
 
 
+def _sorted_planes() -> torch.Tensor:
+    """Planes as the transform family writes them: rows of samples about 128, spreads from 0.3 to 20 in order."""
+    g = torch.Generator().manual_seed(3)
+    spread = torch.logspace(-0.5, 1.3, 512).view(512, 1)
+    return (torch.randn(512, 256, generator=g) * spread + 128).round().clamp(0, 255).to(torch.uint8).view(1, 1, 512, 256)
+
+
+def test_the_encoder_codes_quantised_planes_as_literals_smaller_than_level_3():
+    """With no level the CPU encoder uses LITERAL_PARAMS: standard frames, smaller than level 3 on
+    noise-like planes (whose short matches cost more than their literals); a level is honoured."""
+    f = _sorted_planes()
+    p = codec.CodecParams(format="zstd", block_bytes=1 << 16)
+    lit = entropy.ZstdCodec().encode(f, p)
+    lvl3 = entropy.ZstdCodec().encode(f, dataclasses.replace(p, level=3))
+    assert len(lit) < 0.97 * len(lvl3)
+    for data in (lit, lvl3):
+        assert torch.equal(entropy.ZstdCodec().decode(data, tuple(f.shape)), f)
+    _, sizes, offsets, payload = entropy.split(lit, f.numel())
+    frame = bytes(payload[offsets[0] : offsets[0] + sizes[0]])
+    assert zstandard.ZstdDecompressor().decompress(frame) == f.view(-1).numpy()[: 1 << 16].tobytes()
+
+
 @pytest.mark.parametrize("bad", ["short", "table", "sizes", "frame", "length", "zero"])
 def test_a_bad_bitstream_is_a_codec_error(bad):
     f = _frames(2, (1, 1, 64, 128))  # 4 blocks

@@ -39,7 +39,8 @@ class CodecParams:
     # decoder reads the result
     rd: int | None = None
     # entropy formats: bytes of planes per independently coded block (nvCOMP's chunk), and the
-    # zstd level of the CPU encoder (nvCOMP's GPU encoder has its own)
+    # zstd level of the CPU encoder (None: parameters tuned for quantised planes, entropy.py;
+    # nvCOMP's GPU encoder has its own)
     block_bytes: int = 0
     level: int | None = None
 
