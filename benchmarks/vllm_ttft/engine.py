@@ -202,16 +202,21 @@ def rank_sidecars(work: Path, name: str, tp: int, **env):
     (``KVFETCHER_LINK_DIR``: their cost models split the node's one link among the ranks' fetches),
     each pinned to its rank's GPU on a GPU (``CUDA_VISIBLE_DEVICES``; vLLM's rank ``r`` runs on
     device ``r``): yields [sidecar of rank r]; stops them all."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from benchmarks.lib.sidecar_proc import SidecarProcess
+
     if tp == 1:
         scs = [sidecar(work, name, **env)]
     else:
         link = work / f"{name}-link"
         link.mkdir(exist_ok=True)
-        scs = []
+        pin = (lambda r: dict(CUDA_VISIBLE_DEVICES=str(r))) if on_gpu() else (lambda r: {})
+        scs = [SidecarProcess(work / f"{name}-{r}.sock", work / f"{name}-{r}-sidecar.log", KVFETCHER_CHUNK_TOKENS=str(CHUNK),
+                              KVFETCHER_LINK_DIR=str(link), **pin(r), **env) for r in range(tp)]
     try:
-        for r in range(len(scs), tp):
-            pin = dict(CUDA_VISIBLE_DEVICES=str(r)) if on_gpu() else {}
-            scs.append(sidecar(work, f"{name}-{r}", KVFETCHER_LINK_DIR=str(link), **pin, **env))
+        with ThreadPoolExecutor(tp) as pool:  # each starts its decode workers: at once, not in turn
+            list(pool.map(lambda sc: sc.proc or sc.start(), scs))
         yield scs
     finally:
         for sc in scs:
@@ -380,15 +385,24 @@ def shape_of(model_dir: Path) -> ModelShape:
                       float(c.get("rope_theta", 10000.0)))
 
 
+#: NVLink multicast stays off under tensor parallelism (the lent multi-GPU machines' rule: it can take a host's shared GPUs
+#: out of service): NCCL's NVLS, PyTorch's and NVSHMEM's multicast, and vLLM's symmetric-memory all-reduce (multimem)
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1", "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
+
+
 def start_llm(model_dir: Path, socket: str, fingerprint: str, *, prefix_caching: bool, max_model_len: int, timeout_s: float, **kw):
     """``vllm.LLM`` with the connector: bf16 on a GPU, fp32 on a CPU (bf16 is slow without AVX-512).
-    ``prefix_caching`` False: vLLM's own prefix cache never answers, so every hit is kvfetcher's."""
+    ``prefix_caching`` False: vLLM's own prefix cache never answers, so every hit is kvfetcher's.
+    ``tensor_parallel_size`` > 1 (in ``kw``): on a GPU without NVLink multicast (:data:`NO_MULTICAST`),
+    on a CPU with the ranks' threads unbound."""
     from vllm import LLM
 
     gpu = on_gpu()
     opts = dict(dtype="bfloat16", gpu_memory_utilization=kw.pop("gpu_memory_utilization", 0.85)) if gpu else dict(dtype="float32")
-    if not gpu and kw.get("tensor_parallel_size", 1) > 1:  # the ranks share the CPUs (vLLM binds one NUMA node per rank otherwise)
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    if kw.get("tensor_parallel_size", 1) > 1:
+        os.environ.update(NO_MULTICAST if gpu else {})
+        if not gpu:  # the ranks share the CPUs (vLLM binds one NUMA node per rank otherwise)
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     with watchdog(timeout_s, "engine start"):
         return LLM(model=str(model_dir), enforce_eager=True, max_model_len=max_model_len, enable_prefix_caching=prefix_caching,
                    kv_transfer_config=connector(socket, fingerprint), **opts, **kw)
