@@ -168,11 +168,11 @@ def s3_sidecar(work: Path, name: str, prefixes: list[list[int]], ns, shape: Mode
 
 @contextlib.contextmanager
 def s3_sidecars(work: Path, name: str, prefixes: list[list[int]], ns, shape: ModelShape, workers: int, *, tp: int = 1, link_procs: int = 0,
-                writes: str = "raw", discard_puts: bool = False, presets: list[str] | None = None):
+                writes: str = "raw", discard_puts: bool = False, presets: list[str] | None = None, pin: bool = True):
     """:func:`s3_sidecar` for ``tp`` tensor-parallel ranks: each rank's shard of every prefix stored
     under its namespace (:func:`rank_namespace` of the model's ``ns`` and ``shape``) in
     ``presets`` (default :func:`stored_presets`), one link server for all, and one sidecar per rank
-    (:func:`rank_sidecars`; ``tp`` 1: the one sidecar, as :func:`s3_sidecar` has it): yields
+    (:func:`rank_sidecars`, ``pin`` as there; ``tp`` 1: the one sidecar, as :func:`s3_sidecar` has it): yields
     ([sidecar of rank r], link url, bytes of one rank's chunk per preset)."""
     from benchmarks.lib import linkserver
 
@@ -183,7 +183,7 @@ def s3_sidecars(work: Path, name: str, prefixes: list[list[int]], ns, shape: Mod
           flush=True)
     url, server = linkserver.start_process(work / f"{name}-s3", procs=link_procs or linkserver.default_procs(), discard_puts=discard_puts)
     try:
-        with rank_sidecars(work, name, tp, KVFETCHER_S3_ENDPOINT=url, KVFETCHER_S3_BUCKET="bench", KVFETCHER_S3_ACCESS_KEY="bench",
+        with rank_sidecars(work, name, tp, pin, KVFETCHER_S3_ENDPOINT=url, KVFETCHER_S3_BUCKET="bench", KVFETCHER_S3_ACCESS_KEY="bench",
                            KVFETCHER_S3_SECRET_KEY="bench", KVFETCHER_PRESET=writes) as scs:
             yield scs, url, size
     finally:
@@ -196,12 +196,14 @@ def socket_template(work: Path, name: str, tp: int) -> str:
 
 
 @contextlib.contextmanager
-def rank_sidecars(work: Path, name: str, tp: int, **env):
+def rank_sidecars(work: Path, name: str, tp: int, pin: bool = True, **env):
     """One sidecar per tensor-parallel rank (``tp`` 1: :func:`sidecar` ``name``), rank ``r``'s at
     :func:`socket_template` with ``r``, all with ``env``, sharing one link directory
     (``KVFETCHER_LINK_DIR``: their cost models split the node's one link among the ranks' fetches),
     each pinned to its rank's GPU on a GPU (``CUDA_VISIBLE_DEVICES``; vLLM's rank ``r`` runs on
-    device ``r``): yields [sidecar of rank r]; stops them all."""
+    device ``r``, which the pinned sidecar finds by the handle's GPU UUID as its device 0; ``pin``
+    False: every sidecar sees every GPU and opens rank ``r``'s blocks as device ``r``): yields
+    [sidecar of rank r]; stops them all."""
     from concurrent.futures import ThreadPoolExecutor
 
     from benchmarks.lib.sidecar_proc import SidecarProcess
@@ -211,9 +213,9 @@ def rank_sidecars(work: Path, name: str, tp: int, **env):
     else:
         link = work / f"{name}-link"
         link.mkdir(exist_ok=True)
-        pin = (lambda r: dict(CUDA_VISIBLE_DEVICES=str(r))) if on_gpu() else (lambda r: {})
+        gpu = (lambda r: dict(CUDA_VISIBLE_DEVICES=str(r))) if pin and on_gpu() else (lambda r: {})
         scs = [SidecarProcess(work / f"{name}-{r}.sock", work / f"{name}-{r}-sidecar.log", KVFETCHER_CHUNK_TOKENS=str(CHUNK),
-                              KVFETCHER_LINK_DIR=str(link), **pin(r), **env) for r in range(tp)]
+                              KVFETCHER_LINK_DIR=str(link), **gpu(r), **env) for r in range(tp)]
     try:
         with ThreadPoolExecutor(tp) as pool:  # each starts its decode workers: at once, not in turn
             list(pool.map(lambda sc: sc.proc or sc.start(), scs))

@@ -19,7 +19,8 @@ def _tp(res: dict) -> str:
     tp = res.get("tp", 1)
     if tp == 1:
         return "tensor parallelism 1 (one rank, one sidecar)"
-    return (f"tensor parallelism {tp}: one sidecar per rank, each loading its rank's shard ({tp} ranks' bytes a chunk over the one "
+    return (f"tensor parallelism {tp}: one sidecar per rank{' (each pinned to its GPU)' if res.get('sidecars_pinned') else ''}, each "
+            f"loading its rank's shard ({tp} ranks' bytes a chunk over the one "
             "link); seconds of the breakdown are the slowest rank's, `loaded` vLLM's (what every rank holds), `ranks loaded` each "
             "rank's sidecar's")
 

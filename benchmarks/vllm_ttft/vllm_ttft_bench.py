@@ -17,7 +17,10 @@ a time limit (:mod:`benchmarks.vllm_ttft.engine`), every engine call under a wat
   (real sizes and decode work without hours of x265). Per cell: ``recompute``, ``raw`` and
   ``balanced`` (forced through the request's ``kv_transfer_params``) and ``auto`` (the cost model,
   fed the engine's own prefill rate). TTFT = wall time of ``generate(max_tokens=1)``; a forced
-  cell whose transfer alone would exceed ``--cap-s`` is skipped.
+  cell whose transfer alone would exceed ``--cap-s`` is skipped. ``--model llama3-70b`` and
+  ``--tp N``: vLLM at ``tensor_parallel_size`` N, one sidecar per rank (each pinned to its GPU,
+  all sharing one link directory and the one link server), each rank's shard of every prompt
+  stored under its own namespace (``tp_rank``, ``kv_heads // N``); ``--methods`` narrows the methods.
 * ``load``: requests arriving at a fixed rate, most sharing long prefixes, beside ongoing decodes
   (:mod:`benchmarks.vllm_ttft.under_load`).
 * ``interference``: decoding streams' TPOT while a stored prefix loads in each path, against none
@@ -192,7 +195,7 @@ def phase_ttft(a, work: Path) -> dict:
     print(f"link self-check: {check['delivered_gbit']} Gbit/s at most ({check['procs']} server processes, {check['parallel']} parallel "
           "ranged GETs)", flush=True)
     with s3_sidecars(work, "ttft", [p[:-1] for p in prompts.values()], ns, shape, a.workers, tp=a.tp, link_procs=a.link_procs,
-                     presets=presets_of(chosen)) as (scs, url, size):
+                     presets=presets_of(chosen), pin=not a.no_pin) as (scs, url, size):
         clients = [sc.client() for sc in scs]
         asker = RankGroup(clients) if a.tp > 1 else clients[0]  # the scheduler's lookup: of every rank's sidecar at once
         llm = start_llm(model_dir, socket_template(work, "ttft", a.tp), ns.model, prefix_caching=False, max_model_len=max(contexts) + 256,
@@ -208,7 +211,7 @@ def phase_ttft(a, work: Path) -> dict:
             for n in contexts:
                 rows += ttft_cells(a, llm, clients, asker, url, look, gbit, n, prompts[n], size)
         asker.close()  # (a group closes its clients)
-    return {"model": model_dir.name, "tp": a.tp, "kv_dtype": ns.dtype, "object_bytes_per_chunk": size, "chunk_tokens": CHUNK,
+    return {"model": model_dir.name, "tp": a.tp, "sidecars_pinned": a.tp > 1 and on_gpu() and not a.no_pin, "kv_dtype": ns.dtype, "object_bytes_per_chunk": size, "chunk_tokens": CHUNK,
             "link_self_check": check, "rows": rows}
 
 
@@ -274,6 +277,8 @@ def main() -> None:
                     "4 KV heads), short prompts, slow links")
     ap.add_argument("--model", default="llama3-8b", choices=sorted(TIMING_MODELS), help="the ttft phase's random-weight model (not --tiny)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the ttft phase: one sidecar per rank (its GPU), one link")
+    ap.add_argument("--no-pin", action="store_true", help="at --tp > 1 on a GPU: every rank's sidecar sees every GPU (in place of "
+                    "CUDA_VISIBLE_DEVICES=<its rank>)")
     ap.add_argument("--contexts", help="prompt tokens (default 8192,16384,32768,65536; --tiny 512,1024)")
     ap.add_argument("--links", help="Gbit/s (default 100,25,10,1; --tiny 1,0.1)")
     ap.add_argument("--cap-s", type=float, default=12.0, help="skip a forced load whose transfer alone takes longer")
