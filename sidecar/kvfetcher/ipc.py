@@ -15,7 +15,9 @@ object; the sidecar opens the handle and gets a tensor aliasing the same memory:
   the buffer's size with those seals, mapped read-write (a read-only fd is refused, never upgraded).
 * GPU: a CUDA IPC handle of the buffer's storage, as produced by
   ``torch.multiprocessing.reductions.reduce_tensor`` and opened with its rebuild function;
-  the arguments are encoded field by field (no pickle crosses the socket).
+  the arguments are encoded field by field (no pickle crosses the socket). The handle also names
+  the GPU by its UUID, so that a process that sees the GPUs otherwise numbered (a sidecar pinned
+  to its tensor-parallel rank's GPU with ``CUDA_VISIBLE_DEVICES``) opens it on the same GPU.
 
 A paged buffer (:class:`kvbuffer.PagedKV`: a serving engine's KV blocks, one tensor per layer or
 one for all) is one handle of kind ``paged`` (:func:`paged_handle`) holding its layout and a handle
@@ -369,7 +371,10 @@ def _open_cuda(h: dict) -> torch.Tensor:
         raise NoDeviceError("a CUDA buffer handle needs a sidecar with CUDA: this one sees no CUDA device")
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    args = list(_dec(h["args"]))
+    args = _dec(h["args"])
+    if not isinstance(args, tuple) or len(args) <= DEVICE_ARG or not isinstance(args[DEVICE_ARG], int):
+        raise TypeError("a CUDA handle's 'args' are rebuild_cuda_tensor's, its device an index")
+    args = list(args)
     args[DEVICE_ARG] = _local_index(h, args[DEVICE_ARG])
     try:
         t = rebuild_cuda_tensor(*args)
