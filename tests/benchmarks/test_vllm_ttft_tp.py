@@ -2,7 +2,7 @@
 two worker processes (a tiny random-weight Llama of 4 KV heads), one ``kvfetcher serve`` per rank
 sharing a link directory, one link server. A forced ``raw`` load must load the stored prefix on
 every rank (each rank's sidecar reads its own shard, named in its rank's namespace) and the report
-must say so. ~60 s on a 2-core machine (most of it the engine's start): marked slow.
+must say so. 60-80 s on a 2-core machine (most of it the engine's start): marked slow.
 
 The benchmark runs in the vLLM venv (``.venv-vllm``, built by ``make``; ``VLLM_PYTHON`` names
 another vLLM venv's Python), as ``tests/integrations/test_vllm.py`` runs its engine.
