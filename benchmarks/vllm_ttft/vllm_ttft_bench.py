@@ -299,15 +299,17 @@ def main() -> None:
     if a.methods:
         methods(a.methods)  # a wrong name fails here, before any engine starts
     a.links = a.links or ("1,0.1" if a.tiny else "100,25,10,1")
-    if a.tp < 1 or (a.tp > 1 and a.phases != "ttft" and a.phase not in (None, "ttft")):
-        ap.error("--tp is a positive number of ranks, and above 1 only for --phases ttft")
+    runs = [a.phase] if a.phase else [p for g in a.phases.split(",") for p in GROUPS[g]]
+    if a.tp < 1:
+        ap.error("--tp is a number of ranks: 1 or more")
+    if a.tp > 1 and runs != ["ttft"]:
+        ap.error(f"--tp above 1 is for --phases ttft alone (not {', '.join(runs)})")
     out, work = Path(a.out), Path(a.work)
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     if a.phase is None:
-        phases = [p for g in a.phases.split(",") for p in GROUPS[g]]
         argv = sys.argv[1:]
-        status = run_phases("benchmarks.vllm_ttft.vllm_ttft_bench", phases, argv, out, TIMEOUT_S, a.deadline_s)
+        status = run_phases("benchmarks.vllm_ttft.vllm_ttft_bench", runs, argv, out, TIMEOUT_S, a.deadline_s)
         raise SystemExit(0 if all(s == "ok" for s in status.values()) else 1)
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     spawn_workers()
