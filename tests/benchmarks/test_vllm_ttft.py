@@ -272,3 +272,13 @@ def test_only_the_presets_forced_are_stored():
 
     assert presets_of(methods("recompute,raw,auto")) == ["raw"]
     assert presets_of(methods("recompute,auto")) == presets_of(methods())
+
+
+def test_tensor_parallelism_is_refused_for_phases_other_than_ttft(tmp_path):
+    import subprocess
+    import sys
+
+    for args, why in ((["--phases", "identity,ttft", "--tp", "2"], "for --phases ttft alone"), (["--tp", "0"], "1 or more")):
+        run = subprocess.run([sys.executable, "-m", "benchmarks.vllm_ttft.vllm_ttft_bench", "--out", str(tmp_path), *args],
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 2 and why in run.stderr
