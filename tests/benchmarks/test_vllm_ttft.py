@@ -275,10 +275,14 @@ def test_only_the_presets_forced_are_stored():
 
 
 def test_tensor_parallelism_is_refused_for_phases_other_than_ttft(tmp_path):
+    import os
     import subprocess
     import sys
+    from pathlib import Path
 
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=f"{root / 'sidecar'}{os.pathsep}{root}")
     for args, why in ((["--phases", "identity,ttft", "--tp", "2"], "for --phases ttft alone"), (["--tp", "0"], "1 or more")):
         run = subprocess.run([sys.executable, "-m", "benchmarks.vllm_ttft.vllm_ttft_bench", "--out", str(tmp_path), *args],
-                             capture_output=True, text=True, timeout=120)
+                             cwd=root, env=env, capture_output=True, text=True, timeout=120)
         assert run.returncode == 2 and why in run.stderr
