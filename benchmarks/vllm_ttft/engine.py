@@ -287,14 +287,15 @@ class Probe:
         from benchmarks.lib import linkserver
 
         self.clients, self.url = (list(client) if isinstance(client, (list, tuple)) else [client]), url
-        self.m0, self.l0 = [read_metrics(c) for c in self.clients], (linkserver.stats(url) if url else {})
+        self.m0s, self.l0 = [read_metrics(c) for c in self.clients], (linkserver.stats(url) if url else {})
+        self.m0 = self.m0s[0]  # the metrics before, of the one sidecar (rank 0's)
 
     def delta(self) -> dict:
         from benchmarks.lib import linkserver
 
         m1, l1 = [read_metrics(c) for c in self.clients], (linkserver.stats(self.url) if self.url else {})
         link = {k: l1.get(k, 0) - self.l0.get(k, 0) for k in ("bytes_sent", "bytes_received", "objects_put")}
-        each = [sidecar_delta(m0, m, link) for m0, m in zip(self.m0, m1)]
+        each = [sidecar_delta(m0, m, link) for m0, m in zip(self.m0s, m1)]
         return each[0] if len(each) == 1 else ranks_delta(each)
 
 
