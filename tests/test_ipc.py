@@ -58,6 +58,24 @@ def test_cuda_ipc_handle_round_trips_in_another_process():
     assert bool((b.tensor == 5).all())
 
 
+@pytest.mark.gpu
+def test_a_cuda_handle_opens_in_a_process_pinned_to_its_gpu():
+    """A sidecar pinned to its tensor-parallel rank's GPU (``CUDA_VISIBLE_DEVICES=r``) sees the
+    model's device ``r`` as its device 0: the handle's UUID finds it there."""
+    import os
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    b = ipc.allocate((2, 2, 1, 8, 4), torch.float16, "cuda:1")
+    code = ("import json,sys,torch; from kvfetcher import ipc; t = ipc.open_handle(json.loads(sys.argv[1])); "
+            "assert t.device.index == 0, t.device; t.fill_(6); torch.cuda.synchronize()")
+    subprocess.run([sys.executable, "-c", code, json.dumps(b.handle)], check=True, env=dict(os.environ, CUDA_VISIBLE_DEVICES="1"))
+    assert bool((b.tensor == 6).all())
+    hidden = ("import json,sys; from kvfetcher import ipc, errors\ntry:\n    ipc.open_handle(json.loads(sys.argv[1]))\n"
+              "except errors.NoDeviceError:\n    sys.exit(0)\nsys.exit(1)")
+    subprocess.run([sys.executable, "-c", hidden, json.dumps(b.handle)], check=True, env=dict(os.environ, CUDA_VISIBLE_DEVICES="0"))
+
+
 def _open_fds() -> int:
     """This process's open fds, once unreachable mappings are gone (each mapping holds a dup of its fd)."""
     import gc

@@ -28,6 +28,12 @@ LLAMA3_8B_CONFIG = {
     "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072, "torch_dtype": "bfloat16",
     "hidden_act": "silu", "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001,
 }
+LLAMA3_70B_CONFIG = dict(LLAMA3_8B_CONFIG, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64)
+TIMING_MODELS = {"llama3-8b": LLAMA3_8B_CONFIG, "llama3-70b": LLAMA3_70B_CONFIG}  # random weights (load_format="dummy")
+# --tiny at tensor parallelism: SmolLM2's 3 KV heads split over 1 or 3 ranks only; this splits over 2 or 4
+TINY_TP_CONFIG = dict(LLAMA3_8B_CONFIG, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=4, head_dim=64, vocab_size=32000, max_position_embeddings=4096, torch_dtype="float32",
+                      bos_token_id=1, eos_token_id=2)
 
 
 def on_gpu() -> bool:
@@ -70,15 +76,21 @@ def sidecar(work: Path, name: str, **env):
     return SidecarProcess(work / f"{name}.sock", work / f"{name}-sidecar.log", KVFETCHER_CHUNK_TOKENS=str(CHUNK), **env).start()
 
 
-def timing_model(tiny: bool, work: Path) -> tuple[Path, dict]:
-    """The model of the timing phases and the engine's options for it: SmolLM2 (``tiny``) or a
-    random-weight Llama-3-8B (``load_format="dummy"``)."""
-    if tiny:
+def timing_model(tiny: bool, work: Path, model: str = "llama3-8b", tp: int = 1) -> tuple[Path, dict]:
+    """The model of the timing phases and the engine's options for it: ``tiny`` SmolLM2 (at ``tp``
+    > 1 a tiny random-weight Llama of 4 KV heads), else ``model`` of :data:`TIMING_MODELS` with
+    random weights (``load_format="dummy"``); ``tp`` ranks (``tensor_parallel_size``) must divide
+    its KV heads."""
+    if tiny and tp == 1:
         return smollm2_dir(), dict(skip_tokenizer_init=True)
-    d = work / "llama3-8b"
+    name, config = ("tiny-llama-tp", TINY_TP_CONFIG) if tiny else (model, TIMING_MODELS[model])
+    if config["num_key_value_heads"] % tp:
+        raise ValueError(f"tensor parallelism {tp} does not divide {name}'s {config['num_key_value_heads']} KV heads")
+    d = work / name
     d.mkdir(exist_ok=True)
-    (d / "config.json").write_text(json.dumps(LLAMA3_8B_CONFIG))
-    return d, dict(load_format="dummy", skip_tokenizer_init=True)
+    (d / "config.json").write_text(json.dumps(config))
+    opts = dict(load_format="dummy", skip_tokenizer_init=True)
+    return d, opts if tp == 1 else dict(opts, tensor_parallel_size=tp, distributed_executor_backend="mp")
 
 
 def ttft_prompts(contexts: list[int], vocab: int) -> dict[int, list[int]]:
@@ -95,23 +107,42 @@ def stored_presets() -> list[str]:
     return ["raw", "balanced", "balanced-ans", "compact-ans"] if on_gpu() else ["raw", "balanced"]
 
 
+def rank_namespace(ns, rank: int, tp: int):
+    """Tensor-parallel rank ``rank``'s namespace of the model's ``ns`` (its whole KV geometry): the
+    rank's KV heads (``kv_heads // tp``) under ``tp_rank``, as rank ``rank``'s worker registers its
+    buffer and its sidecar names its chunks."""
+    from dataclasses import replace
+
+    layers, heads, dim = ns.shape
+    return replace(ns, tp_rank=rank, shape=(layers, heads // tp, dim))
+
+
+def shard_shape(shape: ModelShape, tp: int) -> ModelShape:
+    """The KV geometry one of ``tp`` ranks holds: ``kv_heads // tp`` heads of ``shape``."""
+    from dataclasses import replace
+
+    return replace(shape, kv_heads=shape.kv_heads // tp)
+
+
 def store_prefixes(root: Path, prefixes: list[list[int]], ns, shape: ModelShape, workers: int, presets: list[str] | None = None) -> dict[str, int]:
     """Every whole chunk of every token list in each of ``presets`` (default :func:`stored_presets`)
-    under ``root/bench`` (an S3 bucket for ``linkserver``), as hard links to two synthetic encoded
-    chunks per preset (real sizes and decode work, not real values); the bytes of one chunk per preset."""
+    under ``root/bench`` (an S3 bucket for ``linkserver``), named in namespace ``ns`` (of geometry
+    ``shape``'s KV heads), as hard links to two synthetic encoded chunks per preset and geometry
+    (real sizes and decode work, not real values); the bytes of one chunk per preset."""
     import torch
 
     from benchmarks.lib import fetchkit
     from kvfetcher import keys
 
     size = {}
-    (root / "_objects").mkdir(parents=True, exist_ok=True)
+    objects = root / "_objects" / f"{shape.layers}x{shape.kv_heads}x{shape.head_dim}-{ns.dtype}"
+    objects.mkdir(parents=True, exist_ok=True)
     for preset in presets or stored_presets():
-        src = sorted((root / "_objects").glob(f"{preset}-*"))
+        src = sorted(objects.glob(f"{preset}-*"))
         if not src:  # encoded once per store (a phase may store more prefixes later)
             objs = fetchkit.encode_objects(shape, preset, CHUNK, distinct=2, workers=workers, dtype=getattr(torch, ns.dtype))
             for i, o in enumerate(objs):
-                (p := root / "_objects" / f"{preset}-{i}").write_bytes(o)
+                (p := objects / f"{preset}-{i}").write_bytes(o)
                 src.append(p)
         size[preset] = sum(p.stat().st_size for p in src) // len(src)
         for ids in prefixes:
@@ -131,21 +162,67 @@ def s3_sidecar(work: Path, name: str, prefixes: list[list[int]], ns, shape: Mode
     reading it and writing new prefixes in ``writes`` through it (saves on, as deployed;
     ``discard_puts``: the server counts uploads without keeping them): yields (sidecar, link url,
     bytes of a chunk per preset)."""
+    with s3_sidecars(work, name, prefixes, ns, shape, workers, link_procs=link_procs, writes=writes, discard_puts=discard_puts) as (scs, url, size):
+        yield scs[0], url, size
+
+
+@contextlib.contextmanager
+def s3_sidecars(work: Path, name: str, prefixes: list[list[int]], ns, shape: ModelShape, workers: int, *, tp: int = 1, link_procs: int = 0,
+                writes: str = "raw", discard_puts: bool = False, presets: list[str] | None = None, pin: bool = True):
+    """:func:`s3_sidecar` for ``tp`` tensor-parallel ranks: each rank's shard of every prefix stored
+    under its namespace (:func:`rank_namespace` of the model's ``ns`` and ``shape``) in
+    ``presets`` (default :func:`stored_presets`), one link server for all, and one sidecar per rank
+    (:func:`rank_sidecars`, ``pin`` as there; ``tp`` 1: the one sidecar, as :func:`s3_sidecar` has it): yields
+    ([sidecar of rank r], link url, bytes of one rank's chunk per preset)."""
     from benchmarks.lib import linkserver
 
     t0 = time.perf_counter()
-    size = store_prefixes(work / f"{name}-s3", prefixes, ns, shape, workers)
-    print(f"stored {len(prefixes)} prefixes in {', '.join(size)} ({size} bytes a chunk) in {time.perf_counter() - t0:.0f} s", flush=True)
+    for r in range(tp):
+        size = store_prefixes(work / f"{name}-s3", prefixes, rank_namespace(ns, r, tp), shard_shape(shape, tp), workers, presets)
+    print(f"stored {len(prefixes)} prefixes x {tp} rank(s) in {', '.join(size)} ({size} bytes a chunk) in {time.perf_counter() - t0:.0f} s",
+          flush=True)
     url, server = linkserver.start_process(work / f"{name}-s3", procs=link_procs or linkserver.default_procs(), discard_puts=discard_puts)
     try:
-        sc = sidecar(work, name, KVFETCHER_S3_ENDPOINT=url, KVFETCHER_S3_BUCKET="bench", KVFETCHER_S3_ACCESS_KEY="bench",
-                     KVFETCHER_S3_SECRET_KEY="bench", KVFETCHER_PRESET=writes)
-        try:
-            yield sc, url, size
-        finally:
-            sc.stop()
+        with rank_sidecars(work, name, tp, pin, KVFETCHER_S3_ENDPOINT=url, KVFETCHER_S3_BUCKET="bench", KVFETCHER_S3_ACCESS_KEY="bench",
+                           KVFETCHER_S3_SECRET_KEY="bench", KVFETCHER_PRESET=writes) as scs:
+            yield scs, url, size
     finally:
         server.terminate()
+
+
+def socket_template(work: Path, name: str, tp: int) -> str:
+    """The connector's ``socket``: rank ``r``'s sidecar at ``{rank}`` replaced by ``r`` (``tp`` 1: the one socket)."""
+    return str(work / f"{name}.sock") if tp == 1 else str(work / f"{name}-{{rank}}.sock")
+
+
+@contextlib.contextmanager
+def rank_sidecars(work: Path, name: str, tp: int, pin: bool = True, **env):
+    """One sidecar per tensor-parallel rank (``tp`` 1: :func:`sidecar` ``name``), rank ``r``'s at
+    :func:`socket_template` with ``r``, all with ``env``, sharing one link directory
+    (``KVFETCHER_LINK_DIR``: their cost models split the node's one link among the ranks' fetches),
+    each pinned to its rank's GPU on a GPU (``CUDA_VISIBLE_DEVICES``; vLLM's rank ``r`` runs on
+    device ``r``, which the pinned sidecar finds by the handle's GPU UUID as its device 0; ``pin``
+    False: every sidecar sees every GPU and opens rank ``r``'s blocks as device ``r``): yields
+    [sidecar of rank r]; stops them all."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from benchmarks.lib.sidecar_proc import SidecarProcess
+
+    if tp == 1:
+        scs = [sidecar(work, name, **env)]
+    else:
+        link = work / f"{name}-link"
+        link.mkdir(exist_ok=True)
+        gpu = (lambda r: dict(CUDA_VISIBLE_DEVICES=str(r))) if pin and on_gpu() else (lambda r: {})
+        scs = [SidecarProcess(work / f"{name}-{r}.sock", work / f"{name}-{r}-sidecar.log", KVFETCHER_CHUNK_TOKENS=str(CHUNK),
+                              KVFETCHER_LINK_DIR=str(link), **gpu(r), **env) for r in range(tp)]
+    try:
+        with ThreadPoolExecutor(tp) as pool:  # each starts its decode workers: at once, not in turn
+            list(pool.map(lambda sc: sc.proc or sc.start(), scs))
+        yield scs
+    finally:
+        for sc in scs:
+            sc.stop()
 
 
 def warm_index(client, tokens: list[int], **ns) -> int:
@@ -153,6 +230,12 @@ def warm_index(client, tokens: list[int], **ns) -> int:
     the objects this benchmark hard-links into the store are unknown to a sidecar whose lookups
     answer from its index, as they would be known to a node that has seen the prefix before."""
     return client.hit_tokens(None, tokens, refresh=True, **ns)
+
+
+def warm_ranks(clients: list, tokens: list[int], **ns) -> int:
+    """:func:`warm_index` on every rank's sidecar (``clients[r]``, ``tp_rank`` r; ``ns`` one rank's
+    model, dtype and ``kv_shape``): the tokens every rank has stored."""
+    return min(warm_index(c, tokens, tp_rank=r, **ns) if len(clients) > 1 else warm_index(c, tokens, **ns) for r, c in enumerate(clients))
 
 
 # --- what the sidecar and the link say, before and after a cell ---------------------------------
@@ -197,42 +280,79 @@ def bucket_quantile(m0: dict[str, float], m1: dict[str, float], name: str, q: fl
 
 class Probe:
     """The sidecar's counters and the link server's bytes before a request (or a stream), and
-    :meth:`delta` after it: what the sidecar reports of that time."""
+    :meth:`delta` after it: what the sidecar reports of that time. ``client`` may be a list, one
+    sidecar per tensor-parallel rank: :meth:`delta` is then the ranks' together (:func:`ranks_delta`)."""
 
     def __init__(self, client, url: str | None):
         from benchmarks.lib import linkserver
 
-        self.client, self.url = client, url
-        self.m0, self.l0 = read_metrics(client), (linkserver.stats(url) if url else {})
+        self.clients, self.url = (list(client) if isinstance(client, (list, tuple)) else [client]), url
+        self.m0s, self.l0 = [read_metrics(c) for c in self.clients], (linkserver.stats(url) if url else {})
+        self.m0 = self.m0s[0]  # the metrics before, of the one sidecar (rank 0's)
 
     def delta(self) -> dict:
         from benchmarks.lib import linkserver
 
-        m1, l1 = read_metrics(self.client), (linkserver.stats(self.url) if self.url else {})
-        d = lambda name, **lb: metric(m1, name, **lb) - metric(self.m0, name, **lb)  # noqa: E731
-        ld = lambda k: l1.get(k, 0) - self.l0.get(k, 0)  # noqa: E731
-        return {
-            "lookups": int(d("kvfetcher_lookups_total")), "lookup_s": d("kvfetcher_lookup_seconds_sum"),
-            "listings": int(d("kvfetcher_listing_seconds_count")), "listing_s": d("kvfetcher_listing_seconds_sum"),
-            "lookup_p50_le_s": bucket_quantile(self.m0, m1, "kvfetcher_lookup_seconds", 0.5),
-            "lookup_p99_le_s": bucket_quantile(self.m0, m1, "kvfetcher_lookup_seconds", 0.99),
-            "loads": int(d("kvfetcher_fetch_seconds_count")),
-            "load_s": d("kvfetcher_fetch_seconds_sum"), "fetch_s": d("kvfetcher_fetch_busy_seconds_total", stage="fetch"),
-            "read_s": d("kvfetcher_fetch_busy_seconds_total", stage="read"), "decode_s": d("kvfetcher_fetch_busy_seconds_total", stage="decode"),
-            "loaded_tokens": int(d("kvfetcher_loaded_tokens_total")), "bytes_read": int(d("kvfetcher_bytes_read_total")),
-            "kv_bytes": int(d("kvfetcher_kv_bytes_restored_total")), "link_bytes_sent": int(ld("bytes_sent")),
-            "stored_chunks": int(d("kvfetcher_store_seconds_count")), "bytes_written": int(d("kvfetcher_bytes_written_total")),
-            "link_bytes_received": int(ld("bytes_received")), "link_objects_put": int(ld("objects_put")),
-            "dropped_chunks": int(d("kvfetcher_store_dropped_chunks_total")), "errors": int(d("kvfetcher_errors_total")),
-            "fallbacks": {k.split('reason="', 1)[1].split('"', 1)[0]: int(v - self.m0.get(k, 0)) for k, v in m1.items()
-                          if k.startswith("kvfetcher_fallbacks_total{") and v - self.m0.get(k, 0) > 0},
-            # the cost model's predicted seconds per option at the cell's last lookup (auto's reasons)
-            "predicted_s": {k.split('option="', 1)[1].split('"', 1)[0]: round(v, 4) for k, v in m1.items()
-                            if k.startswith("kvfetcher_lookup_option_seconds{")} if d("kvfetcher_lookups_total") else {},
-            # the engine's prefill model the scheduler sent with it (the recompute side of that choice)
-            "prefill_model": {k.split('term="', 1)[1].split('"', 1)[0]: v for k, v in m1.items() if k.startswith("kvfetcher_prefill_model{")},
-            "warming": m1.get("kvfetcher_decode_warming", 0.0),  # auto's choice was limited to raw and recompute
-        }
+        m1, l1 = [read_metrics(c) for c in self.clients], (linkserver.stats(self.url) if self.url else {})
+        link = {k: l1.get(k, 0) - self.l0.get(k, 0) for k in ("bytes_sent", "bytes_received", "objects_put")}
+        each = [sidecar_delta(m0, m, link) for m0, m in zip(self.m0s, m1)]
+        return each[0] if len(each) == 1 else ranks_delta(each)
+
+
+#: how :func:`ranks_delta` joins the ranks' sidecars: seconds by the slowest rank (the ranks run at once, a TP step
+#: waits for all), tokens loaded by the rank that loaded least (what the group holds), the rest summed
+SLOWEST = ("lookup_s", "listing_s", "load_s", "fetch_s", "read_s", "decode_s", "lookup_p50_le_s", "lookup_p99_le_s", "warming")
+LEAST = ("loaded_tokens",)
+ONCE = ("link_bytes_sent", "link_bytes_received", "link_objects_put", "predicted_s", "prefill_model")  # the link's, rank 0's
+
+
+def ranks_delta(each: list[dict]) -> dict:
+    """The tensor-parallel ranks' sidecar deltas (:meth:`Probe.delta` of each) as one: :data:`SLOWEST`
+    the most of any rank (None where no rank has it), :data:`LEAST` the least, :data:`ONCE` the link
+    server's (it serves all ranks) or rank 0's, the others summed; ``ranks``: each rank's own."""
+    out = {}
+    for k, v in each[0].items():
+        vals = [d[k] for d in each]
+        if k in SLOWEST:
+            out[k] = max((x for x in vals if x is not None), default=None)
+        elif k in LEAST:
+            out[k] = min(vals)
+        elif k in ONCE:
+            out[k] = v
+        elif isinstance(v, dict):
+            out[k] = {n: sum(d[k].get(n, 0) for d in each) for n in {n for d in each for n in d[k]}}
+        else:
+            out[k] = sum(vals)
+    return dict(out, ranks=each)
+
+
+def sidecar_delta(m0: dict[str, float], m1: dict[str, float], link: dict[str, int]) -> dict:
+    """What one sidecar's metrics say of the time between two readings (``m0``, ``m1``), with the
+    link server's byte counts over that time (``link``)."""
+    d = lambda name, **lb: metric(m1, name, **lb) - metric(m0, name, **lb)  # noqa: E731
+    ld = lambda k: link.get(k, 0)  # noqa: E731
+    return {
+        "lookups": int(d("kvfetcher_lookups_total")), "lookup_s": d("kvfetcher_lookup_seconds_sum"),
+        "listings": int(d("kvfetcher_listing_seconds_count")), "listing_s": d("kvfetcher_listing_seconds_sum"),
+        "lookup_p50_le_s": bucket_quantile(m0, m1, "kvfetcher_lookup_seconds", 0.5),
+        "lookup_p99_le_s": bucket_quantile(m0, m1, "kvfetcher_lookup_seconds", 0.99),
+        "loads": int(d("kvfetcher_fetch_seconds_count")),
+        "load_s": d("kvfetcher_fetch_seconds_sum"), "fetch_s": d("kvfetcher_fetch_busy_seconds_total", stage="fetch"),
+        "read_s": d("kvfetcher_fetch_busy_seconds_total", stage="read"), "decode_s": d("kvfetcher_fetch_busy_seconds_total", stage="decode"),
+        "loaded_tokens": int(d("kvfetcher_loaded_tokens_total")), "bytes_read": int(d("kvfetcher_bytes_read_total")),
+        "kv_bytes": int(d("kvfetcher_kv_bytes_restored_total")), "link_bytes_sent": int(ld("bytes_sent")),
+        "stored_chunks": int(d("kvfetcher_store_seconds_count")), "bytes_written": int(d("kvfetcher_bytes_written_total")),
+        "link_bytes_received": int(ld("bytes_received")), "link_objects_put": int(ld("objects_put")),
+        "dropped_chunks": int(d("kvfetcher_store_dropped_chunks_total")), "errors": int(d("kvfetcher_errors_total")),
+        "fallbacks": {k.split('reason="', 1)[1].split('"', 1)[0]: int(v - m0.get(k, 0)) for k, v in m1.items()
+                      if k.startswith("kvfetcher_fallbacks_total{") and v - m0.get(k, 0) > 0},
+        # the cost model's predicted seconds per option at the cell's last lookup (auto's reasons)
+        "predicted_s": {k.split('option="', 1)[1].split('"', 1)[0]: round(v, 4) for k, v in m1.items()
+                        if k.startswith("kvfetcher_lookup_option_seconds{")} if d("kvfetcher_lookups_total") else {},
+        # the engine's prefill model the scheduler sent with it (the recompute side of that choice)
+        "prefill_model": {k.split('term="', 1)[1].split('"', 1)[0]: v for k, v in m1.items() if k.startswith("kvfetcher_prefill_model{")},
+        "warming": m1.get("kvfetcher_decode_warming", 0.0),  # auto's choice was limited to raw and recompute
+    }
 
 
 def breakdown(ttft_s: float, d: dict) -> dict:
@@ -268,13 +388,24 @@ def shape_of(model_dir: Path) -> ModelShape:
                       float(c.get("rope_theta", 10000.0)))
 
 
+#: NVLink multicast stays off under tensor parallelism (the lent multi-GPU machines' rule: it can take a host's shared GPUs
+#: out of service): NCCL's NVLS, PyTorch's and NVSHMEM's multicast, and vLLM's symmetric-memory all-reduce (multimem)
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1", "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
+
+
 def start_llm(model_dir: Path, socket: str, fingerprint: str, *, prefix_caching: bool, max_model_len: int, timeout_s: float, **kw):
     """``vllm.LLM`` with the connector: bf16 on a GPU, fp32 on a CPU (bf16 is slow without AVX-512).
-    ``prefix_caching`` False: vLLM's own prefix cache never answers, so every hit is kvfetcher's."""
+    ``prefix_caching`` False: vLLM's own prefix cache never answers, so every hit is kvfetcher's.
+    ``tensor_parallel_size`` > 1 (in ``kw``): on a GPU without NVLink multicast (:data:`NO_MULTICAST`),
+    on a CPU with the ranks' threads unbound."""
     from vllm import LLM
 
     gpu = on_gpu()
     opts = dict(dtype="bfloat16", gpu_memory_utilization=kw.pop("gpu_memory_utilization", 0.85)) if gpu else dict(dtype="float32")
+    if kw.get("tensor_parallel_size", 1) > 1:
+        os.environ.update(NO_MULTICAST if gpu else {})
+        if not gpu:  # the ranks share the CPUs (vLLM binds one NUMA node per rank otherwise)
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     with watchdog(timeout_s, "engine start"):
         return LLM(model=str(model_dir), enforce_eager=True, max_model_len=max_model_len, enable_prefix_caching=prefix_caching,
                    kv_transfer_config=connector(socket, fingerprint), **opts, **kw)

@@ -14,10 +14,23 @@ def _head(res: dict) -> str:
             f"{' Sidecar settings from the environment: ' + settings + '.' if settings else ''}\n\n")
 
 
+def _tp(res: dict) -> str:
+    """What the report says of tensor parallelism (a result before ``tp`` was recorded ran one rank)."""
+    tp = res.get("tp", 1)
+    if tp == 1:
+        return "tensor parallelism 1 (one rank, one sidecar)"
+    return (f"tensor parallelism {tp}: one sidecar per rank{' (each pinned to its GPU)' if res.get('sidecars_pinned') else ''}, each "
+            f"loading its rank's shard ({tp} ranks' bytes a chunk over the one "
+            "link); seconds of the breakdown are the slowest rank's, `loaded` vLLM's (what every rank holds), `ranks loaded` each "
+            "rank's sidecar's")
+
+
 def ttft(res: dict) -> str:
     c = res.get("link_self_check") or {}
+    ranks = res.get("tp", 1) > 1
     out = ["# vllm_ttft: time to first token, broken down\n", _head(res),
-           f"Model {res['model']} ({res['kv_dtype']}), chunks of {res['chunk_tokens']} tokens, bytes a chunk: {res['object_bytes_per_chunk']}. "
+           f"Model {res['model']} ({res['kv_dtype']}), {_tp(res)}. Chunks of {res['chunk_tokens']} tokens, bytes a chunk"
+           f"{' (one rank' + chr(39) + 's)' if ranks else ''}: {res['object_bytes_per_chunk']}. "
            f"Link self-check on this machine: at most {c.get('delivered_gbit')} Gbit/s delivered ({c.get('procs')} server processes, "
            f"{c.get('parallel')} parallel ranged GETs). `delivered` is what the link server sent during the cell over the sidecar's download "
            "time (time with a read in flight): the link a cell really had, next to its label. Seconds: `lookup` the sidecar's time "
@@ -26,16 +39,19 @@ def ttft(res: dict) -> str:
            "the engine's own work). `call` is the scheduler's lookup call for the prompt timed from a client right after the cell "
            "(its whole cost, listing or not; not part of the TTFT shown). With repeats, TTFT is the median of the `samples` and "
            "the breakdown is the median sample's.\n\n",
-           "| link (label) | delivered Gbit/s | context | method | TTFT s | samples | loaded | lookup | wait | download | decode | restore | prefill | call |\n",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"]
+           f"| link (label) | delivered Gbit/s | context | method | TTFT s | samples | loaded |{' ranks loaded |' if ranks else ''} lookup | "
+           "wait | download | decode | restore | prefill | call |\n",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if ranks else "") + "\n"]
     for r in res["rows"]:
         if "skipped" in r:
-            out.append(f"| {r['link_gbit']:g} Gbit/s | | {r['context']} | {r['method']} | skipped: {r['skipped']} | | | | | | | | | |\n")
+            out.append(f"| {r['link_gbit']:g} Gbit/s | | {r['context']} | {r['method']} | skipped: {r['skipped']} | | | | | | | | | |"
+                       f"{' |' if ranks else ''}\n")
             continue
         samples = " ".join(_f(x) for x in r.get("ttft_samples_s", [r["ttft_s"]]))
+        each = f" {' '.join(map(str, r.get('ranks_loaded_tokens', [])))} |" if ranks else ""
         out.append(f"| {r['link_gbit']:g} Gbit/s | {_f(r.get('delivered_gbit'), 2)} | {r['context']} | {r['method']} | {_f(r['ttft_s'])} | "
-                   f"{samples} | {r['loaded_tokens']} | {_f(r['lookup_s'])} | {_f(r['wait_s'])} | {_f(r['download_s'])} | {_f(r['decode_s'])} | "
-                   f"{_f(r['restore_s'])} | {_f(r['prefill_s'])} | {_f(r.get('lookup_call_s'))} |\n")
+                   f"{samples} | {r['loaded_tokens']} |{each} {_f(r['lookup_s'])} | {_f(r['wait_s'])} | {_f(r['download_s'])} | "
+                   f"{_f(r['decode_s'])} | {_f(r['restore_s'])} | {_f(r['prefill_s'])} | {_f(r.get('lookup_call_s'))} |\n")
     out += auto_verdicts(res["rows"])
     return "".join(out)
 

@@ -17,7 +17,10 @@ a time limit (:mod:`benchmarks.vllm_ttft.engine`), every engine call under a wat
   (real sizes and decode work without hours of x265). Per cell: ``recompute``, ``raw`` and
   ``balanced`` (forced through the request's ``kv_transfer_params``) and ``auto`` (the cost model,
   fed the engine's own prefill rate). TTFT = wall time of ``generate(max_tokens=1)``; a forced
-  cell whose transfer alone would exceed ``--cap-s`` is skipped.
+  cell whose transfer alone would exceed ``--cap-s`` is skipped. ``--model llama3-70b`` and
+  ``--tp N``: vLLM at ``tensor_parallel_size`` N, one sidecar per rank (each pinned to its GPU,
+  all sharing one link directory and the one link server), each rank's shard of every prompt
+  stored under its own namespace (``tp_rank``, ``kv_heads // N``); ``--methods`` narrows the methods.
 * ``load``: requests arriving at a fixed rate, most sharing long prefixes, beside ongoing decodes
   (:mod:`benchmarks.vllm_ttft.under_load`).
 * ``interference``: decoding streams' TPOT while a stored prefix loads in each path, against none
@@ -40,9 +43,10 @@ from pathlib import Path
 
 from benchmarks.vllm_ttft import interference
 from benchmarks.vllm_ttft import peers, report, under_load
-from benchmarks.vllm_ttft.engine import (CHUNK, Probe, breakdown, generate, kv_dtype, on_gpu, run_phases, s3_sidecar, shape_of, sidecar,
-                                         smollm2_dir, spawn_workers, phase_left, start_llm, stored_presets, timing_model, ttft_prompts, wait_stored,
-                                         warm_index)
+from benchmarks.vllm_ttft.engine import (CHUNK, TIMING_MODELS, Probe, breakdown, generate, kv_dtype, on_gpu, run_phases, s3_sidecars, shape_of,
+                                         sidecar, smollm2_dir, socket_template, spawn_workers, phase_left, start_llm, stored_presets, timing_model,
+                                         ttft_prompts, wait_stored, warm_index, warm_ranks)
+from kvfetcher.api.group import RankGroup
 
 GBIT = 1.25e8  # bytes/s of 1 Gbit/s
 FORCE = 1e6  # a TTFT budget no load exceeds: the preset named is loaded whatever the cost model says
@@ -58,6 +62,12 @@ def methods(only: str | None = None) -> dict[str, dict | None]:
     if unknown := [n for n in names if n not in every]:
         raise ValueError(f"unknown methods {unknown}: choose among {list(every)}")
     return {n: every[n] for n in names}
+
+
+def presets_of(chosen: dict[str, dict | None]) -> list[str]:
+    """The presets to store for ``chosen`` methods: those forced, or (none forced: ``auto`` alone
+    and recompute) every stored preset, for ``auto`` to choose among."""
+    return [p["presets"][0] for p in chosen.values() if p] or stored_presets()
 
 
 GROUPS = {"identity": ["identity-store", "identity-load"], "ttft": ["ttft"], "load": ["load"], "peers": [f"peer-{m}" for m in peers.PEERS],
@@ -170,44 +180,62 @@ def phase_identity(a, work: Path) -> dict:
 
 
 def phase_ttft(a, work: Path) -> dict:
+    """recompute, the stored presets forced and ``auto`` per link and context (:func:`ttft_cells`),
+    at ``a.tp`` tensor-parallel ranks (one sidecar per rank, every rank over the one link)."""
     from benchmarks.lib import fetchkit, linkserver
     from kvfetcher import keys
 
-    model_dir, opts = timing_model(a.tiny, work)
-    shape, contexts = shape_of(model_dir), [int(x) for x in a.contexts.split(",")]
+    model_dir, opts = timing_model(a.tiny, work, a.model, a.tp)
+    shape, contexts, chosen = shape_of(model_dir), [int(x) for x in a.contexts.split(",")], methods(a.methods)
     prompts = ttft_prompts(contexts, shape.vocab)
     ns = keys.Namespace(model=fetchkit.FINGERPRINT, dtype=kv_dtype(), shape=(shape.layers, shape.kv_heads, shape.head_dim))
-    look = dict(model=ns.model, dtype=ns.dtype, kv_shape=ns.shape)
+    look = dict(model=ns.model, dtype=ns.dtype, kv_shape=(shape.layers, shape.kv_heads // a.tp, shape.head_dim))  # one rank's
     rows = []
     check = linkserver.self_check(a.link_procs or linkserver.default_procs(), 4 if a.tiny else 16, seconds=2.0 if a.tiny else 4.0)
     print(f"link self-check: {check['delivered_gbit']} Gbit/s at most ({check['procs']} server processes, {check['parallel']} parallel "
           "ranged GETs)", flush=True)
-    with s3_sidecar(work, "ttft", [p[:-1] for p in prompts.values()], ns, shape, a.workers, link_procs=a.link_procs) as (sc, url, size):
-        client = sc.client()
-        llm = start_llm(model_dir, sc.socket, ns.model, prefix_caching=False, max_model_len=max(contexts) + 256,
+    with s3_sidecars(work, "ttft", [p[:-1] for p in prompts.values()], ns, shape, a.workers, tp=a.tp, link_procs=a.link_procs,
+                     presets=presets_of(chosen), pin=not a.no_pin) as (scs, url, size):
+        clients = [sc.client() for sc in scs]
+        asker = RankGroup(clients) if a.tp > 1 else clients[0]  # the scheduler's lookup: of every rank's sidecar at once
+        llm = start_llm(model_dir, socket_template(work, "ttft", a.tp), ns.model, prefix_caching=False, max_model_len=max(contexts) + 256,
                         timeout_s=a.start_timeout_s, **opts)
         for n in sorted(contexts)[:2]:  # warm-up: kernels, the connector's prefill rate, the sidecar's estimator, each preset's decoder
-            warm_index(client, prompts[n][:-1], **look)
+            warm_ranks(clients, prompts[n][:-1], **look)
             generate(llm, [prompts[n]], 1, None, a.call_timeout_s)
-            for m, params in methods(a.methods).items():
+            for m, params in chosen.items():
                 if params:
                     generate(llm, [prompts[n]], 1, params, a.call_timeout_s)
         for gbit in [float(x) for x in a.links.split(",")]:
             linkserver.set_rate(url, gbit * GBIT)
             for n in contexts:
-                rows += ttft_cells(a, llm, client, url, look, gbit, n, prompts[n], size)
-        client.close()
-    return {"model": model_dir.name, "kv_dtype": ns.dtype, "object_bytes_per_chunk": size, "chunk_tokens": CHUNK, "link_self_check": check,
-            "rows": rows}
+                rows += ttft_cells(a, llm, clients, asker, url, look, gbit, n, prompts[n], size)
+        asker.close()  # (a group closes its clients)
+    return {"model": model_dir.name, "tp": a.tp, "sidecars_pinned": a.tp > 1 and on_gpu() and not a.no_pin, "kv_dtype": ns.dtype, "object_bytes_per_chunk": size, "chunk_tokens": CHUNK,
+            "link_self_check": check, "rows": rows}
 
 
-def ttft_cells(a, llm, client, url: str, look: dict, gbit: float, n: int, prompt: list[int], size: dict) -> list[dict]:
+def scheduler_call(asker, tokens: list[int], look: dict) -> None:
+    """The connector scheduler's lookup of ``tokens``, as it asks it: of the one sidecar (``asker``
+    a client: :func:`under_load.scheduler_call`) or of every rank's at once (a ``RankGroup``)."""
+    if not isinstance(asker, RankGroup):
+        under_load.scheduler_call(asker, tokens, look)
+        return
+    from kvfetcher.fetch.plan import FetchOptions
+    from kvfetcher.integrations.vllm_meta import Options
+
+    asker.lookup(tokens, None, FetchOptions(wait_s=Options.listing_wait_s), **look)
+
+
+def ttft_cells(a, llm, clients: list, asker, url: str, look: dict, gbit: float, n: int, prompt: list[int], size: dict) -> list[dict]:
     """One context at one link: every method's TTFT and its breakdown (a forced load must load
-    the whole stored prefix)."""
+    the whole stored prefix: on every rank). ``clients[r]``: rank ``r``'s sidecar; ``asker``: whom
+    the scheduler asks (:func:`scheduler_call`); ``size``: bytes of one rank's chunk per preset
+    (every rank's bytes cross the one link)."""
     rows, want = [], (n - 1) // CHUNK * CHUNK
     for method, params in methods(a.methods).items():
         preset = (params or {}).get("presets", [None])[0]
-        transfer_s = (n // CHUNK) * size[preset] / (gbit * GBIT) if preset else 0.0
+        transfer_s = len(clients) * (n // CHUNK) * size[preset] / (gbit * GBIT) if preset else 0.0
         row = dict(link_gbit=gbit, context=n, method=method)
         if transfer_s > a.cap_s:
             rows.append(dict(row, skipped=f"transfer alone {transfer_s:.0f} s > cap"))
@@ -217,16 +245,17 @@ def ttft_cells(a, llm, client, url: str, look: dict, gbit: float, n: int, prompt
             continue
         samples = []
         for _ in range(a.repeats):
-            warm_index(client, prompt[:-1], **look)  # the node has seen this prefix (untimed)
-            probe = Probe(client, url)
+            warm_ranks(clients, prompt[:-1], **look)  # the node has seen this prefix (untimed)
+            probe = Probe(clients if len(clients) > 1 else clients[0], url)
             s, [(_, cached)] = generate(llm, [prompt], 1, params, a.call_timeout_s + 2 * transfer_s)
             samples.append((s, cached, probe.delta()))
         s, cached, d = sorted(samples, key=lambda x: x[0])[len(samples) // 2]  # the median sample, with its breakdown
         t = time.perf_counter()
-        under_load.scheduler_call(client, prompt[:-1], look)  # the scheduler's call for this prompt, timed on its own after the cell
+        scheduler_call(asker, prompt[:-1], look)  # the scheduler's call for this prompt, timed on its own after the cell
         call_s = time.perf_counter() - t
+        per_rank = dict(ranks_loaded_tokens=[r["loaded_tokens"] for r in d["ranks"]]) if "ranks" in d else {}
         rows.append(dict(row, ttft_s=round(s, 4), ttft_samples_s=[round(x[0], 4) for x in samples], loaded_tokens=cached,
-                         loaded_samples=[x[1] for x in samples], **breakdown(s, d), lookup_call_s=round(call_s, 4), sidecar=d))
+                         loaded_samples=[x[1] for x in samples], **per_rank, **breakdown(s, d), lookup_call_s=round(call_s, 4), sidecar=d))
         flag = "" if (cached == want) == (preset is not None) or method == "auto" else f"  <- expected {want if preset else 0}"
         b = rows[-1]
         print(f"{gbit:>6g} Gbit/s (delivered {b['delivered_gbit'] or 0:6.2f}) {n:>6} tokens {method:>12}: {s:7.3f} s, loaded {cached}"
@@ -244,11 +273,17 @@ def main() -> None:
     ap.add_argument("--phases", default="identity,ttft,load", help="of identity, ttft, load, interference, peers (or one peer-<method>: "
                     + ", ".join(peers.PEERS) + "); each in its own process")
     ap.add_argument("--phase", help=argparse.SUPPRESS)  # one phase, in this process (what --phases runs)
-    ap.add_argument("--tiny", action="store_true", help="CPU smoke mode: SmolLM2 everywhere, short prompts, slow links")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke mode: SmolLM2 everywhere (--tp > 1: a tiny random-weight Llama of "
+                    "4 KV heads), short prompts, slow links")
+    ap.add_argument("--model", default="llama3-8b", choices=sorted(TIMING_MODELS), help="the ttft phase's random-weight model (not --tiny)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the ttft phase: one sidecar per rank (its GPU), one link")
+    ap.add_argument("--no-pin", action="store_true", help="at --tp > 1 on a GPU: every rank's sidecar sees every GPU (in place of "
+                    "CUDA_VISIBLE_DEVICES=<its rank>)")
     ap.add_argument("--contexts", help="prompt tokens (default 8192,16384,32768,65536; --tiny 512,1024)")
     ap.add_argument("--links", help="Gbit/s (default 100,25,10,1; --tiny 1,0.1)")
     ap.add_argument("--cap-s", type=float, default=12.0, help="skip a forced load whose transfer alone takes longer")
-    ap.add_argument("--methods", help="ttft methods timed, comma-separated (default: recompute, every stored preset, auto)")
+    ap.add_argument("--methods", help="ttft methods timed, comma-separated (default: recompute, every stored preset, auto); only the "
+                    "presets forced are stored (none forced: all of them, for auto)")
     ap.add_argument("--repeats", type=int, default=3, help="requests per ttft cell; the cell reports the median (--tiny: 1)")
     ap.add_argument("--workers", type=int, default=8, help="processes encoding the balanced chunks")
     ap.add_argument("--link-procs", type=int, default=0, help="link server processes sharing the link (0: half the cores, 1 to 8)")
@@ -264,13 +299,17 @@ def main() -> None:
     if a.methods:
         methods(a.methods)  # a wrong name fails here, before any engine starts
     a.links = a.links or ("1,0.1" if a.tiny else "100,25,10,1")
+    runs = [a.phase] if a.phase else [p for g in a.phases.split(",") for p in GROUPS[g]]
+    if a.tp < 1:
+        ap.error("--tp is a number of ranks: 1 or more")
+    if a.tp > 1 and runs != ["ttft"]:
+        ap.error(f"--tp above 1 is for --phases ttft alone (not {', '.join(runs)})")
     out, work = Path(a.out), Path(a.work)
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     if a.phase is None:
-        phases = [p for g in a.phases.split(",") for p in GROUPS[g]]
         argv = sys.argv[1:]
-        status = run_phases("benchmarks.vllm_ttft.vllm_ttft_bench", phases, argv, out, TIMEOUT_S, a.deadline_s)
+        status = run_phases("benchmarks.vllm_ttft.vllm_ttft_bench", runs, argv, out, TIMEOUT_S, a.deadline_s)
         raise SystemExit(0 if all(s == "ok" for s in status.values()) else 1)
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     spawn_workers()

@@ -15,7 +15,9 @@ object; the sidecar opens the handle and gets a tensor aliasing the same memory:
   the buffer's size with those seals, mapped read-write (a read-only fd is refused, never upgraded).
 * GPU: a CUDA IPC handle of the buffer's storage, as produced by
   ``torch.multiprocessing.reductions.reduce_tensor`` and opened with its rebuild function;
-  the arguments are encoded field by field (no pickle crosses the socket).
+  the arguments are encoded field by field (no pickle crosses the socket). The handle also names
+  the GPU by its UUID, so that a process that sees the GPUs otherwise numbered (a sidecar pinned
+  to its tensor-parallel rank's GPU with ``CUDA_VISIBLE_DEVICES``) opens it on the same GPU.
 
 A paged buffer (:class:`kvbuffer.PagedKV`: a serving engine's KV blocks, one tensor per layer or
 one for all) is one handle of kind ``paged`` (:func:`paged_handle`) holding its layout and a handle
@@ -334,7 +336,32 @@ def cuda_handle(t: torch.Tensor) -> dict:
     rebuild, args = reduce_tensor(t)
     if rebuild is not rebuild_cuda_tensor:
         raise ValueError("tensor is not a shareable CUDA tensor")
-    return {"kind": "cuda", "args": _enc(args), "shape": list(t.shape), "dtype": dtype_name(t.dtype)}
+    return {"kind": "cuda", "args": _enc(args), "shape": list(t.shape), "dtype": dtype_name(t.dtype), "device_uuid": _uuid(args[DEVICE_ARG])}
+
+
+DEVICE_ARG = 6  # the place of ``storage_device`` (the GPU's index in the exporting process) in rebuild_cuda_tensor's arguments
+
+
+def _uuid(index: int) -> str:
+    """The UUID of this process's CUDA device ``index`` (the same GPU has the same UUID in every process)."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def _local_index(h: dict, index: int) -> int:
+    """This process's index of the GPU a CUDA handle's buffer is on. The handle names it by the
+    exporting process's ``index`` and by its UUID (``device_uuid``; a handle without one: ``index``
+    as it is): ``index`` where this process's device ``index`` has that UUID, else the visible
+    device that has it (a process whose ``CUDA_VISIBLE_DEVICES`` differs from the model's: a
+    sidecar pinned to its tensor-parallel rank's GPU sees it as device 0). :class:`NoDeviceError`
+    where no visible device has it."""
+    want = h.get("device_uuid")
+    count = torch.cuda.device_count()
+    if want is None or (0 <= index < count and _uuid(index) == want):
+        return index
+    for i in range(count):
+        if _uuid(i) == want:
+            return i
+    raise NoDeviceError(f"this sidecar cannot open the CUDA buffer handle: its GPU ({want}) is not one this process sees")
 
 
 def _open_cuda(h: dict) -> torch.Tensor:
@@ -345,6 +372,10 @@ def _open_cuda(h: dict) -> torch.Tensor:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     args = _dec(h["args"])
+    if not isinstance(args, tuple) or len(args) <= DEVICE_ARG or not isinstance(args[DEVICE_ARG], int):
+        raise TypeError("a CUDA handle's 'args' are rebuild_cuda_tensor's, its device an index")
+    args = list(args)
+    args[DEVICE_ARG] = _local_index(h, args[DEVICE_ARG])
     try:
         t = rebuild_cuda_tensor(*args)
     except RuntimeError as e:  # a CUDA error: the handle's device is not one this process can open

@@ -212,3 +212,77 @@ def test_the_reports_state_the_sidecar_settings_a_run_had():
 
     assert "`KVFETCHER_READ_PROCS=8`" in _head({"device": "H200", "vllm": "0.26.0", "date": "d", "settings": {"KVFETCHER_READ_PROCS": "8"}})
     assert "settings" not in _head({"device": "H200", "vllm": "0.26.0", "date": "d"})
+def test_the_ranks_sidecars_join_as_the_slowest_rank_and_the_least_loaded():
+    from benchmarks.vllm_ttft.engine import ranks_delta
+
+    a = dict(read_s=0.5, fetch_s=0.6, loaded_tokens=512, bytes_read=100, link_bytes_sent=400, fallbacks={"io": 1}, lookup_p50_le_s=None,
+             predicted_s={"raw": 0.1})
+    b = dict(read_s=0.7, fetch_s=0.4, loaded_tokens=256, bytes_read=200, link_bytes_sent=400, fallbacks={"tp_group": 2},
+             lookup_p50_le_s=0.01, predicted_s={"raw": 0.2})
+    d = ranks_delta([a, b])
+    assert (d["read_s"], d["fetch_s"], d["loaded_tokens"], d["bytes_read"]) == (0.7, 0.6, 256, 300)
+    assert d["link_bytes_sent"] == 400 and d["predicted_s"] == {"raw": 0.1}  # the one link server's bytes, rank 0's prediction
+    assert d["fallbacks"] == {"io": 1, "tp_group": 2} and d["lookup_p50_le_s"] == 0.01 and d["ranks"] == [a, b]
+
+
+def test_a_ranks_shard_is_named_in_its_own_namespace_with_its_heads():
+    from benchmarks.vllm_ttft.engine import TIMING_MODELS, rank_namespace, shard_shape, socket_template, timing_model
+    from kvfetcher import keys
+    from kvfetcher.eval.costmodel import LLAMA3_70B
+
+    ns = keys.Namespace(model="m", dtype="bfloat16", shape=(80, 8, 128))
+    assert rank_namespace(ns, 3, 4) == keys.Namespace(model="m", dtype="bfloat16", tp_rank=3, shape=(80, 2, 128))
+    assert rank_namespace(ns, 0, 1) == ns and shard_shape(LLAMA3_70B, 4).kv_heads == 2
+    c = TIMING_MODELS["llama3-70b"]
+    assert (c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["intermediate_size"]) == \
+        (LLAMA3_70B.layers, LLAMA3_70B.hidden, LLAMA3_70B.heads, LLAMA3_70B.kv_heads, LLAMA3_70B.intermediate)
+    assert socket_template(__import__("pathlib").Path("/w"), "ttft", 4) == "/w/ttft-{rank}.sock"
+
+
+def test_timing_models_split_over_ranks_that_divide_their_kv_heads(tmp_path):
+    import json
+
+    import pytest
+
+    from benchmarks.vllm_ttft.engine import timing_model
+
+    d, opts = timing_model(False, tmp_path, "llama3-70b", 4)
+    assert json.loads((d / "config.json").read_text())["num_hidden_layers"] == 80 and d.name == "llama3-70b"
+    assert opts == dict(load_format="dummy", skip_tokenizer_init=True, tensor_parallel_size=4, distributed_executor_backend="mp")
+    assert timing_model(False, tmp_path)[1] == dict(load_format="dummy", skip_tokenizer_init=True)  # the default: 8B, one rank
+    assert timing_model(True, tmp_path, tp=2)[0].name == "tiny-llama-tp"
+    with pytest.raises(ValueError, match="does not divide"):
+        timing_model(False, tmp_path, "llama3-8b", 3)
+
+
+def test_the_ttft_report_states_the_model_and_tensor_parallelism():
+    from benchmarks.vllm_ttft import report
+
+    row = dict(link_gbit=25.0, context=65536, method="raw", ttft_s=2.0, loaded_tokens=65280, ranks_loaded_tokens=[65280] * 4, lookup_s=0.001,
+               wait_s=0.0, download_s=1.5, decode_s=0.2, restore_s=1.6, prefill_s=0.3, delivered_gbit=24.0)
+    res = dict(model="llama3-70b", tp=4, kv_dtype="bfloat16", chunk_tokens=256, object_bytes_per_chunk={"raw": 1}, rows=[row])
+    md = report.markdown("ttft", res)
+    assert "Model llama3-70b (bfloat16), tensor parallelism 4" in md
+    assert "| 25 Gbit/s | 24.00 | 65536 | raw | 2.000 | 2.000 | 65280 | 65280 65280 65280 65280 | 0.001 |" in md
+    assert "tensor parallelism 1" in report.markdown("ttft", dict(res, tp=1, rows=[]))
+
+
+def test_only_the_presets_forced_are_stored():
+    from benchmarks.vllm_ttft.vllm_ttft_bench import methods, presets_of
+
+    assert presets_of(methods("recompute,raw,auto")) == ["raw"]
+    assert presets_of(methods("recompute,auto")) == presets_of(methods())
+
+
+def test_tensor_parallelism_is_refused_for_phases_other_than_ttft(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=f"{root / 'sidecar'}{os.pathsep}{root}")
+    for args, why in ((["--phases", "identity,ttft", "--tp", "2"], "for --phases ttft alone"), (["--tp", "0"], "1 or more")):
+        run = subprocess.run([sys.executable, "-m", "benchmarks.vllm_ttft.vllm_ttft_bench", "--out", str(tmp_path), *args],
+                             cwd=root, env=env, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 2 and why in run.stderr
