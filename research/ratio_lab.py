@@ -1,4 +1,4 @@
-"""ratio_lab: quick rate/accuracy experiments for issue 38 on cached real KV (not the library).
+"""ratio_lab: quick rate/accuracy experiments on the transform family's ratio at the accuracy gate, on cached real KV (not the library).
 
 Caches per (model, tokens) the accuracy suite's prompts' fp16 KV and reference logits (under
 /tmp/ratio_lab), then scores a codec ``kv -> (restored kv, stored bytes)`` by teacher-forced top-1,

@@ -21,6 +21,8 @@ from pathlib import Path
 
 from kvfetcher.eval.costmodel import ModelShape
 
+GBIT = 1.25e8  # bytes/s of 1 Gbit/s
+FORCE = 1e6  # a TTFT budget no load exceeds: the preset named is loaded whatever the cost model says
 CHUNK = 256  # the sidecar's chunk tokens: a whole number of vLLM blocks on a GPU (16) and a CPU (128)
 LLAMA3_8B_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,

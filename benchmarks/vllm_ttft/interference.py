@@ -29,12 +29,10 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.vllm_ttft.engine import (CHUNK, Probe, breakdown, connector, kv_dtype, on_gpu, phase_left, read_metrics, s3_sidecar, shape_of,
+from benchmarks.vllm_ttft.engine import (CHUNK, FORCE, GBIT, Probe, breakdown, connector, kv_dtype, on_gpu, phase_left, read_metrics, s3_sidecar, shape_of,
                                          stored_presets, timing_model, warm_index, watchdog)
 
-GBIT = 1.25e8  # bytes/s of 1 Gbit/s
-FORCE = 1e6  # a TTFT budget no load exceeds: the preset named is loaded whatever the cost model says
-TARGET_P50 = 1.05  # issue 35: a load may slow the decodes beside it by 5% at p50 at most
+TARGET_P50 = 1.05  # the target: a load may slow the decodes beside it by 5% at p50 at most
 SHADOWSERVE = 2.2  # ShadowServe: decompression on the GPU slows decoding by up to 2.2x
 # streams decoding `stream_prompt`-token prompts (at most `stream_max` tokens: cancelled long before),
 # each with `warm` tokens before the request arrives; the request: a stored `prefix` + `suffix` fresh tokens

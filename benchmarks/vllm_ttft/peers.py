@@ -19,9 +19,8 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from benchmarks.vllm_ttft.engine import CHUNK, generate, kv_dtype, on_gpu, phase_left, shape_of, timing_model, ttft_prompts, watchdog
+from benchmarks.vllm_ttft.engine import CHUNK, GBIT, generate, kv_dtype, on_gpu, phase_left, shape_of, timing_model, ttft_prompts, watchdog
 
-GBIT = 1.25e8
 PEERS = ("native-cpu", "lmcache-raw", "lmcache-cachegen")  # phase peer-<name>
 SERDE = {"lmcache-raw": "naive", "lmcache-cachegen": "cachegen"}  # LMCache's remote_serde per method
 CPU_UNSUPPORTED = ("vLLM's CPU offloading worker copies between CUDA/XPU blocks and pinned host memory only "

@@ -58,7 +58,7 @@ def ttft(res: dict) -> str:
 
 def auto_verdicts(rows: list[dict]) -> list[str]:
     """Markdown lines: per cell, ``auto`` against the best of recompute and every forced preset
-    (medians), and whether it is within 2% or 10 ms of it (issue 34's criterion)."""
+    (medians), and whether it is within 2% or 10 ms of it (the criterion `auto` is held to)."""
     cells: dict[tuple, dict[str, float]] = {}
     for r in rows:
         if "ttft_s" in r:
@@ -145,7 +145,7 @@ def peer(res: dict) -> str:
 
 def interference(res: dict) -> str:
     """The ``interference`` phase: per path, the decoding streams' TPOT during the request's window
-    against the baseline's, its TTFT, and where it stands against issue 35's target and ShadowServe."""
+    against the baseline's, its TTFT, and where it stands against the +5% target and ShadowServe."""
     w, target, shadow = res["workload"], res.get("target_p50_x", 1.05), res.get("shadowserve_x", 2.2)
     out = ["# vllm_ttft: interference — decoding beside a load\n", _head(res),
            f"Model {res['model']} ({res['kv_dtype']}). {w['streams']} requests decode ({w['stream_prompt']}-token prompts, no cached KV "
@@ -156,7 +156,7 @@ def interference(res: dict) -> str:
            f"{w['base_window_s']:g} s window). The window is the request's arrival to its first token; the streams' inter-token "
            "times (TPOT) overlapping it give p50 / p99 / mean / max; `loaded` and `sidecar chose` are per sample. Medians over "
            f"{res.get('repeats')} rounds (one sample of each path per round); `x` is the median over the baseline's. "
-           f"Target (issue 35): p50 at most {target:.2f}x the baseline's; ShadowServe reports GPU decompression slowing decoding "
+           f"Target: p50 at most {target:.2f}x the baseline's; ShadowServe reports GPU decompression slowing decoding "
            f"by up to {shadow:g}x.\n\n",
            "| path | TTFT s | loaded | sidecar chose | TPOT p50 ms | p50 x | TPOT p99 ms | p99 x | mean ms | mean x | max gap ms | samples | "
            f"p50 within +{(target - 1):.0%} |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"]

@@ -27,9 +27,8 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.vllm_ttft.engine import Probe, connector, kv_dtype, metric, on_gpu, phase_left, read_metrics, s3_sidecar, shape_of, timing_model, warm_index, watchdog
+from benchmarks.vllm_ttft.engine import GBIT, Probe, connector, kv_dtype, metric, on_gpu, phase_left, read_metrics, s3_sidecar, shape_of, timing_model, warm_index, watchdog
 
-GBIT = 1.25e8
 # the workload: prompt = one of `prefixes` stored prefixes of `prefix` tokens (a `shared` share of the
 # requests; the others a fresh prompt as long) + `suffix` fresh tokens; `output` tokens decoded each
 WORKLOAD = {

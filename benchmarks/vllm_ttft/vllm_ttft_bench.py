@@ -43,13 +43,11 @@ from pathlib import Path
 
 from benchmarks.vllm_ttft import interference
 from benchmarks.vllm_ttft import peers, report, under_load
-from benchmarks.vllm_ttft.engine import (CHUNK, TIMING_MODELS, Probe, breakdown, generate, kv_dtype, on_gpu, run_phases, s3_sidecars, shape_of,
+from benchmarks.vllm_ttft.engine import (CHUNK, FORCE, GBIT, TIMING_MODELS, Probe, breakdown, generate, kv_dtype, on_gpu, run_phases, s3_sidecars, shape_of,
                                          sidecar, smollm2_dir, socket_template, spawn_workers, phase_left, start_llm, stored_presets, timing_model,
                                          ttft_prompts, wait_stored, warm_index, warm_ranks)
 from kvfetcher.api.group import RankGroup
 
-GBIT = 1.25e8  # bytes/s of 1 Gbit/s
-FORCE = 1e6  # a TTFT budget no load exceeds: the preset named is loaded whatever the cost model says
 
 
 def methods(only: str | None = None) -> dict[str, dict | None]:

@@ -200,8 +200,8 @@ FETCH_WINDOW = Setting("KVFETCHER_FETCH_WINDOW", int, 4, "Chunks one fetch keeps
                        "or written at once): more overlaps more of a chunk's latency, each holds a staging buffer.")
 FETCH_READS = Setting("KVFETCHER_FETCH_READS", int, 8, "Ranged GETs one fetch keeps in flight (at most the data I/O threads).")
 READ_PROCS = Setting("KVFETCHER_READ_PROCS", int, 0, "Processes that read staged chunk parts (raw and entropy-coded) "
-                     "from the store into shared memory, each with its own GIL (0: the data I/O threads read). Unmeasured "
-                     "on a GPU yet: `benchmarks/paged_restore` times it (a tuning's fourth number).")
+                     "from the store into shared memory, each with its own GIL (0: the data I/O threads read); "
+                     "`benchmarks/paged_restore` times it against threads (a tuning's fourth number).")
 DECODE_THREADS = Setting("KVFETCHER_DECODE_THREADS", int, 2, "Threads that decode entropy-coded chunks on the GPU "
                          "and write chunks into KV buffers, each on its own CUDA stream.")
 META_IO_WORKERS = Setting("KVFETCHER_META_IO_WORKERS", int, 8,

@@ -170,9 +170,14 @@ class Destination:
         return out
 
     def _piece_tokens(self) -> int:
-        """Tokens one piece of a :meth:`read` takes."""
+        """Tokens one piece of a :meth:`read` takes: whole :meth:`_grain` units, at least one."""
         L, H, D = self.shape
-        return max(1, READ_PIECE_BYTES // (L * 2 * H * D * self.buffer.element_size()))
+        grain = self._grain()
+        return max(grain, READ_PIECE_BYTES // (L * 2 * H * D * bytes_per_value(self.dtype)) // grain * grain)
+
+    def _grain(self) -> int:
+        """The tokens a piece of a :meth:`read` is a multiple of."""
+        return 1
 
     def _piece(self, start: int, tokens: int) -> torch.Tensor:
         """The KV of tokens ``start .. start + tokens``: a view where their slots are contiguous, else a gathered copy."""
@@ -440,10 +445,8 @@ class PagedDestination(Destination):
         s = self.skip(c)
         self.kv.write(self._blocks(c.start + s, c.tokens - s), kv[:, :, :, s:])
 
-    def _piece_tokens(self) -> int:
-        bs = self.kv.layout.block_size
-        L, H, D = self.shape
-        return max(bs, READ_PIECE_BYTES // (L * 2 * H * D * self.kv.dtype.itemsize) // bs * bs)
+    def _grain(self) -> int:
+        return self.kv.layout.block_size
 
     def _piece(self, start: int, tokens: int) -> torch.Tensor:
         return self.kv.read(self._blocks(start, tokens))

@@ -106,9 +106,9 @@ class Sidecar:
 
     def _readers(self) -> ReadProcs | None:
         """Reader processes (``config.read_procs``), where the store can be opened in another process."""
-        opener = getattr(self.objects, "opener", None)
         if not self.config.read_procs:
             return None
+        opener = getattr(self.objects, "opener", None)
         if opener is None:
             log.warning("the store cannot be opened in another process: reads stay in this one")
             return None

@@ -46,7 +46,6 @@ class Failed:
     message: str
 
 
-
 def serve(conn, opener: Callable[[], stores.Store]) -> None:
     """A reader process: open the store, then answer :class:`Read` messages until ``None``."""
     store = opener()

@@ -8,9 +8,8 @@ both processes map (:class:`SharedStaging`: memfds, page-locked for the GPU's co
 one). Checksums stay with the caller, in the I/O thread that waited for the read (they release
 the GIL).
 
-Off unless ``KVFETCHER_READ_PROCS`` is set: not yet measured where it matters (a GPU machine's
-cores and a 100 Gbit/s link: ``benchmarks/paged_restore``, a tuning's fourth number); on the loaded 2-core CPU
-machine reads through processes and through threads ran at the same rate.
+Off unless ``KVFETCHER_READ_PROCS`` is set; ``benchmarks/paged_restore`` times it against threads
+(a tuning's fourth number), and docs/architecture.md says what is known of it.
 
 A reader that dies fails its read (:class:`~kvfetcher.store.Unavailable`: the fetch falls back to
 recompute) and is replaced at the next read. Each reader opens the store itself, from the
