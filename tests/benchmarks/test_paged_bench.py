@@ -21,3 +21,12 @@ def test_each_tuning_and_the_s3_source_restore_what_the_flat_buffer_holds(tmp_pa
     assert r["source"] == "s3"
     assert set(r["fetch"]) == {f"{p} {t}" for p in ("raw", "q8-zstd") for t in ("8x8x4", "2x2x1x2")}
     assert all(row[d]["identical_to_flat"] for row in r["fetch"].values() for d in ("flat", "paged_cross_layer"))
+
+
+def test_a_tuning_is_three_or_four_numbers():
+    from benchmarks.paged_restore.paged_bench import tunings
+
+    assert tunings("4x8x2,8x16x4x8") == [(4, 8, 2, 0), (8, 16, 4, 8)]
+    for bad in ("4x8", "4x8x2x8x1"):
+        with pytest.raises(ValueError, match="window x reads"):
+            tunings(bad)

@@ -66,6 +66,8 @@ def test_a_read_lands_in_shared_staging_and_errors_keep_their_type(tmp_path, rea
         r.read_into("kv/missing", 0, view)
     with pytest.raises(ValueError, match="no shared staging buffer"):
         r.read_into("kv/a", 0, memoryview(bytearray(10)))
+    with pytest.raises(ValueError, match="at least one"):
+        ReadProcs(store.opener(), 0, SharedStaging())
 
 
 def test_a_reader_that_dies_fails_one_read_and_is_replaced(tmp_path, readers):
