@@ -115,6 +115,9 @@ class ReadProcs:
         return reply.n
 
     def close(self) -> None:
+        """Stop the readers and free the staging buffers (unpinned: a later pool may map the same
+        addresses, which CUDA refuses to register twice)."""
+        self.staging.close()
         while True:
             try:
                 r = self._idle.get_nowait()

@@ -86,6 +86,15 @@ class StagingPool:
                 return
         self._free_buffer(buf)
 
+    def close(self) -> None:
+        """Free every kept buffer; a buffer given back later is freed too (taking still works)."""
+        with self._lock:
+            self.keep = 0
+            kept = [b for free in self._free.values() for b in free]
+            self._free.clear()
+        for buf in kept:
+            self._free_buffer(buf)
+
 
 _shared = StagingPool()
 
