@@ -1,5 +1,7 @@
 """The cost model is pure: the cases that matter, decided from rates alone."""
 
+from dataclasses import replace
+
 import pytest
 
 from kvfetcher.fetch.choice import NO_FIT, RECOMPUTE, Estimator, Fit, Rates, choose, decode_rate, fetch_seconds, hopeless
@@ -69,7 +71,7 @@ def test_estimator_learns_per_endpoint():
 
 
 def test_hopeless_only_when_even_the_best_case_loses():
-    ratios = {"raw": 1.0, "q8": 2.0}
+    ratios = {"raw": 1.0, "q8": 2.0, "exact": 0.8}
     # a fast model on a slow link: even q8 at 1.5x its ratio loses -> skip the lookup
     assert hopeless(4, 256, CHUNK_KV, ratios, FORMATS, rates(bw=1e6, tps=1e5))
     # the same case whenever choose() picks a fetch must not be called hopeless
@@ -82,6 +84,24 @@ def test_hopeless_only_when_even_the_best_case_loses():
     assert not hopeless(4, 256, CHUNK_KV, ratios, FORMATS, r)
     assert hopeless(4, 256, CHUNK_KV, ratios, FORMATS, rates(bw=1e6, tps=1000.0), allowed={"raw"})
     assert hopeless(0, 256, CHUNK_KV, ratios, FORMATS, r)
+
+
+def test_hopeless_never_rules_out_a_coded_preset_of_unknown_ratio():
+    """A coded preset the preset table has no ratio for (the entropy presets) may be far smaller than
+    raw: taking it as 1x once made `auto` recompute where compact-ans loaded 1.8-2.1x faster (H200)."""
+    slow = replace(rates(bw=20e6, decode_hevc=1e9), prefill=PrefillModel.linear(1000.0))  # raw: 2 s against 1.02 s of recompute
+    assert hopeless(4, 256, CHUNK_KV, {"raw": 1.0, "q8": 1.0}, FORMATS, slow, allowed={"raw", "q8"})  # as q8 were 1x: ruled out
+    assert not hopeless(4, 256, CHUNK_KV, {"raw": 1.0}, FORMATS, slow, allowed={"raw", "q8"})  # unknown: it may pay
+    assert not hopeless(4, 256, CHUNK_KV, {"raw": 1.0}, FORMATS, replace(slow, ratios={"q8": 5.0}), allowed={"raw", "q8"})
+    assert hopeless(4, 256, CHUNK_KV, {"raw": 1.0, "q8": 5.0}, FORMATS, replace(slow, ratios={"q8": 1.0}), allowed={"raw", "q8"})  # measured wins
+
+
+def test_the_estimator_learns_each_presets_ratio_from_its_fetches():
+    e = Estimator(alpha=0.5)
+    assert e.rates("a").ratios == {}
+    e.observe_fit("a", "q8", "hevc", stored_bytes=2_000_000, kv_bytes=10_000_000, actual_s=0.1)
+    e.observe_fit("a", "q8", "hevc", stored_bytes=5_000_000, kv_bytes=10_000_000, actual_s=0.1)
+    assert e.rates("b").ratios["q8"] == pytest.approx((0.5 * 10e6 + 10e6) / (0.5 * 2e6 + 5e6))  # decayed KV over decayed stored bytes
 
 
 @pytest.mark.parametrize("gbps, expect", [(100, "raw"), (25, "raw"), (10, "q8"), (1, RECOMPUTE)])
@@ -108,7 +128,7 @@ def test_a_ttft_budget_prefers_the_fetch_that_fits_to_a_faster_recompute():
     partial = [{"raw": 10_000_000, "q8": 5_000_000}] + [{"raw": 10_000_000}] * 3
     assert choose(partial, 256, CHUNK_KV, FORMATS, r, budget_s=1.0).preset == "raw"
     # the lookup is skipped only when no fetch could fit either
-    ratios = {"raw": 1.0, "q8": 2.0}
+    ratios = {"raw": 1.0, "q8": 2.0, "exact": 0.8}
     assert hopeless(4, 256, CHUNK_KV, ratios, FORMATS, r) and not hopeless(4, 256, CHUNK_KV, ratios, FORMATS, r, budget_s=0.5)
 
 
@@ -143,9 +163,8 @@ def test_the_fit_tells_fixed_overhead_from_a_slower_rate():
 
 
 def test_hopeless_counts_the_fit():
-    from dataclasses import replace
 
-    ratios = {"raw": 1.0, "q8": 2.0}
+    ratios = {"raw": 1.0, "q8": 2.0, "exact": 0.8}
     r = rates(bw=5e9, tps=1024 / 0.012)  # recompute 12 ms; raw's best case 8 ms
     assert not hopeless(4, 256, CHUNK_KV, ratios, FORMATS, r)
     assert hopeless(4, 256, CHUNK_KV, ratios, FORMATS, replace(r, fit={"raw": Fit(2.0), "q8": Fit(2.0)}))  # measured overheads count

@@ -83,6 +83,7 @@ class Rates:
     list_s: float | None = None  # one round of a lookup's parallel LISTs, measured (None: take the latency)
     format_bandwidth: Mapping[str, float] = field(default_factory=dict)  # by bitstream format, where measured
     overlap: bool = True  # decode pipelined with the download (False: the engine decodes after the sidecar's fetch)
+    ratios: Mapping[str, float] = field(default_factory=dict)  # KV bytes per stored byte, by preset, where measured
 
 
 @dataclass(frozen=True)
@@ -170,9 +171,10 @@ def hopeless(
     """True when even the best case loses to recompute (and misses ``budget_s``, see :func:`choose`),
     so the store need not be asked at all.
 
-    Best case: every chunk stored in every allowed preset, ``slack`` times smaller than its
-    measured ratio says, no latency; the preset's fit (measured overheads) still counts.
-    Optimistic on purpose: a wrong "no" would skip a fetch that pays; a wrong "yes" costs a lookup.
+    Best case: every chunk stored in every allowed preset, ``slack`` times smaller than its ratio
+    (this sidecar's fetches of it, ``rates.ratios``, else the table ``ratios``), no latency; the
+    preset's fit (measured overheads) still counts. A coded preset of unknown ratio is never ruled
+    out. Optimistic on purpose: a wrong "no" would skip a fetch that pays; a wrong "yes" costs a lookup.
     """
     if n_chunks == 0:
         return True
@@ -182,8 +184,10 @@ def hopeless(
     for preset, fmt in formats.items():
         if allowed is not None and preset not in allowed:
             continue
-        ratio = max(ratios.get(preset, 1.0), 1.0)
-        stored = kv / (ratio * slack) if fmt != "raw" else kv  # raw's size is known, a codec's varies with content
+        ratio = rates.ratios.get(preset) or ratios.get(preset)
+        if fmt != "raw" and not ratio:
+            return False  # its size is unknown: it may pay
+        stored = kv / (max(ratio, 1.0) * slack) if fmt != "raw" else kv  # raw's size is known, a codec's varies with content
         fetch = rates.fit.get(preset, NO_FIT).apply(stages(stored / read_rate(fmt, rates), kv / decode_rate(preset, fmt, rates), rates)) + after
         if fetch < recompute_all or (budget_s is not None and fetch <= budget_s):
             return False
@@ -211,6 +215,7 @@ class Estimator:
         self._fit: dict[tuple[str, str | None], tuple[float, ...]] = {}  # (preset, endpoint | None for all)
         self._list: dict[str, float] = {}
         self._fmt_bw: dict[tuple[str, str], tuple[float, float]] = {}  # (format, endpoint)
+        self._ratio: dict[str, tuple[float, float]] = {}  # by preset: KV bytes over stored bytes fetched
         self._seen: set[str] = set()  # bitstream formats this process has fetched
 
     def _ewma(self, table: dict, key, value: float) -> None:
@@ -264,7 +269,9 @@ class Estimator:
                     sharers: float = 1.0) -> Fit:
         """A whole fetch's time against the model's, with the rates as they stand after this fetch
         updated them and the link shared as it was (``sharers``): the fit keeps only what the rates
-        cannot explain. Returns the preset's fit on this endpoint."""
+        cannot explain. Its bytes teach the preset's ratio too. Returns the preset's fit on this endpoint."""
+        if stored_bytes > 0 and kv_bytes > 0:
+            self._add(self._ratio, preset, kv_bytes, stored_bytes)
         if stored_bytes > 0 and kv_bytes > 0 and actual_s > 0:
             r = self.rates(endpoint, sharers=sharers)
             m = fetch_seconds(stored_bytes, kv_bytes, decode_rate(preset, fmt, r), r, fmt=fmt)
@@ -309,5 +316,6 @@ class Estimator:
         decode = {**prior, **{p: v for p in table if (v := self._rate(table, p))}}
         by_format = {fmt: v / share for (fmt, ep) in self._fmt_bw if ep == endpoint and (v := self._rate(self._fmt_bw, (fmt, ep)))}
         fits = {p: self.fit(p, endpoint) for p, _ in self._fit} if engine is None else {}
+        ratios = {p: v for p in self._ratio if (v := self._rate(self._ratio, p))}
         return Rates(self.bandwidth(endpoint) / share, self._lat.get(endpoint, self._prior[1]), decode, prefill, fits,
-                     self._list.get(endpoint), by_format, overlap=engine is None)
+                     self._list.get(endpoint), by_format, overlap=engine is None, ratios=ratios)

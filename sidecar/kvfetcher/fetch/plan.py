@@ -34,8 +34,8 @@ from kvfetcher.store import Store, StoreError
 from kvfetcher.store.index import StoredIndex
 
 LOOKUP_PARALLEL = 16  # LISTs in flight during a listing
-#: measured size ratio vs fp16 per preset, for the no-listing shortcut (1.0 where never measured)
-RATIOS = {p: (measured(p) or {}).get("ratio_vs_fp16", 1.0) for p in PRESETS}
+#: measured size ratio vs fp16 per preset, for the no-listing shortcut (absent where never measured)
+RATIOS = {p: r for p in PRESETS if (r := (measured(p) or {}).get("ratio_vs_fp16"))}  # where the preset table measured one
 #: the bitstream format of every preset this reader can decode (``ans`` only with a GPU and nvCOMP):
 #: the cost model never considers the others, whatever is stored
 FORMATS = {p: PRESETS[p].codec.format for p in PRESETS if codec.decodable(PRESETS[p].codec.format)}
