@@ -99,6 +99,11 @@ def _decode_procs() -> int:
     return 8 if _cuda() else 0
 
 
+def _read_procs() -> int:
+    """4 with CUDA, else 0"""
+    return 4 if _cuda() else 0
+
+
 def _device() -> str:
     """`cuda` with CUDA, else `cpu`"""
     return "cuda" if _cuda() else "cpu"
@@ -199,7 +204,7 @@ IO_WORKERS = Setting("KVFETCHER_IO_WORKERS", int, 32, "Threads for store data I/
 FETCH_WINDOW = Setting("KVFETCHER_FETCH_WINDOW", int, 4, "Chunks one fetch keeps in flight (read, verified, decoded "
                        "or written at once): more overlaps more of a chunk's latency, each holds a staging buffer.")
 FETCH_READS = Setting("KVFETCHER_FETCH_READS", int, 8, "Ranged GETs one fetch keeps in flight (at most the data I/O threads).")
-READ_PROCS = Setting("KVFETCHER_READ_PROCS", int, 0, "Processes that read staged chunk parts (raw and entropy-coded) "
+READ_PROCS = Setting("KVFETCHER_READ_PROCS", int, _read_procs, "Processes that read staged chunk parts (raw and entropy-coded) "
                      "from the store into shared memory, each with its own GIL (0: the data I/O threads read); "
                      "`benchmarks/paged_restore` times it against threads (a tuning's fourth number).")
 DECODE_THREADS = Setting("KVFETCHER_DECODE_THREADS", int, 2, "Threads that decode entropy-coded chunks on the GPU "

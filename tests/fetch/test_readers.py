@@ -70,6 +70,21 @@ def test_a_read_lands_in_shared_staging_and_errors_keep_their_type(tmp_path, rea
         ReadProcs(store.opener(), 0, SharedStaging())
 
 
+def test_closing_the_readers_frees_their_staging(tmp_path):
+    """Kept buffers are freed (on a GPU: unpinned, or a later pool mapping the same addresses is
+    refused by cudaHostRegister), and a buffer given back after the close is freed too."""
+    r = ReadProcs(LocalStore(tmp_path).opener(), 1, SharedStaging())
+    kept, out = r.staging.take(10_000, pinned=False), r.staging.take(10_000, pinned=False)
+    r.staging.give(kept, pinned=False)
+    r.close()
+    with pytest.raises(ValueError, match="no shared staging buffer"):
+        r.staging.place(memoryview(kept.numpy()))
+    r.staging.place(memoryview(out.numpy()))  # still in use: still mapped and known
+    r.staging.give(out, pinned=False)
+    with pytest.raises(ValueError, match="no shared staging buffer"):
+        r.staging.place(memoryview(out.numpy()))
+
+
 def test_a_reader_that_dies_fails_one_read_and_is_replaced(tmp_path, readers):
     store = LocalStore(tmp_path)
     store.put("kv/a", b"x" * 1000)
