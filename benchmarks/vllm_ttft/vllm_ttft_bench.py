@@ -229,37 +229,52 @@ def ttft_cells(a, llm, clients: list, asker, url: str, look: dict, gbit: float, 
     """One context at one link: every method's TTFT and its breakdown (a forced load must load
     the whole stored prefix: on every rank). ``clients[r]``: rank ``r``'s sidecar; ``asker``: whom
     the scheduler asks (:func:`scheduler_call`); ``size``: bytes of one rank's chunk per preset
-    (every rank's bytes cross the one link)."""
-    rows, want = [], (n - 1) // CHUNK * CHUNK
+    (every rank's bytes cross the one link). The methods take turns, one request each per round
+    (``a.repeats`` rounds), so no method always follows the same other one and drift over the cell
+    falls on every method alike."""
+    skipped, runs = {}, {}
     for method, params in methods(a.methods).items():
         preset = (params or {}).get("presets", [None])[0]
         transfer_s = len(clients) * (n // CHUNK) * size[preset] / (gbit * GBIT) if preset else 0.0
         row = dict(link_gbit=gbit, context=n, method=method)
         if transfer_s > a.cap_s:
-            rows.append(dict(row, skipped=f"transfer alone {transfer_s:.0f} s > cap"))
-            continue
-        if phase_left() < 45 + a.repeats * (2 * transfer_s + a.cap_s):  # leave time to write what was measured
-            rows.append(dict(row, skipped="not run: the phase's time ran out"))
-            continue
-        samples = []
-        for _ in range(a.repeats):
+            skipped[method] = dict(row, skipped=f"transfer alone {transfer_s:.0f} s > cap")
+        elif phase_left() < 45 + sum(a.repeats * (2 * t + a.cap_s) for _, _, t, _ in runs.values()) + a.repeats * (2 * transfer_s + a.cap_s):
+            skipped[method] = dict(row, skipped="not run: the phase's time ran out")  # leave time to write what was measured
+        else:
+            runs[method] = (params, preset, transfer_s, [])
+    for _ in range(a.repeats):
+        for params, _, transfer_s, samples in runs.values():
             warm_ranks(clients, prompt[:-1], **look)  # the node has seen this prefix (untimed)
             probe = Probe(clients if len(clients) > 1 else clients[0], url)
             s, [(_, cached)] = generate(llm, [prompt], 1, params, a.call_timeout_s + 2 * transfer_s)
             samples.append((s, cached, probe.delta()))
-        s, cached, d = sorted(samples, key=lambda x: x[0])[len(samples) // 2]  # the median sample, with its breakdown
-        t = time.perf_counter()
-        scheduler_call(asker, prompt[:-1], look)  # the scheduler's call for this prompt, timed on its own after the cell
-        call_s = time.perf_counter() - t
-        per_rank = dict(ranks_loaded_tokens=[r["loaded_tokens"] for r in d["ranks"]]) if "ranks" in d else {}
-        rows.append(dict(row, ttft_s=round(s, 4), ttft_samples_s=[round(x[0], 4) for x in samples], loaded_tokens=cached,
-                         loaded_samples=[x[1] for x in samples], **per_rank, **breakdown(s, d), lookup_call_s=round(call_s, 4), sidecar=d))
-        flag = "" if (cached == want) == (preset is not None) or method == "auto" else f"  <- expected {want if preset else 0}"
+    rows = []
+    for method in methods(a.methods):
+        if method in skipped:
+            rows.append(skipped[method])
+            continue
+        _, preset, _, samples = runs[method]
+        rows.append(cell_row(dict(link_gbit=gbit, context=n, method=method), samples, asker, prompt, look))
         b = rows[-1]
-        print(f"{gbit:>6g} Gbit/s (delivered {b['delivered_gbit'] or 0:6.2f}) {n:>6} tokens {method:>12}: {s:7.3f} s, loaded {cached}"
-              f" [lookup {b['lookup_s']:.3f} wait {b['wait_s']:.3f} download {b['download_s']:.3f} decode {b['decode_s']:.3f} "
-              f"restore {b['restore_s']:.3f} prefill {b['prefill_s']:.3f}]{flag}", flush=True)
+        want = (n - 1) // CHUNK * CHUNK
+        flag = "" if (b["loaded_tokens"] == want) == (preset is not None) or method == "auto" else f"  <- expected {want if preset else 0}"
+        print(f"{gbit:>6g} Gbit/s (delivered {b['delivered_gbit'] or 0:6.2f}) {n:>6} tokens {method:>12}: {b['ttft_s']:7.3f} s, loaded "
+              f"{b['loaded_tokens']} [lookup {b['lookup_s']:.3f} wait {b['wait_s']:.3f} download {b['download_s']:.3f} decode "
+              f"{b['decode_s']:.3f} restore {b['restore_s']:.3f} prefill {b['prefill_s']:.3f}]{flag}", flush=True)
     return rows
+
+
+def cell_row(row: dict, samples: list[tuple], asker, prompt: list[int], look: dict) -> dict:
+    """A cell's row from its ``samples`` (TTFT s, tokens loaded, sidecar delta): the median sample,
+    with its breakdown, and the scheduler's call for the prompt timed on its own after the cell."""
+    s, cached, d = sorted(samples, key=lambda x: x[0])[len(samples) // 2]
+    t = time.perf_counter()
+    scheduler_call(asker, prompt[:-1], look)
+    call_s = time.perf_counter() - t
+    per_rank = dict(ranks_loaded_tokens=[r["loaded_tokens"] for r in d["ranks"]]) if "ranks" in d else {}
+    return dict(row, ttft_s=round(s, 4), ttft_samples_s=[round(x[0], 4) for x in samples], loaded_tokens=cached,
+                loaded_samples=[x[1] for x in samples], **per_rank, **breakdown(s, d), lookup_call_s=round(call_s, 4), sidecar=d)
 
 
 # --- main ----------------------------------------------------------------------------------------
