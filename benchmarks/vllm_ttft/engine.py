@@ -109,6 +109,24 @@ def stored_presets() -> list[str]:
     return ["raw", "balanced", "balanced-ans", "compact-ans"] if on_gpu() else ["raw", "balanced"]
 
 
+def methods(only: str | None = None) -> dict[str, dict | None]:
+    """recompute, every stored preset forced, and the cost model's choice (``only``: those of
+    these names, comma-separated; ``ValueError`` for a name that is none of them)."""
+    every = {"recompute": None, **{p: {"presets": [p], "ttft_budget_s": FORCE} for p in stored_presets()}, "auto": {}}
+    if only is None:
+        return every
+    names = only.split(",")
+    if unknown := [n for n in names if n not in every]:
+        raise ValueError(f"unknown methods {unknown}: choose among {list(every)}")
+    return {n: every[n] for n in names}
+
+
+def presets_of(chosen: dict[str, dict | None]) -> list[str]:
+    """The presets to store for ``chosen`` methods: those forced, or (none forced: ``auto`` alone
+    and recompute) every stored preset, for ``auto`` to choose among."""
+    return [p["presets"][0] for p in chosen.values() if p] or stored_presets()
+
+
 def rank_namespace(ns, rank: int, tp: int):
     """Tensor-parallel rank ``rank``'s namespace of the model's ``ns`` (its whole KV geometry): the
     rank's KV heads (``kv_heads // tp``) under ``tp_rank``, as rank ``rank``'s worker registers its
@@ -158,13 +176,14 @@ def store_prefixes(root: Path, prefixes: list[list[int]], ns, shape: ModelShape,
 
 @contextlib.contextmanager
 def s3_sidecar(work: Path, name: str, prefixes: list[list[int]], ns, shape: ModelShape, workers: int, *, link_procs: int = 0,
-               writes: str = "raw", discard_puts: bool = False):
-    """The prefixes stored (:func:`store_prefixes`), ``linkserver`` serving them over one paced
-    link (``link_procs`` server processes; 0: :func:`linkserver.default_procs`) and a sidecar
-    reading it and writing new prefixes in ``writes`` through it (saves on, as deployed;
+               writes: str = "raw", discard_puts: bool = False, presets: list[str] | None = None):
+    """The prefixes stored in ``presets`` (:func:`store_prefixes`), ``linkserver`` serving them over
+    one paced link (``link_procs`` server processes; 0: :func:`linkserver.default_procs`) and a
+    sidecar reading it and writing new prefixes in ``writes`` through it (saves on, as deployed;
     ``discard_puts``: the server counts uploads without keeping them): yields (sidecar, link url,
     bytes of a chunk per preset)."""
-    with s3_sidecars(work, name, prefixes, ns, shape, workers, link_procs=link_procs, writes=writes, discard_puts=discard_puts) as (scs, url, size):
+    with s3_sidecars(work, name, prefixes, ns, shape, workers, link_procs=link_procs, writes=writes, discard_puts=discard_puts,
+                     presets=presets) as (scs, url, size):
         yield scs[0], url, size
 
 

@@ -13,6 +13,8 @@ then one request of the stored ``prefix`` tokens plus ``suffix`` fresh ones arri
   NVDEC on a GPU, its CPU decoder here), with a TTFT budget no load exceeds;
 * ``auto``: the cost model's choice.
 
+``--methods`` narrows the paths but ``baseline``, and only the presets it forces are stored.
+
 The window of a request is its arrival to its first token. The decoding streams' inter-token
 times (TPOT) that overlap the window (:func:`window_gaps`) give the sample's p50 / p99 / mean /
 max; each path runs ``--repeats`` times (interleaved: one of each path per round) and reports the
@@ -29,8 +31,8 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.vllm_ttft.engine import (CHUNK, FORCE, GBIT, Probe, breakdown, connector, kv_dtype, on_gpu, phase_left, read_metrics, s3_sidecar, shape_of,
-                                         stored_presets, timing_model, warm_index, watchdog)
+from benchmarks.vllm_ttft.engine import (CHUNK, GBIT, Probe, breakdown, connector, kv_dtype, methods, on_gpu, phase_left, presets_of, read_metrics,
+                                         s3_sidecar, shape_of, timing_model, warm_index, watchdog)
 
 TARGET_P50 = 1.05  # the target: a load may slow the decodes beside it by 5% at p50 at most
 SHADOWSERVE = 2.2  # ShadowServe: decompression on the GPU slows decoding by up to 2.2x
@@ -61,10 +63,11 @@ def workload(a) -> dict:
     return w
 
 
-def paths() -> dict[str, dict | None | bool]:
-    """Each path's ``kv_transfer_params``: ``baseline`` False (no request), ``recompute`` None (no
-    cached KV read), every stored preset forced, ``auto`` {} (the cost model)."""
-    return {"baseline": False, "recompute": None, **{p: {"presets": [p], "ttft_budget_s": FORCE} for p in stored_presets()}, "auto": {}}
+def paths(only: str | None = None) -> dict[str, dict | None | bool]:
+    """Each path's ``kv_transfer_params``: ``baseline`` False (no request), then the methods
+    (``only``: those named, as ``--methods`` says): ``recompute`` None (no cached KV read), every
+    stored preset forced, ``auto`` {} (the cost model)."""
+    return {"baseline": False, **methods(only)}
 
 
 # --- the pure part: inter-token times in a window, and their summary -----------------------------
@@ -238,12 +241,12 @@ async def measure(a, model_dir: Path, opts: dict, sc, url: str, look: dict, prom
         engine = AsyncLLM.from_engine_args(args)
     client, samples = sc.client(), []
     try:
-        with watchdog(a.call_timeout_s * (len(paths()) + 1), "the warm-up"):
-            for path, params in paths().items():  # kernels, decoders, the prefill rate auto is fed, the index
+        with watchdog(a.call_timeout_s * (len(paths(a.methods)) + 1), "the warm-up"):
+            for path, params in paths(a.methods).items():  # kernels, decoders, the prefill rate auto is fed, the index
                 await asyncio.to_thread(warm_index, client, prompt[:w["prefix"]], **look)
                 await sample(engine, f"warm-{path}", path, params, prompt, streams, dict(w, base_window_s=0.2), a.call_timeout_s)
         for rep in range(a.repeats):
-            for path, params in paths().items():
+            for path, params in paths(a.methods).items():
                 if phase_left() < 60:
                     print(f"interference: the phase's time ran short; stopped before round {rep} {path}", flush=True)
                     return {"samples": samples, "max_num_batched_tokens": _batched(engine), "stopped_early": True}
@@ -277,7 +280,7 @@ def phase_interference(a, work: Path) -> dict:
     prompt = [rng.randrange(100, shape.vocab - 1) for _ in range(w["prefix"] + w["suffix"])]
     ns = keys.Namespace(model=fetchkit.FINGERPRINT, dtype=kv_dtype(), shape=(shape.layers, shape.kv_heads, shape.head_dim))
     with s3_sidecar(work, "interference", [prompt[:w["prefix"]]], ns, shape, a.workers, link_procs=a.link_procs,
-                    discard_puts=on_gpu()) as (sc, url, size):
+                    discard_puts=on_gpu(), presets=presets_of(methods(a.methods))) as (sc, url, size):
         linkserver.set_rate(url, w["link"] * GBIT)
         res = asyncio.run(measure(a, model_dir, opts, sc, url, dict(model=ns.model, dtype=ns.dtype, kv_shape=ns.shape), prompt, w))
     return {"model": model_dir.name, "kv_dtype": ns.dtype, "workload": w, "chunk_tokens": CHUNK, "object_bytes_per_chunk": size,

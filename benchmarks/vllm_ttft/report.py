@@ -97,15 +97,21 @@ def load(res: dict) -> str:
     w = res["workload"]
     out = ["# vllm_ttft: under load\n", _head(res),
            f"{w['requests']} requests at {w['rate']}/s, {int(w['shared'] * 100)}% one of {w['prefixes']} stored {w['prefix']}-token prefixes "
-           f"plus {w['suffix']} fresh tokens, {w['output']} output tokens each, link {w['link']} Gbit/s. `recompute` passes the connector by "
-           f"(no lookup, load or save); `kvfetcher` (`auto`) saves as deployed (the sidecar writes `{res.get('writes')}`"
-           f"{'; the link server counts uploads without keeping them' if res.get('discard_puts') else ''}).\n\n",
+           f"plus {w['suffix']} fresh tokens, {w['output']} output tokens each, link {w['link']} Gbit/s. Three passes, in the table's order: "
+           "`recompute` passes the connector by (no lookup, load or save); `kvfetcher-nosave` looks up and loads as deployed but saves "
+           "nothing (each request's `kv_transfer_params` say `\"store\": false`); `kvfetcher` saves as deployed (the sidecar writes "
+           f"`{res.get('writes')}`{'; the link server counts uploads without keeping them' if res.get('discard_puts') else ''}). "
+           f"Both kvfetcher passes are `auto` among the presets stored: {', '.join(res.get('stored_presets') or ['(not recorded)'])}. "
+           "`uploaded objects` counts every upload the link server took, the sidecar's small access records too.\n\n",
            "| method | TTFT p50 s | TTFT p99 s | shared p50 s | shared p99 s | output tokens/s | tokens loaded | lookups | lookup s "
            "(sum) | lookup p50 / p99 ≤ s (buckets) | stored chunks | uploaded objects | dropped chunks | delivered Gbit/s |\n"
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"]
-    for m in ("recompute", "kvfetcher"):
+    for m in ("recompute", "kvfetcher-nosave", "kvfetcher"):
         r = res.get(m)
         if not r:
+            continue
+        if r.get("skipped"):
+            out.append(f"| {m} | {r['skipped']} |\n")
             continue
         s = r.get("sidecar", {})
         out.append(f"| {m} | {_f(r['ttft_p50_s'])} | {_f(r['ttft_p99_s'])} | {_f(r['shared_ttft_p50_s'])} | {_f(r['shared_ttft_p99_s'])} | "

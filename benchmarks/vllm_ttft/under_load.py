@@ -2,17 +2,23 @@
 arrival rate, most of them a long shared prefix (stored beforehand) plus a fresh suffix, each
 decoding ``output`` tokens, so that prefills arrive beside ongoing decodes.
 
-The same stream runs twice through one ``AsyncLLM`` (vLLM's prefix cache off, so every reuse is
-kvfetcher's): ``recompute`` (no cached KV read) and ``kvfetcher`` (the cost model's choice at the
-link ``--load-link`` Gbit/s, fed the prefill rate the recompute pass taught the connector). The
-two passes share arrivals and stored prefixes; their fresh tokens differ (else the second would
-load what the first saved). ``recompute`` requests (``skip_reading_prefix_cache``) pass the
+The same stream runs three times through one ``AsyncLLM`` (vLLM's prefix cache off, so every
+reuse is kvfetcher's), in the order of :data:`PASSES`: ``recompute`` (no cached KV read),
+``kvfetcher-nosave`` (lookups and loads as deployed, no save) and ``kvfetcher`` (as deployed,
+saves on); the last two take the cost model's choice at the link ``--load-link`` Gbit/s among the
+stored presets (``--methods``; default all), fed the prefill rate the passes before taught the
+connector. The passes share arrivals and stored prefixes; their fresh tokens differ (else a pass
+would load what one before saved). ``recompute`` requests (``skip_reading_prefix_cache``) pass the
 connector by: no lookup, no load, no save (vLLM alone but for the connector's per-step hooks).
-``kvfetcher`` runs as deployed, saves on: every prefill's new chunks go to the sidecar, which
-writes them (``raw``) through the link server (on a GPU the server counts the uploads without
-keeping their bytes: tens of GB). Reported per method: TTFT p50 / p99 (all
-requests, and those with a stored prefix), output tokens/s over the stream, the tokens loaded,
-and the sidecar's side (lookups, listing seconds, loads, chunks stored, uploads, drops).
+``kvfetcher-nosave`` requests say ``"store": false`` in their ``kv_transfer_params`` (one engine
+cannot change its ``kv_role`` between passes; a second engine would start without the prefill
+model the first pass taught it): against ``recompute`` the lookups' and loads' cost, against
+``kvfetcher`` the saves'. It runs before ``kvfetcher``, so no pass without saves follows the
+sidecar's uploads. ``kvfetcher``'s prefills' new chunks go to the sidecar, which writes them
+(``raw``) through the link server (on a GPU the server counts the uploads without keeping their
+bytes: tens of GB). Reported per pass: TTFT p50 / p99 (all requests, and those with a stored
+prefix), output tokens/s over the stream, the tokens loaded, and the sidecar's side (lookups,
+listing seconds, loads, chunks stored, uploads, drops).
 
 Then the lookup's own cost (:func:`lookup_cost`): the scheduler's call (``KVClient.lookup``, as
 the connector's ``get_num_new_matched_tokens`` makes it) timed from a client against the running
@@ -27,7 +33,8 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.vllm_ttft.engine import GBIT, Probe, connector, kv_dtype, metric, on_gpu, phase_left, read_metrics, s3_sidecar, shape_of, timing_model, warm_index, watchdog
+from benchmarks.vllm_ttft.engine import (GBIT, Probe, connector, kv_dtype, methods, metric, on_gpu, phase_left, presets_of, read_metrics, s3_sidecar,
+                                         shape_of, timing_model, warm_index, watchdog)
 
 # the workload: prompt = one of `prefixes` stored prefixes of `prefix` tokens (a `shared` share of the
 # requests; the others a fresh prompt as long) + `suffix` fresh tokens; `output` tokens decoded each
@@ -35,6 +42,9 @@ WORKLOAD = {
     False: dict(prefixes=8, prefix=16384, suffix=512, shared=0.8, output=128, rate=1.0, requests=48, link=25.0),
     True: dict(prefixes=3, prefix=768, suffix=64, shared=0.8, output=16, rate=0.3, requests=10, link=1.0),
 }
+
+#: the passes in their order: each one's ``kv_transfer_params`` (None: ``skip_reading_prefix_cache``) and the seed of its fresh tokens
+PASSES = {"recompute": (None, 4), "kvfetcher-nosave": ({"store": False}, 6), "kvfetcher": ({}, 5)}
 
 
 def add_args(ap) -> None:
@@ -99,10 +109,14 @@ async def replay(a, model_dir: Path, opts: dict, sc, url: str, fingerprint: str,
     res = {}
     client = sc.client()
     try:
-        for method, params in (("recompute", None), ("kvfetcher", {})):
-            reqs = streams[method]
+        for method, (params, _) in PASSES.items():
+            reqs, stream_s = streams[method], w["requests"] / w["rate"]
+            if phase_left() < stream_s + 60:  # a pass killed midway would lose the passes before it: none is started
+                res[method] = {"skipped": "not run: the phase's time ran out"}
+                print(f"under load, {method}: {res[method]['skipped']}", flush=True)
+                continue
             probe = Probe(client, url)
-            with watchdog(w["requests"] / w["rate"] + 3 * a.call_timeout_s, f"the {method} stream"):
+            with watchdog(stream_s + 3 * a.call_timeout_s, f"the {method} stream"):
                 t0 = time.perf_counter() + 0.5
                 got = await asyncio.gather(*(one(engine, f"{method}-{i}", t0 + at, p, params, w["output"])
                                              for i, (at, p, _) in enumerate(reqs)))
@@ -110,7 +124,7 @@ async def replay(a, model_dir: Path, opts: dict, sc, url: str, fingerprint: str,
             d = probe.delta()
             res[method] = dict(summary(reqs, got, t0), sidecar=d,
                                delivered_gbit=round(d["link_bytes_sent"] * 8 / d["read_s"] / 1e9, 3) if d["read_s"] > 0 else None)
-            print(f"under load, {method:>9}: {res[method]}", flush=True)
+            print(f"under load, {method:>16}: {res[method]}", flush=True)
     finally:
         client.close()
         engine.shutdown()
@@ -179,11 +193,12 @@ def phase_load(a, work: Path) -> dict:
     rng = random.Random(2)
     prefixes = [[rng.randrange(100, shape.vocab - 1) for _ in range(w["prefix"])] for _ in range(w["prefixes"])]
     long_prefix = [rng.randrange(100, shape.vocab - 1) for _ in range(131072)]  # the lookup cost's stored 128K prompt
-    streams = {m: stream(random.Random(3), prefixes, w, shape.vocab, random.Random(seed)) for m, seed in (("recompute", 4), ("kvfetcher", 5))}
+    streams = {m: stream(random.Random(3), prefixes, w, shape.vocab, random.Random(seed)) for m, (_, seed) in PASSES.items()}
+    presets = presets_of(methods(a.methods))  # what auto may choose among
     ns = keys.Namespace(model=fetchkit.FINGERPRINT, dtype=kv_dtype(), shape=(shape.layers, shape.kv_heads, shape.head_dim))
     discard = on_gpu() and not a.keep_puts
     with s3_sidecar(work, "load", prefixes + [long_prefix], ns, shape, a.workers, link_procs=a.link_procs, writes="raw",
-                    discard_puts=discard) as (sc, url, size):
+                    discard_puts=discard, presets=presets) as (sc, url, size):
         client = sc.client()
         for p in prefixes:  # the node has seen the shared prefixes (untimed)
             warm_index(client, p, model=ns.model, dtype=ns.dtype, kv_shape=ns.shape)
@@ -191,5 +206,5 @@ def phase_load(a, work: Path) -> dict:
         linkserver.set_rate(url, w["link"] * GBIT)
         res = asyncio.run(replay(a, model_dir, opts, sc, url, ns.model, streams, w))
         res["lookup_cost"] = lookup_cost(sc, ns, long_prefix, shape.vocab, a.lookup_reps)
-    return {"model": model_dir.name, "kv_dtype": ns.dtype, "workload": w, "object_bytes_per_chunk": size, "writes": "raw",
-            "discard_puts": discard, **res}
+    return {"model": model_dir.name, "kv_dtype": ns.dtype, "workload": w, "object_bytes_per_chunk": size, "stored_presets": presets,
+            "writes": "raw", "discard_puts": discard, **res}

@@ -43,29 +43,10 @@ from pathlib import Path
 
 from benchmarks.vllm_ttft import interference
 from benchmarks.vllm_ttft import peers, report, under_load
-from benchmarks.vllm_ttft.engine import (CHUNK, FORCE, GBIT, TIMING_MODELS, Probe, breakdown, generate, kv_dtype, on_gpu, run_phases, s3_sidecars, shape_of,
-                                         sidecar, smollm2_dir, socket_template, spawn_workers, phase_left, start_llm, stored_presets, timing_model,
-                                         ttft_prompts, wait_stored, warm_index, warm_ranks)
+from benchmarks.vllm_ttft.engine import (CHUNK, FORCE, GBIT, TIMING_MODELS, Probe, breakdown, generate, kv_dtype, methods, on_gpu, presets_of,
+                                         run_phases, s3_sidecars, shape_of, sidecar, smollm2_dir, socket_template, spawn_workers, phase_left,
+                                         start_llm, timing_model, ttft_prompts, wait_stored, warm_index, warm_ranks)
 from kvfetcher.api.group import RankGroup
-
-
-
-def methods(only: str | None = None) -> dict[str, dict | None]:
-    """recompute, every stored preset forced, and the cost model's choice (``only``: those of
-    these names, comma-separated; ``ValueError`` for a name that is none of them)."""
-    every = {"recompute": None, **{p: {"presets": [p], "ttft_budget_s": FORCE} for p in stored_presets()}, "auto": {}}
-    if only is None:
-        return every
-    names = only.split(",")
-    if unknown := [n for n in names if n not in every]:
-        raise ValueError(f"unknown methods {unknown}: choose among {list(every)}")
-    return {n: every[n] for n in names}
-
-
-def presets_of(chosen: dict[str, dict | None]) -> list[str]:
-    """The presets to store for ``chosen`` methods: those forced, or (none forced: ``auto`` alone
-    and recompute) every stored preset, for ``auto`` to choose among."""
-    return [p["presets"][0] for p in chosen.values() if p] or stored_presets()
 
 
 GROUPS = {"identity": ["identity-store", "identity-load"], "ttft": ["ttft"], "load": ["load"], "peers": [f"peer-{m}" for m in peers.PEERS],
@@ -295,8 +276,9 @@ def main() -> None:
     ap.add_argument("--contexts", help="prompt tokens (default 8192,16384,32768,65536; --tiny 512,1024)")
     ap.add_argument("--links", help="Gbit/s (default 100,25,10,1; --tiny 1,0.1)")
     ap.add_argument("--cap-s", type=float, default=12.0, help="skip a forced load whose transfer alone takes longer")
-    ap.add_argument("--methods", help="ttft methods timed, comma-separated (default: recompute, every stored preset, auto); only the "
-                    "presets forced are stored (none forced: all of them, for auto)")
+    ap.add_argument("--methods", help="methods, comma-separated (default: recompute, every stored preset, auto): those the ttft and "
+                    "interference phases time; the load phase's auto chooses among their presets. Only the presets named are stored "
+                    "(none named: all of them, for auto)")
     ap.add_argument("--repeats", type=int, default=3, help="requests per ttft cell; the cell reports the median (--tiny: 1)")
     ap.add_argument("--workers", type=int, default=8, help="processes encoding the balanced chunks")
     ap.add_argument("--link-procs", type=int, default=0, help="link server processes sharing the link (0: half the cores, 1 to 8)")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.vllm_ttft import report
-from benchmarks.vllm_ttft.interference import TARGET_P50, decisions, gap_stats, summarise, token_gaps, window_gaps, workload
+from benchmarks.vllm_ttft.interference import TARGET_P50, decisions, gap_stats, paths, summarise, token_gaps, window_gaps, workload
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PY = Path(os.environ.get("VLLM_PYTHON") or ROOT / ".venv-vllm" / "bin" / "python")
@@ -80,6 +80,15 @@ def test_the_workload_takes_overrides_in_whole_chunks_and_refuses_an_empty_one()
     assert workload(argparse.Namespace(tiny=True, interference_streams=None, interference_prefix=None, interference_link=None))["streams"] == 2
     with pytest.raises(ValueError):
         workload(argparse.Namespace(tiny=True, interference_streams=None, interference_prefix=100, interference_link=None))
+
+
+def test_the_paths_are_the_baseline_and_the_methods_named():
+    from benchmarks.vllm_ttft.engine import stored_presets
+
+    assert list(paths()) == ["baseline", "recompute", *stored_presets(), "auto"]
+    assert paths("raw,auto") == {"baseline": False, "raw": {"presets": ["raw"], "ttft_budget_s": 1e6}, "auto": {}}
+    with pytest.raises(ValueError, match="unknown methods"):
+        paths("baseline")
 
 
 def test_the_interference_report_shows_each_path_against_the_target():

@@ -16,6 +16,7 @@ PARSE = "from kvfetcher.integrations.vllm_meta import Options\nprint(Options.par
     ({"lookup_timeout_s": -1}, ["'lookup_timeout_s'"]),
     ({"lookup_stake": "much"}, ["'lookup_stake'", "much"]),
     ({"sokcet": "/run/x"}, ["sokcet", "unknown"]),
+    ({"stores": False}, ["stores", "unknown"]),  # vLLM's kv_role says it, not kv_connector_extra_config
 ])
 def test_bad_options_are_refused_naming_the_key(extra, words):
     run = run_without_vllm(PARSE.format(extra=extra))

@@ -28,3 +28,52 @@ def test_unknown_presets_in_a_request_make_it_recompute():
     run = run_without_vllm(CODE)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split("\n")[:3] == ["(0, False) (0, False)"] * 3, run.stdout
+
+
+STORES = r'''
+import time
+from types import SimpleNamespace
+import torch
+from kvfetcher.integrations.vllm_meta import Options
+from kvfetcher.integrations.vllm_scheduler import SchedulerSide
+
+spec = SimpleNamespace(block_size=16, dtype=torch.bfloat16, num_kv_heads=2, head_size=64)
+kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["l0", "l1"])])
+
+
+def stored(role, params):
+    """The tokens the scheduler asks the workers to store of one finished 600-token prefill, and its lookups."""
+    vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1), kv_transfer_config=SimpleNamespace(kv_role=role),
+                                  model_config=SimpleNamespace(model="m"))
+    s = SchedulerSide(vllm_config, kv_cache_config, Options.parse({"socket": "/nonexistent/kvfetcher.sock"}, vllm_config))
+    s.client.chunk_tokens = 256  # as learnt from a sidecar's reply
+    looked, lookup = [], s._lookup
+    s._lookup = lambda *a: looked.append(1) or lookup(*a)
+    prompt = list(range(600))
+    request = SimpleNamespace(request_id="r", prompt_token_ids=prompt, kv_transfer_params=params, skip_reading_prefix_cache=False)
+    while s.matched(request, 0) == (None, False):  # the lookup in flight
+        time.sleep(0.001)
+    new = SimpleNamespace(req_id="r", num_computed_tokens=0, block_ids=(list(range(40)),), prompt_token_ids=prompt)
+    none = SimpleNamespace(req_ids=[], num_computed_tokens=[], new_block_ids=[], resumed_req_ids=set())
+    out = SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=none, num_scheduled_tokens={"r": 600},
+                          total_num_scheduled_tokens=600, preempted_req_ids=set())
+    meta = s.step(out)
+    held = s.finished("r", True)
+    s.close()
+    return [len(x.tokens) for x in meta.stores], len(looked), held
+
+for role, params in (("kv_both", {}), ("kv_consumer", {}), ("kv_both", {"store": False}), ("kv_producer", {}), ("kv_both", {"store": "no"})):
+    print(role, params, *stored(role, params))
+'''
+
+
+def test_a_consumer_role_or_a_request_saying_store_false_stores_nothing_and_a_producer_looks_nothing_up():
+    run = run_without_vllm(STORES)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.splitlines() == [
+        "kv_both {} [512] 1 True",  # as deployed: looked up, its two whole chunks stored (its blocks held for the copy)
+        "kv_consumer {} [] 1 False",  # loads only: looked up, nothing stored
+        "kv_both {'store': False} [] 1 False",  # the request's own "do not store this"
+        "kv_producer {} [512] 0 True",  # stores only: no lookup
+        "kv_both {'store': 'no'} [] 0 False",  # refused params: the request's own recompute, not stored
+    ], run.stdout

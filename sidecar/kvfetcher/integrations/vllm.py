@@ -10,7 +10,8 @@ Configured the ordinary way (vLLM 0.26 and 0.32 checked; see docs/operations.md)
 vLLM builds one instance in the scheduler and one per worker; each delegates to its side:
 :class:`~kvfetcher.integrations.vllm_scheduler.SchedulerSide` (lookups, block tables, stores to ask
 for, KV events, the engine's prefill model) and :class:`~kvfetcher.integrations.vllm_worker.WorkerSide`
-(registers the KV cache, fetches and stores in background threads). Contract with the engine: a fetch
+(registers the KV cache, fetches and stores in background threads). ``kv_role``: ``kv_both`` loads
+and stores, ``kv_consumer`` only loads, ``kv_producer`` only stores. Contract with the engine: a fetch
 is asynchronous and reports its request finished only when it is over; blocks it did not write are
 reported as load errors, so vLLM recomputes them and never reads an unverified block. A failing or
 absent sidecar makes every request a plain recompute.

@@ -16,6 +16,17 @@ from kvfetcher.api.client import KVClient
 from kvfetcher.fetch.plan import FetchOptions, FetchPlan
 
 MIN_TIMED_TOKENS = 256  # a step computing fewer tokens times overheads, not the prefill rate
+ROLE_FIELDS = ("loads", "stores")  # the options vLLM's kv_role sets
+
+
+def role(kv_transfer_config) -> dict[str, bool]:
+    """What vLLM's ``kv_role`` lets the connector do, as :class:`Options` fields: ``kv_consumer``
+    loads and never stores, ``kv_producer`` stores and never looks up or loads, ``kv_both`` (or
+    no config) both."""
+    name = getattr(kv_transfer_config, "kv_role", None) or "kv_both"
+    if name not in ("kv_consumer", "kv_producer", "kv_both"):
+        raise ValueError(f"kvfetcher: kv_role {name!r} is none of kv_consumer, kv_producer, kv_both")
+    return {"loads": name != "kv_producer", "stores": name != "kv_consumer"}
 
 
 def _presets(given: Any) -> tuple[str, ...]:
@@ -46,10 +57,13 @@ class Options:
     fetch_deadline_s: float | None = None  # a fetch's deadline (default: the sidecar's KVFETCHER_DEADLINE_S)
     # host staging (a CPU cache, or a GPU the sidecar cannot open): token slots of the buffer KV goes through, in windows
     staging_tokens: int = 8192
+    # from vLLM's kv_role, not kv_connector_extra_config: kv_consumer loads only, kv_producer stores only, kv_both both
+    loads: bool = True
+    stores: bool = True
 
     @classmethod
     def parse(cls, extra: dict[str, Any], vllm_config=None) -> "Options":
-        known = {f.name: f for f in dataclasses.fields(cls)}
+        known = {f.name: f for f in dataclasses.fields(cls) if f.name not in ROLE_FIELDS}
         unknown = sorted(set(extra) - set(known))
         if unknown:
             raise ValueError(f"kvfetcher: unknown kv_connector_extra_config key(s) {unknown}; known: {sorted(known)}")
@@ -72,7 +86,7 @@ class Options:
         kw.setdefault("model", config.MODEL.read() or (vllm_config.model_config.model if vllm_config else ""))
         if kw.get("ttft_budget_s") is None:
             kw["ttft_budget_s"] = config.TTFT_BUDGET_S.read()
-        return cls(**kw)
+        return cls(**kw, **role(getattr(vllm_config, "kv_transfer_config", None)))
 
     def client(self, timeout_s: float = 60.0, rank: int = 0) -> KVClient:
         """A client of tensor-parallel rank ``rank``'s sidecar."""

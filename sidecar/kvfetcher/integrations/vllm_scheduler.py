@@ -12,6 +12,9 @@
   (``build_connector_meta``) hands the workers the fetches and, for each request whose prefill ends in
   this step, a :class:`StoreSpec` of its whole chunks; :meth:`finished` holds the request's blocks
   until its store has copied them.
+* vLLM's ``kv_role`` (:func:`~kvfetcher.integrations.vllm_meta.role`): ``kv_consumer`` never asks
+  for a store, ``kv_producer`` never looks up (nor loads); a request's ``kv_transfer_params``
+  ``{"store": false}`` is never stored.
 * :meth:`report` reads the workers' report: stored chunks become ``BlockStored`` events (medium
   ``OBJ``) for KV-aware routers, timed steps teach the engine's prefill model
   (:class:`~kvfetcher.fetch.prefill.PrefillFit`, fed what :meth:`step` saw each request compute
@@ -52,6 +55,7 @@ class _Request:
     local: int = 0  # vLLM's own prefix-cache hit when the load was decided
     blocks: list[int] = field(default_factory=list)  # the block table
     storing: bool = False  # a store was asked for: its blocks stay until the workers copied them
+    store: bool = True  # its prefill may be stored (the connector's role and the request's own ``store``)
 
 
 class SchedulerSide:
@@ -88,6 +92,14 @@ class SchedulerSide:
         return FetchOptions(presets=tuple(presets) if presets else None, ttft_budget_s=own.get("ttft_budget_s", self.options.ttft_budget_s),
                             prefill_model=model, recompute_tokens_per_s=self.options.recompute_tokens_per_s,
                             wait_s=self.options.listing_wait_s)
+
+    def _stores(self, request) -> bool:
+        """Whether the request's prefill is stored: the role stores (not ``kv_consumer``) and its
+        ``kv_transfer_params`` do not say ``"store": false`` (``ValueError`` for a value not a bool)."""
+        own = (getattr(request, "kv_transfer_params", None) or {}).get("store", True)
+        if not isinstance(own, bool):
+            raise ValueError(f"kv_transfer_params 'store' must be true or false, not {own!r}")
+        return self.options.stores and own
 
     def _lookup(self, request, options: FetchOptions) -> _Request:
         """The request's plan (in a lookup thread: the sidecar answers from its index of the store)."""
@@ -129,7 +141,8 @@ class SchedulerSide:
     def matched(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """vLLM's ``get_num_new_matched_tokens``: never waits more than ``lookup_wait_s`` for the
         sidecar. A lookup still in flight answers None (vLLM asks again at its next step, the
-        request waiting meanwhile); one not answered in time (:meth:`_patience`) recomputes."""
+        request waiting meanwhile); one not answered in time (:meth:`_patience`) recomputes. A role
+        that does not load (``kv_producer``) asks nothing: every request recomputes (and is stored)."""
         if getattr(request, "skip_reading_prefix_cache", False):  # a plain recompute (vLLM 0.26 still asks the connector)
             return 0, False
         rid = request.request_id
@@ -137,15 +150,19 @@ class SchedulerSide:
         if r is None:
             model = self.prefill_model()
             try:
-                options = self._options(request, model)
+                options, store = self._options(request, model), self._stores(request)
             except (TypeError, ValueError) as e:  # a request's bad kv_transfer_params: its own recompute, not the engine's failure
-                self._warn("kvfetcher: request %s's kv_transfer_params refused, recomputing: %s", rid, e)
-                self.requests[rid] = _Request(request, [], (), 0)
+                self._warn("kvfetcher: request %s's kv_transfer_params refused, recomputing (not stored): %s", rid, e)
+                self.requests[rid] = _Request(request, [], (), 0, store=False)
                 return 0, False
-            wait_s, timeout_s = self._patience(request, num_computed_tokens, model)
-            r = self.lookups.answer(rid, lambda: self._lookup(request, options), lambda: self._late(request), timeout_s, wait_s)
-            if r is NOT_YET:
-                return None, False
+            if self.options.loads:
+                wait_s, timeout_s = self._patience(request, num_computed_tokens, model)
+                r = self.lookups.answer(rid, lambda: self._lookup(request, options), lambda: self._late(request), timeout_s, wait_s)
+                if r is NOT_YET:
+                    return None, False
+            else:
+                r = _Request(request, [], (), 0)
+            r.store = store
             self.requests[rid] = r
         r.local = num_computed_tokens
         n = r.end - num_computed_tokens
@@ -184,7 +201,7 @@ class SchedulerSide:
     def _store(self, r: _Request, computed: int) -> StoreSpec | None:
         chunk = self.client.chunk_tokens
         prompt = r.request.prompt_token_ids or []
-        if r.storing or not chunk or computed < len(prompt):
+        if r.storing or not r.store or not chunk or computed < len(prompt):
             return None
         n = len(prompt) // chunk * chunk
         if n <= r.loaded:  # nothing new: those chunks were loaded from the store
