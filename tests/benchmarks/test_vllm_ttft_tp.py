@@ -11,29 +11,19 @@ another vLLM venv's Python), as ``tests/integrations/test_vllm.py`` runs its eng
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-from pathlib import Path
 
 import pytest
 
+from kvtest import run_vllm_bench
+
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PY = Path(os.environ.get("VLLM_PYTHON") or ROOT / ".venv-vllm" / "bin" / "python")
 
 
 def test_a_tp2_ttft_run_loads_a_forced_raw_prefix_on_every_rank(tmp_path):
-    if not VLLM_PY.exists():
-        if os.environ.get("CI"):
-            pytest.fail("the vLLM venv is missing in CI: `make test` builds .venv-vllm")
-        pytest.skip("the vLLM venv (.venv-vllm) is absent: `make test` builds it")
     out, work = tmp_path / "out", tmp_path / "w"  # short: the sidecars' Unix sockets live in it
-    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'sidecar'}{os.pathsep}{ROOT}", VLLM_CPU_KVCACHE_SPACE="1", VLLM_TARGET_DEVICE="cpu")
-    cmd = [str(VLLM_PY), "-m", "benchmarks.vllm_ttft.vllm_ttft_bench", "--tiny", "--tp", "2", "--phases", "ttft", "--methods",
-           "recompute,raw", "--contexts", "512", "--links", "1", "--workers", "1", "--deadline-s", "500", "--out", str(out), "--work", str(work)]
-    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run_vllm_bench(out, work, "--tp", "2", "--phases", "ttft", "--methods", "recompute,raw", "--contexts", "512", "--links", "1",
+                   "--workers", "1", "--deadline-s", "500", timeout_s=600)
 
     res = json.loads((out / "ttft.json").read_text())
     assert (res["tp"], res["model"]) == (2, "tiny-llama-tp")
