@@ -47,6 +47,7 @@ class Reason(str, Enum):
     STORE_QUEUE_FULL = "store_queue_full"
     BAD_OBJECT_DELETED = "bad_object_deleted"
     WARM_UP = "warm_up"
+    READERS = "readers"  # the reader processes could not start (reads stay in the sidecar's process)
     BAD_REQUEST = "bad_request"
     NO_DEVICE = "no_device"  # a CUDA buffer handle this sidecar cannot open (a registration refused; the client stages in host memory)
 

@@ -112,7 +112,12 @@ class Sidecar:
         if opener is None:
             log.warning("the store cannot be opened in another process: reads stay in this one")
             return None
-        return ReadProcs(opener(), self.config.read_procs, SharedStaging())
+        try:
+            return ReadProcs(opener(), self.config.read_procs, SharedStaging())
+        except Exception:  # noqa: BLE001 — e.g. no process may be started here: reads stay in this one, the sidecar serves
+            log.exception("reader processes could not be started: reads stay in this process")
+            self.metrics.errors.labels(Reason.READERS).inc()
+            return None
 
     def _staging(self) -> staging.StagingPool:
         """Where fetches stage what they read: the reader processes' shared buffers, or this process's pool."""

@@ -156,3 +156,25 @@ async def test_a_sidecar_with_read_processes_stores_and_fetches_through_them(tmp
         assert torch.equal(dst_buf.tensor, kv)
     finally:
         await sc.close()
+
+
+async def test_a_sidecar_whose_readers_cannot_start_serves_with_its_threads(tmp_path, shm, monkeypatch):
+    from kvfetcher import service
+    from kvfetcher.config import Config
+
+    def refuse(*a, **kw):
+        raise OSError("no process may be started here")
+
+    monkeypatch.setattr(service, "ReadProcs", refuse)
+    kv, tokens = kv_of(), list(range(500, 500 + TOKENS))
+    sc = service.Sidecar(LocalStore(tmp_path), Config(chunk_tokens=CHUNK, presets=("raw",), decode_procs=0, warm_up=False, read_procs=2))
+    await sc.start()
+    try:
+        assert sc.readers is None and 'reason="readers"} 1.0' in sc.metrics.exposition().decode()
+        await sc.store(sc.register(shm((L, 2, H, TOKENS, D), fill=kv).handle, "fp"), tokens)
+        await sc.flush()
+        dst_buf = shm((L, 2, H, TOKENS, D), fill=SENTINEL)
+        assert (await sc.fetch(sc.register(dst_buf.handle, "fp"), tokens)).loaded_tokens == TOKENS
+        assert torch.equal(dst_buf.tensor, kv)
+    finally:
+        await sc.close()
