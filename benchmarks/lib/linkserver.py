@@ -478,15 +478,18 @@ def stats(url: str) -> dict:
 # --- self-check: the most this machine delivers ---------------------------------------------------
 
 
-def _reader(url: str, name: str, size: int, piece: int, until: float, q) -> None:
-    """Ranged GETs of ``piece`` bytes, round the object, until ``until`` (monotonic): bytes read."""
+def _reader(url: str, name: str, size: int, piece: int, go, stop, q) -> None:
+    """Ranged GETs of ``piece`` bytes, round the object, from ``go`` until ``stop`` (events): says
+    "ready" on ``q`` once started, then the bytes read."""
     import http.client
 
     u = urlsplit(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
     buf = bytearray(piece)
     got, pos = 0, 0
-    while time.monotonic() < until:
+    q.put("ready")
+    go.wait(120)
+    while not stop.is_set():
         end = min(pos + piece, size)
         conn.request("GET", f"/bench/{name}", headers={"Range": f"bytes={pos}-{end - 1}"})
         r = conn.getresponse()
@@ -505,8 +508,9 @@ def _reader(url: str, name: str, size: int, piece: int, until: float, q) -> None
 def self_check(procs: int, parallel: int, seconds: float = 5.0, rate: float = 0.0, object_mib: int = 256,
                piece_mib: int = 8) -> dict:
     """Deliver one object with ``parallel`` readers (processes, one connection each, ranged GETs
-    of ``piece_mib``) from ``procs`` server processes at ``rate`` (0: unpaced) for ``seconds``:
-    the rate delivered, by the server's counter and by the readers'."""
+    of ``piece_mib``) from ``procs`` server processes at ``rate`` (0: unpaced) for ``seconds``,
+    timed once every reader has started (a slow start must not pass for a slow link): the rate
+    delivered, by the server's counter and by the readers'."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as root:
         (Path(root) / "bench").mkdir()
@@ -515,18 +519,18 @@ def self_check(procs: int, parallel: int, seconds: float = 5.0, rate: float = 0.
             f.write(os.urandom(1 << 20) * object_mib)
         url, group = start_process(root, rate, procs)
         try:
-            q = ctx.Queue()
+            q, go, stop = ctx.Queue(), ctx.Event(), ctx.Event()
             before = stats(url)["bytes_sent"]
-            t0 = time.monotonic()
-            readers = [ctx.Process(target=_reader, args=(url, "obj", size, piece_mib << 20, t0 + 1.0 + seconds, q)) for _ in range(parallel)]
+            readers = [ctx.Process(target=_reader, args=(url, "obj", size, piece_mib << 20, go, stop, q)) for _ in range(parallel)]
             for p in readers:
                 p.start()
-            time.sleep(1.0)  # the readers start (spawn) before the timed window
-            a = stats(url)["bytes_sent"]
-            t1 = time.monotonic()
-            time.sleep(max(0.0, t0 + 1.0 + seconds - time.monotonic()))
-            b = stats(url)["bytes_sent"]
-            t2 = time.monotonic()
+            for _ in readers:
+                q.get(timeout=120)  # "ready"
+            a, t1 = stats(url)["bytes_sent"], time.monotonic()
+            go.set()
+            time.sleep(seconds)
+            b, t2 = stats(url)["bytes_sent"], time.monotonic()
+            stop.set()
             total = sum(q.get(timeout=120) for _ in readers)
             for p in readers:
                 p.join(30)

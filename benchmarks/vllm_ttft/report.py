@@ -11,7 +11,15 @@ def _head(res: dict) -> str:
     settings = ", ".join(f"`{k}={v}`" for k, v in (res.get("settings") or {}).items())
     return (f"Device: {res.get('device')}; vLLM {res.get('vllm')}; {res.get('date')}"
             f"{' — a CPU smoke run of the benchmark (--tiny), not a result' if res.get('tiny') else ''}."
-            f"{' Sidecar settings from the environment: ' + settings + '.' if settings else ''}\n\n")
+            f"{' Sidecar settings from the environment: ' + settings + '.' if settings else ''}"
+            f"{_load(res)}\n\n")
+
+
+def _load(res: dict) -> str:
+    """The machine's load average when the phase started (other work there skews every figure)."""
+    if res.get("load_avg_at_start") is None:
+        return ""
+    return f" Load average at the phase's start: {res['load_avg_at_start']} ({res.get('cpus')} CPUs)."
 
 
 def _tp(res: dict) -> str:

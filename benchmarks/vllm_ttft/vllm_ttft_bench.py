@@ -310,12 +310,13 @@ def main() -> None:
     spawn_workers()
     run = {"ttft": phase_ttft, "load": under_load.phase_load, "interference": interference.phase_interference}.get(
         a.phase, peers.phase_peer if a.phase.startswith("peer-") else phase_identity)
+    load_avg = os.getloadavg()[0]  # before the phase: other work on the machine shows here
     res = run(a, work)
     import torch
     import vllm
 
     res.update(device=torch.cuda.get_device_name() if on_gpu() else "cpu (a smoke run, not a result)", vllm=vllm.__version__,
-               tiny=a.tiny, date=time.strftime("%Y-%m-%d"),
+               tiny=a.tiny, date=time.strftime("%Y-%m-%d"), load_avg_at_start=round(load_avg, 2), cpus=os.cpu_count(),
                settings={k: v for k, v in sorted(os.environ.items()) if k.startswith("KVFETCHER_")})  # the sidecars inherit them
     (work / f"{a.phase}.json").write_text(json.dumps(res, indent=1))
     (out / f"{a.phase}.json").write_text(json.dumps(res, indent=1))

@@ -109,3 +109,12 @@ def test_server_processes_share_one_link(tmp_path):
         assert st["procs"] == 2 and st["bytes_sent"] >= 4 * size and st["rate"] == rate
     finally:
         group.terminate()
+
+
+def test_the_self_check_times_its_readers_only_once_all_have_started(tmp_path, monkeypatch):
+    """A reader process slow to start (a heavy environment) must not read as a slow link: paced at
+    100 MB/s the check reports the pace, though every process it spawns takes 2 s to start."""
+    (tmp_path / "sitecustomize.py").write_text("import time\ntime.sleep(2.0)\n")  # run by every new Python process
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    res = linkserver.self_check(2, 2, seconds=1.5, rate=100e6, object_mib=16)
+    assert res["delivered_gbit"] == pytest.approx(0.8, rel=0.15) and res["seconds"] == pytest.approx(1.5, abs=0.3)

@@ -108,9 +108,10 @@ def test_the_reports_render():
     row = dict(link_gbit=100.0, context=8192, method="raw", ttft_s=0.5, loaded_tokens=8192, lookup_s=0.001, wait_s=0.0, download_s=0.3,
                decode_s=0.2, restore_s=0.35, prefill_s=0.1, delivered_gbit=80.5)
     md = report.markdown("ttft", dict(model="llama3-8b", kv_dtype="bfloat16", chunk_tokens=256, object_bytes_per_chunk={"raw": 1},
-                                      link_self_check={"delivered_gbit": 120.0, "procs": 8, "parallel": 16},
+                                      link_self_check={"delivered_gbit": 120.0, "procs": 8, "parallel": 16}, load_avg_at_start=6.5, cpus=16,
                                       rows=[row, dict(link_gbit=1.0, context=65536, method="raw", skipped="transfer alone 99 s > cap")]))
     assert "| 100 Gbit/s | 80.50 | 8192 | raw | 0.500 |" in md and "skipped" in md
+    assert "Load average at the phase's start: 6.5 (16 CPUs)." in md
 
 
 def test_a_histograms_quantile_between_two_readings_is_its_buckets_bound():
