@@ -126,6 +126,7 @@ def load(res: dict) -> str:
                    f"{_f(r['output_tokens_per_s'], 1)} | {r['loaded_tokens']} | {s.get('lookups')} | {_f(s.get('lookup_s'))} | "
                    f"{_f(s.get('lookup_p50_le_s'), 4)} / {_f(s.get('lookup_p99_le_s'), 4)} | "
                    f"{s.get('stored_chunks')} | {s.get('link_objects_put')} | {s.get('dropped_chunks')} | {_f(r.get('delivered_gbit'), 2)} |\n")
+    out.append(_paired(res))
     lc = res.get("lookup_cost")
     if lc:
         out.append(f"\nThe lookup's own cost: the connector scheduler's call (`{lc.get('call')}`, as `get_num_new_matched_tokens` makes "
@@ -135,6 +136,21 @@ def load(res: dict) -> str:
             out.append(f"| {r['tokens']} | {r['stored_tokens']} | {r['reps']} | {_f(r['p50_ms'], 2)} | {_f(r['p99_ms'], 2)} | {_f(r['max_ms'], 2)} | "
                        f"{_f(r.get('sidecar_answer_ms_mean'), 2)} | {r.get('store_listings')} |\n")
     return "".join(out)
+
+
+def _paired(res: dict) -> str:
+    """Each kvfetcher pass against recompute request by request (the passes share arrivals): the
+    median and p90 of the TTFT differences. A p90 near one decode step with a small median says a
+    few requests waited a step; a median shift says every request paid."""
+    base = (res.get("recompute") or {}).get("ttft_s")
+    lines = []
+    for m in ("kvfetcher-nosave", "kvfetcher"):
+        got = (res.get(m) or {}).get("ttft_s")
+        if base and got and len(got) == len(base):
+            d = sorted((g - b) * 1000 for g, b in zip(got, base))
+            lines.append(f"`{m}` − `recompute`, request by request: median {d[len(d) // 2]:+.1f} ms, "
+                         f"p90 {d[min(len(d) - 1, int(0.9 * len(d)))]:+.1f} ms, max {d[-1]:+.1f} ms.")
+    return "\n" + "\n".join(lines) + "\n" if lines else ""
 
 
 def peer(res: dict) -> str:

@@ -94,7 +94,7 @@ def summary(reqs: list[tuple[float, list[int], bool]], got: list[dict], t0: floa
     return {"ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "shared_ttft_p50_s": pct(shared, 50) if shared else None,
             "shared_ttft_p99_s": pct(shared, 99) if shared else None,
             "output_tokens_per_s": round(sum(g["tokens"] for g in got) / (max(g["end"] for g in got) - t0), 2),
-            "loaded_tokens": sum(g["cached"] for g in got), "requests": len(got)}
+            "loaded_tokens": sum(g["cached"] for g in got), "requests": len(got), "ttft_s": [round(x, 4) for x in ttft]}
 
 
 async def replay(a, model_dir: Path, opts: dict, sc, url: str, fingerprint: str, streams: dict, w: dict) -> dict:

@@ -65,6 +65,15 @@ def test_the_load_stream_arrives_at_its_rate_and_mostly_shares_stored_prefixes()
     assert (s["ttft_p50_s"], s["output_tokens_per_s"], s["requests"]) == (99.5, 100.0, 200)
 
 
+def test_the_load_report_pairs_each_pass_with_recompute_request_by_request():
+    from benchmarks.vllm_ttft import report
+
+    base = [0.5] * 10
+    res = dict(workload=WORKLOAD[False], recompute=dict(ttft_s=base), kvfetcher=dict(ttft_s=[0.5] * 8 + [0.53, 0.6]))
+    assert "`kvfetcher` − `recompute`, request by request: median +0.0 ms, p90 +100.0 ms, max +100.0 ms." in report._paired(res)
+    assert report._paired(dict(res, kvfetcher=dict(ttft_s=[0.5]))) == ""  # not the same requests: no pairing
+
+
 def test_the_breakdown_comes_from_the_sidecars_counters():
     from benchmarks.vllm_ttft.engine import breakdown, metric
 
