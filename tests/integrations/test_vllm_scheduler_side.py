@@ -77,3 +77,30 @@ def test_a_consumer_role_or_a_request_saying_store_false_stores_nothing_and_a_pr
         "kv_producer {} [512] 0 True",  # stores only: no lookup
         "kv_both {'store': 'no'} [] 0 False",  # refused params: the request's own recompute, not stored
     ], run.stdout
+
+
+PATIENCE = r'''
+import sys
+from types import SimpleNamespace
+import torch
+from kvfetcher.fetch.prefill import PrefillModel
+from kvfetcher.integrations.vllm_meta import Options
+from kvfetcher.integrations.vllm_scheduler import MAX_WAIT_S, SchedulerSide
+
+spec = SimpleNamespace(block_size=16, dtype=torch.bfloat16, num_kv_heads=2, head_size=64)
+kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["l0", "l1"])])
+s = SchedulerSide(SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1)), kv_cache_config, Options(socket="/nonexistent/s", model="m"))
+short, long = (SimpleNamespace(prompt_token_ids=list(range(n))) for n in (600, 131072))
+slow = PrefillModel.linear(10_000.0)
+print(min(s._patience(r, 0, m)[0] for r in (short, long) for m in (None, slow)) >= sys.getswitchinterval(),
+      s._patience(long, 0, slow)[0] == MAX_WAIT_S)
+s.close()
+'''
+
+
+def test_one_ask_waits_at_least_a_gil_switch_interval_for_its_plan():
+    """The lookup thread in the engine's process may wait a switch interval for the GIL: an ask that
+    gave up sooner would put the request off a whole step for an answer a millisecond away."""
+    run = run_without_vllm(PATIENCE)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split("\n")[0] == "True True", run.stdout

@@ -50,7 +50,9 @@ class Options:
     presets: tuple[str, ...] | None = None  # presets a fetch may use (default: the sidecar's allowed ones)
     ttft_budget_s: float | None = None  # prefer a fetch predicted within this to a faster recompute
     recompute_tokens_per_s: float | None = None  # the prefill rate until the engine's own prefill model is fitted
-    lookup_wait_s: float = 0.002  # the scheduler's wait for a plan in one step (then vLLM asks again at its next step)
+    # the scheduler's wait for a plan in one step (then vLLM asks again at its next step): one GIL switch interval, as the lookup
+    # thread in the engine's process may wait that long for the GIL; an answer missed by a hair puts the request off a whole step
+    lookup_wait_s: float = 0.005
     listing_wait_s: float = 0.005  # the sidecar's wait for its store listing of a prefix its index does not know
     lookup_timeout_s: float = 0.02  # a request waits at least this for its plan before it recomputes
     lookup_stake: float = 0.02  # and up to this fraction of its predicted recompute (a long prompt's plan is worth a wait)
