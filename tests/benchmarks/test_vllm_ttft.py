@@ -323,3 +323,35 @@ def test_a_tiny_load_run_reports_three_passes_and_the_nosave_pass_stores_nothing
     assert sc["kvfetcher"]["lookups"] == n and sc["kvfetcher"]["stored_chunks"] > 0
     assert all(res[m]["requests"] == n and res[m]["ttft_p50_s"] > 0 for m in passes)
     assert "| kvfetcher-nosave |" in (out / "load.md").read_text()
+
+
+def test_a_cells_methods_take_turns_one_request_each_per_round(monkeypatch):
+    """No method always follows the same other one: round r runs every method once, in order; a
+    method whose transfer exceeds the cap is skipped and keeps its place among the rows."""
+    import argparse
+
+    from benchmarks.vllm_ttft import vllm_ttft_bench as bench
+
+    asked = []
+
+    class Probe:
+        def __init__(self, client, url):
+            pass
+
+        def delta(self):
+            return dict(lookup_s=0.0, load_s=0.0, fetch_s=0.0, read_s=0.0, decode_s=0.0, link_bytes_sent=0)
+
+    def generate(llm, prompts, n, params, timeout_s):
+        asked.append((params or {}).get("presets", ["auto" if params == {} else "recompute"])[0])
+        return 0.1 * len(asked), [(None, 0)]
+
+    monkeypatch.setattr(bench, "Probe", Probe)
+    monkeypatch.setattr(bench, "generate", generate)
+    monkeypatch.setattr(bench, "warm_ranks", lambda *a, **kw: 0)
+    monkeypatch.setattr(bench, "scheduler_call", lambda *a: None)
+    a = argparse.Namespace(methods="recompute,raw,balanced,auto", repeats=3, cap_s=1.0, call_timeout_s=10.0)
+    size = {"raw": 10**9, "balanced": 10**6}  # raw over the cap at 1 Gbit/s, balanced not
+    rows = bench.ttft_cells(a, None, [None], None, "", {}, 1.0, 512, list(range(512)), size)
+    assert asked == ["recompute", "balanced", "auto"] * 3
+    assert [r["method"] for r in rows] == ["recompute", "raw", "balanced", "auto"] and "skipped" in rows[1]
+    assert rows[0]["ttft_samples_s"] == [0.1, 0.4, 0.7] and rows[0]["ttft_s"] == 0.4
