@@ -81,6 +81,10 @@ class Metrics:
             "kvfetcher_cost_model_overhead_seconds", "Fixed seconds of the cost model's fitted line (pipeline fill and drain), by preset", ["preset"],
             registry=r,
         )
+        self.fetch_ratio = Gauge(
+            "kvfetcher_cost_model_ratio", "KV bytes per stored byte the cost model has learnt from this sidecar's fetches (decayed), by preset",
+            ["preset"], registry=r,
+        )
         self.prefill_model = Gauge(
             "kvfetcher_prefill_model", "The engine's prefill model as the last request that carried one gave it: seconds = c0 + c1 * new "
             "+ c2 * new * (cached + new / 2), by term", ["term"], registry=r,

@@ -498,6 +498,8 @@ class Sidecar:
                     fit = self.estimator.observe_fit(ep, preset, fmt, out.bytes_read, out.kv_bytes, out.seconds, sharers)
                     m.fit.labels(preset).set(fit.scale)
                     m.fit_overhead.labels(preset).set(fit.overhead_s)
+                    if (ratio := self.estimator.ratio(preset)) is not None:
+                        m.fetch_ratio.labels(preset).set(ratio)
             if out.decode_busy_s > 0 and not engine:
                 m.decode_rate.labels(preset).set(out.kv_bytes / out.decode_busy_s)
             m.predicted_seconds.observe(plan.predicted_s)

@@ -70,6 +70,7 @@ def test_store_then_load_round_trip_and_metrics(s3, buf):
         "kvfetcher_fetch_actual_seconds_count 2.0",
         "kvfetcher_cost_model_fit{preset=",
         "kvfetcher_cost_model_overhead_seconds{preset=",
+        "kvfetcher_cost_model_ratio{preset=",
     ]:
         assert name in text, name
 

@@ -299,6 +299,10 @@ class Estimator:
         scale = min(4.0, max(0.5, scale))
         return Fit(scale, min(max(0.0, a - scale * m), (4.0 - scale) * m))
 
+    def ratio(self, preset: str) -> float | None:
+        """KV bytes per stored byte of ``preset``'s fetches (decayed; None before its first)."""
+        return self._rate(self._ratio, preset)
+
     def bandwidth(self, endpoint: str) -> float:
         """The link's rate to ``endpoint``: what one fetch gets alone."""
         return self._rate(self._bw, endpoint) or self._prior[0]
@@ -316,6 +320,6 @@ class Estimator:
         decode = {**prior, **{p: v for p in table if (v := self._rate(table, p))}}
         by_format = {fmt: v / share for (fmt, ep) in self._fmt_bw if ep == endpoint and (v := self._rate(self._fmt_bw, (fmt, ep)))}
         fits = {p: self.fit(p, endpoint) for p, _ in self._fit} if engine is None else {}
-        ratios = {p: v for p in self._ratio if (v := self._rate(self._ratio, p))}
+        ratios = {p: v for p in self._ratio if (v := self.ratio(p))}
         return Rates(self.bandwidth(endpoint) / share, self._lat.get(endpoint, self._prior[1]), decode, prefill, fits,
                      self._list.get(endpoint), by_format, overlap=engine is None, ratios=ratios)
