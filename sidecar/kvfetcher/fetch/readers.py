@@ -8,8 +8,9 @@ both processes map (:class:`SharedStaging`: memfds, page-locked for the GPU's co
 one). Checksums stay with the caller, in the I/O thread that waited for the read (they release
 the GIL).
 
-Off unless ``KVFETCHER_READ_PROCS`` is set; ``benchmarks/paged_restore`` times it against threads
-(a tuning's fourth number), and docs/architecture.md says what is known of it.
+``KVFETCHER_READ_PROCS`` processes (by default some with CUDA, none without);
+``benchmarks/paged_restore`` times them against threads (a tuning's fourth number), and
+docs/architecture.md says what is known of them.
 
 A reader that dies fails its read (:class:`~kvfetcher.store.Unavailable`: the fetch falls back to
 recompute) and is replaced at the next read. Each reader opens the store itself, from the
@@ -30,6 +31,7 @@ from kvfetcher import store as stores
 from kvfetcher.fetch.reader_proc import Failed, Place, Read, serve
 from kvfetcher.fetch.slab import Slab
 from kvfetcher.fetch.staging import StagingPool
+
 
 class SharedStaging(StagingPool):
     """A :class:`StagingPool` whose buffers are memfds that reader processes map too
@@ -56,9 +58,7 @@ class SharedStaging(StagingPool):
             slab, _, registered = self._slabs.pop(buf.data_ptr())
         if registered:
             torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
-        if slab.fd is not None:
-            os.close(slab.fd)
-            slab.fd = None
+        slab.close_fd()
 
     def place(self, view: memoryview) -> Place:
         """Where ``view`` (a slice of one of this pool's buffers) lies; ``ValueError`` if in none."""

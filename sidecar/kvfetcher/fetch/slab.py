@@ -7,10 +7,10 @@ import os
 
 
 class Slab:
-    """Shared memory the coordinator writes a chunk's bytes into and a worker reads them from: a
-    memfd of the coordinator (``path`` None creates one), which the worker opens by ``path``,
-    ``/proc/<coordinator pid>/fd/<fd>``. No file in a shared directory: nothing another process
-    can name, replace or shrink."""
+    """Shared memory between the sidecar and one of its worker processes (a decode worker reads a
+    chunk's bytes from it, a reader process writes them into it): a memfd of the sidecar (``path``
+    None creates one), which the worker opens by ``path``, ``/proc/<sidecar pid>/fd/<fd>``. No file
+    in a shared directory: nothing another process can name, replace or shrink."""
 
     def __init__(self, size: int, path: str | None = None):
         self.fd = os.memfd_create("kvfetcher-slab", os.MFD_CLOEXEC) if path is None else None
@@ -27,8 +27,12 @@ class Slab:
         self.path, self.size = path or f"/proc/{os.getpid()}/fd/{fd}", size
 
     def close(self) -> None:
-        """Unmap; the coordinator's slab also closes its memfd (a worker's mapping stays valid)."""
+        """Unmap; the sidecar's slab also closes its memfd (a worker's mapping stays valid)."""
         self.mm.close()
+        self.close_fd()
+
+    def close_fd(self) -> None:
+        """Close the sidecar's memfd (no worker can open the slab any more); the mapping stays."""
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
