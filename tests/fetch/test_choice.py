@@ -88,7 +88,7 @@ def test_hopeless_only_when_even_the_best_case_loses():
 
 def test_hopeless_never_rules_out_a_coded_preset_of_unknown_ratio():
     """A coded preset the preset table has no ratio for (the entropy presets) may be far smaller than
-    raw: taking it as 1x once made `auto` recompute where compact-ans loaded 1.8-2.1x faster (H200)."""
+    raw: taken as 1x, it would be ruled out where it is the fastest option."""
     slow = replace(rates(bw=20e6, decode_hevc=1e9), prefill=PrefillModel.linear(1000.0))  # raw: 2 s against 1.02 s of recompute
     assert hopeless(4, 256, CHUNK_KV, {"raw": 1.0, "q8": 1.0}, FORMATS, slow, allowed={"raw", "q8"})  # as q8 were 1x: ruled out
     assert not hopeless(4, 256, CHUNK_KV, {"raw": 1.0}, FORMATS, slow, allowed={"raw", "q8"})  # unknown: it may pay
