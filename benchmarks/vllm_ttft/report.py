@@ -138,18 +138,24 @@ def load(res: dict) -> str:
     return "".join(out)
 
 
+PARTS = (("ttft_s", "TTFT"), ("queued_s", "queued (arrival in the scheduler to first scheduled)"),
+         ("scheduled_s", "scheduled to first token"))
+
+
 def _paired(res: dict) -> str:
     """Each kvfetcher pass against recompute request by request (the passes share arrivals): the
-    median and p90 of the TTFT differences. A p90 near one decode step with a small median says a
-    few requests waited a step; a median shift says every request paid."""
-    base = (res.get("recompute") or {}).get("ttft_s")
+    median, p90 and max of the differences of the TTFT and, where vLLM kept them, of its two parts.
+    A p90 near one decode step with a small median says a few requests waited a step; a median
+    shift says every request paid; the parts say whether it was waiting to be scheduled (a lookup
+    that put the request off a step) or the steps that computed it."""
     lines = []
     for m in ("kvfetcher-nosave", "kvfetcher"):
-        got = (res.get(m) or {}).get("ttft_s")
-        if base and got and len(got) == len(base):
-            d = sorted((g - b) * 1000 for g, b in zip(got, base))
-            lines.append(f"`{m}` − `recompute`, request by request: median {d[len(d) // 2]:+.1f} ms, "
-                         f"p90 {d[min(len(d) - 1, int(0.9 * len(d)))]:+.1f} ms, max {d[-1]:+.1f} ms.")
+        for key, name in PARTS:
+            base, got = (res.get("recompute") or {}).get(key), (res.get(m) or {}).get(key)
+            if base and got and len(got) == len(base):
+                d = sorted((g - b) * 1000 for g, b in zip(got, base))
+                lines.append(f"`{m}` − `recompute`, request by request, {name}: median {d[len(d) // 2]:+.1f} ms, "
+                             f"p90 {d[min(len(d) - 1, int(0.9 * len(d)))]:+.1f} ms, max {d[-1]:+.1f} ms.")
     return "\n" + "\n".join(lines) + "\n" if lines else ""
 
 

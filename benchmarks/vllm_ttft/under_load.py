@@ -71,7 +71,10 @@ def stream(rng: random.Random, prefixes: list[list[int]], w: dict, vocab: int, f
 
 
 async def one(engine, rid: str, at: float, prompt: list[int], params: dict | None, output: int) -> dict:
-    """One request arriving ``at`` (perf_counter time): its TTFT, tokens and cached tokens."""
+    """One request arriving ``at`` (perf_counter time): its TTFT, tokens and cached tokens, and, where
+    vLLM keeps its stats, the engine's split of it: ``queued_s`` from the request's arrival in the
+    scheduler to its first scheduling (a lookup that put it off a step shows here), ``scheduled_s``
+    from then to its first token."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -82,7 +85,10 @@ async def one(engine, rid: str, at: float, prompt: list[int], params: dict | Non
     async for o in engine.generate(TokensPrompt(prompt_token_ids=prompt), sp, rid):
         first = first or time.perf_counter()
         last = o
-    return dict(ttft_s=first - t0, end=time.perf_counter(), tokens=len(last.outputs[0].token_ids), cached=last.num_cached_tokens or 0)
+    st = getattr(last, "metrics", None)
+    split = dict(queued_s=st.scheduled_ts - st.queued_ts, scheduled_s=st.first_token_ts - st.scheduled_ts) \
+        if getattr(st, "scheduled_ts", 0) and getattr(st, "first_token_ts", 0) else {}
+    return dict(ttft_s=first - t0, end=time.perf_counter(), tokens=len(last.outputs[0].token_ids), cached=last.num_cached_tokens or 0, **split)
 
 
 def summary(reqs: list[tuple[float, list[int], bool]], got: list[dict], t0: float) -> dict:
@@ -94,7 +100,8 @@ def summary(reqs: list[tuple[float, list[int], bool]], got: list[dict], t0: floa
     return {"ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "shared_ttft_p50_s": pct(shared, 50) if shared else None,
             "shared_ttft_p99_s": pct(shared, 99) if shared else None,
             "output_tokens_per_s": round(sum(g["tokens"] for g in got) / (max(g["end"] for g in got) - t0), 2),
-            "loaded_tokens": sum(g["cached"] for g in got), "requests": len(got), "ttft_s": [round(x, 4) for x in ttft]}
+            "loaded_tokens": sum(g["cached"] for g in got), "requests": len(got), "ttft_s": [round(x, 4) for x in ttft],
+            **{k: [round(g[k], 4) for g in got] for k in ("queued_s", "scheduled_s") if all(k in g for g in got)}}
 
 
 async def replay(a, model_dir: Path, opts: dict, sc, url: str, fingerprint: str, streams: dict, w: dict) -> dict:

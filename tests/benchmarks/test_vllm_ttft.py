@@ -63,6 +63,9 @@ def test_the_load_stream_arrives_at_its_rate_and_mostly_shares_stored_prefixes()
     got = [dict(ttft_s=float(i), end=10.0, tokens=5, cached=0) for i in range(len(reqs))]
     s = summary(reqs, got, 0.0)
     assert (s["ttft_p50_s"], s["output_tokens_per_s"], s["requests"]) == (99.5, 100.0, 200)
+    assert "queued_s" not in s  # vLLM kept no stats: no split reported
+    split = summary(reqs, [dict(g, queued_s=0.25, scheduled_s=g["ttft_s"] - 0.25) for g in got], 0.0)
+    assert split["queued_s"] == [0.25] * len(got) and split["scheduled_s"][4] == 3.75
 
 
 def test_the_load_report_pairs_each_pass_with_recompute_request_by_request():
@@ -70,8 +73,11 @@ def test_the_load_report_pairs_each_pass_with_recompute_request_by_request():
 
     base = [0.5] * 10
     res = dict(workload=WORKLOAD[False], recompute=dict(ttft_s=base), kvfetcher=dict(ttft_s=[0.5] * 8 + [0.53, 0.6]))
-    assert "`kvfetcher` − `recompute`, request by request: median +0.0 ms, p90 +100.0 ms, max +100.0 ms." in report._paired(res)
+    assert "`kvfetcher` − `recompute`, request by request, TTFT: median +0.0 ms, p90 +100.0 ms, max +100.0 ms." in report._paired(res)
     assert report._paired(dict(res, kvfetcher=dict(ttft_s=[0.5]))) == ""  # not the same requests: no pairing
+    res["recompute"]["queued_s"], res["kvfetcher"]["queued_s"] = [0.01] * 10, [0.03] * 10  # every request waited 20 ms more to be scheduled
+    assert "`kvfetcher` − `recompute`, request by request, queued (arrival in the scheduler to first scheduled): median +20.0 ms" \
+        in report._paired(res)
 
 
 def test_the_breakdown_comes_from_the_sidecars_counters():
@@ -322,6 +328,7 @@ def test_a_tiny_load_run_reports_three_passes_and_the_nosave_pass_stores_nothing
     assert sc["kvfetcher-nosave"]["bytes_written"] == 0  # (the link still sees the sidecar's small access records)
     assert sc["kvfetcher"]["lookups"] == n and sc["kvfetcher"]["stored_chunks"] > 0
     assert all(res[m]["requests"] == n and res[m]["ttft_p50_s"] > 0 for m in passes)
+    assert all(len(res[m]["queued_s"]) == n and min(res[m]["scheduled_s"]) > 0 for m in passes)  # vLLM's own split of each TTFT
     assert "| kvfetcher-nosave |" in (out / "load.md").read_text()
 
 

@@ -62,3 +62,18 @@ def test_a_request_may_wait_longer_than_the_default_timeout_when_it_says_so():
     time.sleep(0.02)
     assert lk.answer("short", lambda: "unused", lambda: "recompute") == "recompute"
     lk.close()
+
+
+def test_it_learns_how_long_answers_take_and_counts_the_asks_it_put_off():
+    """What lets the scheduler wait as long as an answer usually needs, rather than put every request
+    off a step for an answer a millisecond past a fixed wait."""
+    lk = Lookups(wait_s=0.001, timeout_s=5.0)
+    assert lk.typical_s() == 0.0
+    for i in range(5):
+        while (got := lk.answer(i, lambda: time.sleep(0.02) or "plan", lambda: "recompute")) is NOT_YET:
+            pass
+        assert got == "plan"
+    time.sleep(0.01)  # the last answer's time is kept by the pool's thread
+    assert lk.answered == 5 and lk.deferred >= 5
+    assert 0.02 <= lk.typical_s() < 0.5
+    lk.close()

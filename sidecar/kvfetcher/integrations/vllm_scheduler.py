@@ -79,6 +79,9 @@ class SchedulerSide:
         self._warned = 0.0
 
     def close(self) -> None:
+        if self.lookups.answered:
+            log.info("kvfetcher: %d lookups answered (lately 90%% within %.1f ms of the first ask), %d asks put a request off a step",
+                     self.lookups.answered, 1e3 * self.lookups.typical_s(), self.lookups.deferred)
         self.lookups.close()
         (self.group or self.client).close()
 
@@ -130,13 +133,15 @@ class SchedulerSide:
 
     def _patience(self, request, num_computed_tokens: int, model: prefill.PrefillModel | None) -> tuple[float, float]:
         """How long one ask may hold the scheduler and how long a request's plan may keep it
-        waiting, from its stake (``lookup_stake`` of its predicted recompute): the ask waits up to a
-        quarter of the stake (at most :data:`MAX_WAIT_S`, at least ``lookup_wait_s``) so that a long
-        prompt is not put off a whole step for want of a few milliseconds; the request up to the stake
-        (at least ``lookup_timeout_s``)."""
+        waiting, from its stake (``lookup_stake`` of its predicted recompute): the ask waits as long
+        as recent answers took (with a quarter to spare) or a quarter of the stake, whichever is
+        longer, at least ``lookup_wait_s`` and at most :data:`MAX_WAIT_S`, so that a request is not
+        put off a whole step for want of a millisecond; the request up to the stake (at least
+        ``lookup_timeout_s``)."""
         new = len(request.prompt_token_ids or ()) - num_computed_tokens
         stake = self.options.lookup_stake * model.seconds(num_computed_tokens, new) if model is not None and new > 0 else 0.0
-        return max(self.options.lookup_wait_s, min(MAX_WAIT_S, stake / 4)), max(self.options.lookup_timeout_s, stake)
+        wait = max(self.options.lookup_wait_s, min(MAX_WAIT_S, max(stake / 4, 1.25 * self.lookups.typical_s())))
+        return wait, max(self.options.lookup_timeout_s, stake)
 
     def matched(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """vLLM's ``get_num_new_matched_tokens``: never waits more than ``lookup_wait_s`` for the
