@@ -537,13 +537,17 @@ class Sidecar:
         ck = keys.chunk_keys(buf.ns, tokens, N)
         where = buf.destination(len(ck) * N, slots, offset, block_ids, min(first_token, len(ck) * N))
         known = max(self._stored_run(ck, self.writer.presets_for(buf.ns.model)), min(first_token // N, len(ck)))
-        take = min(len(ck) - known, self.writer.room())
+        take = self.writer.reserve(len(ck) - known)  # held across the copy: stores arriving meanwhile find it taken
         dropped = len(ck) - known - take
         if dropped:
             self.writer.dropped(dropped)
         if take:
             # a device-to-host copy of up to a prompt's KV: in a thread, so lookups are answered meanwhile
-            kv = await asyncio.get_running_loop().run_in_executor(self.copy_pool, where.read, known * N, take * N)
+            try:
+                kv = await asyncio.get_running_loop().run_in_executor(self.copy_pool, where.read, known * N, take * N)
+            except BaseException:
+                self.writer.release(take)
+                raise
             self.writer.submit(Job(buf.ns, ck[known : known + take], kv, first=known, parent=ck[known - 1] if known else ""))
         return {"queued_chunks": take, "skipped_chunks": known, "dropped_chunks": dropped, "dropped": dropped > 0}
 

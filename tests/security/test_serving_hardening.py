@@ -292,6 +292,36 @@ async def test_a_long_store_queues_the_leading_chunks_that_fit_and_skips_stored_
         await sc.close()
 
 
+async def test_stores_copying_at_once_share_the_queues_room_and_a_failed_copy_gives_it_back(tmp_path, shm, monkeypatch):
+    """Two stores whose copies overlap (a loaded engine ends prefills back to back): the room the
+    first took is not promised to the second (which used to fail the store with a 500), and room
+    held for a copy that failed is free again."""
+    from kvfetcher import kvbuffer
+
+    real, fail = kvbuffer.Destination.read, []
+
+    def slow_read(self, start, tokens):
+        time.sleep(0.3)
+        if fail:
+            raise RuntimeError("the copy failed")
+        return real(self, start, tokens)
+
+    monkeypatch.setattr(kvbuffer.Destination, "read", slow_read)
+    sc = await started(LocalStore(tmp_path), store_queue_chunks=6)
+    try:
+        bid = sc.register(shm().handle, FP)
+        first, second = await asyncio.gather(sc.store(bid, TOKENS[: 4 * N]), sc.store(bid, TOKENS[4 * N :]))
+        assert (first["queued_chunks"], second["queued_chunks"], second["dropped_chunks"]) == (4, 2, 2)
+        await sc.flush()
+        assert sc.writer.pending_chunks == 0
+        fail.append(True)
+        with pytest.raises(RuntimeError):
+            await sc.store(bid, list(range(9000, 9000 + 4 * N)))
+        assert sc.writer.pending_chunks == 0  # the failed copy's room is given back
+    finally:
+        await sc.close()
+
+
 # --- strict schemas, auth that never raises, token rotation ---------------------------------
 
 

@@ -103,9 +103,21 @@ class Writer:
         self._queue = asyncio.Queue()
         self._task = asyncio.create_task(self._run())
 
-    def room(self) -> int:
-        """How many more chunks the queue takes now."""
-        return max(0, self.config.store_queue_chunks - self.pending_chunks)
+    def reserve(self, chunks: int) -> int:
+        """Hold room in the queue for up to ``chunks`` chunks of one store: how many it got (the rest
+        do not fit). Each held chunk is then queued by :meth:`submit` or given back by :meth:`release`;
+        held between the two, room is never promised twice to stores copying their KV meanwhile."""
+        held = max(0, min(chunks, self.config.store_queue_chunks - self.pending_chunks))
+        self._pending(held)
+        return held
+
+    def release(self, chunks: int) -> None:
+        """Give back held room that will not be queued (the store's copy failed)."""
+        self._pending(-chunks)
+
+    def _pending(self, delta: int) -> None:
+        self.pending_chunks += delta
+        self.metrics.store_queue_depth.set(self.pending_chunks)
 
     def dropped(self, chunks: int) -> None:
         """Count ``chunks`` chunks of one request that did not fit."""
@@ -113,12 +125,9 @@ class Writer:
         self.metrics.fallbacks.labels(Reason.STORE_QUEUE_FULL).inc()
 
     def submit(self, job: Job) -> None:
-        """Queue ``job`` (no more chunks than :meth:`room` allows). Never waits."""
+        """Queue ``job``, whose chunks :meth:`reserve` held. Never waits."""
         assert self._queue is not None, "Writer.start() was not called"
-        assert len(job.keys) <= self.room(), "a job larger than the room left"
         self._queue.put_nowait(job)
-        self.pending_chunks += len(job.keys)
-        self.metrics.store_queue_depth.set(self.pending_chunks)
 
     async def flush(self) -> None:
         """Wait until every queued job has been written (or has failed)."""
@@ -151,8 +160,7 @@ class Writer:
                 self.metrics.errors.labels(Reason.INTERNAL).inc()
                 log.exception("store failed")
             finally:
-                self.pending_chunks -= len(job.keys)
-                self.metrics.store_queue_depth.set(self.pending_chunks)
+                self._pending(-len(job.keys))
                 self._queue.task_done()
 
     async def _write(self, job: Job) -> None:
