@@ -54,7 +54,10 @@ def _lower_priority() -> None:
 
 
 def _encode(kv: torch.Tensor, device: str | None, *args, **kw) -> bytes:
-    """:func:`encode_chunk` of ``kv``, moved to ``device`` first (in the encode thread)."""
+    """:func:`encode_chunk` of ``kv`` (a chunk's view of its job's KV), made contiguous and moved to
+    ``device`` first: in the encode thread, since a chunk's copy (tens of MB) on the event loop
+    would hold up every lookup meanwhile."""
+    kv = kv.contiguous()
     return encode_chunk(kv if device is None else kv.to(device), *args, **kw)
 
 
@@ -173,7 +176,7 @@ class Writer:
                 if await loop.run_in_executor(self.meta_pool, self.store.exists, name):
                     continue  # already stored (by us or another sidecar): a cheap no-op
                 t = time.perf_counter()
-                piece = job.kv[:, :, :, i * N : (i + 1) * N].contiguous()
+                piece = job.kv[:, :, :, i * N : (i + 1) * N]  # a view: copied in the encode thread
                 auth = mac.ObjectMAC(self.object_key, name) if self.object_key else None
                 encode = functools.partial(_encode, piece, "cuda" if preset in self.gpu_presets else None, preset,
                                            job.ns.model, {"parent": parent}, start=(job.first + i) * N,
