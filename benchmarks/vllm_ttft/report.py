@@ -46,7 +46,7 @@ def ttft(res: dict) -> str:
            "restore in flight (they overlap), `restore` the fetch's wall time, `prefill` the rest of the TTFT (the remainder's prefill and "
            "the engine's own work). `call` is the scheduler's lookup call for the prompt timed from a client right after the cell "
            "(its whole cost, listing or not; not part of the TTFT shown). With repeats, TTFT is the median of the `samples` and "
-           "the breakdown is the median sample's; a cell's methods take turns, one request each per round.\n\n",
+           "the breakdown is the median sample's; a cell's methods take turns, one request each per round, each round starting one method later.\n\n",
            f"| link (label) | delivered Gbit/s | context | method | TTFT s | samples | loaded |{' ranks loaded |' if ranks else ''} lookup | "
            "wait | download | decode | restore | prefill | call |\n",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if ranks else "") + "\n"]
@@ -66,20 +66,27 @@ def ttft(res: dict) -> str:
 
 def auto_verdicts(rows: list[dict]) -> list[str]:
     """Markdown lines: per cell, ``auto`` against the best of recompute and every forced preset
-    (medians), and whether it is within 2% or 10 ms of it (the criterion `auto` is held to)."""
-    cells: dict[tuple, dict[str, float]] = {}
+    (medians), whether it is within 2% or 10 ms of it (the criterion `auto` is held to), and in how
+    many rounds ``auto`` was as fast as that method's request of the same round (the methods take
+    turns, so a round pairs them): a miss in one round of three is a near-tie, in every round a loss."""
+    cells: dict[tuple, dict[str, dict]] = {}
     for r in rows:
         if "ttft_s" in r:
-            cells.setdefault((r["link_gbit"], r["context"]), {})[r["method"]] = r["ttft_s"]
-    out = ["\n`auto` against the best other method per cell (medians; passes within 2% or 10 ms):\n\n",
-           "| link (label) | context | best | its TTFT s | auto s | auto vs best | passes |\n|---|---|---|---|---|---|---|\n"]
-    for (gbit, n), t in cells.items():
-        if "auto" not in t or len(t) < 2:
+            cells.setdefault((r["link_gbit"], r["context"]), {})[r["method"]] = r
+    out = ["\n`auto` against the best other method per cell (medians; passes within 2% or 10 ms; `rounds`: those in which "
+           "auto's request was as fast as the best method's of the same round):\n\n",
+           "| link (label) | context | best | its TTFT s | auto s | auto vs best | rounds | passes |\n|---|---|---|---|---|---|---|---|\n"]
+    for (gbit, n), c in cells.items():
+        if "auto" not in c or len(c) < 2:
             continue
+        t = {m: r["ttft_s"] for m, r in c.items()}
         best = min((m for m in t if m != "auto"), key=t.get)
         gap = t["auto"] - t[best]
         ok = gap <= max(0.02 * t[best], 0.010)
-        out.append(f"| {gbit:g} Gbit/s | {n} | {best} | {_f(t[best])} | {_f(t['auto'])} | {gap / t[best]:+.1%} | {'yes' if ok else 'no'} |\n")
+        a, b = c["auto"].get("ttft_samples_s") or [], c[best].get("ttft_samples_s") or []
+        rounds = f"{sum(x <= y for x, y in zip(a, b))} of {len(a)}" if a and len(a) == len(b) else ""
+        out.append(f"| {gbit:g} Gbit/s | {n} | {best} | {_f(t[best])} | {_f(t['auto'])} | {gap / t[best]:+.1%} | {rounds} | "
+                   f"{'yes' if ok else 'no'} |\n")
     return out
 
 

@@ -211,8 +211,8 @@ def ttft_cells(a, llm, clients: list, asker, url: str, look: dict, gbit: float, 
     the whole stored prefix: on every rank). ``clients[r]``: rank ``r``'s sidecar; ``asker``: whom
     the scheduler asks (:func:`scheduler_call`); ``size``: bytes of one rank's chunk per preset
     (every rank's bytes cross the one link). The methods take turns, one request each per round
-    (``a.repeats`` rounds), so no method always follows the same other one and drift over the cell
-    falls on every method alike."""
+    (``a.repeats`` rounds), each round starting one method later than the one before, so no method
+    always follows the same other one and drift over the cell falls on every method alike."""
     skipped, runs = {}, {}
     for method, params in methods(a.methods).items():
         preset = (params or {}).get("presets", [None])[0]
@@ -224,8 +224,9 @@ def ttft_cells(a, llm, clients: list, asker, url: str, look: dict, gbit: float, 
             skipped[method] = dict(row, skipped="not run: the phase's time ran out")  # leave time to write what was measured
         else:
             runs[method] = (params, preset, transfer_s, [])
-    for _ in range(a.repeats):
-        for params, _, transfer_s, samples in runs.values():
+    order = list(runs.values())
+    for r in range(a.repeats if order else 0):
+        for params, _, transfer_s, samples in order[r % len(order):] + order[: r % len(order)]:
             warm_ranks(clients, prompt[:-1], **look)  # the node has seen this prefix (untimed)
             probe = Probe(clients if len(clients) > 1 else clients[0], url)
             s, [(_, cached)] = generate(llm, [prompt], 1, params, a.call_timeout_s + 2 * transfer_s)

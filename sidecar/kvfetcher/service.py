@@ -33,7 +33,7 @@ import torch
 from kvfetcher import ipc, keys, kvbuffer
 from kvfetcher.config import Config
 from kvfetcher.errors import Reason, RequestError
-from kvfetcher.fetch import choice, executor, staging
+from kvfetcher.fetch import choice, executor, probe, staging
 from kvfetcher.fetch.linkshare import LinkShare
 from kvfetcher.fetch.readers import ReadProcs, SharedStaging
 from kvfetcher.fetch.plan import FORMATS, Catalog, Costs, EngineDecode, EngineDecoded, FetchOptions, FetchPlan, FetchDecision, FetchReply, listing_rounds, make_plan, seal, sealed
@@ -94,6 +94,7 @@ class Sidecar:
         self.catalog = Catalog(store, self.index, self.meta_pool, failed=lambda reason: self.metrics.errors.labels(reason).inc())
         self.writer = Writer(store, self.config, self.metrics, self.data_pool, self.meta_pool, stored=self.index.stored)
         self.link = LinkShare(self.config.link_dir)  # the node's fetches, which share its link
+        self.probe = probe.LinkProbe(store, self.data_pool, self.estimator, self.metrics)  # the link's rate before any fetch
         self._warming: asyncio.Future | None = None  # the latest registered buffer's warm-up
         self._seal_key = secrets.token_bytes(32)  # plans this process issued carry its seal
         self._object_key = mac.key_from(self.config.object_key)  # None: objects unauthenticated
@@ -188,6 +189,7 @@ class Sidecar:
         """Stop; queued stores get ``drain_s`` to finish (within a pod's termination grace)."""
         await self.writer.close(drain_s)
         self.catalog.close()
+        self.probe.close()
         await self.warmed()  # the decode workers are still in use until it ends
         for pool in (self.data_pool, self.meta_pool, self.decode_pool, self.copy_pool):
             pool.shutdown(wait=False, cancel_futures=True)
@@ -344,6 +346,8 @@ class Sidecar:
         p = await make_plan(self.catalog, ns, ck, self.config.chunk_tokens, costs, refresh=o.refresh, wait_s=o.wait_s,
                             deadline_s=self.config.deadline_s if o.deadline_s is None else o.deadline_s)
         self.metrics.index_keys.set(len(self.index))
+        if p.hit_tokens and p.preset == choice.RECOMPUTE and self.probe.wanted():  # a recompute that a prior may have decided
+            self.probe.start(probe.objects(ck, self.index.run(ck)[0]))
         if p.error:
             self.metrics.errors.labels(p.error).inc()
         elif p.lookup_s is not None:

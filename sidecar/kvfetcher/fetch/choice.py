@@ -303,6 +303,10 @@ class Estimator:
         """KV bytes per stored byte of ``preset``'s fetches (decayed; None before its first)."""
         return self._rate(self._ratio, preset)
 
+    def measured(self, endpoint: str) -> bool:
+        """Whether a read from ``endpoint`` has taught the link's rate (else :meth:`bandwidth` is the prior)."""
+        return self._rate(self._bw, endpoint) is not None
+
     def bandwidth(self, endpoint: str) -> float:
         """The link's rate to ``endpoint``: what one fetch gets alone."""
         return self._rate(self._bw, endpoint) or self._prior[0]

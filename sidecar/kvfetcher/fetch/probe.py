@@ -1,0 +1,92 @@
+"""probe: teach the cost model the link's rate before any fetch has.
+
+A fresh sidecar knows its link only by the estimator's prior (1 Gbit/s). Under that prior a load of a
+long prompt never looks faster than recompute, so ``auto`` would recompute, never fetch, and never
+learn the link: the benchmark's ``auto`` only chose well because forced loads had taught it first.
+When a lookup finds a stored prefix and plans a recompute while the link is still unmeasured, the
+sidecar reads a few of that prefix's objects in the background (:class:`LinkProbe`), discards them,
+and teaches the estimator the rate they came at. Nothing read reaches a KV buffer. One probe runs at a
+time; once one has measured the link no other starts, and after one failed the next waits ``every_s``.
+The probe reads in the sidecar's I/O threads, below what a fetch's reader processes draw from a fast
+link: its rate is a floor that real fetches then raise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor
+
+from kvfetcher import keys
+from kvfetcher.errors import Reason
+from kvfetcher.fetch.choice import Estimator
+from kvfetcher.metrics import Metrics
+from kvfetcher.store import Store, StoreError
+
+log = logging.getLogger("kvfetcher.probe")
+
+PROBE_BYTES = 256 * 2**20  # what one probe reads at most: enough objects that their request latency is small beside it
+PROBE_EVERY_S = 60.0  # after a failed probe, the least time before the next
+
+
+def objects(chunk_keys: Sequence[str], run: Sequence[Mapping[str, int]], max_bytes: int = PROBE_BYTES) -> list[tuple[str, int]]:
+    """(name, size) of the largest stored object of each leading chunk of ``run`` (the stored
+    representations of ``chunk_keys``' leading chunks, preset -> size) until ``max_bytes`` (at least one)."""
+    out, total = [], 0
+    for key, stored in zip(chunk_keys, run):
+        if not stored or (out and total >= max_bytes):
+            break
+        preset, size = max(stored.items(), key=lambda kv: kv[1])
+        out.append((keys.object_name(key, preset), size))
+        total += size
+    return out
+
+
+class LinkProbe:
+    def __init__(self, store: Store, pool: Executor, estimator: Estimator, metrics: Metrics, every_s: float = PROBE_EVERY_S):
+        self.store, self.pool, self.estimator, self.metrics, self.every_s = store, pool, estimator, metrics, every_s
+        self.task: asyncio.Task | None = None
+        self._last = float("-inf")  # when the latest probe started
+        self.probes = 0  # started
+
+    def wanted(self) -> bool:
+        """Whether a probe should start now: the link is unmeasured, none runs, and none started lately."""
+        return (not self.estimator.measured(self.store.endpoint) and (self.task is None or self.task.done())
+                and time.monotonic() - self._last >= self.every_s)
+
+    def start(self, names: Sequence[tuple[str, int]]) -> None:
+        """Read ``names`` (from :func:`objects`) in the background, if :meth:`wanted`."""
+        if names and self.wanted():
+            self._last, self.probes = time.monotonic(), self.probes + 1
+            self.task = asyncio.get_running_loop().create_task(self._read([n for n, _ in names]))
+
+    async def _read(self, names: list[str]) -> None:
+        loop, t = asyncio.get_running_loop(), time.perf_counter()
+        try:
+            sizes = await asyncio.gather(*(loop.run_in_executor(self.pool, self._size_of, n) for n in names))
+        except StoreError as e:  # (a deleted object too): the next probe, later, reads others
+            self.metrics.errors.labels(e.reason).inc()
+            return
+        except Exception:  # noqa: BLE001 — a background probe must not die unseen
+            log.exception("link probe failed")
+            self.metrics.errors.labels(Reason.INTERNAL).inc()
+            return
+        seconds, ep = time.perf_counter() - t, self.store.endpoint
+        self.estimator.observe_read(ep, sum(sizes), seconds)
+        self.metrics.bandwidth.labels(ep).set(self.estimator.bandwidth(ep))
+        log.info("link to %s probed: %d objects, %.0f MB in %.3f s (%.1f Gbit/s)", self.store.endpoint, len(names),
+                 sum(sizes) / 1e6, seconds, sum(sizes) * 8 / seconds / 1e9)
+
+    def _size_of(self, name: str) -> int:
+        return len(self.store.get(name))
+
+    async def settled(self) -> None:
+        """Wait for the running probe, if any."""
+        if self.task is not None:
+            await asyncio.gather(self.task, return_exceptions=True)
+
+    def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()

@@ -1,0 +1,84 @@
+"""A fresh sidecar learns its link from a background probe when its prior alone made a stored
+prefix recompute: ``auto`` can then choose a load without a forced one teaching it first."""
+
+import torch
+
+from kvfetcher.config import Config
+from kvfetcher.fetch import probe
+from kvfetcher.fetch.plan import FetchOptions
+from kvfetcher.service import Sidecar
+from kvfetcher.store.local import LocalStore
+from kvtest import synthetic_kv
+
+FP = "model/fp16"
+N = 32
+TOKENS = list(range(1000, 1000 + 8 * N))
+RECOMPUTES = FetchOptions(recompute_tokens_per_s=1e12)  # recompute beats any fetch: the lookup plans a recompute
+
+
+def test_a_probe_reads_the_largest_object_of_each_leading_chunk_up_to_its_bytes():
+    run = [{"raw": 100, "q8": 40}, {"raw": 100}, {"q8": 40}, {}, {"raw": 100}]
+    assert probe.objects(["a", "b", "c", "d", "e"], run, max_bytes=10_000) == [
+        (probe.keys.object_name("a", "raw"), 100), (probe.keys.object_name("b", "raw"), 100), (probe.keys.object_name("c", "q8"), 40)]  # stops at the first chunk not stored
+    assert [n for n, _ in probe.objects(["a", "b", "c"], run, max_bytes=150)] == [probe.keys.object_name(k, "raw") for k in "ab"]
+    assert len(probe.objects(["a"], run, max_bytes=1)) == 1  # at least one
+    assert probe.objects([], [], max_bytes=1) == []
+
+
+def kv_buffer(shm):
+    return shm((2, 2, 2, 8 * N, 16), fill=synthetic_kv(layers=2, heads=2, tokens=8 * N, head_dim=16))
+
+
+async def stored_sidecar(tmp_path, shm):
+    sc = Sidecar(LocalStore(tmp_path), Config(chunk_tokens=N, presets=("raw",), decode_procs=0, warm_up=False))
+    await sc.start()
+    buf = kv_buffer(shm)
+    bid = sc.register(buf.handle, FP)
+    await sc.store(bid, TOKENS)
+    await sc.flush()
+    return sc, bid, buf
+
+
+async def test_a_recompute_over_an_unmeasured_link_probes_it_once_and_touches_no_buffer(tmp_path, shm):
+    sc, bid, buf = await stored_sidecar(tmp_path, shm)
+    try:
+        ep = sc.objects.endpoint
+        assert not sc.estimator.measured(ep)
+        before = buf.tensor.clone()
+        p = await sc.lookup(bid, TOKENS, RECOMPUTES)
+        assert (p.preset, p.hit_tokens) == ("recompute", len(TOKENS))
+        await sc.probe.settled()
+        assert sc.estimator.measured(ep) and sc.estimator.bandwidth(ep) != 1.25e8  # the prior replaced by what the probe saw
+        assert f'kvfetcher_store_bandwidth_bytes_per_second{{endpoint="{ep}"}}' in sc.metrics.exposition().decode()
+        await sc.lookup(bid, TOKENS, RECOMPUTES)
+        await sc.probe.settled()
+        assert sc.probe.probes == 1  # measured: never again
+        assert torch.equal(buf.tensor, before)  # what it read reached no buffer
+    finally:
+        await sc.close()
+
+
+async def test_a_miss_or_a_planned_load_starts_no_probe(tmp_path, shm):
+    sc, bid, _ = await stored_sidecar(tmp_path, shm)
+    try:
+        await sc.lookup(bid, list(range(5000, 5000 + 4 * N)), RECOMPUTES)  # nothing stored
+        p = await sc.lookup(bid, TOKENS, FetchOptions(recompute_tokens_per_s=1.0))  # recompute far slower: a load is planned
+        assert p.preset == "raw"
+        assert sc.probe.probes == 0
+    finally:
+        await sc.close()
+
+
+async def test_a_failed_probe_is_counted_and_the_next_waits(tmp_path, shm):
+    sc, bid, _ = await stored_sidecar(tmp_path, shm)
+    try:
+        for name in sc.objects.list("kv/"):
+            sc.objects.delete(name)  # the index still says stored: the probe's reads fail
+        await sc.lookup(bid, TOKENS, RECOMPUTES)
+        await sc.probe.settled()
+        assert not sc.estimator.measured(sc.objects.endpoint)
+        assert 'kvfetcher_errors_total{reason="missing"}' in sc.metrics.exposition().decode()
+        await sc.lookup(bid, TOKENS, RECOMPUTES)
+        assert sc.probe.probes == 1  # not before every_s
+    finally:
+        await sc.close()
