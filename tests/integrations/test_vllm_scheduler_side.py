@@ -107,3 +107,35 @@ def test_one_ask_waits_at_least_a_gil_switch_interval_and_as_long_as_answers_lat
     run = run_without_vllm(PATIENCE)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split("\n")[:2] == ["True True", "True True"], run.stdout
+
+
+DEFERRALS = r'''
+import logging, sys, threading, time
+from types import SimpleNamespace
+import torch
+from kvfetcher.integrations.vllm_meta import Options
+from kvfetcher.integrations.vllm_scheduler import SchedulerSide
+
+logging.basicConfig(stream=sys.stdout, level=logging.WARNING, format="%(message)s")
+spec = SimpleNamespace(block_size=16, dtype=torch.bfloat16, num_kv_heads=2, head_size=64)
+kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["l0", "l1"])])
+s = SchedulerSide(SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1)), kv_cache_config,
+                  Options(socket="/nonexistent/s", model="m", lookup_timeout_s=0.2))
+gate = threading.Event()
+s._lookup = lambda request, options: gate.wait(5) and None
+request = SimpleNamespace(request_id="r", prompt_token_ids=list(range(600)), kv_transfer_params=None)
+print("answer", s.matched(request, 0))  # not answered within the wait: put off a step (and said so)
+time.sleep(0.25)
+print("answer", s.matched(request, 0))  # past the request's timeout: recomputes (and says so, not muted by the first)
+gate.set()
+s.close()
+'''
+
+
+def test_a_request_put_off_a_step_is_logged_and_does_not_mute_the_recompute_warning():
+    run = run_without_vllm(DEFERRALS)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("kvfetcher: a request was put off a step") and "1 of 0 asks" in lines[0], lines
+    assert lines[1] == "answer (None, False)"
+    assert lines[2].startswith("KV lookup not answered in time") and lines[3] == "answer (0, False)", lines
