@@ -139,3 +139,32 @@ def test_a_request_put_off_a_step_is_logged_and_does_not_mute_the_recompute_warn
     assert lines[0].startswith("kvfetcher: a request was put off a step") and "1 of 0 asks" in lines[0], lines
     assert lines[1] == "answer (None, False)"
     assert lines[2].startswith("KV lookup not answered in time") and lines[3] == "answer (0, False)", lines
+
+
+SHORT = r'''
+from types import SimpleNamespace
+import torch
+from kvfetcher.integrations.vllm_meta import Options
+from kvfetcher.integrations.vllm_scheduler import SchedulerSide
+
+spec = SimpleNamespace(block_size=16, dtype=torch.bfloat16, num_kv_heads=2, head_size=64)
+kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["l0", "l1"])])
+s = SchedulerSide(SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1)), kv_cache_config, Options(socket="/nonexistent/s", model="m"))
+asked = []
+s._lookup = lambda request, options: asked.append(request.request_id) or s._late(request)
+def ask(rid, tokens, local):
+    return s.matched(SimpleNamespace(request_id=rid, prompt_token_ids=list(range(tokens)), kv_transfer_params=None), local)
+ask("before the chunk size is known", 100, 0)
+s.client.chunk_tokens = 256  # as the sidecar's first answer says
+for rid, tokens, local in (("short", 200, 0), ("all whole chunks held by vLLM", 600, 512), ("one chunk beyond vLLM's hit", 600, 256)):
+    print(rid, ask(rid, tokens, local))
+print(asked)
+s.close()
+'''
+
+
+def test_a_prompt_with_no_whole_chunk_beyond_vllms_own_hit_is_not_looked_up():
+    """Nothing a load could add: the scheduler neither asks the sidecar nor waits (a short chat turn pays nothing)."""
+    run = run_without_vllm(SHORT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.splitlines()[-1] == "['before the chunk size is known', \"one chunk beyond vLLM's hit\"]", run.stdout

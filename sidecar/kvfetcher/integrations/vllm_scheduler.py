@@ -147,7 +147,8 @@ class SchedulerSide:
         """vLLM's ``get_num_new_matched_tokens``: never waits more than ``lookup_wait_s`` for the
         sidecar. A lookup still in flight answers None (vLLM asks again at its next step, the
         request waiting meanwhile); one not answered in time (:meth:`_patience`) recomputes. A role
-        that does not load (``kv_producer``) asks nothing: every request recomputes (and is stored)."""
+        that does not load (``kv_producer``) asks nothing: every request recomputes (and is stored);
+        nor does a prompt with no whole chunk beyond vLLM's own hit (:meth:`_may_gain`)."""
         if getattr(request, "skip_reading_prefix_cache", False):  # a plain recompute (vLLM 0.26 still asks the connector)
             return 0, False
         rid = request.request_id
@@ -160,7 +161,7 @@ class SchedulerSide:
                 self._warn("kvfetcher: request %s's kv_transfer_params refused, recomputing (not stored): %s", rid, e)
                 self.requests[rid] = _Request(request, [], (), 0, store=False)
                 return 0, False
-            if self.options.loads:
+            if self.options.loads and self._may_gain(request, num_computed_tokens):
                 wait_s, timeout_s = self._patience(request, num_computed_tokens, model)
                 r = self.lookups.answer(rid, lambda: self._lookup(request, options), lambda: self._late(request), timeout_s, wait_s)
                 if r is NOT_YET:  # the request waits a step: say so, as TTFT pays for it
@@ -175,6 +176,13 @@ class SchedulerSide:
         r.local = num_computed_tokens
         n = r.end - num_computed_tokens
         return (n, True) if n > 0 else (0, False)
+
+    def _may_gain(self, request, num_computed_tokens: int) -> bool:
+        """Whether a load could add to vLLM's own hit: the prompt (but its last token) has a whole
+        chunk beyond it. Else the sidecar is not asked and the scheduler never waits (a short chat
+        turn pays nothing); unknown before the sidecar's first answer gave its chunk size."""
+        chunk = self.client.chunk_tokens
+        return not chunk or (len(request.prompt_token_ids or ()) - 1) // chunk * chunk > num_computed_tokens
 
     def allocated(self, request, block_ids: list[int], num_external_tokens: int) -> None:
         r = self.requests.get(request.request_id)
