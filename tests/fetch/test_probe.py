@@ -82,3 +82,21 @@ async def test_a_failed_probe_is_counted_and_the_next_waits(tmp_path, shm):
         assert sc.probe.probes == 1  # not before every_s
     finally:
         await sc.close()
+
+
+async def test_a_probe_counts_as_a_fetch_on_the_nodes_link_and_learns_the_whole_link(tmp_path, shm, monkeypatch):
+    """Another fetch on the node holds the link while the probe reads: the probe saw half of it,
+    and teaches the estimator the whole (as a fetch does, :mod:`kvfetcher.fetch.linkshare`)."""
+    from kvfetcher.fetch.linkshare import LinkShare
+
+    sc, bid, _ = await stored_sidecar(tmp_path, shm)
+    try:
+        sc.probe.link = LinkShare(str(tmp_path / "link"))
+        taught = []
+        monkeypatch.setattr(sc.estimator, "observe_read", lambda ep, nbytes, seconds, fmt=None, sharers=1.0: taught.append(sharers))
+        async with LinkShare(str(tmp_path / "link")).fetch():  # a fetch of another sidecar on the node
+            await sc.lookup(bid, TOKENS, RECOMPUTES)
+            await sc.probe.settled()
+        assert taught == [2.0]
+    finally:
+        await sc.close()

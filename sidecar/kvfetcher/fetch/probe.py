@@ -6,7 +6,9 @@ learn the link: the benchmark's ``auto`` only chose well because forced loads ha
 When a lookup finds a stored prefix and plans a recompute while the link is still unmeasured, the
 sidecar reads a few of that prefix's objects in the background (:class:`LinkProbe`), discards them,
 and teaches the estimator the rate they came at. Nothing read reaches a KV buffer. One probe runs at a
-time; once one has measured the link no other starts, and after one failed the next waits ``every_s``.
+time, announced on the node's link as a fetch is (:mod:`~kvfetcher.fetch.linkshare`: the ranks of a
+tensor-parallel group probing at once each learn the whole link); once one has measured the link no
+other starts, and after one failed the next waits ``every_s``.
 The probe reads in the sidecar's I/O threads, below what a fetch's reader processes draw from a fast
 link: its rate is a floor that real fetches then raise.
 """
@@ -22,6 +24,7 @@ from concurrent.futures import Executor
 from kvfetcher import keys
 from kvfetcher.errors import Reason
 from kvfetcher.fetch.choice import Estimator
+from kvfetcher.fetch.linkshare import LinkShare
 from kvfetcher.metrics import Metrics
 from kvfetcher.store import Store, StoreError
 
@@ -45,8 +48,10 @@ def objects(chunk_keys: Sequence[str], run: Sequence[Mapping[str, int]], max_byt
 
 
 class LinkProbe:
-    def __init__(self, store: Store, pool: Executor, estimator: Estimator, metrics: Metrics, every_s: float = PROBE_EVERY_S):
+    def __init__(self, store: Store, pool: Executor, estimator: Estimator, metrics: Metrics, link: LinkShare | None = None,
+                 every_s: float = PROBE_EVERY_S):
         self.store, self.pool, self.estimator, self.metrics, self.every_s = store, pool, estimator, metrics, every_s
+        self.link = link or LinkShare(None)  # a probe shares the node's link as a fetch does, and counts as one
         self.task: asyncio.Task | None = None
         self._last = float("-inf")  # when the latest probe started
         self.probes = 0  # started
@@ -63,9 +68,12 @@ class LinkProbe:
             self.task = asyncio.get_running_loop().create_task(self._read([n for n, _ in names]))
 
     async def _read(self, names: list[str]) -> None:
-        loop, t = asyncio.get_running_loop(), time.perf_counter()
+        loop = asyncio.get_running_loop()
         try:
-            sizes = await asyncio.gather(*(loop.run_in_executor(self.pool, self._size_of, n) for n in names))
+            async with self.link.fetch() as share:
+                t = time.perf_counter()
+                sizes = await asyncio.gather(*(loop.run_in_executor(self.pool, self._size_of, n) for n in names))
+                seconds = time.perf_counter() - t
         except StoreError as e:  # (a deleted object too): the next probe, later, reads others
             self.metrics.errors.labels(e.reason).inc()
             return
@@ -73,8 +81,8 @@ class LinkProbe:
             log.exception("link probe failed")
             self.metrics.errors.labels(Reason.INTERNAL).inc()
             return
-        seconds, ep = time.perf_counter() - t, self.store.endpoint
-        self.estimator.observe_read(ep, sum(sizes), seconds)
+        ep = self.store.endpoint
+        self.estimator.observe_read(ep, sum(sizes), seconds, sharers=share.sharers)  # the link's rate, as a fetch teaches it
         self.metrics.bandwidth.labels(ep).set(self.estimator.bandwidth(ep))
         log.info("link to %s probed: %d objects, %.0f MB in %.3f s (%.1f Gbit/s)", self.store.endpoint, len(names),
                  sum(sizes) / 1e6, seconds, sum(sizes) * 8 / seconds / 1e9)
