@@ -48,6 +48,8 @@ def objects(chunk_keys: Sequence[str], run: Sequence[Mapping[str, int]], max_byt
 
 
 class LinkProbe:
+    """One sidecar's probe of its link to ``store``, read in ``pool`` and taught to ``estimator`` (the module's doc)."""
+
     def __init__(self, store: Store, pool: Executor, estimator: Estimator, metrics: Metrics, link: LinkShare | None = None,
                  every_s: float = PROBE_EVERY_S):
         self.store, self.pool, self.estimator, self.metrics, self.every_s = store, pool, estimator, metrics, every_s
