@@ -294,8 +294,7 @@ async def test_a_long_store_queues_the_leading_chunks_that_fit_and_skips_stored_
 
 async def test_stores_copying_at_once_share_the_queues_room_and_a_failed_copy_gives_it_back(tmp_path, shm, monkeypatch):
     """Two stores whose copies overlap (a loaded engine ends prefills back to back): the room the
-    first took is not promised to the second (which used to fail the store with a 500), and room
-    held for a copy that failed is free again."""
+    first took is not promised to the second, and room held for a copy that failed is free again."""
     from kvfetcher import kvbuffer
 
     real, fail = kvbuffer.Destination.read, []

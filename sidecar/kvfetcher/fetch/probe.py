@@ -2,8 +2,7 @@
 
 A fresh sidecar knows its link only by the estimator's prior (1 Gbit/s). Under that prior a load of a
 long prompt never looks faster than recompute, so ``auto`` would recompute, never fetch, and never
-learn the link: the benchmark's ``auto`` only chose well because forced loads had taught it first.
-When a lookup finds a stored prefix and plans a recompute while the link is still unmeasured, the
+learn the link. When a lookup finds a stored prefix and plans a recompute while the link is still unmeasured, the
 sidecar reads a few of that prefix's objects in the background (:class:`LinkProbe`), discards them,
 and teaches the estimator the rate they came at. Nothing read reaches a KV buffer. One probe runs at a
 time, announced on the node's link as a fetch is (:mod:`~kvfetcher.fetch.linkshare`: the ranks of a
@@ -86,7 +85,7 @@ class LinkProbe:
         ep = self.store.endpoint
         self.estimator.observe_read(ep, sum(sizes), seconds, sharers=share.sharers)  # the link's rate, as a fetch teaches it
         self.metrics.bandwidth.labels(ep).set(self.estimator.bandwidth(ep))
-        log.info("link to %s probed: %d objects, %.0f MB in %.3f s (%.1f Gbit/s)", self.store.endpoint, len(names),
+        log.info("link to %s probed: %d objects, %.0f MB in %.3f s (%.1f Gbit/s)", ep, len(names),
                  sum(sizes) / 1e6, seconds, sum(sizes) * 8 / seconds / 1e9)
 
     def _size_of(self, name: str) -> int:
