@@ -416,6 +416,8 @@ class Sidecar:
             return reply
         if isinstance(dest, ObjectArena):
             refs = self._place(dest, refs)
+        if plan.breakeven_s is not None:  # past it the load has lost: it stops, the rest is recomputed
+            deadline_s = min(deadline_s, plan.breakeven_s + (time.perf_counter() - t0))
         quiet = self._warm()  # else the warm-up shares the decode workers
         async with self.link.fetch() as share:
             out = await executor.fetch(self.objects, refs, dest, fingerprint=buf.ns.model, io_pool=self.data_pool, decode_pool=self.decode_pool,
@@ -488,15 +490,18 @@ class Sidecar:
         m.kv_bytes.inc(out.kv_bytes)
         for stage, seconds in (("read", out.read_busy_s), ("decode", out.decode_busy_s), ("fetch", out.seconds)):
             m.fetch_busy.labels(stage).inc(seconds)
+        fmt = PRESETS[preset].codec.format
+        bound = out.read_busy_s > choice.READ_BOUND * out.decode_busy_s  # reads set the pace: the link's rate now
+        if out.error is Reason.DEADLINE and learn and bound:  # the link made it late: that is the link's rate now, first fetch or not
+            self.estimator.observe_read(ep, out.bytes_read, out.read_busy_s, fmt, sharers, bound=True)
         if out.error is None:
-            fmt = PRESETS[preset].codec.format
             if out.header_latency_s:
                 self.estimator.observe_latency(ep, min(out.header_latency_s))
             settled = self.estimator.settled(fmt)  # (once: it marks the format seen)
             if settled and learn and engine:
-                self.estimator.observe_read(ep, out.bytes_read, out.read_busy_s, fmt, sharers)
+                self.estimator.observe_read(ep, out.bytes_read, out.read_busy_s, fmt, sharers, bound)
             elif settled and learn:  # not the process' first fetch of this format
-                self.estimator.observe_read(ep, out.bytes_read, out.read_busy_s, fmt, sharers)
+                self.estimator.observe_read(ep, out.bytes_read, out.read_busy_s, fmt, sharers, bound)
                 self.estimator.observe_decode(preset, out.kv_bytes, out.decode_busy_s)
                 if out.loaded_tokens == plan.loaded_tokens:  # the whole planned fetch: its time is comparable
                     fit = self.estimator.observe_fit(ep, preset, fmt, out.bytes_read, out.kv_bytes, out.seconds, sharers)

@@ -17,7 +17,7 @@ from kvfetcher.kvbuffer import PagedLayout
 ROOT = Path(__file__).resolve().parents[2]
 
 PLAN = FetchPlan("m", "float16", 0, 64, 128, "ab" * 32, 128, "q8", (("q8", 1000), ("q8", 990)), 0.25,
-                 {"q8": 0.25, "recompute": 1.5}, 0.01, None, None, "t")
+                 {"q8": 0.25, "recompute": 1.5}, 0.01, None, None, 1.9, "t")
 
 
 def test_docs_api_md_is_what_the_schema_renders():

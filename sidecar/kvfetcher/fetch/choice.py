@@ -6,7 +6,9 @@ pipelined, so the slower stage dominates), and whatever prefix it does not resto
 recomputed after it, as long as the engine's :class:`~kvfetcher.fetch.prefill.PrefillModel` says
 (superlinear: the recomputed tokens attend over the fetched ones). The option with the least total
 time wins; recompute of everything is always an option, so a fetch is never planned to be slower
-than recompute.
+than recompute. Plans can still be wrong (a rate learnt on a link that has since slowed): a load is
+given until its break-even, :data:`BREAKEVEN_SLACK` times the predicted recompute (or the TTFT
+budget; :data:`MIN_BREAKEVEN_S` at least), and stops there keeping what it loaded, so a wrong plan costs a bounded loss, not a stall.
 
 With a TTFT budget, the least time is not the goal on a busy GPU: a recomputed prefix takes the
 GPU from every request decoding beside it, a fetch takes none. Then the fetch that recomputes
@@ -30,7 +32,9 @@ tensor-parallel group fetch at once, :mod:`kvfetcher.fetch.linkshare` counts the
 that shared it ``k`` ways teaches ``k`` times the rate it saw, and a fetch expected to share it
 ``k`` ways is predicted at the link's rate over ``k``. Exact whenever a fetch shares the link as
 the fetches it learnt from did, whatever bounds the read; a decode-bound read learnt alone and
-predicted shared comes out pessimistic.
+predicted shared comes out pessimistic. A fetch whose reads set its pace caps every read rate kept
+for its endpoint at the rate it saw: a link that slowed is believed at once (a format's old, faster
+rate would plan a load that loses), one that sped up as fetches of each format see it.
 """
 
 from __future__ import annotations
@@ -66,6 +70,14 @@ class Fit:
         return self.scale * modelled_s + self.overhead_s
 
 
+#: a fetch whose reads were in flight this many times longer than its decodes was paced by the link
+READ_BOUND = 1.5
+#: a planned load that has not finished this many times the time recompute was predicted to take
+#: (or the TTFT budget, if longer), and at least :data:`MIN_BREAKEVEN_S`, has lost: it stops,
+#: keeping what it loaded (the floor spares a short prompt's load a cold start's one-time costs)
+BREAKEVEN_SLACK = 1.25
+MIN_BREAKEVEN_S = 0.25
+
 NO_FIT = Fit()
 NO_PREFILL = PrefillModel.linear(1.0)  # a slow prefill, where only the fetch's side of the model is asked
 #: fetch sizes must differ by this much (coefficient of variation of the modelled times) before
@@ -94,6 +106,7 @@ class Decision:
     predicted_s: float  # predicted fetch time of those chunks (0 for recompute)
     total_s: float  # predicted time until the whole requested prefix is in the KV buffers (fetched, or prefilled)
     options: dict[str, float] = field(default_factory=dict)  # total_s of every option considered
+    breakeven_s: float | None = None  # a load: seconds after which it has lost (see BREAKEVEN_SLACK); None for recompute
 
 
 def decode_rate(preset: str, fmt: str, rates: Rates) -> float:
@@ -154,7 +167,8 @@ def choose(
         if budget_s is not None and total <= budget_s and (fits is None or (-d.tokens, d.total_s) < (-fits.tokens, fits.total_s)):
             fits = d
     best = fits or best
-    return Decision(best.preset, best.chunks, best.tokens, best.predicted_s, best.total_s, options)
+    breakeven = None if best.preset == RECOMPUTE else max(MIN_BREAKEVEN_S, BREAKEVEN_SLACK * max(recompute_all, budget_s or 0.0))
+    return Decision(best.preset, best.chunks, best.tokens, best.predicted_s, best.total_s, options, breakeven)
 
 
 def hopeless(
@@ -241,13 +255,21 @@ class Estimator:
         self._seen.add(fmt)
         return False
 
-    def observe_read(self, endpoint: str, nbytes: int, busy_s: float, fmt: str | None = None, sharers: float = 1.0) -> None:
+    def observe_read(self, endpoint: str, nbytes: int, busy_s: float, fmt: str | None = None, sharers: float = 1.0,
+                     bound: bool = False) -> None:
         """A fetch read ``nbytes`` in ``busy_s`` seconds while ``sharers`` fetches (itself included)
-        shared the link: the link delivered ``sharers`` times that."""
+        shared the link: the link delivered ``sharers`` times that. ``bound``: reading, not decoding,
+        set the fetch's pace, so the link delivers no more than that now: every read rate kept for
+        the endpoint (each format's too, learnt before the link slowed) comes down to it."""
         if nbytes > 0 and busy_s > 0:
             self._add(self._bw, endpoint, nbytes * sharers, busy_s)
             if fmt:
                 self._add(self._fmt_bw, (fmt, endpoint), nbytes * sharers, busy_s)
+            if bound:
+                link = nbytes * sharers / busy_s
+                for table, key in [(self._bw, endpoint), *((self._fmt_bw, k) for k in self._fmt_bw if k[1] == endpoint)]:
+                    amount, seconds = table[key]
+                    table[key] = (min(amount, link * seconds), seconds)  # its weight kept: a faster link is learnt back as fast
 
     def observe_latency(self, endpoint: str, seconds: float) -> None:
         self._ewma(self._lat, endpoint, seconds)

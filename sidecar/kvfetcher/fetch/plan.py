@@ -121,6 +121,9 @@ class FetchPlan:
     lookup_s: float | None = _doc("seconds the listing took (null: answered from the sidecar's index, no store request waited for)")
     reason: str | None = _doc("why it fetches fewer than `requested_tokens`: `miss`, `cost_model` or a failure reason")
     detail: str | None = _doc("a human-readable detail of `reason`")
+    breakeven_s: float | None = _doc("seconds after which the chosen load has lost to recompute (or passed the TTFT budget): a fetch "
+                                     "still running then stops, keeping the chunks it loaded (null: the fetch's deadline alone)",
+                                     default=None)
     tag: str = _doc("the issuing sidecar's seal over the other fields; a fetch refuses a plan whose seal does not match", default="")
 
     @property
@@ -299,7 +302,7 @@ def decide(listed: FetchPlan, run: Sequence[dict[str, int]], costs: Costs) -> Fe
     if d.preset == choice.RECOMPUTE:
         return replace(listed, preset=d.preset, options=d.options, reason=Reason.COST_MODEL.value, detail="recompute predicted faster")
     return replace(listed, preset=d.preset, chunks=tuple((d.preset, run[i][d.preset]) for i in range(d.chunks)),
-                   predicted_s=d.predicted_s, options=d.options)
+                   predicted_s=d.predicted_s, options=d.options, breakeven_s=d.breakeven_s)
 
 
 @dataclass
