@@ -168,3 +168,44 @@ def test_a_prompt_with_no_whole_chunk_beyond_vllms_own_hit_is_not_looked_up():
     run = run_without_vllm(SHORT)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.splitlines()[-1] == "['before the chunk size is known', \"one chunk beyond vLLM's hit\"]", run.stdout
+
+
+NOTHING = r'''
+import threading
+from types import SimpleNamespace
+import torch
+from kvfetcher.fetch.plan import FetchPlan
+from kvfetcher.integrations.vllm_meta import Options
+from kvfetcher.integrations.vllm_scheduler import NOTHING_TO_WAIT_FOR, SchedulerSide, _Request
+
+spec = SimpleNamespace(block_size=16, dtype=torch.bfloat16, num_kv_heads=2, head_size=64)
+kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["l0", "l1"])])
+s = SchedulerSide(SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1)), kv_cache_config,
+                  Options(socket="/nonexistent/s", model="m", lookup_timeout_s=5.0))
+plan = FetchPlan("m", "bfloat16", 0, 256, 512, "k", 512, "recompute", (), 0.0, {}, None, None, None)
+gate, late = threading.Event(), set()
+def lookup(request, options, end):
+    if request.request_id in late:
+        gate.wait(5)
+    return _Request(request, [], (plan,), end, options, answered=True)
+def ask(rid, end):
+    s._lookup = lambda request, options: lookup(request, options, end)
+    return s.matched(SimpleNamespace(request_id=rid, prompt_token_ids=list(range(600)), kv_transfer_params=None), 0)
+late.add("late, loads planned lately")
+print([ask(str(i), 512) for i in range(NOTHING_TO_WAIT_FOR)][-1], ask("late, loads planned lately", 512))
+for i in range(NOTHING_TO_WAIT_FOR):
+    ask(f"nothing {i}", 0)  # answered in time, each a recompute
+late.add("late, nothing planned lately")
+print(ask("late, nothing planned lately", 512))
+gate.set()
+s.close()
+'''
+
+
+def test_a_late_answer_waits_a_step_only_while_answers_lately_planned_loads():
+    """Under load with nothing worth loading, a late answer put the request off a step (30-40 ms of
+    TTFT, H200 2026-11-29) for a plan that would recompute anyway: once the last answers all planned
+    no load, a late one recomputes at once."""
+    run = run_without_vllm(NOTHING)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.splitlines() == ["(512, True) (None, False)", "(0, False)"], run.stdout

@@ -54,7 +54,7 @@ class Options:
     # thread in the engine's process may wait that long for the GIL; an answer missed by a hair puts the request off a whole step
     lookup_wait_s: float = 0.005
     listing_wait_s: float = 0.005  # the sidecar's wait for its store listing of a prefix its index does not know
-    lookup_timeout_s: float = 0.02  # a request waits at least this for its plan before it recomputes
+    lookup_timeout_s: float = 0.02  # a request waits at least this for its plan before it recomputes (while recent plans loaded)
     lookup_stake: float = 0.02  # and up to this fraction of its predicted recompute (a long prompt's plan is worth a wait)
     fetch_deadline_s: float | None = None  # a fetch's deadline (default: the sidecar's KVFETCHER_DEADLINE_S)
     # host staging (a CPU cache, or a GPU the sidecar cannot open): token slots of the buffer KV goes through, in windows

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 
 from kvfetcher import kvbuffer
@@ -42,6 +43,9 @@ MEDIUM = "OBJ"  # vLLM's KV-event medium of an object store (MEDIUM_OBJ in vLLM 
 WARN_EVERY_S = 30.0
 MAX_WAIT_S = 0.01  # the most one lookup's ask holds the scheduler (and every request decoding) in a step
 LOOKUP_THREADS = 4  # lookups in flight at once (requests arriving together are not asked in turn)
+#: answers whose plans tell whether a late answer is worth a step: once this many in a row planned no
+#: load, a request whose answer is late recomputes at once rather than waiting a step for it
+NOTHING_TO_WAIT_FOR = 8
 
 
 @dataclass
@@ -56,6 +60,7 @@ class _Request:
     blocks: list[int] = field(default_factory=list)  # the block table
     storing: bool = False  # a store was asked for: its blocks stay until the workers copied them
     store: bool = True  # its prefill may be stored (the connector's role and the request's own ``store``)
+    answered: bool = False  # the sidecar's plan (not a failed or late lookup's recompute)
 
 
 class SchedulerSide:
@@ -77,6 +82,7 @@ class SchedulerSide:
         self.storing: dict[str, _Request] = {}  # asked to store, not yet reported
         self.events: list = []
         self._warned: dict[str, float] = {}  # message -> when last logged
+        self.loads_planned: deque[bool] = deque(maxlen=NOTHING_TO_WAIT_FOR)  # per recent answer: did it plan a load
 
     def close(self) -> None:
         if self.lookups.answered:
@@ -119,7 +125,7 @@ class SchedulerSide:
             end = plan.loaded_tokens if plan.preset else plan.hit_tokens
         except (OSError, SidecarError) as e:  # no sidecar is no reason to fail a request: recompute
             self._warn("KV lookup failed, recomputing: %s", e)
-        return _Request(request, tokens, plans, end, options)
+        return _Request(request, tokens, plans, end, options, answered=bool(plans))
 
     def _late(self, request) -> _Request:
         self._warn("KV lookup not answered in time (lookup_timeout_s %s, lookup_stake %s), recomputing",
@@ -137,11 +143,13 @@ class SchedulerSide:
         as recent answers took (with a quarter to spare) or a quarter of the stake, whichever is
         longer, at least ``lookup_wait_s`` and at most :data:`MAX_WAIT_S`, so that a request is not
         put off a whole step for want of a millisecond; the request up to the stake (at least
-        ``lookup_timeout_s``)."""
+        ``lookup_timeout_s``), unless the last :data:`NOTHING_TO_WAIT_FOR` answers planned no load:
+        then a late answer is not worth a step, and the request recomputes at once."""
         new = len(request.prompt_token_ids or ()) - num_computed_tokens
         stake = self.options.lookup_stake * model.seconds(num_computed_tokens, new) if model is not None and new > 0 else 0.0
         wait = max(self.options.lookup_wait_s, min(MAX_WAIT_S, max(stake / 4, 1.25 * self.lookups.typical_s())))
-        return wait, max(self.options.lookup_timeout_s, stake)
+        worth_a_step = len(self.loads_planned) < NOTHING_TO_WAIT_FOR or any(self.loads_planned)
+        return wait, max(self.options.lookup_timeout_s, stake) if worth_a_step else 0.0
 
     def matched(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """vLLM's ``get_num_new_matched_tokens``: never waits more than ``lookup_wait_s`` for the
@@ -169,6 +177,8 @@ class SchedulerSide:
                                "(lately 90%% of lookups answered within %.1f ms; %d of %d asks put off so far)",
                                1e3 * wait_s, 1e3 * self.lookups.typical_s(), self.lookups.deferred, self.lookups.answered)
                     return None, False
+                if r.answered:
+                    self.loads_planned.append(r.end > num_computed_tokens)
             else:
                 r = _Request(request, [], (), 0)
             r.store = store
