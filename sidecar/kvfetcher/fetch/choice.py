@@ -32,13 +32,15 @@ tensor-parallel group fetch at once, :mod:`kvfetcher.fetch.linkshare` counts the
 that shared it ``k`` ways teaches ``k`` times the rate it saw, and a fetch expected to share it
 ``k`` ways is predicted at the link's rate over ``k``. Exact whenever a fetch shares the link as
 the fetches it learnt from did, whatever bounds the read; a decode-bound read learnt alone and
-predicted shared comes out pessimistic. A fetch whose reads set its pace caps every read rate kept
-for its endpoint at the rate it saw: a link that slowed is believed at once (a format's old, faster
-rate would plan a load that loses), one that sped up as fetches of each format see it.
+predicted shared comes out pessimistic. A fetch whose reads set its pace sets a ceiling on every
+read rate of its endpoint, the rate it saw: a link that slowed is believed at once (a format's old,
+faster rate would plan a load that loses). Any read faster than the ceiling lifts it, and it lapses
+after :data:`CEILING_TTL_S`, so one slow spell cannot make ``auto`` recompute for good.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -72,6 +74,8 @@ class Fit:
 
 #: a fetch whose reads were in flight this many times longer than its decodes was paced by the link
 READ_BOUND = 1.5
+#: seconds a read-bound fetch's rate caps the endpoint's read rates (unless a faster read lifts it)
+CEILING_TTL_S = 120.0
 #: a planned load that has not finished this many times the time recompute was predicted to take
 #: (or the TTFT budget, if longer), and at least :data:`MIN_BREAKEVEN_S`, has lost: it stops,
 #: keeping what it loaded (the floor spares a short prompt's load a cold start's one-time costs)
@@ -231,6 +235,8 @@ class Estimator:
         self._fmt_bw: dict[tuple[str, str], tuple[float, float]] = {}  # (format, endpoint)
         self._ratio: dict[str, tuple[float, float]] = {}  # by preset: KV bytes over stored bytes fetched
         self._seen: set[str] = set()  # bitstream formats this process has fetched
+        self._ceiling: dict[str, tuple[float, float]] = {}  # endpoint -> (the link's rate at most, when seen)
+        self.clock = time.monotonic
 
     def _ewma(self, table: dict, key, value: float) -> None:
         old = table.get(key)
@@ -265,11 +271,15 @@ class Estimator:
             self._add(self._bw, endpoint, nbytes * sharers, busy_s)
             if fmt:
                 self._add(self._fmt_bw, (fmt, endpoint), nbytes * sharers, busy_s)
-            if bound:
-                link = nbytes * sharers / busy_s
-                for table, key in [(self._bw, endpoint), *((self._fmt_bw, k) for k in self._fmt_bw if k[1] == endpoint)]:
-                    amount, seconds = table[key]
-                    table[key] = (min(amount, link * seconds), seconds)  # its weight kept: a faster link is learnt back as fast
+            link, ceiling = nbytes * sharers / busy_s, self.ceiling(endpoint)
+            if bound or (ceiling is not None and link > ceiling):  # the link's rate now (a faster read: at least that)
+                self._ceiling[endpoint] = (link, self.clock())
+
+    def ceiling(self, endpoint: str) -> float | None:
+        """The most the link to ``endpoint`` delivers now, as the latest read-bound fetch saw it
+        (None: none within :data:`CEILING_TTL_S`)."""
+        rate, when = self._ceiling.get(endpoint, (None, 0.0))
+        return rate if rate is not None and self.clock() - when < CEILING_TTL_S else None
 
     def observe_latency(self, endpoint: str, seconds: float) -> None:
         self._ewma(self._lat, endpoint, seconds)
@@ -330,8 +340,8 @@ class Estimator:
         return self._rate(self._bw, endpoint) is not None
 
     def bandwidth(self, endpoint: str) -> float:
-        """The link's rate to ``endpoint``: what one fetch gets alone."""
-        return self._rate(self._bw, endpoint) or self._prior[0]
+        """The link's rate to ``endpoint``: what one fetch gets alone (at most its :meth:`ceiling`)."""
+        return min(self._rate(self._bw, endpoint) or self._prior[0], self.ceiling(endpoint) or float("inf"))
 
     def rates(self, endpoint: str, prefill: PrefillModel = NO_PREFILL, sharers: float = 1.0, engine: str | None = None) -> Rates:
         """The rates a fetch from ``endpoint`` can expect while ``sharers`` fetches (itself included)
@@ -344,7 +354,8 @@ class Estimator:
         else:
             prior, table = (GPU_DECODE_PRIOR if engine == "cuda" else DECODE_PRIOR), self._engine_decode
         decode = {**prior, **{p: v for p in table if (v := self._rate(table, p))}}
-        by_format = {fmt: v / share for (fmt, ep) in self._fmt_bw if ep == endpoint and (v := self._rate(self._fmt_bw, (fmt, ep)))}
+        top = self.ceiling(endpoint) or float("inf")
+        by_format = {fmt: min(v, top) / share for (fmt, ep) in self._fmt_bw if ep == endpoint and (v := self._rate(self._fmt_bw, (fmt, ep)))}
         fits = {p: self.fit(p, endpoint) for p, _ in self._fit} if engine is None else {}
         ratios = {p: v for p in self._ratio if (v := self.ratio(p))}
         return Rates(self.bandwidth(endpoint) / share, self._lat.get(endpoint, self._prior[1]), decode, prefill, fits,
