@@ -93,10 +93,38 @@ async def test_a_probe_counts_as_a_fetch_on_the_nodes_link_and_learns_the_whole_
     try:
         sc.probe.link = LinkShare(str(tmp_path / "link"))
         taught = []
-        monkeypatch.setattr(sc.estimator, "observe_read", lambda ep, nbytes, seconds, fmt=None, sharers=1.0: taught.append(sharers))
+        monkeypatch.setattr(sc.estimator, "observe_read", lambda ep, nbytes, seconds, fmt=None, sharers=1.0, **kw: taught.append(sharers))
         async with LinkShare(str(tmp_path / "link")).fetch():  # a fetch of another sidecar on the node
             await sc.lookup(bid, TOKENS, RECOMPUTES)
             await sc.probe.settled()
         assert taught == [2.0]
+    finally:
+        await sc.close()
+
+
+async def test_a_ceiling_past_half_its_time_is_probed_and_a_probe_no_faster_renews_it(tmp_path, shm):
+    """A slow spell's ceiling keeps ``auto`` recomputing; before it lapses (and a stale faster rate
+    plans a load again) a probe checks the link: no faster, the ceiling stands anew."""
+    from kvfetcher.fetch import choice
+
+    sc, bid, _ = await stored_sidecar(tmp_path, shm)
+    try:
+        e, ep, now = sc.estimator, sc.objects.endpoint, [0.0]
+        e.clock = lambda: now[0]
+        e.observe_read(ep, 10**12, 1.0, "raw")  # a fast link, measured
+        e.observe_read(ep, 1, 1.0, "raw", bound=True)  # then a slow spell: 1 B/s at most
+        await sc.lookup(bid, TOKENS, RECOMPUTES)
+        assert sc.probe.probes == 0 and not e.stale(ep)  # the ceiling is fresh
+        now[0] = choice.CEILING_TTL_S * 0.6
+        assert e.stale(ep)
+        await sc.lookup(bid, TOKENS, RECOMPUTES)
+        await sc.probe.settled()
+        assert sc.probe.probes == 1 and e.ceiling(ep) is not None and e.ceiling(ep) > 1  # the local disk beat 1 B/s: lifted
+        e.observe_read(ep, 10**15, 1.0, "raw", bound=True)  # a ceiling no probe can beat
+        now[0] = choice.CEILING_TTL_S * 1.2
+        sc.probe._last = float("-inf")
+        await sc.lookup(bid, TOKENS, RECOMPUTES)
+        await sc.probe.settled()
+        assert e.ceiling(ep) == 1e15 and not e.stale(ep)  # renewed at now, not lapsed
     finally:
         await sc.close()

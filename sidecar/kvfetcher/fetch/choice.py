@@ -262,11 +262,11 @@ class Estimator:
         return False
 
     def observe_read(self, endpoint: str, nbytes: int, busy_s: float, fmt: str | None = None, sharers: float = 1.0,
-                     bound: bool = False) -> None:
+                     bound: bool = False, probe: bool = False) -> None:
         """A fetch read ``nbytes`` in ``busy_s`` seconds while ``sharers`` fetches (itself included)
         shared the link: the link delivered ``sharers`` times that. ``bound``: reading, not decoding,
-        set the fetch's pace, so the link delivers no more than that now: every read rate kept for
-        the endpoint (each format's too, learnt before the link slowed) comes down to it."""
+        set the fetch's pace, so the link delivers no more than that now: it is the endpoint's
+        :meth:`ceiling`. ``probe``: a link probe's reads, which no faster than the ceiling renew it."""
         if nbytes > 0 and busy_s > 0:
             self._add(self._bw, endpoint, nbytes * sharers, busy_s)
             if fmt:
@@ -274,6 +274,8 @@ class Estimator:
             link, ceiling = nbytes * sharers / busy_s, self.ceiling(endpoint)
             if bound or (ceiling is not None and link > ceiling):  # the link's rate now (a faster read: at least that)
                 self._ceiling[endpoint] = (link, self.clock())
+            elif probe and ceiling is not None:  # the link is still no faster
+                self._ceiling[endpoint] = (ceiling, self.clock())
 
     def ceiling(self, endpoint: str) -> float | None:
         """The most the link to ``endpoint`` delivers now, as the latest read-bound fetch saw it
@@ -338,6 +340,12 @@ class Estimator:
     def measured(self, endpoint: str) -> bool:
         """Whether a read from ``endpoint`` has taught the link's rate (else :meth:`bandwidth` is the prior)."""
         return self._rate(self._bw, endpoint) is not None
+
+    def stale(self, endpoint: str) -> bool:
+        """Whether the link's rate wants a read to be trusted: never measured, or a :meth:`ceiling`
+        in force past half its time (a read renews or lifts it before it lapses)."""
+        _, when = self._ceiling.get(endpoint, (None, 0.0))
+        return not self.measured(endpoint) or (self.ceiling(endpoint) is not None and self.clock() - when > CEILING_TTL_S / 2)
 
     def bandwidth(self, endpoint: str) -> float:
         """The link's rate to ``endpoint``: what one fetch gets alone (at most its :meth:`ceiling`)."""

@@ -2,12 +2,13 @@
 
 A fresh sidecar knows its link only by the estimator's prior (1 Gbit/s). Under that prior a load of a
 long prompt never looks faster than recompute, so ``auto`` would recompute, never fetch, and never
-learn the link. When a lookup finds a stored prefix and plans a recompute while the link is still unmeasured, the
-sidecar reads a few of that prefix's objects in the background (:class:`LinkProbe`), discards them,
-and teaches the estimator the rate they came at. Nothing read reaches a KV buffer. One probe runs at a
+learn the link; the same holds under a ceiling a slow spell set (:meth:`Estimator.ceiling`). When a
+lookup finds a stored prefix and plans a recompute while the link's rate is stale (unmeasured, or
+under a ceiling past half its time), the sidecar reads a few of that prefix's objects in the
+background (:class:`LinkProbe`), discards them, and teaches the estimator the rate they came at. Nothing read reaches a KV buffer. One probe runs at a
 time, announced on the node's link as a fetch is (:mod:`~kvfetcher.fetch.linkshare`: the ranks of a
-tensor-parallel group probing at once each learn the whole link); once one has measured the link no
-other starts, and after one failed the next waits ``every_s``.
+tensor-parallel group probing at once each learn the whole link); while the rate is fresh no other
+starts, and after one failed the next waits ``every_s``.
 The probe reads in the sidecar's I/O threads, below what a fetch's reader processes draw from a fast
 link: its rate is a floor that real fetches then raise.
 """
@@ -58,8 +59,8 @@ class LinkProbe:
         self.probes = 0  # started
 
     def wanted(self) -> bool:
-        """Whether a probe should start now: the link is unmeasured, none runs, and none started lately."""
-        return (not self.estimator.measured(self.store.endpoint) and (self.task is None or self.task.done())
+        """Whether a probe should start now: the link's rate is stale, none runs, and none started lately."""
+        return (self.estimator.stale(self.store.endpoint) and (self.task is None or self.task.done())
                 and time.monotonic() - self._last >= self.every_s)
 
     def start(self, names: Sequence[tuple[str, int]]) -> None:
@@ -83,7 +84,7 @@ class LinkProbe:
             self.metrics.errors.labels(Reason.INTERNAL).inc()
             return
         ep = self.store.endpoint
-        self.estimator.observe_read(ep, sum(sizes), seconds, sharers=share.sharers)  # the link's rate, as a fetch teaches it
+        self.estimator.observe_read(ep, sum(sizes), seconds, sharers=share.sharers, probe=True)  # the link's rate, as a fetch teaches it
         self.metrics.bandwidth.labels(ep).set(self.estimator.bandwidth(ep))
         log.info("link to %s probed: %d objects, %.0f MB in %.3f s (%.1f Gbit/s)", ep, len(names),
                  sum(sizes) / 1e6, seconds, sum(sizes) * 8 / seconds / 1e9)
