@@ -121,6 +121,16 @@ def methods(only: str | None = None) -> dict[str, dict | None]:
     return {n: every[n] for n in names}
 
 
+def turns(n: int, rounds: int) -> list[list[int]]:
+    """The order of ``n`` methods in each of ``rounds`` rounds: rows of a balanced Latin square
+    (Williams'), so that across ``n`` rounds (``2n`` for an odd ``n``) every method follows every
+    other equally often and is first once. A rotation would keep each method behind the same other."""
+    first = [0] + [(k + 1) // 2 if k % 2 else n - k // 2 for k in range(1, n)]
+    rows = [[(m + r) % n for m in first] for r in range(n)]
+    rows += [row[::-1] for row in rows] if n % 2 else []
+    return [rows[r % len(rows)] for r in range(rounds)]
+
+
 def presets_of(chosen: dict[str, dict | None]) -> list[str]:
     """The presets to store for ``chosen`` methods: those forced, or (none forced: ``auto`` alone
     and recompute) every stored preset, for ``auto`` to choose among."""

@@ -46,7 +46,7 @@ def ttft(res: dict) -> str:
            "restore in flight (they overlap), `restore` the fetch's wall time, `prefill` the rest of the TTFT (the remainder's prefill and "
            "the engine's own work). `call` is the scheduler's lookup call for the prompt timed from a client right after the cell "
            "(its whole cost, listing or not; not part of the TTFT shown). With repeats, TTFT is the median of the `samples` and "
-           "the breakdown is the median sample's; a cell's methods take turns, one request each per round, each round starting one method later.\n\n",
+           "the breakdown is the median sample's; a cell's methods take turns, one request each per round, in orders where each follows every other alike (a balanced Latin square).\n\n",
            f"| link (label) | delivered Gbit/s | context | method | TTFT s | samples | loaded |{' ranks loaded |' if ranks else ''} lookup | "
            "wait | download | decode | restore | prefill | call |\n",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if ranks else "") + "\n"]

@@ -45,7 +45,7 @@ from benchmarks.vllm_ttft import interference
 from benchmarks.vllm_ttft import peers, report, under_load
 from benchmarks.vllm_ttft.engine import (CHUNK, FORCE, GBIT, TIMING_MODELS, Probe, breakdown, generate, kv_dtype, methods, on_gpu, presets_of,
                                          run_phases, s3_sidecars, shape_of, sidecar, smollm2_dir, socket_template, spawn_workers, phase_left,
-                                         start_llm, timing_model, ttft_prompts, wait_stored, warm_index, warm_ranks)
+                                         start_llm, timing_model, ttft_prompts, turns, wait_stored, warm_index, warm_ranks)
 from kvfetcher.api.group import RankGroup
 
 
@@ -211,8 +211,8 @@ def ttft_cells(a, llm, clients: list, asker, url: str, look: dict, gbit: float, 
     the whole stored prefix: on every rank). ``clients[r]``: rank ``r``'s sidecar; ``asker``: whom
     the scheduler asks (:func:`scheduler_call`); ``size``: bytes of one rank's chunk per preset
     (every rank's bytes cross the one link). The methods take turns, one request each per round
-    (``a.repeats`` rounds), each round starting one method later than the one before, so no method
-    always follows the same other one and drift over the cell falls on every method alike."""
+    (``a.repeats`` rounds) in the orders of :func:`turns`, so no method always follows the same
+    other one and drift over the cell falls on every method alike."""
     skipped, runs = {}, {}
     for method, params in methods(a.methods).items():
         preset = (params or {}).get("presets", [None])[0]
@@ -225,8 +225,8 @@ def ttft_cells(a, llm, clients: list, asker, url: str, look: dict, gbit: float, 
         else:
             runs[method] = (params, preset, transfer_s, [])
     order = list(runs.values())
-    for r in range(a.repeats if order else 0):
-        for params, _, transfer_s, samples in order[r % len(order):] + order[: r % len(order)]:
+    for row in turns(len(order), a.repeats if order else 0):
+        for params, _, transfer_s, samples in (order[i] for i in row):
             warm_ranks(clients, prompt[:-1], **look)  # the node has seen this prefix (untimed)
             probe = Probe(clients if len(clients) > 1 else clients[0], url)
             s, [(_, cached)] = generate(llm, [prompt], 1, params, a.call_timeout_s + 2 * transfer_s)

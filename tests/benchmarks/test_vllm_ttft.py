@@ -365,3 +365,18 @@ def test_a_cells_methods_take_turns_one_request_each_per_round(monkeypatch):
     assert asked == ["recompute", "balanced", "auto", "balanced", "auto", "recompute", "auto", "recompute", "balanced"]
     assert [r["method"] for r in rows] == ["recompute", "raw", "balanced", "auto"] and "skipped" in rows[1]
     assert rows[0]["ttft_samples_s"] == [0.1, 0.6, 0.8] and rows[0]["ttft_s"] == 0.6  # (its samples in round order)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+def test_the_methods_turns_put_each_behind_every_other_alike(n):
+    """A rotation kept ``auto`` behind ``compact-ans`` in every round of the H200 runs (2026-11-29)."""
+    from collections import Counter
+
+    from benchmarks.vllm_ttft.engine import turns
+
+    rows = turns(n, n if n % 2 == 0 else 2 * n)
+    assert all(sorted(row) == list(range(n)) for row in rows)
+    follows = Counter((a, b) for row in rows for a, b in zip(row, row[1:]))
+    assert set(follows) == {(a, b) for a in range(n) for b in range(n) if a != b}
+    assert len(set(follows.values())) <= 1  # every ordered pair alike
+    assert turns(n, 2 * len(rows)) == rows + rows and turns(n, 0) == []  # (fewer rounds: the first rows)
