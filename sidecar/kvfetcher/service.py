@@ -38,7 +38,7 @@ from kvfetcher.fetch.linkshare import LinkShare
 from kvfetcher.fetch.readers import ReadProcs, SharedStaging
 from kvfetcher.fetch.plan import FORMATS, Catalog, Costs, EngineDecode, EngineDecoded, FetchOptions, FetchPlan, FetchDecision, FetchReply, listing_rounds, make_plan, seal, sealed
 from kvfetcher.fetch.prefill import PrefillModel
-from kvfetcher.fetch.workers import DecodeWorkers, warmup_object
+from kvfetcher.fetch.workers import DecodeWorkers, restore_here, warmup_object
 from kvfetcher.format import mac
 from kvfetcher.format.presets import PRESETS, usable
 from kvfetcher.kvbuffer import Destination, ObjectArena, PagedKV
@@ -154,6 +154,24 @@ class Sidecar:
                 self.metrics.errors.labels(Reason.WARM_UP).inc()
         if self.workers is not None:
             self.warm_workers(buf)
+        elif buf.tensor.device.type == "cuda":  # decoded in this process' threads: warm them here
+            self.warm_here(buf)
+
+    def warm_here(self, buf: Buffer) -> None:
+        """Without decode workers, restore a chunk of ``buf``'s geometry of every coded preset it may
+        fetch in this process (into scratch): the first fetch then finds the GPU decoders and the
+        fused unpack compiled (seconds of kernel compilation otherwise). Best effort, blocking."""
+        names = [p for p in usable(self._served_presets(), buf.ns.model) if not PRESETS[p].direct and p in FORMATS]
+        L, H, D = buf.ns.shape
+        t = time.perf_counter()
+        for p in names:
+            try:
+                restore_here(warmup_object(p, (L, H, self.config.chunk_tokens, D), buf.tensor.dtype, buf.ns.model), buf.tensor.device)
+            except Exception:  # noqa: BLE001 — the first fetch of it sets up instead
+                log.exception("warm-up of %s in this process failed", p)
+                self.metrics.errors.labels(Reason.WARM_UP).inc()
+        if names:
+            self.metrics.warm_up_seconds.set(time.perf_counter() - t)
 
     def warm_workers(self, buf: Buffer | None = None) -> None:
         """Restore a chunk of every preset this sidecar may fetch in each decode worker, so that the

@@ -180,3 +180,24 @@ def test_warmed_decode_workers_restore_a_chunk_as_decode_chunk_does(preset):
     assert n == kv.numel() * kv.element_size()
     assert torch.equal(buf.tensor[:, :, :, 100:356], decode_chunk(obj, "fp", device="cuda"))
     assert buf.tensor[:, :, :, :100].abs().sum() == 0 and buf.tensor[:, :, :, 356:].abs().sum() == 0
+
+
+def test_a_gpu_buffer_is_warmed_in_the_sidecars_threads_without_decode_workers(tmp_path):
+    """decode_procs=0: the registration restores a chunk of each coded preset here, on the buffer's GPU."""
+    from kvfetcher.config import Config
+    from kvfetcher.service import Sidecar
+
+    async def run():
+        sc = Sidecar(LocalStore(tmp_path), Config(chunk_tokens=128, presets=("raw", "q8"), decode_procs=0, read_procs=0, warm_up=True))
+        await sc.start()
+        buf = ipc.allocate((6, 2, 2, 256, 64), torch.float16, "cuda")
+        try:
+            sc.register(buf.handle, "fp")
+            await sc.warmed()
+            assert sc.metrics.warm_up_seconds._value.get() > 0
+            assert 'kvfetcher_errors_total{reason="warm_up"}' not in sc.metrics.exposition().decode()
+        finally:
+            await sc.close()
+            buf.close()
+
+    asyncio.run(run())

@@ -288,3 +288,38 @@ async def test_a_gpu_sidecar_touches_no_gpu_before_a_model_registers_one(tmp_pat
         # a warm-up at start would have opened a GPU of the sidecar's choosing (and failed here on a CPU)
         assert sc.metrics.registry.get_sample_value("kvfetcher_errors_total", {"reason": "warm_up"}) is None
         assert sc.metrics.registry.get_sample_value("kvfetcher_decode_warm_up_seconds") == 0
+
+
+def test_restore_here_restores_a_whole_object_into_scratch_as_decode_chunk_does():
+    from kvfetcher.chunk import decode_chunk
+    from kvfetcher.errors import ContainerError
+    from kvfetcher.fetch.workers import restore_here
+
+    obj = warmup_object("q8", (2, 2, 32, 64), torch.float16, "m")
+    assert restore_here(obj, "cpu") == decode_chunk(obj, "m").numel() * 2
+    with pytest.raises(ContainerError):
+        restore_here(obj[:-1], "cpu")  # a short object is refused, as a fetch refuses it
+
+
+async def test_a_sidecar_decoding_in_its_threads_warms_a_gpu_buffer_only(tmp_path, shm, monkeypatch):
+    """Without decode workers the sidecar's threads decode: a GPU buffer's registration restores one
+    chunk of each coded preset in this process (the fused unpack compiles per geometry, seconds on
+    an H200, 2026-11-29); a CPU buffer has nothing to compile and costs nothing."""
+    from kvfetcher.config import Config
+    from kvfetcher.service import Sidecar
+    from kvfetcher.store.local import LocalStore
+
+    sc = Sidecar(LocalStore(tmp_path), Config(chunk_tokens=32, presets=("raw", "q8"), decode_procs=0, read_procs=0, warm_up=True))
+    await sc.start()
+    warmed = []
+    monkeypatch.setattr(sc, "warm_here", warmed.append)
+    try:
+        sc.register(shm((2, 2, 2, 64, 16)).handle, "m")
+        await sc.warmed()
+        assert warmed == []  # a CPU buffer
+        sc.warm_here = Sidecar.warm_here.__get__(sc)
+        sc.warm_here(next(iter(sc.buffers.values())))  # (what a GPU buffer's registration runs) restores q8 here, not raw
+        assert sc.metrics.warm_up_seconds._value.get() > 0
+        assert 'kvfetcher_errors_total{reason="warm_up"}' not in sc.metrics.exposition().decode()
+    finally:
+        await sc.close()

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfetcher.chunk import encode_chunk
+from kvfetcher.chunk import encode_chunk, restore_chunk
 from kvfetcher.codec import basis
 from kvfetcher.errors import ContainerError
 from kvfetcher.fetch.slab import Slab
@@ -55,6 +55,7 @@ from kvfetcher.fetch.decode_worker import (
 )
 from kvfetcher.format import container, presets
 from kvfetcher.format.mac import ObjectMAC
+from kvfetcher.kvbuffer import ChunkRef, Destination
 
 log = logging.getLogger("kvfetcher.fetch.workers")
 
@@ -197,6 +198,17 @@ def warmup_object(preset: str, shape: tuple[int, int, int, int] | None = None, d
     # a later chunk (start > 0): no exact sink row, as almost every fetched chunk
     return encode_chunk(kv, p, fingerprint or "kvfetcher-warmup", start=tokens if shape else 0,
                         rope_theta=10000.0 if p.pre_rope else None)
+
+
+def restore_here(obj: bytes, device: str | torch.device) -> int:
+    """Restore a whole stored object in this process into a scratch tensor on ``device`` (never a
+    KV buffer), as a fetch decoding in the sidecar's threads would: its decoders and kernels (the
+    fused unpack compiles per geometry) are then ready. Returns the KV bytes written."""
+    h = container.parse_header(obj)
+    container.check_size(h, len(obj))
+    dest = Destination(torch.empty(h.shape, dtype=h.torch_dtype, device=device), slots=list(range(h.shape[3])))
+    side = container.slice_segment(obj, h, h.side) if h.side else None
+    return restore_chunk(dest, ChunkRef("", 0, 0, h.shape[3]), h, side, [container.slice_segment(obj, h, s) for s in h.segments])
 
 
 class DecodeWorkers:
