@@ -90,6 +90,9 @@ class Metrics:
             "+ c2 * new * (cached + new / 2), by term", ["term"], registry=r,
         )
         self.bandwidth = Gauge("kvfetcher_store_bandwidth_bytes_per_second", "Estimated read throughput by endpoint", ["endpoint"], registry=r)
+        self.read_rate = Gauge("kvfetcher_store_read_rate_bytes_per_second", "Read rate the cost model plans a bitstream format's "
+                               "fetches at (at most the link's ceiling after a slow, read-bound fetch), by endpoint and format",
+                               ["endpoint", "format"], registry=r)
         self.fallbacks = Counter("kvfetcher_fallbacks_total", "Tokens-to-recompute outcomes, by reason", ["reason"], registry=r)
         self.errors = Counter("kvfetcher_errors_total", "Errors, by reason", ["reason"], registry=r)
         self.warming = Gauge("kvfetcher_decode_warming", "1 while a registered buffer's warm-up holds the decode workers (auto then "
@@ -106,6 +109,12 @@ class Metrics:
         self.store_dropped_chunks = Counter(
             "kvfetcher_store_dropped_chunks_total", "Chunks of store requests dropped because the store queue was full", registry=r
         )
+
+    def link(self, endpoint: str, bandwidth: float, by_format: dict[str, float]) -> None:
+        """Show the cost model's read rates of ``endpoint``: the link's, and each format's."""
+        self.bandwidth.labels(endpoint).set(bandwidth)
+        for fmt, rate in by_format.items():
+            self.read_rate.labels(endpoint, fmt).set(rate)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -533,7 +533,7 @@ class Sidecar:
             m.actual_seconds.observe(out.seconds)
             m.last_predicted.labels(preset).set(plan.predicted_s)
             m.last_actual.labels(preset).set(out.seconds)
-        m.bandwidth.labels(ep).set(self.estimator.bandwidth(ep))
+        m.link(ep, self.estimator.bandwidth(ep), self.estimator.rates(ep).format_bandwidth)
 
     def _fallback(self, reply: FetchReply, reason: str, detail: str | None) -> FetchReply:
         """Finish a fetch's reply that writes fewer tokens than requested, for a decision (``miss``,

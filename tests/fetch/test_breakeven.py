@@ -64,6 +64,9 @@ async def test_a_load_on_a_stale_rate_stops_at_its_break_even_and_the_next_looku
         assert plan.breakeven_s <= took < plan.breakeven_s + 0.35  # (a read in flight at the break-even is not waited for)
 
         assert sc.estimator.rates(ep).format_bandwidth["raw"] < 2 * store.rate  # the link's rate now, from the late fetch
+        shown = f'kvfetcher_store_read_rate_bytes_per_second{{endpoint="{ep}",format="raw"}}'
+        assert any(line.startswith(shown) and float(line.split()[-1]) < 2 * store.rate
+                   for line in sc.metrics.exposition().decode().splitlines())  # and shown as such
         assert (await sc.lookup(bid, TOKENS, OPTIONS)).preset == choice.RECOMPUTE
     finally:
         await sc.close()

@@ -85,7 +85,7 @@ class LinkProbe:
             return
         ep = self.store.endpoint
         self.estimator.observe_read(ep, sum(sizes), seconds, sharers=share.sharers, probe=True)  # the link's rate, as a fetch teaches it
-        self.metrics.bandwidth.labels(ep).set(self.estimator.bandwidth(ep))
+        self.metrics.link(ep, self.estimator.bandwidth(ep), self.estimator.rates(ep).format_bandwidth)
         log.info("link to %s probed: %d objects, %.0f MB in %.3f s (%.1f Gbit/s)", ep, len(names),
                  sum(sizes) / 1e6, seconds, sum(sizes) * 8 / seconds / 1e9)
 
