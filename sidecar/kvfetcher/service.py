@@ -516,10 +516,9 @@ class Sidecar:
             if out.header_latency_s:
                 self.estimator.observe_latency(ep, min(out.header_latency_s))
             settled = self.estimator.settled(fmt)  # (once: it marks the format seen)
-            if settled and learn and engine:
+            if settled and learn:  # not the process' first fetch of this format
                 self.estimator.observe_read(ep, out.bytes_read, out.read_busy_s, fmt, sharers, bound)
-            elif settled and learn:  # not the process' first fetch of this format
-                self.estimator.observe_read(ep, out.bytes_read, out.read_busy_s, fmt, sharers, bound)
+            if settled and learn and not engine:  # (an engine that decodes itself reports its decodes)
                 self.estimator.observe_decode(preset, out.kv_bytes, out.decode_busy_s)
                 if out.loaded_tokens == plan.loaded_tokens:  # the whole planned fetch: its time is comparable
                     fit = self.estimator.observe_fit(ep, preset, fmt, out.bytes_read, out.kv_bytes, out.seconds, sharers)

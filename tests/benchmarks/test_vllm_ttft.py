@@ -369,7 +369,7 @@ def test_a_cells_methods_take_turns_one_request_each_per_round(monkeypatch):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
 def test_the_methods_turns_put_each_behind_every_other_alike(n):
-    """A rotation kept ``auto`` behind ``compact-ans`` in every round of the H200 runs (2026-11-29)."""
+    """A rotation would keep each method right behind the same other one in every round."""
     from collections import Counter
 
     from benchmarks.vllm_ttft.engine import turns

@@ -303,8 +303,8 @@ def test_restore_here_restores_a_whole_object_into_scratch_as_decode_chunk_does(
 
 async def test_a_sidecar_decoding_in_its_threads_warms_a_gpu_buffer_only(tmp_path, shm, monkeypatch):
     """Without decode workers the sidecar's threads decode: a GPU buffer's registration restores one
-    chunk of each coded preset in this process (the fused unpack compiles per geometry, seconds on
-    an H200, 2026-11-29); a CPU buffer has nothing to compile and costs nothing."""
+    chunk of each coded preset in this process (the fused unpack compiles per geometry); a CPU
+    buffer has nothing to compile and costs nothing."""
     from kvfetcher.config import Config
     from kvfetcher.service import Sidecar
     from kvfetcher.store.local import LocalStore

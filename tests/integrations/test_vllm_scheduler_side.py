@@ -203,9 +203,9 @@ s.close()
 
 
 def test_a_late_answer_waits_a_step_only_while_answers_lately_planned_loads():
-    """Under load with nothing worth loading, a late answer put the request off a step (30-40 ms of
-    TTFT, H200 2026-11-29) for a plan that would recompute anyway: once the last answers all planned
-    no load, a late one recomputes at once."""
+    """Under load with nothing worth loading, a late answer would put the request off a step (a
+    step of TTFT) for a plan that recomputes anyway: once the last answers all planned no load, a
+    late one recomputes at once."""
     run = run_without_vllm(NOTHING)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.splitlines() == ["(512, True) (None, False)", "(0, False)"], run.stdout
