@@ -355,7 +355,8 @@ class Sidecar:
                 self.metrics.prefill_model.labels(term).set(c)
         prefill = o.prefill_model or PrefillModel.linear(o.recompute_tokens_per_s or self.config.recompute_tps)
         engine = buf.engine if buf is not None else None  # the engine decodes: its formats, at its rates
-        rates = self.estimator.rates(self.objects.endpoint, prefill, sharers, engine=engine.device if engine else None)
+        rates = replace(self.estimator.rates(self.objects.endpoint, prefill, sharers, engine=engine.device if engine else None),
+                        load_overhead_s=o.load_overhead_s)
         # never a preset this model may not use (one needing a calibration it lacks)
         allowed = frozenset(o.presets or PRESETS) & frozenset(self.config.allowed_presets or PRESETS) & frozenset(usable(PRESETS, ns.model))
         if o.presets is None and engine is None and not self._warm():  # the decode workers are still warming: only what needs none (raw) or recompute
@@ -411,7 +412,8 @@ class Sidecar:
         dest = buf.destination(n_req, slots, offset, block_ids, first_token)
         ck = keys.chunk_keys(buf.ns, tokens[:n_req], N)
         if plan is not None:
-            chosen = {f for f in ("presets", "ttft_budget_s", "prefill_model", "recompute_tokens_per_s", "group_size", "refresh", "wait_s")
+            chosen = {f for f in ("presets", "ttft_budget_s", "prefill_model", "recompute_tokens_per_s", "load_overhead_s", "group_size",
+                                  "refresh", "wait_s")
                       if getattr(o, f) != getattr(FetchOptions(), f)}
             if chosen and plan.preset is not None:
                 raise RequestError(f"{sorted(chosen)} belong to the plan: give them when looking up, not with a plan")

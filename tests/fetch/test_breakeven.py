@@ -99,3 +99,16 @@ def test_only_a_load_has_a_break_even_and_a_budget_extends_it():
     assert choice.choose(stored, 256, 10_000_000, fmts, rates, budget_s=100.0).breakeven_s == choice.BREAKEVEN_SLACK * 100.0
     slow = choice.Rates(1e3, 0.001, {"raw": 5e9}, choice.PrefillModel.linear(1000.0))
     assert choice.choose(stored, 256, 10_000_000, fmts, slow).breakeven_s is None  # recompute: nothing to stop
+
+
+def test_a_load_predicted_to_win_by_less_than_it_costs_the_engine_is_not_taken():
+    """Recompute 1 s, a raw load 0.95 s: taken with no overhead, not once the engine says a load costs
+    it 0.1 s more; the shortcut that skips the store agrees."""
+    stored, fmts = [{"raw": 10_000_000}] * 4, {"raw": "raw"}
+    rates = choice.Rates(4e7 / 0.95, 0.0, {"raw": 1e12}, choice.PrefillModel(c1=1.0 / 1024))
+    assert choice.choose(stored, 256, 10_000_000, fmts, rates).preset == "raw"
+    costly = replace(rates, load_overhead_s=0.1)
+    d = choice.choose(stored, 256, 10_000_000, fmts, costly)
+    assert d.preset == choice.RECOMPUTE and abs(d.options["raw"] - 1.05) < 1e-6
+    assert not choice.hopeless(4, 256, 10_000_000, {}, fmts, rates)
+    assert choice.hopeless(4, 256, 10_000_000, {}, fmts, costly)

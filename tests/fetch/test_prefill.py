@@ -104,3 +104,23 @@ def test_the_wall_scale_learns_how_much_longer_whole_prefills_take_than_the_gpu_
     assert abs(w.apply(gpu).seconds(0, 20000) - 1.2 * gpu.seconds(0, 20000)) < 1e-12
     w.observe(1.0, 100.0)
     assert w.scale == WallScale.HIGH
+
+
+def test_the_load_overhead_is_the_prior_until_a_load_is_timed_then_the_decayed_excess_over_the_plans():
+    from kvfetcher.fetch.prefill import LoadOverhead
+
+    o = LoadOverhead(prior_s=0.03)
+    assert o.seconds == 0.03
+    o.observe(0.2, 0.25)
+    assert abs(o.seconds - 0.05) < 1e-12  # the first load replaces the prior
+    for _ in range(40):
+        o.observe(1.0, 1.08)
+    assert abs(o.seconds - 0.08) < 1e-3  # the latest loads dominate
+    for _ in range(40):
+        o.observe(1.0, 0.9)  # loads faster than planned: no overhead, never a bonus
+    assert o.seconds == 0.0
+    o.observe(0.0, 1.0)  # no prediction: nothing learnt
+    o.observe(1.0, float("nan"))
+    assert o.seconds == 0.0
+    with pytest.raises(ValueError):
+        LoadOverhead(prior_s=-0.01)

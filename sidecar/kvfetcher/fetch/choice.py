@@ -6,7 +6,11 @@ pipelined, so the slower stage dominates), and whatever prefix it does not resto
 recomputed after it, as long as the engine's :class:`~kvfetcher.fetch.prefill.PrefillModel` says
 (superlinear: the recomputed tokens attend over the fetched ones). The option with the least total
 time wins; recompute of everything is always an option, so a fetch is never planned to be slower
-than recompute. Plans can still be wrong (a rate learnt on a link that has since slowed): a load is
+than recompute. A load also costs the engine time the model leaves out (noticing the load's end,
+scheduling the request again): the engine measures it and every load option pays it
+(``Rates.load_overhead_s``), so a near-tie goes to recompute.
+
+Plans can still be wrong (a rate learnt on a link that has since slowed): a load is
 given until its break-even, :data:`BREAKEVEN_SLACK` times the predicted recompute (or the TTFT
 budget; :data:`MIN_BREAKEVEN_S` at least), and stops there keeping what it loaded, so a wrong plan costs a bounded loss, not a stall.
 
@@ -100,6 +104,7 @@ class Rates:
     format_bandwidth: Mapping[str, float] = field(default_factory=dict)  # by bitstream format, where measured
     overlap: bool = True  # decode pipelined with the download (False: the engine decodes after the sidecar's fetch)
     ratios: Mapping[str, float] = field(default_factory=dict)  # KV bytes per stored byte, by preset, where measured
+    load_overhead_s: float = 0.0  # the engine's seconds per load beyond the fetch and the prefill after it (it measures them)
 
 
 @dataclass(frozen=True)
@@ -163,7 +168,7 @@ def choose(
             n += 1
         fit = rates.fit.get(preset, NO_FIT)
         fetch = fetch_seconds(size, n * chunk_kv_bytes, decode_rate(preset, formats[preset], rates), rates, fit, formats[preset])
-        total = fetch + rates.prefill.seconds(n * chunk_tokens, total_tokens - n * chunk_tokens)
+        total = fetch + rates.prefill.seconds(n * chunk_tokens, total_tokens - n * chunk_tokens) + rates.load_overhead_s
         options[preset] = total
         d = Decision(preset, n, n * chunk_tokens, fetch, total)
         if total < best.total_s:
@@ -197,7 +202,7 @@ def hopeless(
     if n_chunks == 0:
         return True
     recompute_all = rates.prefill.seconds(0, n_chunks * chunk_tokens)
-    after = rates.prefill.seconds(n_chunks * chunk_tokens, 0)  # the prefill step a full fetch still runs
+    after = rates.prefill.seconds(n_chunks * chunk_tokens, 0) + rates.load_overhead_s  # what a full fetch still costs the engine
     kv = n_chunks * chunk_kv_bytes
     for preset, fmt in formats.items():
         if allowed is not None and preset not in allowed:

@@ -150,3 +150,27 @@ class WallScale:
     def apply(self, model: PrefillModel | None) -> PrefillModel | None:
         s = self.scale
         return None if model is None else PrefillModel(model.c0 * s, model.c1 * s, model.c2 * s)
+
+
+class LoadOverhead:
+    """The seconds a load costs an engine beyond what its plan predicted (the fetch and the prefill
+    after it): noticing the load's end, scheduling the request again, a tail prefill slower over
+    loaded KV than the model says. Learnt from whole loads, ``actual - predicted`` as a decayed mean,
+    at least 0; ``prior_s`` until a load was timed. A plan adds :attr:`seconds` to every load option,
+    so a load predicted to win by less than it costs is not taken."""
+
+    def __init__(self, prior_s: float = 0.0, decay: float = 0.2):
+        if not (math.isfinite(prior_s) and prior_s >= 0):
+            raise ValueError(f"a load's prior overhead is non-negative seconds, not {prior_s!r}")
+        self.keep = 1.0 - decay
+        self.prior_s = prior_s
+        self._sum = self._n = 0.0
+
+    def observe(self, predicted_s: float, actual_s: float) -> None:
+        if predicted_s > 0 and actual_s > 0 and math.isfinite(actual_s):
+            self._sum = self.keep * self._sum + (actual_s - predicted_s)
+            self._n = self.keep * self._n + 1.0
+
+    @property
+    def seconds(self) -> float:
+        return self.prior_s if self._n == 0 else max(0.0, self._sum / self._n)

@@ -18,7 +18,9 @@
 * :meth:`report` reads the workers' report: stored chunks become ``BlockStored`` events (medium
   ``OBJ``) for KV-aware routers, timed steps teach the engine's prefill model
   (:class:`~kvfetcher.fetch.prefill.PrefillFit`, fed what :meth:`step` saw each request compute
-  after how many cached tokens), which every plan then passes to the cost model.
+  after how many cached tokens), which every plan then passes to the cost model, with what a load
+  costs the engine beyond its plan's prediction (:class:`~kvfetcher.fetch.prefill.LoadOverhead`,
+  timed from the load's hand-off to the end of the request's prefill).
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ LOOKUP_THREADS = 4  # lookups in flight at once (requests arriving together are 
 #: answers whose plans tell whether a late answer is worth a step: once this many in a row planned no
 #: load, a request whose answer is late recomputes at once rather than waiting a step for it
 NOTHING_TO_WAIT_FOR = 8
+#: seconds a load costs vLLM beyond its plan's prediction until the engine's own loads are timed
+#: (:class:`~kvfetcher.fetch.prefill.LoadOverhead`; docs/results.md has the measurement behind it)
+LOAD_OVERHEAD_PRIOR_S = 0.03
 
 
 @dataclass
@@ -77,6 +82,8 @@ class SchedulerSide:
         self.prefill = prefill.PrefillFit()  # the engine's prefill by its GPU steps ...
         self.wall = prefill.WallScale()  # ... and how much longer whole prefills take by the wall clock
         self.prefilling: dict[str, tuple[float, int, int]] = {}  # req_id -> (first scheduled, computed then, prompt tokens)
+        self.load_overhead = prefill.LoadOverhead(LOAD_OVERHEAD_PRIOR_S)
+        self.loading: dict[str, tuple[float, float, int]] = {}  # req_id -> (load handed off, its predicted seconds, tokens it loads to)
         self.requests: dict[str, _Request] = {}
         self.fetches: list[FetchSpec] = []
         self.storing: dict[str, _Request] = {}  # asked to store, not yet reported
@@ -100,7 +107,7 @@ class SchedulerSide:
         presets = own.get("presets", self.options.presets)
         return FetchOptions(presets=tuple(presets) if presets else None, ttft_budget_s=own.get("ttft_budget_s", self.options.ttft_budget_s),
                             prefill_model=model, recompute_tokens_per_s=self.options.recompute_tokens_per_s,
-                            wait_s=self.options.listing_wait_s)
+                            load_overhead_s=self.load_overhead.seconds, wait_s=self.options.listing_wait_s)
 
     def _stores(self, request) -> bool:
         """Whether the request's prefill is stored: the role stores (not ``kv_consumer``) and its
@@ -199,7 +206,10 @@ class SchedulerSide:
         if r is None or num_external_tokens <= 0:
             return
         r.blocks, r.loaded = list(block_ids), r.end
-        lookup = replace(r.options, prefill_model=self.prefill_model(), wait_s=0.0)  # the prefill model as fitted by now
+        lookup = replace(r.options, prefill_model=self.prefill_model(), load_overhead_s=self.load_overhead.seconds, wait_s=0.0)  # as fitted by now
+        plan = r.plans[0] if r.plans else None
+        if plan is not None and (predicted := plan.options.get(plan.preset or "")):
+            self.loading[request.request_id] = (time.perf_counter(), predicted - r.options.load_overhead_s, r.local + num_external_tokens)
         self.fetches.append(FetchSpec(request.request_id, r.tokens, r.plans, r.local, r.local + num_external_tokens, r.blocks, lookup))
         r.end = 0  # one load per request: vLLM asks again only after it failed (or a preemption), then recompute
 
@@ -212,6 +222,7 @@ class SchedulerSide:
         meta = StepMeta(self.fetches, [], out.total_num_scheduled_tokens, set(getattr(out, "preempted_req_ids", None) or ()), attention)
         self.fetches = []
         self._time_prefills(new, had, meta.preempted)
+        self._time_loads(new, had, meta.preempted)
         for n in new:
             if (r := self.requests.get(n.req_id)) is not None:
                 r.blocks = list(n.block_ids[0])
@@ -258,6 +269,24 @@ class SchedulerSide:
         if (model := self.prefill.model()) is not None:
             self.wall.observe(model.seconds(computed, prompt - computed), now - t0)
 
+    def _time_loads(self, new, had: dict[str, int], preempted: set[str]) -> None:
+        """Whole loads by the wall clock, from their hand-off to the first step after the request's
+        prompt is computed (or its end, :meth:`finished`), against their plans: :attr:`load_overhead`.
+        A load that fell short (the request first scheduled with fewer tokens) or a preempted request
+        is not timed: its plan's prediction was not of what happened."""
+        for n in new:
+            if n.req_id in self.loading and n.num_computed_tokens < self.loading[n.req_id][2]:
+                del self.loading[n.req_id]
+        for req_id in preempted:
+            self.loading.pop(req_id, None)
+        for req_id, computed in had.items():
+            if req_id in self.loading and (r := self.requests.get(req_id)) is not None and computed >= len(r.request.prompt_token_ids or ()):
+                self._loaded(req_id)
+
+    def _loaded(self, req_id: str) -> None:
+        t0, predicted, _ = self.loading.pop(req_id)
+        self.load_overhead.observe(predicted, time.perf_counter() - t0)
+
     def finished(self, req_id: str, prefilled: bool = False) -> bool:
         """Whether the request's blocks must wait for its store (the workers then report it).
         ``prefilled``: its prompt was computed (its prefill's wall time ends here, if not before)."""
@@ -266,6 +295,11 @@ class SchedulerSide:
                 self._prefilled(req_id, time.perf_counter())
             else:
                 del self.prefilling[req_id]
+        if req_id in self.loading:
+            if prefilled:
+                self._loaded(req_id)
+            else:
+                del self.loading[req_id]
         self.lookups.forget(req_id)  # finished (aborted) while its lookup was in flight
         r = self.requests.pop(req_id, None)
         return r is not None and r.storing
