@@ -398,7 +398,12 @@ def breakdown(ttft_s: float, d: dict) -> dict:
     r = lambda x: round(x, 4)  # noqa: E731
     return {"lookup_s": r(lookup), "wait_s": r(max(0.0, load - d["fetch_s"])), "download_s": r(d["read_s"]), "decode_s": r(d["decode_s"]),
             "restore_s": r(d["fetch_s"]), "prefill_s": r(max(0.0, ttft_s - lookup - load)),
-            "delivered_gbit": round(d["link_bytes_sent"] * 8 / d["read_s"] / 1e9, 3) if d["read_s"] > 0 else None}
+            "delivered_gbit": delivered_gbit(d["link_bytes_sent"], d["read_s"])}
+
+
+def delivered_gbit(nbytes: float, seconds: float) -> float | None:
+    """``nbytes`` over ``seconds`` in Gbit/s (None for no time)."""
+    return round(nbytes * 8 / seconds / 1e9, 3) if seconds > 0 else None
 
 
 def smollm2_dir() -> Path:

@@ -171,18 +171,21 @@ def peer(res: dict) -> str:
     if res.get("unavailable"):
         return "".join(out + [f"Not run: {res['unavailable']}.\n"])
     over = any(r.get("over_link") for r in res["rows"])
+    via = f" ({res['link']})" if res.get("link") else ""
     out.append(f"Model {res.get('model')} ({res.get('kv_dtype')}), the `ttft` phase's prompts. A cell stores the prompt with one request, clears "
                "vLLM's GPU prefix cache and times the same prompt again (its load). "
-               + ("Loads go over the link server at the link shown (`sent`: its bytes during the request). " if over else
+               + (f"Loads go over the paced link{via} at the link shown (`sent`: its bytes during the request; `delivered ≥`: those "
+                  "bytes over the request's TTFT, a lower bound on the rate the link delivered, as it was idle for part of it). " if over else
                   "Loads read host memory, not the link: the local upper bound, the same at every link label. ")
                + "`stored B/token`: bytes stored per prompt token.\n\n"
-               "| link (label) | context | TTFT s | loaded | stored B/token | sent MB | store request s |\n|---|---|---|---|---|---|---|\n")
+               "| link (label) | delivered ≥ Gbit/s | context | TTFT s | loaded | stored B/token | sent MB | store request s |\n"
+               "|---|---|---|---|---|---|---|---|\n")
     for r in res["rows"]:
         if "skipped" in r:
-            out.append(f"| {r['link_gbit']:g} Gbit/s | {r['context']} | skipped: {r['skipped']} | | | | |\n")
+            out.append(f"| {r['link_gbit']:g} Gbit/s | | {r['context']} | skipped: {r['skipped']} | | | | |\n")
             continue
-        out.append(f"| {r['link_gbit']:g} Gbit/s | {r['context']} | {_f(r['ttft_s'])} | {r['loaded_tokens']} | {_f(r['stored_bytes_per_token'], 0)} | "
-                   f"{_f(r['link_bytes_sent'] / 1e6, 1)} | {_f(r['store_request_s'])} |\n")
+        out.append(f"| {r['link_gbit']:g} Gbit/s | {_f(r.get('delivered_gbit'), 2)} | {r['context']} | {_f(r['ttft_s'])} | {r['loaded_tokens']} | "
+                   f"{_f(r['stored_bytes_per_token'], 0)} | {_f(r['link_bytes_sent'] / 1e6, 1)} | {_f(r['store_request_s'])} |\n")
     return "".join(out)
 
 

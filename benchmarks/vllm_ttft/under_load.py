@@ -33,7 +33,7 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.vllm_ttft.engine import (GBIT, Probe, connector, kv_dtype, methods, metric, on_gpu, phase_left, presets_of, read_metrics, s3_sidecar,
+from benchmarks.vllm_ttft.engine import (GBIT, Probe, connector, delivered_gbit, kv_dtype, methods, metric, on_gpu, phase_left, presets_of, read_metrics, s3_sidecar,
                                          shape_of, timing_model, warm_index, watchdog)
 
 # the workload: prompt = one of `prefixes` stored prefixes of `prefix` tokens (a `shared` share of the
@@ -130,7 +130,7 @@ async def replay(a, model_dir: Path, opts: dict, sc, url: str, fingerprint: str,
             await asyncio.to_thread(client.flush)  # the stream's saves written (or dropped): counted in this pass
             d = probe.delta()
             res[method] = dict(summary(reqs, got, t0), sidecar=d,
-                               delivered_gbit=round(d["link_bytes_sent"] * 8 / d["read_s"] / 1e9, 3) if d["read_s"] > 0 else None)
+                               delivered_gbit=delivered_gbit(d["link_bytes_sent"], d["read_s"]))
             print(f"under load, {method:>16}: {res[method]}", flush=True)
     finally:
         client.close()

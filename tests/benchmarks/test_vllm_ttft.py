@@ -151,9 +151,15 @@ def test_the_peers_configs_name_their_connectors_and_refuse_bad_input():
                  "kv_connector_extra_config": {"cpu_bytes_to_use": 3 << 30, "block_size": 256}}
     with pytest.raises(ValueError):
         peers.offloading_config(0)
-    raw, cg = (peers.lmcache_settings(m, "http://127.0.0.1:9123") for m in ("lmcache-raw", "lmcache-cachegen"))
-    assert (raw["remote_serde"], cg["remote_serde"]) == ("naive", "cachegen")
-    assert raw["remote_url"] == "s3://127.0.0.1:9123" and raw["local_cpu"] is False and raw["extra_config"]["disable_tls"] is True
+    raw = peers.lmcache_settings("lmcache-raw", "http://127.0.0.1:9123")
+    assert raw == {"chunk_size": 256, "local_cpu": False, "max_local_cpu_size": 8.0, "remote_url": "s3://127.0.0.1:9123",
+                   "remote_serde": "naive", "save_unfull_chunk": False,
+                   "extra_config": {"s3_region": "us-east-1", "disable_tls": True, "s3_prefer_http2": False,
+                                    "aws_access_key_id": "bench", "aws_secret_access_key": "bench"}}
+    # CacheGen's variable-size objects: LMCache's own server (lm://) at the relay, no S3 keys
+    cg = peers.lmcache_settings("lmcache-cachegen", "tcp://127.0.0.1:9124")
+    assert cg == {"chunk_size": 256, "local_cpu": False, "max_local_cpu_size": 8.0, "remote_url": "lm://127.0.0.1:9124",
+                  "remote_serde": "cachegen", "save_unfull_chunk": False}
     with pytest.raises(ValueError, match="not an LMCache method"):
         peers.lmcache_settings("native-cpu", "http://127.0.0.1:9123")
     with pytest.raises(ValueError, match="no host"):
@@ -181,9 +187,175 @@ def test_the_peer_report_renders_rows():
     from benchmarks.vllm_ttft import report
 
     row = dict(link_gbit=10.0, context=8192, ttft_s=0.25, loaded_tokens=8192, stored_bytes_per_token=131072.0, link_bytes_sent=0,
-               store_request_s=0.3, over_link=False)
+               store_request_s=0.3, delivered_gbit=None, over_link=False)
     md = report.markdown("peer-native-cpu", dict(method="native-cpu", model="llama3-8b", kv_dtype="bfloat16", rows=[row]))
-    assert "| 10 Gbit/s | 8192 | 0.250 | 8192 | 131072 | 0.0 | 0.300 |" in md and "host memory, not the link" in md
+    assert "| 10 Gbit/s |  | 8192 | 0.250 | 8192 | 131072 | 0.0 | 0.300 |" in md and "host memory, not the link" in md
+    row = dict(row, link_bytes_sent=250_000_000, delivered_gbit=8.0, over_link=True)
+    md = report.markdown("peer-lmcache-cachegen", dict(method="lmcache-cachegen", model="llama3-8b", kv_dtype="bfloat16", rows=[row],
+                                                       link="LMCache's lm:// connector to its own server through a paced TCP relay"))
+    assert "| 10 Gbit/s | 8.00 | 8192 | 0.250 | 8192 | 131072 | 250.0 | 0.300 |" in md
+    assert "lm:// connector" in md and "lower bound" in md
+
+
+class _FakeLink:
+    """A link whose uploads land one object per look (as a store's uploads trickle in after its request)."""
+
+    def __init__(self):
+        self.rate, self.sent, self.received, self.pending, self.objects = None, 0, 0, [], {}
+
+    def set_rate(self, rate):
+        self.rate = rate
+
+    def stats(self):
+        if self.pending:
+            self.received += self.pending.pop(0)
+        return {"rate": self.rate, "bytes_sent": self.sent, "bytes_received": self.received}
+
+
+def _fake_engine(link, chunk_bytes: int, ttft_s: float = 0.5):
+    """``generate`` for one prompt: the first time its full chunks upload later, one per look at the
+    link; after that they load (their bytes sent)."""
+
+    def generate(llm, prompts, max_tokens, params, timeout_s):
+        [p] = prompts
+        chunks = len(p) // 256
+        if tuple(p) in link.objects:
+            link.sent += chunks * chunk_bytes
+            return ttft_s, [([0], chunks * 256)]
+        link.objects[tuple(p)] = chunks
+        link.pending += [chunk_bytes] * chunks
+        return 1.0, [([0], 0)]
+
+    return generate
+
+
+def test_a_peers_stored_bytes_count_only_its_own_store_and_delivered_is_over_the_ttft(monkeypatch):
+    import argparse
+
+    from benchmarks.vllm_ttft import peers
+
+    link, chunk_bytes = _FakeLink(), 1 << 20
+    monkeypatch.setattr(peers, "generate", _fake_engine(link, chunk_bytes))
+    monkeypatch.setattr(peers, "phase_left", lambda: 1e9)
+    monkeypatch.setattr(peers, "UPLOAD_QUIET_S", 0.0)
+
+    class LLM:
+        resets = 0
+
+        def reset_prefix_cache(self):  # the first reset waits on a pending store: the nudge steps the engine
+            self.resets += 1
+            return self.resets > 1
+
+    prompts = {1024: list(range(1024)), 2048: list(range(5000, 7048))}
+    a = argparse.Namespace(cap_s=10, call_timeout_s=30, phase="peer-lmcache-cachegen")
+    rows = peers.cells(a, LLM(), prompts, [100.0, 10.0], link, None)
+    # the warm-up's 4 chunks and the nudge's 1 were still uploading when the first context began, and the first context's
+    # reset ran the nudge: none of theirs counted in it
+    assert [r["stored_bytes_per_token"] for r in rows] == [4 * chunk_bytes / 1024] * 2 + [8 * chunk_bytes / 2048] * 2
+    assert [r["link_bytes_sent"] for r in rows] == [4 * chunk_bytes] * 2 + [8 * chunk_bytes] * 2
+    assert rows[0]["delivered_gbit"] == round(4 * chunk_bytes * 8 / 0.5 / 1e9, 3) and rows[0]["over_link"]
+    assert link.rate == 10.0 * peers.GBIT  # each load paced at its link; stores at full speed (rate 0 before them)
+
+
+def test_the_relay_paces_what_it_returns_and_counts_both_ways():
+    import socket
+    import threading
+    import time
+
+    from benchmarks.lib import linkrelay
+
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def serve():  # one request line, 2 MB back
+        c, _ = srv.accept()
+        with c:
+            c.recv(64)
+            c.sendall(b"x" * 2_000_000)
+
+    threading.Thread(target=serve, daemon=True).start()
+    relay = linkrelay.Relay(srv.getsockname(), rate=20e6)
+    try:
+        host, port = relay.url.removeprefix("tcp://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as c:
+            t0 = time.perf_counter()
+            c.sendall(b"get\n")
+            got = 0
+            while got < 2_000_000 and (n := len(c.recv(1 << 20))):
+                got += n
+            s = time.perf_counter() - t0
+        st = relay.stats()
+        assert got == 2_000_000 and st["bytes_sent"] == 2_000_000 and st["bytes_received"] == 4
+        assert s > 0.08  # 2 MB at 20 MB/s: 0.1 s, less the link's burst
+        relay.set_rate(0)
+        assert relay.stats()["rate"] == 0
+    finally:
+        relay.terminate()
+        srv.close()
+
+
+def test_the_cachegen_peer_reaches_lmcaches_server_through_the_relay(tmp_path, monkeypatch):
+    import argparse
+    import json
+    import socket
+    import subprocess
+    import sys
+    import threading
+    import types
+
+    from benchmarks.vllm_ttft import peers
+
+    srv = socket.create_server(("127.0.0.1", 0))  # stands in for lmcache.v1.server: echoes what it gets
+
+    def serve():
+        c, _ = srv.accept()
+        with c:
+            while data := c.recv(4096):
+                c.sendall(data)
+
+    threading.Thread(target=serve, daemon=True).start()
+    lm = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    seen = {}
+
+    def cells(a, llm, prompts, links, link, bytes_per_token):
+        seen["cfg"] = json.loads(open(os.environ["LMCACHE_CONFIG_FILE"]).read())
+        host, port = seen["cfg"]["remote_url"].removeprefix("lm://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as c:  # LMCache's client would connect here
+            c.sendall(b"x" * 1000)
+            got = 0
+            while got < 1000:
+                got += len(c.recv(4096))
+        seen["stats"] = link.stats()
+        return []
+
+    monkeypatch.setattr(peers, "missing", lambda m: None)
+    monkeypatch.setattr(peers, "timing_model", lambda tiny, work: (tmp_path / "llama3-8b", {}))
+    monkeypatch.setattr(peers, "shape_of", lambda d: types.SimpleNamespace(vocab=1000))
+    monkeypatch.setattr(peers, "start_lm_server", lambda log, t: (lm, srv.getsockname()[1]))
+    monkeypatch.setattr(peers, "start_peer_llm", lambda *a, **k: object())
+    monkeypatch.setattr(peers, "cells", cells)
+    monkeypatch.setenv("LMCACHE_CONFIG_FILE", "")
+    a = argparse.Namespace(phase="peer-lmcache-cachegen", tiny=False, contexts="512", links="10", start_timeout_s=60, link_procs=0)
+    try:
+        res = peers.phase_peer(a, tmp_path)
+    finally:
+        srv.close()
+    assert seen["cfg"]["remote_serde"] == "cachegen" and seen["cfg"]["remote_url"].startswith("lm://127.0.0.1:")
+    assert seen["stats"]["bytes_received"] == 1000 and seen["stats"]["bytes_sent"] == 1000  # through the relay, both ways counted
+    assert "lm://" in res["link"] and lm.poll() is not None  # LMCache's server is stopped with the phase
+
+
+def test_lmcaches_server_that_cannot_start_is_an_error_not_a_hang(tmp_path):
+    import importlib.util
+
+    import pytest
+
+    from benchmarks.vllm_ttft import peers
+
+    if importlib.util.find_spec("lmcache") is not None:
+        pytest.skip("lmcache is installed here: its server would start")
+    with pytest.raises(RuntimeError, match="did not start"):
+        peers.start_lm_server(tmp_path / "lm.log", 60)
+    assert "lmcache" in (tmp_path / "lm.log").read_text()
 
 
 def test_the_link_server_takes_bucketless_paths_when_given_a_bucket(tmp_path):
