@@ -45,7 +45,11 @@ class PrefillModel:
         return cls(c1=1.0 / tokens_per_s)
 
     def seconds(self, cached: int, new: int) -> float:
-        return self.c0 + self.c1 * new + self.c2 * new * (cached + new / 2)
+        return self.step(new, new * (cached + new / 2))
+
+    def step(self, tokens: int, attention: float) -> float:
+        """Seconds of an engine step computing ``tokens`` with the attention term ``attention`` (:func:`terms`)."""
+        return self.c0 + self.c1 * tokens + self.c2 * attention
 
 
 def terms(work: Iterable[tuple[int, int]]) -> tuple[int, float]:
@@ -153,11 +157,13 @@ class WallScale:
 
 
 class LoadOverhead:
-    """The seconds a load costs an engine beyond what its plan predicted (the fetch and the prefill
-    after it): noticing the load's end, scheduling the request again, a tail prefill slower over
-    loaded KV than the model says. Learnt from whole loads, ``actual - predicted`` as a decayed mean,
-    at least 0; ``prior_s`` until a load was timed. A plan adds :attr:`seconds` to every load option,
-    so a load predicted to win by less than it costs is not taken."""
+    """The seconds a load costs an engine beyond the fetch and the prefill after it: scheduling the
+    request again once the load is done, a tail prefill slower over loaded KV than the model says.
+    Learnt from loads, the time from the load's end to the end of the request's prefill less the
+    prefill model's time for the engine's steps meanwhile (``actual - predicted``: the steps are
+    shared with other requests), as a decayed mean, at least 0; ``prior_s`` until a load was timed.
+    A plan adds :attr:`seconds` to every load option, so a load predicted to win by less than it
+    costs is not taken."""
 
     def __init__(self, prior_s: float = 0.0, decay: float = 0.2):
         if not (math.isfinite(prior_s) and prior_s >= 0):

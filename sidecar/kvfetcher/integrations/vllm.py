@@ -60,6 +60,7 @@ class KVFetcherConnector(KVConnectorBase_V1):
         return self._s.step(scheduler_output)
 
     def update_connector_output(self, connector_output) -> None:
+        self._s.loads_done(getattr(connector_output, "finished_recving", None))
         self._s.report(getattr(connector_output, "kv_connector_worker_meta", None))
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -19,8 +19,8 @@
   ``OBJ``) for KV-aware routers, timed steps teach the engine's prefill model
   (:class:`~kvfetcher.fetch.prefill.PrefillFit`, fed what :meth:`step` saw each request compute
   after how many cached tokens), which every plan then passes to the cost model, with what a load
-  costs the engine beyond its plan's prediction (:class:`~kvfetcher.fetch.prefill.LoadOverhead`,
-  timed from the load's hand-off to the end of the request's prefill).
+  costs the engine beyond the fetch and the prefill after it (:class:`~kvfetcher.fetch.prefill.LoadOverhead`,
+  timed from the workers' report that the load is done to the end of the request's prefill).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ LOOKUP_THREADS = 4  # lookups in flight at once (requests arriving together are 
 #: answers whose plans tell whether a late answer is worth a step: once this many in a row planned no
 #: load, a request whose answer is late recomputes at once rather than waiting a step for it
 NOTHING_TO_WAIT_FOR = 8
-#: seconds a load costs vLLM beyond its plan's prediction until the engine's own loads are timed
+#: seconds a load costs vLLM beyond the fetch and the prefill after it until the engine's own loads are timed
 #: (:class:`~kvfetcher.fetch.prefill.LoadOverhead`; docs/results.md has the measurement behind it)
 LOAD_OVERHEAD_PRIOR_S = 0.03
 
@@ -83,7 +83,8 @@ class SchedulerSide:
         self.wall = prefill.WallScale()  # ... and how much longer whole prefills take by the wall clock
         self.prefilling: dict[str, tuple[float, int, int]] = {}  # req_id -> (first scheduled, computed then, prompt tokens)
         self.load_overhead = prefill.LoadOverhead(LOAD_OVERHEAD_PRIOR_S)
-        self.loading: dict[str, tuple[float, float, int]] = {}  # req_id -> (load handed off, its predicted seconds, tokens it loads to)
+        # req_id -> (tokens it loads to, when the workers reported it done, predicted seconds of the engine's steps since)
+        self.loading: dict[str, tuple[int, float | None, float]] = {}
         self.requests: dict[str, _Request] = {}
         self.fetches: list[FetchSpec] = []
         self.storing: dict[str, _Request] = {}  # asked to store, not yet reported
@@ -207,9 +208,7 @@ class SchedulerSide:
             return
         r.blocks, r.loaded = list(block_ids), r.end
         lookup = replace(r.options, prefill_model=self.prefill_model(), load_overhead_s=self.load_overhead.seconds, wait_s=0.0)  # as fitted by now
-        plan = r.plans[0] if r.plans else None
-        if plan is not None and (predicted := plan.options.get(plan.preset or "")):
-            self.loading[request.request_id] = (time.perf_counter(), predicted - r.options.load_overhead_s, r.local + num_external_tokens)
+        self.loading[request.request_id] = (r.local + num_external_tokens, None, 0.0)
         self.fetches.append(FetchSpec(request.request_id, r.tokens, r.plans, r.local, r.local + num_external_tokens, r.blocks, lookup))
         r.end = 0  # one load per request: vLLM asks again only after it failed (or a preemption), then recompute
 
@@ -222,7 +221,7 @@ class SchedulerSide:
         meta = StepMeta(self.fetches, [], out.total_num_scheduled_tokens, set(getattr(out, "preempted_req_ids", None) or ()), attention)
         self.fetches = []
         self._time_prefills(new, had, meta.preempted)
-        self._time_loads(new, had, meta.preempted)
+        self._time_loads(new, had, meta.preempted, out.total_num_scheduled_tokens, attention)
         for n in new:
             if (r := self.requests.get(n.req_id)) is not None:
                 r.blocks = list(n.block_ids[0])
@@ -269,23 +268,37 @@ class SchedulerSide:
         if (model := self.prefill.model()) is not None:
             self.wall.observe(model.seconds(computed, prompt - computed), now - t0)
 
-    def _time_loads(self, new, had: dict[str, int], preempted: set[str]) -> None:
-        """Whole loads by the wall clock, from their hand-off to the first step after the request's
-        prompt is computed (or its end, :meth:`finished`), against their plans: :attr:`load_overhead`.
-        A load that fell short (the request first scheduled with fewer tokens) or a preempted request
-        is not timed: its plan's prediction was not of what happened."""
+    def loads_done(self, req_ids) -> None:
+        """vLLM's workers reported these requests' loads done (``finished_recving``)."""
+        now = time.perf_counter()
+        for req_id in req_ids or ():
+            if req_id in self.loading:
+                self.loading[req_id] = (self.loading[req_id][0], now, 0.0)
+
+    def _time_loads(self, new, had: dict[str, int], preempted: set[str], tokens: int, attention: float) -> None:
+        """What a load cost the engine past the fetch: from the workers' report that it is done to
+        the first step after the request's prompt is computed (or its end, :meth:`finished`), against
+        the prefill model's time for the steps meanwhile (this one: ``tokens``, ``attention``):
+        :attr:`load_overhead`. A load that fell short (the request first scheduled with fewer tokens)
+        or a preempted request is not timed."""
         for n in new:
-            if n.req_id in self.loading and n.num_computed_tokens < self.loading[n.req_id][2]:
+            if n.req_id in self.loading and n.num_computed_tokens < self.loading[n.req_id][0]:
                 del self.loading[n.req_id]
         for req_id in preempted:
             self.loading.pop(req_id, None)
         for req_id, computed in had.items():
             if req_id in self.loading and (r := self.requests.get(req_id)) is not None and computed >= len(r.request.prompt_token_ids or ()):
                 self._loaded(req_id)
+        if (model := self.prefill_model()) is not None:
+            step_s = model.step(tokens, attention)
+            for req_id, (end, done, predicted) in self.loading.items():
+                if done is not None:
+                    self.loading[req_id] = (end, done, predicted + step_s)
 
     def _loaded(self, req_id: str) -> None:
-        t0, predicted, _ = self.loading.pop(req_id)
-        self.load_overhead.observe(predicted, time.perf_counter() - t0)
+        _, done, predicted = self.loading.pop(req_id)
+        if done is not None:
+            self.load_overhead.observe(predicted, time.perf_counter() - done)
 
     def finished(self, req_id: str, prefilled: bool = False) -> bool:
         """Whether the request's blocks must wait for its store (the workers then report it).
