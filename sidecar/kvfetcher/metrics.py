@@ -89,6 +89,8 @@ class Metrics:
             "kvfetcher_prefill_model", "The engine's prefill model as the last request that carried one gave it: seconds = c0 + c1 * new "
             "+ c2 * new * (cached + new / 2), by term", ["term"], registry=r,
         )
+        self.load_overhead = Gauge("kvfetcher_load_overhead_seconds", "Seconds a load costs the engine beyond the fetch and the prefill "
+                                   "after it, as the last lookup that carried it gave it: every load option pays it", registry=r)
         self.bandwidth = Gauge("kvfetcher_store_bandwidth_bytes_per_second", "Estimated read throughput by endpoint", ["endpoint"], registry=r)
         self.read_rate = Gauge("kvfetcher_store_read_rate_bytes_per_second", "Read rate the cost model plans a bitstream format's "
                                "fetches at (at most the link's ceiling after a slow, read-bound fetch), by endpoint and format",

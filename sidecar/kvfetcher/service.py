@@ -353,10 +353,12 @@ class Sidecar:
         if o.prefill_model is not None:
             for term, c in asdict(o.prefill_model).items():
                 self.metrics.prefill_model.labels(term).set(c)
+        if o.load_overhead_s is not None:
+            self.metrics.load_overhead.set(o.load_overhead_s)
         prefill = o.prefill_model or PrefillModel.linear(o.recompute_tokens_per_s or self.config.recompute_tps)
         engine = buf.engine if buf is not None else None  # the engine decodes: its formats, at its rates
         rates = replace(self.estimator.rates(self.objects.endpoint, prefill, sharers, engine=engine.device if engine else None),
-                        load_overhead_s=o.load_overhead_s)
+                        load_overhead_s=o.load_overhead_s or 0.0)
         # never a preset this model may not use (one needing a calibration it lacks)
         allowed = frozenset(o.presets or PRESETS) & frozenset(self.config.allowed_presets or PRESETS) & frozenset(usable(PRESETS, ns.model))
         if o.presets is None and engine is None and not self._warm():  # the decode workers are still warming: only what needs none (raw) or recompute

@@ -93,6 +93,10 @@ def test_cost_model_can_choose_recompute(s3, buf):
         r = c.fetch(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1e12, prefill_model=PrefillModel(c2=1.0)))
         assert r.loaded_tokens == 128 and r.decision.options["recompute"] == pytest.approx(128 * 64)
         assert 'kvfetcher_prefill_model{term="c2"} 1.0' in c.metrics()
+        # what a load costs the engine is paid by every load option: 128 tokens of 64 s each do not pay 10^4 s
+        r = c.fetch(bid, tokens, options=FetchOptions(prefill_model=PrefillModel(c2=1.0), load_overhead_s=1e4))
+        assert r.loaded_tokens == 0 and r.decision.preset == "recompute"
+        assert "kvfetcher_load_overhead_seconds 10000.0" in c.metrics()
         buf.tensor.fill_(7)
         # on a busy GPU the model server gives a TTFT budget: a fetch within it wins anyway
         r = c.fetch(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1e12, ttft_budget_s=30.0))

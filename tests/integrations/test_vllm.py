@@ -260,7 +260,15 @@ def test_a_partial_hit_loads_the_stored_chunks_only(vllm, texts):
     assert hit["cached"] == 256 and hit["tokens"] == ref["tokens"]
 
 
+def load_overhead(sc) -> float:
+    """``kvfetcher_load_overhead_seconds`` as the sidecar shows it."""
+    (value,) = [float(line.rsplit(" ", 1)[1]) for line in sc.client().metrics().splitlines() if line.startswith("kvfetcher_load_overhead_seconds ")]
+    return value
+
+
 def test_requests_sharing_a_prefix_and_concurrent_requests(vllm, texts):
+    """Loads beside one another and beside a recompute, each as a recompute would compute; the
+    connector times what they cost the engine (the next lookup carries it)."""
     engine, sc = vllm
     shared = fresh(texts, 300)
     stored = [fresh(texts, 450) for _ in range(2)]
@@ -270,11 +278,15 @@ def test_requests_sharing_a_prefix_and_concurrent_requests(vllm, texts):
         sc.wait_stored(s, 384)
     a, b = shared + fresh(texts, 100), shared + fresh(texts, 120)
     new = fresh(texts, 350)  # never stored: computed beside the loads
+    before = load_overhead(sc)  # as the last lookup gave it: the connector's prior, or what earlier loads taught it
     batch = [a, b, *stored, new]
     got = engine.generate(*batch)
     refs = engine.generate(*batch, reference=True)
     assert [g["cached"] for g in got] == [256, 256, 384, 384, 0]
     assert [g["tokens"] for g in got] == [r["tokens"] for r in refs]
+    engine.generate(fresh(texts, 300))  # its lookup carries what the loads above cost the engine, as timed
+    after = load_overhead(sc)
+    assert after != before and 0 <= after < 60, (before, after)
 
 
 def test_the_engine_teaches_the_cost_model_its_prefill_time(vllm, texts):

@@ -56,8 +56,9 @@ class FetchOptions:
     prefill_model: PrefillModel | None = _doc("the engine's prefill time as it measured it (wins over `recompute_tokens_per_s`)", default=None)
     recompute_tokens_per_s: float | None = _doc("the model's prefill rate, constant (default: the sidecar's `KVFETCHER_RECOMPUTE_TPS`)",
                                                 min=0, open=True, default=None)
-    load_overhead_s: float = _doc("seconds a load costs the engine beyond the fetch and the prefill after it (noticing the load's end, "
-                                  "scheduling the request again), as it measured them: every load option pays them", min=0, default=0.0)
+    load_overhead_s: float | None = _doc("seconds a load costs the engine beyond the fetch and the prefill after it (scheduling the "
+                                         "request again once the load is done), as it measured them: every load option pays them "
+                                         "(default: none)", min=0, default=None)
     deadline_s: float | None = _doc("seconds a listing, and a fetch, may take (default: the sidecar's `KVFETCHER_DEADLINE_S`)",
                                     min=0, open=True, default=None)
     group_size: int = _doc("fetches that will run at once as one group with this one, itself included (a tensor-parallel group's "
