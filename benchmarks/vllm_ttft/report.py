@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 
+def link_label(gbit: float) -> str:
+    """A cell's link as set: its Gbit/s, or ``unpaced`` (0: the link server at full speed)."""
+    return f"{gbit:g} Gbit/s" if gbit > 0 else "unpaced"
+
+
 def _f(x, nd: int = 3) -> str:
     return "" if x is None else f"{x:.{nd}f}" if isinstance(x, float) else str(x)
 
@@ -52,12 +57,12 @@ def ttft(res: dict) -> str:
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if ranks else "") + "\n"]
     for r in res["rows"]:
         if "skipped" in r:
-            out.append(f"| {r['link_gbit']:g} Gbit/s | | {r['context']} | {r['method']} | skipped: {r['skipped']} | | | | | | | | | |"
+            out.append(f"| {link_label(r['link_gbit'])} | | {r['context']} | {r['method']} | skipped: {r['skipped']} | | | | | | | | | |"
                        f"{' |' if ranks else ''}\n")
             continue
         samples = " ".join(_f(x) for x in r.get("ttft_samples_s", [r["ttft_s"]]))
         each = f" {' '.join(map(str, r.get('ranks_loaded_tokens', [])))} |" if ranks else ""
-        out.append(f"| {r['link_gbit']:g} Gbit/s | {_f(r.get('delivered_gbit'), 2)} | {r['context']} | {r['method']} | {_f(r['ttft_s'])} | "
+        out.append(f"| {link_label(r['link_gbit'])} | {_f(r.get('delivered_gbit'), 2)} | {r['context']} | {r['method']} | {_f(r['ttft_s'])} | "
                    f"{samples} | {r['loaded_tokens']} |{each} {_f(r['lookup_s'])} | {_f(r['wait_s'])} | {_f(r['download_s'])} | "
                    f"{_f(r['decode_s'])} | {_f(r['restore_s'])} | {_f(r['prefill_s'])} | {_f(r.get('lookup_call_s'))} |\n")
     out += auto_verdicts(res["rows"])
@@ -85,7 +90,7 @@ def auto_verdicts(rows: list[dict]) -> list[str]:
         ok = gap <= max(0.02 * t[best], 0.010)
         a, b = c["auto"].get("ttft_samples_s") or [], c[best].get("ttft_samples_s") or []
         rounds = f"{sum(x <= y for x, y in zip(a, b))} of {len(a)}" if a and len(a) == len(b) else ""
-        out.append(f"| {gbit:g} Gbit/s | {n} | {best} | {_f(t[best])} | {_f(t['auto'])} | {gap / t[best]:+.1%} | {rounds} | "
+        out.append(f"| {link_label(gbit)} | {n} | {best} | {_f(t[best])} | {_f(t['auto'])} | {gap / t[best]:+.1%} | {rounds} | "
                    f"{'yes' if ok else 'no'} |\n")
     return out
 
@@ -182,9 +187,9 @@ def peer(res: dict) -> str:
                "|---|---|---|---|---|---|---|---|\n")
     for r in res["rows"]:
         if "skipped" in r:
-            out.append(f"| {r['link_gbit']:g} Gbit/s | | {r['context']} | skipped: {r['skipped']} | | | | |\n")
+            out.append(f"| {link_label(r['link_gbit'])} | | {r['context']} | skipped: {r['skipped']} | | | | |\n")
             continue
-        out.append(f"| {r['link_gbit']:g} Gbit/s | {_f(r.get('delivered_gbit'), 2)} | {r['context']} | {_f(r['ttft_s'])} | {r['loaded_tokens']} | "
+        out.append(f"| {link_label(r['link_gbit'])} | {_f(r.get('delivered_gbit'), 2)} | {r['context']} | {_f(r['ttft_s'])} | {r['loaded_tokens']} | "
                    f"{_f(r['stored_bytes_per_token'], 0)} | {_f(r['link_bytes_sent'] / 1e6, 1)} | {_f(r['store_request_s'])} |\n")
     return "".join(out)
 

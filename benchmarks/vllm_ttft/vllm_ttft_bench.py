@@ -216,7 +216,7 @@ def ttft_cells(a, llm, clients: list, asker, url: str, look: dict, gbit: float, 
     skipped, runs = {}, {}
     for method, params in methods(a.methods).items():
         preset = (params or {}).get("presets", [None])[0]
-        transfer_s = len(clients) * (n // CHUNK) * size[preset] / (gbit * GBIT) if preset else 0.0
+        transfer_s = len(clients) * (n // CHUNK) * size[preset] / (gbit * GBIT) if preset and gbit > 0 else 0.0  # 0: unpaced
         row = dict(link_gbit=gbit, context=n, method=method)
         if transfer_s > a.cap_s:
             skipped[method] = dict(row, skipped=f"transfer alone {transfer_s:.0f} s > cap")
@@ -241,7 +241,7 @@ def ttft_cells(a, llm, clients: list, asker, url: str, look: dict, gbit: float, 
         b = rows[-1]
         want = (n - 1) // CHUNK * CHUNK
         flag = "" if (b["loaded_tokens"] == want) == (preset is not None) or method == "auto" else f"  <- expected {want if preset else 0}"
-        print(f"{gbit:>6g} Gbit/s (delivered {b['delivered_gbit'] or 0:6.2f}) {n:>6} tokens {method:>12}: {b['ttft_s']:7.3f} s, loaded "
+        print(f"{report.link_label(gbit):>12} (delivered {b['delivered_gbit'] or 0:6.2f}) {n:>6} tokens {method:>12}: {b['ttft_s']:7.3f} s, loaded "
               f"{b['loaded_tokens']} [lookup {b['lookup_s']:.3f} wait {b['wait_s']:.3f} download {b['download_s']:.3f} decode "
               f"{b['decode_s']:.3f} restore {b['restore_s']:.3f} prefill {b['prefill_s']:.3f}]{flag}", flush=True)
     return rows
@@ -275,7 +275,7 @@ def main() -> None:
     ap.add_argument("--no-pin", action="store_true", help="at --tp > 1 on a GPU: every rank's sidecar sees every GPU (in place of "
                     "CUDA_VISIBLE_DEVICES=<its rank>)")
     ap.add_argument("--contexts", help="prompt tokens (default 8192,16384,32768,65536; --tiny 512,1024)")
-    ap.add_argument("--links", help="Gbit/s (default 100,25,10,1; --tiny 1,0.1)")
+    ap.add_argument("--links", help="Gbit/s, 0 for the link server unpaced (default 100,25,10,1; --tiny 1,0.1)")
     ap.add_argument("--cap-s", type=float, default=12.0, help="skip a forced load whose transfer alone takes longer")
     ap.add_argument("--methods", help="methods, comma-separated (default: recompute, every stored preset, auto): those the ttft and "
                     "interference phases time; the load phase's auto chooses among their presets. Only the presets named are stored "

@@ -537,6 +537,13 @@ def test_a_cells_methods_take_turns_one_request_each_per_round(monkeypatch):
     assert asked == ["recompute", "balanced", "auto", "balanced", "auto", "recompute", "auto", "recompute", "balanced"]
     assert [r["method"] for r in rows] == ["recompute", "raw", "balanced", "auto"] and "skipped" in rows[1]
     assert rows[0]["ttft_samples_s"] == [0.1, 0.6, 0.8] and rows[0]["ttft_s"] == 0.6  # (its samples in round order)
+    asked.clear()
+    unpaced = bench.ttft_cells(a, None, [None], None, "", {}, 0.0, 512, list(range(512)), size)  # link 0: unpaced, nothing over a cap
+    assert "skipped" not in unpaced[1] and asked.count("raw") == 3
+    from benchmarks.vllm_ttft import report
+
+    assert "| unpaced |" in report.markdown("ttft", dict(model="m", kv_dtype="bfloat16", chunk_tokens=256, object_bytes_per_chunk=size,
+                                                         link_self_check={"delivered_gbit": 200.0, "procs": 8, "parallel": 16}, rows=unpaced))
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
