@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 
 from benchmarks.vllm_ttft.engine import (CHUNK, GBIT, delivered_gbit, generate, kv_dtype, on_gpu, phase_left, shape_of, timing_model,
                                          ttft_prompts, watchdog)
+from benchmarks.vllm_ttft.report import link_label
 
 PEERS = ("native-cpu", "lmcache-raw", "lmcache-cachegen")  # phase peer-<name>
 SERDE = {"lmcache-raw": "naive", "lmcache-cachegen": "cachegen"}  # LMCache's remote_serde per method
@@ -224,7 +225,7 @@ def cells(a, llm, prompts: dict[int, list[int]], links: list[float], link, bytes
             rows.append(dict(link_gbit=gbit, context=n, ttft_s=round(s, 4), loaded_tokens=cached, store_request_s=round(store_s, 4),
                              first_request_cached=first_cached, stored_bytes_per_token=round(stored / n, 1), link_bytes_sent=sent,
                              delivered_gbit=delivered_gbit(sent, s) if link else None, over_link=link is not None))
-            print(f"{gbit:>6g} Gbit/s {n:>6} tokens {a.phase}: {s:7.3f} s, loaded {cached}, stored {stored / n:.0f} B/token, "
+            print(f"{link_label(gbit):>12} {n:>6} tokens {a.phase}: {s:7.3f} s, loaded {cached}, stored {stored / n:.0f} B/token, "
                   f"delivered >= {rows[-1]['delivered_gbit'] or 0:.2f} Gbit/s", flush=True)
     return rows
 
