@@ -52,6 +52,10 @@ from kvfetcher.api.group import RankGroup
 GROUPS = {"identity": ["identity-store", "identity-load"], "ttft": ["ttft"], "load": ["load"], "peers": [f"peer-{m}" for m in peers.PEERS],
           "interference": ["interference"], **{f"peer-{m}": [f"peer-{m}"] for m in peers.PEERS}}
 TIMEOUT_S = {"identity-store": 420, "identity-load": 420, "ttft": 900, "load": 600, "interference": 600, **{f"peer-{m}": 420 for m in peers.PEERS}}
+#: seconds a cell reserves per request beyond its transfer before it starts (the phase must end in time to write its results)
+REQUEST_SLACK_S = 3.0
+#: a forced load this many times slower than the fastest method in a cell's first round runs no more rounds
+OUT_OF_THE_RACE = 2.0
 PROMPT, SPLIT, SHARED, NEW = 1100, 1024, 400, 32  # identity: prompt tokens, the split (stored prefix), vLLM's own share, tokens compared
 IDENTITY_MODEL = "smollm2-135m"  # the fingerprint with the shipped calibration (balanced-ans needs one)
 
@@ -212,7 +216,9 @@ def ttft_cells(a, llm, clients: list, asker, url: str, look: dict, gbit: float, 
     the scheduler asks (:func:`scheduler_call`); ``size``: bytes of one rank's chunk per preset
     (every rank's bytes cross the one link). The methods take turns, one request each per round
     (``a.repeats`` rounds) in the orders of :func:`turns`, so no method always follows the same
-    other one and drift over the cell falls on every method alike."""
+    other one and drift over the cell falls on every method alike. A forced load slower than
+    :data:`OUT_OF_THE_RACE` times the first round's fastest runs that round only: it cannot be the
+    best, and its rounds go to the cells after."""
     skipped, runs = {}, {}
     for method, params in methods(a.methods).items():
         preset = (params or {}).get("presets", [None])[0]
@@ -220,17 +226,22 @@ def ttft_cells(a, llm, clients: list, asker, url: str, look: dict, gbit: float, 
         row = dict(link_gbit=gbit, context=n, method=method)
         if transfer_s > a.cap_s:
             skipped[method] = dict(row, skipped=f"transfer alone {transfer_s:.0f} s > cap")
-        elif phase_left() < 45 + sum(a.repeats * (2 * t + a.cap_s) for _, _, t, _ in runs.values()) + a.repeats * (2 * transfer_s + a.cap_s):
+        elif phase_left() < 45 + sum(a.repeats * (2 * t + REQUEST_SLACK_S) for _, _, t, _ in runs.values()) + a.repeats * (2 * transfer_s + REQUEST_SLACK_S):
             skipped[method] = dict(row, skipped="not run: the phase's time ran out")  # leave time to write what was measured
         else:
             runs[method] = (params, preset, transfer_s, [])
-    order = list(runs.values())
-    for row in turns(len(order), a.repeats if order else 0):
-        for params, _, transfer_s, samples in (order[i] for i in row):
+    order, out = list(runs.items()), set()
+    for r, row in enumerate(turns(len(order), a.repeats if order else 0)):
+        for method, (params, _, transfer_s, samples) in (order[i] for i in row):
+            if method in out:
+                continue
             warm_ranks(clients, prompt[:-1], **look)  # the node has seen this prefix (untimed)
             probe = Probe(clients if len(clients) > 1 else clients[0], url)
             s, [(_, cached)] = generate(llm, [prompt], 1, params, a.call_timeout_s + 2 * transfer_s)
             samples.append((s, cached, probe.delta()))
+        if r == 0:
+            fastest = min(run[3][0][0] for _, run in order)
+            out = {m for m, run in order if run[1] is not None and run[3][0][0] > OUT_OF_THE_RACE * fastest}  # forced loads only
     rows = []
     for method in methods(a.methods):
         if method in skipped:

@@ -509,7 +509,7 @@ def test_a_tiny_load_run_reports_three_passes_and_the_nosave_pass_stores_nothing
 def test_a_cells_methods_take_turns_one_request_each_per_round(monkeypatch):
     """No method always follows the same other one: round r runs every method once, starting one
     method later than round r - 1; a method whose transfer exceeds the cap is skipped and keeps its
-    place among the rows."""
+    place among the rows; a forced load over twice the first round's fastest runs once."""
     import argparse
 
     from benchmarks.vllm_ttft import vllm_ttft_bench as bench
@@ -523,9 +523,11 @@ def test_a_cells_methods_take_turns_one_request_each_per_round(monkeypatch):
         def delta(self):
             return dict(lookup_s=0.0, load_s=0.0, fetch_s=0.0, read_s=0.0, decode_s=0.0, link_bytes_sent=0)
 
+    seconds = {"recompute": 1.0, "balanced": 1.5, "auto": 0.9, "raw": 1.6}
+
     def generate(llm, prompts, n, params, timeout_s):
         asked.append((params or {}).get("presets", ["auto" if params == {} else "recompute"])[0])
-        return 0.1 * len(asked), [(None, 0)]
+        return seconds[asked[-1]] + 0.01 * len(asked), [(None, 0)]
 
     monkeypatch.setattr(bench, "Probe", Probe)
     monkeypatch.setattr(bench, "generate", generate)
@@ -536,10 +538,14 @@ def test_a_cells_methods_take_turns_one_request_each_per_round(monkeypatch):
     rows = bench.ttft_cells(a, None, [None], None, "", {}, 1.0, 512, list(range(512)), size)
     assert asked == ["recompute", "balanced", "auto", "balanced", "auto", "recompute", "auto", "recompute", "balanced"]
     assert [r["method"] for r in rows] == ["recompute", "raw", "balanced", "auto"] and "skipped" in rows[1]
-    assert rows[0]["ttft_samples_s"] == [0.1, 0.6, 0.8] and rows[0]["ttft_s"] == 0.6  # (its samples in round order)
+    assert rows[0]["ttft_samples_s"] == [1.01, 1.06, 1.08] and rows[0]["ttft_s"] == 1.06  # (its samples in round order)
     asked.clear()
     unpaced = bench.ttft_cells(a, None, [None], None, "", {}, 0.0, 512, list(range(512)), size)  # link 0: unpaced, nothing over a cap
     assert "skipped" not in unpaced[1] and asked.count("raw") == 3
+    asked.clear()
+    seconds["raw"] = 2.5  # over twice auto's first sample: out of the race after the first round
+    rows = bench.ttft_cells(a, None, [None], None, "", {}, 0.0, 512, list(range(512)), size)
+    assert asked.count("raw") == 1 and [len(r["ttft_samples_s"]) for r in rows] == [3, 1, 3, 3]
     from benchmarks.vllm_ttft import report
 
     assert "| unpaced |" in report.markdown("ttft", dict(model="m", kv_dtype="bfloat16", chunk_tokens=256, object_bytes_per_chunk=size,
