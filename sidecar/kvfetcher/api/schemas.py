@@ -29,7 +29,7 @@ import numpy as np
 
 from kvfetcher import ipc
 from kvfetcher.errors import RequestError
-from kvfetcher.fetch.plan import EngineDecode, EngineDecoded, FetchOptions, FetchPlan, FetchDecision, FetchReply
+from kvfetcher.fetch.plan import EngineDecode, EngineDecoded, FetchOptions, FetchPlan, FetchDecision, FetchReply, plain
 from kvfetcher.fetch.prefill import PrefillModel
 from kvfetcher.kvbuffer import PagedLayout
 
@@ -243,15 +243,22 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _fail(where: str, want: str, value: Any) -> typing.NoReturn:
-    raise RequestError(f"'{where}' must be {want}, not {type(value).__name__} {str(value)[:40]}")
+@functools.cache
+def _form(tp: Any) -> tuple[Any, tuple]:
+    """A type's origin and arguments (asked once per element of every array: cached)."""
+    return typing.get_origin(tp), typing.get_args(tp)
 
 
-def _check(tp: Any, value: Any, where: str, strict: bool, want: str | None = None, bound: tuple | None = None) -> Any:
-    """``value`` as a ``tp``; ``want``: the type named when it is not one (an optional's); ``bound``:
-    ``(min, open)`` for every number in it."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    want = want or type_name(tp)
+def _fail(where: str, want: Any, value: Any) -> typing.NoReturn:
+    """``want``: what it must be, in words or as a type (named here)."""
+    raise RequestError(f"'{where}' must be {want if isinstance(want, str) else type_name(want)}, not {type(value).__name__} {str(value)[:40]}")
+
+
+def _check(tp: Any, value: Any, where: str, strict: bool, want: Any = None, bound: tuple | None = None) -> Any:
+    """``value`` as a ``tp``; ``want``: the type named when it is not one (an optional's; named only
+    then, as naming costs more than checking); ``bound``: ``(min, open)`` for every number in it."""
+    origin, args = _form(tp)
+    want = want or tp
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:
             return None
@@ -315,7 +322,7 @@ def from_json(cls: type, obj: Any, strict: bool = True, where: str = "body") -> 
 
 def to_json(msg: Any) -> dict:
     """The JSON object of a message (tuples as lists)."""
-    return dataclasses.asdict(msg)
+    return plain(msg)
 
 
 def type_name(tp: Any) -> str:

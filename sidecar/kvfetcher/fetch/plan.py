@@ -23,7 +23,7 @@ import json
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from kvfetcher import codec, keys
 from kvfetcher.errors import Reason
@@ -140,8 +140,21 @@ class FetchPlan:
         return self.reason if self.reason not in (None, Reason.MISS, Reason.COST_MODEL) else None
 
 
+def plain(value):
+    """A message (a dataclass, nested) as JSON's plain values: objects, arrays (from tuples and
+    lists), scalars. What ``dataclasses.asdict`` gives, without its deep copy of every scalar (a
+    128K-token plan's 512 chunks took ~1 ms that way)."""
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (tuple, list)):
+        return [plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    return {f.name: plain(getattr(value, f.name)) for f in fields(value)}
+
+
 def _digest(plan: FetchPlan, key: bytes) -> str:
-    body = {k: v for k, v in asdict(plan).items() if k != "tag"}
+    body = {k: v for k, v in plain(plan).items() if k != "tag"}
     return hmac.new(key, json.dumps(body, sort_keys=True).encode(), hashlib.sha256).hexdigest()
 
 
