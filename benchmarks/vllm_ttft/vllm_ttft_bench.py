@@ -239,9 +239,9 @@ def ttft_cells(a, llm, clients: list, asker, url: str, look: dict, gbit: float, 
             probe = Probe(clients if len(clients) > 1 else clients[0], url)
             s, [(_, cached)] = generate(llm, [prompt], 1, params, a.call_timeout_s + 2 * transfer_s)
             samples.append((s, cached, probe.delta()))
-        if r == 0:
-            fastest = min(run[3][0][0] for _, run in order)
-            out = {m for m, run in order if run[1] is not None and run[3][0][0] > OUT_OF_THE_RACE * fastest}  # forced loads only
+        if r == 0:  # each method's first TTFT: forced loads far behind the fastest are out
+            first = {m: samples[0][0] for m, (_, _, _, samples) in order}
+            out = {m for m, (_, preset, _, _) in order if preset is not None and first[m] > OUT_OF_THE_RACE * min(first.values())}
     rows = []
     for method in methods(a.methods):
         if method in skipped:

@@ -289,11 +289,12 @@ class SchedulerSide:
         for req_id, computed in had.items():
             if req_id in self.loading and (r := self.requests.get(req_id)) is not None and computed >= len(r.request.prompt_token_ids or ()):
                 self._loaded(req_id)
-        if (model := self.prefill_model()) is not None:
+        done = [req_id for req_id, (_, t, _) in self.loading.items() if t is not None]
+        if done and (model := self.prefill_model()) is not None:  # (a refitted model solves: only while a load waits on the engine)
             step_s = model.step(tokens, attention)
-            for req_id, (end, done, predicted) in self.loading.items():
-                if done is not None:
-                    self.loading[req_id] = (end, done, predicted + step_s)
+            for req_id in done:
+                end, t, predicted = self.loading[req_id]
+                self.loading[req_id] = (end, t, predicted + step_s)
 
     def _loaded(self, req_id: str) -> None:
         _, done, predicted = self.loading.pop(req_id)
