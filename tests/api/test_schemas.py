@@ -77,6 +77,7 @@ def test_token_ids_travel_packed_or_as_an_array():
         (schemas.LookupRequest, {"tokens": [1], "options": {"prefill_model": {}}}, "not all zero"),
         (schemas.LookupRequest, {"tokens": [1], "options": {"group_size": 0}}, "'options.group_size' must be >= 1"),
         (schemas.LookupRequest, {"tokens": [1], "options": {"ttft_budget_s": 0}}, "'options.ttft_budget_s' must be > 0"),
+        (schemas.LookupRequest, {"tokens": [1], "options": {"load_overhead_s": -0.01}}, "'options.load_overhead_s' must be >= 0"),
     ],
 )
 def test_a_request_that_does_not_fit_is_refused_by_field(cls, body, detail):
