@@ -383,6 +383,9 @@ def sidecar_delta(m0: dict[str, float], m1: dict[str, float], link: dict[str, in
         # the engine's prefill model the scheduler sent with it (the recompute side of that choice)
         "prefill_model": {k.split('term="', 1)[1].split('"', 1)[0]: v for k, v in m1.items() if k.startswith("kvfetcher_prefill_model{")},
         "warming": m1.get("kvfetcher_decode_warming", 0.0),  # auto's choice was limited to raw and recompute
+        # the presets its loads took (none: the request recomputed)
+        "decisions": {k.split('preset="', 1)[1].split('"', 1)[0]: int(v - m0.get(k, 0)) for k, v in m1.items()
+                      if k.startswith("kvfetcher_preset_decisions_total{") and v - m0.get(k, 0) > 0},
     }
 
 

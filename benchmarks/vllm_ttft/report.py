@@ -73,26 +73,53 @@ def auto_verdicts(rows: list[dict]) -> list[str]:
     """Markdown lines: per cell, ``auto`` against the best of recompute and every forced preset
     (medians), whether it is within 2% or 10 ms of it (the criterion `auto` is held to), and in how
     many rounds ``auto`` was as fast as that method's request of the same round (the methods take
-    turns, so a round pairs them): a miss in one round of three is a near-tie, in every round a loss."""
+    turns, so a round pairs them): a miss in one round of three is a near-tie, in every round a loss.
+    Where the rows say what ``auto``'s requests did (``chose_samples``), also its decision apart from
+    its luck: the forced median of what it chose most against the best's, held to the same criterion."""
     cells: dict[tuple, dict[str, dict]] = {}
     for r in rows:
         if "ttft_s" in r:
             cells.setdefault((r["link_gbit"], r["context"]), {})[r["method"]] = r
     out = ["\n`auto` against the best other method per cell (medians; passes within 2% or 10 ms; `rounds`: those in which "
-           "auto's request was as fast as the best method's of the same round):\n\n",
-           "| link (label) | context | best | its TTFT s | auto s | auto vs best | rounds | passes |\n|---|---|---|---|---|---|---|---|\n"]
+           "auto's request was as fast as the best method's of the same round; `chose`: what auto's requests did; `decision`: "
+           "the forced median of what it chose most against the best's, by the same criterion, so that a right choice whose "
+           "samples fell slow is told from a wrong one):\n\n",
+           "| link (label) | context | best | its TTFT s | auto s | auto vs best | rounds | passes | chose | decision |\n"
+           "|---|---|---|---|---|---|---|---|---|---|\n"]
     for (gbit, n), c in cells.items():
         if "auto" not in c or len(c) < 2:
             continue
         t = {m: r["ttft_s"] for m, r in c.items()}
         best = min((m for m in t if m != "auto"), key=t.get)
-        gap = t["auto"] - t[best]
-        ok = gap <= max(0.02 * t[best], 0.010)
         a, b = c["auto"].get("ttft_samples_s") or [], c[best].get("ttft_samples_s") or []
         rounds = f"{sum(x <= y for x, y in zip(a, b))} of {len(a)}" if a and len(a) == len(b) else ""
-        out.append(f"| {link_label(gbit)} | {n} | {best} | {_f(t[best])} | {_f(t['auto'])} | {gap / t[best]:+.1%} | {rounds} | "
-                   f"{'yes' if ok else 'no'} |\n")
+        chose, decision = _decision(c["auto"].get("chose_samples") or [], t, best)
+        passes = "yes" if _within(t["auto"], t[best]) else "no"
+        out.append(f"| {link_label(gbit)} | {n} | {best} | {_f(t[best])} | {_f(t['auto'])} | {_gap(t['auto'], t[best])} | {rounds} | "
+                   f"{passes} | {chose} | {decision} |\n")
     return out
+
+
+def _within(t: float, best: float) -> bool:
+    """The criterion `auto` is held to: at most 2% or 10 ms behind ``best``."""
+    return t - best <= max(0.02 * best, 0.010)
+
+
+def _gap(t: float, best: float) -> str:
+    return f"{(t - best) / best:+.1%}"
+
+
+def _decision(choices: list[str], t: dict[str, float], best: str) -> tuple[str, str]:
+    """(what ``auto``'s requests did, counted; the forced median of its most frequent choice against
+    ``best``'s: 'right' or 'wrong' with the gap; '' where it is not known)."""
+    if not choices:
+        return "", ""
+    counts = {m: choices.count(m) for m in dict.fromkeys(choices)}
+    chose = ", ".join(f"{m} x{k}" if len(choices) > 1 else m for m, k in counts.items())
+    most = max(counts, key=counts.get)
+    if most not in t:
+        return chose, ""
+    return chose, f"{'right' if _within(t[most], t[best]) else 'wrong'} ({_gap(t[most], t[best])})"
 
 
 def identity(res: dict, phase: str) -> str:

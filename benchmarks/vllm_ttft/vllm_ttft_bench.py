@@ -267,7 +267,14 @@ def cell_row(row: dict, samples: list[tuple], asker, prompt: list[int], look: di
     call_s = time.perf_counter() - t
     per_rank = dict(ranks_loaded_tokens=[r["loaded_tokens"] for r in d["ranks"]]) if "ranks" in d else {}
     return dict(row, ttft_s=round(s, 4), ttft_samples_s=[round(x[0], 4) for x in samples], loaded_tokens=cached,
-                loaded_samples=[x[1] for x in samples], **per_rank, **breakdown(s, d), lookup_call_s=round(call_s, 4), sidecar=d)
+                loaded_samples=[x[1] for x in samples], chose_samples=[chosen(x[2]) for x in samples], **per_rank,
+                **breakdown(s, d), lookup_call_s=round(call_s, 4), sidecar=d)
+
+
+def chosen(d: dict) -> str:
+    """What a request did by its sidecar delta: the preset its load took, or recompute."""
+    took = sorted(p for p, n in d.get("decisions", {}).items() if n > 0 and p != "recompute")
+    return "+".join(took) or "recompute"
 
 
 # --- main ----------------------------------------------------------------------------------------
