@@ -132,16 +132,18 @@ def fetch_all(dests, tokens, kv_bytes, block_ids, repeats, store, refs, workers,
     for name, (tensors, layout, handle) in dests.items():
         dest = kvbuffer.destination(tensors if layout is None else kvbuffer.PagedKV(tensors, layout), tokens,
                                     block_ids=None if layout is None else block_ids, handle=handle)
-        secs = []
+        outs = []
         for _ in range(repeats + 1):  # the first warms workers, decoders and staging
             out = asyncio.run(fetch(store, refs, dest, workers, io, dec, window, reads, readers))
             assert out.error is None and out.loaded_tokens == tokens, out
-            secs.append(out.seconds)
-        med = statistics.median(secs[1:])
+            outs.append(out)
+        mid = sorted(outs[1:], key=lambda o: o.seconds)[(len(outs) - 1) // 2]  # the median run (the upper one of an even count)
+        med = statistics.median(o.seconds for o in outs[1:])
         got = restored(tensors, layout, block_ids, tokens)
         first = got if first is None else first
         row[name] = {"fetch_s": round(med, 4), "kv_GB_s": round(kv_bytes / med / 1e9, 2),
-                     "identical_to_flat": bool(torch.equal(got.view(torch.int16), first.view(torch.int16)))}
+                     "identical_to_flat": bool(torch.equal(got.view(torch.int16), first.view(torch.int16))),
+                     "stages": executor.stage_summary(mid.timeline, mid.seconds)}
         print(key, name, json.dumps(row[name]), flush=True)
     return row
 

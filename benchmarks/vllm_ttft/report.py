@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from kvfetcher.fetch.executor import STAGES
+
 
 def link_label(gbit: float) -> str:
     """A cell's link as set: its Gbit/s, or ``unpaced`` (0: the link server at full speed)."""
@@ -50,23 +52,32 @@ def ttft(res: dict) -> str:
            "answering the scheduler's lookup, `wait` the sidecar's load request outside its fetch, `download` / `decode` time with a read / a decode or "
            "restore in flight (they overlap), `restore` the fetch's wall time, `prefill` the rest of the TTFT (the remainder's prefill and "
            "the engine's own work). `call` is the scheduler's lookup call for the prompt timed from a client right after the cell "
-           "(its whole cost, listing or not; not part of the TTFT shown). With repeats, TTFT is the median of the `samples` and "
+           "(its whole cost, listing or not; not part of the TTFT shown). `in flight` is the load's chunks in each step of their restore "
+           "on average (admitted by the fetch's window / header read / parts read and checked / decoded / written): the step at its "
+           "concurrency (the window, the reads in flight, the decode threads) is what bounds the load. With repeats, TTFT is the median of the `samples` and "
            "the breakdown is the median sample's; a cell's methods take turns, one request each per round, in orders where each follows every other alike (a balanced Latin square).\n\n",
            f"| link (label) | delivered Gbit/s | context | method | TTFT s | samples | loaded |{' ranks loaded |' if ranks else ''} lookup | "
-           "wait | download | decode | restore | prefill | call |\n",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if ranks else "") + "\n"]
+           "wait | download | decode | restore | prefill | call | in flight a/h/r/d/w |\n",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if ranks else "") + "\n"]
     for r in res["rows"]:
         if "skipped" in r:
-            out.append(f"| {link_label(r['link_gbit'])} | | {r['context']} | {r['method']} | skipped: {r['skipped']} | | | | | | | | | |"
+            out.append(f"| {link_label(r['link_gbit'])} | | {r['context']} | {r['method']} | skipped: {r['skipped']} | | | | | | | | | | |"
                        f"{' |' if ranks else ''}\n")
             continue
         samples = " ".join(_f(x) for x in r.get("ttft_samples_s", [r["ttft_s"]]))
         each = f" {' '.join(map(str, r.get('ranks_loaded_tokens', [])))} |" if ranks else ""
         out.append(f"| {link_label(r['link_gbit'])} | {_f(r.get('delivered_gbit'), 2)} | {r['context']} | {r['method']} | {_f(r['ttft_s'])} | "
                    f"{samples} | {r['loaded_tokens']} |{each} {_f(r['lookup_s'])} | {_f(r['wait_s'])} | {_f(r['download_s'])} | "
-                   f"{_f(r['decode_s'])} | {_f(r['restore_s'])} | {_f(r['prefill_s'])} | {_f(r.get('lookup_call_s'))} |\n")
+                   f"{_f(r['decode_s'])} | {_f(r['restore_s'])} | {_f(r['prefill_s'])} | {_f(r.get('lookup_call_s'))} | "
+                   f"{in_flight((r.get('sidecar') or {}).get('stages') or {})} |\n")
     out += auto_verdicts(res["rows"])
     return "".join(out)
+
+
+def in_flight(stages: dict[str, float]) -> str:
+    """A load's chunks in flight per step of the restore, ``a/h/r/d/w`` (blank: no load; ``-``: a step
+    its chunks skip, such as raw's decode)."""
+    return "/".join(f"{stages[s]:.1f}" if s in stages else "-" for s in STAGES) if stages else ""
 
 
 def auto_verdicts(rows: list[dict]) -> list[str]:

@@ -73,6 +73,12 @@ class Metrics:
         )
         self.last_predicted = Gauge("kvfetcher_fetch_last_predicted_seconds", "Predicted time of the last fetch", ["preset"], registry=r)
         self.last_actual = Gauge("kvfetcher_fetch_last_actual_seconds", "Actual time of the last fetch", ["preset"], registry=r)
+        self.stage_in_flight = Gauge(
+            "kvfetcher_fetch_stage_chunks_in_flight", "The last fetch's chunks in each step of their restore on average (stage: the "
+            "step that ends there: admitted by the window, header, read, decoded, written); a step at its concurrency bounds the fetch",
+            ["stage"], registry=r)
+        self.stage_seconds = Gauge("kvfetcher_fetch_stage_median_seconds", "The last fetch's median seconds a chunk spent in each step "
+                                   "of its restore (stage as in kvfetcher_fetch_stage_chunks_in_flight)", ["stage"], registry=r)
         self.fit = Gauge(
             "kvfetcher_cost_model_fit", "Scale of the cost model's fitted line, actual = scale * modelled + overhead (decayed, on this sidecar's store endpoint), by preset", ["preset"],
             registry=r,

@@ -71,6 +71,8 @@ def test_store_then_load_round_trip_and_metrics(s3, buf):
         "kvfetcher_cost_model_fit{preset=",
         "kvfetcher_cost_model_overhead_seconds{preset=",
         "kvfetcher_cost_model_ratio{preset=",
+        'kvfetcher_fetch_stage_chunks_in_flight{stage="written"}',  # where the last fetch's chunks spent their time
+        'kvfetcher_fetch_stage_median_seconds{stage="read"}',
     ]:
         assert name in text, name
 

@@ -262,3 +262,33 @@ async def test_auto_waits_for_no_warm_up(tmp_path, shm):
         assert (await sc.lookup(bid, list(range(64)), q8_only)).preset == "q8"
         sc._warming.set_result(None)
         assert "q8" in (await sc.lookup(bid, list(range(64)), slow_model)).options
+
+
+@pytest.mark.parametrize("preset, stages", [("raw", ["admitted", "header", "read", "written"]),
+                                            ("q8", ["admitted", "header", "read", "decoded", "written"])])
+async def test_every_chunk_leaves_a_timeline_of_its_stages_in_order(tmp_path, preset, stages):
+    kv = synthetic_kv(layers=2, heads=2, tokens=128, head_dim=32)
+    store = LocalStore(tmp_path)
+    refs = put_chunks(store, kv, 32, preset=preset)
+    out = await fetch(store, refs, Destination(sentinel_like(kv), tokens=128), window=2)
+    assert out.error is None and out.loaded_tokens == 128
+    for i in range(len(refs)):
+        marks = [(stage, t) for c, stage, t in out.timeline if c == i]
+        assert [s for s, _ in marks] == stages  # each stage once, in the pipeline's order
+        assert [t for _, t in marks] == sorted(t for _, t in marks) and 0 <= marks[0][1] and marks[-1][1] <= out.seconds
+    summary = executor.stage_summary(out.timeline, out.seconds)
+    assert list(summary) == stages
+    # a window of 2: the chunks past the admission step are never more than 2 on average
+    assert sum(v["in_flight"] for k, v in summary.items() if k != "admitted") <= 2.0 + 1e-9
+
+
+def test_the_stage_summary_is_each_steps_median_and_its_chunks_in_flight():
+    timeline = [(0, "admitted", 0.0), (0, "header", 0.1), (0, "read", 0.3), (0, "written", 0.4),
+                (1, "admitted", 0.0), (1, "header", 0.2), (1, "read", 0.3), (1, "written", 0.8),
+                (2, "admitted", 0.4), (2, "header", 0.5), (2, "read", 0.7), (2, "written", 1.0)]
+    s = executor.stage_summary(timeline, 1.0)
+    assert list(s) == ["admitted", "header", "read", "written"]  # no decode step: raw's direct path
+    assert s["admitted"] == {"median_ms": 0.0, "in_flight": 0.4}  # chunk 2 waited 0.4 s for the window
+    assert s["header"] == {"median_ms": 100.0, "in_flight": 0.4}
+    assert s["written"] == {"median_ms": 300.0, "in_flight": 0.9}  # 0.1 + 0.5 + 0.3 s of writing over 1 s
+    assert executor.stage_summary([], 0.0) == {}

@@ -82,6 +82,33 @@ class Outcome:
     bad_object: str | None = None  # an object that is corrupt, truncated or foreign: drop it
     bad_size: int | None = None  # its size as the plan listed it (not dropped if it changed since)
     direct_chunks: int = 0  # chunks restored by the direct path (native raw: read, checksum, one copy)
+    timeline: list[tuple[int, str, float]] = field(default_factory=list)  # (chunk, stage it reached, seconds into the fetch): STAGES
+
+
+#: the stages of a chunk's :attr:`Outcome.timeline`, in order: the window admitted it, its header was
+#: checked, every part was read and checked, it was decoded (not for the direct path, nor where a
+#: worker process decodes and writes at once), its write completed
+STAGES = ("admitted", "header", "read", "decoded", "written")
+
+
+def stage_summary(timeline: Sequence[tuple[int, str, float]], wall_s: float) -> dict[str, dict[str, float]]:
+    """Per stage of :data:`STAGES`, what the chunks of a fetch's ``timeline`` spent reaching it from the
+    stage they reached before (the first: from the fetch's start): the median milliseconds a chunk,
+    and ``in_flight``, the chunks in that step on average over the ``wall_s`` seconds of the fetch.
+    A step whose ``in_flight`` is its concurrency (the window, the reads, the decode threads) bounds
+    the fetch; one far below it does not."""
+    by_chunk: dict[int, dict[str, float]] = {}
+    for i, stage, t in timeline:
+        by_chunk.setdefault(i, {})[stage] = t
+    spans: dict[str, list[float]] = {}
+    for marks in by_chunk.values():
+        prev = 0.0
+        for stage in STAGES:
+            if stage in marks:
+                spans.setdefault(stage, []).append(marks[stage] - prev)
+                prev = marks[stage]
+    return {stage: {"median_ms": round(1e3 * sorted(v)[len(v) // 2], 3), "in_flight": round(sum(v) / wall_s, 2) if wall_s > 0 else 0.0}
+            for stage in STAGES if (v := spans.get(stage))}
 
 
 def chunks_in_flight(window: int, workers: DecodeWorkers | None = None) -> int:
@@ -237,9 +264,10 @@ class _Fetch:
         self.out = Outcome(0, sum(c.tokens for c in chunks))
         self.written: set[int] = set()  # chunks whose write completed
         self.writes: list[asyncio.Future] = []
+        self.t0 = 0.0  # when run started (perf_counter)
 
     async def run(self, deadline_s: float | None) -> Outcome:
-        t0 = time.perf_counter()
+        self.t0 = time.perf_counter()  # the timeline's zero
         tasks = [asyncio.create_task(self._load(i, c)) for i, c in enumerate(self.chunks)]
         try:
             async with asyncio.timeout(deadline_s):
@@ -260,7 +288,7 @@ class _Fetch:
         while n < len(self.chunks) and n in self.written:
             n += 1
         self.out.loaded_tokens = sum(c.tokens for c in self.chunks[:n])
-        self.out.seconds = time.perf_counter() - t0
+        self.out.seconds = time.perf_counter() - self.t0
         self.out.read_busy_s, self.out.decode_busy_s = self.reads.total, self.decodes.total
         return self.out
 
@@ -275,7 +303,9 @@ class _Fetch:
     async def _load(self, i: int, c: ChunkRef) -> None:
         try:
             async with self.window:
+                self._mark(i, "admitted")
                 h, head = await self._header(c)
+                self._mark(i, "header")
                 if isinstance(self.dest, ObjectArena):
                     await self._object(i, c, h, head)
                 elif container.is_native(h):
@@ -287,6 +317,10 @@ class _Fetch:
         except ContainerError as e:
             e.object_name, e.object_size = c.name, c.size  # type: ignore[attr-defined]  # so the caller can drop a bad object
             raise
+
+    def _mark(self, i: int, stage: str) -> None:
+        """Chunk ``i`` reached ``stage`` (:data:`STAGES`) now."""
+        self.out.timeline.append((i, stage, time.perf_counter() - self.t0))
 
     def _auth(self, c: ChunkRef) -> ObjectMAC | None:
         """What the chunk's tags must verify under: the key and the name the object is read from."""
@@ -334,6 +368,7 @@ class _Fetch:
         the workers cannot map the buffer (from the same bytes: nothing is read twice)."""
         parts = await asyncio.gather(*(self._part(c, h, head, s) for s in ([h.side] if h.side else []) + list(h.segments)))
         side, segments = (parts[0], parts[1:]) if h.side else (None, parts)
+        self._mark(i, "read")
         if self.workers is not None and h.codec.format not in ENTROPY_FORMATS and not self.dest.skip(c):  # workers write whole chunks
             restore = self.workers.restore(self.dest.handle, head[: h.header_size], side, segments, self.dest.where(c), self._auth(c))
             try:
@@ -341,22 +376,27 @@ class _Fetch:
             except BufferOpenError as e:
                 log.warning("decode workers cannot open the KV buffer (%s); decoding in this process", e)
             else:
+                self._mark(i, "written")
                 self.out.kv_bytes += n
                 return
         loop = asyncio.get_running_loop()
         with self.decodes:  # abandoned at a failure, this writes nothing: only the write below is awaited
             verify = functools.partial(chunk.verify_and_decode, h, side, segments, self.device, auth=self._auth(c))
             decoded = await loop.run_in_executor(self.decode_pool, verify)
+        self._mark(i, "decoded")
         # Everything of this chunk verified and decoded: only now touch the KV buffers.
         n = await self._write(i, loop.run_in_executor(self.decode_pool, decoded.write, self.dest, c))
+        self._mark(i, "written")
         self.out.kv_bytes += n
 
     async def _direct(self, i: int, c: ChunkRef, h: container.Header, head: bytes) -> None:
         """A native raw chunk: segments read into one staging buffer, each checksummed, then one copy."""
         async with self._staged(c, h, head, h.segments, finite=self.dest.device.type != "cuda") as (host, started):
             kv = host.view(h.torch_dtype).view(h.shape)
+            self._mark(i, "read")
             # Every segment verified: only now touch the KV buffers.
             await _timed(self.decodes, self._write(i, _submit(started, _copy_threads(), _write_native, self.dest, c, kv)))
+            self._mark(i, "written")
         self.out.kv_bytes += host.numel()
         self.out.direct_chunks += 1
 
@@ -368,10 +408,13 @@ class _Fetch:
             part = lambda s: host[s.offset : s.offset + s.length]  # noqa: E731
             side = memoryview(part(h.side).numpy()) if h.side else None
             decode = functools.partial(chunk.decode_verified, h, side, [part(s) for s in h.segments], self.device)
+            self._mark(i, "read")
             with self.decodes:  # abandoned at a failure, this writes nothing: only the write below is awaited
                 decoded = await _submit(started, self.decode_pool, decode)
+            self._mark(i, "decoded")
         # Everything of this chunk verified and decoded: only now touch the KV buffers.
         n = await self._write(i, asyncio.get_running_loop().run_in_executor(self.decode_pool, decoded.write, self.dest, c))
+        self._mark(i, "written")
         self.out.kv_bytes += n
 
     async def _object(self, i: int, c: ChunkRef, h: container.Header, head: bytes) -> None:
@@ -379,9 +422,11 @@ class _Fetch:
         buffer and checked there, then the whole object written to its place in the arena."""
         parts = ([h.side] if h.side else []) + list(h.segments)
         async with self._staged(c, h, head, parts, finite=False) as (host, started):
+            self._mark(i, "read")
             # Every part verified: only now touch the arena.
             put = _submit(started, _copy_threads(), self.dest.put, c, head[: h.header_size], host)
             await _timed(self.decodes, self._write(i, put))
+            self._mark(i, "written")
 
     @contextlib.asynccontextmanager
     async def _staged(self, c: ChunkRef, h: container.Header, head: bytes, parts: Sequence[container.Segment], finite: bool):
