@@ -14,6 +14,7 @@ installed (no engine starts); ``peers.md`` pins the versions.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -93,7 +94,7 @@ def start_lm_server(log: Path, timeout_s: float) -> tuple[subprocess.Popen, int]
 
 
 class HttpLink:
-    """The link server's control (``/_link``) as a link object: ``set_rate``, ``stats``."""
+    """The link server's control (``/_link``) as a link object: ``set_rate``, ``stats``, ``url``."""
 
     def __init__(self, url: str):
         self.url = url
@@ -165,6 +166,18 @@ def phase_peer(a, work: Path) -> dict:
         res["cpu_bytes_to_use"] = cpu_bytes
         res["rows"] = cells(a, llm, prompts, links, None, kv_bytes_per_token(shape, kv_dtype()))
         return res
+    with lmcache_remote(method, a, work) as link:
+        res["link"] = LINK[REMOTE[method]]
+        llm = start_peer_llm(model_dir, lmcache_connector(), max_model_len=max(contexts) + 256, timeout_s=a.start_timeout_s, **opts)
+        res["rows"] = cells(a, llm, prompts, links, link, None)
+    return res
+
+
+@contextlib.contextmanager
+def lmcache_remote(method: str, a, work: Path):
+    """LMCache's remote for ``method`` behind the paced link (the link server for S3; LMCache's own
+    server behind a relay for ``lm://``), and ``LMCACHE_CONFIG_FILE`` naming its settings for the
+    engine started inside; yields the link (``set_rate``, ``stats``, ``url``); stops both after."""
     from benchmarks.lib import linkrelay, linkserver
 
     stops = []
@@ -178,17 +191,13 @@ def phase_peer(a, work: Path) -> dict:
             stops.append(lambda: (lm.kill(), lm.wait(10)))
             link = linkrelay.Relay(("127.0.0.1", port))
             stops.append(link.terminate)
-            url = link.url
-        res["link"] = LINK[REMOTE[method]]
         cfg = work / f"{a.phase}.yaml"
-        cfg.write_text(json.dumps(lmcache_settings(method, url)))  # JSON is YAML
+        cfg.write_text(json.dumps(lmcache_settings(method, link.url)))  # JSON is YAML
         os.environ["LMCACHE_CONFIG_FILE"] = str(cfg)
-        llm = start_peer_llm(model_dir, lmcache_connector(), max_model_len=max(contexts) + 256, timeout_s=a.start_timeout_s, **opts)
-        res["rows"] = cells(a, llm, prompts, links, link, None)
+        yield link
     finally:
         for stop in reversed(stops):
             stop()
-    return res
 
 
 def cells(a, llm, prompts: dict[int, list[int]], links: list[float], link, bytes_per_token: int | None) -> list[dict]:

@@ -189,18 +189,24 @@ def scheduler_call(client, tokens: list[int], look: dict) -> str:
     return f"KVClient.lookup(None, tokens, FetchOptions(wait_s={Options.listing_wait_s}), model, dtype, kv_shape)"
 
 
+def workload(a, vocab: int) -> tuple[dict, list[list[int]], dict[str, list[tuple[float, list[int], bool]]]]:
+    """The phase's workload (:data:`WORKLOAD`, with the arguments' rate, requests and link), its
+    stored prefixes and each pass's stream (:data:`PASSES`): the same for every engine measured."""
+    w = dict(WORKLOAD[a.tiny])
+    w.update({k: v for k, v in (("rate", a.rate), ("requests", a.requests), ("link", a.load_link)) if v is not None})
+    rng = random.Random(2)
+    prefixes = [[rng.randrange(100, vocab - 1) for _ in range(w["prefix"])] for _ in range(w["prefixes"])]
+    return w, prefixes, {m: stream(random.Random(3), prefixes, w, vocab, random.Random(seed)) for m, (_, seed) in PASSES.items()}
+
+
 def phase_load(a, work: Path) -> dict:
     from benchmarks.lib import fetchkit, linkserver
     from kvfetcher import keys
 
-    w = dict(WORKLOAD[a.tiny])
-    w.update({k: v for k, v in (("rate", a.rate), ("requests", a.requests), ("link", a.load_link)) if v is not None})
     model_dir, opts = timing_model(a.tiny, work)
     shape = shape_of(model_dir)
-    rng = random.Random(2)
-    prefixes = [[rng.randrange(100, shape.vocab - 1) for _ in range(w["prefix"])] for _ in range(w["prefixes"])]
-    long_prefix = [rng.randrange(100, shape.vocab - 1) for _ in range(131072)]  # the lookup cost's stored 128K prompt
-    streams = {m: stream(random.Random(3), prefixes, w, shape.vocab, random.Random(seed)) for m, (_, seed) in PASSES.items()}
+    w, prefixes, streams = workload(a, shape.vocab)
+    long_prefix = [random.Random(7).randrange(100, shape.vocab - 1) for _ in range(131072)]  # the lookup cost's stored 128K prompt
     presets = presets_of(methods(a.methods))  # what auto may choose among
     ns = keys.Namespace(model=fetchkit.FINGERPRINT, dtype=kv_dtype(), shape=(shape.layers, shape.kv_heads, shape.head_dim))
     discard = on_gpu() and not a.keep_puts

@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 from benchmarks.vllm_ttft import interference
-from benchmarks.vllm_ttft import peers, report, under_load
+from benchmarks.vllm_ttft import peers, peers_load, report, under_load
 from benchmarks.vllm_ttft.engine import (CHUNK, FORCE, GBIT, TIMING_MODELS, Probe, breakdown, generate, kv_dtype, methods, on_gpu, presets_of,
                                          run_phases, s3_sidecars, shape_of, sidecar, smollm2_dir, socket_template, spawn_workers, phase_left,
                                          start_llm, timing_model, ttft_prompts, turns, wait_stored, warm_index, warm_ranks)
@@ -50,8 +50,10 @@ from kvfetcher.api.group import RankGroup
 
 
 GROUPS = {"identity": ["identity-store", "identity-load"], "ttft": ["ttft"], "load": ["load"], "peers": [f"peer-{m}" for m in peers.PEERS],
-          "interference": ["interference"], **{f"peer-{m}": [f"peer-{m}"] for m in peers.PEERS}}
-TIMEOUT_S = {"identity-store": 420, "identity-load": 420, "ttft": 900, "load": 600, "interference": 600, **{f"peer-{m}": 420 for m in peers.PEERS}}
+          "peers-load": [f"peer-load-{m}" for m in peers_load.PEERS_UNDER_LOAD], "interference": ["interference"],
+          **{f"peer-{m}": [f"peer-{m}"] for m in peers.PEERS}, **{f"peer-load-{m}": [f"peer-load-{m}"] for m in peers_load.PEERS_UNDER_LOAD}}
+TIMEOUT_S = {"identity-store": 420, "identity-load": 420, "ttft": 900, "load": 600, "interference": 600, **{f"peer-{m}": 420 for m in peers.PEERS},
+             **{f"peer-load-{m}": 480 for m in peers_load.PEERS_UNDER_LOAD}}
 #: seconds a cell reserves per request beyond its transfer before it starts (the phase must end in time to write its results)
 REQUEST_SLACK_S = 3.0
 #: a forced load this many times slower than the fastest method in a cell's first round runs no more rounds
@@ -284,7 +286,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--phases", default="identity,ttft,load", help="of identity, ttft, load, interference, peers (or one peer-<method>: "
-                    + ", ".join(peers.PEERS) + "); each in its own process")
+                    + ", ".join(peers.PEERS) + "), peers-load (or one peer-load-<method>: " + ", ".join(peers_load.PEERS_UNDER_LOAD)
+                    + "); each in its own process")
     ap.add_argument("--phase", help=argparse.SUPPRESS)  # one phase, in this process (what --phases runs)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke mode: SmolLM2 everywhere (--tp > 1: a tiny random-weight Llama of "
                     "4 KV heads), short prompts, slow links")
@@ -328,7 +331,8 @@ def main() -> None:
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     spawn_workers()
     run = {"ttft": phase_ttft, "load": under_load.phase_load, "interference": interference.phase_interference}.get(
-        a.phase, peers.phase_peer if a.phase.startswith("peer-") else phase_identity)
+        a.phase, peers_load.phase_peer_load if a.phase.startswith("peer-load-") else peers.phase_peer if a.phase.startswith("peer-")
+        else phase_identity)
     load_avg = os.getloadavg()[0]  # before the phase: other work on the machine shows here
     res = run(a, work)
     import torch

@@ -604,3 +604,29 @@ def test_the_methods_turns_put_each_behind_every_other_alike(n):
     assert set(follows) == {(a, b) for a in range(n) for b in range(n) if a != b}
     assert len(set(follows.values())) <= 1  # every ordered pair alike
     assert turns(n, 2 * len(rows)) == rows + rows and turns(n, 0) == []  # (fewer rounds: the first rows)
+
+
+def test_a_peer_under_load_replays_the_load_phases_stream_and_is_reported(tmp_path, monkeypatch):
+    import argparse
+    import importlib.util
+
+    from benchmarks.vllm_ttft import peers, peers_load, report, under_load
+    from benchmarks.vllm_ttft.vllm_ttft_bench import GROUPS, TIMEOUT_S
+
+    assert GROUPS["peers-load"] == ["peer-load-lmcache-raw", "peer-load-lmcache-cachegen"] and TIMEOUT_S["peer-load-lmcache-raw"] > 0
+    a = argparse.Namespace(tiny=True, rate=None, requests=None, load_link=None)
+    w, prefixes, streams = under_load.workload(a, 1000)
+    w2, prefixes2, streams2 = under_load.workload(a, 1000)
+    assert (w, prefixes) == (w2, prefixes2) and streams[peers_load.STREAM] == streams2[peers_load.STREAM]  # every engine gets the same
+    assert [at for at, _, _ in streams["recompute"]] == [at for at, _, _ in streams[peers_load.STREAM]]  # arrivals shared, fresh tokens not
+    with pytest.raises(ValueError, match="not a peer under load"):
+        peers_load.phase_peer_load(argparse.Namespace(phase="peer-load-native-cpu"), tmp_path)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *x: None if name == "lmcache" else real(name, *x))
+    res = peers_load.phase_peer_load(argparse.Namespace(phase="peer-load-lmcache-raw"), tmp_path)  # no engine starts
+    assert "not installed: lmcache" in res["unavailable"] and "Not run: " in report.markdown("peer-load-lmcache-raw", res)
+    got = dict(method="lmcache-raw", model="llama3-8b", kv_dtype="bfloat16", workload=w, link=peers.LINK["s3"], stored_bytes_per_token=131072.0,
+               ttft_p50_s=0.9, ttft_p99_s=1.4, shared_ttft_p50_s=0.95, shared_ttft_p99_s=1.4, output_tokens_per_s=118.0, loaded_tokens=1000,
+               link_bytes_sent=3e9, delivered_gbit=2.5)
+    md = report.markdown("peer-load-lmcache-raw", got)
+    assert "| lmcache-raw | 0.900 | 1.400 | 0.950 | 1.400 | 118.0 | 1000 | 131072 | 3.00 | 2.50 |" in md and "S3 connector" in md

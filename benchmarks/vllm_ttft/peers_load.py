@@ -1,0 +1,79 @@
+"""peers_load: the ``load`` phase's workload through LMCache's connector, to set beside kvfetcher's.
+
+Phase ``peer-load-<method>`` (:data:`PEERS_UNDER_LOAD`): the ``load`` phase's arrivals, stored
+prefixes and fresh tokens (:func:`under_load.workload`; the stream of its deployed ``kvfetcher``
+pass) through an ``AsyncLLM`` whose connector is LMCache's, vLLM's prefix cache off as there, so
+every reuse is LMCache's. Its remote sits behind the same paced link as in the ``peer-`` phases
+(:func:`peers.lmcache_remote`). First each shared prefix is sent once at full speed, so that
+LMCache stores it (untimed; its bytes stored per token counted from the uploads), then the link is
+set to the workload's rate and the stream runs as deployed: LMCache looks up, loads what it holds
+whatever the link, and saves the fresh tokens. Reported as the ``load`` phase reports a pass
+(TTFT p50 / p99, those with a stored prefix, output tokens/s, tokens loaded), with the bytes the
+link sent during the stream. Its recompute reference is the ``load`` phase's ``recompute`` pass:
+same vLLM, workload and link server, in the same run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from benchmarks.vllm_ttft import peers, under_load
+from benchmarks.vllm_ttft.engine import GBIT, delivered_gbit, kv_dtype, on_gpu, phase_left, shape_of, timing_model, watchdog
+
+PEERS_UNDER_LOAD = ("lmcache-raw", "lmcache-cachegen")  # phase peer-load-<name>
+STREAM = "kvfetcher"  # the load phase's pass whose stream a peer replays: its deployed one
+
+
+def phase_peer_load(a, work: Path) -> dict:
+    """One peer (``a.phase`` = ``peer-load-<method>``) under the ``load`` phase's workload."""
+    method = a.phase.removeprefix("peer-load-")
+    if method not in PEERS_UNDER_LOAD:
+        raise ValueError(f"not a peer under load: {method!r} (one of {', '.join(PEERS_UNDER_LOAD)})")
+    res = {"method": method}
+    if why := peers.missing(method):
+        print(f"{method} under load: {why}", flush=True)
+        return dict(res, unavailable=why)
+    model_dir, opts = timing_model(a.tiny, work)
+    w, prefixes, streams = under_load.workload(a, shape_of(model_dir).vocab)
+    res.update(model=model_dir.name, kv_dtype=kv_dtype(), workload=w, link=peers.LINK[peers.REMOTE[method]])
+    with peers.lmcache_remote(method, a, work) as link:
+        res.update(asyncio.run(replay(a, model_dir, opts, link, prefixes, streams[STREAM], w)))
+    return res
+
+
+async def replay(a, model_dir: Path, opts: dict, link, prefixes: list[list[int]], reqs: list[tuple[float, list[int], bool]], w: dict) -> dict:
+    """The prefixes stored through the engine (link unpaced), then the stream ``reqs`` at the
+    workload's link: its summary, bytes stored per prefix token and the link's bytes during it."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    dtype = dict(dtype="bfloat16", gpu_memory_utilization=0.85) if on_gpu() else dict(dtype="float32")
+    args = AsyncEngineArgs(model=str(model_dir), enforce_eager=True, max_model_len=w["prefix"] + w["suffix"] + w["output"] + 16,
+                           enable_prefix_caching=False, kv_transfer_config=peers.lmcache_connector(), **dtype, **opts)
+    with watchdog(a.start_timeout_s, "engine start"):
+        engine = AsyncLLM.from_engine_args(args)
+    try:
+        link.set_rate(0)  # stores at full speed: only the stream's loads are paced
+        before = link.stats()
+        with watchdog(len(prefixes) * a.call_timeout_s, "storing the prefixes"):
+            for i, p in enumerate(prefixes):
+                await under_load.one(engine, f"store-{i}", time.perf_counter(), p, {}, 1)
+            stored = (await asyncio.to_thread(peers.wait_uploads, link, a.call_timeout_s))["bytes_received"] - before["bytes_received"]
+        out = {"stored_bytes_per_token": round(stored / (len(prefixes) * w["prefix"]), 1)}
+        stream_s = w["requests"] / w["rate"]
+        if phase_left() < stream_s + 60:
+            return dict(out, skipped="not run: the phase's time ran out")
+        link.set_rate(w["link"] * GBIT)
+        sent0 = link.stats()["bytes_sent"]
+        with watchdog(stream_s + 3 * a.call_timeout_s, "the stream"):
+            t0 = time.perf_counter() + 0.5
+            got = await asyncio.gather(*(under_load.one(engine, f"peer-{i}", t0 + at, p, {}, w["output"]) for i, (at, p, _) in enumerate(reqs)))
+        sent = link.stats()["bytes_sent"] - sent0
+        out.update(under_load.summary(reqs, got, t0), link_bytes_sent=sent,
+                   delivered_gbit=delivered_gbit(sent, max(g["end"] for g in got) - t0))
+        print(f"under load, peer: {out}", flush=True)
+        return out
+    finally:
+        engine.shutdown()
