@@ -63,6 +63,10 @@ def test_token_ids_travel_packed_or_as_an_array():
         (schemas.FetchRequest, {"buffer": "b", "tokens": [1], "deadline_s": 2}, "unknown field(s) ['deadline_s']"),
         (schemas.FetchRequest, {"buffer": "b", "tokens": [1], "plan": {**schemas.to_json(PLAN), "chunks": [["q8"]]}},
          "'plan.chunks[0]' must be [string, integer]"),
+        (schemas.FetchRequest, {"buffer": "b", "tokens": [1], "plan": {**schemas.to_json(PLAN), "chunks": [["q8", 5], ["raw", True]]}},
+         "'plan.chunks[1][1]' must be integer"),  # checked in one pass; the element that fails is still named
+        (schemas.FetchRequest, {"buffer": "b", "tokens": [1], "plan": {**schemas.to_json(PLAN), "chunks": [["q8", 2**63]]}},
+         "'plan.chunks[0][1]' must be integer"),
         (schemas.FetchRequest, {"tokens": [1]}, "'buffer' is required"),
         (schemas.LookupRequest, {"tokens": [1], "buffers": "b"}, "unknown field(s) ['buffers']"),
         (schemas.RegisterRequest, [1], "'body' must be an object"),
@@ -86,6 +90,12 @@ def test_a_request_that_does_not_fit_is_refused_by_field(cls, body, detail):
     assert detail in str(e.value)
 
 
+def test_an_array_of_scalar_pairs_parses_to_tuples_in_one_pass():
+    plan = schemas.from_json(schemas.FetchRequest, {"buffer": "b", "tokens": [1], "plan": {**schemas.to_json(PLAN), "chunks": [["q8", 5], ["raw", 7]]}}).plan
+    assert plan.chunks == (("q8", 5), ("raw", 7)) and all(type(c) is tuple for c in plan.chunks)
+    assert schemas.from_json(schemas.FetchRequest, {"buffer": "b", "tokens": [1], "slots": [3, 4]}).slots == [3, 4]
+
+
 def test_a_reply_may_carry_fields_a_client_does_not_know():
     assert schemas.from_json(schemas.StoreReply, {"queued_chunks": 1, "dropped": False, "new": 1}, strict=False) == schemas.StoreReply(1, False)
 
@@ -104,3 +114,13 @@ def test_a_registration_names_one_handle():
     for bad in ({}, {"handle": h, "handles": [h]}, {"handles": [h]}):
         with pytest.raises(RequestError):
             schemas.RegisterRequest(model="m", **bad).buffer_handle()
+
+
+def test_the_clients_request_body_is_the_json_of_the_message_with_packed_tokens_appended_as_they_are():
+    from kvfetcher.api.client import _json_body
+
+    packed = schemas.TokenIds.pack(list(range(1000, 1600)))
+    for body in ({"tokens": packed, "model": "m", "options": {"wait_s": 0.005}}, {"tokens": packed}, {"tokens": [1, 2], "buffer": "b"},
+                 {"tokens": 'a"b\\c'}, {"tokens": "é"}, {"buffer": "b"}):
+        assert json.loads(_json_body(body)) == body  # what json.dumps would say, whichever way it was written
+    assert _json_body({"tokens": packed, "buffer": "b"}).endswith(f'"tokens": "{packed}"}}'.encode())  # spliced, not re-encoded

@@ -87,7 +87,7 @@ class KVClient:
         return cls(config.URL.read(env), token=config.AUTH_TOKEN.read(env))
 
     def _request(self, method: str, path: str, body: dict | None = None) -> dict:
-        data = json.dumps(body).encode() if body is not None else None
+        data = _json_body(body) if body is not None else None
         headers = {"Content-Type": "application/json"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
@@ -249,3 +249,15 @@ class KVClient:
             return conn.getresponse().read().decode()
         finally:
             conn.close()
+
+
+def _json_body(body: dict) -> bytes:
+    """A request body's JSON. A prompt's tokens as :meth:`schemas.TokenIds.pack` gives them (base64:
+    no character JSON escapes) are appended as they are, not scanned by the encoder: a 128K-token
+    prompt's 700 KB cost about 1 ms to encode."""
+    tokens = body.get("tokens")
+    if not isinstance(tokens, str) or not tokens.isascii() or '"' in tokens or "\\" in tokens:  # (those two: C scans, ~30 us)
+        return json.dumps(body).encode()
+    rest = json.dumps({k: v for k, v in body.items() if k != "tokens"})
+    return "".join((rest[:-1], ", " if len(rest) > 2 else "", '"tokens": "', tokens, '"}')).encode()
+
