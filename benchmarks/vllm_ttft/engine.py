@@ -334,7 +334,7 @@ class Probe:
 #: waits for all), tokens loaded by the rank that loaded least (what the group holds), the rest summed
 SLOWEST = ("lookup_s", "listing_s", "load_s", "fetch_s", "read_s", "decode_s", "lookup_p50_le_s", "lookup_p99_le_s", "warming")
 LEAST = ("loaded_tokens",)
-ONCE = ("link_bytes_sent", "link_bytes_received", "link_objects_put", "predicted_s", "prefill_model", "stages")  # the link's, rank 0's
+ONCE = ("link_bytes_sent", "link_bytes_received", "link_objects_put", "predicted_s", "prefill_model", "stages", "load_overhead_s")  # the link's, rank 0's
 
 
 def ranks_delta(each: list[dict]) -> dict:
@@ -383,6 +383,7 @@ def sidecar_delta(m0: dict[str, float], m1: dict[str, float], link: dict[str, in
         # the engine's prefill model the scheduler sent with it (the recompute side of that choice)
         "prefill_model": {k.split('term="', 1)[1].split('"', 1)[0]: v for k, v in m1.items() if k.startswith("kvfetcher_prefill_model{")},
         "warming": m1.get("kvfetcher_decode_warming", 0.0),  # auto's choice was limited to raw and recompute
+        "load_overhead_s": m1.get("kvfetcher_load_overhead_seconds"),  # what the scheduler's last lookup said a load costs the engine
         # the last load's chunks in each step of their restore, on average (the step at its concurrency bounds it)
         "stages": {k.split('stage="', 1)[1].split('"', 1)[0]: v for k, v in m1.items()
                    if k.startswith("kvfetcher_fetch_stage_chunks_in_flight{")} if d("kvfetcher_fetch_seconds_count") else {},

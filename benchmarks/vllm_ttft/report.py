@@ -71,6 +71,11 @@ def ttft(res: dict) -> str:
                    f"{_f(r['decode_s'])} | {_f(r['restore_s'])} | {_f(r['prefill_s'])} | {_f(r.get('lookup_call_s'))} | "
                    f"{in_flight((r.get('sidecar') or {}).get('stages') or {})} |\n")
     out += auto_verdicts(res["rows"])
+    learnt = {(r["link_gbit"], r["context"]): v for r in res["rows"] if (v := (r.get("sidecar") or {}).get("load_overhead_s")) is not None}
+    if learnt:
+        out.append("\nA load's cost to the engine beyond the fetch and the prefill, as the scheduler had learnt it by each cell's last "
+                   "method (every load option pays it): " + ", ".join(f"{link_label(g)} {n}: {1e3 * v:.0f} ms" for (g, n), v in learnt.items())
+                   + ".\n")
     return "".join(out)
 
 

@@ -433,7 +433,18 @@ def test_a_requests_choice_is_read_from_the_sidecars_decisions():
     m1 = {'kvfetcher_preset_decisions_total{preset="compact-ans"}': 3.0, 'kvfetcher_preset_decisions_total{preset="raw"}': 0.0}
     d = sidecar_delta(m0, m1, {})
     assert d["decisions"] == {"compact-ans": 1} and chosen(d) == "compact-ans"
+    assert d["load_overhead_s"] is None and sidecar_delta({}, {"kvfetcher_load_overhead_seconds": 0.05}, {})["load_overhead_s"] == 0.05
     assert chosen(sidecar_delta(m1, m1, {})) == "recompute" and chosen({}) == "recompute"  # no load: it recomputed
+
+
+def test_the_ttft_report_states_the_load_overhead_learnt_per_cell():
+    from benchmarks.vllm_ttft import report
+
+    rows = [dict(link_gbit=25.0, context=8192, method=m, ttft_s=0.2, loaded_tokens=0, lookup_s=0, wait_s=0, download_s=0, decode_s=0,
+                 restore_s=0, prefill_s=0.2, sidecar={"load_overhead_s": v}) for m, v in (("recompute", 0.03), ("auto", 0.041))]
+    res = dict(model="m", kv_dtype="bfloat16", chunk_tokens=256, object_bytes_per_chunk={}, rows=rows)
+    assert report.ttft(res).rstrip().endswith("(every load option pays it): 25 Gbit/s 8192: 41 ms.")
+    assert "pays it" not in report.ttft(dict(res, rows=[dict(r, sidecar={}) for r in rows]))
 
 
 def test_a_loads_chunks_in_flight_per_step_are_read_and_shown():
