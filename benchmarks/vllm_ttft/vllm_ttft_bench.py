@@ -256,7 +256,9 @@ def ttft_cells(a, llm, clients: list, asker, url: str, look: dict, gbit: float, 
         flag = "" if (b["loaded_tokens"] == want) == (preset is not None) or method == "auto" else f"  <- expected {want if preset else 0}"
         print(f"{report.link_label(gbit):>12} (delivered {b['delivered_gbit'] or 0:6.2f}) {n:>6} tokens {method:>12}: {b['ttft_s']:7.3f} s, loaded "
               f"{b['loaded_tokens']} [lookup {b['lookup_s']:.3f} wait {b['wait_s']:.3f} download {b['download_s']:.3f} decode "
-              f"{b['decode_s']:.3f} restore {b['restore_s']:.3f} prefill {b['prefill_s']:.3f}]{flag}", flush=True)
+              f"{b['decode_s']:.3f} restore {b['restore_s']:.3f} prefill {b['prefill_s']:.3f}]"
+              f"{' in flight ' + report.in_flight(b['sidecar']['stages']) if b['sidecar'].get('stages') else ''}"
+              f"{' chose ' + ','.join(b['chose_samples']) if method == 'auto' else ''}{flag}", flush=True)
     return rows
 
 
