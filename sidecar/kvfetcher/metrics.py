@@ -6,6 +6,7 @@ lets two sidecars share a process (the embedded demo, tests) without mixing thei
 
 from __future__ import annotations
 
+import contextlib
 import platform
 from importlib.metadata import PackageNotFoundError, version
 
@@ -117,6 +118,19 @@ class Metrics:
         self.store_dropped_chunks = Counter(
             "kvfetcher_store_dropped_chunks_total", "Chunks of store requests dropped because the store queue was full", registry=r
         )
+
+    def stages(self, summary: dict[str, dict[str, float]], names: tuple[str, ...]) -> None:
+        """The last fetch's steps (:func:`~kvfetcher.fetch.executor.stage_summary`; ``names``: every
+        step there is); a step it did not take (raw's decode) is no longer shown, rather than an
+        earlier fetch's."""
+        for stage in names:
+            if stage in summary:
+                self.stage_in_flight.labels(stage).set(summary[stage]["in_flight"])
+                self.stage_seconds.labels(stage).set(summary[stage]["median_ms"] / 1e3)
+            else:
+                for g in (self.stage_in_flight, self.stage_seconds):
+                    with contextlib.suppress(KeyError):
+                        g.remove(stage)
 
     def link(self, endpoint: str, bandwidth: float, by_format: dict[str, float]) -> None:
         """Show the cost model's read rates of ``endpoint``: the link's, and each format's."""

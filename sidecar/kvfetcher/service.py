@@ -536,9 +536,7 @@ class Sidecar:
             m.actual_seconds.observe(out.seconds)
             m.last_predicted.labels(preset).set(plan.predicted_s)
             m.last_actual.labels(preset).set(out.seconds)
-            for stage, st in executor.stage_summary(out.timeline, out.seconds).items():
-                m.stage_in_flight.labels(stage).set(st["in_flight"])
-                m.stage_seconds.labels(stage).set(st["median_ms"] / 1e3)
+            m.stages(executor.stage_summary(out.timeline, out.seconds), executor.STAGES)
         m.link(ep, self.estimator.bandwidth(ep), self.estimator.rates(ep).format_bandwidth)
 
     def _fallback(self, reply: FetchReply, reason: str, detail: str | None) -> FetchReply:
