@@ -76,6 +76,7 @@ def test_token_ids_travel_packed_or_as_an_array():
         (schemas.RegisterRequest, {"model": "m", "handles": {}, "paged": {"dims": "BHT(KD)", "block_size": 16}},
          "'handles' must be [object, ...] or null"),
         (schemas.FetchRequest, {"buffer": "b", "tokens": [1], "block_ids": [3, -1]}, "'block_ids[1]' must be >= 0"),
+        (schemas.FetchRequest, {"buffer": "b", "tokens": [1], "block_ids": [3, 4, True]}, "'block_ids[2]' must be integer"),
         (schemas.LookupRequest, {"tokens": [1], "options": {"prefill_model": {"c1": 1e-4, "c2": -1e-9}}},
          "'options.prefill_model.c2' must be >= 0"),
         (schemas.LookupRequest, {"tokens": [1], "options": {"prefill_model": {}}}, "not all zero"),
@@ -94,6 +95,7 @@ def test_an_array_of_scalar_pairs_parses_to_tuples_in_one_pass():
     plan = schemas.from_json(schemas.FetchRequest, {"buffer": "b", "tokens": [1], "plan": {**schemas.to_json(PLAN), "chunks": [["q8", 5], ["raw", 7]]}}).plan
     assert plan.chunks == (("q8", 5), ("raw", 7)) and all(type(c) is tuple for c in plan.chunks)
     assert schemas.from_json(schemas.FetchRequest, {"buffer": "b", "tokens": [1], "slots": [3, 4]}).slots == [3, 4]
+    assert schemas.from_json(schemas.FetchRequest, {"buffer": "b", "tokens": [1], "block_ids": list(range(4096))}).block_ids == list(range(4096))
 
 
 def test_a_reply_may_carry_fields_a_client_does_not_know():

@@ -251,13 +251,18 @@ def _form(tp: Any) -> tuple[Any, tuple]:
 
 
 @functools.cache
-def _plain(tp: Any) -> Callable[[Any], bool] | None:
-    """A test of a JSON value for ``tp`` where ``tp`` is an integer, string or boolean, or a fixed
-    tuple of them (what an array of such is checked with in one pass; None for any other type)."""
+def _plain(tp: Any, bound: tuple | None = None) -> Callable[[Any], bool] | None:
+    """A test of a JSON value for ``tp`` where ``tp`` is an integer (within ``bound``, as
+    :func:`_check` takes it), string or boolean, or a fixed tuple of them without a bound (what an
+    array of such is checked with in one pass; None for any other type)."""
     if tp in (int, str, bool):
-        return _SCALARS[tp]
+        test = _SCALARS[tp]
+        if bound is None or tp is not int:
+            return test
+        lo, strict = bound
+        return (lambda v: test(v) and v > lo) if strict else (lambda v: test(v) and v >= lo)
     origin, args = _form(tp)
-    if origin is tuple and args and Ellipsis not in args and all(a in (int, str, bool) for a in args):
+    if bound is None and origin is tuple and args and Ellipsis not in args and all(a in (int, str, bool) for a in args):
         tests = [_SCALARS[a] for a in args]
         return lambda v: isinstance(v, list) and len(v) == len(tests) and all(t(x) for t, x in zip(tests, v))
     return None
@@ -293,7 +298,7 @@ def _check(tp: Any, value: Any, where: str, strict: bool, want: Any = None, boun
     if origin is dict:
         return {k: _check(args[1], v, f"{where}.{k}", strict, bound=bound) for k, v in value.items()}
     if origin is list or (origin is tuple and args[-1] is Ellipsis):
-        if bound is None and (ok := _plain(args[0])) is not None and all(map(ok, value)):  # one pass; an element that fails is named below
+        if (ok := _plain(args[0], bound)) is not None and all(map(ok, value)):  # one pass; an element that fails is named below
             return origin(map(tuple, value) if _form(args[0])[0] is tuple else value)
         return origin(_check(args[0], v, f"{where}[{i}]", strict, bound=bound) for i, v in enumerate(value))
     if origin is tuple:
