@@ -291,6 +291,11 @@ def metric(m: dict[str, float], name: str, **labels) -> float:
     return sum(v for k, v in m.items() if (k == name or k.startswith(name + "{")) and all(w in k for w in want))
 
 
+def by_label(m: dict[str, float], name: str, label: str) -> dict[str, float]:
+    """The series of ``name`` by the value of their ``label``."""
+    return {k.split(f'{label}="', 1)[1].split('"', 1)[0]: v for k, v in m.items() if k.startswith(name + "{") and f'{label}="' in k}
+
+
 def bucket_quantile(m0: dict[str, float], m1: dict[str, float], name: str, q: float) -> float | None:
     """The ``q`` quantile of the observations a histogram got between two readings, as the upper
     bound of its bucket (``inf`` past the last bound; None without observations)."""
@@ -362,6 +367,11 @@ def sidecar_delta(m0: dict[str, float], m1: dict[str, float], link: dict[str, in
     link server's byte counts over that time (``link``)."""
     d = lambda name, **lb: metric(m1, name, **lb) - metric(m0, name, **lb)  # noqa: E731
     ld = lambda k: link.get(k, 0)  # noqa: E731
+
+    def counted(name: str, label: str) -> dict[str, int]:  # a counter's growth per label value, where it grew
+        before = by_label(m0, name, label)
+        return {x: int(v - before.get(x, 0)) for x, v in by_label(m1, name, label).items() if v - before.get(x, 0) > 0}
+
     return {
         "lookups": int(d("kvfetcher_lookups_total")), "lookup_s": d("kvfetcher_lookup_seconds_sum"),
         "listings": int(d("kvfetcher_listing_seconds_count")), "listing_s": d("kvfetcher_listing_seconds_sum"),
@@ -375,21 +385,18 @@ def sidecar_delta(m0: dict[str, float], m1: dict[str, float], link: dict[str, in
         "stored_chunks": int(d("kvfetcher_store_seconds_count")), "bytes_written": int(d("kvfetcher_bytes_written_total")),
         "link_bytes_received": int(ld("bytes_received")), "link_objects_put": int(ld("objects_put")),
         "dropped_chunks": int(d("kvfetcher_store_dropped_chunks_total")), "errors": int(d("kvfetcher_errors_total")),
-        "fallbacks": {k.split('reason="', 1)[1].split('"', 1)[0]: int(v - m0.get(k, 0)) for k, v in m1.items()
-                      if k.startswith("kvfetcher_fallbacks_total{") and v - m0.get(k, 0) > 0},
+        "fallbacks": counted("kvfetcher_fallbacks_total", "reason"),
         # the cost model's predicted seconds per option at the cell's last lookup (auto's reasons)
-        "predicted_s": {k.split('option="', 1)[1].split('"', 1)[0]: round(v, 4) for k, v in m1.items()
-                        if k.startswith("kvfetcher_lookup_option_seconds{")} if d("kvfetcher_lookups_total") else {},
+        "predicted_s": {k: round(v, 4) for k, v in by_label(m1, "kvfetcher_lookup_option_seconds", "option").items()}
+                       if d("kvfetcher_lookups_total") else {},
         # the engine's prefill model the scheduler sent with it (the recompute side of that choice)
-        "prefill_model": {k.split('term="', 1)[1].split('"', 1)[0]: v for k, v in m1.items() if k.startswith("kvfetcher_prefill_model{")},
+        "prefill_model": by_label(m1, "kvfetcher_prefill_model", "term"),
         "warming": m1.get("kvfetcher_decode_warming", 0.0),  # auto's choice was limited to raw and recompute
         "load_overhead_s": m1.get("kvfetcher_load_overhead_seconds"),  # what the scheduler's last lookup said a load costs the engine
         # the last load's chunks in each step of their restore, on average (the step at its concurrency bounds it)
-        "stages": {k.split('stage="', 1)[1].split('"', 1)[0]: v for k, v in m1.items()
-                   if k.startswith("kvfetcher_fetch_stage_chunks_in_flight{")} if d("kvfetcher_fetch_seconds_count") else {},
+        "stages": by_label(m1, "kvfetcher_fetch_stage_chunks_in_flight", "stage") if d("kvfetcher_fetch_seconds_count") else {},
         # the presets its loads took (none: the request recomputed)
-        "decisions": {k.split('preset="', 1)[1].split('"', 1)[0]: int(v - m0.get(k, 0)) for k, v in m1.items()
-                      if k.startswith("kvfetcher_preset_decisions_total{") and v - m0.get(k, 0) > 0},
+        "decisions": counted("kvfetcher_preset_decisions_total", "preset"),
     }
 
 

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from benchmarks.vllm_ttft import peers, under_load
-from benchmarks.vllm_ttft.engine import GBIT, delivered_gbit, kv_dtype, on_gpu, phase_left, shape_of, timing_model, watchdog
+from benchmarks.vllm_ttft.engine import GBIT, delivered_gbit, kv_dtype, phase_left, shape_of, timing_model, watchdog
 
 PEERS_UNDER_LOAD = ("lmcache-raw", "lmcache-cachegen")  # phase peer-load-<name>
 STREAM = "kvfetcher"  # the load phase's pass whose stream a peer replays: its deployed one
@@ -46,14 +46,7 @@ def phase_peer_load(a, work: Path) -> dict:
 async def replay(a, model_dir: Path, opts: dict, link, prefixes: list[list[int]], reqs: list[tuple[float, list[int], bool]], w: dict) -> dict:
     """The prefixes stored through the engine (link unpaced), then the stream ``reqs`` at the
     workload's link: its summary, bytes stored per prefix token and the link's bytes during it."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    dtype = dict(dtype="bfloat16", gpu_memory_utilization=0.85) if on_gpu() else dict(dtype="float32")
-    args = AsyncEngineArgs(model=str(model_dir), enforce_eager=True, max_model_len=w["prefix"] + w["suffix"] + w["output"] + 16,
-                           enable_prefix_caching=False, kv_transfer_config=peers.lmcache_connector(), **dtype, **opts)
-    with watchdog(a.start_timeout_s, "engine start"):
-        engine = AsyncLLM.from_engine_args(args)
+    engine = under_load.start_engine(a, model_dir, opts, w, peers.lmcache_connector())
     try:
         link.set_rate(0)  # stores at full speed: only the stream's loads are paced
         before = link.stats()

@@ -104,15 +104,21 @@ def summary(reqs: list[tuple[float, list[int], bool]], got: list[dict], t0: floa
             **{k: [round(g[k], 4) for g in got] for k in ("queued_s", "scheduled_s") if all(k in g for g in got)}}
 
 
-async def replay(a, model_dir: Path, opts: dict, sc, url: str, fingerprint: str, streams: dict, w: dict) -> dict:
+def start_engine(a, model_dir: Path, opts: dict, w: dict, kv_transfer_config: dict):
+    """An ``AsyncLLM`` for the workload ``w`` with ``kv_transfer_config``'s connector, vLLM's prefix
+    cache off (every reuse is the connector's); bf16 on a GPU, fp32 on a CPU."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
     dtype = dict(dtype="bfloat16", gpu_memory_utilization=0.85) if on_gpu() else dict(dtype="float32")
     args = AsyncEngineArgs(model=str(model_dir), enforce_eager=True, max_model_len=w["prefix"] + w["suffix"] + w["output"] + 16,
-                           enable_prefix_caching=False, kv_transfer_config=connector(sc.socket, fingerprint), **dtype, **opts)
+                           enable_prefix_caching=False, kv_transfer_config=kv_transfer_config, **dtype, **opts)
     with watchdog(a.start_timeout_s, "engine start"):
-        engine = AsyncLLM.from_engine_args(args)
+        return AsyncLLM.from_engine_args(args)
+
+
+async def replay(a, model_dir: Path, opts: dict, sc, url: str, fingerprint: str, streams: dict, w: dict) -> dict:
+    engine = start_engine(a, model_dir, opts, w, connector(sc.socket, fingerprint))
     res = {}
     client = sc.client()
     try:
