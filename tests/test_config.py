@@ -44,7 +44,7 @@ def test_sidecar_config_from_the_operators_env():
 
 @pytest.mark.parametrize("env", [{"KVFETCHER_CHUNK_TOKENS": "0"}, {"KVFETCHER_DECODE_PROCS": "-1"},
                                  {"KVFETCHER_TTFT_BUDGET_S": "0"}, {"KVFETCHER_PRESET": ","}, {"KVFETCHER_FETCH_WINDOW": "0"},
-                                 {"KVFETCHER_FETCH_READS": "0"}, {"KVFETCHER_DECODE_THREADS": "0"},
+                                 {"KVFETCHER_FETCH_READS": "0"}, {"KVFETCHER_DECODE_THREADS": "0"}, {"KVFETCHER_WRITE_THREADS": "0"},
                                  {"KVFETCHER_READ_PROCS": "-1"}])
 def test_bad_config_is_refused_at_start(env):
     with pytest.raises(ValueError):

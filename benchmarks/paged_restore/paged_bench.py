@@ -152,7 +152,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu: a smoke run (threads decode)")
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
-    ap.add_argument("--chunks", type=int, default=32, help="chunks of the prefix (256 tokens each)")
+    ap.add_argument("--chunks", type=int, default=32, help="chunks of the prefix")
+    ap.add_argument("--chunk-tokens", type=int, default=256, help="tokens a chunk (a store's KVFETCHER_CHUNK_TOKENS)")
     ap.add_argument("--presets", default="raw,balanced")
     ap.add_argument("--procs", type=int, default=8, help="decode worker processes for coded presets")
     ap.add_argument("--block-size", type=int, default=16)
@@ -162,7 +163,7 @@ def main() -> None:
     ap.add_argument("--source", default="local", choices=["local", "s3"], help="s3: the same objects over the link server, unpaced")
     ap.add_argument("--out")
     args = ap.parse_args()
-    shape, T = SHAPES[args.shape], 256
+    shape, T = SHAPES[args.shape], args.chunk_tokens
     tokens = args.chunks * T
     blocks = tokens // args.block_size + 64
     block_ids = torch.randperm(blocks, generator=torch.Generator().manual_seed(0))[: tokens // args.block_size].tolist()
@@ -171,7 +172,7 @@ def main() -> None:
     chunk = torch.randn(shape.layers, 2, shape.kv_heads, T, shape.head_dim, device=args.device).to(torch.bfloat16)
     cuda = args.device == "cuda"
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "date": time.strftime("%Y-%m-%d"), "shape": args.shape, "tokens": tokens,
-              "kv_bytes": kv_bytes, "block_size": args.block_size, "procs": args.procs, "source": args.source, "scatter_one_chunk": {},
+              "kv_bytes": kv_bytes, "chunk_tokens": T, "block_size": args.block_size, "procs": args.procs, "source": args.source, "scatter_one_chunk": {},
               "fetch": {}}
     dests = {k: v for k, v in dests.items() if k in args.dests.split(",")}
     for name, (tensors, layout, _) in dests.items():

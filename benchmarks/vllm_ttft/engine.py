@@ -23,7 +23,9 @@ from kvfetcher.eval.costmodel import ModelShape
 
 GBIT = 1.25e8  # bytes/s of 1 Gbit/s
 FORCE = 1e6  # a TTFT budget no load exceeds: the preset named is loaded whatever the cost model says
-CHUNK = 256  # the sidecar's chunk tokens: a whole number of vLLM blocks on a GPU (16) and a CPU (128)
+#: the sidecars' chunk tokens (``KVFETCHER_CHUNK_TOKENS`` as the run's environment gives it, else 256): a
+#: whole number of vLLM blocks on a GPU (16) and a CPU (128)
+CHUNK = int(os.environ.get("KVFETCHER_CHUNK_TOKENS") or 256)
 LLAMA3_8B_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,

@@ -53,11 +53,11 @@ def ttft(res: dict) -> str:
            "restore in flight (they overlap), `restore` the fetch's wall time, `prefill` the rest of the TTFT (the remainder's prefill and "
            "the engine's own work). `call` is the scheduler's lookup call for the prompt timed from a client right after the cell "
            "(its whole cost, listing or not; not part of the TTFT shown). `in flight` is the load's chunks in each step of their restore "
-           "on average (admitted by the fetch's window / header read / parts read and checked / decoded / written): the step at its "
-           "concurrency (the window, the reads in flight, the decode threads) is what bounds the load. With repeats, TTFT is the median of the `samples` and "
+           "on average (admitted by the fetch's window / header read / parts read and checked / decoded / waiting for a write thread / "
+           "written): the step at its concurrency (the window, the reads in flight, the decode threads, the write threads) is what bounds the load. With repeats, TTFT is the median of the `samples` and "
            "the breakdown is the median sample's; a cell's methods take turns, one request each per round, in orders where each follows every other alike (a balanced Latin square).\n\n",
            f"| link (label) | delivered Gbit/s | context | method | TTFT s | samples | loaded |{' ranks loaded |' if ranks else ''} lookup | "
-           "wait | download | decode | restore | prefill | call | in flight a/h/r/d/w |\n",
+           "wait | download | decode | restore | prefill | call | in flight " + "/".join(s[0] for s in STAGES) + " |\n",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if ranks else "") + "\n"]
     for r in res["rows"]:
         if "skipped" in r:
@@ -80,8 +80,8 @@ def ttft(res: dict) -> str:
 
 
 def in_flight(stages: dict[str, float]) -> str:
-    """A load's chunks in flight per step of the restore, ``a/h/r/d/w`` (blank: no load; ``-``: a step
-    its chunks skip, such as raw's decode)."""
+    """A load's chunks in flight per step of the restore, one number per stage of :data:`STAGES` joined
+    by ``/`` (blank: no load; ``-``: a step its chunks skip, such as raw's decode)."""
     return "/".join(f"{stages[s]:.1f}" if s in stages else "-" for s in STAGES) if stages else ""
 
 

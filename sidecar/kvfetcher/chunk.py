@@ -145,7 +145,7 @@ class Decoded:
             dest.write_kv(ref, self.values)
             return math.prod(h.shape) * bytes_per_value(h.torch_dtype)
         own = h.codec.format in codec.ENTROPY_FORMATS and dest.device.type == "cuda"
-        with torch.cuda.stream(_thread_stream(dest.device)) if own else contextlib.nullcontext():
+        with torch.cuda.stream(thread_stream(dest.device)) if own else contextlib.nullcontext():
             frames = self.frames.to(dest.device)
             unpack = functools.partial(layout.unpack, frames, self.side, h.shape, h.torch_dtype, h.layout, start=h.start)
             view = dest.view(ref)
@@ -160,7 +160,7 @@ class Decoded:
 _local = threading.local()
 
 
-def _thread_stream(device: torch.device) -> torch.cuda.Stream:
+def thread_stream(device: torch.device) -> torch.cuda.Stream:
     """This thread's own stream on ``device`` for writes into KV buffers."""
     streams = getattr(_local, "streams", None)
     if streams is None:

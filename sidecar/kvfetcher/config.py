@@ -207,8 +207,10 @@ FETCH_READS = Setting("KVFETCHER_FETCH_READS", int, 8, "Ranged GETs one fetch ke
 READ_PROCS = Setting("KVFETCHER_READ_PROCS", int, _read_procs, "Processes that read staged chunk parts (raw and entropy-coded) "
                      "from the store into shared memory, each with its own GIL (0: the data I/O threads read); "
                      "`benchmarks/paged_restore` times it against threads (a tuning's fourth number).")
-DECODE_THREADS = Setting("KVFETCHER_DECODE_THREADS", int, 2, "Threads that decode entropy-coded chunks on the GPU "
-                         "and write chunks into KV buffers, each on its own CUDA stream.")
+DECODE_THREADS = Setting("KVFETCHER_DECODE_THREADS", int, 2, "Threads that decode entropy-coded chunks on the GPU, "
+                         "each on its own CUDA stream.")
+WRITE_THREADS = Setting("KVFETCHER_WRITE_THREADS", int, 4, "Threads that write verified chunks into KV buffers (raw "
+                        "chunks' copies to the GPU, entropy-coded chunks' unpacks), each on its own CUDA stream.")
 META_IO_WORKERS = Setting("KVFETCHER_META_IO_WORKERS", int, 8,
                           "Threads for store metadata I/O (LIST, HEAD, DELETE, readiness), apart from data I/O.")
 ACCESS_LOG_S = Setting("KVFETCHER_ACCESS_LOG_S", float, 15.0,
@@ -286,7 +288,7 @@ TABLES: dict[str, tuple[Setting, ...]] = {
         CHUNK_TOKENS, PRESET, ALLOWED_PRESETS, TENANT, POOL, OBJECT_KEY, ACCEPTED_OBJECT_KEYS, MODEL, RECOMPUTE_TPS, ROPE_THETA, TTFT_BUDGET_S,
         DECODE_PROCS, WARM_UP, S3_ENDPOINT, S3_BUCKET, S3_ACCESS_KEY, S3_SECRET_KEY, S3_REGION, S3_CA_FILE,
         S3_INSECURE, STORE_DIR, AUTH_TOKEN, AUTH_TOKEN_FILE, FUSED_UNPACK, DEADLINE_S, MAX_REQUEST_TOKENS,
-        STORE_QUEUE_CHUNKS, INDEX_KEYS, NEGATIVE_TTL_S, IO_WORKERS, FETCH_WINDOW, FETCH_READS, READ_PROCS, DECODE_THREADS, META_IO_WORKERS, LINK_DIR, ACCESS_LOG_S, STORE_CHECK_S,
+        STORE_QUEUE_CHUNKS, INDEX_KEYS, NEGATIVE_TTL_S, IO_WORKERS, FETCH_WINDOW, FETCH_READS, READ_PROCS, DECODE_THREADS, WRITE_THREADS, META_IO_WORKERS, LINK_DIR, ACCESS_LOG_S, STORE_CHECK_S,
         CALIBRATION_DIR, LOG_LEVEL, LOG_FORMAT),
     "Model side (`KVClient`, shared buffers)": (SOCKET, URL),
     "Evaluation (`kvfetcher eval`, `calibrate`, `demo`, tests)": (CACHE, EVAL_DEVICE),
@@ -330,6 +332,7 @@ class Config:
     index_keys: int = env_field(INDEX_KEYS)
     negative_ttl_s: float = env_field(NEGATIVE_TTL_S)
     decode_threads: int = env_field(DECODE_THREADS)
+    write_threads: int = env_field(WRITE_THREADS)
     decode_procs: int = env_field(DECODE_PROCS)
     device: str = field(default_factory=_device)  # where the KV buffers live: decode workers warm up there
     warm_up: bool = env_field(WARM_UP)
@@ -356,7 +359,7 @@ class Config:
         if not 0 < self.deadline_s < float("inf"):
             raise ValueError(f"the deadline must be positive, finite seconds, not {self.deadline_s}")
         for name in ("max_request_tokens", "store_queue_chunks", "index_keys", "io_workers", "meta_io_workers", "window", "reads",
-                     "decode_threads"):
+                     "decode_threads", "write_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', ' ')} must be >= 1, not {getattr(self, name)}")
         if not 0 <= self.negative_ttl_s < float("inf"):

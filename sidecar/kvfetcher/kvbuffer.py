@@ -197,9 +197,8 @@ class Destination:
         on the device) into its place. On a GPU the copy is non-blocking from pinned memory and
         waited for, so the chunk is in the buffer when this returns and the host memory may be reused.
 
-        It runs on the calling thread's current stream, not a dedicated one: in the sidecar's own
-        process nothing else queues on the GPU, and a dedicated stream failed ("invalid resource
-        handle") in threads that had run NVDEC."""
+        It runs on the calling thread's current stream (the fetch's write threads have their own;
+        :func:`kvfetcher.chunk.thread_stream`)."""
         view = self.view(c)
         if view is not None:
             view.copy_(kv, non_blocking=True)

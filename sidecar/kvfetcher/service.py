@@ -87,6 +87,7 @@ class Sidecar:
         self.data_pool = ThreadPoolExecutor(self.config.io_workers, thread_name_prefix="kvf-io")
         self.meta_pool = ThreadPoolExecutor(self.config.meta_io_workers, thread_name_prefix="kvf-meta")
         self.decode_pool = ThreadPoolExecutor(self.config.decode_threads, thread_name_prefix="kvf-decode")
+        self.write_pool = ThreadPoolExecutor(self.config.write_threads, thread_name_prefix="kvf-write")  # a fetch's writes into buffers
         self.copy_pool = ThreadPoolExecutor(1, thread_name_prefix="kvf-copy-out")  # a store's copy out of a buffer, off the event loop
         self.workers = DecodeWorkers(self.config.decode_procs) if self.config.decode_procs else None
         self.readers = self._readers()
@@ -209,7 +210,7 @@ class Sidecar:
         self.catalog.close()
         self.probe.close()
         await self.warmed()  # the decode workers are still in use until it ends
-        for pool in (self.data_pool, self.meta_pool, self.decode_pool, self.copy_pool):
+        for pool in (self.data_pool, self.meta_pool, self.decode_pool, self.write_pool, self.copy_pool):
             pool.shutdown(wait=False, cancel_futures=True)
         for bid in list(self.buffers):
             self.unregister(bid)
@@ -446,7 +447,7 @@ class Sidecar:
                                        device=buf.tensor.device, deadline_s=max(0.0, deadline_s - (time.perf_counter() - t0)),
                                        window=self.config.window, io_concurrency=min(self.config.reads, self.config.io_workers),
                                        workers=None if buf.engine else self.workers, readers=self.readers,
-                                       object_key=self._object_key, accepted_keys=self._accepted_keys)
+                                       object_key=self._object_key, accepted_keys=self._accepted_keys, write_pool=self.write_pool)
         self._observe(plan, out, learn=quiet, sharers=share.sharers, engine=buf.engine is not None)
         if isinstance(dest, ObjectArena):
             placed = refs[: out.loaded_tokens // N]

@@ -452,9 +452,10 @@ def test_a_loads_chunks_in_flight_per_step_are_read_and_shown():
     from benchmarks.vllm_ttft.report import in_flight
 
     m1 = {"kvfetcher_fetch_seconds_count": 1.0, 'kvfetcher_fetch_stage_chunks_in_flight{stage="admitted"}': 3.1,
-          'kvfetcher_fetch_stage_chunks_in_flight{stage="read"}': 0.52, 'kvfetcher_fetch_stage_chunks_in_flight{stage="written"}': 0.3}
+          'kvfetcher_fetch_stage_chunks_in_flight{stage="read"}': 0.52, 'kvfetcher_fetch_stage_chunks_in_flight{stage="started"}': 2.0,
+          'kvfetcher_fetch_stage_chunks_in_flight{stage="written"}': 0.3}
     d = sidecar_delta({}, m1, {})
-    assert in_flight(d["stages"]) == "3.1/-/0.5/-/0.3"  # steps a raw load skips, or a metric not there, are dashes
+    assert in_flight(d["stages"]) == "3.1/-/0.5/-/2.0/0.3"  # steps a raw load skips, or a metric not there, are dashes
     assert sidecar_delta(m1, m1, {})["stages"] == {} and in_flight({}) == ""  # no load in between: the last load is not this one's
 
 

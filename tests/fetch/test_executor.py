@@ -1,7 +1,9 @@
 """The fetch pipeline on a local store: streaming, exactness, and every way a chunk can be bad."""
 
 import asyncio
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -264,8 +266,9 @@ async def test_auto_waits_for_no_warm_up(tmp_path, shm):
         assert "q8" in (await sc.lookup(bid, list(range(64)), slow_model)).options
 
 
-@pytest.mark.parametrize("preset, stages", [("raw", ["admitted", "header", "read", "written"]),
-                                            ("q8", ["admitted", "header", "read", "decoded", "written"])])
+@pytest.mark.parametrize("preset, stages", [("raw", ["admitted", "header", "read", "started", "written"]),
+                                            ("q8", ["admitted", "header", "read", "decoded", "started", "written"]),
+                                            ("q8-zstd", ["admitted", "header", "read", "decoded", "started", "written"])])
 async def test_every_chunk_leaves_a_timeline_of_its_stages_in_order(tmp_path, preset, stages):
     kv = synthetic_kv(layers=2, heads=2, tokens=128, head_dim=32)
     store = LocalStore(tmp_path)
@@ -280,6 +283,31 @@ async def test_every_chunk_leaves_a_timeline_of_its_stages_in_order(tmp_path, pr
     assert list(summary) == stages
     # a window of 2: the chunks past the admission step are never more than 2 on average
     assert sum(v["in_flight"] for k, v in summary.items() if k != "admitted") <= 2.0 + 1e-9
+
+
+class _Finishing(Destination):
+    """A flat destination that remembers the threads that finished writes into it."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.threads: set[str] = set()
+
+    def finish(self) -> None:
+        self.threads.add(threading.current_thread().name)
+        super().finish()
+
+
+@pytest.mark.parametrize("preset", ["raw", "q8-zstd"])
+async def test_verified_chunks_are_written_by_the_write_pool_not_the_decode_threads(tmp_path, preset):
+    kv = synthetic_kv(layers=2, heads=2, tokens=128, head_dim=32)
+    store = LocalStore(tmp_path)
+    refs = put_chunks(store, kv, 32, preset=preset)
+    dest = _Finishing(sentinel_like(kv), tokens=128)
+    with ThreadPoolExecutor(2, thread_name_prefix="test-write") as writes:
+        out = await fetch(store, refs, dest, window=2, write_pool=writes)
+    assert out.error is None and out.loaded_tokens == 128
+    assert torch.equal(dest.buffer, decoded(store, refs))
+    assert dest.threads and all(t.startswith("test-write") for t in dest.threads)
 
 
 def test_the_stage_summary_is_each_steps_median_and_its_chunks_in_flight():

@@ -87,8 +87,9 @@ class Outcome:
 
 #: the stages of a chunk's :attr:`Outcome.timeline`, in order: the window admitted it, its header was
 #: checked, every part was read and checked, it was decoded (not for the direct path, nor where a
-#: worker process decodes and writes at once), its write completed
-STAGES = ("admitted", "header", "read", "decoded", "written")
+#: worker process decodes and writes at once), a write thread started its write (not for a worker
+#: process's), its write completed
+STAGES = ("admitted", "header", "read", "decoded", "started", "written")
 
 
 def stage_summary(timeline: Sequence[tuple[int, str, float]], wall_s: float) -> dict[str, dict[str, float]]:
@@ -134,6 +135,7 @@ async def fetch(
     object_key: bytes | None = None,
     accepted_keys: tuple[bytes, ...] = (),
     readers: ReadProcs | None = None,
+    write_pool: Executor | None = None,
 ) -> Outcome:
     """Load ``chunks`` (consecutive, from the first) into ``dest``; see the module doc for failures.
 
@@ -144,13 +146,15 @@ async def fetch(
     not verify under it (or one of ``accepted_keys``, a rotation's previous keys) for the name it is read
     from (None: CRC-32 only). With ``readers`` the staged reads (raw and entropy-coded segments)
     run in its reader processes, into its shared staging buffers (``staging_pool`` is then ignored).
+    ``write_pool``: the threads that write verified chunks into ``dest`` (the direct path's copies,
+    entropy-coded chunks' unpacks), never threads that run NVDEC (default: :data:`WRITE_THREADS` of them).
     """
     if workers is not None and dest.handle is None:
         raise ValueError("decode workers need the destination buffer's IPC handle")
     job = _Fetch(store, chunks, dest, fingerprint=fingerprint, io_pool=io_pool, decode_pool=decode_pool, device=device,
                  window=chunks_in_flight(window, workers), io_concurrency=io_concurrency, workers=workers,
                  staging_pool=readers.staging if readers else staging_pool or staging.shared(), object_key=object_key,
-                 accepted_keys=accepted_keys, read=readers.read_into if readers else None)
+                 accepted_keys=accepted_keys, read=readers.read_into if readers else None, write_pool=write_pool)
     return await job.run(deadline_s)
 
 
@@ -187,11 +191,15 @@ def _reason(e: Exception) -> Reason:
     return Reason.INTERNAL
 
 
+#: write threads of a fetch not given its own ``write_pool``
+WRITE_THREADS = 4
+
+
 @functools.lru_cache(maxsize=None)
-def _copy_threads() -> ThreadPoolExecutor:
-    """Threads for the direct path's host-to-device copies, apart from the decode threads: torch's
-    stream work has failed ("invalid resource handle") in threads that had run NVDEC."""
-    return ThreadPoolExecutor(4, thread_name_prefix="kvf-copy")
+def _write_threads() -> ThreadPoolExecutor:
+    """The default ``write_pool``: threads apart from the decode threads, since torch's stream work
+    has failed ("invalid resource handle") in threads that had run NVDEC."""
+    return ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="kvf-write")
 
 
 def _read_verified(read, name: str, offset: int, part: memoryview, have: int, seg: container.Segment,
@@ -211,11 +219,16 @@ def _write_native(dest: Destination, c: ChunkRef, kv: torch.Tensor) -> None:
     """Copy a verified native chunk (host memory) into its place. For a GPU buffer it is staged on
     the device and checked finite there (the host checks each segment only for a CPU buffer: on
     the GPU the check costs nothing next to the copy), so no NaN or infinity reaches the buffer;
-    then written in place, or scattered on the device into a paged buffer's blocks."""
-    if dest.device.type == "cuda":
+    then written in place, or scattered on the device into a paged buffer's blocks. On a GPU all of
+    it runs on the write thread's own stream, so that a write waits for its own chunk only, not for
+    the other threads' copies queued on a shared stream."""
+    if dest.device.type != "cuda":
+        dest.write_kv(c, kv)
+        return
+    with torch.cuda.stream(chunk.thread_stream(dest.device)):
         kv = kv.to(dest.device, non_blocking=True)
         container.check_finite(kv, kv.dtype)
-    dest.write_kv(c, kv)
+        dest.write_kv(c, kv)
 
 
 def _give_when_done(started: list[concurrent.futures.Future], give) -> None:
@@ -254,10 +267,11 @@ class _Fetch:
     def __init__(self, store: Store, chunks: Sequence[ChunkRef], dest: Destination, *, fingerprint: str, io_pool: Executor,
                  decode_pool: Executor, device: torch.device | str, window: int, io_concurrency: int,
                  workers: DecodeWorkers | None, staging_pool: staging.StagingPool, object_key: bytes | None = None,
-                 accepted_keys: tuple[bytes, ...] = (), read=None):
+                 accepted_keys: tuple[bytes, ...] = (), read=None, write_pool: Executor | None = None):
         self.store, self.chunks, self.dest, self.fingerprint = store, chunks, dest, fingerprint
         self.read = read or functools.partial(read_into, store)  # a staged part's bytes: (name, offset, buf) -> n
         self.io_pool, self.decode_pool, self.device = io_pool, decode_pool, device
+        self.write_pool = write_pool or _write_threads()
         self.workers, self.staging, self.object_key, self.accepted_keys = workers, staging_pool, object_key, accepted_keys
         self.window, self.io = asyncio.Semaphore(window), asyncio.Semaphore(io_concurrency)
         self.reads, self.decodes = _Busy(), _Busy()
@@ -319,8 +333,15 @@ class _Fetch:
             raise
 
     def _mark(self, i: int, stage: str) -> None:
-        """Chunk ``i`` reached ``stage`` (:data:`STAGES`) now."""
+        """Chunk ``i`` reached ``stage`` (:data:`STAGES`) now (from any thread)."""
         self.out.timeline.append((i, stage, time.perf_counter() - self.t0))
+
+    def _writer(self, i: int, fn):
+        """``fn`` (a write of chunk ``i``, for the write pool) marking the chunk ``started`` as it begins."""
+        def write(*args):
+            self._mark(i, "started")
+            return fn(*args)
+        return write
 
     def _auth(self, c: ChunkRef) -> ObjectMAC | None:
         """What the chunk's tags must verify under: the key and the name the object is read from."""
@@ -385,7 +406,7 @@ class _Fetch:
             decoded = await loop.run_in_executor(self.decode_pool, verify)
         self._mark(i, "decoded")
         # Everything of this chunk verified and decoded: only now touch the KV buffers.
-        n = await self._write(i, loop.run_in_executor(self.decode_pool, decoded.write, self.dest, c))
+        n = await self._write(i, loop.run_in_executor(self.decode_pool, self._writer(i, decoded.write), self.dest, c))
         self._mark(i, "written")
         self.out.kv_bytes += n
 
@@ -395,7 +416,7 @@ class _Fetch:
             kv = host.view(h.torch_dtype).view(h.shape)
             self._mark(i, "read")
             # Every segment verified: only now touch the KV buffers.
-            await _timed(self.decodes, self._write(i, _submit(started, _copy_threads(), _write_native, self.dest, c, kv)))
+            await _timed(self.decodes, self._write(i, _submit(started, self.write_pool, self._writer(i, _write_native), self.dest, c, kv)))
             self._mark(i, "written")
         self.out.kv_bytes += host.numel()
         self.out.direct_chunks += 1
@@ -412,8 +433,10 @@ class _Fetch:
             with self.decodes:  # abandoned at a failure, this writes nothing: only the write below is awaited
                 decoded = await _submit(started, self.decode_pool, decode)
             self._mark(i, "decoded")
-        # Everything of this chunk verified and decoded: only now touch the KV buffers.
-        n = await self._write(i, asyncio.get_running_loop().run_in_executor(self.decode_pool, decoded.write, self.dest, c))
+        # Everything of this chunk verified and decoded: only now touch the KV buffers. The write (the
+        # unpack into the buffer) runs in the write pool, so that the decode threads only decode.
+        write = self._writer(i, decoded.write)
+        n = await self._write(i, asyncio.get_running_loop().run_in_executor(self.write_pool, write, self.dest, c))
         self._mark(i, "written")
         self.out.kv_bytes += n
 
@@ -424,7 +447,7 @@ class _Fetch:
         async with self._staged(c, h, head, parts, finite=False) as (host, started):
             self._mark(i, "read")
             # Every part verified: only now touch the arena.
-            put = _submit(started, _copy_threads(), self.dest.put, c, head[: h.header_size], host)
+            put = _submit(started, self.write_pool, self._writer(i, self.dest.put), c, head[: h.header_size], host)
             await _timed(self.decodes, self._write(i, put))
             self._mark(i, "written")
 
