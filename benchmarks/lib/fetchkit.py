@@ -22,7 +22,9 @@ from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 import torch
 
 from kvfetcher import kvbuffer
+from kvfetcher.codec import ENTROPY_FORMATS, nvcomp
 from kvfetcher.fetch import executor
+from kvfetcher.format import presets
 from benchmarks.lib.standin import encode_chunk  # a stand-in calibration for random-weight shapes
 from kvfetcher.eval.costmodel import ModelShape
 from benchmarks.lib.kvsource import synthetic_kv
@@ -31,16 +33,19 @@ FINGERPRINT = "scale-bench"
 
 
 def _encode_one(args: tuple) -> bytes:
-    shape, preset, chunk_tokens, seed, start, dtype = args
+    shape, preset, chunk_tokens, seed, start, dtype, gpu = args
     kv = synthetic_kv(shape.layers, shape.kv_heads, chunk_tokens, shape.head_dim, dtype, seed)
-    return encode_chunk(kv, preset, FINGERPRINT, start=start, rope_theta=shape.rope_theta)
+    return encode_chunk(kv.cuda() if gpu else kv, preset, FINGERPRINT, start=start, rope_theta=shape.rope_theta)
 
 
 def encode_objects(shape: ModelShape, preset: str, chunk_tokens: int = 256, distinct: int = 4, workers: int = 8,
-                   dtype: torch.dtype = torch.bfloat16) -> list[bytes]:
-    """``distinct`` different stored chunks of ``shape`` in ``preset`` (encoded in parallel processes)."""
-    jobs = [(shape, preset, chunk_tokens, seed, seed * chunk_tokens, dtype) for seed in range(distinct)]
-    if workers <= 1 or preset == "raw":
+                   dtype: torch.dtype = torch.bfloat16, gpu: bool = False) -> list[bytes]:
+    """``distinct`` different stored chunks of ``shape`` in ``preset``, encoded in parallel processes, or
+    with ``gpu`` and an entropy-coded preset on this process's GPU where nvCOMP runs, as a sidecar's
+    writer does (seconds, where the processes take a minute)."""
+    gpu = gpu and presets.get(preset).codec.format in ENTROPY_FORMATS and nvcomp.available()
+    jobs = [(shape, preset, chunk_tokens, seed, seed * chunk_tokens, dtype, gpu) for seed in range(distinct)]
+    if workers <= 1 or preset == "raw" or gpu:
         return [_encode_one(j) for j in jobs]
     # spawn, not fork: a process forked after torch has run its thread pools can hang
     with ProcessPoolExecutor(min(workers, distinct), mp_context=multiprocessing.get_context("spawn")) as pool:

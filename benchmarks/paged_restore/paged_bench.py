@@ -186,7 +186,7 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory() as d, object_store(args.source, d) as (writer, store), ThreadPoolExecutor(32) as io:
             for preset in args.presets.split(","):
-                refs = put_prefix(writer, preset, encode_objects(shape, preset, T, distinct=4), args.chunks, T)
+                refs = put_prefix(writer, preset, encode_objects(shape, preset, T, distinct=4, gpu=cuda), args.chunks, T)
                 for window, reads, threads, procs in tunings(args.tunings):
                     key = preset if "," not in args.tunings else f"{preset} {window}x{reads}x{threads}" + (f"x{procs}" if procs else "")
                     with ThreadPoolExecutor(threads) as dec, reader_procs(store, procs) as readers:
