@@ -13,12 +13,14 @@ GETs straight into one host staging buffer (:mod:`fetch.staging`: reused, pinned
 destination is on a GPU), each checksummed by the thread that read it, and once all have
 verified the chunk is copied into the destination by one non-blocking host-to-device copy — no
 decoder, no worker process, no reshuffle (into a paged destination: that copy, then one scatter
-into its blocks on the device). The chunk counts as written only once that copy has completed. Each segment is also checked for NaN and infinities there.
+into its blocks on the device), in a write thread (``write_pool``). The chunk counts as written only
+once that copy has completed. Each segment is also checked for NaN and infinities there.
 
 Entropy-coded chunks (``zstd``, ``ans``) are always restored in this process, staged the same
 way: side information and segment read into one staging buffer, each part checksummed by the
 thread that read it; then decoded in the decode pool straight from that buffer (nvCOMP on the
-GPU's SMs: one copy to the GPU, the decode, the fused unpack into the buffer; no NVDEC worker).
+GPU's SMs: one copy to the GPU, the decode; no NVDEC worker), and unpacked into the buffer by a write
+thread, so that the decode threads only decode.
 
 Engine-decode mode: into an :class:`~kvfetcher.kvbuffer.ObjectArena` (a host buffer of an engine
 that decodes itself) a chunk is not decoded: its parts are read and checked as above, then the
