@@ -40,6 +40,10 @@ from kvfetcher.integrations.vllm_meta import MIN_TIMED_TOKENS, FetchSpec, Option
 log = logging.getLogger("kvfetcher.integrations.vllm")
 
 _PROBE = dict(num_blocks=1013, block_size=272, num_kv_heads=7)  # distinct sizes that name a backend's axes
+#: a step that computed nothing while loads run waits at most this long for one to land before vLLM's
+#: engine steps again: it steps without pause while a request waits for its KV, and each of those
+#: steps is CPU and GPU work beside the load (a new request is admitted at most this much later)
+IDLE_STEP_WAIT_S = 0.002
 
 
 def backend_axes(backend, head_size: int) -> str:
@@ -84,6 +88,9 @@ class WorkerSide:
         self.block_size = vllm_config.cache_config.block_size  # the scheduler's
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvfetcher")
         self.lock = threading.Lock()  # guards what the pool's threads report
+        self.landed = threading.Condition(self.lock)  # a fetch finished (loaded or not)
+        self.loading = 0  # fetches started and not finished
+        self.idle_step = False  # the step under way computes nothing
         self.registering = threading.Lock()  # one registration at a time
         self.tensors, self.layout, self.ratio = None, None, 1
         self.staging: Staging | None = None  # staged mode (else direct)
@@ -185,7 +192,10 @@ class WorkerSide:
     def start_step(self, meta: StepMeta) -> None:
         """Start the step's fetches (vLLM 0.32 calls this after launching the forward)."""
         if isinstance(meta, StepMeta):
+            self.idle_step = meta.step_tokens == 0
             for spec in meta.fetches:  # each reports its request finished, loaded or not
+                with self.lock:
+                    self.loading += 1
                 self.pool.submit(self._fetch, spec)
 
     def layer_start(self, meta: StepMeta) -> None:
@@ -232,12 +242,16 @@ class WorkerSide:
                 f.exception()
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose stores and loads finished. After a step that computed nothing while loads
+        run, first wait up to :data:`IDLE_STEP_WAIT_S` for one to land (woken as it does)."""
         self.vllm_finished |= finished_req_ids & set(self.stores)
         sending = {r for r in self.vllm_finished if self.stores[r].done()}
         for r in sending:
             self.vllm_finished.discard(r)
             del self.stores[r]
         with self.lock:
+            if self.idle_step and self.loading and not self.recving:
+                self.landed.wait(IDLE_STEP_WAIT_S)
             recving, self.recving = self.recving, set()
         return sending or None, recving or None
 
@@ -266,6 +280,8 @@ class WorkerSide:
         with self.lock:
             self.errors.update(spec.block_ids[written // bs : -(-spec.end // bs)])
             self.recving.add(spec.req_id)
+            self.loading -= 1
+            self.landed.notify_all()
 
     def _fetch_into(self, buf: str, spec: FetchSpec) -> int:
         """Load the request's stored chunks; the end of the tokens written (whole blocks)."""
