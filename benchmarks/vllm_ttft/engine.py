@@ -54,8 +54,11 @@ def spawn_workers() -> None:
 
 
 def connector(socket: str, model: str) -> dict:
+    """vLLM's ``kv_transfer_config`` of the kvfetcher connector; ``VLLM_TTFT_CONNECTOR_OPTIONS`` (a JSON
+    object, e.g. ``{"idle_step_wait_s": 0}``) adds connector options for a run."""
+    extra = {"socket": socket, "model": model, **json.loads(os.environ.get("VLLM_TTFT_CONNECTOR_OPTIONS") or "{}")}
     return {"kv_connector": "KVFetcherConnector", "kv_connector_module_path": "kvfetcher.integrations.vllm", "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"socket": socket, "model": model}}
+            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 
 @contextlib.contextmanager

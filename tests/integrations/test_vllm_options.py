@@ -15,6 +15,8 @@ PARSE = "from kvfetcher.integrations.vllm_meta import Options\nprint(Options.par
     ({"ttft_budget_s": "soon"}, ["'ttft_budget_s'", "soon"]),
     ({"lookup_timeout_s": -1}, ["'lookup_timeout_s'"]),
     ({"lookup_stake": "much"}, ["'lookup_stake'", "much"]),
+    ({"idle_step_wait_s": -0.001}, ["idle_step_wait_s"]),
+    ({"idle_step_wait_s": "2ms"}, ["idle_step_wait_s", "2ms"]),
     ({"sokcet": "/run/x"}, ["sokcet", "unknown"]),
     ({"stores": False}, ["stores", "unknown"]),  # vLLM's kv_role says it, not kv_connector_extra_config
 ])
@@ -26,6 +28,6 @@ def test_bad_options_are_refused_naming_the_key(extra, words):
 
 
 def test_good_options_parse():
-    run = run_without_vllm(PARSE.format(extra={"presets": "balanced, q8", "ttft_budget_s": "1.5"}))
+    run = run_without_vllm(PARSE.format(extra={"presets": "balanced, q8", "ttft_budget_s": "1.5", "idle_step_wait_s": 0}))
     assert run.returncode == 0, run.stderr[-2000:]
-    assert "presets=('balanced', 'q8')" in run.stdout and "ttft_budget_s=1.5" in run.stdout
+    assert "presets=('balanced', 'q8')" in run.stdout and "ttft_budget_s=1.5" in run.stdout and "idle_step_wait_s=0" in run.stdout

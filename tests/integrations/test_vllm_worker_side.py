@@ -12,6 +12,7 @@ from kvfetcher.integrations.vllm_meta import FetchSpec, Options, StepMeta
 
 cfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=16))
 w = vllm_worker.WorkerSide(cfg, Options(socket="/nonexistent/s", model="m"))
+bound = w.options.idle_step_wait_s
 w.block_size = 16
 gate = threading.Event()
 w._with_buffer = lambda fn: gate.wait(5) and 64  # a load that lands when the gate opens: 64 tokens written
@@ -25,24 +26,32 @@ def timed(meta):
 
 busy, _ = timed(StepMeta([spec], [], 64))  # a step that computed tokens: no wait
 idle, got = timed(StepMeta([], [], 0))  # computed nothing while the load runs: waits, bounded
-print(busy < vllm_worker.IDLE_STEP_WAIT_S, vllm_worker.IDLE_STEP_WAIT_S <= idle < 0.5, got)
+print(busy < bound, bound <= idle < 0.5, got)
 threading.Timer(0.05, gate.set).start()
 w.idle_step = True
-vllm_worker.IDLE_STEP_WAIT_S = 2.0
+w.options = Options(socket="/nonexistent/s", model="m", idle_step_wait_s=1.0)
 t = time.perf_counter()
-got = w.finished(set())  # woken as the load lands, long before the (here 2 s) bound
+got = w.finished(set())  # woken as the load lands, long before the (here 1 s) bound
 print(0.04 <= time.perf_counter() - t < 1.0, got, w.load_errors())
 t = time.perf_counter()
 w.finished(set())  # nothing loading any more: no wait
 print(time.perf_counter() - t < 0.05)
+w.options = Options(socket="/nonexistent/s", model="m", idle_step_wait_s=0)
+gate = threading.Event()
+w.start_step(StepMeta([spec], [], 64))  # a load that runs until the gate opens
+w.start_step(StepMeta([], [], 0))
+t = time.perf_counter()
+w.finished(set())  # a wait of 0: never held
+print(time.perf_counter() - t < 0.05)
+gate.set()
 w.close()
 '''
 
 
 def test_a_step_that_computed_nothing_waits_for_a_running_load_a_bounded_time_and_wakes_as_it_lands():
     """vLLM steps without pause while a request waits for its KV; the worker side holds such a step
-    up to IDLE_STEP_WAIT_S for a load to land, wakes as soon as one does, and never holds a step that
+    up to the connector's idle_step_wait_s for a load to land, wakes as soon as one does, and never holds a step that
     computed tokens or one with no load running."""
     run = run_without_vllm(IDLE)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.split("\n")[:3] == ["True True (None, None)", "True (None, {'r'}) set()", "True"], run.stdout
+    assert run.stdout.split("\n")[:4] == ["True True (None, None)", "True (None, {'r'}) set()", "True", "True"], run.stdout

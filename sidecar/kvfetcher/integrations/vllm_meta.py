@@ -59,6 +59,9 @@ class Options:
     fetch_deadline_s: float | None = None  # a fetch's deadline (default: the sidecar's KVFETCHER_DEADLINE_S)
     # host staging (a CPU cache, or a GPU the sidecar cannot open): token slots of the buffer KV goes through, in windows
     staging_tokens: int = 8192
+    # a step that computed nothing while loads run waits this long at most for one to land (0: never), since vLLM's engine
+    # steps without pause while a request waits for its KV; a new request is admitted at most this much later
+    idle_step_wait_s: float = 0.002
     # from vLLM's kv_role, not kv_connector_extra_config: kv_consumer loads only, kv_producer stores only, kv_both both
     loads: bool = True
     stores: bool = True
@@ -81,6 +84,10 @@ class Options:
                 if not 0 < kw[name] < float("inf"):
                     raise ValueError(f"kvfetcher: kv_connector_extra_config {name!r} must be positive seconds or "
                                      f"tokens/s, not {extra[name]!r}")
+        if "idle_step_wait_s" in kw:
+            w = kw["idle_step_wait_s"]
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= 1:
+                raise ValueError(f"kvfetcher: idle_step_wait_s must be seconds from 0 to 1, not {w!r}")
         if "staging_tokens" in kw:
             n = kw["staging_tokens"]
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:

@@ -40,10 +40,6 @@ from kvfetcher.integrations.vllm_meta import MIN_TIMED_TOKENS, FetchSpec, Option
 log = logging.getLogger("kvfetcher.integrations.vllm")
 
 _PROBE = dict(num_blocks=1013, block_size=272, num_kv_heads=7)  # distinct sizes that name a backend's axes
-#: a step that computed nothing while loads run waits at most this long for one to land before vLLM's
-#: engine steps again: it steps without pause while a request waits for its KV, and each of those
-#: steps is CPU and GPU work beside the load (a new request is admitted at most this much later)
-IDLE_STEP_WAIT_S = 0.002
 
 
 def backend_axes(backend, head_size: int) -> str:
@@ -243,7 +239,8 @@ class WorkerSide:
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose stores and loads finished. After a step that computed nothing while loads
-        run, first wait up to :data:`IDLE_STEP_WAIT_S` for one to land (woken as it does)."""
+        run, first wait up to ``options.idle_step_wait_s`` for one to land (woken as it does): vLLM's
+        engine steps without pause while a request waits for its KV, each step CPU and GPU work beside the load."""
         self.vllm_finished |= finished_req_ids & set(self.stores)
         sending = {r for r in self.vllm_finished if self.stores[r].done()}
         for r in sending:
@@ -251,7 +248,7 @@ class WorkerSide:
             del self.stores[r]
         with self.lock:
             if self.idle_step and self.loading and not self.recving:
-                self.landed.wait(IDLE_STEP_WAIT_S)
+                self.landed.wait(self.options.idle_step_wait_s)
             recving, self.recving = self.recving, set()
         return sending or None, recving or None
 
