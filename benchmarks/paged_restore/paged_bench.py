@@ -9,7 +9,10 @@ both with the prompt's blocks shuffled. ``raw`` takes the direct path (pinned ho
 to the device, then the scatter); a coded preset is decoded by decode worker processes that open
 the paged tensors by CUDA IPC, unpack on the GPU and scatter. Every paged restore is checked
 byte-identical to the flat one. Also times one chunk's scatter alone (``PagedKV.write`` of a
-chunk already on the device). Prints and writes one JSON object.
+chunk already on the device). ``--neighbour-steps N`` runs the fetches beside another process that
+steps on the same GPU N times a second as an idle vLLM engine does while a request waits for its KV
+(each step waits for its last CUDA event and records a new one): whether another context's tiny GPU
+work slows the restore. Prints and writes one JSON object.
 
     python -m benchmarks.paged_restore.paged_bench --out benchmarks/paged_restore/result_h100.json
 """
@@ -20,6 +23,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import statistics
 import tempfile
 import time
@@ -79,6 +83,41 @@ def sync(device: torch.device) -> None:
 async def fetch(store, refs, dest, workers, io, dec, window: int, reads: int, readers=None):
     return await executor.fetch(store, refs, dest, fingerprint=FINGERPRINT, io_pool=io, decode_pool=dec, device=dest.device,
                                 window=window, io_concurrency=reads, workers=workers, readers=readers)
+
+
+def _step(rate: float, stop, steps) -> None:
+    """An idle engine's steps on the GPU, ``rate`` a second (0: as fast as it can), until ``stop``."""
+    event, gap = torch.cuda.Event(blocking=True), 1.0 / rate if rate > 0 else 0.0
+    event.record()
+    due = time.perf_counter()
+    while not stop.is_set():
+        event.synchronize()
+        event.record()
+        steps.value += 1
+        due += gap
+        time.sleep(max(0.0, due - time.perf_counter()))
+
+
+@contextlib.contextmanager
+def neighbour(rate: float | None):
+    """Another process stepping on this GPU ``rate`` times a second while the block runs (None: none);
+    yields a dict that gets its achieved ``steps_per_s``."""
+    out: dict = {}
+    if rate is None:
+        yield out
+        return
+    ctx = multiprocessing.get_context("spawn")
+    stop, steps = ctx.Event(), ctx.Value("q", 0)
+    proc = ctx.Process(target=_step, args=(rate, stop, steps), daemon=True)
+    proc.start()
+    time.sleep(5)  # its CUDA context up and stepping
+    t, n = time.perf_counter(), steps.value
+    try:
+        yield out
+    finally:
+        out["steps_per_s"] = round((steps.value - n) / (time.perf_counter() - t))
+        stop.set()
+        proc.join(10)
 
 
 def tunings(text: str) -> list[tuple[int, int, int, int]]:
@@ -161,6 +200,8 @@ def main() -> None:
     ap.add_argument("--dests", default="flat,paged_per_layer,paged_cross_layer", help="destinations timed (flat first: the reference)")
     ap.add_argument("--tunings", default="8x8x4", help="window x reads x decode threads [x reader processes], comma-separated: each is timed")
     ap.add_argument("--source", default="local", choices=["local", "s3"], help="s3: the same objects over the link server, unpaced")
+    ap.add_argument("--neighbour-steps", type=float, help="another process steps on the GPU this many times a second "
+                    "during the fetches, as an idle vLLM engine does (0: as fast as it can; unset: no neighbour)")
     ap.add_argument("--out")
     args = ap.parse_args()
     shape, T = SHAPES[args.shape], args.chunk_tokens
@@ -184,7 +225,8 @@ def main() -> None:
     if workers is not None:
         workers.start()
     try:
-        with tempfile.TemporaryDirectory() as d, object_store(args.source, d) as (writer, store), ThreadPoolExecutor(32) as io:
+        with (tempfile.TemporaryDirectory() as d, object_store(args.source, d) as (writer, store), ThreadPoolExecutor(32) as io,
+              neighbour(args.neighbour_steps if cuda else None) as beside):
             for preset in args.presets.split(","):
                 refs = put_prefix(writer, preset, encode_objects(shape, preset, T, distinct=4, gpu=cuda), args.chunks, T)
                 for window, reads, threads, procs in tunings(args.tunings):
@@ -195,6 +237,8 @@ def main() -> None:
     finally:
         if workers is not None:
             workers.close()
+    if beside:
+        result["neighbour"] = beside
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

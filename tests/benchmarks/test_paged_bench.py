@@ -30,3 +30,36 @@ def test_a_tuning_is_three_or_four_numbers():
     for bad in ("4x8", "4x8x2x8x1"):
         with pytest.raises(ValueError, match="window x reads"):
             tunings(bad)
+
+
+def test_the_neighbour_steps_at_its_rate_until_stopped(monkeypatch):
+    """The idle engine the benchmark runs beside a fetch (``--neighbour-steps``): each step waits for its
+    last event and records the next, at the rate asked, until stopped (here with a stand-in event)."""
+    import threading
+    import time
+    from multiprocessing import Value
+
+    from benchmarks.paged_restore import paged_bench
+
+    calls = []
+
+    class Event:
+        def __init__(self, blocking=False):
+            pass
+
+        def record(self):
+            calls.append("record")
+
+        def synchronize(self):
+            calls.append("sync")
+
+    monkeypatch.setattr(paged_bench.torch.cuda, "Event", Event)
+    stop, steps = threading.Event(), Value("q", 0)
+    threading.Timer(0.5, stop.set).start()
+    t = time.perf_counter()
+    paged_bench._step(100.0, stop, steps)
+    assert 0.45 < time.perf_counter() - t < 1.5 and 30 <= steps.value <= 60  # about 100 a second for half a second
+    assert calls[:3] == ["record", "sync", "record"]
+    with paged_bench.neighbour(None) as beside:  # no neighbour: nothing started, nothing reported
+        pass
+    assert beside == {}
