@@ -76,7 +76,8 @@ class Metrics:
         self.last_actual = Gauge("kvfetcher_fetch_last_actual_seconds", "Actual time of the last fetch", ["preset"], registry=r)
         self.stage_in_flight = Gauge(
             "kvfetcher_fetch_stage_chunks_in_flight", "The last fetch's chunks in each step of their restore on average (stage: the "
-            "step that ends there: admitted by the window, header, read, decoded, written); a step at its concurrency bounds the fetch",
+            "step that ends there: admitted by the window, header, read, decoded, started by a write thread, written); a step at its "
+            "concurrency bounds the fetch",
             ["stage"], registry=r)
         self.stage_seconds = Gauge("kvfetcher_fetch_stage_median_seconds", "The last fetch's median seconds a chunk spent in each step "
                                    "of its restore (stage as in kvfetcher_fetch_stage_chunks_in_flight)", ["stage"], registry=r)

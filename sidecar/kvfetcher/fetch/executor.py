@@ -98,8 +98,8 @@ def stage_summary(timeline: Sequence[tuple[int, str, float]], wall_s: float) -> 
     """Per stage of :data:`STAGES`, what the chunks of a fetch's ``timeline`` spent reaching it from the
     stage they reached before (the first: from the fetch's start): the median milliseconds a chunk,
     and ``in_flight``, the chunks in that step on average over the ``wall_s`` seconds of the fetch.
-    A step whose ``in_flight`` is its concurrency (the window, the reads, the decode threads) bounds
-    the fetch; one far below it does not."""
+    A step whose ``in_flight`` is its concurrency (the window, the reads, the decode threads, the write
+    threads) bounds the fetch; one far below it does not."""
     by_chunk: dict[int, dict[str, float]] = {}
     for i, stage, t in timeline:
         by_chunk.setdefault(i, {})[stage] = t
