@@ -42,7 +42,7 @@ def encode_objects(shape: ModelShape, preset: str, chunk_tokens: int = 256, dist
                    dtype: torch.dtype = torch.bfloat16, gpu: bool = False) -> list[bytes]:
     """``distinct`` different stored chunks of ``shape`` in ``preset``, encoded in parallel processes, or
     with ``gpu`` and an entropy-coded preset on this process's GPU where nvCOMP runs, as a sidecar's
-    writer does (seconds, where the processes take a minute)."""
+    writer does."""
     gpu = gpu and presets.get(preset).codec.format in ENTROPY_FORMATS and nvcomp.available()
     jobs = [(shape, preset, chunk_tokens, seed, seed * chunk_tokens, dtype, gpu) for seed in range(distinct)]
     if workers <= 1 or preset == "raw" or gpu:
