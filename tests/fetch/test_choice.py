@@ -4,7 +4,8 @@ from dataclasses import replace
 
 import pytest
 
-from kvfetcher.fetch.choice import NO_FIT, RECOMPUTE, Estimator, Fit, Rates, choose, decode_rate, fetch_seconds, hopeless
+from kvfetcher.fetch.choice import (FASTER, NO_FIT, RECOMPUTE, REFRESH_S, Estimator, Fit, Rates, choose, decode_rate, fetch_seconds,
+                                    hopeless)
 from kvfetcher.fetch.prefill import PrefillModel
 
 FORMATS = {"raw": "raw", "q8": "hevc", "exact": "hevc"}
@@ -184,6 +185,38 @@ def test_each_format_reads_at_its_own_measured_rate():
     assert r.bandwidth_Bps == 1e9 and r.format_bandwidth == {"raw": 4e9, "hevc": 1e9}
     assert fetch_seconds(4_000_000_000, 4_000_000_000, 1e12, r, fmt="raw") == pytest.approx(r.latency_s + 1.0)
     assert e.rates("other").format_bandwidth == {}
+
+
+def test_a_link_that_got_faster_is_believed_at_once_and_noise_is_not_a_faster_link():
+    """Rates learnt in a slow spell made ``auto`` recompute, so nothing read, so nothing taught: a
+    read (a link probe's) that shows a much faster link drops them; a read within noise does not."""
+    e = Estimator(alpha=0.3)
+    for _ in range(5):  # a congested hour: raw and q8 fetches at 1 Gbit/s, 1 GB each
+        e.observe_read("s3", 1_000_000_000, 8.0, "raw")
+        e.observe_read("s3", 1_000_000_000, 8.0, "hevc")
+    prefill = PrefillModel.linear(1024 / 0.2)  # the four chunks recompute in 0.2 s, raw reads 40 MB in 0.32
+    assert choose(STORED, 256, CHUNK_KV, FORMATS, e.rates("s3", prefill)).preset == RECOMPUTE
+    e.observe_read("s3", 1_000_000_000, 8.0 / (1.5 * FASTER), "raw")  # 1.5x FASTER than believed ...
+    assert e.rates("s3", prefill).format_bandwidth["raw"] == pytest.approx(1e9 / (8.0 / (1.5 * FASTER)))  # ... dropped what it knew
+    assert e.bandwidth("s3") == pytest.approx(1e9 / (8.0 / (1.5 * FASTER)))
+    assert "hevc" not in e.rates("s3").format_bandwidth  # q8's reads too: learnt on the slower link
+    assert choose(STORED, 256, CHUNK_KV, FORMATS, e.rates("s3", prefill)).preset == "raw"
+    before = e.bandwidth("s3")
+    e.observe_read("s3", 1_000_000_000, 1e9 / (0.9 * FASTER * before), "raw")  # faster, but less than FASTER times: a mean
+    assert before < e.bandwidth("s3") < 0.9 * FASTER * before
+
+
+def test_a_rate_no_read_renewed_is_stale():
+    e, now = Estimator(), [0.0]
+    e.clock = lambda: now[0]
+    assert e.stale("s3")  # never measured
+    e.observe_read("s3", 1_000_000, 1.0)
+    now[0] = REFRESH_S * 0.9
+    assert not e.stale("s3")
+    now[0] = REFRESH_S * 1.1  # no read since: worth a probe
+    assert e.stale("s3") and e.measured("s3") and e.ceiling("s3") is None
+    e.observe_read("s3", 1_000_000, 1.0)
+    assert not e.stale("s3")
 
 
 def test_a_small_cold_fetch_does_not_hold_down_the_rate_of_large_ones():

@@ -128,3 +128,27 @@ async def test_a_ceiling_past_half_its_time_is_probed_and_a_probe_no_faster_rene
         assert e.ceiling(ep) == 1e15 and not e.stale(ep)  # renewed at now, not lapsed
     finally:
         await sc.close()
+
+
+async def test_rates_learnt_in_a_slow_spell_are_probed_once_stale_and_auto_loads_again(tmp_path, shm):
+    """A slow spell taught raw's rate; ``auto`` then recomputes, reads nothing and learns nothing.
+    Once no read renewed the rate for ``REFRESH_S``, a lookup that recomputes a stored prefix probes
+    the link; the probe reads it far faster, the slow rates are dropped, and the next lookup loads."""
+    from kvfetcher.fetch import choice
+
+    sc, bid, _ = await stored_sidecar(tmp_path, shm)
+    try:
+        e, ep, now = sc.estimator, sc.objects.endpoint, [0.0]
+        e.clock = lambda: now[0]
+        for _ in range(3):
+            e.observe_read(ep, 1000, 1.0, "raw")  # 1 kB/s: the 64 kB prefix in a minute
+        options = FetchOptions(recompute_tokens_per_s=len(TOKENS) / 1.0)  # recompute in 1 s
+        assert (await sc.lookup(bid, TOKENS, options)).preset == "recompute"
+        assert sc.probe.probes == 0  # the rate is fresh
+        now[0] = choice.REFRESH_S + 1
+        assert (await sc.lookup(bid, TOKENS, options)).preset == "recompute"  # decided on what it knew ...
+        await sc.probe.settled()
+        assert sc.probe.probes == 1 and e.rates(ep).format_bandwidth.get("raw", 0.0) != 1000.0
+        assert (await sc.lookup(bid, TOKENS, options)).preset == "raw"  # ... the local disk is far faster than 1 kB/s
+    finally:
+        await sc.close()

@@ -39,7 +39,12 @@ the fetches it learnt from did, whatever bounds the read; a decode-bound read le
 predicted shared comes out pessimistic. A fetch whose reads set its pace sets a ceiling on every
 read rate of its endpoint, the rate it saw: a link that slowed is believed at once (a format's old,
 faster rate would plan a load that loses). Any read faster than the ceiling lifts it, and it lapses
-after :data:`CEILING_TTL_S`, so one slow spell cannot make ``auto`` recompute for good.
+after :data:`CEILING_TTL_S`, so one slow spell cannot make ``auto`` recompute for good. A link that
+got faster is believed at once too: a read :data:`FASTER` times faster than the endpoint's rate
+drops the rates learnt on the slower link (the endpoint's, and each format's that much slower)
+before it teaches its own; otherwise rates learnt during a slow spell would make ``auto`` recompute,
+so never read, so never learn. Since only reads teach, a rate no read renewed for
+:data:`REFRESH_S` is :meth:`Estimator.stale` (the link probe then reads).
 """
 
 from __future__ import annotations
@@ -80,6 +85,11 @@ class Fit:
 READ_BOUND = 1.5
 #: seconds a read-bound fetch's rate caps the endpoint's read rates (unless a faster read lifts it)
 CEILING_TTL_S = 120.0
+#: a read this many times faster than the endpoint's rate shows a faster link, not noise: the rates
+#: learnt on the slower one are dropped (a decayed mean would take many fetches to catch up)
+FASTER = 4.0
+#: seconds after the last read that taught an endpoint's rate before it is stale (worth a probe)
+REFRESH_S = CEILING_TTL_S
 #: a planned load that has not finished this many times the time recompute was predicted to take
 #: (or the TTFT budget, if longer), and at least :data:`MIN_BREAKEVEN_S`, has lost: it stops,
 #: keeping what it loaded (the floor spares a short prompt's load a cold start's one-time costs)
@@ -241,6 +251,7 @@ class Estimator:
         self._ratio: dict[str, tuple[float, float]] = {}  # by preset: KV bytes over stored bytes fetched
         self._seen: set[str] = set()  # bitstream formats this process has fetched
         self._ceiling: dict[str, tuple[float, float]] = {}  # endpoint -> (the link's rate at most, when seen)
+        self._renewed: dict[str, float] = {}  # endpoint -> when a read last taught its rate
         self.clock = time.monotonic
 
     def _ewma(self, table: dict, key, value: float) -> None:
@@ -271,16 +282,26 @@ class Estimator:
         """A fetch read ``nbytes`` in ``busy_s`` seconds while ``sharers`` fetches (itself included)
         shared the link: the link delivered ``sharers`` times that. ``bound``: reading, not decoding,
         set the fetch's pace, so the link delivers no more than that now: it is the endpoint's
-        :meth:`ceiling`. ``probe``: a link probe's reads, which no faster than the ceiling renew it."""
+        :meth:`ceiling`. ``probe``: a link probe's reads, which no faster than the ceiling renew it.
+        A read :data:`FASTER` times the endpoint's rate first drops what the slower link taught."""
         if nbytes > 0 and busy_s > 0:
+            link, ceiling = nbytes * sharers / busy_s, self.ceiling(endpoint)
+            if self.measured(endpoint) and link > FASTER * self.bandwidth(endpoint):
+                self._forget_slower(endpoint, link / FASTER)
+            self._renewed[endpoint] = self.clock()
             self._add(self._bw, endpoint, nbytes * sharers, busy_s)
             if fmt:
                 self._add(self._fmt_bw, (fmt, endpoint), nbytes * sharers, busy_s)
-            link, ceiling = nbytes * sharers / busy_s, self.ceiling(endpoint)
             if bound or (ceiling is not None and link > ceiling):  # the link's rate now (a faster read: at least that)
                 self._ceiling[endpoint] = (link, self.clock())
             elif probe and ceiling is not None:  # the link is still no faster
                 self._ceiling[endpoint] = (ceiling, self.clock())
+
+    def _forget_slower(self, endpoint: str, rate: float) -> None:
+        """Drop the endpoint's rate and each of its formats' read rates below ``rate``: learnt on a slower link."""
+        self._bw.pop(endpoint, None)
+        for key in [k for k in self._fmt_bw if k[1] == endpoint and (self._rate(self._fmt_bw, k) or 0.0) < rate]:
+            del self._fmt_bw[key]
 
     def ceiling(self, endpoint: str) -> float | None:
         """The most the link to ``endpoint`` delivers now, as the latest read-bound fetch saw it
@@ -347,10 +368,13 @@ class Estimator:
         return self._rate(self._bw, endpoint) is not None
 
     def stale(self, endpoint: str) -> bool:
-        """Whether the link's rate wants a read to be trusted: never measured, or a :meth:`ceiling`
-        in force past half its time (a read renews or lifts it before it lapses)."""
+        """Whether the link's rate wants a read to be trusted: never measured, not renewed by a read
+        for :data:`REFRESH_S`, or a :meth:`ceiling` in force past half its time (a read renews or
+        lifts it before it lapses)."""
         _, when = self._ceiling.get(endpoint, (None, 0.0))
-        return not self.measured(endpoint) or (self.ceiling(endpoint) is not None and self.clock() - when > CEILING_TTL_S / 2)
+        now = self.clock()
+        return (not self.measured(endpoint) or now - self._renewed.get(endpoint, now) > REFRESH_S
+                or (self.ceiling(endpoint) is not None and now - when > CEILING_TTL_S / 2))
 
     def bandwidth(self, endpoint: str) -> float:
         """The link's rate to ``endpoint``: what one fetch gets alone (at most its :meth:`ceiling`)."""

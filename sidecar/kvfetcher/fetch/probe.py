@@ -2,9 +2,10 @@
 
 A fresh sidecar knows its link only by the estimator's prior (1 Gbit/s). Under that prior a load of a
 long prompt never looks faster than recompute, so ``auto`` would recompute, never fetch, and never
-learn the link; the same holds under a ceiling a slow spell set (:meth:`Estimator.ceiling`). When a
-lookup finds a stored prefix and plans a recompute while the link's rate is stale (unmeasured, or
-under a ceiling past half its time), the sidecar reads a few of that prefix's objects in the
+learn the link; the same holds under a ceiling a slow spell set (:meth:`Estimator.ceiling`) and under
+rates a slow spell taught. When a lookup finds a stored prefix and plans a recompute while the
+link's rate is stale (:meth:`Estimator.stale`: unmeasured, no read for a while, or under a ceiling
+past half its time), the sidecar reads a few of that prefix's objects in the
 background (:class:`LinkProbe`), discards them, and teaches the estimator the rate they came at. Nothing read reaches a KV buffer. One probe runs at a
 time, announced on the node's link as a fetch is (:mod:`~kvfetcher.fetch.linkshare`: the ranks of a
 tensor-parallel group probing at once each learn the whole link); while the rate is fresh no other
