@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvfetcher import chunk
+from kvfetcher import chunk, config
 from kvfetcher.codec import ENTROPY_FORMATS, CodecError
 from kvfetcher.errors import BAD_OBJECT, ContainerError, Reason, TruncatedError
 from kvfetcher.fetch import staging
@@ -149,7 +149,7 @@ async def fetch(
     from (None: CRC-32 only). With ``readers`` the staged reads (raw and entropy-coded segments)
     run in its reader processes, into its shared staging buffers (``staging_pool`` is then ignored).
     ``write_pool``: the threads that write verified chunks into ``dest`` (the direct path's copies,
-    entropy-coded chunks' unpacks), never threads that run NVDEC (default: :data:`WRITE_THREADS` of them).
+    entropy-coded chunks' unpacks), never threads that run NVDEC (default: ``KVFETCHER_WRITE_THREADS``' default number of them).
     """
     if workers is not None and dest.handle is None:
         raise ValueError("decode workers need the destination buffer's IPC handle")
@@ -193,15 +193,11 @@ def _reason(e: Exception) -> Reason:
     return Reason.INTERNAL
 
 
-#: write threads of a fetch not given its own ``write_pool``
-WRITE_THREADS = 4
-
-
 @functools.lru_cache(maxsize=None)
 def _write_threads() -> ThreadPoolExecutor:
     """The default ``write_pool``: threads apart from the decode threads, since torch's stream work
     has failed ("invalid resource handle") in threads that had run NVDEC."""
-    return ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="kvf-write")
+    return ThreadPoolExecutor(config.WRITE_THREADS.default, thread_name_prefix="kvf-write")
 
 
 def _read_verified(read, name: str, offset: int, part: memoryview, have: int, seg: container.Segment,
