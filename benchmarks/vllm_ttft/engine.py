@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.lib.cpuload import busy_cores, cpu_jiffies
 from kvfetcher.eval.costmodel import ModelShape
 
 GBIT = 1.25e8  # bytes/s of 1 Gbit/s
@@ -320,9 +321,10 @@ def bucket_quantile(m0: dict[str, float], m1: dict[str, float], name: str, q: fl
 
 
 class Probe:
-    """The sidecar's counters and the link server's bytes before a request (or a stream), and
-    :meth:`delta` after it: what the sidecar reports of that time. ``client`` may be a list, one
-    sidecar per tensor-parallel rank: :meth:`delta` is then the ranks' together (:func:`ranks_delta`)."""
+    """The sidecar's counters, the link server's bytes and the machine's CPU time before a request
+    (or a stream), and :meth:`delta` after it: what the sidecar reports of that time, and
+    ``cpu_busy_cores`` (:func:`busy_cores`). ``client`` may be a list, one sidecar per
+    tensor-parallel rank: :meth:`delta` is then the ranks' together (:func:`ranks_delta`)."""
 
     def __init__(self, client, url: str | None):
         from benchmarks.lib import linkserver
@@ -330,6 +332,7 @@ class Probe:
         self.clients, self.url = (list(client) if isinstance(client, (list, tuple)) else [client]), url
         self.m0s, self.l0 = [read_metrics(c) for c in self.clients], (linkserver.stats(url) if url else {})
         self.m0 = self.m0s[0]  # the metrics before, of the one sidecar (rank 0's)
+        self.cpu0 = cpu_jiffies()
 
     def delta(self) -> dict:
         from benchmarks.lib import linkserver
@@ -337,7 +340,8 @@ class Probe:
         m1, l1 = [read_metrics(c) for c in self.clients], (linkserver.stats(self.url) if self.url else {})
         link = {k: l1.get(k, 0) - self.l0.get(k, 0) for k in ("bytes_sent", "bytes_received", "objects_put")}
         each = [sidecar_delta(m0, m, link) for m0, m in zip(self.m0s, m1)]
-        return each[0] if len(each) == 1 else ranks_delta(each)
+        return dict(each[0] if len(each) == 1 else ranks_delta(each), cpu_busy_cores=busy_cores(self.cpu0, cpu_jiffies()))
+
 
 
 #: how :func:`ranks_delta` joins the ranks' sidecars: seconds by the slowest rank (the ranks run at once, a TP step
@@ -412,12 +416,13 @@ def breakdown(ttft_s: float, d: dict) -> dict:
     again where the plan chose no preset, the link's share); ``download`` time with a store read in flight; ``decode`` time with a decode or
     restore in flight (raw: the copy into the blocks); ``restore`` the fetch's wall time (download
     and decode overlap inside it); ``prefill`` the rest of the TTFT: the remainder's prefill and
-    the engine's own work. ``delivered_gbit``: the link server's bytes over the download time."""
+    the engine's own work. ``delivered_gbit``: the link server's bytes over the download time;
+    ``cpu_busy_cores``: the machine's busy cores over the request (every process on it)."""
     lookup, load = d["lookup_s"], d["load_s"]
     r = lambda x: round(x, 4)  # noqa: E731
     return {"lookup_s": r(lookup), "wait_s": r(max(0.0, load - d["fetch_s"])), "download_s": r(d["read_s"]), "decode_s": r(d["decode_s"]),
             "restore_s": r(d["fetch_s"]), "prefill_s": r(max(0.0, ttft_s - lookup - load)),
-            "delivered_gbit": delivered_gbit(d["link_bytes_sent"], d["read_s"])}
+            "delivered_gbit": delivered_gbit(d["link_bytes_sent"], d["read_s"]), "cpu_busy_cores": d.get("cpu_busy_cores")}
 
 
 def delivered_gbit(nbytes: float, seconds: float) -> float | None:

@@ -55,13 +55,15 @@ def ttft(res: dict) -> str:
            "(its whole cost, listing or not; not part of the TTFT shown). `in flight` is the load's chunks in each step of their restore "
            "on average (admitted by the fetch's window / header read / parts read and checked / decoded / waiting for a write thread / "
            "written): the step at its concurrency (the window, the reads in flight, the decode threads, the write threads) is what bounds the load. With repeats, TTFT is the median of the `samples` and "
-           "the breakdown is the median sample's; a cell's methods take turns, one request each per round, in orders where each follows every other alike (a balanced Latin square).\n\n",
+           "the breakdown is the median sample's; a cell's methods take turns, one request each per round, in orders where each follows every other alike (a balanced Latin square). "
+           f"`CPU` is how many of the machine's cores{' (' + str(res['cpus']) + ')' if res.get('cpus') else ''} were busy on average during the request (every process on it: the "
+           "engine, the sidecars, the link server).\n\n",
            f"| link (label) | delivered Gbit/s | context | method | TTFT s | samples | loaded |{' ranks loaded |' if ranks else ''} lookup | "
-           "wait | download | decode | restore | prefill | call | in flight " + "/".join(s[0] for s in STAGES) + " |\n",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if ranks else "") + "\n"]
+           "wait | download | decode | restore | prefill | call | in flight " + "/".join(s[0] for s in STAGES) + " | CPU |\n",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if ranks else "") + "\n"]
     for r in res["rows"]:
         if "skipped" in r:
-            out.append(f"| {link_label(r['link_gbit'])} | | {r['context']} | {r['method']} | skipped: {r['skipped']} | | | | | | | | | | |"
+            out.append(f"| {link_label(r['link_gbit'])} | | {r['context']} | {r['method']} | skipped: {r['skipped']} | | | | | | | | | | | |"
                        f"{' |' if ranks else ''}\n")
             continue
         samples = " ".join(_f(x) for x in r.get("ttft_samples_s", [r["ttft_s"]]))
@@ -69,7 +71,7 @@ def ttft(res: dict) -> str:
         out.append(f"| {link_label(r['link_gbit'])} | {_f(r.get('delivered_gbit'), 2)} | {r['context']} | {r['method']} | {_f(r['ttft_s'])} | "
                    f"{samples} | {r['loaded_tokens']} |{each} {_f(r['lookup_s'])} | {_f(r['wait_s'])} | {_f(r['download_s'])} | "
                    f"{_f(r['decode_s'])} | {_f(r['restore_s'])} | {_f(r['prefill_s'])} | {_f(r.get('lookup_call_s'))} | "
-                   f"{in_flight((r.get('sidecar') or {}).get('stages') or {})} |\n")
+                   f"{in_flight((r.get('sidecar') or {}).get('stages') or {})} | {_f(r.get('cpu_busy_cores'), 1)} |\n")
     out += auto_verdicts(res["rows"])
     learnt = {(r["link_gbit"], r["context"]): v for r in res["rows"] if (v := (r.get("sidecar") or {}).get("load_overhead_s")) is not None}
     if learnt:

@@ -258,6 +258,7 @@ def ttft_cells(a, llm, clients: list, asker, url: str, look: dict, gbit: float, 
               f"{b['loaded_tokens']} [lookup {b['lookup_s']:.3f} wait {b['wait_s']:.3f} download {b['download_s']:.3f} decode "
               f"{b['decode_s']:.3f} restore {b['restore_s']:.3f} prefill {b['prefill_s']:.3f}]"
               f"{' in flight ' + report.in_flight(b['sidecar']['stages']) if b['sidecar'].get('stages') else ''}"
+              f"{'' if b.get('cpu_busy_cores') is None else ' cpu ' + format(b['cpu_busy_cores'], '.1f')}"
               f"{' chose ' + ','.join(b['chose_samples']) if method == 'auto' else ''}{flag}", flush=True)
     return rows
 

@@ -94,6 +94,20 @@ def test_the_breakdown_comes_from_the_sidecars_counters():
     assert (b["lookup_s"], b["wait_s"], b["restore_s"], b["prefill_s"]) == (0.1, 0.2, 0.8, 0.9)
     assert b["delivered_gbit"] == 10.0  # 625 MB in 0.5 s of downloading
     assert breakdown(1.0, dict(d, read_s=0.0))["delivered_gbit"] is None
+    assert b["cpu_busy_cores"] is None and breakdown(2.0, dict(d, cpu_busy_cores=11.5))["cpu_busy_cores"] == 11.5
+
+
+def test_the_machines_busy_cores_are_read_from_proc_stat(tmp_path):
+    from benchmarks.lib.cpuload import busy_cores, cpu_jiffies
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 50 800 50 0 0 0 0 0\ncpu0 1 2 3 4 5 6 7 8 9 10\n")
+    assert cpu_jiffies(str(stat)) == (150, 1000)  # idle and I/O wait are not busy
+    stat.write_text("cpu  400 0 150 1100 50 0 0 0 0 0\n")  # 400 of the next 700 ticks busy
+    assert busy_cores((150, 1000), cpu_jiffies(str(stat)), cores=14) == 8.0
+    assert cpu_jiffies(str(tmp_path / "none")) is None and busy_cores(None, (1, 2)) is None and busy_cores((1, 2), (1, 2)) is None
+    now = cpu_jiffies()  # this machine's, where it has /proc
+    assert now is None or 0 <= now[0] <= now[1]
 
 
 def test_the_index_is_warmed_with_objects_placed_behind_the_sidecars_back(tmp_path):
@@ -121,12 +135,14 @@ def test_the_reports_render():
     from benchmarks.vllm_ttft import report
 
     row = dict(link_gbit=100.0, context=8192, method="raw", ttft_s=0.5, loaded_tokens=8192, lookup_s=0.001, wait_s=0.0, download_s=0.3,
-               decode_s=0.2, restore_s=0.35, prefill_s=0.1, delivered_gbit=80.5)
+               decode_s=0.2, restore_s=0.35, prefill_s=0.1, delivered_gbit=80.5, cpu_busy_cores=11.3)
     md = report.markdown("ttft", dict(model="llama3-8b", kv_dtype="bfloat16", chunk_tokens=256, object_bytes_per_chunk={"raw": 1},
                                       link_self_check={"delivered_gbit": 120.0, "procs": 8, "parallel": 16}, load_avg_at_start=6.5, cpus=16,
                                       rows=[row, dict(link_gbit=1.0, context=65536, method="raw", skipped="transfer alone 99 s > cap")]))
     assert "| 100 Gbit/s | 80.50 | 8192 | raw | 0.500 |" in md and "skipped" in md
     assert "Load average at the phase's start: 6.5 (16 CPUs)." in md
+    assert "| 0.100 |  |  | 11.3 |\n" in md  # prefill, call, in flight (none), the machine's busy cores during the request
+    assert "machine's cores (16) were busy" in md
 
 
 def test_a_histograms_quantile_between_two_readings_is_its_buckets_bound():
