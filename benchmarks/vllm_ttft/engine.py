@@ -320,6 +320,16 @@ def bucket_quantile(m0: dict[str, float], m1: dict[str, float], name: str, q: fl
     return next(le for le, c in counts if c >= q * counts[-1][1])
 
 
+#: the environment a run's report states: the sidecars' settings (they inherit them), the connector options the bench adds,
+#: and whether every process is a client of a CUDA MPS server (benchmarks/lib/with_mps.sh) rather than time-sliced
+STATED = ("KVFETCHER_", "VLLM_TTFT_CONNECTOR_OPTIONS", "CUDA_MPS_PIPE_DIRECTORY")
+
+
+def run_settings(env=None) -> dict[str, str]:
+    """The variables of ``env`` (default: this process') that :data:`STATED` names, sorted."""
+    return {k: v for k, v in sorted((os.environ if env is None else env).items()) if k.startswith(STATED)}
+
+
 class Probe:
     """The sidecar's counters, the link server's bytes and the machine's CPU time before a request
     (or a stream), and :meth:`delta` after it: what the sidecar reports of that time, and

@@ -18,7 +18,7 @@ def _head(res: dict) -> str:
     settings = ", ".join(f"`{k}={v}`" for k, v in (res.get("settings") or {}).items())
     return (f"Device: {res.get('device')}; vLLM {res.get('vllm')}; {res.get('date')}"
             f"{' — a CPU smoke run of the benchmark (--tiny), not a result' if res.get('tiny') else ''}."
-            f"{' Sidecar settings from the environment: ' + settings + '.' if settings else ''}"
+            f"{' Settings from the environment: ' + settings + '.' if settings else ''}"
             f"{_load(res)}\n\n")
 
 

@@ -44,7 +44,7 @@ from pathlib import Path
 from benchmarks.vllm_ttft import interference
 from benchmarks.vllm_ttft import peers, peers_load, report, under_load
 from benchmarks.vllm_ttft.engine import (CHUNK, FORCE, GBIT, TIMING_MODELS, Probe, breakdown, generate, kv_dtype, methods, on_gpu, presets_of,
-                                         run_phases, s3_sidecars, shape_of, sidecar, smollm2_dir, socket_template, spawn_workers, phase_left,
+                                         run_phases, run_settings, s3_sidecars, shape_of, sidecar, smollm2_dir, socket_template, spawn_workers, phase_left,
                                          start_llm, timing_model, ttft_prompts, turns, wait_stored, warm_index, warm_ranks)
 from kvfetcher.api.group import RankGroup
 
@@ -343,7 +343,7 @@ def main() -> None:
 
     res.update(device=torch.cuda.get_device_name() if on_gpu() else "cpu (a smoke run, not a result)", vllm=vllm.__version__,
                tiny=a.tiny, date=time.strftime("%Y-%m-%d"), load_avg_at_start=round(load_avg, 2), cpus=os.cpu_count(),
-               settings={k: v for k, v in sorted(os.environ.items()) if k.startswith("KVFETCHER_")})  # the sidecars inherit them
+               settings=run_settings())
     (work / f"{a.phase}.json").write_text(json.dumps(res, indent=1))
     (out / f"{a.phase}.json").write_text(json.dumps(res, indent=1))
     (out / f"{a.phase}.md").write_text(report.markdown(a.phase, res))

@@ -441,6 +441,16 @@ def test_the_reports_state_the_sidecar_settings_a_run_had():
 
     assert "`KVFETCHER_READ_PROCS=8`" in _head({"device": "H200", "vllm": "0.26.0", "date": "d", "settings": {"KVFETCHER_READ_PROCS": "8"}})
     assert "settings" not in _head({"device": "H200", "vllm": "0.26.0", "date": "d"})
+
+
+def test_a_run_states_the_sidecar_settings_connector_options_and_mps_it_had():
+    from benchmarks.vllm_ttft.engine import run_settings
+
+    env = {"KVFETCHER_WRITE_THREADS": "8", "VLLM_TTFT_CONNECTOR_OPTIONS": '{"idle_step_wait_s": 0}', "VLLM_TTFT_PHASE_END": "1",
+           "CUDA_MPS_PIPE_DIRECTORY": "/tmp/p", "PATH": "/bin"}
+    assert list(run_settings(env)) == ["CUDA_MPS_PIPE_DIRECTORY", "KVFETCHER_WRITE_THREADS", "VLLM_TTFT_CONNECTOR_OPTIONS"]
+
+
 def test_a_requests_choice_is_read_from_the_sidecars_decisions():
     from benchmarks.vllm_ttft.engine import sidecar_delta
     from benchmarks.vllm_ttft.vllm_ttft_bench import chosen
