@@ -230,14 +230,37 @@ def pass_buffer(path: str, message: dict, handle: dict, timeout: float) -> dict:
     ``path``; the sidecar's JSON reply."""
     fd = _reopen(handle)
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(timeout)
-            s.connect(path)
-            socket.send_fds(s, [json.dumps(message).encode()], [fd])
-            s.shutdown(socket.SHUT_WR)
-            return json.loads(_read_all(s) or b"{}")
+        return pass_fd(path, message, fd, timeout)
     finally:
         os.close(fd)
+
+
+def pass_fd(path: str, message: dict, fd: int, timeout: float) -> dict:
+    """Client side: send ``message`` (JSON) with ``fd`` (``SCM_RIGHTS``) to the buffer socket at
+    ``path``; the sidecar's JSON reply. The caller still holds its ``fd``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(path)
+        socket.send_fds(s, [json.dumps(message).encode()], [fd])
+        s.shutdown(socket.SHUT_WR)
+        return json.loads(_read_all(s) or b"{}")
+
+
+def lease_fd() -> int | None:
+    """A pidfd of this process (readable once it exits), the lease a registration passes; None where
+    the kernel (before Linux 5.3) or Python has none."""
+    try:
+        return os.pidfd_open(os.getpid())
+    except (AttributeError, OSError):
+        return None
+
+
+def is_pidfd(fd: int) -> bool:
+    """Whether ``fd`` is a pidfd (what a lease must pass: it names a process, and nothing else it could be reads ready then)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]"
+    except OSError:
+        return False
 
 
 def receive_buffer(conn: socket.socket, timeout_s: float) -> tuple[dict, int | None]:

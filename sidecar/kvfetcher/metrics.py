@@ -105,6 +105,8 @@ class Metrics:
                                ["endpoint", "format"], registry=r)
         self.fallbacks = Counter("kvfetcher_fallbacks_total", "Tokens-to-recompute outcomes, by reason", ["reason"], registry=r)
         self.errors = Counter("kvfetcher_errors_total", "Errors, by reason", ["reason"], registry=r)
+        self.released_buffers = Counter("kvfetcher_released_buffers_total", "Registered buffers released because the process that "
+                                        "registered them exited without unregistering (a crashed or restarted engine)", registry=r)
         self.warming = Gauge("kvfetcher_decode_warming", "1 while a registered buffer's warm-up holds the decode workers (auto then "
                              "considers only raw and recompute)", registry=r)
         self.warm_up_seconds = Gauge(

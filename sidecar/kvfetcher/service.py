@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import time
 from collections.abc import Sequence
@@ -84,6 +85,7 @@ class Sidecar:
         self.metrics = metrics or Metrics()
         self.estimator = choice.Estimator(gpu=torch.cuda.is_available())
         self.buffers: dict[str, Buffer] = {}
+        self.leases: dict[str, tuple[int, asyncio.AbstractEventLoop]] = {}  # buffer id -> its client's pidfd, the loop watching it
         self.data_pool = ThreadPoolExecutor(self.config.io_workers, thread_name_prefix="kvf-io")
         self.meta_pool = ThreadPoolExecutor(self.config.meta_io_workers, thread_name_prefix="kvf-meta")
         self.decode_pool = ThreadPoolExecutor(self.config.decode_threads, thread_name_prefix="kvf-decode")
@@ -279,7 +281,51 @@ class Sidecar:
         """Whether no warm-up is using the decode workers (a fetch needing them would wait for it)."""
         return self._warming is None or self._warming.done()
 
+    def lease(self, bid: str, pidfd: int) -> None:
+        """Release buffer ``bid`` when the process ``pidfd`` names exits (its client died without
+        unregistering: a crashed or restarted engine, whose KV memory, a GPU's by CUDA IPC, its next
+        start needs). Takes ``pidfd`` (closed here, whatever happens); needs the running event loop.
+        :class:`RequestError` for an unknown or already leased buffer."""
+        try:
+            if bid not in self.buffers:
+                raise RequestError("unknown buffer: register it first")
+            if bid in self.leases:
+                raise RequestError("the buffer already has a lease")
+            loop = asyncio.get_running_loop()
+            loop.add_reader(pidfd, self._client_gone, bid)
+        except BaseException:
+            os.close(pidfd)
+            raise
+        self.leases[bid] = (pidfd, loop)
+
+    def _client_gone(self, bid: str) -> None:
+        log.info("a registered buffer's client exited without unregistering it: released")
+        self.metrics.released_buffers.inc()
+        self.unregister(bid)
+
+    def _end_lease(self, bid: str) -> None:
+        lease = self.leases.pop(bid, None)
+        if lease is None:
+            return
+        pidfd, loop = lease
+
+        def end() -> None:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+
+        try:
+            here = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            here = False
+        if here:
+            end()
+        elif loop.is_closed():
+            os.close(pidfd)
+        else:  # (from another thread: the loop's reader is the loop's to remove)
+            loop.call_soon_threadsafe(end)
+
     def unregister(self, bid: str) -> None:
+        self._end_lease(bid)
         buf = self.buffers.pop(bid, None)
         if buf is not None and buf.handle is not None:
             if self.workers is not None:

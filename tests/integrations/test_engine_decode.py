@@ -277,6 +277,31 @@ def test_gpu_blocks_load_ans_decoded_here_through_a_sidecar_without_cuda(tmp_pat
 
 
 @pytest.mark.gpu
+def test_gpu_blocks_restored_by_this_process_when_asked_although_the_sidecar_opens_the_gpu(tmp_path):
+    """``engine_decode=True`` (the connector's option): the sidecar sees the GPU and could restore
+    into the blocks itself, yet the registration is engine-decode and the load is restored here,
+    in this process' CUDA context; raw objects arrive byte-identical."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from kvtest import served
+
+    kv = KV.cuda()
+    ns = keys.Namespace(FP, "float16", shape=(LAYERS, HEADS, HEAD_DIM))
+    store = LocalStore(tmp_path / "store")
+    for i, k in enumerate(keys.chunk_keys(ns, TOKENS, N)):
+        store.put(keys.object_name(k, "raw"), chunk.encode_chunk(kv[:, :, :, i * N : (i + 1) * N].cpu(), "raw", FP, start=i * N))
+    env = {k: v for k, v in _hidden_cuda_sidecar(tmp_path).items() if k != "CUDA_VISIBLE_DEVICES"}
+    with served(str(tmp_path / "kvf.sock"), env):
+        c = Loads(socket_path=str(tmp_path / "kvf.sock"))
+        dst = [b.cuda() for b in blocks()]
+        buf, st, why = staged.register(c, dst, LAYOUT, FP, 0, 192, engine_decode=True)
+        assert st is not None and st.engine is not None and "engine_decode" in why, why
+        assert st.fetch(c, buf, TOKENS, BLOCK_IDS, 0, 640, options=FetchOptions(presets=("raw",), recompute_tokens_per_s=1.0)) == 640
+        assert torch.equal(read_blocks(dst, LAYOUT, BLOCK_IDS, 0, 640).view(torch.int16), kv.view(torch.int16))
+        assert metric(c, "kvfetcher_engine_objects_total", preset="raw") == 10 and metric(c, "kvfetcher_kv_bytes_restored_total") == 0
+
+
+@pytest.mark.gpu
 def test_gpu_vllm_engine_decodes_ans_past_its_own_hit_with_a_sidecar_without_cuda(tmp_path):
     """A real vLLM engine (SmolLM2, bf16) beside a sidecar with CUDA hidden, as in a device-plugin pod:
     the connector picks engine-decode by itself. A prompt's first 1,024 tokens are stored (raw, by

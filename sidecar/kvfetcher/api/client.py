@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import socket
 import threading
 from collections.abc import Mapping, Sequence
@@ -147,20 +148,38 @@ class KVClient:
         them into the buffer (``FetchReply.objects``) instead of KV.
 
         The id is the registration's capability: whoever holds it may fetch into, store from and
-        unregister the buffer, so keep it in this process. A host-memory buffer (a memfd handle
-        from :func:`ipc.allocate`) is registered only over the Unix socket: its fd is passed on the
-        sidecar's buffer socket, never named. A CUDA handle goes over either transport."""
+        unregister the buffer, so keep it in this process: over the Unix socket the registration
+        is leased to this process (:meth:`_lease`) and released when it exits. A host-memory buffer
+        (a memfd handle from :func:`ipc.allocate`) is registered only over the Unix socket: its fd is
+        passed on the sidecar's buffer socket, never named. A CUDA handle goes over either transport."""
         request = schemas.RegisterRequest(handle=handle, model=model, tp_rank=tp_rank, engine=engine)
         if handle.get("kind") != "memfd":
-            return self._call(schemas.REGISTER, request).buffer
-        if self._socket_path is None:
+            bid = self._call(schemas.REGISTER, request).buffer
+        elif self._socket_path is None:
             raise ValueError("a host-memory buffer is registered over the sidecar's Unix socket (its fd is passed), not TCP")
-        described = {k: v for k, v in schemas.to_json(request).items() if v is not None}
-        described["handle"] = {k: handle[k] for k in ("kind", "shape", "dtype")}
-        reply = ipc.pass_buffer(ipc.fd_socket(self._socket_path), described, handle, self._timeout_s)
-        if "error" in reply:
-            raise SidecarError(400, reply["error"], reply.get("detail", ""))
-        return schemas.from_json(schemas.RegisterReply, reply, strict=False).buffer
+        else:
+            described = {k: v for k, v in schemas.to_json(request).items() if v is not None}
+            described["handle"] = {k: handle[k] for k in ("kind", "shape", "dtype")}
+            reply = ipc.pass_buffer(ipc.fd_socket(self._socket_path), described, handle, self._timeout_s)
+            if "error" in reply:
+                raise SidecarError(400, reply["error"], reply.get("detail", ""))
+            bid = schemas.from_json(schemas.RegisterReply, reply, strict=False).buffer
+        self._lease(bid)
+        return bid
+
+    def _lease(self, bid: str) -> bool:
+        """Tie registration ``bid`` to this process (:class:`schemas.LeaseRequest`): the sidecar
+        releases it when the process exits. Over the Unix socket only, where the kernel has pidfds;
+        whether it took (a registration works without one)."""
+        if self._socket_path is None or (fd := ipc.lease_fd()) is None:
+            return False
+        try:
+            reply = ipc.pass_fd(ipc.fd_socket(self._socket_path), schemas.to_json(schemas.LeaseRequest(bid)), fd, self._timeout_s)
+        except (OSError, ValueError):
+            return False
+        finally:
+            os.close(fd)
+        return "error" not in reply
 
     def register_tensor(self, t: torch.Tensor, model: str, tp_rank: int = 0) -> str:
         """Register a CUDA tensor by IPC handle (CPU buffers must come from :func:`ipc.allocate`)."""

@@ -193,6 +193,18 @@ class Ok:
 
 
 @dataclass
+class LeaseRequest:
+    """Ties a registration to the process that made it: sent on the buffer socket (not HTTP) with a
+    pidfd of that process (``SCM_RIGHTS``), answered with `Ok` or an `ErrorReply`. When the process
+    exits the sidecar releases the buffer, as if it had been unregistered: a crashed or restarted
+    engine's KV memory (a GPU's, by CUDA IPC) is not kept mapped for its next start to find taken.
+    `KVClient.register` leases every registration it makes over the Unix socket; without a lease a
+    dead client's buffer is released only past the sidecar's bound on registrations."""
+
+    lease: str = doc("the buffer id a registration returned")
+
+
+@dataclass
 class ErrorReply:
     """The reply of a refused request (4xx)."""
 
@@ -224,7 +236,7 @@ STORE = Endpoint("POST", "/v1/store", StoreRequest, StoreReply,
                  "Queue the prefix for storing; the KV is copied before the reply, so the buffer may be reused at once.", 202)
 FLUSH = Endpoint("POST", "/v1/flush", None, Ok, "Wait until every queued store is written (tests, demo, shutdown).")
 ENDPOINTS = (REGISTER, UNREGISTER, LOOKUP, FETCH, STORE, FLUSH)
-MESSAGES = (FetchOptions, FetchPlan, FetchDecision, PrefillModel, PagedLayout, EngineDecode, EngineDecoded, ErrorReply)  # nested or shared, documented once each
+MESSAGES = (FetchOptions, FetchPlan, FetchDecision, PrefillModel, PagedLayout, EngineDecode, EngineDecoded, LeaseRequest, ErrorReply)  # nested or shared, documented once each
 
 
 # --- checking and rendering ------------------------------------------------------------------

@@ -165,17 +165,23 @@ async def register(request: web.Request) -> web.Response:
 
 async def _register_passed(sidecar: Sidecar, conn: socket.socket, pool: ThreadPoolExecutor) -> None:
     """One registration on the buffer socket: a ``RegisterRequest`` whose handle gives ``shape`` and
-    ``dtype``, the memfd itself passed with it; answered with a ``RegisterReply`` or ``ErrorReply``."""
+    ``dtype``, the memfd itself passed with it; answered with a ``RegisterReply`` or ``ErrorReply``.
+    Or a ``LeaseRequest`` with the registering process' pidfd, answered ``Ok`` (:meth:`Sidecar.lease`)."""
     loop, fd = asyncio.get_running_loop(), None
     try:
         message, fd = await loop.run_in_executor(pool, ipc.receive_buffer, conn, RECEIVE_TIMEOUT_S)
         schemas.check_depth(message)
-        r = schemas.from_json(schemas.RegisterRequest, message)
-        if fd is None or r.paged is not None or r.handle is None or r.handle.get("kind") != "memfd":
-            raise RequestError("pass exactly one memfd with a flat buffer's registration whose handle is of kind 'memfd' "
-                               "(paged buffers register CUDA handles over HTTP)")
-        handle = ipc.memfd_handle(fd, r.handle.get("shape", []), r.handle.get("dtype"))
-        reply = schemas.RegisterReply(sidecar.register(handle, r.model, r.tp_rank, r.engine))
+        if isinstance(message, dict) and "lease" in message:
+            lease = schemas.from_json(schemas.LeaseRequest, message)
+            passed, fd = fd, None  # _lease owns it from here, refused or not
+            reply = _lease(sidecar, lease, passed)
+        else:
+            r = schemas.from_json(schemas.RegisterRequest, message)
+            if fd is None or r.paged is not None or r.handle is None or r.handle.get("kind") != "memfd":
+                raise RequestError("pass exactly one memfd with a flat buffer's registration whose handle is of kind 'memfd' "
+                                   "(paged buffers register CUDA handles over HTTP)")
+            handle = ipc.memfd_handle(fd, r.handle.get("shape", []), r.handle.get("dtype"))
+            reply = schemas.RegisterReply(sidecar.register(handle, r.model, r.tp_rank, r.engine))
     except (RequestError, ValueError, TypeError, OSError) as e:
         sidecar.metrics.errors.labels(Reason.BAD_REQUEST).inc()
         reply = schemas.ErrorReply(Reason.BAD_REQUEST.value, str(e))
@@ -193,6 +199,16 @@ async def _register_passed(sidecar: Sidecar, conn: socket.socket, pool: ThreadPo
             sidecar.unregister(reply.buffer)
     finally:
         conn.close()
+
+
+def _lease(sidecar: Sidecar, r: schemas.LeaseRequest, fd: int | None) -> schemas.Ok:
+    """Hand the passed pidfd to :meth:`Sidecar.lease` (which owns it from then on, refused or not)."""
+    if fd is None or not ipc.is_pidfd(fd):
+        if fd is not None:
+            os.close(fd)
+        raise RequestError("a lease passes one pidfd: of the process that registered the buffer")
+    sidecar.lease(r.lease, fd)
+    return schemas.Ok(True)
 
 
 async def _serve_buffer_socket(sidecar: Sidecar, server: socket.socket) -> None:

@@ -63,11 +63,15 @@ def register(client: KVClient, tensors: torch.Tensor | Sequence[torch.Tensor], l
     """Register paged KV ``tensors`` with the sidecar: straight (CUDA IPC) where the sidecar opens
     them, else (host memory, or a sidecar answering ``no_device``) the host ``staging`` given, or a
     new one of ``staging_tokens`` slots, whose fetches this process decodes (engine-decode mode) when
-    ``engine_decode`` says, by default on a GPU. The buffer id, the staging (None: direct) and why
-    this mode; a refusal other than ``no_device`` raises (:class:`SidecarError`, ``OSError``)."""
+    ``engine_decode`` says, by default on a GPU; ``engine_decode`` True takes that mode on a GPU the
+    sidecar could open too (the restore then runs in this process' CUDA context, not time-sliced
+    beside it). The buffer id, the staging (None: direct) and why this mode; a refusal other than
+    ``no_device`` raises (:class:`SidecarError`, ``OSError``)."""
     if staging is None:
         t0 = tensors if isinstance(tensors, torch.Tensor) else tensors[0]
-        if t0.device.type == "cuda":
+        if t0.device.type == "cuda" and engine_decode:
+            why = "the connector's engine_decode option: this process restores its loads on its GPU"
+        elif t0.device.type == "cuda":
             try:
                 return client.register_paged(tensors, layout, model, tp_rank), None, "the sidecar opens the GPU KV blocks by CUDA IPC"
             except SidecarError as e:

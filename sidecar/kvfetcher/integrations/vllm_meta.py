@@ -62,6 +62,9 @@ class Options:
     # a step that computed nothing while loads run waits this long at most for one to land (0: never), since vLLM's engine
     # steps without pause while a request waits for its KV; a new request is admitted at most this much later
     idle_step_wait_s: float = 0.002
+    # who restores a load on a GPU: None where the sidecar cannot open the GPU the engine does (engine-decode), else the sidecar
+    # (direct); true: the engine also where the sidecar could (in the engine's own CUDA context); false: never the engine (staging)
+    engine_decode: bool | None = None
     # from vLLM's kv_role, not kv_connector_extra_config: kv_consumer loads only, kv_producer stores only, kv_both both
     loads: bool = True
     stores: bool = True
@@ -88,6 +91,8 @@ class Options:
             w = kw["idle_step_wait_s"]
             if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= 1:
                 raise ValueError(f"kvfetcher: idle_step_wait_s must be seconds from 0 to 1, not {w!r}")
+        if kw.get("engine_decode") is not None and not isinstance(kw["engine_decode"], bool):
+            raise ValueError(f"kvfetcher: engine_decode must be true, false or null, not {kw['engine_decode']!r}")
         if "staging_tokens" in kw:
             n = kw["staging_tokens"]
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:

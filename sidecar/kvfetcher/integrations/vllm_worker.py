@@ -6,12 +6,14 @@ Three modes, chosen at registration and logged once:
 * direct: on a GPU the sidecar shares (DRA, a device list), it opens vLLM's KV tensors by CUDA IPC
   and loads straight into the request's blocks (the cross-layer tensor when vLLM gives one);
 * engine-decode: on a GPU whose sidecar refuses the CUDA handle (``no_device``: a device-plugin GPU
-  held by the model container only), a bounded flat host buffer of ``staging_tokens`` slots is
+  held by the model container only), or on any GPU with the ``engine_decode`` option true (the
+  restore then runs in this process' CUDA context), a bounded flat host buffer of ``staging_tokens`` slots is
   registered instead; a load has the sidecar fetch and verify the stored objects into it and this
   process decodes them on its GPU into the blocks with the sidecar's own restore; a save copies the
   blocks' KV into it for the sidecar to store (:class:`~kvfetcher.integrations.staged.Staging`);
-* staged: on a CPU (no process can map vLLM's memory) the same buffer carries KV both ways: the
-  sidecar decodes into it and this process copies it into the blocks, in windows of whole chunks.
+* staged: on a CPU (no process can map vLLM's memory), or on a GPU the sidecar cannot open with
+  ``engine_decode`` false, the same buffer carries KV both ways: the sidecar decodes into it and
+  this process copies it into the blocks, in windows of whole chunks.
 
 Invariants: a fetch writes only tokens ``first .. end`` of its request, in whole blocks; every block
 of that range it did not write is reported by :meth:`load_errors` no later than the step that
@@ -142,7 +144,7 @@ class WorkerSide:
             tokens = min(self.options.staging_tokens, self.vllm_config.model_config.max_model_len)
             try:
                 self.buffer, self.staging, why = staged.register(self.client, self.tensors, self.layout, self.options.model, self.tp_rank,
-                                                                 tokens, self.staging)
+                                                                 tokens, self.staging, self.options.engine_decode)
             except (OSError, SidecarError, ValueError) as e:
                 log.warning("kvfetcher: cannot register the KV cache with the sidecar (will retry): %s", e)
                 return None
