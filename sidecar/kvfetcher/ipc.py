@@ -258,9 +258,10 @@ def lease_fd() -> int | None:
 def is_pidfd(fd: int) -> bool:
     """Whether ``fd`` is a pidfd (what a lease must pass: it names a process, and nothing else it could be reads ready then)."""
     try:
-        return os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]"
+        link = os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
         return False
+    return link == "anon_inode:[pidfd]" or link.startswith("pidfd:")  # (kernels with pidfs may name it so)
 
 
 def receive_buffer(conn: socket.socket, timeout_s: float) -> tuple[dict, int | None]:
