@@ -6,6 +6,7 @@ raw and zstd); the gpu tests decode nvCOMP ANS in an engine whose sidecar sees n
 from __future__ import annotations
 
 import json
+import time
 import os
 from pathlib import Path
 
@@ -109,7 +110,9 @@ def test_the_engine_restores_the_verified_objects_past_its_own_hit_in_arena_wind
     kv_before = metric(c, "kvfetcher_kv_bytes_restored_total")
     options = FetchOptions(presets=(preset,), recompute_tokens_per_s=1.0)
     assert st.fetch(c, st.arena, TOKENS, BLOCK_IDS, 160, 640, options=options) == 640
-    assert all(b == st.arena and off == 0 for b, _, off, _ in c.calls)  # the arena is addressed by first_token only
+    arenas = [a for a, _, _ in st.arenas]
+    assert len(set(arenas)) == 2 and [b for b, _, _, _ in c.calls] == [arenas[k % 2] for k in range(len(c.calls))]  # the two in turn
+    assert all(off == 0 for _, _, off, _ in c.calls)  # an arena is addressed by first_token only
     firsts = [first for _, first, _, _ in c.calls]
     assert firsts[0] == 160 and all(f % N == 0 for f in firsts[1:]) and len(firsts) >= 2, firsts  # windows of what fit
     assert [o[0] for call in c.calls for o in call[3]] == list(range(128, 640, N))  # every chunk once, from the one straddling 160
@@ -123,6 +126,45 @@ def test_the_engine_restores_the_verified_objects_past_its_own_hit_in_arena_wind
     st.fetch(c, st.arena, TOKENS, BLOCK_IDS, 160, 640, options=options)  # its report of the first load rides on this one
     assert metric(c, "kvfetcher_engine_kv_bytes_total", preset=preset) > 0
     assert metric(c, "kvfetcher_engine_decode_seconds_total", preset=preset) > 0
+
+
+def test_the_sidecar_fills_the_next_window_while_the_engine_restores_this_one(served_sidecar, monkeypatch):
+    """Windows of two chunks (an arena of 192 tokens' KV holds two raw objects with their headers),
+    each object's restore made slow: the second window's fetch has
+    answered before the first window's restores end (two arenas in turn), and the load is whole."""
+    c, dst, _, st = engine(served_sidecar)
+    events, restore = [], staged.chunk.restore_object
+
+    def slow_restore(*a, **kw):
+        time.sleep(0.05)
+        out = restore(*a, **kw)
+        events.append(("restored", a[1].start))
+        return out
+
+    c.after = lambda reply: events.append(("fetched", reply.objects[0][0]))
+    monkeypatch.setattr(staged.chunk, "restore_object", slow_restore)
+    assert st.fetch(c, st.arena, TOKENS, BLOCK_IDS, 0, 640, options=FetchOptions(presets=("raw",), recompute_tokens_per_s=1.0)) == 640
+    assert events.index(("fetched", 128)) < events.index(("restored", 64)), events  # window 2 was in before window 1's last chunk
+    assert torch.equal(read_blocks(dst, LAYOUT, BLOCK_IDS, 0, 640).view(torch.int16), KV.view(torch.int16))
+
+
+def test_a_window_that_fails_to_restore_ends_the_load_after_the_window_fetched_ahead(served_sidecar):
+    """The second window's second object (tokens 192..256) altered after the sidecar verified it:
+    the load ends there, and the third window, fetched meanwhile, has answered before it returns."""
+    c, dst, _, st = engine(served_sidecar)
+
+    def damage(reply):
+        if reply.objects[0][0] == 128:
+            start, offset, size = reply.objects[1]
+            memory = next(m for a, _, m in st.arenas if a == c.calls[-1][0])
+            memory[offset + size - 3] ^= 0xFF
+
+    c.after = damage
+    assert st.fetch(c, st.arena, TOKENS, BLOCK_IDS, 0, 640, options=FetchOptions(presets=("raw",), recompute_tokens_per_s=1.0)) == 192
+    assert [first for _, first, _, _ in c.calls] == [0, 128, 256]  # the third asked before the second failed, and waited for
+    got = read_blocks(dst, LAYOUT, BLOCK_IDS, 0, 640)
+    assert torch.equal(got[:, :, :, :192].view(torch.int16), KV[:, :, :, :192].view(torch.int16))
+    assert bool((got[:, :, :, 192:] == SENTINEL).all())
 
 
 def test_a_load_ends_at_end_and_a_window_never_writes_past_it(served_sidecar):
@@ -160,7 +202,8 @@ def test_bytes_changed_in_the_arena_after_the_reply_are_refused_by_the_engine(se
 
     def damage(reply):
         start, offset, size = reply.objects[2]
-        st._memory[offset + size - 3] ^= 0xFF  # inside its last segment
+        memory = next(m for a, _, m in st.arenas if a == c.calls[-1][0])  # the arena this reply filled
+        memory[offset + size - 3] ^= 0xFF  # inside its last segment
 
     c.after = damage
     assert st.fetch(c, st.arena, TOKENS, BLOCK_IDS, 0, 640, options=FetchOptions(presets=("q8-zstd",), recompute_tokens_per_s=1.0)) == 128

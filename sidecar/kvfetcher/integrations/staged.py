@@ -11,7 +11,9 @@ window's start and ``offset = -first_token`` (the window's first token in slot 0
 the prompt's earlier tokens is fetched, written or read again.
 
 Engine-decode mode (a GPU the sidecar cannot open, the default there): the same memory is
-registered a second time as the engine's arena (:class:`~kvfetcher.fetch.plan.EngineDecode`). A fetch
+registered a second time as an engine's arena (:class:`~kvfetcher.fetch.plan.EngineDecode`), and a
+spare buffer of its size as a second one, so that the sidecar fetches the next window into one while
+this process restores the other. A fetch
 asks the sidecar to fetch the stored objects, not to decode them: it reads and verifies every part
 (CRC-32, and tags with the pool's key) and only then copies the whole object into the arena, and
 answers where each lies once none of its writes can still run. This process then restores each
@@ -34,6 +36,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import replace
 
@@ -113,22 +116,36 @@ class Staging:
         per_token = L * 2 * H * D * kvbuffer.bytes_per_value(self.paged.dtype)
         self.copy_tokens = max(bs, COPY_BYTES // per_token // bs * bs)
         self._warned = False
-        self.engine, self.arena, self.model = engine, None, ""  # engine-decode mode: the arena's id, the model's fingerprint
-        self._memory = memoryview(self.buffer.tensor.view(-1).view(torch.uint8).numpy())
+        self.engine, self.model = engine, ""  # the model's fingerprint, once registered
+        # engine-decode mode: two arenas, the buffer and one more of its size, so that the sidecar fills one with the next
+        # window while this process restores the other; each as (its id once registered, its memory, its bytes)
+        self._spare = ipc.allocate((L, 2, H, tokens, D), self.paged.dtype) if engine is not None else None
+        self.arenas: list[tuple[str | None, ipc.SharedBuffer, memoryview]] = [
+            (None, b, memoryview(b.tensor.view(-1).view(torch.uint8).numpy())) for b in (self.buffer, self._spare) if b is not None]
+        self._ahead = ThreadPoolExecutor(1, thread_name_prefix="kvfetcher-window") if engine is not None else None
         self._decoded: dict[str, tuple[int, float]] = {}  # per preset: KV bytes and seconds not yet reported
         self._cold: set[str] = set(getattr(engine, "formats", ()))  # formats whose first decode (set-up) is not reported
 
     def register(self, client: KVClient, model: str, tp_rank: int) -> str:
-        """Register the buffer with the sidecar (in engine-decode mode a second time, as the arena);
-        the id that stores use."""
+        """Register the buffer with the sidecar (in engine-decode mode a second time, as an arena,
+        and the spare as the other arena); the id that stores use."""
         buffer = client.register(self.handle, model, tp_rank)
         if self.engine is not None:
-            self.arena = client.register(self.handle, model, tp_rank, self.engine)
+            self.arenas = [(client.register(b.handle, model, tp_rank, self.engine), b, m) for _, b, m in self.arenas]
         self.model = model
         return buffer
 
+    @property
+    def arena(self) -> str | None:
+        """The first arena's id (engine-decode mode, once registered)."""
+        return self.arenas[0][0] if self.engine is not None else None
+
     def close(self) -> None:
-        self.buffer.close()
+        if self._ahead is not None:
+            self._ahead.shutdown(wait=True)
+        for b in (self.buffer, self._spare):
+            if b is not None:
+                b.close()
 
     # --- fetches -----------------------------------------------------------------------------
 
@@ -164,26 +181,45 @@ class Staging:
 
     def _fetch_objects(self, client: KVClient, tokens: Sequence[int], block_ids: Sequence[int], first: int, end: int,
                        plan: FetchPlan | None, options: FetchOptions | None) -> int:
-        """:meth:`fetch` in engine-decode mode: windows of what fits the arena, each restored here."""
+        """:meth:`fetch` in engine-decode mode: windows of what fits an arena, each restored here
+        while the sidecar fills the other arena with the next (a window that fails to restore
+        whole ends the fetch, its successor fetched for nothing, and waited for: no write into an
+        arena outlives the fetch)."""
         o = options or FetchOptions()
         chosen = plan is not None and plan.preset is not None  # then only the deadline goes with it
-        done, t0 = first, time.monotonic()
+        t0 = time.monotonic()
+
+        def window(at: int, arena: int, decoded: list[EngineDecoded]) -> FetchReply | None:
+            left = None if o.deadline_s is None else o.deadline_s - (time.monotonic() - t0)
+            if left is not None and left <= 0:
+                return None
+            opts = FetchOptions(deadline_s=left) if chosen else replace(o, deadline_s=left)
+            return client.fetch(self.arenas[arena][0], tokens, plan, options=opts, first_token=at, decoded=decoded)
+
+        done, i = first, 0
         with self.lock:
-            while done < end:
-                left = None if o.deadline_s is None else o.deadline_s - (time.monotonic() - t0)
-                if left is not None and left <= 0:
-                    break
-                window = FetchOptions(deadline_s=left) if chosen else replace(o, deadline_s=left)
-                reply = client.fetch(self.arena, tokens, plan, options=window, first_token=done, decoded=self._report())
-                upto = self._restore(reply, block_ids, done, end)
-                if upto <= done or reply.reason is not None or reply.loaded_tokens >= reply.requested_tokens or upto < reply.loaded_tokens:
-                    return max(done, upto)
-                done = upto
+            ahead = self._ahead.submit(window, done, i, self._report()) if done < end else None
+            try:
+                while ahead is not None:
+                    reply, ahead = ahead.result(), None
+                    if reply is None:  # the deadline passed before the window was asked
+                        break
+                    nxt = reply.loaded_tokens
+                    if reply.reason is None and done < nxt < min(end, reply.requested_tokens):  # the next window, while this one restores
+                        ahead = self._ahead.submit(window, nxt, 1 - i, self._report())
+                    upto = self._restore(reply, block_ids, done, end, self.arenas[i][2])
+                    if ahead is None or upto < nxt:
+                        return max(done, upto)
+                    done, i = upto, 1 - i
+            finally:
+                if ahead is not None:
+                    ahead.exception()  # (a window fetched ahead for nothing: its writes end before the arena is used again)
         return done
 
-    def _restore(self, reply: FetchReply, block_ids: Sequence[int], first: int, end: int) -> int:
-        """Restore the reply's objects (whole chunks ending by ``end``) into the blocks, tokens from
-        ``first`` on, in order until one fails; the end of the tokens written (at least ``first``)."""
+    def _restore(self, reply: FetchReply, block_ids: Sequence[int], first: int, end: int, memory: memoryview) -> int:
+        """Restore the reply's objects (whole chunks ending by ``end``, in the arena ``memory``) into
+        the blocks, tokens from ``first`` on, in order until one fails; the end of the tokens
+        written (at least ``first``)."""
         n = reply.chunk_tokens
         objects = [o for o in reply.objects or () if o[0] + n <= end]
         if not objects or not n:
@@ -192,13 +228,13 @@ class Staging:
         done = first
         with self._on_stream():
             for start, offset, size in objects:
-                if start > done or offset < 0 or offset + size > len(self._memory):
+                if start > done or offset < 0 or offset + size > len(memory):
                     log.warning("kvfetcher: the sidecar named a stored object the buffer does not hold in order (token %d, bytes %d+%d)",
                                 start, offset, size)
                     break
                 t = time.perf_counter()
                 try:
-                    h, kv_bytes = chunk.restore_object(dest, kvbuffer.ChunkRef("", size, start, n), self._memory[offset : offset + size],
+                    h, kv_bytes = chunk.restore_object(dest, kvbuffer.ChunkRef("", size, start, n), memory[offset : offset + size],
                                                        self.model, device=self.paged.device)
                 except (ContainerError, GeometryMismatchError, CodecError, ValueError) as e:
                     log.warning("kvfetcher: a stored object for tokens %d.. did not restore here, recomputing from there: %s", start, e)
