@@ -85,11 +85,12 @@ class Sidecar(SidecarProcess):
 class Engine:
     """The vLLM engine process (``vllm_engine.py``), one JSON command and reply at a time."""
 
-    def __init__(self, tmp: Path, sidecar: Sidecar, tp: int = 1, model_dir: Path | None = None, name: str = NS.model):
+    def __init__(self, tmp: Path, sidecar: Sidecar, tp: int = 1, model_dir: Path | None = None, name: str = NS.model,
+                 options: dict | None = None):
         from kvtest import free_port
 
         cfg = dict(model=str(model_dir or model.cache_dir() / "smollm2-135m"), name=name, socket=sidecar.socket, max_model_len=2048,
-                   events=free_port(), tp=tp, staging_tokens=STAGING)
+                   events=free_port(), tp=tp, staging_tokens=STAGING, options=options or {})
         self.log = open(tmp / "engine.log", "w")
         self.proc = subprocess.Popen([str(VLLM_PY), str(Path(__file__).with_name("vllm_engine.py")), json.dumps(cfg)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
@@ -301,6 +302,31 @@ def test_the_engine_teaches_the_cost_model_its_prefill_time(vllm, texts):
     assert set(got) == {"c0", "c1", "c2"} and min(got.values()) >= 0
     predicted = PrefillModel(**got).seconds(0, 1000)
     assert 1e-3 < predicted < 300, got  # a CPU's prefill of 1000 tokens of a 135M model, on any machine however busy
+
+
+@pytest.fixture
+def vllm_engine_decode(vllm, tmp_path_factory):
+    """The engine again with the connector's ``engine_decode`` option (on a CPU too: the engine
+    restores what the sidecar fetched and verified into its arenas), in place of the single-rank
+    engine (closed first, for memory; the tests after it bring their own)."""
+    engine, sc = vllm
+    engine.close()
+    decoding = Engine(tmp_path_factory.mktemp("vllm-engine-decode"), sc, options={"engine_decode": True})
+    yield decoding, sc
+    decoding.close()
+
+
+def test_an_engine_that_restores_its_loads_itself_gives_the_same_tokens(vllm_engine_decode, texts):
+    """Five stored chunks through arenas of two (``staging_tokens`` 256): the windows alternate
+    between the two arenas, the sidecar hands the engine verified objects (not KV) and decodes none."""
+    engine, sc = vllm_engine_decode
+    p = fresh(texts, 700)
+    (first,) = engine.generate(p)
+    sc.wait_stored(p, 640)
+    objects, restored = sc.counter("kvfetcher_engine_objects_total"), sc.counter("kvfetcher_kv_bytes_restored_total")
+    (second,) = engine.generate(p)
+    assert second == {"tokens": first["tokens"], "cached": 640}
+    assert sc.counter("kvfetcher_engine_objects_total") - objects == 5 and sc.counter("kvfetcher_kv_bytes_restored_total") == restored
 
 
 GEMMA = keys.Namespace(model="gemma3", dtype="float32", shape=(18, 1, 256))

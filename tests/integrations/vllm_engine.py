@@ -69,7 +69,8 @@ def main() -> None:
                                           # loads, not auto's choice: on this CPU a fresh sidecar's prior rates make a load and a
                                           # recompute a near-tie (0.171 against 0.168 s seen), which auto may decide either way
                                           "ttft_budget_s": 1e6,
-                                          **({"staging_tokens": cfg["staging_tokens"]} if "staging_tokens" in cfg else {})},
+                                          **({"staging_tokens": cfg["staging_tokens"]} if "staging_tokens" in cfg else {}),
+                                          **cfg.get("options", {})},
         },
         kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{cfg['events']}",
                           "topic": "kv"},
