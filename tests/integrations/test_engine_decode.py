@@ -136,7 +136,7 @@ def test_the_sidecar_fills_the_next_window_while_the_engine_restores_this_one(se
     events, restore = [], staged.chunk.restore_object
 
     def slow_restore(*a, **kw):
-        time.sleep(0.05)
+        time.sleep(0.2)  # far longer than a window's fetch from the local store
         out = restore(*a, **kw)
         events.append(("restored", a[1].start))
         return out
