@@ -21,7 +21,14 @@ from kvfetcher.store.local import LocalStore
 
 SHAPE = (2, 2, 1, 64, 8)
 
-pytestmark = pytest.mark.skipif(ipc.lease_fd() is None, reason="needs pidfds (Linux 5.3)")
+def _has_pidfds() -> bool:
+    fd = ipc.lease_fd()
+    if fd is not None:
+        os.close(fd)
+    return fd is not None
+
+
+pytestmark = pytest.mark.skipif(not _has_pidfds(), reason="needs pidfds (Linux 5.3)")
 
 CLIENT = """
 import sys, time, torch
