@@ -172,15 +172,17 @@ def fetch_all(dests, tokens, kv_bytes, block_ids, repeats, store, refs, workers,
     for name, (tensors, layout, handle) in dests.items():
         dest = kvbuffer.destination(tensors if layout is None else kvbuffer.PagedKV(tensors, layout), tokens,
                                     block_ids=None if layout is None else block_ids, handle=handle)
-        outs, cpu0 = [], None
-        for i in range(repeats + 1):  # the first warms workers, decoders and staging
-            cpu0 = cpu_jiffies() if i == 1 else cpu0
+        def run():
             out = asyncio.run(fetch(store, refs, dest, workers, io, dec, window, reads, readers))
             assert out.error is None and out.loaded_tokens == tokens, out
-            outs.append(out)
+            return out
+
+        run()  # warms workers, decoders and staging
+        cpu0 = cpu_jiffies()
+        outs = [run() for _ in range(repeats)]
         cpu = busy_cores(cpu0, cpu_jiffies())
-        mid = sorted(outs[1:], key=lambda o: o.seconds)[(len(outs) - 1) // 2]  # the median run (the upper one of an even count)
-        med = statistics.median(o.seconds for o in outs[1:])
+        mid = sorted(outs, key=lambda o: o.seconds)[len(outs) // 2]  # the median run (the upper one of an even count)
+        med = statistics.median(o.seconds for o in outs)
         got = restored(tensors, layout, block_ids, tokens)
         first = got if first is None else first
         row[name] = {"fetch_s": round(med, 4), "kv_GB_s": round(kv_bytes / med / 1e9, 2),

@@ -353,7 +353,6 @@ class Probe:
         return dict(each[0] if len(each) == 1 else ranks_delta(each), cpu_busy_cores=busy_cores(self.cpu0, cpu_jiffies()))
 
 
-
 #: how :func:`ranks_delta` joins the ranks' sidecars: seconds by the slowest rank (the ranks run at once, a TP step
 #: waits for all), tokens loaded by the rank that loaded least (what the group holds), the rest summed
 SLOWEST = ("lookup_s", "listing_s", "load_s", "fetch_s", "read_s", "decode_s", "lookup_p50_le_s", "lookup_p99_le_s", "warming")

@@ -67,7 +67,7 @@ def main() -> None:
             "kv_connector_extra_config": {"socket": cfg["socket"], "model": cfg["name"], "lookup_timeout_s": 10,
                                           "listing_wait_s": 5,  # a 2-core CPU shared with the engine: answers, not timing
                                           # loads, not auto's choice: on this CPU a fresh sidecar's prior rates make a load and a
-                                          # recompute a near-tie (0.171 against 0.168 s seen), which auto may decide either way
+                                          # recompute a near-tie, which auto may decide either way
                                           "ttft_budget_s": 1e6,
                                           **({"staging_tokens": cfg["staging_tokens"]} if "staging_tokens" in cfg else {}),
                                           **cfg.get("options", {})},

@@ -167,19 +167,18 @@ class KVClient:
         self._lease(bid)
         return bid
 
-    def _lease(self, bid: str) -> bool:
+    def _lease(self, bid: str) -> None:
         """Tie registration ``bid`` to this process (:class:`schemas.LeaseRequest`): the sidecar
         releases it when the process exits. Over the Unix socket only, where the kernel has pidfds;
-        whether it took (a registration works without one)."""
+        a lease refused or not sent leaves the registration as it is (it works without one)."""
         if self._socket_path is None or (fd := ipc.lease_fd()) is None:
-            return False
+            return
         try:
-            reply = ipc.pass_fd(ipc.fd_socket(self._socket_path), schemas.to_json(schemas.LeaseRequest(bid)), fd, self._timeout_s)
+            ipc.pass_fd(ipc.fd_socket(self._socket_path), schemas.to_json(schemas.LeaseRequest(bid)), fd, self._timeout_s)
         except (OSError, ValueError):
-            return False
+            pass
         finally:
             os.close(fd)
-        return "error" not in reply
 
     def register_tensor(self, t: torch.Tensor, model: str, tp_rank: int = 0) -> str:
         """Register a CUDA tensor by IPC handle (CPU buffers must come from :func:`ipc.allocate`)."""

@@ -173,8 +173,11 @@ async def _register_passed(sidecar: Sidecar, conn: socket.socket, pool: ThreadPo
         schemas.check_depth(message)
         if isinstance(message, dict) and "lease" in message:
             lease = schemas.from_json(schemas.LeaseRequest, message)
-            passed, fd = fd, None  # _lease owns it from here, refused or not
-            reply = _lease(sidecar, lease, passed)
+            if fd is None or not ipc.is_pidfd(fd):
+                raise RequestError("a lease passes one pidfd: of the process that registered the buffer")
+            passed, fd = fd, None  # Sidecar.lease owns it from here, refused or not
+            sidecar.lease(lease.lease, passed)
+            reply = schemas.Ok(True)
         else:
             r = schemas.from_json(schemas.RegisterRequest, message)
             if fd is None or r.paged is not None or r.handle is None or r.handle.get("kind") != "memfd":
@@ -199,16 +202,6 @@ async def _register_passed(sidecar: Sidecar, conn: socket.socket, pool: ThreadPo
             sidecar.unregister(reply.buffer)
     finally:
         conn.close()
-
-
-def _lease(sidecar: Sidecar, r: schemas.LeaseRequest, fd: int | None) -> schemas.Ok:
-    """Hand the passed pidfd to :meth:`Sidecar.lease` (which owns it from then on, refused or not)."""
-    if fd is None or not ipc.is_pidfd(fd):
-        if fd is not None:
-            os.close(fd)
-        raise RequestError("a lease passes one pidfd: of the process that registered the buffer")
-    sidecar.lease(r.lease, fd)
-    return schemas.Ok(True)
 
 
 async def _serve_buffer_socket(sidecar: Sidecar, server: socket.socket) -> None:
