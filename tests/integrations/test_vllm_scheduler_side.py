@@ -265,6 +265,38 @@ s.close()
 '''
 
 
+IDLE = LOADS.split("print(s.load_overhead.seconds == LOAD_OVERHEAD_PRIOR_S)")[0].replace(
+    "s.prefill.observe(*prefill.terms([(0, 600)]), 0.006)",
+    "for n in (300, 600, 1200, 2400):\n    s.prefill.observe(*prefill.terms([(0, n)]), 0.05 + 1e-5 * n)  # 50 ms a step whatever it computes") + r'''
+m = s.prefill_model()
+rid = "idle"
+r = SimpleNamespace(request_id=rid, prompt_token_ids=list(range(600)), kv_transfer_params=None)
+assert s.matched(r, 0) == (512, True)
+s.allocated(r, list(range(38)), 512)
+s.loads_done([rid])
+idle = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=none, num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+                       preempted_req_ids=set())
+for _ in range(3):  # the engine steps on, computing nothing, before it schedules the request again
+    time.sleep(0.05)
+    s.step(idle)
+new = SimpleNamespace(req_id=rid, num_computed_tokens=512, block_ids=(list(range(38)),), prompt_token_ids=r.prompt_token_ids)
+s.step(SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=none, num_scheduled_tokens={rid: 88},
+                       total_num_scheduled_tokens=88, preempted_req_ids=set()))
+s.finished(rid, True)
+tail = m.step(*prefill.terms([(512, 88)]))
+print(round(m.c0, 3), 0.05 < tail < 0.06, 0.15 - tail - 0.01 <= s.load_overhead.seconds < 0.15 - tail + 0.04)
+s.close()
+'''
+
+
+def test_the_steps_that_compute_nothing_while_a_loaded_request_waits_count_as_the_loads_overhead():
+    """Steps of no tokens between a load's end and the request's prefill are what the load cost the
+    engine, not prefill time: the prefill model's fixed term is not subtracted for them."""
+    run = run_without_vllm(IDLE)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.splitlines() == ["0.05 True True"], run.stdout
+
+
 def test_a_load_teaches_what_it_cost_the_engine_past_the_fetch_and_lookups_then_say_so():
     """Timed from the workers' report that the load is done to the end of the request's prefill,
     against the prefill model's time for what was left (the fetch's own time is not the engine's); a

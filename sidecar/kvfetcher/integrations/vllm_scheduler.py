@@ -278,7 +278,8 @@ class SchedulerSide:
     def _time_loads(self, new, had: dict[str, int], preempted: set[str], tokens: int, attention: float) -> None:
         """What a load cost the engine past the fetch: from the workers' report that it is done to
         the first step after the request's prompt is computed (or its end, :meth:`finished`), against
-        the prefill model's time for the steps meanwhile (this one: ``tokens``, ``attention``):
+        the prefill model's time for the steps meanwhile (this one: ``tokens``, ``attention``; a step
+        that computes nothing is the load's, not a prefill's: its time is overhead):
         :attr:`load_overhead`. A load that fell short (the request first scheduled with fewer tokens)
         or a preempted request is not timed."""
         for n in new:
@@ -290,7 +291,7 @@ class SchedulerSide:
             if req_id in self.loading and (r := self.requests.get(req_id)) is not None and computed >= len(r.request.prompt_token_ids or ()):
                 self._loaded(req_id)
         done = [req_id for req_id, (_, t, _) in self.loading.items() if t is not None]
-        if done and (model := self.prefill_model()) is not None:  # (a refitted model solves: only while a load waits on the engine)
+        if done and tokens > 0 and (model := self.prefill_model()) is not None:  # (a refitted model solves: only while a load waits on the engine)
             step_s = model.step(tokens, attention)
             for req_id in done:
                 end, t, predicted = self.loading[req_id]
