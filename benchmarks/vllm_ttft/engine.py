@@ -62,6 +62,10 @@ def connector(socket: str, model: str) -> dict:
             "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 
+#: seconds a benchmark's own call to a sidecar (not the engine's) may take before the phase ends with its stacks
+SIDECAR_CALL_S = 120.0
+
+
 @contextlib.contextmanager
 def watchdog(seconds: float, what: str):
     """Exit the process (status 1, every thread's stack on stderr) if the block outlasts ``seconds``."""
@@ -271,8 +275,10 @@ def warm_index(client, tokens: list[int], **ns) -> int:
 
 def warm_ranks(clients: list, tokens: list[int], **ns) -> int:
     """:func:`warm_index` on every rank's sidecar (``clients[r]``, ``tp_rank`` r; ``ns`` one rank's
-    model, dtype and ``kv_shape``): the tokens every rank has stored."""
-    return min(warm_index(c, tokens, tp_rank=r, **ns) if len(clients) > 1 else warm_index(c, tokens, **ns) for r, c in enumerate(clients))
+    model, dtype and ``kv_shape``): the tokens every rank has stored. Under a :func:`watchdog`: a
+    sidecar that stops answering ends the phase with every thread's stack, not at its kill."""
+    with watchdog(SIDECAR_CALL_S, f"ask {len(clients)} sidecar(s) for a {len(tokens)}-token prefix"):
+        return min(warm_index(c, tokens, tp_rank=r, **ns) if len(clients) > 1 else warm_index(c, tokens, **ns) for r, c in enumerate(clients))
 
 
 # --- what the sidecar and the link say, before and after a cell ---------------------------------
@@ -518,10 +524,14 @@ def counter(client, name: str) -> float:
                if line.startswith(name + " ") or line.startswith(name + "{"))
 
 
-def run_phases(module: str, phases: list[str], argv: list[str], out: Path, timeout_s: dict[str, float], deadline_s: float) -> dict:
+def run_phases(module: str, phases: list[str], argv: list[str], out: Path, timeout_s: dict[str, float], deadline_s: float,
+               work: Path | None = None) -> dict:
     """Run ``python -m module --phase P argv`` for each phase, each in a new process group killed
     when it ends; a phase that fails, hangs past its ``timeout_s`` or would start after
-    ``deadline_s`` is recorded as such. Returns {phase: "ok" | why not}."""
+    ``deadline_s`` is recorded as such. One killed at its limit is first asked for every thread's
+    stack (``SIGUSR1``: :func:`stacks_on_signal`). The last lines of the sidecar logs in ``work``
+    that the phase wrote go to ``out`` beside its results (``<phase>-<log>.tail``). Returns {phase:
+    "ok" | why not}."""
     t_end, status = time.monotonic() + deadline_s, {}
     for phase in phases:
         left = t_end - time.monotonic()
@@ -530,16 +540,37 @@ def run_phases(module: str, phases: list[str], argv: list[str], out: Path, timeo
             continue
         limit = min(timeout_s.get(phase, 600), left)
         env = dict(os.environ, VLLM_TTFT_PHASE_END=str(time.time() + limit))  # the phase stops starting work before its kill
+        started = time.time()
         p = subprocess.Popen([sys.executable, "-m", module, "--phase", phase, *argv], start_new_session=True, env=env)
         try:
             rc = p.wait(limit)
             status[phase] = "ok" if rc == 0 else f"failed: exit status {rc} (its stacks and error are above)"
         except subprocess.TimeoutExpired:
-            status[phase] = f"killed after {limit:.0f} s"
+            status[phase] = f"killed after {limit:.0f} s (its stacks are above)"
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGUSR1)
+                time.sleep(3)
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)  # the engine core and the sidecar too
             p.wait()
         print(f"== phase {phase}: {status[phase]}", flush=True)
+        if work is not None:
+            keep_log_tails(work, out, phase, started)
     (out / "status.json").write_text(json.dumps(status, indent=1))
     return status
+
+
+def stacks_on_signal() -> None:
+    """In a phase's process: ``SIGUSR1`` prints every thread's stack (what :func:`run_phases` asks
+    for before it kills a phase that ran past its limit)."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
+def keep_log_tails(work: Path, out: Path, phase: str, since: float, lines: int = 200) -> None:
+    """The last ``lines`` of each sidecar log in ``work`` written since ``since`` (epoch seconds), as
+    ``out/<phase>-<log>.tail``: the logs stay on the machine that ran the phase, its results do not."""
+    for log in sorted(work.glob("*-sidecar*.log")):
+        if log.stat().st_mtime >= since:
+            tail = log.read_text(errors="replace").splitlines()[-lines:]
+            (out / f"{phase}-{log.name}.tail").write_text("\n".join(tail) + "\n")

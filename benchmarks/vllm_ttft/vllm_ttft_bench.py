@@ -44,7 +44,7 @@ from pathlib import Path
 from benchmarks.vllm_ttft import interference
 from benchmarks.vllm_ttft import peers, peers_load, report, under_load
 from benchmarks.vllm_ttft.engine import (CHUNK, FORCE, GBIT, TIMING_MODELS, Probe, breakdown, generate, kv_dtype, methods, on_gpu, presets_of,
-                                         run_phases, run_settings, s3_sidecars, shape_of, sidecar, smollm2_dir, socket_template, spawn_workers, phase_left,
+                                         run_phases, run_settings, s3_sidecars, stacks_on_signal, shape_of, sidecar, smollm2_dir, socket_template, spawn_workers, phase_left,
                                          start_llm, timing_model, ttft_prompts, turns, wait_stored, warm_index, warm_ranks)
 from kvfetcher.api.group import RankGroup
 
@@ -228,8 +228,10 @@ def ttft_cells(a, llm, clients: list, asker, url: str, look: dict, gbit: float, 
         row = dict(link_gbit=gbit, context=n, method=method)
         if transfer_s > a.cap_s:
             skipped[method] = dict(row, skipped=f"transfer alone {transfer_s:.0f} s > cap")
-        elif phase_left() < 45 + sum(a.repeats * (2 * t + REQUEST_SLACK_S) for _, _, t, _ in runs.values()) + a.repeats * (2 * transfer_s + REQUEST_SLACK_S):
-            skipped[method] = dict(row, skipped="not run: the phase's time ran out")  # leave time to write what was measured
+        elif (left := phase_left()) < (need := 45 + sum(a.repeats * (2 * t + REQUEST_SLACK_S) for _, _, t, _ in runs.values())
+                                          + a.repeats * (2 * transfer_s + REQUEST_SLACK_S)):
+            # leave time to write what was measured
+            skipped[method] = dict(row, skipped=f"not run: the phase's time ran out ({left:.0f} s left, {need:.0f} s needed)")
         else:
             runs[method] = (params, preset, transfer_s, [])
     order, out = list(runs.items()), set()
@@ -329,9 +331,10 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     if a.phase is None:
         argv = sys.argv[1:]
-        status = run_phases("benchmarks.vllm_ttft.vllm_ttft_bench", runs, argv, out, TIMEOUT_S, a.deadline_s)
+        status = run_phases("benchmarks.vllm_ttft.vllm_ttft_bench", runs, argv, out, TIMEOUT_S, a.deadline_s, work)
         raise SystemExit(0 if all(s == "ok" for s in status.values()) else 1)
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    stacks_on_signal()
     spawn_workers()
     run = {"ttft": phase_ttft, "load": under_load.phase_load, "interference": interference.phase_interference}.get(
         a.phase, peers_load.phase_peer_load if a.phase.startswith("peer-load-") else peers.phase_peer if a.phase.startswith("peer-")

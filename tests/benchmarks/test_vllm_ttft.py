@@ -22,9 +22,14 @@ phase = sys.argv[sys.argv.index("--phase") + 1]
 if phase == "fail":
     sys.exit(3)
 if phase == "hang":
+    from benchmarks.vllm_ttft.engine import stacks_on_signal
+    stacks_on_signal()
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     open(sys.argv[-1], "w").write(str(child.pid))
-    time.sleep(600)
+    open(sys.argv[-1] + "-sidecar.log", "w").write("".join(f"line {i}\\n" for i in range(300)))
+    def stuck_in_a_sidecar_call():
+        time.sleep(600)
+    stuck_in_a_sidecar_call()
 """
 
 
@@ -37,15 +42,24 @@ def _alive(pid: int) -> bool:
         return f.read().split()[2] != "Z"
 
 
-def test_failed_and_hung_phases_are_reported_and_a_hung_phase_leaves_nothing_running(tmp_path, monkeypatch):
+def test_failed_and_hung_phases_are_reported_and_a_hung_phase_leaves_nothing_running(tmp_path, monkeypatch, capfd):
     (tmp_path / "fakephase.py").write_text(textwrap.dedent(PHASE))
-    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    pid_file = tmp_path / "child.pid"
+    repo = Path(__file__).resolve().parents[2]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(repo), str(repo / "sidecar"), os.environ.get("PYTHONPATH", "")]))
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir(), out.mkdir()
+    pid_file = work / "child"
     t0 = time.monotonic()
-    status = run_phases("fakephase", ["fail", "hang", "ok"], [str(pid_file)], tmp_path, {"hang": 3}, deadline_s=600)
-    assert status == {"fail": "failed: exit status 3 (its stacks and error are above)", "hang": "killed after 3 s", "ok": "ok"}
+    status = run_phases("fakephase", ["fail", "hang", "ok"], [str(pid_file)], out, {"hang": 8}, deadline_s=600, work=work)
+    assert status == {"fail": "failed: exit status 3 (its stacks and error are above)", "hang": "killed after 8 s (its stacks are above)",
+                      "ok": "ok"}
     assert time.monotonic() - t0 < 60
+    assert "stuck_in_a_sidecar_call" in capfd.readouterr().err  # the hung phase's stack, asked for before the kill
     assert not _alive(int(pid_file.read_text()))  # the hung phase's own child went with it
+    tail = (out / "hang-child-sidecar.log.tail").read_text().splitlines()  # the sidecar log the phase wrote: its end
+    assert len(tail) == 200 and tail[-1] == "line 299"
+    assert not (out / "ok-child-sidecar.log.tail").exists()  # written before that phase began: not its log
+    tmp_path = out
     assert json.loads((tmp_path / "status.json").read_text()) == status
     assert run_phases("fakephase", ["ok"], [], tmp_path, {}, deadline_s=30) == {"ok": "not run: the deadline came first"}
 
