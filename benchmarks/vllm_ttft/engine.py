@@ -528,8 +528,9 @@ def run_phases(module: str, phases: list[str], argv: list[str], out: Path, timeo
                work: Path | None = None) -> dict:
     """Run ``python -m module --phase P argv`` for each phase, each in a new process group killed
     when it ends; a phase that fails, hangs past its ``timeout_s`` or would start after
-    ``deadline_s`` is recorded as such. One killed at its limit is first asked for every thread's
-    stack (``SIGUSR1``: :func:`stacks_on_signal`). The last lines of the sidecar logs in ``work``
+    ``deadline_s`` is recorded as such. One killed at its limit is first sent ``SIGABRT``: every
+    Python process of its group (the phase, vLLM's engine core, the sidecars) runs with
+    ``PYTHONFAULTHANDLER``, so each prints every thread's stack (the sidecars' go to their logs). The last lines of the sidecar logs in ``work``
     that the phase wrote go to ``out`` beside its results (``<phase>-<log>.tail``). Returns {phase:
     "ok" | why not}."""
     t_end, status = time.monotonic() + deadline_s, {}
@@ -539,7 +540,8 @@ def run_phases(module: str, phases: list[str], argv: list[str], out: Path, timeo
             status[phase] = "not run: the deadline came first"
             continue
         limit = min(timeout_s.get(phase, 600), left)
-        env = dict(os.environ, VLLM_TTFT_PHASE_END=str(time.time() + limit))  # the phase stops starting work before its kill
+        env = dict(os.environ, VLLM_TTFT_PHASE_END=str(time.time() + limit),  # the phase stops starting work before its kill
+                   PYTHONFAULTHANDLER="1")
         started = time.time()
         p = subprocess.Popen([sys.executable, "-m", module, "--phase", phase, *argv], start_new_session=True, env=env)
         try:
@@ -548,7 +550,7 @@ def run_phases(module: str, phases: list[str], argv: list[str], out: Path, timeo
         except subprocess.TimeoutExpired:
             status[phase] = f"killed after {limit:.0f} s (its stacks are above)"
             with contextlib.suppress(ProcessLookupError):
-                os.kill(p.pid, signal.SIGUSR1)
+                os.killpg(p.pid, signal.SIGABRT)
                 time.sleep(3)
         finally:
             with contextlib.suppress(ProcessLookupError):
@@ -559,12 +561,6 @@ def run_phases(module: str, phases: list[str], argv: list[str], out: Path, timeo
             keep_log_tails(work, out, phase, started)
     (out / "status.json").write_text(json.dumps(status, indent=1))
     return status
-
-
-def stacks_on_signal() -> None:
-    """In a phase's process: ``SIGUSR1`` prints every thread's stack (what :func:`run_phases` asks
-    for before it kills a phase that ran past its limit)."""
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def keep_log_tails(work: Path, out: Path, phase: str, since: float, lines: int = 200) -> None:

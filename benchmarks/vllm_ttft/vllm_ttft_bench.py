@@ -44,7 +44,7 @@ from pathlib import Path
 from benchmarks.vllm_ttft import interference
 from benchmarks.vllm_ttft import peers, peers_load, report, under_load
 from benchmarks.vllm_ttft.engine import (CHUNK, FORCE, GBIT, TIMING_MODELS, Probe, breakdown, generate, kv_dtype, methods, on_gpu, presets_of,
-                                         run_phases, run_settings, s3_sidecars, stacks_on_signal, shape_of, sidecar, smollm2_dir, socket_template, spawn_workers, phase_left,
+                                         run_phases, run_settings, s3_sidecars, shape_of, sidecar, smollm2_dir, socket_template, spawn_workers, phase_left,
                                          start_llm, timing_model, ttft_prompts, turns, wait_stored, warm_index, warm_ranks)
 from kvfetcher.api.group import RankGroup
 
@@ -334,7 +334,6 @@ def main() -> None:
         status = run_phases("benchmarks.vllm_ttft.vllm_ttft_bench", runs, argv, out, TIMEOUT_S, a.deadline_s, work)
         raise SystemExit(0 if all(s == "ok" for s in status.values()) else 1)
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    stacks_on_signal()
     spawn_workers()
     run = {"ttft": phase_ttft, "load": under_load.phase_load, "interference": interference.phase_interference}.get(
         a.phase, peers_load.phase_peer_load if a.phase.startswith("peer-load-") else peers.phase_peer if a.phase.startswith("peer-")

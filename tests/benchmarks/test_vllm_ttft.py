@@ -22,8 +22,6 @@ phase = sys.argv[sys.argv.index("--phase") + 1]
 if phase == "fail":
     sys.exit(3)
 if phase == "hang":
-    from benchmarks.vllm_ttft.engine import stacks_on_signal
-    stacks_on_signal()
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     open(sys.argv[-1], "w").write(str(child.pid))
     open(sys.argv[-1] + "-sidecar.log", "w").write("".join(f"line {i}\\n" for i in range(300)))
