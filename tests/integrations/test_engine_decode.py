@@ -148,6 +148,29 @@ def test_the_sidecar_fills_the_next_window_while_the_engine_restores_this_one(se
     assert torch.equal(read_blocks(dst, LAYOUT, BLOCK_IDS, 0, 640).view(torch.int16), KV.view(torch.int16))
 
 
+def test_the_deadline_bounds_the_restores_here_and_the_rest_is_recomputed(served_sidecar, monkeypatch):
+    """One window holding every object (an arena of 1024 tokens), each object's restore made slow
+    (0.2 s) under a 0.5 s deadline: the restores stop once it has passed, the load ends at the last
+    whole chunk written, and no block past it is touched; without a deadline the same load is whole."""
+    c, dst, _, st = engine(served_sidecar, staging_tokens=1024)
+    restore = staged.chunk.restore_object
+
+    def slow_restore(*a, **kw):
+        time.sleep(0.2)
+        return restore(*a, **kw)
+
+    monkeypatch.setattr(staged.chunk, "restore_object", slow_restore)
+    opts = FetchOptions(presets=("raw",), recompute_tokens_per_s=1.0, deadline_s=0.5)
+    t0 = time.monotonic()
+    upto = st.fetch(c, st.arena, TOKENS, BLOCK_IDS, 0, 640, options=opts)
+    assert 0 < upto < 640 and upto % N == 0 and time.monotonic() - t0 < 1.5, upto
+    assert len(c.calls) == 1  # one window: the restores here, not the windows, were cut short
+    got = read_blocks(dst, LAYOUT, BLOCK_IDS, 0, 640)
+    assert torch.equal(got[:, :, :, :upto].view(torch.int16), KV[:, :, :, :upto].view(torch.int16))
+    assert bool((got[:, :, :, upto:] == SENTINEL).all())
+    assert st.fetch(c, st.arena, TOKENS, BLOCK_IDS, 0, 640, options=FetchOptions(presets=("raw",), recompute_tokens_per_s=1.0)) == 640
+
+
 def test_a_window_that_fails_to_restore_ends_the_load_after_the_window_fetched_ahead(served_sidecar):
     """The second window's second object (tokens 192..256) altered after the sidecar verified it:
     the load ends there, and the third window, fetched meanwhile, has answered before it returns."""

@@ -184,10 +184,13 @@ class Staging:
         """:meth:`fetch` in engine-decode mode: windows of what fits an arena, each restored here
         while the sidecar fills the other arena with the next (a window that fails to restore
         whole ends the fetch, its successor fetched for nothing, and waited for: no write into an
-        arena outlives the fetch)."""
+        arena outlives the fetch). The deadline, and a chosen plan's break-even, bound the restores
+        here as they bound the sidecar's reads: past them the rest is recomputed."""
         o = options or FetchOptions()
         chosen = plan is not None and plan.preset is not None  # then only the deadline goes with it
         t0 = time.monotonic()
+        bounds = [b for b in (o.deadline_s, plan.breakeven_s if chosen else None) if b is not None]
+        stop_at = t0 + min(bounds) if bounds else None
 
         def window(at: int, arena: int, decoded: list[EngineDecoded]) -> FetchReply | None:
             left = None if o.deadline_s is None else o.deadline_s - (time.monotonic() - t0)
@@ -207,7 +210,7 @@ class Staging:
                     nxt = reply.loaded_tokens
                     if reply.reason is None and done < nxt < min(end, reply.requested_tokens):  # the next window, while this one restores
                         ahead = self._ahead.submit(window, nxt, 1 - i, self._report())
-                    upto = self._restore(reply, block_ids, done, end, self.arenas[i][2])
+                    upto = self._restore(reply, block_ids, done, end, self.arenas[i][2], stop_at)
                     if ahead is None or upto < nxt:
                         return max(done, upto)
                     done, i = upto, 1 - i
@@ -216,10 +219,11 @@ class Staging:
                     ahead.exception()  # (a window fetched ahead for nothing: its writes end before the arena is used again)
         return done
 
-    def _restore(self, reply: FetchReply, block_ids: Sequence[int], first: int, end: int, memory: memoryview) -> int:
+    def _restore(self, reply: FetchReply, block_ids: Sequence[int], first: int, end: int, memory: memoryview,
+                 stop_at: float | None = None) -> int:
         """Restore the reply's objects (whole chunks ending by ``end``, in the arena ``memory``) into
-        the blocks, tokens from ``first`` on, in order until one fails; the end of the tokens
-        written (at least ``first``)."""
+        the blocks, tokens from ``first`` on, in order until one fails or ``stop_at`` (monotonic
+        seconds) has passed; the end of the tokens written (at least ``first``)."""
         n = reply.chunk_tokens
         objects = [o for o in reply.objects or () if o[0] + n <= end]
         if not objects or not n:
@@ -228,6 +232,10 @@ class Staging:
         done = first
         with self._on_stream():
             for start, offset, size in objects:
+                if stop_at is not None and time.monotonic() > stop_at:
+                    log.warning("kvfetcher: restoring stored objects here ran past the fetch's deadline or break-even at "
+                                "token %d: recomputing from there", start)
+                    break
                 if start > done or offset < 0 or offset + size > len(memory):
                     log.warning("kvfetcher: the sidecar named a stored object the buffer does not hold in order (token %d, bytes %d+%d)",
                                 start, offset, size)
