@@ -61,6 +61,9 @@ def run_vllm_bench(out: Path, work: Path, *args: str, timeout_s: float = 580) ->
         if os.environ.get("CI"):
             pytest.fail("the vLLM venv is missing in CI: `make test` builds .venv-vllm")
         pytest.skip("the vLLM venv (.venv-vllm) is absent: `make test` builds it")
+    from benchmarks.vllm_ttft.engine import smollm2_dir
+
+    smollm2_dir()  # the plain SmolLM2 copy vLLM loads, made here: the vLLM venv lacks the GGUF package it is made from
     env = dict(os.environ, PYTHONPATH=f"{REPO / 'sidecar'}{os.pathsep}{REPO}", VLLM_CPU_KVCACHE_SPACE="1", VLLM_TARGET_DEVICE="cpu")
     cmd = [str(VLLM_PY), "-m", "benchmarks.vllm_ttft.vllm_ttft_bench", "--tiny", *args, "--out", str(out), "--work", str(work)]
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
