@@ -207,10 +207,10 @@ FETCH_READS = Setting("KVFETCHER_FETCH_READS", int, 8, "Ranged GETs one fetch ke
 READ_PROCS = Setting("KVFETCHER_READ_PROCS", int, _read_procs, "Processes that read staged chunk parts (raw and entropy-coded) "
                      "from the store into shared memory, each with its own GIL (0: the data I/O threads read); "
                      "`benchmarks/paged_restore` times it against threads (a tuning's fourth number).")
-DECODE_THREADS = Setting("KVFETCHER_DECODE_THREADS", int, 2, "Threads that decode entropy-coded chunks on the GPU, "
-                         "each on its own CUDA stream.")
-WRITE_THREADS = Setting("KVFETCHER_WRITE_THREADS", int, 4, "Threads that write verified chunks into KV buffers (raw "
-                        "chunks' copies to the GPU, entropy-coded chunks' unpacks), each on its own CUDA stream.")
+DECODE_THREADS = Setting("KVFETCHER_DECODE_THREADS", int, 2, "Threads that decode entropy-coded chunks on the GPU "
+                         "and unpack them into KV buffers, each on its own CUDA stream.")
+WRITE_THREADS = Setting("KVFETCHER_WRITE_THREADS", int, 4, "Threads that write verified raw chunks into KV buffers "
+                        "(their copies to the GPU and scatters), each on its own CUDA stream.")
 META_IO_WORKERS = Setting("KVFETCHER_META_IO_WORKERS", int, 8,
                           "Threads for store metadata I/O (LIST, HEAD, DELETE, readiness), apart from data I/O.")
 ACCESS_LOG_S = Setting("KVFETCHER_ACCESS_LOG_S", float, 15.0,

@@ -297,8 +297,9 @@ class _Finishing(Destination):
         super().finish()
 
 
-@pytest.mark.parametrize("preset", ["raw", "q8-zstd"])
-async def test_verified_chunks_are_written_by_the_write_pool_not_the_decode_threads(tmp_path, preset):
+@pytest.mark.parametrize("preset, by_the_write_pool", [("raw", True), ("q8-zstd", False)])
+async def test_raw_chunks_are_written_by_the_write_pool_and_entropy_coded_ones_unpacked_by_the_decode_threads(tmp_path, preset,
+                                                                                                          by_the_write_pool):
     kv = synthetic_kv(layers=2, heads=2, tokens=128, head_dim=32)
     store = LocalStore(tmp_path)
     refs = put_chunks(store, kv, 32, preset=preset)
@@ -307,7 +308,7 @@ async def test_verified_chunks_are_written_by_the_write_pool_not_the_decode_thre
         out = await fetch(store, refs, dest, window=2, write_pool=writes)
     assert out.error is None and out.loaded_tokens == 128
     assert torch.equal(dest.buffer, decoded(store, refs))
-    assert dest.threads and all(t.startswith("test-write") for t in dest.threads)
+    assert dest.threads and all(t.startswith("test-write") == by_the_write_pool for t in dest.threads), dest.threads
 
 
 def test_the_stage_summary_is_each_steps_median_and_its_chunks_in_flight():

@@ -19,8 +19,9 @@ once that copy has completed. Each segment is also checked for NaN and infinitie
 Entropy-coded chunks (``zstd``, ``ans``) are always restored in this process, staged the same
 way: side information and segment read into one staging buffer, each part checksummed by the
 thread that read it; then decoded in the decode pool straight from that buffer (nvCOMP on the
-GPU's SMs: one copy to the GPU, the decode; no NVDEC worker), and unpacked into the buffer by a write
-thread, so that the decode threads only decode.
+GPU's SMs: one copy to the GPU, the decode; no NVDEC worker), then unpacked into the buffer by a
+decode thread too (through vLLM on an H200 unpacks in the write pool restored `compact-ans` 1.6x slower
+than in the decode threads: docs/results.md, ninth run).
 
 Engine-decode mode: into an :class:`~kvfetcher.kvbuffer.ObjectArena` (a host buffer of an engine
 that decodes itself) a chunk is not decoded: its parts are read and checked as above, then the
@@ -148,8 +149,8 @@ async def fetch(
     not verify under it (or one of ``accepted_keys``, a rotation's previous keys) for the name it is read
     from (None: CRC-32 only). With ``readers`` the staged reads (raw and entropy-coded segments)
     run in its reader processes, into its shared staging buffers (``staging_pool`` is then ignored).
-    ``write_pool``: the threads that write verified chunks into ``dest`` (the direct path's copies,
-    entropy-coded chunks' unpacks), never threads that run NVDEC (default: ``KVFETCHER_WRITE_THREADS``' default number of them).
+    ``write_pool``: the threads that write the direct path's verified chunks into ``dest`` (their
+    copies and scatters), never threads that run NVDEC (default: ``KVFETCHER_WRITE_THREADS``' default number of them).
     """
     if workers is not None and dest.handle is None:
         raise ValueError("decode workers need the destination buffer's IPC handle")
@@ -431,10 +432,9 @@ class _Fetch:
             with self.decodes:  # abandoned at a failure, this writes nothing: only the write below is awaited
                 decoded = await _submit(started, self.decode_pool, decode)
             self._mark(i, "decoded")
-        # Everything of this chunk verified and decoded: only now touch the KV buffers. The write (the
-        # unpack into the buffer) runs in the write pool, so that the decode threads only decode.
+        # Everything of this chunk verified and decoded: only now touch the KV buffers (the unpack, in a decode thread).
         write = self._writer(i, decoded.write)
-        n = await self._write(i, asyncio.get_running_loop().run_in_executor(self.write_pool, write, self.dest, c))
+        n = await self._write(i, asyncio.get_running_loop().run_in_executor(self.decode_pool, write, self.dest, c))
         self._mark(i, "written")
         self.out.kv_bytes += n
 
