@@ -20,8 +20,7 @@ Entropy-coded chunks (``zstd``, ``ans``) are always restored in this process, st
 way: side information and segment read into one staging buffer, each part checksummed by the
 thread that read it; then decoded in the decode pool straight from that buffer (nvCOMP on the
 GPU's SMs: one copy to the GPU, the decode; no NVDEC worker), then unpacked into the buffer by a
-decode thread too (through vLLM on an H200 unpacks in the write pool restored `compact-ans` 1.6x slower
-than in the decode threads: docs/results.md, ninth run).
+decode thread too (docs/architecture.md says why not by the write pool).
 
 Engine-decode mode: into an :class:`~kvfetcher.kvbuffer.ObjectArena` (a host buffer of an engine
 that decodes itself) a chunk is not decoded: its parts are read and checked as above, then the
