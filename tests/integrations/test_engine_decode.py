@@ -6,8 +6,10 @@ raw and zstd); the gpu tests decode nvCOMP ANS in an engine whose sidecar sees n
 from __future__ import annotations
 
 import json
+import threading
 import time
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -169,6 +171,28 @@ def test_the_deadline_bounds_the_restores_here_and_the_rest_is_recomputed(served
     assert torch.equal(got[:, :, :, :upto].view(torch.int16), KV[:, :, :, :upto].view(torch.int16))
     assert bool((got[:, :, :, upto:] == SENTINEL).all())
     assert st.fetch(c, st.arena, TOKENS, BLOCK_IDS, 0, 640, options=FetchOptions(presets=("raw",), recompute_tokens_per_s=1.0)) == 640
+
+
+@pytest.mark.parametrize("engine_decode", [True, False])
+def test_a_fetch_waits_for_a_busy_staging_buffer_no_longer_than_its_deadline(served_sidecar, engine_decode):
+    """A store holds the buffer (its copy out of the blocks) past the fetch's 0.3 s deadline: the
+    fetch loads nothing and returns by then, in engine-decode and in staged mode alike; once the
+    buffer is free the same fetch loads."""
+    if engine_decode:
+        c, dst, buf, st = engine(served_sidecar)
+        buf = st.arena
+    else:
+        c, dst = Loads(socket_path=served_sidecar.socket), blocks()
+        buf, st, _ = staged.register(c, dst, LAYOUT, FP, 0, 192)
+    opts = FetchOptions(presets=("raw",), recompute_tokens_per_s=1.0, deadline_s=0.3)
+    st.lock.acquire()
+    threading.Timer(1.5, st.lock.release).start()
+    before, t0 = read_blocks(dst, LAYOUT, BLOCK_IDS, 0, 640), time.monotonic()
+    assert st.fetch(c, buf, TOKENS, BLOCK_IDS, 0, 640, options=opts) == 0
+    assert time.monotonic() - t0 < 1.0 and not c.calls
+    assert torch.equal(read_blocks(dst, LAYOUT, BLOCK_IDS, 0, 640), before)  # nothing written
+    time.sleep(1.6)
+    assert st.fetch(c, buf, TOKENS, BLOCK_IDS, 0, 640, options=replace(opts, deadline_s=30.0)) == 640
 
 
 def test_a_window_that_fails_to_restore_ends_the_load_after_the_window_fetched_ahead(served_sidecar):

@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 
 import torch
@@ -160,8 +160,8 @@ class Staging:
             return self._fetch_objects(client, tokens, block_ids, first, end, plan, options)
         o = options or FetchOptions()
         bs, done, t0 = self.paged.layout.block_size, first, time.monotonic()
-        with self.lock:
-            while done < end:
+        with self._held(o.deadline_s) as held:
+            while held and done < end:
                 left = None if o.deadline_s is None else o.deadline_s - (time.monotonic() - t0)
                 if left is not None and left <= 0:
                     break
@@ -200,8 +200,8 @@ class Staging:
             return client.fetch(self.arenas[arena][0], tokens, plan, options=opts, first_token=at, decoded=decoded)
 
         done, i = first, 0
-        with self.lock:
-            ahead = self._ahead.submit(window, done, i, self._report()) if done < end else None
+        with self._held(None if stop_at is None else stop_at - t0) as held:
+            ahead = self._ahead.submit(window, done, i, self._report()) if held and done < end else None
             try:
                 while ahead is not None:
                     reply, ahead = ahead.result(), None
@@ -218,6 +218,20 @@ class Staging:
                 if ahead is not None:
                     ahead.exception()  # (a window fetched ahead for nothing: its writes end before the arena is used again)
         return done
+
+    @contextmanager
+    def _held(self, wait_s: float | None):
+        """The buffer's lock (a store through it holds it while it copies out), waited for at most
+        ``wait_s`` seconds (None: as long as it takes); yields whether it is held: a fetch whose
+        deadline passes first loads nothing."""
+        held = self.lock.acquire(timeout=-1 if wait_s is None else max(0.0, wait_s))
+        if not held:
+            log.warning("kvfetcher: the staging buffer stayed busy (a store copying out) past the fetch's deadline: recomputing")
+        try:
+            yield held
+        finally:
+            if held:
+                self.lock.release()
 
     def _restore(self, reply: FetchReply, block_ids: Sequence[int], first: int, end: int, memory: memoryview,
                  stop_at: float | None = None) -> int:
