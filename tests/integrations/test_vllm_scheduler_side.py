@@ -297,6 +297,45 @@ def test_the_steps_that_compute_nothing_while_a_loaded_request_waits_count_as_th
     assert run.stdout.splitlines() == ["0.05 True True"], run.stdout
 
 
+SPAN = LOADS.split("print(s.load_overhead.seconds == LOAD_OVERHEAD_PRIOR_S)")[0] + r'''
+from kvfetcher.integrations.vllm_meta import WorkerReport
+
+def timed_load(rid, report):
+    # handed over; the fetch starts 0.05 s later and takes 0.1 s; the workers report it 0.1 s after
+    # its end; the request's 88-token tail is then computed at once
+    r = SimpleNamespace(request_id=rid, prompt_token_ids=list(range(600)), kv_transfer_params=None)
+    assert s.matched(r, 0) == (512, True)
+    s.allocated(r, list(range(38)), 512)
+    time.sleep(0.05)
+    start = time.perf_counter()
+    time.sleep(0.1)
+    end = time.perf_counter()
+    time.sleep(0.1)
+    s.loads_done([rid])
+    if report:
+        s.report(WorkerReport(fetched={rid: (start, end)}))
+    new = SimpleNamespace(req_id=rid, num_computed_tokens=512, block_ids=(list(range(38)),), prompt_token_ids=r.prompt_token_ids)
+    s.step(SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=none, num_scheduled_tokens={rid: 88},
+                           total_num_scheduled_tokens=88, preempted_req_ids=set()))
+    s.finished(rid, True)
+    return s.load_overhead.seconds
+
+print(timed_load("reported only", False) < 0.02)  # timed from the workers' report: the engine's wait before it is not seen
+s.load_overhead = prefill.LoadOverhead()
+print(0.14 <= timed_load("timed by the workers", True) < 0.2)  # 0.05 before the fetch began + 0.1 after it ended
+s.close()
+'''
+
+
+def test_a_load_is_timed_from_the_fetchs_end_as_the_workers_saw_it_plus_the_wait_before_it_began():
+    """The engine's time between a fetch's end and the workers' report of it, and between handing the
+    load over and the fetch's start, is the load's overhead: the workers' report carries the
+    fetch's span, and the overhead counts from its end, plus the wait before its start."""
+    run = run_without_vllm(SPAN)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.splitlines() == ["True", "True"], run.stdout
+
+
 def test_a_load_teaches_what_it_cost_the_engine_past_the_fetch_and_lookups_then_say_so():
     """Timed from the workers' report that the load is done to the end of the request's prefill,
     against the prefill model's time for what was left (the fetch's own time is not the engine's); a

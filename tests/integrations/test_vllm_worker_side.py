@@ -55,3 +55,36 @@ def test_a_step_that_computed_nothing_waits_for_a_running_load_a_bounded_time_an
     run = run_without_vllm(IDLE)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split("\n")[:4] == ["True True (None, None)", "True (None, {'r'}) set()", "True", "True"], run.stdout
+
+
+TIMED = r'''
+import threading, time
+from types import SimpleNamespace
+from kvfetcher.fetch.plan import FetchOptions
+from kvfetcher.integrations import vllm_worker
+from kvfetcher.integrations.vllm_meta import FetchSpec, Options, StepMeta, WorkerReport
+
+cfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=16))
+w = vllm_worker.WorkerSide(cfg, Options(socket="/nonexistent/s", model="m"))
+w.block_size = 16
+w._with_buffer = lambda fn: time.sleep(0.1) or 64  # a 0.1 s fetch that writes 64 tokens
+t0 = time.perf_counter()
+w.start_step(StepMeta([FetchSpec("r", list(range(64)), (), 0, 64, list(range(4)), FetchOptions())], [], 0))
+while not w.finished(set())[1]:
+    time.sleep(0.01)
+rep = w.take_report()
+start, end = rep.fetched["r"]
+print(t0 <= start < t0 + 0.05, 0.09 <= end - start < 0.5, w.take_report())
+a = WorkerReport({"x": 3}, [], {"r": (1.0, 2.0), "s": (5.0, 6.0)})
+b = WorkerReport({"x": 2}, [], {"r": (0.5, 1.5), "t": (7.0, 8.0)})
+print(a.aggregate(b).fetched == {"r": (0.5, 2.0), "s": (5.0, 6.0), "t": (7.0, 8.0)}, a.aggregate(b).stored_chunks)
+w.close()
+'''
+
+
+def test_the_workers_report_each_fetchs_span_and_the_ranks_spans_join():
+    """A fetch's start and end (one clock across the host's processes) reach the scheduler in the
+    workers' report, once; over tensor-parallel ranks the earliest start and the latest end."""
+    run = run_without_vllm(TIMED)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.splitlines() == ["True True None", "True {'x': 2}"], run.stdout

@@ -147,12 +147,18 @@ class StepMeta(KVConnectorMetadata):
 
 @dataclass
 class WorkerReport(KVConnectorWorkerMetadata):
-    """Chunks the sidecar took per request (queued or already stored), and timed steps
-    ``(tokens, attention, seconds)``; summed over tensor-parallel workers by taking the least stored."""
+    """Chunks the sidecar took per request (queued or already stored), timed steps ``(tokens,
+    attention, seconds)``, and per request the ``(start, end)`` of its fetch (``time.perf_counter``,
+    one clock for every process of the host); over tensor-parallel workers the least stored and the
+    earliest start and latest end."""
 
     stored_chunks: dict[str, int] = field(default_factory=dict)
     steps: list[tuple[int, float, float]] = field(default_factory=list)
+    fetched: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def aggregate(self, other: "WorkerReport") -> "WorkerReport":
         stored = {r: min(n, other.stored_chunks[r]) for r, n in self.stored_chunks.items() if r in other.stored_chunks}
-        return WorkerReport(stored, self.steps + other.steps)
+        fetched = dict(other.fetched)
+        for r, (a, b) in self.fetched.items():
+            fetched[r] = (min(a, fetched[r][0]), max(b, fetched[r][1])) if r in fetched else (a, b)
+        return WorkerReport(stored, self.steps + other.steps, fetched)

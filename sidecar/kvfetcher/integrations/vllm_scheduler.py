@@ -68,6 +68,18 @@ class _Request:
     answered: bool = False  # the sidecar's plan (not a failed or late lookup's recompute)
 
 
+@dataclass
+class _Load:
+    """A load handed to the workers: the tokens it loads to, when it was handed over, when it ended
+    (as the workers timed the fetch, else when they reported it done), and the prefill model's
+    seconds for the engine's steps since (``perf_counter`` times)."""
+
+    end: int
+    handed: float
+    done: float | None = None
+    predicted: float = 0.0
+
+
 class SchedulerSide:
     def __init__(self, vllm_config, kv_cache_config, options: Options):
         self.options = options
@@ -83,8 +95,7 @@ class SchedulerSide:
         self.wall = prefill.WallScale()  # ... and how much longer whole prefills take by the wall clock
         self.prefilling: dict[str, tuple[float, int, int]] = {}  # req_id -> (first scheduled, computed then, prompt tokens)
         self.load_overhead = prefill.LoadOverhead(LOAD_OVERHEAD_PRIOR_S)
-        # req_id -> (tokens it loads to, when the workers reported it done, predicted seconds of the engine's steps since)
-        self.loading: dict[str, tuple[int, float | None, float]] = {}
+        self.loading: dict[str, _Load] = {}
         self.requests: dict[str, _Request] = {}
         self.fetches: list[FetchSpec] = []
         self.storing: dict[str, _Request] = {}  # asked to store, not yet reported
@@ -208,7 +219,7 @@ class SchedulerSide:
             return
         r.blocks, r.loaded = list(block_ids), r.end
         lookup = replace(r.options, prefill_model=self.prefill_model(), load_overhead_s=self.load_overhead.seconds, wait_s=0.0)  # as fitted by now
-        self.loading[request.request_id] = (r.local + num_external_tokens, None, 0.0)
+        self.loading[request.request_id] = _Load(r.local + num_external_tokens, time.perf_counter())
         self.fetches.append(FetchSpec(request.request_id, r.tokens, r.plans, r.local, r.local + num_external_tokens, r.blocks, lookup))
         r.end = 0  # one load per request: vLLM asks again only after it failed (or a preemption), then recompute
 
@@ -272,35 +283,35 @@ class SchedulerSide:
         """vLLM's workers reported these requests' loads done (``finished_recving``)."""
         now = time.perf_counter()
         for req_id in req_ids or ():
-            if req_id in self.loading:
-                self.loading[req_id] = (self.loading[req_id][0], now, 0.0)
+            if (load := self.loading.get(req_id)) is not None and load.done is None:
+                load.done = now
 
     def _time_loads(self, new, had: dict[str, int], preempted: set[str], tokens: int, attention: float) -> None:
-        """What a load cost the engine past the fetch: from the workers' report that it is done to
-        the first step after the request's prompt is computed (or its end, :meth:`finished`), against
-        the prefill model's time for the steps meanwhile (this one: ``tokens``, ``attention``; a step
-        that computes nothing is the load's, not a prefill's: its time is overhead):
-        :attr:`load_overhead`. A load that fell short (the request first scheduled with fewer tokens)
-        or a preempted request is not timed."""
+        """What a load cost the engine past the fetch: from the fetch's end to the first step after
+        the request's prompt is computed (or its end, :meth:`finished`), plus the wait from the step
+        that handed the load over to the fetch's start, against the prefill model's time for the
+        steps after the fetch (this one: ``tokens``, ``attention``; a step that computes nothing is
+        the load's, not a prefill's: its time is overhead): :attr:`load_overhead`. The fetch as the
+        workers timed it (:meth:`report`), else from their report that it is done. A load that fell
+        short (the request first scheduled with fewer tokens) or a preempted request is not timed."""
         for n in new:
-            if n.req_id in self.loading and n.num_computed_tokens < self.loading[n.req_id][0]:
+            if n.req_id in self.loading and n.num_computed_tokens < self.loading[n.req_id].end:
                 del self.loading[n.req_id]
         for req_id in preempted:
             self.loading.pop(req_id, None)
         for req_id, computed in had.items():
             if req_id in self.loading and (r := self.requests.get(req_id)) is not None and computed >= len(r.request.prompt_token_ids or ()):
                 self._loaded(req_id)
-        done = [req_id for req_id, (_, t, _) in self.loading.items() if t is not None]
+        done = [load for load in self.loading.values() if load.done is not None]
         if done and tokens > 0 and (model := self.prefill_model()) is not None:  # (a refitted model solves: only while a load waits on the engine)
             step_s = model.step(tokens, attention)
-            for req_id in done:
-                end, t, predicted = self.loading[req_id]
-                self.loading[req_id] = (end, t, predicted + step_s)
+            for load in done:
+                load.predicted += step_s
 
     def _loaded(self, req_id: str) -> None:
-        _, done, predicted = self.loading.pop(req_id)
-        if done is not None:
-            self.load_overhead.observe(predicted, time.perf_counter() - done)
+        load = self.loading.pop(req_id)
+        if load.done is not None:
+            self.load_overhead.observe(load.predicted, time.perf_counter() - load.done)
 
     def finished(self, req_id: str, prefilled: bool = False) -> bool:
         """Whether the request's blocks must wait for its store (the workers then report it).
@@ -331,6 +342,9 @@ class SchedulerSide:
         for tokens, attention, seconds in rep.steps:
             if tokens >= MIN_TIMED_TOKENS:
                 self.prefill.observe(tokens, attention, seconds)
+        for req_id, (start, end) in rep.fetched.items():  # the engine's time from here on is the load's (less its steps)
+            if (load := self.loading.get(req_id)) is not None:
+                load.done = end - max(0.0, start - load.handed)
 
     def _stored_events(self, r: _Request, tokens: int) -> list:
         """``BlockStored`` for the blocks of the stored chunks, one event per chunk."""

@@ -99,6 +99,7 @@ class WorkerSide:
         self.stores: dict[str, Future] = {}  # issued stores, until reported finished sending
         self.vllm_finished: set[str] = set()
         self.stored: dict[str, int] = {}
+        self.fetched: dict[str, tuple[float, float]] = {}  # per request: its fetch's (start, end), until reported
         self.steps: list[tuple[int, float, float]] = []
         self._timing: list = []  # ((tokens, attention), start, end) of steps, until their time is known
         self._step_start = None
@@ -261,16 +262,16 @@ class WorkerSide:
 
     def take_report(self) -> WorkerReport | None:
         with self.lock:
-            if not self.stored and not self.steps:
+            if not self.stored and not self.steps and not self.fetched:
                 return None
-            rep = WorkerReport(self.stored, self.steps)
-            self.stored, self.steps = {}, []
+            rep = WorkerReport(self.stored, self.steps, self.fetched)
+            self.stored, self.steps, self.fetched = {}, [], {}
         return rep
 
     # --- fetches and stores (pool threads) ------------------------------------------------------
 
     def _fetch(self, spec: FetchSpec) -> None:
-        written = spec.first
+        written, start = spec.first, time.perf_counter()
         try:
             written = self._with_buffer(lambda buf: self._fetch_into(buf, spec)) or spec.first
         except Exception as e:  # noqa: BLE001 — whatever failed, the blocks it did not write are recomputed
@@ -278,6 +279,7 @@ class WorkerSide:
         bs = self.block_size
         with self.lock:
             self.errors.update(spec.block_ids[written // bs : -(-spec.end // bs)])
+            self.fetched[spec.req_id] = (start, time.perf_counter())
             self.recving.add(spec.req_id)
             self.loading -= 1
             self.landed.notify_all()
