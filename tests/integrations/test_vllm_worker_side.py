@@ -88,3 +88,36 @@ def test_the_workers_report_each_fetchs_span_and_the_ranks_spans_join():
     run = run_without_vllm(TIMED)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.splitlines() == ["True True None", "True {'x': 2}"], run.stdout
+
+
+APART = r'''
+import threading, time
+from types import SimpleNamespace
+from kvfetcher.fetch.plan import FetchOptions
+from kvfetcher.integrations import vllm_worker
+from kvfetcher.integrations.vllm_meta import FetchSpec, Options, StepMeta, StoreSpec
+
+cfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=16))
+w = vllm_worker.WorkerSide(cfg, Options(socket="/nonexistent/s", model="m"))
+w.block_size = 16
+gate = threading.Event()
+w._with_buffer = lambda fn: fn("buf")
+w._store_from = lambda buf, spec, ready: gate.wait(5) and 0  # stores that hold their threads until the gate opens
+w._fetch_into = lambda buf, spec: 64
+w.end_step(StepMeta([], [StoreSpec("s1", list(range(64)), list(range(4))), StoreSpec("s2", list(range(64)), list(range(4)))], 64))
+w.start_step(StepMeta([FetchSpec("r", list(range(64)), (), 0, 64, list(range(4)), FetchOptions())], [], 0))
+t = time.perf_counter()
+while not (got := w.finished(set())[1]) and time.perf_counter() - t < 3:
+    time.sleep(0.01)
+print(got, time.perf_counter() - t < 1.0, not gate.is_set())
+gate.set()
+w.close()
+'''
+
+
+def test_a_fetch_never_waits_behind_stores_for_a_thread():
+    """Two stores that take their time (a staged store copies a long prompt out) do not hold the
+    thread a request's fetch needs: fetches and stores have threads of their own."""
+    run = run_without_vllm(APART)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.splitlines() == ["{'r'} True True"], run.stdout

@@ -84,7 +84,8 @@ class WorkerSide:
         self.tp_rank = get_tensor_model_parallel_rank()
         self.client = options.client(rank=self.tp_rank)
         self.block_size = vllm_config.cache_config.block_size  # the scheduler's
-        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvfetcher")
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvfetcher")  # fetches: a request waits on each
+        self.store_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvfetcher-store")  # never ahead of a fetch
         self.lock = threading.Lock()  # guards what the pool's threads report
         self.landed = threading.Condition(self.lock)  # a fetch finished (loaded or not)
         self.loading = 0  # fetches started and not finished
@@ -213,7 +214,7 @@ class WorkerSide:
         if meta.stores:
             ready = self._clock() if self.tensors is not None and not self._on_cpu() else None  # the step's KV writes, on the GPU
             for spec in meta.stores:
-                self.stores[spec.req_id] = self.pool.submit(self._store, spec, ready)
+                self.stores[spec.req_id] = self.store_pool.submit(self._store, spec, ready)
 
     def _clock(self):
         if self._on_cpu():
@@ -319,6 +320,7 @@ class WorkerSide:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+        self.store_pool.shutdown(wait=True, cancel_futures=True)
         if self.buffer is not None:
             try:
                 self.client.unregister(self.buffer)
