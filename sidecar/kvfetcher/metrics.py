@@ -76,7 +76,7 @@ class Metrics:
         self.last_actual = Gauge("kvfetcher_fetch_last_actual_seconds", "Actual time of the last fetch", ["preset"], registry=r)
         self.stage_in_flight = Gauge(
             "kvfetcher_fetch_stage_chunks_in_flight", "The last fetch's chunks in each step of their restore on average (stage: the "
-            "step that ends there: admitted by the window, header, read, decoded, started by a write thread, written); a step at its "
+            "step that ends there: admitted by the window, header, read, decoded, started by the thread that writes it, written); a step at its "
             "concurrency bounds the fetch",
             ["stage"], registry=r)
         self.stage_seconds = Gauge("kvfetcher_fetch_stage_median_seconds", "The last fetch's median seconds a chunk spent in each step "

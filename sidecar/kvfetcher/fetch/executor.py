@@ -89,8 +89,8 @@ class Outcome:
 
 #: the stages of a chunk's :attr:`Outcome.timeline`, in order: the window admitted it, its header was
 #: checked, every part was read and checked, it was decoded (not for the direct path, nor where a
-#: worker process decodes and writes at once), a write thread started its write (not for a worker
-#: process's), its write completed
+#: worker process decodes and writes at once), a thread started its write (a write thread; a decode
+#: thread for an entropy-coded chunk's unpack; not for a worker process's), its write completed
 STAGES = ("admitted", "header", "read", "decoded", "started", "written")
 
 
@@ -335,7 +335,7 @@ class _Fetch:
         self.out.timeline.append((i, stage, time.perf_counter() - self.t0))
 
     def _writer(self, i: int, fn):
-        """``fn`` (a write of chunk ``i``, for the write pool) marking the chunk ``started`` as it begins."""
+        """``fn`` (a write of chunk ``i``, for the pool that runs it) marking the chunk ``started`` as it begins."""
         def write(*args):
             self._mark(i, "started")
             return fn(*args)

@@ -85,7 +85,7 @@ class WorkerSide:
         self.client = options.client(rank=self.tp_rank)
         self.block_size = vllm_config.cache_config.block_size  # the scheduler's
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvfetcher")  # fetches: a request waits on each
-        self.store_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvfetcher-store")  # never ahead of a fetch
+        self.store_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvfetcher-store")  # so no fetch waits behind stores
         self.lock = threading.Lock()  # guards what the pool's threads report
         self.landed = threading.Condition(self.lock)  # a fetch finished (loaded or not)
         self.loading = 0  # fetches started and not finished
