@@ -134,3 +134,35 @@ def test_adopting_a_paged_handle_holds_one_fd_per_layer_and_releases_them_all():
 def test_a_paged_handle_holds_a_list_of_tensor_handles(handles):
     with pytest.raises(ValueError, match="list of tensor handles"):
         ipc.open_handle({"kind": "paged", "dims": "KBTHD", "block_size": 4, "handles": handles})
+
+
+class FakeCudart:
+    """Records cudaHostRegister / cudaHostUnregister calls; registers answer ``answer``."""
+
+    class cudaError:
+        success = 0
+
+    def __init__(self, answer=0):
+        self.answer, self.calls = answer, []
+
+    def cudaHostRegister(self, ptr, size, flags):
+        self.calls.append(("register", ptr, size))
+        return self.answer
+
+    def cudaHostUnregister(self, ptr):
+        self.calls.append(("unregister", ptr))
+        return 0
+
+
+def test_pinning_registers_the_whole_buffer_with_cuda_and_unpinning_unregisters_it(monkeypatch):
+    b = ipc.allocate((2, 2, 1, 8, 4), torch.bfloat16)
+    assert not ipc.pin(b.tensor) or torch.cuda.is_available()  # without CUDA: nothing to do, pageable
+    rt = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    assert ipc.pin(b.tensor)
+    ipc.unpin(b.tensor)
+    assert rt.calls == [("register", b.tensor.data_ptr(), 2 * 2 * 8 * 4 * 2), ("unregister", b.tensor.data_ptr())]
+    rt.answer = 712  # cudaErrorHostMemoryAlreadyRegistered: refused, stays pageable
+    assert not ipc.pin(b.tensor)
+    b.close()

@@ -82,6 +82,22 @@ def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.dev
     return SharedBuffer(t, handle, fd)
 
 
+def pin(t: torch.Tensor) -> bool:
+    """Page-lock host tensor ``t``'s memory for the GPU's copies (``cudaHostRegister``: a copy between
+    it and a GPU is then DMA, not staged through the driver); whether it is. False without CUDA,
+    or when CUDA refuses (the memory stays pageable, and works as before). A pinned tensor must be
+    :func:`unpin`-ned before its memory is unmapped: CUDA refuses to register an address twice."""
+    if t.device.type != "cpu" or not torch.cuda.is_available() or not t.numel():
+        return False
+    rt = torch.cuda.cudart()
+    return rt.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0) == rt.cudaError.success
+
+
+def unpin(t: torch.Tensor) -> None:
+    """Undo :func:`pin` of ``t`` (its memory stays mapped and usable, pageable again)."""
+    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+
 def memfd_handle(fd: int, shape, dtype: str) -> dict:
     """The handle of memfd ``fd`` of this process, holding a ``shape`` buffer of ``dtype``."""
     st = os.fstat(fd)

@@ -27,6 +27,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from kvfetcher import ipc
 from kvfetcher import store as stores
 from kvfetcher.fetch.reader_proc import Failed, Place, Read, serve
 from kvfetcher.fetch.slab import Slab
@@ -36,7 +37,7 @@ from kvfetcher.fetch.staging import StagingPool
 class SharedStaging(StagingPool):
     """A :class:`StagingPool` whose buffers are memfds that reader processes map too
     (:meth:`place` names where a view of one lies); page-locked ones are registered with CUDA
-    (``cudaHostRegister``) so the GPU copies from them by DMA."""
+    (:func:`kvfetcher.ipc.pin`) so the GPU copies from them by DMA."""
 
     def __init__(self, keep: int = 16):
         super().__init__(keep)
@@ -45,9 +46,7 @@ class SharedStaging(StagingPool):
     def _allocate(self, size: int, pinned: bool) -> torch.Tensor:
         slab = Slab(size)
         t = torch.frombuffer(slab.mm, dtype=torch.uint8)
-        registered = pinned and torch.cuda.is_available()
-        if registered:
-            torch.cuda.cudart().cudaHostRegister(t.data_ptr(), size, 0)
+        registered = pinned and ipc.pin(t)
         with self._lock:
             self._slabs[t.data_ptr()] = (slab, os.fstat(slab.fd).st_ino, registered)
         return t
@@ -57,7 +56,7 @@ class SharedStaging(StagingPool):
         with self._lock:
             slab, _, registered = self._slabs.pop(buf.data_ptr())
         if registered:
-            torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+            ipc.unpin(buf)
         slab.close_fd()
 
     def place(self, view: memoryview) -> Place:
