@@ -217,3 +217,29 @@ def test_gpu_blocks_through_a_sidecar_without_cuda(tmp_path):
                 assert c.fetch(c.register(flat.handle, FP), TOKENS, options=options).loaded_tokens == 640
                 assert torch.equal(got[:, :, :, 160:].cpu().view(torch.int16), flat.tensor[:, :, :, 160:].view(torch.int16)), preset
             assert untouched(dst, BLOCK_IDS)
+
+
+def test_staging_memory_stays_pinned_until_closed_or_collected_and_mapped_until_unpinned(monkeypatch, caplog):
+    """On a GPU the staging (both arenas in engine-decode mode) is page-locked for the copies to the
+    blocks; each is unpinned once, before its memory can be unmapped; one CUDA refuses stays pageable."""
+    calls = []
+    monkeypatch.setattr(ipc, "pin", lambda t: calls.append(("pin", t.data_ptr())) or len(calls) == 1)
+    monkeypatch.setattr(ipc, "unpin", lambda t: calls.append(("unpin", t.data_ptr(), t.numel())))
+
+    class Owner:
+        pass
+
+    a, b = torch.zeros(1000, dtype=torch.uint8), torch.zeros(10, dtype=torch.uint8)
+    owner = Owner()
+    done = staged.pin_while_alive(owner, [a, b])
+    assert "could not be page-locked" in caplog.text  # b: refused, so never unpinned
+    done()
+    done()
+    del owner
+    assert calls == [("pin", a.data_ptr()), ("pin", b.data_ptr()), ("unpin", a.data_ptr(), 1000)]
+    calls.clear()
+    owner, ptr = Owner(), a.data_ptr()
+    staged.pin_while_alive(owner, [a])
+    del a  # the finalizer holds it: still mapped when unpinned
+    del owner
+    assert calls == [("pin", ptr), ("unpin", ptr, 1000)]

@@ -5,7 +5,7 @@ The engine process owns the blocks (a CPU cache no other process can map, or a G
 does not see: a device-plugin GPU given to the model container only). :class:`Staging` registers a
 flat buffer ``[layers, 2, kv_heads, tokens, head_dim]`` (a memfd, :func:`kvfetcher.ipc.allocate`)
 with the sidecar and copies between it and the blocks itself (on a GPU, host-to-device and back, on
-its own CUDA stream). A fetch or store longer than the buffer goes through it in windows: each window
+its own CUDA stream, the buffer page-locked: :func:`pin_while_alive`). A fetch or store longer than the buffer goes through it in windows: each window
 is one sidecar call of the prompt's tokens up to the window's end, with ``first_token`` at the
 window's start and ``offset = -first_token`` (the window's first token in slot 0), so nothing of
 the prompt's earlier tokens is fetched, written or read again.
@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
@@ -96,6 +97,28 @@ def register(client: KVClient, tensors: torch.Tensor | Sequence[torch.Tensor], l
         raise
 
 
+def pin_while_alive(owner: object, tensors: Sequence[torch.Tensor]) -> weakref.finalize:
+    """Page-lock the host ``tensors`` (:func:`kvfetcher.ipc.pin`: a GPU then copies from them by DMA,
+    not through the driver's pageable path, slow and synchronous) until the returned finalizer is
+    called or ``owner`` is collected. It holds the tensors, so their memory stays mapped until it
+    has unpinned them; one that CUDA refuses to pin stays pageable (logged)."""
+    pinned = []
+    for t in tensors:
+        if ipc.pin(t):
+            pinned.append(t)
+        else:
+            log.warning("kvfetcher: %d MiB of staging memory could not be page-locked: copies from it to the GPU stay pageable "
+                        "(slower)", t.numel() * t.element_size() >> 20)
+    done = weakref.finalize(owner, _unpin, pinned)
+    done.atexit = False  # (at exit the memory goes with the process)
+    return done
+
+
+def _unpin(tensors: list[torch.Tensor]) -> None:
+    for t in tensors:
+        ipc.unpin(t)
+
+
 class Staging:
     """A flat host buffer of ``tokens`` token slots for the paged KV ``tensors`` (as
     :class:`kvbuffer.PagedKV` sees them through ``layout``), and the windowed fetches and stores
@@ -125,6 +148,8 @@ class Staging:
         self._ahead = ThreadPoolExecutor(1, thread_name_prefix="kvfetcher-window") if engine is not None else None
         self._decoded: dict[str, tuple[int, float]] = {}  # per preset: KV bytes and seconds not yet reported
         self._cold: set[str] = set(getattr(engine, "formats", ()))  # formats whose first decode (set-up) is not reported
+        host = [b.tensor for b in (self.buffer, self._spare) if b is not None]
+        self._unpin = pin_while_alive(self, host) if self.paged.device.type == "cuda" else None
 
     def register(self, client: KVClient, model: str, tp_rank: int) -> str:
         """Register the buffer with the sidecar (in engine-decode mode a second time, as an arena,
@@ -143,6 +168,8 @@ class Staging:
     def close(self) -> None:
         if self._ahead is not None:
             self._ahead.shutdown(wait=True)
+        if self._unpin is not None:
+            self._unpin()
         for b in (self.buffer, self._spare):
             if b is not None:
                 b.close()
