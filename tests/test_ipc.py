@@ -1,6 +1,7 @@
 import json
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -143,10 +144,11 @@ class FakeCudart:
         success = 0
 
     def __init__(self, answer=0):
-        self.answer, self.calls = answer, []
+        self.answer, self.calls, self.threads = answer, [], []
 
     def cudaHostRegister(self, ptr, size, flags):
         self.calls.append(("register", ptr, size))
+        self.threads.append(threading.get_ident())
         return self.answer
 
     def cudaHostUnregister(self, ptr):
@@ -165,4 +167,6 @@ def test_pinning_registers_the_whole_buffer_with_cuda_and_unpinning_unregisters_
     assert rt.calls == [("register", b.tensor.data_ptr(), 2 * 2 * 8 * 4 * 2), ("unregister", b.tensor.data_ptr())]
     rt.answer = 712  # cudaErrorHostMemoryAlreadyRegistered: refused, stays pageable
     assert not ipc.pin(b.tensor)
+    # registered from a thread of its own: a refusal, CUDA's last error of that thread, cannot reach the caller's next launch
+    assert threading.get_ident() not in rt.threads
     b.close()

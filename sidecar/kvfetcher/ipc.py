@@ -35,6 +35,7 @@ import mmap
 import os
 import socket
 import stat
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -89,8 +90,13 @@ def pin(t: torch.Tensor) -> bool:
     :func:`unpin`-ned before its memory is unmapped: CUDA refuses to register an address twice."""
     if t.device.type != "cpu" or not torch.cuda.is_available() or not t.numel():
         return False
-    rt = torch.cuda.cudart()
-    return rt.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0) == rt.cudaError.success
+    rt, out = torch.cuda.cudart(), []
+    # In a thread of its own: a refusal stays CUDA's "last error" of the thread that made the call,
+    # where the next kernel launch checked by torch would raise it.
+    worker = threading.Thread(target=lambda: out.append(rt.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)))
+    worker.start()
+    worker.join()
+    return bool(out) and out[0] == rt.cudaError.success
 
 
 def unpin(t: torch.Tensor) -> None:
