@@ -29,6 +29,16 @@ def test_nll_of_uniform_logits_is_log_vocab():
     assert metrics.nll(logits, torch.tensor([0, 3, 5, 7])) == pytest.approx(math.log(8))
 
 
+def test_compare_gives_exactly_what_the_separate_metrics_give():
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(6, 50, generator=g) * 3
+    test, targets = ref + 0.3 * torch.randn(6, 50, generator=g), torch.randint(0, 50, (6,), generator=g)
+    m = metrics.compare(ref, test, targets)
+    assert torch.equal(m.kl, metrics.kl(ref, test)) and m.top1 == metrics.top1_agreement(ref, test)
+    assert (m.nll_ref, m.nll_test) == (metrics.nll(ref, targets), metrics.nll(test, targets))
+    assert m.nll_increase_pct == 100 * (m.nll_test - m.nll_ref) / m.nll_ref and m.kl.min() > 0
+
+
 def test_near_ties_count_steps_under_the_margin():
     logits = torch.tensor([[1.0, 0.9, -2.0], [4.0, 1.0, 0.0], [2.0, 2.0, 0.0]])
     m = metrics.margins(logits)

@@ -306,16 +306,15 @@ def _reference(lm: model.LoadedModel, case: Case, n_new: int, dtype: torch.dtype
 
 def _compare(lm: model.LoadedModel, case: Case, ref: _Reference, rt: RoundTrip, n_new: int) -> PromptResult:
     logits = model.teacher_forced_logits(lm, case.ids, rt.kv, case.cont)
-    kl = metrics.kl(ref.logits, logits)
-    nll_o, nll_r = metrics.nll(ref.logits, case.cont), metrics.nll(logits, case.cont)
+    m = metrics.compare(ref.logits, logits, case.cont)
     fp16_bytes = ref.kv.numel() * ref.kv.element_size()
     r = PromptResult(
         prompt=case.label, genre=case.genre, tokens=len(case.ids), continuation=len(case.cont),
         fp16_bytes=fp16_bytes, stored_bytes=rt.stored_bytes, ratio_vs_fp16=fp16_bytes / rt.stored_bytes,
         bit_exact=bool(torch.equal(rt.kv.view(torch.uint8), ref.kv.view(torch.uint8))),
         max_abs_error=float((rt.kv.float() - ref.kv.float()).abs().max()),
-        tf_top1=metrics.top1_agreement(ref.logits, logits), kl=float(kl.mean()), kl_max=float(kl.max()),
-        nll_fp16=nll_o, nll_restored=nll_r, nll_increase_pct=100 * (nll_r - nll_o) / nll_o,
+        tf_top1=m.top1, kl=float(m.kl.mean()), kl_max=float(m.kl.max()),
+        nll_fp16=m.nll_ref, nll_restored=m.nll_test, nll_increase_pct=m.nll_increase_pct,
         encode_s=rt.encode_s, decode_s=rt.decode_s,
     )
     if n_new:

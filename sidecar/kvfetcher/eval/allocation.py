@@ -111,10 +111,10 @@ def accuracy_at(lm: model.LoadedModel, cases: list[BudgetCase], lp: layout.Layou
     agree, nll, kl = [], [], []
     for c in cases:
         logits = model.teacher_forced_logits(lm, c.ids, restored(c.kv, lp), c.cont)
-        agree.append(metrics.top1_agreement(c.logits, logits))
-        kl.append(float(metrics.kl(c.logits, logits).mean()))
-        ref = metrics.nll(c.logits, c.cont)
-        nll.append(100 * (metrics.nll(logits, c.cont) - ref) / ref)
+        m = metrics.compare(c.logits, logits, c.cont)
+        agree.append(m.top1)
+        kl.append(float(m.kl.mean()))
+        nll.append(m.nll_increase_pct)
     return {"tf_top1": statistics.median(agree), "nll_increase_pct": statistics.median(nll), "kl": statistics.median(kl),
             "tf_top1_pooled": statistics.fmean(agree)}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 import statistics
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -17,10 +18,43 @@ import torch
 NEAR_TIE_MARGIN = 0.5
 
 
+def log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities of ``logits`` in float64 (every metric here is computed from them)."""
+    return torch.log_softmax(logits.double(), -1)
+
+
 def kl(ref: torch.Tensor, test: torch.Tensor) -> torch.Tensor:
     """Per position KL(P_ref || P_test) in nats, ``[n]``."""
-    lp, lq = torch.log_softmax(ref.double(), -1), torch.log_softmax(test.double(), -1)
+    return _kl(log_probs(ref), log_probs(test))
+
+
+def _kl(lp: torch.Tensor, lq: torch.Tensor) -> torch.Tensor:
     return (lp.exp() * (lp - lq)).sum(-1).clamp_min(0).float()
+
+
+def _nll(logp: torch.Tensor, targets: torch.Tensor) -> float:
+    return float(-logp.gather(1, targets.view(-1, 1)).mean())
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Test logits against the reference's for the same positions and targets."""
+
+    kl: torch.Tensor  # per position KL(P_ref || P_test), nats, [n]
+    nll_ref: float  # mean NLL of the targets under the reference
+    nll_test: float  # and under the test
+    top1: float  # fraction of positions ranking the same token first
+
+    @property
+    def nll_increase_pct(self) -> float:
+        return 100 * (self.nll_test - self.nll_ref) / self.nll_ref
+
+
+def compare(ref: torch.Tensor, test: torch.Tensor, targets: torch.Tensor) -> Comparison:
+    """:func:`kl`, :func:`nll` of both and :func:`top1_agreement` of ``ref`` and ``test``, the same
+    values, each matrix's log-probabilities computed once (a third less time at a 262K vocabulary)."""
+    lp, lq = log_probs(ref), log_probs(test)
+    return Comparison(_kl(lp, lq), _nll(lp, targets), _nll(lq, targets), top1_agreement(ref, test))
 
 
 def top1_agreement(ref: torch.Tensor, test: torch.Tensor) -> float:
@@ -30,8 +64,7 @@ def top1_agreement(ref: torch.Tensor, test: torch.Tensor) -> float:
 
 def nll(logits: torch.Tensor, targets: torch.Tensor) -> float:
     """Mean negative log-likelihood (nats) of ``targets`` ``[n]`` under ``logits``."""
-    logp = torch.log_softmax(logits.double(), -1)
-    return float(-logp.gather(1, targets.view(-1, 1)).mean())
+    return _nll(log_probs(logits), targets)
 
 
 def margins(logits: torch.Tensor) -> torch.Tensor:
