@@ -162,7 +162,11 @@ def test_pinning_registers_the_whole_buffer_with_cuda_and_unpinning_unregisters_
     rt = FakeCudart()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    devices = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", devices.append)
     assert ipc.pin(b.tensor)
+    assert devices == [3]  # registered on the caller's device, not a new thread's default
     ipc.unpin(b.tensor)
     assert rt.calls == [("register", b.tensor.data_ptr(), 2 * 2 * 8 * 4 * 2), ("unregister", b.tensor.data_ptr())]
     rt.answer = 712  # cudaErrorHostMemoryAlreadyRegistered: refused, stays pageable

@@ -90,10 +90,15 @@ def pin(t: torch.Tensor) -> bool:
     :func:`unpin`-ned before its memory is unmapped: CUDA refuses to register an address twice."""
     if t.device.type != "cpu" or not torch.cuda.is_available() or not t.numel():
         return False
-    rt, out = torch.cuda.cudart(), []
+    rt, device, out = torch.cuda.cudart(), torch.cuda.current_device(), []
+
+    def register() -> None:  # on the caller's device: a new thread's would be device 0, whose context it would create
+        torch.cuda.set_device(device)
+        out.append(rt.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
+
     # In a thread of its own: a refusal stays CUDA's "last error" of the thread that made the call,
     # where the next kernel launch checked by torch would raise it.
-    worker = threading.Thread(target=lambda: out.append(rt.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)))
+    worker = threading.Thread(target=register)
     worker.start()
     worker.join()
     return bool(out) and out[0] == rt.cudaError.success
