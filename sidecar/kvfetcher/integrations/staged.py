@@ -5,10 +5,11 @@ The engine process owns the blocks (a CPU cache no other process can map, or a G
 does not see: a device-plugin GPU given to the model container only). :class:`Staging` registers a
 flat buffer ``[layers, 2, kv_heads, tokens, head_dim]`` (a memfd, :func:`kvfetcher.ipc.allocate`)
 with the sidecar and copies between it and the blocks itself (on a GPU, host-to-device and back, on
-its own CUDA stream, the buffer page-locked: :func:`pin_while_alive`). A fetch or store longer than the buffer goes through it in windows: each window
-is one sidecar call of the prompt's tokens up to the window's end, with ``first_token`` at the
-window's start and ``offset = -first_token`` (the window's first token in slot 0), so nothing of
-the prompt's earlier tokens is fetched, written or read again.
+its own CUDA stream, the buffer page-locked: :func:`pin_while_alive`). A fetch or store longer than
+the buffer goes through it in windows: each window is one sidecar call of the prompt's tokens up to
+the window's end, with ``first_token`` at the window's start and ``offset = -first_token`` (the
+window's first token in slot 0), so nothing of the prompt's earlier tokens is fetched, written or
+read again.
 
 Engine-decode mode (a GPU the sidecar cannot open, the default there): the same memory is
 registered a second time as an engine's arena (:class:`~kvfetcher.fetch.plan.EngineDecode`), and a
