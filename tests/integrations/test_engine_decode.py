@@ -20,6 +20,7 @@ from kvfetcher.api.client import KVClient, SidecarError
 from kvfetcher.fetch.plan import EngineDecode, EngineDecoded, FetchOptions
 from kvfetcher.format import container
 from kvfetcher.integrations import staged
+from kvfetcher.integrations.restore_procs import RestoreProcs
 from kvfetcher.kvbuffer import PagedLayout, read_blocks, write_blocks
 from kvfetcher.store.local import LocalStore
 
@@ -86,13 +87,27 @@ def served_sidecar(tmp_path):
         yield sc
 
 
-def engine(sc, staging_tokens=192, client=None):
+def engine(sc, staging_tokens=192, client=None, procs=False):
+    """An engine-decode staging of fresh blocks; with ``procs`` they are memfds and one restore
+    process (which maps them as it maps a GPU's blocks by CUDA IPC) restores whole objects."""
     c = client or Loads(socket_path=sc.socket)
-    dst = blocks()
+    shared = [ipc.allocate((BLOCKS, HEADS, BS, 2 * HEAD_DIM), torch.float16) for _ in range(LAYERS)] if procs else None
+    dst = [b.tensor.fill_(SENTINEL) for b in shared] if procs else blocks()
     write_blocks(dst, LAYOUT, BLOCK_IDS[:10], KV[:, :, :, :160].flip(0))  # the engine's own KV before token 160
     buf, st, _ = staged.register(c, dst, LAYOUT, FP, 0, staging_tokens, engine_decode=True)
     assert st.engine is not None and st.arena not in (None, buf)
+    if procs:
+        st.workers = RestoreProcs(ipc.paged_handle([b.handle for b in shared], LAYOUT), 1)
+        deadline = time.monotonic() + 120
+        while not st.workers.ready():
+            assert time.monotonic() < deadline, "the restore process did not start"
+            time.sleep(0.05)
     return c, dst, buf, st
+
+
+@pytest.fixture(params=[False, True], ids=["engine-thread", "restore-procs"])
+def procs(request):
+    return request.param
 
 
 def sidecar_decoded(sc, preset: str) -> torch.Tensor:
@@ -104,11 +119,12 @@ def sidecar_decoded(sc, preset: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("preset", ["raw", "q8-zstd"])
-def test_the_engine_restores_the_verified_objects_past_its_own_hit_in_arena_windows(served_sidecar, preset):
+def test_the_engine_restores_the_verified_objects_past_its_own_hit_in_arena_windows(served_sidecar, preset, procs):
     """A load from token 160 through an arena of 192 tokens' bytes: each window's objects are placed
     whole (the chunk straddling 160 too), the engine writes 160..640 only, byte-identical to what the
-    sidecar restores itself; the sidecar decoded nothing (its KV counter) and counted the objects."""
-    c, dst, _, st = engine(served_sidecar)
+    sidecar restores itself; the sidecar decoded nothing (its KV counter) and counted the objects.
+    With restore processes they restored every whole object (the straddling one: the engine's thread)."""
+    c, dst, _, st = engine(served_sidecar, procs=procs)
     kv_before = metric(c, "kvfetcher_kv_bytes_restored_total")
     options = FetchOptions(presets=(preset,), recompute_tokens_per_s=1.0)
     assert st.fetch(c, st.arena, TOKENS, BLOCK_IDS, 160, 640, options=options) == 640
@@ -125,6 +141,7 @@ def test_the_engine_restores_the_verified_objects_past_its_own_hit_in_arena_wind
     assert torch.equal(got[:, :, :, 160:].view(torch.int16), want[:, :, :, 160:].view(torch.int16))
     assert untouched(dst, BLOCK_IDS)
     assert metric(c, "kvfetcher_engine_objects_total", preset=preset) == 8
+    assert (st.workers.restored if procs else 0) == (7 if procs else 0)  # 192..640: seven whole chunks
     st.fetch(c, st.arena, TOKENS, BLOCK_IDS, 160, 640, options=options)  # its report of the first load rides on this one
     assert metric(c, "kvfetcher_engine_kv_bytes_total", preset=preset) > 0
     assert metric(c, "kvfetcher_engine_decode_seconds_total", preset=preset) > 0
@@ -241,11 +258,12 @@ def test_a_corrupt_stored_object_never_reaches_the_blocks(served_sidecar, tmp_pa
     assert not path.exists()
 
 
-def test_bytes_changed_in_the_arena_after_the_reply_are_refused_by_the_engine(served_sidecar):
+def test_bytes_changed_in_the_arena_after_the_reply_are_refused_by_the_engine(served_sidecar, procs):
     """The engine re-checks every part's CRC-32 on the bytes it decodes: an object altered after the
-    sidecar verified it (here the third of the window) is not decoded; the chunks before it are."""
+    sidecar verified it (here the third of the window) is not decoded; the chunks before it are
+    (with restore processes too, which check what they map of the arena)."""
     c = Loads(socket_path=served_sidecar.socket)
-    c, dst, _, st = engine(served_sidecar, staging_tokens=1024, client=c)
+    c, dst, _, st = engine(served_sidecar, staging_tokens=1024, client=c, procs=procs)
 
     def damage(reply):
         start, offset, size = reply.objects[2]
@@ -256,7 +274,8 @@ def test_bytes_changed_in_the_arena_after_the_reply_are_refused_by_the_engine(se
     assert st.fetch(c, st.arena, TOKENS, BLOCK_IDS, 0, 640, options=FetchOptions(presets=("q8-zstd",), recompute_tokens_per_s=1.0)) == 128
     got = read_blocks(dst, LAYOUT, BLOCK_IDS, 0, 640)
     assert torch.equal(got[:, :, :, 128:160], KV[:, :, :, 128:160].flip(0))  # its blocks as the engine had them
-    assert bool((got[:, :, :, 160:] == SENTINEL).all()) and untouched(dst, BLOCK_IDS[:10])
+    # restore processes may have written whole objects after it meanwhile: past the end returned, recomputed by the engine
+    assert bool((got[:, :, :, 160 : 192 if procs else 640] == SENTINEL).all()) and untouched(dst, BLOCK_IDS if procs else BLOCK_IDS[:10])
 
 
 def test_plans_for_an_engine_buffer_use_its_formats_and_rates(served_sidecar, tmp_path):
@@ -367,10 +386,12 @@ def test_gpu_blocks_load_ans_decoded_here_through_a_sidecar_without_cuda(tmp_pat
 
 
 @pytest.mark.gpu
-def test_gpu_blocks_restored_by_this_process_when_asked_although_the_sidecar_opens_the_gpu(tmp_path):
+@pytest.mark.parametrize("engine_procs", [0, 2])
+def test_gpu_blocks_restored_by_this_process_when_asked_although_the_sidecar_opens_the_gpu(tmp_path, engine_procs):
     """``engine_decode=True`` (the connector's option): the sidecar sees the GPU and could restore
-    into the blocks itself, yet the registration is engine-decode and the load is restored here,
-    in this process' CUDA context; raw objects arrive byte-identical."""
+    into the blocks itself, yet the registration is engine-decode and the load is restored here, in
+    this process' CUDA context, or with ``engine_procs`` in its restore processes (CUDA IPC of the
+    blocks); raw objects arrive byte-identical."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from kvtest import served
@@ -384,11 +405,17 @@ def test_gpu_blocks_restored_by_this_process_when_asked_although_the_sidecar_ope
     with served(str(tmp_path / "kvf.sock"), env):
         c = Loads(socket_path=str(tmp_path / "kvf.sock"))
         dst = [b.cuda() for b in blocks()]
-        buf, st, why = staged.register(c, dst, LAYOUT, FP, 0, 192, engine_decode=True)
+        buf, st, why = staged.register(c, dst, LAYOUT, FP, 0, 192, engine_decode=True, engine_procs=engine_procs)
         assert st is not None and st.engine is not None and "engine_decode" in why, why
+        deadline = time.monotonic() + 120
+        while engine_procs and not st.workers.ready():
+            assert time.monotonic() < deadline, "the restore processes did not start"
+            time.sleep(0.05)
         assert st.fetch(c, buf, TOKENS, BLOCK_IDS, 0, 640, options=FetchOptions(presets=("raw",), recompute_tokens_per_s=1.0)) == 640
         assert torch.equal(read_blocks(dst, LAYOUT, BLOCK_IDS, 0, 640).view(torch.int16), kv.view(torch.int16))
         assert metric(c, "kvfetcher_engine_objects_total", preset="raw") == 10 and metric(c, "kvfetcher_kv_bytes_restored_total") == 0
+        assert (st.workers.restored if engine_procs else 0) == (10 if engine_procs else 0)
+        st.close()
 
 
 @pytest.mark.gpu

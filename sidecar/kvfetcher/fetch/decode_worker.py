@@ -29,6 +29,7 @@ from kvfetcher.kvbuffer import ChunkRef, Destination, PagedDestination, PagedKV
 log = logging.getLogger("kvfetcher.fetch.decode_worker")
 
 MAX_OPEN_BUFFERS = 8  # handles a worker keeps open (least recently used are dropped)
+MAX_SLABS = 2  # shared memories a worker keeps mapped (least recently used are unmapped)
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ class _WorkerState:
     def __init__(self) -> None:
         self.buffers: OrderedDict = OrderedDict()
         self.unopenable: dict[str, str] = {}
-        self.slab: Slab | None = None
+        self.slabs: OrderedDict[str, tuple[Slab, int]] = OrderedDict()  # path -> its mapping and inode, least recently used first
 
     def buffer(self, key: str, handle: dict) -> torch.Tensor | PagedKV:
         from kvfetcher import ipc
@@ -151,11 +152,19 @@ class _WorkerState:
         return Destination(buf, slots=where)
 
     def view(self, path: str, size: int) -> memoryview:
-        if self.slab is None or self.slab.path != path:
-            if self.slab is not None:
-                self.slab.close()
-            self.slab = Slab(size, path)
-        return memoryview(self.slab.mm)
+        """The shared memory ``path`` names, mapped once: the :data:`MAX_SLABS` latest stay mapped
+        (a sidecar's slab, grown now and then; an engine's two arenas, used in turn)."""
+        file = os.stat(path).st_ino  # a path names another file once its fd was closed and its number reused
+        slab, ino = self.slabs.get(path, (None, None))
+        if slab is None or slab.size != size or ino != file:
+            if slab is not None:
+                slab.close()
+            slab = Slab(size, path)
+            self.slabs[path] = (slab, file)
+            while len(self.slabs) > MAX_SLABS:
+                self.slabs.popitem(last=False)[1][0].close()
+        self.slabs.move_to_end(path)
+        return memoryview(slab.mm)
 
 
 def _restore(state: _WorkerState, req: Restore) -> Restored:

@@ -30,6 +30,7 @@ import hashlib
 import json
 import logging
 import multiprocessing as mp
+import queue
 import threading
 import time
 from collections.abc import Sequence
@@ -126,14 +127,24 @@ class _Worker:
                 slab.mm[at : at + len(b)] = b
                 spans.append((at, at + len(b)))
                 at += len(b)
-            try:
-                with self.send_lock:
-                    self.conn.send(Restore(target, header, (slab.path, slab.size), tuple(spans), tuple(int(s) for s in where), auth))
-                if timeout is not None and not self.conn.poll(timeout):
-                    raise WorkerError(f"decode worker {self.proc.pid} did not answer within {timeout:g} s")
-                return self.conn.recv()
-            except (EOFError, OSError, BrokenPipeError) as e:
-                raise WorkerError(f"decode worker {self.proc.pid} died: {e}") from e
+            return self._ask(Restore(target, header, (slab.path, slab.size), tuple(spans), tuple(int(s) for s in where), auth), timeout)
+
+    def call_at(self, target: IntoBuffer, header: bytes, memory: tuple[str, int], spans: Sequence[tuple[int, int]], where: Sequence[int],
+                timeout: float | None = None) -> Restored | Failed:
+        """:meth:`call` of a chunk whose parts lie at ``spans`` of shared ``memory`` (a memfd's path
+        and size, as :class:`Slab` names one) that the worker maps itself: no copy."""
+        with self.lock:
+            return self._ask(Restore(target, header, memory, tuple(spans), tuple(int(s) for s in where)), timeout)
+
+    def _ask(self, req: Restore, timeout: float | None) -> Restored | Failed:
+        try:
+            with self.send_lock:
+                self.conn.send(req)
+            if timeout is not None and not self.conn.poll(timeout):
+                raise WorkerError(f"decode worker {self.proc.pid} did not answer within {timeout:g} s")
+            return self.conn.recv()
+        except (EOFError, OSError, BrokenPipeError) as e:
+            raise WorkerError(f"decode worker {self.proc.pid} died: {e}") from e
 
     def post(self, msg: Open | Forget | Stop) -> None:
         """A one-way message: queued behind a request in flight, without waiting for it."""
@@ -233,6 +244,7 @@ class DecodeWorkers:
         self._idle_loop: asyncio.AbstractEventLoop | None = None
         self._threads = ThreadPoolExecutor(procs, thread_name_prefix="kvf-decode-call")
         self._start_lock = threading.Lock()
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()  # idle workers' places, for callers in threads (restore_at)
         self.stats: dict[str, float] = {"chunks": 0, "prepare_s": 0.0, "decode_s": 0.0, "write_s": 0.0}
 
     def start(self) -> None:
@@ -241,8 +253,9 @@ class DecodeWorkers:
             if self._workers:
                 return
             self._workers = [_Worker(self._ctx) for _ in range(self.procs)]
-            for w in self._workers:
+            for i, w in enumerate(self._workers):
                 w.ready()
+                self._free.put(i)
 
     async def restore(self, handle: dict, header: bytes, side: bytes | None, segments: Sequence[bytes], where: Sequence[int],
                       auth: ObjectMAC | None = None) -> int:
@@ -276,6 +289,23 @@ class DecodeWorkers:
         self.stats["chunks"] += 1
         for k, v in reply.seconds.items():
             self.stats[k] += v
+        return reply.kv_bytes
+
+    def restore_at(self, handle: dict, header: bytes, memory: tuple[str, int], spans: Sequence[tuple[int, int]], where: Sequence[int]) -> int:
+        """:meth:`restore` for a caller's thread, of a chunk whose parts (side information first) lie
+        at ``spans`` of shared ``memory`` (:meth:`_Worker.call_at`); blocks until a worker has
+        written it. The KV bytes written; the same exceptions."""
+        self.start()
+        i = self._free.get()
+        try:
+            reply = self._workers[i].call_at(IntoBuffer(handle_key(handle), handle), bytes(header), memory, spans, where)
+        except WorkerError:
+            self._replace(self._workers[i])
+            raise
+        finally:
+            self._free.put(i)
+        if isinstance(reply, Failed):
+            raise _exception(reply)
         return reply.kv_bytes
 
     def _replace(self, dead: _Worker) -> _Worker:
@@ -333,5 +363,5 @@ class DecodeWorkers:
     def close(self) -> None:
         for w in self._workers:
             w.stop()
-        self._workers = []
+        self._workers, self._free = [], queue.SimpleQueue()
         self._threads.shutdown(wait=False)

@@ -27,8 +27,9 @@ changed since, is refused, and what was not restored is recomputed). Windows fol
 size: a fetch that fills it stops with no reason and the next starts where it ended.
 
 Contracts: a fetch writes only tokens ``first .. end`` into the blocks, in whole blocks, and returns
-the end of what it wrote (the caller recomputes the rest); a store has copied its blocks out before
-it returns. Both hold the staging's lock: one fetch or store uses it at a time.
+the end of what it wrote in order (the caller recomputes the rest: restore processes may have written
+whole objects past an object that failed); nothing writes into the blocks or reads an arena once it
+has returned. A store has copied its blocks out before it returns. Both hold the staging's lock: one fetch or store uses it at a time.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from kvfetcher.api.client import KVClient, SidecarError
 from kvfetcher.codec import CodecError
 from kvfetcher.errors import ContainerError, GeometryMismatchError
 from kvfetcher.fetch.plan import EngineDecode, EngineDecoded, FetchOptions, FetchPlan, FetchReply
+from kvfetcher.integrations.restore_procs import RestoreProcs, cuda_paged_handle
 
 log = logging.getLogger("kvfetcher.integrations.staged")
 
@@ -64,14 +66,16 @@ def engine_formats(device: torch.device) -> tuple[str, ...]:
 
 
 def register(client: KVClient, tensors: torch.Tensor | Sequence[torch.Tensor], layout: kvbuffer.PagedLayout, model: str, tp_rank: int,
-             staging_tokens: int, staging: Staging | None = None, engine_decode: bool | None = None) -> tuple[str, Staging | None, str]:
+             staging_tokens: int, staging: Staging | None = None, engine_decode: bool | None = None,
+             engine_procs: int = 0) -> tuple[str, Staging | None, str]:
     """Register paged KV ``tensors`` with the sidecar: straight (CUDA IPC) where the sidecar opens
     them, else (host memory, or a sidecar answering ``no_device``) the host ``staging`` given, or a
     new one of ``staging_tokens`` slots, whose fetches this process decodes (engine-decode mode) when
     ``engine_decode`` says, by default on a GPU; ``engine_decode`` True takes that mode on a GPU the
     sidecar could open too (the restore then runs in this process' CUDA context, not time-sliced
-    beside it). The buffer id, the staging (None: direct) and why this mode; a refusal other than
-    ``no_device`` raises (:class:`SidecarError`, ``OSError``)."""
+    beside it), with ``engine_procs`` restore processes of its own (:class:`Staging`). The buffer id,
+    the staging (None: direct) and why this mode; a refusal other than ``no_device`` raises
+    (:class:`SidecarError`, ``OSError``)."""
     if staging is None:
         t0 = tensors if isinstance(tensors, torch.Tensor) else tensors[0]
         if t0.device.type == "cuda" and engine_decode:
@@ -87,7 +91,7 @@ def register(client: KVClient, tensors: torch.Tensor | Sequence[torch.Tensor], l
             why = "the KV cache is in host memory, which no other process can map"
         here = engine_decode if engine_decode is not None else t0.device.type == "cuda"
         engine = EngineDecode(engine_formats(t0.device), t0.device.type) if here else None
-        fresh = staging = Staging(tensors, layout, staging_tokens, engine)
+        fresh = staging = Staging(tensors, layout, staging_tokens, engine, engine_procs)
     else:
         fresh, why = None, "host staging, as before"
     try:
@@ -124,10 +128,14 @@ class Staging:
     """A flat host buffer of ``tokens`` token slots for the paged KV ``tensors`` (as
     :class:`kvbuffer.PagedKV` sees them through ``layout``), and the windowed fetches and stores
     through it. ``handle`` is what the sidecar registers (:meth:`KVClient.register`). With
-    ``engine`` fetches go through it in engine-decode mode (the module's doc)."""
+    ``engine`` fetches go through it in engine-decode mode (the module's doc); on a GPU with ``procs``
+    restore processes (:class:`~kvfetcher.fetch.workers.DecodeWorkers`, started in the background)
+    whole objects are restored in them, straight from the arena into the blocks by CUDA IPC: a thread
+    of the engine's process restores at a small fraction of the rate beside vLLM's loop, which holds
+    the GIL (``benchmarks/paged_restore/engine_restore``)."""
 
     def __init__(self, tensors: torch.Tensor | Sequence[torch.Tensor], layout: kvbuffer.PagedLayout, tokens: int,
-                 engine: EngineDecode | None = None):
+                 engine: EngineDecode | None = None, procs: int = 0):
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
             raise ValueError(f"staging tokens must be a positive integer, not {tokens!r}")
         self.paged = kvbuffer.PagedKV(tensors, layout)
@@ -151,6 +159,9 @@ class Staging:
         self._cold: set[str] = set(getattr(engine, "formats", ()))  # formats whose first decode (set-up) is not reported
         host = [b.tensor for b in (self.buffer, self._spare) if b is not None]
         self._unpin = pin_while_alive(self, host) if self.paged.device.type == "cuda" else None
+        self.workers: RestoreProcs | None = None  # engine-decode on a GPU: restores in processes of its own
+        if engine is not None and procs > 0 and self.paged.device.type == "cuda":
+            self.workers = RestoreProcs(cuda_paged_handle(tensors, layout), procs)
 
     def register(self, client: KVClient, model: str, tp_rank: int) -> str:
         """Register the buffer with the sidecar (in engine-decode mode a second time, as an arena,
@@ -169,6 +180,8 @@ class Staging:
     def close(self) -> None:
         if self._ahead is not None:
             self._ahead.shutdown(wait=True)
+        if self.workers is not None:
+            self.workers.close()
         if self._unpin is not None:
             self._unpin()
         for b in (self.buffer, self._spare):
@@ -238,7 +251,7 @@ class Staging:
                     nxt = reply.loaded_tokens
                     if reply.reason is None and done < nxt < min(end, reply.requested_tokens):  # the next window, while this one restores
                         ahead = self._ahead.submit(window, nxt, 1 - i, self._report())
-                    upto = self._restore(reply, block_ids, done, end, self.arenas[i][2], stop_at)
+                    upto = self._restore(reply, block_ids, done, end, i, stop_at)
                     if ahead is None or upto < nxt:
                         return max(done, upto)
                     done, i = upto, 1 - i
@@ -261,16 +274,36 @@ class Staging:
             if held:
                 self.lock.release()
 
-    def _restore(self, reply: FetchReply, block_ids: Sequence[int], first: int, end: int, memory: memoryview,
+    def _restore(self, reply: FetchReply, block_ids: Sequence[int], first: int, end: int, arena: int,
                  stop_at: float | None = None) -> int:
-        """Restore the reply's objects (whole chunks ending by ``end``, in the arena ``memory``) into
+        """Restore the reply's objects (whole chunks ending by ``end``, in arena number ``arena``) into
         the blocks, tokens from ``first`` on, in order until one fails or ``stop_at`` (monotonic
-        seconds) has passed; the end of the tokens written (at least ``first``)."""
+        seconds) has passed; the end of the tokens written (at least ``first``). Whole objects go
+        to the restore processes when they are ready, the one straddling ``first`` is restored here."""
         n = reply.chunk_tokens
         objects = [o for o in reply.objects or () if o[0] + n <= end]
         if not objects or not n:
             return first
         dest = kvbuffer.PagedDestination(self.paged, block_ids, objects[-1][0] + n, first_token=first)
+        _, shared, memory = self.arenas[arena]
+        head = [o for o in objects if o[0] < first]  # (the chunk straddling ``first``: only its tail is written)
+        done = self._restore_here(dest, head, first, n, memory, stop_at)
+        rest = [o for o in objects if o[0] >= first]
+        if not rest or head and done == first:
+            return done
+        if self.workers is not None and self.workers.ready():
+            t = time.perf_counter()
+            done, restored = self.workers.restore(dest, rest, done, n, memory, shared, self.model, stop_at)
+            for h, kv_bytes in restored:  # (they ran side by side: each is reported its share of the wall time)
+                self._decoded_one(h, kv_bytes, (time.perf_counter() - t) / len(restored))
+            if self.workers.ready():
+                return done
+            rest = [o for o in rest if o[0] >= done]
+        return self._restore_here(dest, rest, done, n, memory, stop_at)
+
+    def _restore_here(self, dest: kvbuffer.PagedDestination, objects: list, first: int, n: int, memory: memoryview,
+                      stop_at: float | None) -> int:
+        """Restore ``objects`` in this thread, in order, from token ``first`` (the end written)."""
         done = first
         with self._on_stream():
             for start, offset, size in objects:

@@ -65,6 +65,9 @@ class Options:
     # who restores a load on a GPU: None where the sidecar cannot open the GPU the engine does (engine-decode), else the sidecar
     # (direct); true: the engine also where the sidecar could (in the engine's own CUDA context); false: never the engine (staging)
     engine_decode: bool | None = None
+    # engine-decode on a GPU: processes of the engine's own that restore its loads (each a GIL and a CUDA context, ~0.5 GiB of the
+    # GPU); 0: the engine's thread restores them, beside vLLM's loop (slower: integrations.restore_procs)
+    engine_procs: int = 2
     # from vLLM's kv_role, not kv_connector_extra_config: kv_consumer loads only, kv_producer stores only, kv_both both
     loads: bool = True
     stores: bool = True
@@ -93,6 +96,10 @@ class Options:
                 raise ValueError(f"kvfetcher: idle_step_wait_s must be seconds from 0 to 1, not {w!r}")
         if kw.get("engine_decode") is not None and not isinstance(kw["engine_decode"], bool):
             raise ValueError(f"kvfetcher: engine_decode must be true, false or null, not {kw['engine_decode']!r}")
+        if "engine_procs" in kw:
+            n = kw["engine_procs"]
+            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 16:
+                raise ValueError(f"kvfetcher: engine_procs must be an integer from 0 to 16, not {n!r}")
         if "staging_tokens" in kw:
             n = kw["staging_tokens"]
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:

@@ -146,7 +146,7 @@ class WorkerSide:
             tokens = min(self.options.staging_tokens, self.vllm_config.model_config.max_model_len)
             try:
                 self.buffer, self.staging, why = staged.register(self.client, self.tensors, self.layout, self.options.model, self.tp_rank,
-                                                                 tokens, self.staging, self.options.engine_decode)
+                                                                 tokens, self.staging, self.options.engine_decode, self.options.engine_procs)
             except (OSError, SidecarError, ValueError) as e:
                 log.warning("kvfetcher: cannot register the KV cache with the sidecar (will retry): %s", e)
                 return None

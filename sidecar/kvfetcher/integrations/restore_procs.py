@@ -1,0 +1,129 @@
+"""restore_procs: an engine's own processes that restore its engine-decode loads.
+
+In engine-decode mode the serving engine's process restores the stored objects the sidecar placed
+in its arenas. A thread of that process shares the GIL with the engine's loop, which holds it
+between steps: on an H200 a thread restored 9.2 GB/s alone and 0.09 GB/s beside a Python thread that
+never pauses (``benchmarks/paged_restore/h200_engine_restore``). :class:`RestoreProcs` restores in
+processes of the engine's own (:class:`~kvfetcher.fetch.workers.DecodeWorkers`: a GIL and a CUDA
+context each, about 0.5 GiB of the GPU's memory), which map the arena (a memfd of the engine) and
+the engine's KV blocks (CUDA IPC) and write each verified object straight into its blocks.
+
+They start in the background when the KV cache registers; until they are ready, or where they
+cannot start (a daemonic process, as vLLM's tensor-parallel workers are, may not start children)
+or cannot map the blocks, the engine's thread restores as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from kvfetcher import ipc, kvbuffer
+from kvfetcher.errors import ContainerError, GeometryMismatchError
+from kvfetcher.fetch.workers import BufferOpenError, DecodeWorkers
+from kvfetcher.format import container
+
+log = logging.getLogger("kvfetcher.integrations.staged")
+
+#: an object a restore process restored: its header and KV bytes (None: not started, the deadline had passed)
+Done = tuple[container.Header, int] | None
+
+
+def cuda_paged_handle(tensors: torch.Tensor | Sequence[torch.Tensor], layout: kvbuffer.PagedLayout) -> dict:
+    """The handle of paged KV ``tensors`` on a GPU (seen through ``layout``), as the processes open it."""
+    return ipc.paged_handle([ipc.cuda_handle(t) for t in ([tensors] if isinstance(tensors, torch.Tensor) else tensors)], layout)
+
+
+class RestoreProcs:
+    """``procs`` restore processes for the paged KV that ``handle`` names (:func:`cuda_paged_handle`;
+    on a CPU, memfd handles), started in a background thread; :meth:`ready` once they can take objects."""
+
+    def __init__(self, handle: dict, procs: int):
+        self.handle = handle
+        self.restored = 0  # objects restored in the processes
+        self.procs = DecodeWorkers(procs)
+        self.pool = ThreadPoolExecutor(procs, thread_name_prefix="kvfetcher-restore")  # one caller per process
+        self._ready = threading.Event()
+        self._closed = False
+        threading.Thread(target=self._start, daemon=True, name="kvfetcher-restore-start").start()
+
+    def _start(self) -> None:
+        try:
+            self.procs.start()
+            self.procs.open(self.handle)
+        except Exception as e:  # noqa: BLE001 — without them the engine's thread restores, as before
+            log.warning("kvfetcher: the engine's restore processes did not start (%s: %s); loads are restored in the engine's own "
+                        "thread, slower beside its loop", type(e).__name__, e)
+            return
+        if not self._closed:
+            self._ready.set()
+            log.info("kvfetcher: %d restore processes ready for engine-decode loads", self.procs.procs)
+
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    def restore(self, dest: kvbuffer.PagedDestination, objects: Sequence[tuple[int, int, int]], first: int, n: int, memory: memoryview,
+                arena: ipc.SharedBuffer, fingerprint: str, stop_at: float | None = None) -> tuple[int, list[tuple[container.Header, int]]]:
+        """Restore ``objects`` ((token, offset, size) of whole chunks of ``n`` tokens from ``first`` on,
+        in order, in ``arena``, which ``memory`` maps here) into ``dest``, up to one per process at
+        once. The end of the tokens written in order from ``first`` and the (header, KV bytes) of
+        each object restored. An object that fails, or is not started by ``stop_at`` (monotonic
+        seconds), ends what counts; every one started is waited for, so no process reads the arena
+        after this returns. Where the processes cannot map the blocks they stop being :meth:`ready`."""
+        path = f"/proc/{arena.handle['pid']}/fd/{arena.handle['fd']}"  # the arena's memfd, as the processes (our children) open it
+        where = (path, len(memory))
+        asked: list[tuple[int, Future]] = []
+        for start, offset, size in objects:
+            try:
+                h = container.parse_header(memory[offset : offset + size], None)
+                container.check_fingerprint(h, fingerprint)
+                container.check_size(h, size)
+            except (ContainerError, GeometryMismatchError, ValueError) as e:
+                log.warning("kvfetcher: a stored object for tokens %d.. did not restore here, recomputing from there: %s", start, e)
+                break
+            parts = ([h.side] if h.side else []) + list(h.segments)
+            spans = [(offset + h.header_size + p.offset, offset + h.header_size + p.offset + p.length) for p in parts]
+            blocks = dest.where(kvbuffer.ChunkRef("", size, start, n))
+            header = bytes(memory[offset : offset + h.header_size])
+            asked.append((start, self.pool.submit(self._one, h, header, where, spans, blocks, stop_at)))
+        return self._collect(asked, first, n)
+
+    def _one(self, h: container.Header, header: bytes, where: tuple[str, int], spans: list, blocks: list[int], stop_at: float | None) -> Done:
+        if stop_at is not None and time.monotonic() > stop_at:
+            return None
+        return h, self.procs.restore_at(self.handle, header, where, spans, blocks)
+
+    def _collect(self, asked: list[tuple[int, Future]], first: int, n: int) -> tuple[int, list[tuple[container.Header, int]]]:
+        done, restored, ended = first, [], False
+        for start, f in asked:
+            try:
+                got = f.result()
+            except BufferOpenError as e:
+                if self._ready.is_set():
+                    log.warning("kvfetcher: the restore processes cannot map the KV blocks (%s): the engine's thread restores", e)
+                self._ready.clear()
+                got = None
+            except Exception as e:  # noqa: BLE001 — a bad object, a dead process, a CUDA error: recompute from it
+                log.warning("kvfetcher: a stored object for tokens %d.. did not restore, recomputing from there: %s", start, e)
+                got = None
+            if got is None:
+                ended = True
+            elif not ended and start == done:
+                restored.append(got)
+                done = start + n
+        self.restored += len(restored)
+        if ended and self._ready.is_set():  # (else the engine's thread restores the rest)
+            log.warning("kvfetcher: restoring stored objects ended at token %d (deadline, break-even or a failed object): "
+                        "recomputing from there", done)
+        return done, restored
+
+    def close(self) -> None:
+        self._closed = True
+        self._ready.clear()
+        self.pool.shutdown(wait=True)
+        self.procs.close()
