@@ -18,6 +18,8 @@ PARSE = "from kvfetcher.integrations.vllm_meta import Options\nprint(Options.par
     ({"idle_step_wait_s": -0.001}, ["idle_step_wait_s"]),
     ({"idle_step_wait_s": "2ms"}, ["idle_step_wait_s", "2ms"]),
     ({"engine_decode": "yes"}, ["engine_decode", "yes"]),
+    ({"engine_procs": -1}, ["engine_procs", "-1"]),
+    ({"engine_procs": 2.5}, ["engine_procs", "2.5"]),
     ({"sokcet": "/run/x"}, ["sokcet", "unknown"]),
     ({"stores": False}, ["stores", "unknown"]),  # vLLM's kv_role says it, not kv_connector_extra_config
 ])
@@ -29,7 +31,7 @@ def test_bad_options_are_refused_naming_the_key(extra, words):
 
 
 def test_good_options_parse():
-    run = run_without_vllm(PARSE.format(extra={"presets": "balanced, q8", "ttft_budget_s": "1.5", "idle_step_wait_s": 0, "engine_decode": True}))
+    run = run_without_vllm(PARSE.format(extra={"presets": "balanced, q8", "ttft_budget_s": "1.5", "idle_step_wait_s": 0, "engine_decode": True, "engine_procs": 0}))
     assert run.returncode == 0, run.stderr[-2000:]
     assert "presets=('balanced', 'q8')" in run.stdout and "ttft_budget_s=1.5" in run.stdout and "idle_step_wait_s=0" in run.stdout
-    assert "engine_decode=True" in run.stdout
+    assert "engine_decode=True" in run.stdout and "engine_procs=0" in run.stdout
