@@ -483,3 +483,42 @@ def test_gpu_vllm_engine_decodes_ans_past_its_own_hit_with_a_sidecar_without_cud
         assert decided == {f'kvfetcher_preset_decisions_total{{preset="{preset}"}}': 1.0}, (preset, r)
         assert r["equals_vllm_hit"] and r["equals_recompute"], (preset, r)  # q8 is lossy, yet on this prompt not one of the 32 tokens may move
     assert out["engine_reported_ans_kv_bytes"] > 0, out
+
+
+DAEMON_CHILD = '''
+import contextlib, multiprocessing as mp
+
+def child(q, lift):
+    from kvfetcher.fetch.workers import DecodeWorkers
+    from kvfetcher.integrations.restore_procs import may_start_children
+    try:
+        with may_start_children() if lift else contextlib.nullcontext():
+            w = DecodeWorkers(1)
+            w.start()
+        w.close()
+        q.put(("started", mp.current_process().daemon))
+    except BaseException as e:
+        q.put((type(e).__name__, mp.current_process().daemon))
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    for lift in (False, True):
+        p = ctx.Process(target=child, args=(q, lift), daemon=True)
+        p.start()
+        print(lift, *q.get(timeout=120))
+        p.join()
+'''
+
+
+def test_restore_processes_start_from_a_daemonic_process_as_vllms_tensor_parallel_workers_are(tmp_path):
+    """multiprocessing refuses children to a daemonic process (vLLM's tensor-parallel workers); the
+    restore processes start there all the same, and the process stays daemonic."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "daemon_child.py"
+    script.write_text(DAEMON_CHILD)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["False AssertionError True", "True started True"], out.stdout

@@ -8,17 +8,19 @@ processes of the engine's own (:class:`~kvfetcher.fetch.workers.DecodeWorkers`: 
 context each, about 0.5 GiB of the GPU's memory), which map the arena (a memfd of the engine) and
 the engine's KV blocks (CUDA IPC) and write each verified object straight into its blocks.
 
-They start in the background when the KV cache registers; until they are ready, or where they
-cannot start (a daemonic process, as vLLM's tensor-parallel workers are, may not start children)
-or cannot map the blocks, the engine's thread restores as before.
+They start in the background when the KV cache registers (also from a daemonic process, as vLLM's
+tensor-parallel workers are: :func:`may_start_children`); until they are ready, or where they
+cannot start or cannot map the blocks, the engine's thread restores as before.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -32,6 +34,22 @@ log = logging.getLogger("kvfetcher.integrations.staged")
 
 #: an object a restore process restored: its header and KV bytes (None: not started, the deadline had passed)
 Done = tuple[container.Header, int] | None
+
+
+@contextmanager
+def may_start_children() -> Iterator[None]:
+    """Let this process start processes although it is daemonic (vLLM starts its tensor-parallel
+    workers so). multiprocessing refuses, lest a killed daemon leave its children orphaned; restore
+    processes are daemonic themselves and exit when their pipe to this process closes."""
+    me = mp.current_process()
+    daemonic = me.daemon
+    if daemonic:
+        me.daemon = False
+    try:
+        yield
+    finally:
+        if daemonic:
+            me.daemon = True
 
 
 def cuda_paged_handle(tensors: torch.Tensor | Sequence[torch.Tensor], layout: kvbuffer.PagedLayout) -> dict:
@@ -54,7 +72,8 @@ class RestoreProcs:
 
     def _start(self) -> None:
         try:
-            self.procs.start()
+            with may_start_children():
+                self.procs.start()
             self.procs.open(self.handle)
         except Exception as e:  # noqa: BLE001 — without them the engine's thread restores, as before
             log.warning("kvfetcher: the engine's restore processes did not start (%s: %s); loads are restored in the engine's own "
