@@ -97,7 +97,7 @@ def engine(sc, staging_tokens=192, client=None, procs=False):
     buf, st, _ = staged.register(c, dst, LAYOUT, FP, 0, staging_tokens, engine_decode=True)
     assert st.engine is not None and st.arena not in (None, buf)
     if procs:
-        st.workers = RestoreProcs(ipc.paged_handle([b.handle for b in shared], LAYOUT), 1)
+        st.workers = RestoreProcs(ipc.paged_handle([b.handle for b in shared], LAYOUT), 1, ("raw", "zstd"))
         deadline = time.monotonic() + 120
         while not st.workers.ready():
             assert time.monotonic() < deadline, "the restore process did not start"

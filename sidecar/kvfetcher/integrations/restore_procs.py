@@ -27,10 +27,13 @@ import torch
 
 from kvfetcher import ipc, kvbuffer
 from kvfetcher.errors import ContainerError, GeometryMismatchError
-from kvfetcher.fetch.workers import BufferOpenError, DecodeWorkers
-from kvfetcher.format import container
+from kvfetcher.fetch.workers import BufferOpenError, DecodeWorkers, warmup_object
+from kvfetcher.format import container, presets
 
 log = logging.getLogger("kvfetcher.integrations.staged")
+
+#: the presets whose small objects warm the processes, one per bitstream format an engine may decode
+WARM_PRESETS = ("raw", "q8-zstd", "compact-ans", "balanced")
 
 #: an object a restore process restored: its header and KV bytes (None: not started, the deadline had passed)
 Done = tuple[container.Header, int] | None
@@ -59,10 +62,12 @@ def cuda_paged_handle(tensors: torch.Tensor | Sequence[torch.Tensor], layout: kv
 
 class RestoreProcs:
     """``procs`` restore processes for the paged KV that ``handle`` names (:func:`cuda_paged_handle`;
-    on a CPU, memfd handles), started in a background thread; :meth:`ready` once they can take objects."""
+    on a CPU, memfd handles), started in a background thread and warmed with a small object of each
+    bitstream format of ``formats`` (the CUDA context, the decoders); :meth:`ready` once they can take
+    objects."""
 
-    def __init__(self, handle: dict, procs: int):
-        self.handle = handle
+    def __init__(self, handle: dict, procs: int, formats: Sequence[str] = ()):
+        self.handle, self.formats = handle, tuple(formats)
         self.restored = 0  # objects restored in the processes
         self.procs = DecodeWorkers(procs)
         self.pool = ThreadPoolExecutor(procs, thread_name_prefix="kvfetcher-restore")  # one caller per process
@@ -75,6 +80,10 @@ class RestoreProcs:
             with may_start_children():
                 self.procs.start()
             self.procs.open(self.handle)
+            warm = [p for p in WARM_PRESETS if presets.get(p).codec.format in self.formats]
+            done = self.procs.warm("cuda" if torch.cuda.is_available() else "cpu", [warmup_object(p) for p in warm]) if warm else None
+            if done is not None and done.errors:  # (the first load of that format sets up instead)
+                log.warning("kvfetcher: warming the restore processes failed: %s", done.errors[0])
         except Exception as e:  # noqa: BLE001 — without them the engine's thread restores, as before
             log.warning("kvfetcher: the engine's restore processes did not start (%s: %s); loads are restored in the engine's own "
                         "thread, slower beside its loop", type(e).__name__, e)

@@ -161,7 +161,7 @@ class Staging:
         self._unpin = pin_while_alive(self, host) if self.paged.device.type == "cuda" else None
         self.workers: RestoreProcs | None = None  # engine-decode on a GPU: restores in processes of its own
         if engine is not None and procs > 0 and self.paged.device.type == "cuda":
-            self.workers = RestoreProcs(cuda_paged_handle(tensors, layout), procs)
+            self.workers = RestoreProcs(cuda_paged_handle(tensors, layout), procs, engine.formats)
 
     def register(self, client: KVClient, model: str, tp_rank: int) -> str:
         """Register the buffer with the sidecar (in engine-decode mode a second time, as an arena,
