@@ -522,3 +522,18 @@ def test_restore_processes_start_from_a_daemonic_process_as_vllms_tensor_paralle
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["False AssertionError True", "True started True"], out.stdout
+
+
+def test_a_store_copied_out_by_the_restore_processes_loads_back_identical(tmp_path):
+    """Engine-decode with a restore process: a prompt's blocks stored through the staging (copied
+    out by the process, in windows of 192 tokens), then loaded into other blocks, are the same bytes."""
+    with sidecar(LocalStore(tmp_path / "store"), chunk_tokens=N, presets=("raw",), warm_up=False) as sc:
+        c, dst, buf, st = engine(sc, procs=True)
+        write_blocks(dst, LAYOUT, BLOCK_IDS, KV)
+        assert st.store(c, buf, TOKENS, BLOCK_IDS, N) == 10
+        assert st.workers.copied == 4  # 640 tokens in windows of 192 (three chunks each): one piece a window
+        c.flush()
+        st.close()
+        c2, back, _, st2 = engine(sc, staging_tokens=1024)
+        assert st2.fetch(c2, st2.arena, TOKENS, BLOCK_IDS, 0, 640, options=FetchOptions(presets=("raw",), recompute_tokens_per_s=1.0)) == 640
+        assert torch.equal(read_blocks(back, LAYOUT, BLOCK_IDS, 0, 640).view(torch.int16), KV.view(torch.int16))

@@ -63,6 +63,26 @@ class Restore:
 
 
 @dataclass(frozen=True)
+class CopyOut:
+    """Copy the KV of ``blocks`` of the paged buffer ``target`` names into token slots ``start ..`` of
+    a flat ``[layers, 2, kv_heads, slots, head_dim]`` buffer of its dtype in shared ``memory`` (a path
+    and a size, as :class:`Slab` names one). Answered by :class:`Copied` or :class:`Failed`."""
+
+    target: IntoBuffer
+    blocks: tuple[int, ...]
+    memory: tuple[str, int]
+    slots: int
+    start: int
+
+
+@dataclass(frozen=True)
+class Copied:
+    """The blocks' KV is in the shared buffer: its bytes."""
+
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class Open:
     """Map a buffer now (one-way); a failure is remembered and reported for its chunks."""
 
@@ -184,9 +204,26 @@ def _restore(state: _WorkerState, req: Restore) -> Restored:
     return Restored(n, times)
 
 
-def _answer(state: _WorkerState, req: Restore) -> Restored | Failed:
+def _copy_out(state: _WorkerState, req: CopyOut) -> Copied:
+    """In a worker: the blocks' KV gathered on its device and copied into the shared flat buffer."""
+    kv = state.buffer(req.target.key, req.target.handle)
+    if not isinstance(kv, PagedKV):
+        raise _OpenFailed("a copy-out reads a paged buffer")
+    src = kv.read(list(req.blocks))
+    L, _, H, T, D = src.shape
+    mem = state.view(*req.memory)
     try:
-        return _restore(state, req)
+        flat = torch.frombuffer(mem, dtype=src.dtype, count=L * 2 * H * req.slots * D).view(L, 2, H, req.slots, D)
+        flat[:, :, :, req.start : req.start + T].copy_(src)
+        del flat
+    finally:
+        mem.release()
+    return Copied(src.numel() * src.element_size())
+
+
+def _answer(state: _WorkerState, req: Restore | CopyOut) -> Restored | Copied | Failed:
+    try:
+        return _copy_out(state, req) if isinstance(req, CopyOut) else _restore(state, req)
     except ContainerError as e:
         return Failed("object", type(e).__name__, str(e))
     except _OpenFailed as e:
@@ -197,7 +234,7 @@ def _answer(state: _WorkerState, req: Restore) -> Restored | Failed:
 
 
 def serve(conn) -> None:
-    """Worker main loop: one message at a time; a :class:`Restore` is answered, the others are not."""
+    """Worker main loop: one message at a time; a :class:`Restore` or :class:`CopyOut` is answered, the others are not."""
     torch.set_num_threads(1)
     state = _WorkerState()
     conn.send(Ready(torch.cuda.is_available()))
@@ -207,7 +244,7 @@ def serve(conn) -> None:
         except EOFError:
             return
         match msg:
-            case Restore():
+            case Restore() | CopyOut():
                 conn.send(_answer(state, msg))
             case Open(key, handle):
                 try:

@@ -44,6 +44,8 @@ from kvfetcher.codec import basis
 from kvfetcher.errors import ContainerError
 from kvfetcher.fetch.slab import Slab
 from kvfetcher.fetch.decode_worker import (
+    Copied,
+    CopyOut,
     Failed,
     Forget,
     IntoBuffer,
@@ -129,14 +131,12 @@ class _Worker:
                 at += len(b)
             return self._ask(Restore(target, header, (slab.path, slab.size), tuple(spans), tuple(int(s) for s in where), auth), timeout)
 
-    def call_at(self, target: IntoBuffer, header: bytes, memory: tuple[str, int], spans: Sequence[tuple[int, int]], where: Sequence[int],
-                timeout: float | None = None) -> Restored | Failed:
-        """:meth:`call` of a chunk whose parts lie at ``spans`` of shared ``memory`` (a memfd's path
-        and size, as :class:`Slab` names one) that the worker maps itself: no copy."""
+    def ask(self, req: Restore | CopyOut, timeout: float | None = None) -> Restored | Copied | Failed:
+        """The worker's answer to ``req``, whose shared memory it maps itself (no copy here)."""
         with self.lock:
-            return self._ask(Restore(target, header, memory, tuple(spans), tuple(int(s) for s in where)), timeout)
+            return self._ask(req, timeout)
 
-    def _ask(self, req: Restore, timeout: float | None) -> Restored | Failed:
+    def _ask(self, req: Restore | CopyOut, timeout: float | None) -> Restored | Copied | Failed:
         try:
             with self.send_lock:
                 self.conn.send(req)
@@ -293,12 +293,24 @@ class DecodeWorkers:
 
     def restore_at(self, handle: dict, header: bytes, memory: tuple[str, int], spans: Sequence[tuple[int, int]], where: Sequence[int]) -> int:
         """:meth:`restore` for a caller's thread, of a chunk whose parts (side information first) lie
-        at ``spans`` of shared ``memory`` (:meth:`_Worker.call_at`); blocks until a worker has
-        written it. The KV bytes written; the same exceptions."""
+        at ``spans`` of shared ``memory`` (a memfd's path and size, as :class:`Slab` names one),
+        which the worker maps itself; blocks until a worker has written it. The KV bytes written;
+        the same exceptions."""
+        req = Restore(IntoBuffer(handle_key(handle), handle), bytes(header), memory, tuple(spans), tuple(int(s) for s in where))
+        return self._blocking(req).kv_bytes
+
+    def copy_out_at(self, handle: dict, blocks: Sequence[int], memory: tuple[str, int], slots: int, start: int) -> int:
+        """Have a worker copy the KV of ``blocks`` of the paged buffer ``handle`` names into token slots
+        ``start ..`` of a flat buffer of ``slots`` slots in shared ``memory`` (:class:`CopyOut`); blocks
+        until it has. The bytes copied; :class:`BufferOpenError` or :class:`WorkerError`."""
+        return self._blocking(CopyOut(IntoBuffer(handle_key(handle), handle), tuple(int(b) for b in blocks), memory, slots, start)).nbytes
+
+    def _blocking(self, req: Restore | CopyOut) -> Restored | Copied:
+        """``req`` answered by the next free worker (a dead one is replaced), for a caller's thread."""
         self.start()
         i = self._free.get()
         try:
-            reply = self._workers[i].call_at(IntoBuffer(handle_key(handle), handle), bytes(header), memory, spans, where)
+            reply = self._workers[i].ask(req)
         except WorkerError:
             self._replace(self._workers[i])
             raise
@@ -306,7 +318,7 @@ class DecodeWorkers:
             self._free.put(i)
         if isinstance(reply, Failed):
             raise _exception(reply)
-        return reply.kv_bytes
+        return reply
 
     def _replace(self, dead: _Worker) -> _Worker:
         log.error("decode worker %s died; starting another", dead.proc.pid)

@@ -6,7 +6,8 @@ between steps: on an H200 a thread restored 9.2 GB/s alone and 0.09 GB/s beside 
 never pauses (``benchmarks/paged_restore/h200_engine_restore``). :class:`RestoreProcs` restores in
 processes of the engine's own (:class:`~kvfetcher.fetch.workers.DecodeWorkers`: a GIL and a CUDA
 context each, about 0.5 GiB of the GPU's memory), which map the arena (a memfd of the engine) and
-the engine's KV blocks (CUDA IPC) and write each verified object straight into its blocks.
+the engine's KV blocks (CUDA IPC) and write each verified object straight into its blocks; a store's
+copy of its blocks into the staging memory is theirs too (:meth:`RestoreProcs.copy_out`).
 
 They start in the background when the KV cache registers (also from a daemonic process, as vLLM's
 tensor-parallel workers are: :func:`may_start_children`); until they are ready, or where they
@@ -60,6 +61,11 @@ def cuda_paged_handle(tensors: torch.Tensor | Sequence[torch.Tensor], layout: kv
     return ipc.paged_handle([ipc.cuda_handle(t) for t in ([tensors] if isinstance(tensors, torch.Tensor) else tensors)], layout)
 
 
+def _path(shared: ipc.SharedBuffer) -> str:
+    """The path of a memfd of this process as the processes (its children) open it."""
+    return f"/proc/{shared.handle['pid']}/fd/{shared.handle['fd']}"
+
+
 class RestoreProcs:
     """``procs`` restore processes for the paged KV that ``handle`` names (:func:`cuda_paged_handle`;
     on a CPU, memfd handles), started in a background thread and warmed with a small object of each
@@ -68,7 +74,7 @@ class RestoreProcs:
 
     def __init__(self, handle: dict, procs: int, formats: Sequence[str] = ()):
         self.handle, self.formats = handle, tuple(formats)
-        self.restored = 0  # objects restored in the processes
+        self.restored, self.copied = 0, 0  # objects restored and store pieces copied out in the processes
         self.procs = DecodeWorkers(procs)
         self.pool = ThreadPoolExecutor(procs, thread_name_prefix="kvfetcher-restore")  # one caller per process
         self._ready = threading.Event()
@@ -103,8 +109,7 @@ class RestoreProcs:
         each object restored. An object that fails, or is not started by ``stop_at`` (monotonic
         seconds), ends what counts; every one started is waited for, so no process reads the arena
         after this returns. Where the processes cannot map the blocks they stop being :meth:`ready`."""
-        path = f"/proc/{arena.handle['pid']}/fd/{arena.handle['fd']}"  # the arena's memfd, as the processes (our children) open it
-        where = (path, len(memory))
+        where = (_path(arena), len(memory))
         asked: list[tuple[int, Future]] = []
         for start, offset, size in objects:
             try:
@@ -132,9 +137,7 @@ class RestoreProcs:
             try:
                 got = f.result()
             except BufferOpenError as e:
-                if self._ready.is_set():
-                    log.warning("kvfetcher: the restore processes cannot map the KV blocks (%s): the engine's thread restores", e)
-                self._ready.clear()
+                self._unmappable(e)
                 got = None
             except Exception as e:  # noqa: BLE001 — a bad object, a dead process, a CUDA error: recompute from it
                 log.warning("kvfetcher: a stored object for tokens %d.. did not restore, recomputing from there: %s", start, e)
@@ -149,6 +152,31 @@ class RestoreProcs:
             log.warning("kvfetcher: restoring stored objects ended at token %d (deadline, break-even or a failed object): "
                         "recomputing from there", done)
         return done, restored
+
+    def copy_out(self, pieces: Sequence[tuple[list[int], int]], shared: ipc.SharedBuffer, slots: int) -> bool:
+        """Copy the KV of each piece's blocks into the flat buffer ``shared`` (``slots`` token slots),
+        from its slot on, in the processes, side by side; True once every piece is there. False if
+        one failed (logged; where the processes cannot map the blocks they stop being :meth:`ready`):
+        the caller copies them itself. Every piece started has ended when this returns."""
+        where = (_path(shared), shared.tensor.numel() * shared.tensor.element_size())
+        asked = [self.pool.submit(self.procs.copy_out_at, self.handle, blocks, where, slots, start) for blocks, start in pieces]
+        ok = True
+        for f in asked:
+            try:
+                f.result()
+            except BufferOpenError as e:
+                self._unmappable(e)
+                ok = False
+            except Exception as e:  # noqa: BLE001 — a dead process, a CUDA error: the caller copies instead
+                log.warning("kvfetcher: a restore process could not copy blocks out (%s: %s): the engine's thread copies", type(e).__name__, e)
+                ok = False
+        self.copied += len(pieces) if ok else 0
+        return ok
+
+    def _unmappable(self, e: Exception) -> None:
+        if self._ready.is_set():
+            log.warning("kvfetcher: the restore processes cannot map the KV blocks (%s): the engine's thread restores and copies", e)
+        self._ready.clear()
 
     def close(self) -> None:
         self._closed = True

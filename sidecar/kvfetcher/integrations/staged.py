@@ -17,14 +17,17 @@ spare buffer of its size as a second one, so that the sidecar fetches the next w
 this process restores the other. A fetch
 asks the sidecar to fetch the stored objects, not to decode them: it reads and verifies every part
 (CRC-32, and tags with the pool's key) and only then copies the whole object into the arena, and
-answers where each lies once none of its writes can still run. This process then restores each
+answers where each lies once none of its writes can still run. The engine then restores each
 object into the blocks with the sidecar's own restore (:func:`kvfetcher.chunk.restore_object`:
 header and fingerprint checked, every part's CRC-32 checked again on the bytes it decodes, decoded
 on this GPU: nvCOMP for ``ans`` and ``zstd``, NVDEC for HEVC where present, then the same unpack).
 The engine holds no object key, so the tags are the sidecar's to check; the CRC re-check makes sure
 the engine decodes exactly the bytes that were verified (a reply naming other bytes, or an arena
 changed since, is refused, and what was not restored is recomputed). Windows follow the arena's
-size: a fetch that fills it stops with no reason and the next starts where it ended.
+size: a fetch that fills it stops with no reason and the next starts where it ended. The restores,
+and a store's copies out of the blocks, run in the engine's restore processes once they are ready
+(:mod:`~kvfetcher.integrations.restore_procs`: a thread here shares the GIL with the engine's loop),
+else in this process.
 
 Contracts: a fetch writes only tokens ``first .. end`` into the blocks, in whole blocks, and returns
 the end of what it wrote in order (the caller recomputes the rest: restore processes may have written
@@ -373,7 +376,13 @@ class Staging:
         return taken
 
     def _from_blocks(self, block_ids: Sequence[int], start: int, end: int) -> None:
-        """Copy tokens ``start .. end`` from their blocks into the staging (token ``start`` in slot 0)."""
+        """Copy tokens ``start .. end`` from their blocks into the staging (token ``start`` in slot 0):
+        in the restore processes where they are ready, else here."""
+        if self.workers is not None and self.workers.ready():
+            pieces = [(self.paged.blocks_of(block_ids, a, min(end, a + self.copy_tokens) - a), a - start)
+                      for a in range(start, end, self.copy_tokens)]
+            if self.workers.copy_out(pieces, self.buffer, self.tokens):
+                return
         with self._on_stream():
             for a in range(start, end, self.copy_tokens):
                 b = min(end, a + self.copy_tokens)
