@@ -63,16 +63,37 @@ class Restore:
 
 
 @dataclass(frozen=True)
-class CopyOut:
-    """Copy the KV of ``blocks`` of the paged buffer ``target`` names into token slots ``start ..`` of
-    a flat ``[layers, 2, kv_heads, slots, head_dim]`` buffer of its dtype in shared ``memory`` (a path
-    and a size, as :class:`Slab` names one). Answered by :class:`Copied` or :class:`Failed`."""
+class RestoreMany:
+    """Restore chunks in order, each a :class:`Restore` of ``target`` from ``memory`` given as its
+    (header, spans, where), until one fails or ``stop_at`` (``time.monotonic`` seconds, the same
+    clock in every process) has passed: one message for many chunks. Answered by :class:`RestoredMany`."""
 
     target: IntoBuffer
-    blocks: tuple[int, ...]
+    memory: tuple[str, int]
+    items: tuple[tuple[bytes, tuple[tuple[int, int], ...], tuple[int, ...]], ...]
+    stop_at: float | None = None
+
+
+@dataclass(frozen=True)
+class RestoredMany:
+    """The KV bytes of each chunk restored, in order, and why the next was not (None: every one
+    was, or ``stop_at`` had passed)."""
+
+    kv_bytes: tuple[int, ...]
+    failed: Failed | None = None
+
+
+@dataclass(frozen=True)
+class CopyOut:
+    """Copy the KV of each piece's blocks of the paged buffer ``target`` names into token slots from
+    the piece's ``start`` on of a flat ``[layers, 2, kv_heads, slots, head_dim]`` buffer of its dtype
+    in shared ``memory`` (a path and a size, as :class:`Slab` names one). Answered by :class:`Copied`
+    or :class:`Failed`."""
+
+    target: IntoBuffer
+    pieces: tuple[tuple[tuple[int, ...], int], ...]  # (blocks, start)
     memory: tuple[str, int]
     slots: int
-    start: int
 
 
 @dataclass(frozen=True)
@@ -205,20 +226,35 @@ def _restore(state: _WorkerState, req: Restore) -> Restored:
 
 
 def _copy_out(state: _WorkerState, req: CopyOut) -> Copied:
-    """In a worker: the blocks' KV gathered on its device and copied into the shared flat buffer."""
+    """In a worker: each piece's blocks gathered on its device and copied into the shared flat buffer."""
     kv = state.buffer(req.target.key, req.target.handle)
     if not isinstance(kv, PagedKV):
         raise _OpenFailed("a copy-out reads a paged buffer")
-    src = kv.read(list(req.blocks))
-    L, _, H, T, D = src.shape
+    L, H, D = kv.shape
     mem = state.view(*req.memory)
+    nbytes = 0
     try:
-        flat = torch.frombuffer(mem, dtype=src.dtype, count=L * 2 * H * req.slots * D).view(L, 2, H, req.slots, D)
-        flat[:, :, :, req.start : req.start + T].copy_(src)
+        flat = torch.frombuffer(mem, dtype=kv.dtype, count=L * 2 * H * req.slots * D).view(L, 2, H, req.slots, D)
+        for blocks, start in req.pieces:
+            src = kv.read(list(blocks))
+            flat[:, :, :, start : start + src.shape[3]].copy_(src)
+            nbytes += src.numel() * src.element_size()
         del flat
     finally:
         mem.release()
-    return Copied(src.numel() * src.element_size())
+    return Copied(nbytes)
+
+
+def _restore_many(state: _WorkerState, req: RestoreMany) -> RestoredMany:
+    done: list[int] = []
+    for header, spans, where in req.items:
+        if req.stop_at is not None and time.monotonic() > req.stop_at:
+            break
+        reply = _answer(state, Restore(req.target, header, req.memory, spans, where))
+        if isinstance(reply, Failed):
+            return RestoredMany(tuple(done), reply)
+        done.append(reply.kv_bytes)
+    return RestoredMany(tuple(done))
 
 
 def _answer(state: _WorkerState, req: Restore | CopyOut) -> Restored | Copied | Failed:
@@ -234,7 +270,7 @@ def _answer(state: _WorkerState, req: Restore | CopyOut) -> Restored | Copied | 
 
 
 def serve(conn) -> None:
-    """Worker main loop: one message at a time; a :class:`Restore` or :class:`CopyOut` is answered, the others are not."""
+    """Worker main loop: one message at a time; a :class:`Restore`, :class:`RestoreMany` or :class:`CopyOut` is answered, the others are not."""
     torch.set_num_threads(1)
     state = _WorkerState()
     conn.send(Ready(torch.cuda.is_available()))
@@ -246,6 +282,8 @@ def serve(conn) -> None:
         match msg:
             case Restore() | CopyOut():
                 conn.send(_answer(state, msg))
+            case RestoreMany():
+                conn.send(_restore_many(state, msg))
             case Open(key, handle):
                 try:
                     state.buffer(key, handle)

@@ -53,6 +53,8 @@ from kvfetcher.fetch.decode_worker import (
     Open,
     Restore,
     Restored,
+    RestoreMany,
+    RestoredMany,
     Stop,
     serve,
 )
@@ -131,12 +133,12 @@ class _Worker:
                 at += len(b)
             return self._ask(Restore(target, header, (slab.path, slab.size), tuple(spans), tuple(int(s) for s in where), auth), timeout)
 
-    def ask(self, req: Restore | CopyOut, timeout: float | None = None) -> Restored | Copied | Failed:
+    def ask(self, req: RestoreMany | CopyOut, timeout: float | None = None) -> RestoredMany | Copied | Failed:
         """The worker's answer to ``req``, whose shared memory it maps itself (no copy here)."""
         with self.lock:
             return self._ask(req, timeout)
 
-    def _ask(self, req: Restore | CopyOut, timeout: float | None) -> Restored | Copied | Failed:
+    def _ask(self, req: Restore | RestoreMany | CopyOut, timeout: float | None) -> Restored | RestoredMany | Copied | Failed:
         try:
             with self.send_lock:
                 self.conn.send(req)
@@ -291,21 +293,27 @@ class DecodeWorkers:
             self.stats[k] += v
         return reply.kv_bytes
 
-    def restore_at(self, handle: dict, header: bytes, memory: tuple[str, int], spans: Sequence[tuple[int, int]], where: Sequence[int]) -> int:
-        """:meth:`restore` for a caller's thread, of a chunk whose parts (side information first) lie
-        at ``spans`` of shared ``memory`` (a memfd's path and size, as :class:`Slab` names one),
-        which the worker maps itself; blocks until a worker has written it. The KV bytes written;
-        the same exceptions."""
-        req = Restore(IntoBuffer(handle_key(handle), handle), bytes(header), memory, tuple(spans), tuple(int(s) for s in where))
-        return self._blocking(req).kv_bytes
+    def restore_many_at(self, handle: dict, memory: tuple[str, int], items: Sequence[tuple[bytes, Sequence[tuple[int, int]], Sequence[int]]],
+                        stop_at: float | None = None) -> tuple[list[int], Exception | None]:
+        """For a caller's thread: one worker restores chunks in order (:class:`RestoreMany`), each
+        given as its header, the spans of its parts (side information first) in shared ``memory``
+        (a memfd's path and size, as :class:`Slab` names one, which the worker maps itself) and its
+        slots or blocks, until one fails or ``stop_at`` passes; blocks until it has. The KV bytes of
+        each restored and the exception of the one that failed (None: none did)."""
+        req = RestoreMany(IntoBuffer(handle_key(handle), handle), memory,
+                          tuple((bytes(h), tuple(map(tuple, spans)), tuple(int(w) for w in where)) for h, spans, where in items), stop_at)
+        reply = self._blocking(req)
+        return list(reply.kv_bytes), None if reply.failed is None else _exception(reply.failed)
 
-    def copy_out_at(self, handle: dict, blocks: Sequence[int], memory: tuple[str, int], slots: int, start: int) -> int:
-        """Have a worker copy the KV of ``blocks`` of the paged buffer ``handle`` names into token slots
-        ``start ..`` of a flat buffer of ``slots`` slots in shared ``memory`` (:class:`CopyOut`); blocks
-        until it has. The bytes copied; :class:`BufferOpenError` or :class:`WorkerError`."""
-        return self._blocking(CopyOut(IntoBuffer(handle_key(handle), handle), tuple(int(b) for b in blocks), memory, slots, start)).nbytes
+    def copy_out_at(self, handle: dict, pieces: Sequence[tuple[Sequence[int], int]], memory: tuple[str, int], slots: int) -> int:
+        """Have a worker copy the KV of each piece's blocks of the paged buffer ``handle`` names into
+        token slots from the piece's start on of a flat buffer of ``slots`` slots in shared ``memory``
+        (:class:`CopyOut`); blocks until it has. The bytes copied; :class:`BufferOpenError` or
+        :class:`WorkerError`."""
+        pieces = tuple((tuple(int(b) for b in blocks), int(start)) for blocks, start in pieces)
+        return self._blocking(CopyOut(IntoBuffer(handle_key(handle), handle), pieces, memory, slots)).nbytes
 
-    def _blocking(self, req: Restore | CopyOut) -> Restored | Copied:
+    def _blocking(self, req: RestoreMany | CopyOut) -> RestoredMany | Copied:
         """``req`` answered by the next free worker (a dead one is replaced), for a caller's thread."""
         self.start()
         i = self._free.get()

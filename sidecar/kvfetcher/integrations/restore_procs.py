@@ -19,10 +19,9 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -35,10 +34,6 @@ log = logging.getLogger("kvfetcher.integrations.staged")
 
 #: the presets whose small objects warm the processes, one per bitstream format an engine may decode
 WARM_PRESETS = ("raw", "q8-zstd", "compact-ans", "balanced")
-
-#: an object a restore process restored: its header and KV bytes (None: not started, the deadline had passed)
-Done = tuple[container.Header, int] | None
-
 
 @contextmanager
 def may_start_children() -> Iterator[None]:
@@ -104,13 +99,13 @@ class RestoreProcs:
     def restore(self, dest: kvbuffer.PagedDestination, objects: Sequence[tuple[int, int, int]], first: int, n: int, memory: memoryview,
                 arena: ipc.SharedBuffer, fingerprint: str, stop_at: float | None = None) -> tuple[int, list[tuple[container.Header, int]]]:
         """Restore ``objects`` ((token, offset, size) of whole chunks of ``n`` tokens from ``first`` on,
-        in order, in ``arena``, which ``memory`` maps here) into ``dest``, up to one per process at
-        once. The end of the tokens written in order from ``first`` and the (header, KV bytes) of
-        each object restored. An object that fails, or is not started by ``stop_at`` (monotonic
-        seconds), ends what counts; every one started is waited for, so no process reads the arena
-        after this returns. Where the processes cannot map the blocks they stop being :meth:`ready`."""
-        where = (_path(arena), len(memory))
-        asked: list[tuple[int, Future]] = []
+        in order, in ``arena``, which ``memory`` maps here) into ``dest``: one run of consecutive
+        objects per process, each sent as one message (a thread here pays the GIL per message, not
+        per object). The end of the tokens written in order from ``first`` and the (header, KV bytes)
+        of each object restored. An object that fails, or is not started by ``stop_at`` (monotonic
+        seconds), ends what counts; every run has ended when this returns, so no process reads the
+        arena after it. Where the processes cannot map the blocks they stop being :meth:`ready`."""
+        items: list[tuple[int, container.Header, tuple]] = []
         for start, offset, size in objects:
             try:
                 h = container.parse_header(memory[offset : offset + size], None)
@@ -121,32 +116,27 @@ class RestoreProcs:
                 break
             parts = ([h.side] if h.side else []) + list(h.segments)
             spans = [(offset + h.header_size + p.offset, offset + h.header_size + p.offset + p.length) for p in parts]
-            blocks = dest.where(kvbuffer.ChunkRef("", size, start, n))
-            header = bytes(memory[offset : offset + h.header_size])
-            asked.append((start, self.pool.submit(self._one, h, header, where, spans, blocks, stop_at)))
-        return self._collect(asked, first, n)
-
-    def _one(self, h: container.Header, header: bytes, where: tuple[str, int], spans: list, blocks: list[int], stop_at: float | None) -> Done:
-        if stop_at is not None and time.monotonic() > stop_at:
-            return None
-        return h, self.procs.restore_at(self.handle, header, where, spans, blocks)
-
-    def _collect(self, asked: list[tuple[int, Future]], first: int, n: int) -> tuple[int, list[tuple[container.Header, int]]]:
+            items.append((start, h, (bytes(memory[offset : offset + h.header_size]), spans, dest.where(kvbuffer.ChunkRef("", size, start, n)))))
+        per = -(-len(items) // self.procs.procs) if items else 1
+        runs = [items[i : i + per] for i in range(0, len(items), per)]
+        where = (_path(arena), len(memory))
+        asked = [self.pool.submit(self.procs.restore_many_at, self.handle, where, [it for _, _, it in run], stop_at) for run in runs]
         done, restored, ended = first, [], False
-        for start, f in asked:
+        for run, f in zip(runs, asked):
             try:
-                got = f.result()
-            except BufferOpenError as e:
-                self._unmappable(e)
-                got = None
-            except Exception as e:  # noqa: BLE001 — a bad object, a dead process, a CUDA error: recompute from it
-                log.warning("kvfetcher: a stored object for tokens %d.. did not restore, recomputing from there: %s", start, e)
-                got = None
-            if got is None:
-                ended = True
-            elif not ended and start == done:
-                restored.append(got)
-                done = start + n
+                kv_bytes, failed = f.result()
+            except Exception as e:  # noqa: BLE001 — a dead process, a CUDA error: recompute from this run
+                kv_bytes, failed = [], e
+            if isinstance(failed, BufferOpenError):
+                self._unmappable(failed)
+            elif failed is not None:
+                log.warning("kvfetcher: a stored object for tokens %d.. did not restore, recomputing from there: %s",
+                            run[len(kv_bytes)][0], failed)
+            for (start, h, _), b in zip(run, kv_bytes):
+                if not ended and start == done:
+                    restored.append((h, b))
+                    done = start + n
+            ended = ended or len(kv_bytes) < len(run)
         self.restored += len(restored)
         if ended and self._ready.is_set():  # (else the engine's thread restores the rest)
             log.warning("kvfetcher: restoring stored objects ended at token %d (deadline, break-even or a failed object): "
@@ -155,11 +145,13 @@ class RestoreProcs:
 
     def copy_out(self, pieces: Sequence[tuple[list[int], int]], shared: ipc.SharedBuffer, slots: int) -> bool:
         """Copy the KV of each piece's blocks into the flat buffer ``shared`` (``slots`` token slots),
-        from its slot on, in the processes, side by side; True once every piece is there. False if
+        from its slot on, in the processes, side by side (a run of pieces per process, one message
+        each); True once every piece is there. False if
         one failed (logged; where the processes cannot map the blocks they stop being :meth:`ready`):
         the caller copies them itself. Every piece started has ended when this returns."""
         where = (_path(shared), shared.tensor.numel() * shared.tensor.element_size())
-        asked = [self.pool.submit(self.procs.copy_out_at, self.handle, blocks, where, slots, start) for blocks, start in pieces]
+        per = -(-len(pieces) // self.procs.procs) if pieces else 1
+        asked = [self.pool.submit(self.procs.copy_out_at, self.handle, pieces[i : i + per], where, slots) for i in range(0, len(pieces), per)]
         ok = True
         for f in asked:
             try:
