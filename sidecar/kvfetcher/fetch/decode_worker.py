@@ -195,6 +195,10 @@ class _WorkerState:
     def view(self, path: str, size: int) -> memoryview:
         """The shared memory ``path`` names, mapped once: the :data:`MAX_SLABS` latest stay mapped
         (a sidecar's slab, grown now and then; an engine's two arenas, used in turn)."""
+        for old, (mapped, ino) in list(self.slabs.items()):  # unmap what its owner closed (a sidecar's slab that grew)
+            if old != path and _inode(old) != ino:
+                mapped.close()
+                del self.slabs[old]
         file = os.stat(path).st_ino  # a path names another file once its fd was closed and its number reused
         slab, ino = self.slabs.get(path, (None, None))
         if slab is None or slab.size != size or ino != file:
@@ -206,6 +210,13 @@ class _WorkerState:
                 self.slabs.popitem(last=False)[1][0].close()
         self.slabs.move_to_end(path)
         return memoryview(slab.mm)
+
+
+def _inode(path: str) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return None
 
 
 def _restore(state: _WorkerState, req: Restore) -> Restored:

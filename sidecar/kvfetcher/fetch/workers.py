@@ -33,8 +33,9 @@ import multiprocessing as mp
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -98,14 +99,37 @@ def _exception(reply: Failed) -> Exception:
     return WorkerError(str(reply))
 
 
+_daemon_flag = threading.Lock()  # (may_start_children changes the process's flag: one at a time)
+
+
+@contextmanager
+def may_start_children() -> Iterator[None]:
+    """Let this process start processes although it is daemonic (vLLM starts its tensor-parallel
+    workers so, and a vLLM engine starts restore processes: ``integrations.restore_procs``).
+    multiprocessing refuses, lest a killed daemon leave its children orphaned; decode workers are
+    daemonic themselves and exit when their pipe to this process closes."""
+    with _daemon_flag:
+        me = mp.current_process()
+        daemonic = me.daemon
+        if daemonic:
+            me.daemon = False
+        try:
+            yield
+        finally:
+            if daemonic:
+                me.daemon = True
+
+
 class _Worker:
     """One worker process and its end of the pipe, seen from the coordinator."""
 
     def __init__(self, ctx) -> None:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=serve, args=(child,), daemon=True, name="kvf-decode-worker")
-        self.proc.start()
+        with may_start_children():
+            self.proc.start()
         child.close()
+        self.stopped = False
         self.lock = threading.Lock()  # one request at a time (slab, send, reply)
         self.send_lock = threading.Lock()  # one writer on the pipe: a one-way message need not wait for a reply
         self.slab: Slab | None = None
@@ -153,8 +177,8 @@ class _Worker:
         with self.send_lock:
             try:
                 self.conn.send(msg)
-            except (OSError, BrokenPipeError):
-                pass  # a dead worker: replaced at its next request
+            except (OSError, BrokenPipeError, ValueError):
+                pass  # a dead worker (replaced at its next request), or a stopped one
 
     def ready(self) -> None:
         if not self.conn.poll(120):
@@ -162,10 +186,16 @@ class _Worker:
         self.conn.recv()
 
     def stop(self) -> None:
+        """Stop the process and close its pipe and slab; once (a second call does nothing)."""
+        with self.send_lock:
+            if self.stopped:
+                return
+            self.stopped = True
         self.post(Stop())
         self.proc.join(5)
         if self.proc.is_alive():
             self.proc.kill()
+        self.conn.close()
         if self.slab is not None:
             self.slab.close()
             self.slab = None
@@ -245,13 +275,16 @@ class DecodeWorkers:
         self._idle: asyncio.Queue[_Worker] | None = None
         self._idle_loop: asyncio.AbstractEventLoop | None = None
         self._threads = ThreadPoolExecutor(procs, thread_name_prefix="kvf-decode-call")
-        self._start_lock = threading.Lock()
+        self._start_lock = threading.Lock()  # held while processes start, are replaced or close
+        self._closed = False
         self._free: queue.SimpleQueue[int] = queue.SimpleQueue()  # idle workers' places, for callers in threads (restore_at)
         self.stats: dict[str, float] = {"chunks": 0, "prepare_s": 0.0, "decode_s": 0.0, "write_s": 0.0}
 
     def start(self) -> None:
         """Start the processes and wait until each has imported torch (seconds; do it at start-up)."""
         with self._start_lock:
+            if self._closed:
+                raise WorkerError("the decode workers were closed")
             if self._workers:
                 return
             self._workers = [_Worker(self._ctx) for _ in range(self.procs)]
@@ -318,10 +351,13 @@ class DecodeWorkers:
         self.start()
         i = self._free.get()
         try:
-            reply = self._workers[i].ask(req)
+            w = self._workers[i]
+            reply = w.ask(req)
         except WorkerError:
-            self._replace(self._workers[i])
+            self._replace(w)  # (or WorkerError: closed meanwhile)
             raise
+        except IndexError:  # closed meanwhile
+            raise WorkerError("the decode workers were closed") from None
         finally:
             self._free.put(i)
         if isinstance(reply, Failed):
@@ -329,12 +365,16 @@ class DecodeWorkers:
         return reply
 
     def _replace(self, dead: _Worker) -> _Worker:
-        log.error("decode worker %s died; starting another", dead.proc.pid)
-        dead.stop()
-        w = _Worker(self._ctx)
-        w.ready()
-        self._workers[self._workers.index(dead)] = w
-        return w
+        """A new worker in ``dead``'s place (WorkerError once the pool is closed)."""
+        with self._start_lock:
+            if self._closed:
+                raise WorkerError("the decode workers were closed")
+            log.error("decode worker %s died; starting another", dead.proc.pid)
+            dead.stop()
+            w = _Worker(self._ctx)
+            w.ready()
+            self._workers[self._workers.index(dead)] = w
+            return w
 
     def open(self, handle: dict) -> None:
         """Have every worker map a buffer the model registered, now, not on the first fetch into it.
@@ -381,7 +421,10 @@ class DecodeWorkers:
         return time.perf_counter() - t, restored, errors
 
     def close(self) -> None:
-        for w in self._workers:
+        """Stop every worker; nothing starts after (a :meth:`start` under way finishes first)."""
+        with self._start_lock:
+            self._closed = True
+            workers, self._workers, self._free = self._workers, [], queue.SimpleQueue()
+        for w in workers:
             w.stop()
-        self._workers, self._free = [], queue.SimpleQueue()
         self._threads.shutdown(wait=False)

@@ -10,17 +10,15 @@ the engine's KV blocks (CUDA IPC) and write each verified object straight into i
 copy of its blocks into the staging memory is theirs too (:meth:`RestoreProcs.copy_out`).
 
 They start in the background when the KV cache registers (also from a daemonic process, as vLLM's
-tensor-parallel workers are: :func:`may_start_children`); until they are ready, or where they
-cannot start or cannot map the blocks, the engine's thread restores as before.
+tensor-parallel workers are: :func:`~kvfetcher.fetch.workers.may_start_children`); until they are
+ready, or where they cannot start or cannot map the blocks, the engine's thread restores as before.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -34,22 +32,6 @@ log = logging.getLogger("kvfetcher.integrations.staged")
 
 #: the presets whose small objects warm the processes, one per bitstream format an engine may decode
 WARM_PRESETS = ("raw", "q8-zstd", "compact-ans", "balanced")
-
-@contextmanager
-def may_start_children() -> Iterator[None]:
-    """Let this process start processes although it is daemonic (vLLM starts its tensor-parallel
-    workers so). multiprocessing refuses, lest a killed daemon leave its children orphaned; restore
-    processes are daemonic themselves and exit when their pipe to this process closes."""
-    me = mp.current_process()
-    daemonic = me.daemon
-    if daemonic:
-        me.daemon = False
-    try:
-        yield
-    finally:
-        if daemonic:
-            me.daemon = True
-
 
 def cuda_paged_handle(tensors: torch.Tensor | Sequence[torch.Tensor], layout: kvbuffer.PagedLayout) -> dict:
     """The handle of paged KV ``tensors`` on a GPU (seen through ``layout``), as the processes open it."""
@@ -78,14 +60,15 @@ class RestoreProcs:
 
     def _start(self) -> None:
         try:
-            with may_start_children():
-                self.procs.start()
+            self.procs.start()
             self.procs.open(self.handle)
             warm = [p for p in WARM_PRESETS if presets.get(p).codec.format in self.formats]
             done = self.procs.warm("cuda" if torch.cuda.is_available() else "cpu", [warmup_object(p) for p in warm]) if warm else None
             if done is not None and done.errors:  # (the first load of that format sets up instead)
                 log.warning("kvfetcher: warming the restore processes failed: %s", done.errors[0])
         except Exception as e:  # noqa: BLE001 — without them the engine's thread restores, as before
+            if self._closed:
+                return
             log.warning("kvfetcher: the engine's restore processes did not start (%s: %s); loads are restored in the engine's own "
                         "thread, slower beside its loop", type(e).__name__, e)
             return
@@ -107,6 +90,10 @@ class RestoreProcs:
         arena after it. Where the processes cannot map the blocks they stop being :meth:`ready`."""
         items: list[tuple[int, container.Header, tuple]] = []
         for start, offset, size in objects:
+            if start != first + len(items) * n or offset < 0 or size < 0 or offset + size > len(memory):
+                log.warning("kvfetcher: the sidecar named a stored object the arena does not hold in order (token %d, bytes %d+%d)",
+                            start, offset, size)
+                break
             try:
                 h = container.parse_header(memory[offset : offset + size], None)
                 container.check_fingerprint(h, fingerprint)

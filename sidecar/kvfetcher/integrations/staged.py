@@ -181,15 +181,17 @@ class Staging:
         return self.arenas[0][0] if self.engine is not None else None
 
     def close(self) -> None:
-        if self._ahead is not None:
-            self._ahead.shutdown(wait=True)
-        if self.workers is not None:
-            self.workers.close()
-        if self._unpin is not None:
-            self._unpin()
-        for b in (self.buffer, self._spare):
-            if b is not None:
-                b.close()
+        try:
+            if self._ahead is not None:
+                self._ahead.shutdown(wait=True)
+            if self.workers is not None:
+                self.workers.close()
+        finally:
+            if self._unpin is not None:
+                self._unpin()
+            for b in (self.buffer, self._spare):
+                if b is not None:
+                    b.close()
 
     # --- fetches -----------------------------------------------------------------------------
 
