@@ -98,11 +98,22 @@ def engine(sc, staging_tokens=192, client=None, procs=False):
     assert st.engine is not None and st.arena not in (None, buf)
     if procs:
         st.workers = RestoreProcs(ipc.paged_handle([b.handle for b in shared], LAYOUT), 1, ("raw", "zstd"))
+        _STARTED.append(st.workers)
         deadline = time.monotonic() + 120
         while not st.workers.ready():
             assert time.monotonic() < deadline, "the restore process did not start"
             time.sleep(0.05)
     return c, dst, buf, st
+
+
+_STARTED: list[RestoreProcs] = []  # restore processes a test started: stopped after it
+
+
+@pytest.fixture(autouse=True)
+def _stop_restore_processes():
+    yield
+    while _STARTED:
+        _STARTED.pop().close()
 
 
 @pytest.fixture(params=[False, True], ids=["engine-thread", "restore-procs"])
@@ -543,10 +554,14 @@ def test_restore_processes_closed_while_they_start_leave_none_behind():
     returns no restore process is alive, and none starts later."""
     import multiprocessing
 
+    def workers() -> set[int]:
+        return {p.pid for p in multiprocessing.active_children() if p.name == "kvf-decode-worker"}
+
+    before = workers()  # (another test's, not yet collected)
     shared = ipc.allocate((BLOCKS, HEADS, BS, 2 * HEAD_DIM), torch.float16)
     procs = RestoreProcs(ipc.paged_handle([shared.handle], LAYOUT), 2, ("raw",))
     time.sleep(0.2)
     procs.close()
     time.sleep(3)
     assert not procs.ready()
-    assert not [p for p in multiprocessing.active_children() if p.name == "kvf-decode-worker"]
+    assert not workers() - before
