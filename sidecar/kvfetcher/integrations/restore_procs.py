@@ -133,9 +133,9 @@ class RestoreProcs:
     def copy_out(self, pieces: Sequence[tuple[list[int], int]], shared: ipc.SharedBuffer, slots: int) -> bool:
         """Copy the KV of each piece's blocks into the flat buffer ``shared`` (``slots`` token slots),
         from its slot on, in the processes, side by side (a run of pieces per process, one message
-        each); True once every piece is there. False if
-        one failed (logged; where the processes cannot map the blocks they stop being :meth:`ready`):
-        the caller copies them itself. Every piece started has ended when this returns."""
+        each); True once every piece is there. False if one failed (logged; where the processes
+        cannot map the blocks they stop being :meth:`ready`): the caller copies them itself. Every
+        piece started has ended when this returns."""
         where = (_path(shared), shared.tensor.numel() * shared.tensor.element_size())
         per = -(-len(pieces) // self.procs.procs) if pieces else 1
         asked = [self.pool.submit(self.procs.copy_out_at, self.handle, pieces[i : i + per], where, slots) for i in range(0, len(pieces), per)]
