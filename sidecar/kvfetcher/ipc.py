@@ -115,6 +115,11 @@ def memfd_handle(fd: int, shape, dtype: str) -> dict:
     return {"kind": "memfd", "pid": os.getpid(), "fd": fd, "inode": [st.st_dev, st.st_ino], "shape": list(shape), "dtype": dtype}
 
 
+def memfd_path(h: dict) -> str:
+    """The path by which the memfd handle ``h`` names opens in its process's children."""
+    return f"/proc/{int(h['pid'])}/fd/{int(h['fd'])}"
+
+
 def paged_handle(handles: list[dict], layout: PagedLayout) -> dict:
     """The handle of a paged buffer: its tensors' ``handles`` (one per layer, or one holding every
     layer) seen through ``layout``."""
@@ -196,7 +201,7 @@ def _reopen(h: dict) -> int:
     if pid not in (os.getpid(), os.getppid()):
         raise ValueError("a memfd handle opens only in the process that holds it or its children: pass the fd itself")
     try:
-        new = os.dup(fd) if pid == os.getpid() else os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+        new = os.dup(fd) if pid == os.getpid() else os.open(memfd_path(h), os.O_RDWR | os.O_CLOEXEC)
     except OSError as e:
         raise ValueError(f"memfd handle {pid}/{fd} cannot be opened: {e.strerror}") from None
     st = os.fstat(new)

@@ -195,17 +195,16 @@ class _WorkerState:
     def view(self, path: str, size: int) -> memoryview:
         """The shared memory ``path`` names, mapped once: the :data:`MAX_SLABS` latest stay mapped
         (a sidecar's slab, grown now and then; an engine's two arenas, used in turn)."""
-        for old, (mapped, ino) in list(self.slabs.items()):  # unmap what its owner closed (a sidecar's slab that grew)
-            if old != path and _inode(old) != ino:
+        for known, (mapped, ino) in list(self.slabs.items()):
+            if _inode(known) != ino:  # its owner closed it (a sidecar's slab that grew), or its fd number names another file now
                 mapped.close()
-                del self.slabs[old]
-        file = os.stat(path).st_ino  # a path names another file once its fd was closed and its number reused
-        slab, ino = self.slabs.get(path, (None, None))
-        if slab is None or slab.size != size or ino != file:
+                del self.slabs[known]
+        slab = self.slabs[path][0] if path in self.slabs else None
+        if slab is None or slab.size != size:
             if slab is not None:
                 slab.close()
             slab = Slab(size, path)
-            self.slabs[path] = (slab, file)
+            self.slabs[path] = (slab, _inode(path))
             while len(self.slabs) > MAX_SLABS:
                 self.slabs.popitem(last=False)[1][0].close()
         self.slabs.move_to_end(path)

@@ -277,7 +277,7 @@ class DecodeWorkers:
         self._threads = ThreadPoolExecutor(procs, thread_name_prefix="kvf-decode-call")
         self._start_lock = threading.Lock()  # held while processes start, are replaced or close
         self._closed = False
-        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()  # idle workers' places, for callers in threads (restore_at)
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()  # idle workers' places, for callers in threads (_blocking)
         self.stats: dict[str, float] = {"chunks": 0, "prepare_s": 0.0, "decode_s": 0.0, "write_s": 0.0}
 
     def start(self) -> None:

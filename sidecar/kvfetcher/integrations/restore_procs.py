@@ -2,8 +2,8 @@
 
 In engine-decode mode the serving engine's process restores the stored objects the sidecar placed
 in its arenas. A thread of that process shares the GIL with the engine's loop, which holds it
-between steps: on an H200 a thread restored 9.2 GB/s alone and 0.09 GB/s beside a Python thread that
-never pauses (``benchmarks/paged_restore/h200_engine_restore``). :class:`RestoreProcs` restores in
+between steps, and restores at a small fraction of its rate beside it (docs/architecture.md has
+the measure, ``benchmarks/paged_restore/engine_restore`` takes it). :class:`RestoreProcs` restores in
 processes of the engine's own (:class:`~kvfetcher.fetch.workers.DecodeWorkers`: a GIL and a CUDA
 context each, about 0.5 GiB of the GPU's memory), which map the arena (a memfd of the engine) and
 the engine's KV blocks (CUDA IPC) and write each verified object straight into its blocks; a store's
@@ -33,14 +33,16 @@ log = logging.getLogger("kvfetcher.integrations.staged")
 #: the presets whose small objects warm the processes, one per bitstream format an engine may decode
 WARM_PRESETS = ("raw", "q8-zstd", "compact-ans", "balanced")
 
+
 def cuda_paged_handle(tensors: torch.Tensor | Sequence[torch.Tensor], layout: kvbuffer.PagedLayout) -> dict:
     """The handle of paged KV ``tensors`` on a GPU (seen through ``layout``), as the processes open it."""
     return ipc.paged_handle([ipc.cuda_handle(t) for t in ([tensors] if isinstance(tensors, torch.Tensor) else tensors)], layout)
 
 
-def _path(shared: ipc.SharedBuffer) -> str:
-    """The path of a memfd of this process as the processes (its children) open it."""
-    return f"/proc/{shared.handle['pid']}/fd/{shared.handle['fd']}"
+def _runs(items: Sequence, k: int) -> list[Sequence]:
+    """``items`` in at most ``k`` runs of consecutive ones, as even as whole items allow."""
+    per = max(1, -(-len(items) // k))
+    return [items[i : i + per] for i in range(0, len(items), per)]
 
 
 class RestoreProcs:
@@ -104,9 +106,8 @@ class RestoreProcs:
             parts = ([h.side] if h.side else []) + list(h.segments)
             spans = [(offset + h.header_size + p.offset, offset + h.header_size + p.offset + p.length) for p in parts]
             items.append((start, h, (bytes(memory[offset : offset + h.header_size]), spans, dest.where(kvbuffer.ChunkRef("", size, start, n)))))
-        per = -(-len(items) // self.procs.procs) if items else 1
-        runs = [items[i : i + per] for i in range(0, len(items), per)]
-        where = (_path(arena), len(memory))
+        runs = _runs(items, self.procs.procs)
+        where = (ipc.memfd_path(arena.handle), len(memory))
         asked = [self.pool.submit(self.procs.restore_many_at, self.handle, where, [it for _, _, it in run], stop_at) for run in runs]
         done, restored, ended = first, [], False
         for run, f in zip(runs, asked):
@@ -136,9 +137,8 @@ class RestoreProcs:
         each); True once every piece is there. False if one failed (logged; where the processes
         cannot map the blocks they stop being :meth:`ready`): the caller copies them itself. Every
         piece started has ended when this returns."""
-        where = (_path(shared), shared.tensor.numel() * shared.tensor.element_size())
-        per = -(-len(pieces) // self.procs.procs) if pieces else 1
-        asked = [self.pool.submit(self.procs.copy_out_at, self.handle, pieces[i : i + per], where, slots) for i in range(0, len(pieces), per)]
+        where = (ipc.memfd_path(shared.handle), shared.tensor.numel() * shared.tensor.element_size())
+        asked = [self.pool.submit(self.procs.copy_out_at, self.handle, run, where, slots) for run in _runs(pieces, self.procs.procs)]
         ok = True
         for f in asked:
             try:

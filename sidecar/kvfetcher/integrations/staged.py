@@ -380,15 +380,14 @@ class Staging:
     def _from_blocks(self, block_ids: Sequence[int], start: int, end: int) -> None:
         """Copy tokens ``start .. end`` from their blocks into the staging (token ``start`` in slot 0):
         in the restore processes where they are ready, else here."""
-        if self.workers is not None and self.workers.ready():
-            pieces = [(self.paged.blocks_of(block_ids, a, min(end, a + self.copy_tokens) - a), a - start)
-                      for a in range(start, end, self.copy_tokens)]
-            if self.workers.copy_out(pieces, self.buffer, self.tokens):
-                return
+        pieces = [(self.paged.blocks_of(block_ids, a, min(end, a + self.copy_tokens) - a), a - start)
+                  for a in range(start, end, self.copy_tokens)]
+        if self.workers is not None and self.workers.ready() and self.workers.copy_out(pieces, self.buffer, self.tokens):
+            return
+        bs = self.paged.layout.block_size
         with self._on_stream():
-            for a in range(start, end, self.copy_tokens):
-                b = min(end, a + self.copy_tokens)
-                self.buffer.tensor[:, :, :, a - start : b - start].copy_(self.paged.read(self.paged.blocks_of(block_ids, a, b - a)))
+            for blocks, at in pieces:
+                self.buffer.tensor[:, :, :, at : at + len(blocks) * bs].copy_(self.paged.read(blocks))
             self._sync()
 
     # --- helpers ---------------------------------------------------------------------------
