@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kvfetcher.kvbuffer import PagedKV, PagedLayout, contiguous, read_blocks, slot_list, write_blocks
+from kvfetcher.kvbuffer import PagedKV, PagedLayout, block_runs, contiguous, read_blocks, slot_list, write_blocks
 
 
 def test_slot_lists_check_the_buffer_and_stay_cheap_when_contiguous():
@@ -146,6 +146,29 @@ def test_kv_of_another_geometry_or_dtype_is_refused(kv):
     with pytest.raises(ValueError, match="does not fit"):
         write_blocks(tensors, PagedLayout("BHT(KD)", BS), [1], kv)
     assert all(bool((t == -1).all()) for t in tensors)
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dims", DIMS)
+def test_a_copy_out_to_the_host_reads_what_the_device_gather_reads(dims, device):
+    """read_into copies runs of whole blocks where blocks are the outer axis, else gathers: the same KV either way."""
+    layout = PagedLayout(dims, BS)
+    tensors = paged_tensors(dims)
+    tensors = tensors.to(device) if "L" in dims else [t.to(device) for t in tensors]
+    for t in [tensors] if "L" in dims else tensors:
+        t.copy_(torch.randn(t.shape))
+    paged = PagedKV(tensors, layout)
+    for blocks in ([2, 3, 4, 9, 0, 1], [5], [9, 8, 7], list(range(NB))):
+        out = torch.full((L, 2, H, len(blocks) * BS, D), float("nan"))
+        paged.read_into(blocks, out[:, :, :, :])
+        assert torch.equal(out, paged.read(blocks).cpu())
+    wide = torch.zeros(L, 2, H, 5 * BS, D)
+    paged.read_into([7, 8], wide[:, :, :, BS : 3 * BS])  # into a slice of a larger host tensor
+    assert torch.equal(wide[:, :, :, BS : 3 * BS], paged.read([7, 8]).cpu()) and not wide[:, :, :, :BS].any() and not wide[:, :, :, 3 * BS :].any()
+
+
+def test_block_runs_group_consecutive_ids_in_order():
+    assert block_runs([2, 3, 4, 9, 0, 1, 5]) == [(0, 2, 3), (3, 9, 1), (4, 0, 2), (6, 5, 1)]
+    assert block_runs([]) == [] and block_runs([7]) == [(0, 7, 1)] and block_runs([3, 2]) == [(0, 3, 1), (1, 2, 1)]
 
 
 @pytest.mark.parametrize("piece_bytes", [1, 3000, 1 << 30])

@@ -166,7 +166,7 @@ class Destination:
         step = self._piece_tokens()
         for a in range(0, tokens, step):
             b = min(tokens, a + step)
-            out[:, :, :, a:b].copy_(self._piece(start + a, b - a))
+            self._read_piece(start + a, b - a, out[:, :, :, a:b])
         return out
 
     def _piece_tokens(self) -> int:
@@ -179,12 +179,14 @@ class Destination:
         """The tokens a piece of a :meth:`read` is a multiple of."""
         return 1
 
-    def _piece(self, start: int, tokens: int) -> torch.Tensor:
-        """The KV of tokens ``start .. start + tokens``: a view where their slots are contiguous, else a gathered copy."""
+    def _read_piece(self, start: int, tokens: int, out: torch.Tensor) -> None:
+        """Copy the KV of tokens ``start .. start + tokens`` into ``out`` (host): from a view where
+        their slots are contiguous, else from a gathered copy."""
         idx = self.slots[start : start + tokens]
         if contiguous(idx):
-            return self.buffer[:, :, :, idx[0] : idx[0] + tokens]
-        return self.buffer.index_select(3, torch.tensor(idx, device=self.device))
+            out.copy_(self.buffer[:, :, :, idx[0] : idx[0] + tokens])
+        else:
+            out.copy_(self.buffer.index_select(3, torch.tensor(idx, device=self.device)))
 
     def finish(self) -> None:
         """Wait until the writes queued on the GPU are done: the model (another process) reads the
@@ -390,6 +392,42 @@ class PagedKV:
         idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
         return torch.cat([v.index_select(3, idx) for v in self.views]).flatten(3, 4)
 
+    def read_into(self, blocks: Sequence[int], out: torch.Tensor) -> None:
+        """Copy the KV in ``blocks`` into ``out``, a host tensor ``[layers, 2, kv_heads, len(blocks) *
+        block_size, head_dim]``. Where blocks are the tensors' outer axis (vLLM's), each run of
+        consecutive blocks is one copy of whole blocks into page-locked memory, put in order on the
+        host: on a GPU the copy engine moves them and no kernel runs beside the model's. Otherwise a
+        gather on the device, then a copy."""
+        if self.layout.axes[0] != "B":
+            out.copy_(self.read(blocks))
+            return
+        cuda = self.device.type == "cuda"
+        whole = []
+        for t in self.tensors:
+            host = torch.empty((len(blocks), *t.shape[1:]), dtype=t.dtype, pin_memory=cuda)
+            for at, first, n in block_runs(blocks):
+                host[at : at + n].copy_(t[first : first + n], non_blocking=cuda)
+            whole.append(host)
+        if cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        layer, bs = 0, self.layout.block_size
+        for host in whole:
+            v = self.layout.view(host)
+            out[layer : layer + v.shape[0]].unflatten(3, (len(blocks), bs)).copy_(v)
+            layer += v.shape[0]
+
+
+def block_runs(blocks: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``blocks`` as runs of consecutive ids: ``(position in blocks, first id, length)`` each."""
+    runs: list[tuple[int, int, int]] = []
+    for i, b in enumerate(blocks):
+        if runs and runs[-1][1] + runs[-1][2] == b:
+            at, first, n = runs[-1]
+            runs[-1] = (at, first, n + 1)
+        else:
+            runs.append((i, b, 1))
+    return runs
+
 
 def write_blocks(tensors: torch.Tensor | Sequence[torch.Tensor], layout: PagedLayout, block_ids: Sequence[int], kv: torch.Tensor,
                  first_token: int = 0) -> None:
@@ -447,8 +485,8 @@ class PagedDestination(Destination):
     def _grain(self) -> int:
         return self.kv.layout.block_size
 
-    def _piece(self, start: int, tokens: int) -> torch.Tensor:
-        return self.kv.read(self._blocks(start, tokens))
+    def _read_piece(self, start: int, tokens: int, out: torch.Tensor) -> None:
+        self.kv.read_into(self._blocks(start, tokens), out)
 
 
 def destination(buffer: torch.Tensor | PagedKV, tokens: int, slots: Sequence[int] | None = None, offset: int = 0,

@@ -236,7 +236,7 @@ def _restore(state: _WorkerState, req: Restore) -> Restored:
 
 
 def _copy_out(state: _WorkerState, req: CopyOut) -> Copied:
-    """In a worker: each piece's blocks gathered on its device and copied into the shared flat buffer."""
+    """In a worker: each piece's blocks copied into the shared flat buffer (:meth:`PagedKV.read_into`)."""
     kv = state.buffer(req.target.key, req.target.handle)
     if not isinstance(kv, PagedKV):
         raise _OpenFailed("a copy-out reads a paged buffer")
@@ -245,10 +245,11 @@ def _copy_out(state: _WorkerState, req: CopyOut) -> Copied:
     nbytes = 0
     try:
         flat = torch.frombuffer(mem, dtype=kv.dtype, count=L * 2 * H * req.slots * D).view(L, 2, H, req.slots, D)
+        bs = kv.layout.block_size
         for blocks, start in req.pieces:
-            src = kv.read(list(blocks))
-            flat[:, :, :, start : start + src.shape[3]].copy_(src)
-            nbytes += src.numel() * src.element_size()
+            out = flat[:, :, :, start : start + len(blocks) * bs]
+            kv.read_into(list(blocks), out)
+            nbytes += out.numel() * out.element_size()
         del flat
     finally:
         mem.release()

@@ -387,7 +387,7 @@ class Staging:
         bs = self.paged.layout.block_size
         with self._on_stream():
             for blocks, at in pieces:
-                self.buffer.tensor[:, :, :, at : at + len(blocks) * bs].copy_(self.paged.read(blocks))
+                self.paged.read_into(blocks, self.buffer.tensor[:, :, :, at : at + len(blocks) * bs])
             self._sync()
 
     # --- helpers ---------------------------------------------------------------------------
