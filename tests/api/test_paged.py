@@ -282,6 +282,16 @@ def _serve(tmp_path, port):
     raise RuntimeError("the sidecar did not start")
 
 
+def _warmed(port) -> None:
+    """Wait until the served sidecar's registration warm-up is over (its ``kvfetcher_decode_warming`` gauge
+    is 0): a cold decoder's first restore would teach the rates a start-up, and auto would recompute."""
+    for _ in range(600):
+        if b"kvfetcher_decode_warming 0.0" in raw_request(port, "GET", "/metrics")[1]:
+            return
+        time.sleep(0.1)
+    raise RuntimeError("the sidecar's decode workers did not warm up")
+
+
 @pytest.mark.gpu
 def test_cuda_paged_tensors_restore_as_the_flat_buffer_does(tmp_path):
     """vLLM's tensors as a sidecar process opens them by CUDA IPC: FlashAttention's per-layer NHD views
@@ -298,12 +308,14 @@ def test_cuda_paged_tensors_restore_as_the_flat_buffer_does(tmp_path):
         fid = c.register(flat.handle, FP)
         assert c.store(fid, TOKENS).queued_chunks == 4
         c.flush()
+        _warmed(port)
         per_layer = [torch.zeros(BLOCKS, BS, HEADS, 2 * HEAD_DIM, dtype=torch.float16, device="cuda").permute(0, 2, 1, 3)
                      for _ in range(LAYERS)]  # logical (blocks, heads, block_size, 2 * head_dim) of NHD memory
         cross = torch.zeros(BLOCKS, LAYERS, BS, HEADS, 2 * HEAD_DIM, dtype=torch.float16, device="cuda")
         for tensors, dims in ((per_layer, "BHT(KD)"), (cross, "BLTH(KD)")):
             layout = PagedLayout(dims, BS)
             pid = c.register_paged(tensors, layout, FP)
+            _warmed(port)
             for preset in ("raw", "balanced"):
                 flat.tensor.fill_(SENTINEL)
                 for t in tensors if isinstance(tensors, list) else [tensors]:

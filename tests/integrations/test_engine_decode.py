@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvfetcher import chunk, ipc, keys
+from kvfetcher import chunk, codec, ipc, keys
 from kvfetcher.api.client import KVClient, SidecarError
 from kvfetcher.fetch.plan import EngineDecode, EngineDecoded, FetchOptions
 from kvfetcher.format import container
@@ -290,8 +290,9 @@ def test_bytes_changed_in_the_arena_after_the_reply_are_refused_by_the_engine(se
 
 
 def test_plans_for_an_engine_buffer_use_its_formats_and_rates(served_sidecar, tmp_path):
-    """An engine decoding on a GPU: its plan weighs `q8-ans` (no decoder in this sidecar), and
-    `q8-zstd` at a GPU's rate after the fetch; the sidecar's own buffers never see `ans`."""
+    """An engine decoding on a GPU: its plan weighs `q8-ans` (whether or not this sidecar has an ans
+    decoder), and `q8-zstd` at a GPU's rate after the fetch; the sidecar's own buffers see `ans`
+    only where it can decode it (nvCOMP on a GPU)."""
     ns = keys.Namespace(FP, "float16", shape=(LAYERS, HEADS, HEAD_DIM))
     store, tokens = LocalStore(tmp_path / "store"), [t + 7 for t in TOKENS]
     for k in keys.chunk_keys(ns, tokens, N):  # listed sizes are all a plan reads
@@ -303,7 +304,7 @@ def test_plans_for_an_engine_buffer_use_its_formats_and_rates(served_sidecar, tm
     gpu = c.register(flat.handle, FP, engine=EngineDecode(("raw", "zstd", "ans"), "cuda"))
     slow = FetchOptions(recompute_tokens_per_s=1.0, refresh=True)
     mine, theirs = c.lookup(own, tokens, slow), c.lookup(gpu, tokens, slow)
-    assert "q8-ans" not in mine.options and "q8-ans" in theirs.options
+    assert ("q8-ans" in mine.options) == codec.decodable("ans") and "q8-ans" in theirs.options
     assert theirs.options["q8-zstd"] < mine.options["q8-zstd"]  # decoded at a GPU's rate, not this CPU's
     assert c.lookup(None, tokens, slow, model=FP, kv_shape=(LAYERS, HEADS, HEAD_DIM)).options.keys() == theirs.options.keys()  # the scheduler's
 

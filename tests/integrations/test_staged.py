@@ -97,6 +97,25 @@ def test_a_prompt_longer_than_the_staging_is_stored_and_loaded_in_windows_from_a
     assert untouched(dst, BLOCK_IDS)
 
 
+def test_a_store_from_a_first_token_copies_out_only_the_chunks_after_it(served_sidecar, monkeypatch, tmp_path):
+    """The scheduler's lookup found the first 4 chunks stored: the store's windows start at token
+    256 and no block before it is read."""
+    kv = synthetic_kv(layers=LAYERS, heads=HEADS, tokens=len(TOKENS), head_dim=HEAD_DIM)
+    src = blocks()
+    write_blocks(src, PagedLayout(DIMS, BS), BLOCK_IDS, kv)
+    c = Recording(socket_path=served_sidecar.socket)
+    buf, st, _ = staged.register(c, src, PagedLayout(DIMS, BS), FP, 0, 192)
+    read, copy = [], st._from_blocks
+    monkeypatch.setattr(st, "_from_blocks", lambda ids, a, b: read.append((a, b)) or copy(ids, a, b))
+    assert st.store(c, buf, TOKENS, BLOCK_IDS, N, first_token=256) == 10  # 6 queued, 4 counted as the caller's
+    c.flush()
+    st.close()
+    assert read == [(256, 448), (448, 640)]
+    assert [call[1:4] for call in c.calls] == [(448, 256, -256), (640, 448, -448)]
+    chunks = [n for n in LocalStore(tmp_path / "store").list("kv/") if n.endswith("/raw.kvfc")]
+    assert len(chunks) == 6, chunks
+
+
 def test_a_plan_is_used_when_one_window_holds_the_prompt_and_a_load_ends_at_end(served_sidecar):
     kv = synthetic_kv(layers=LAYERS, heads=HEADS, tokens=len(TOKENS), head_dim=HEAD_DIM)
     stored(served_sidecar, kv, staging_tokens=1024)

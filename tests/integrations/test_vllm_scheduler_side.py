@@ -41,12 +41,15 @@ spec = SimpleNamespace(block_size=16, dtype=torch.bfloat16, num_kv_heads=2, head
 kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["l0", "l1"])])
 
 
-def stored(role, params):
-    """The tokens the scheduler asks the workers to store of one finished 600-token prefill, and its lookups."""
+def stored(role, params, hit=None):
+    """The tokens the scheduler asks the workers to store of one finished 600-token prefill (and
+    from which token), and its lookups; ``hit``: the sidecar's answer, ``hit`` tokens stored, recompute."""
     vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1), kv_transfer_config=SimpleNamespace(kv_role=role),
                                   model_config=SimpleNamespace(model="m"))
     s = SchedulerSide(vllm_config, kv_cache_config, Options.parse({"socket": "/nonexistent/kvfetcher.sock"}, vllm_config))
     s.client.chunk_tokens = 256  # as learnt from a sidecar's reply
+    if hit is not None:
+        s.client.lookup = lambda *a, **k: SimpleNamespace(preset="recompute", loaded_tokens=0, hit_tokens=hit)
     looked, lookup = [], s._lookup
     s._lookup = lambda *a: looked.append(1) or lookup(*a)
     prompt = list(range(600))
@@ -60,10 +63,12 @@ def stored(role, params):
     meta = s.step(out)
     held = s.finished("r", True)
     s.close()
-    return [len(x.tokens) for x in meta.stores], len(looked), held
+    return [(len(x.tokens), x.first_token) for x in meta.stores], len(looked), held
 
 for role, params in (("kv_both", {}), ("kv_consumer", {}), ("kv_both", {"store": False}), ("kv_producer", {}), ("kv_both", {"store": "no"})):
     print(role, params, *stored(role, params))
+for hit in (256, 512):
+    print("hit", hit, *stored("kv_both", {}, hit))
 '''
 
 
@@ -71,11 +76,13 @@ def test_a_consumer_role_or_a_request_saying_store_false_stores_nothing_and_a_pr
     run = run_without_vllm(STORES)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.splitlines() == [
-        "kv_both {} [512] 1 True",  # as deployed: looked up, its two whole chunks stored (its blocks held for the copy)
+        "kv_both {} [(512, 0)] 1 True",  # as deployed: looked up, its two whole chunks stored (its blocks held for the copy)
         "kv_consumer {} [] 1 False",  # loads only: looked up, nothing stored
         "kv_both {'store': False} [] 1 False",  # the request's own "do not store this"
-        "kv_producer {} [512] 0 True",  # stores only: no lookup
+        "kv_producer {} [(512, 0)] 0 True",  # stores only: no lookup
         "kv_both {'store': 'no'} [] 0 False",  # refused params: the request's own recompute, not stored
+        "hit 256 [(512, 256)] 1 True",  # recomputed, its first chunk stored already: only the second is copied out
+        "hit 512 [] 1 False",  # recomputed, both stored already: no store, its blocks not held
     ], run.stdout
 
 

@@ -357,9 +357,11 @@ class Staging:
 
     # --- stores -----------------------------------------------------------------------------
 
-    def store(self, client: KVClient, buffer: str, tokens: Sequence[int], block_ids: Sequence[int], chunk_tokens: int) -> int:
+    def store(self, client: KVClient, buffer: str, tokens: Sequence[int], block_ids: Sequence[int], chunk_tokens: int,
+              first_token: int = 0) -> int:
         """Store ``tokens`` (whole chunks of ``chunk_tokens``) from ``block_ids`` through the staging
-        ``buffer``, in windows of whole chunks, until the sidecar drops one (the store queue is
+        ``buffer``, in windows of whole chunks from ``first_token`` (whole chunks: those before it
+        are stored already and not copied out), until the sidecar drops one (the store queue is
         full: later chunks would follow a gap); the chunks it took (queued, or stored already).
         Every block has been copied out when this returns."""
         window = self.tokens // chunk_tokens * chunk_tokens
@@ -368,7 +370,7 @@ class Staging:
             return 0
         taken = 0
         with self.lock:
-            for a in range(0, len(tokens) // chunk_tokens * chunk_tokens, window):
+            for a in range(first_token, len(tokens) // chunk_tokens * chunk_tokens, window):
                 b = min(len(tokens), a + window)
                 self._from_blocks(block_ids, a, b)
                 rep = client.store(buffer, tokens[:b], offset=-a, first_token=a)

@@ -135,12 +135,14 @@ class FetchSpec:
 
 @dataclass
 class StoreSpec:
-    """Store ``tokens`` (whole chunks of a finished prefill), whose KV is in ``block_ids``."""
+    """Store ``tokens`` (whole chunks of a finished prefill), whose KV is in ``block_ids``, from
+    ``first_token`` on (whole chunks: those before it are stored already, and never copied out)."""
 
     req_id: str
     tokens: list[int]
     block_ids: list[int]
     chunk_tokens: int = 0  # the sidecar's chunk size (the scheduler's client learnt it): a staged store's windows are whole chunks
+    first_token: int = 0
 
 
 @dataclass

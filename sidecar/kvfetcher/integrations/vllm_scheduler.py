@@ -61,6 +61,7 @@ class _Request:
     end: int  # tokens the plan would load, from token 0 (0 once the load was handed to the workers)
     options: FetchOptions = field(default_factory=FetchOptions)  # the lookup's: a load without a chosen plan plans with them
     loaded: int = 0  # tokens a load was asked for (stored already)
+    stored: int = 0  # leading tokens the lookup found stored (every rank's plan's hit): a store starts after them
     local: int = 0  # vLLM's own prefix-cache hit when the load was decided
     blocks: list[int] = field(default_factory=list)  # the block table
     storing: bool = False  # a store was asked for: its blocks stay until the workers copied them
@@ -144,7 +145,8 @@ class SchedulerSide:
             end = plan.loaded_tokens if plan.preset else plan.hit_tokens
         except (OSError, SidecarError) as e:  # no sidecar is no reason to fail a request: recompute
             self._warn("KV lookup failed, recomputing: %s", e)
-        return _Request(request, tokens, plans, end, options, answered=bool(plans))
+        stored = min((p.hit_tokens if p is not None else 0 for p in plans), default=0)
+        return _Request(request, tokens, plans, end, options, stored=stored, answered=bool(plans))
 
     def _late(self, request) -> _Request:
         self._warn("KV lookup not answered in time (lookup_timeout_s %s, lookup_stake %s), recomputing",
@@ -251,14 +253,15 @@ class SchedulerSide:
         if r.storing or not r.store or not chunk or computed < len(prompt):
             return None
         n = len(prompt) // chunk * chunk
-        if n <= r.loaded:  # nothing new: those chunks were loaded from the store
+        first = max(r.loaded, r.stored) // chunk * chunk
+        if n <= first:  # nothing new: those chunks were loaded from the store, or are stored already
             return None
         blocks = r.blocks[: -(-n // self.block_size)]
         if len(blocks) * self.block_size < n:
             return None
         r.storing = True
         self.storing[r.request.request_id] = r
-        return StoreSpec(r.request.request_id, list(prompt[:n]), blocks, chunk)
+        return StoreSpec(r.request.request_id, list(prompt[:n]), blocks, chunk, first)
 
     def _time_prefills(self, new, had: dict[str, int], preempted: set[str]) -> None:
         """Whole prefills by the wall clock, from the step that first schedules a request to the

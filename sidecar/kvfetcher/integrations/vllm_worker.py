@@ -314,8 +314,8 @@ class WorkerSide:
             ready.synchronize()  # the step's KV writes, on the GPU
         if self.staging is not None:
             chunk = spec.chunk_tokens or self.client.chunk_tokens
-            return self.staging.store(self.client, buf, spec.tokens, self._blocks(spec.block_ids), chunk) if chunk else 0
-        rep = self.client.store(buf, spec.tokens, block_ids=self._blocks(spec.block_ids))
+            return self.staging.store(self.client, buf, spec.tokens, self._blocks(spec.block_ids), chunk, spec.first_token) if chunk else 0
+        rep = self.client.store(buf, spec.tokens, block_ids=self._blocks(spec.block_ids), first_token=spec.first_token)
         return rep.queued_chunks + rep.skipped_chunks
 
     def close(self) -> None:
