@@ -61,7 +61,7 @@ class _Request:
     end: int  # tokens the plan would load, from token 0 (0 once the load was handed to the workers)
     options: FetchOptions = field(default_factory=FetchOptions)  # the lookup's: a load without a chosen plan plans with them
     loaded: int = 0  # tokens a load was asked for (stored already)
-    stored: int = 0  # leading tokens the lookup found stored (every rank's plan's hit): a store starts after them
+    stored: int = 0  # leading tokens the lookup found stored, in any preset (every rank's plan's hit): a store starts after them
     local: int = 0  # vLLM's own prefix-cache hit when the load was decided
     blocks: list[int] = field(default_factory=list)  # the block table
     storing: bool = False  # a store was asked for: its blocks stay until the workers copied them
