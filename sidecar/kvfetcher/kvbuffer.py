@@ -401,11 +401,11 @@ class PagedKV:
         if self.layout.axes[0] != "B":
             out.copy_(self.read(blocks))
             return
-        cuda = self.device.type == "cuda"
+        cuda, runs = self.device.type == "cuda", block_runs(blocks)
         whole = []
         for t in self.tensors:
             host = torch.empty((len(blocks), *t.shape[1:]), dtype=t.dtype, pin_memory=cuda)
-            for at, first, n in block_runs(blocks):
+            for at, first, n in runs:
                 host[at : at + n].copy_(t[first : first + n], non_blocking=cuda)
             whole.append(host)
         if cuda:

@@ -387,10 +387,9 @@ class Staging:
         if self.workers is not None and self.workers.ready() and self.workers.copy_out(pieces, self.buffer, self.tokens):
             return
         bs = self.paged.layout.block_size
-        with self._on_stream():
+        with self._on_stream():  # (read_into has finished each piece's copy when it returns)
             for blocks, at in pieces:
                 self.paged.read_into(blocks, self.buffer.tensor[:, :, :, at : at + len(blocks) * bs])
-            self._sync()
 
     # --- helpers ---------------------------------------------------------------------------
 
