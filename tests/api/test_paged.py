@@ -268,7 +268,7 @@ def test_bad_paged_registrations_get_clear_400s(s3, body, detail):
 
 
 def _serve(tmp_path, port):
-    env = dict(os.environ, KVFETCHER_STORE_DIR=str(tmp_path / "store"), KVFETCHER_AUTH_TOKEN="t", KVFETCHER_PRESET="raw,balanced",
+    env = dict(os.environ, KVFETCHER_STORE_DIR=str(tmp_path / "store"), KVFETCHER_AUTH_TOKEN="t", KVFETCHER_PRESET="raw,lean",
                KVFETCHER_CHUNK_TOKENS=str(N), KVFETCHER_ROPE_THETA="10000")
     env.pop("KVFETCHER_S3_ENDPOINT", None)
     proc = subprocess.Popen([sys.executable, "-m", "kvfetcher.cli", "serve", "--host", "127.0.0.1", "--port", str(port)], env=env)
@@ -295,8 +295,8 @@ def _warmed(port) -> None:
 @pytest.mark.gpu
 def test_cuda_paged_tensors_restore_as_the_flat_buffer_does(tmp_path):
     """vLLM's tensors as a sidecar process opens them by CUDA IPC: FlashAttention's per-layer NHD views
-    and its cross-layer tensor; raw (host to device, then a scatter) and balanced (decoded and
-    unpacked on the GPU by decode workers, then a scatter) give the flat restore's bytes."""
+    and its cross-layer tensor; raw (host to device, then a scatter) and lean (HEVC, needing no calibration:
+    decoded and unpacked on the GPU by decode workers, then a scatter) give the flat restore's bytes."""
     kv = synthetic_kv(layers=LAYERS, heads=HEADS, tokens=len(TOKENS), head_dim=HEAD_DIM).cuda()
     port = free_port()
     proc = _serve(tmp_path, port)
@@ -316,7 +316,7 @@ def test_cuda_paged_tensors_restore_as_the_flat_buffer_does(tmp_path):
             layout = PagedLayout(dims, BS)
             pid = c.register_paged(tensors, layout, FP)
             _warmed(port)
-            for preset in ("raw", "balanced"):
+            for preset in ("raw", "lean"):
                 flat.tensor.fill_(SENTINEL)
                 for t in tensors if isinstance(tensors, list) else [tensors]:
                     t.fill_(SENTINEL)
