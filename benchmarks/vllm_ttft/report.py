@@ -278,6 +278,10 @@ def _x(r) -> str:
     return "" if r is None else f"{r:.2f}x"
 
 
+def _gb(n: float | None) -> float | None:
+    return None if n is None else n / 1e9
+
+
 def peer_load(res: dict) -> str:
     """A peer under the ``load`` phase's workload (``peers_load``): one pass, as deployed."""
     out = [f"# vllm_ttft: peer `{res['method']}` under load\n", _head(res)]
@@ -287,7 +291,7 @@ def peer_load(res: dict) -> str:
     out += [f"Model {res['model']} ({res['kv_dtype']}), the `load` phase's stream: {w['requests']} requests at {w['rate']}/s, "
             f"{int(w['shared'] * 100)}% one of {w['prefixes']} {w['prefix']}-token prefixes (each stored once beforehand through this "
             f"engine, unpaced) plus {w['suffix']} fresh tokens, {w['output']} output tokens each, vLLM's prefix cache off; link "
-            f"{w['link']} Gbit/s ({res.get('link')}). LMCache looks up, loads and saves as deployed. `delivered ≥`: the link's bytes "
+            f"{w['link']} Gbit/s ({res.get('link')}). The peer looks up, loads and saves as deployed. `delivered ≥`: the link's bytes "
             "during the stream over its length (a lower bound). Its recompute reference is the `load` phase's `recompute` pass.\n\n",
             "| method | TTFT p50 s | TTFT p99 s | shared p50 s | shared p99 s | output tokens/s | tokens loaded | stored B/token | "
             "sent GB | delivered ≥ Gbit/s |\n|---|---|---|---|---|---|---|---|---|---|\n"]
@@ -295,7 +299,7 @@ def peer_load(res: dict) -> str:
         return "".join(out + [f"| {res['method']} | {res['skipped']} |\n"])
     out.append(f"| {res['method']} | {_f(res['ttft_p50_s'])} | {_f(res['ttft_p99_s'])} | {_f(res['shared_ttft_p50_s'])} | "
                f"{_f(res['shared_ttft_p99_s'])} | {_f(res['output_tokens_per_s'], 1)} | {res['loaded_tokens']} | "
-               f"{_f(res.get('stored_bytes_per_token'), 0)} | {_f(res.get('link_bytes_sent', 0) / 1e9, 2)} | {_f(res.get('delivered_gbit'), 2)} |\n")
+               f"{_f(res.get('stored_bytes_per_token'), 0)} | {_f(_gb(res.get('link_bytes_sent')), 2)} | {_f(res.get('delivered_gbit'), 2)} |\n")
     return "".join(out)
 
 

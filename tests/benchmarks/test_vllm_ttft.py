@@ -663,14 +663,22 @@ def test_a_peer_under_load_replays_the_load_phases_stream_and_is_reported(tmp_pa
     from benchmarks.vllm_ttft import peers, peers_load, report, under_load
     from benchmarks.vllm_ttft.vllm_ttft_bench import GROUPS, TIMEOUT_S
 
-    assert GROUPS["peers-load"] == ["peer-load-lmcache-raw", "peer-load-lmcache-cachegen"] and TIMEOUT_S["peer-load-lmcache-raw"] > 0
+    assert GROUPS["peers-load"] == ["peer-load-native-cpu", "peer-load-lmcache-raw", "peer-load-lmcache-cachegen"]
+    assert TIMEOUT_S["peer-load-lmcache-raw"] > 0 and TIMEOUT_S["peer-load-native-cpu"] > 0
     a = argparse.Namespace(tiny=True, rate=None, requests=None, load_link=None)
     w, prefixes, streams = under_load.workload(a, 1000)
     w2, prefixes2, streams2 = under_load.workload(a, 1000)
     assert (w, prefixes) == (w2, prefixes2) and streams[peers_load.STREAM] == streams2[peers_load.STREAM]  # every engine gets the same
     assert [at for at, _, _ in streams["recompute"]] == [at for at, _, _ in streams[peers_load.STREAM]]  # arrivals shared, fresh tokens not
     with pytest.raises(ValueError, match="not a peer under load"):
-        peers_load.phase_peer_load(argparse.Namespace(phase="peer-load-native-cpu"), tmp_path)
+        peers_load.phase_peer_load(argparse.Namespace(phase="peer-load-lmcache"), tmp_path)
+    # the CPU tier holds every distinct token once: the prefixes, and each request less a shared prefix
+    distinct = len(prefixes) * w["prefix"] + sum(len(p) - (w["prefix"] if shared else 0) for _, p, shared in streams[peers_load.STREAM])
+    assert distinct < sum(map(len, prefixes)) + sum(len(p) for _, p, _ in streams[peers_load.STREAM])  # some requests share
+    assert peers_load.cpu_tier_bytes(prefixes, streams[peers_load.STREAM], w, 10) == int(peers_load.CPU_TIER_MARGIN * distinct * 10)
+    if peers.missing("native-cpu"):  # vLLM's CPU tier needs CUDA: no engine starts here
+        res = peers_load.phase_peer_load(argparse.Namespace(phase="peer-load-native-cpu"), tmp_path)
+        assert res["unavailable"] == peers.CPU_UNSUPPORTED and "Not run: " in report.markdown("peer-load-native-cpu", res)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *x: None if name == "lmcache" else real(name, *x))
     res = peers_load.phase_peer_load(argparse.Namespace(phase="peer-load-lmcache-raw"), tmp_path)  # no engine starts
@@ -680,3 +688,6 @@ def test_a_peer_under_load_replays_the_load_phases_stream_and_is_reported(tmp_pa
                link_bytes_sent=3e9, delivered_gbit=2.5)
     md = report.markdown("peer-load-lmcache-raw", got)
     assert "| lmcache-raw | 0.900 | 1.400 | 0.950 | 1.400 | 118.0 | 1000 | 131072 | 3.00 | 2.50 |" in md and "S3 connector" in md
+    local = dict(got, method="native-cpu", link="host memory of this machine, no link: the local bound", stored_bytes_per_token=131072,
+                 link_bytes_sent=None, delivered_gbit=None)
+    assert "| native-cpu | 0.900 | 1.400 | 0.950 | 1.400 | 118.0 | 1000 | 131072 |  |  |" in report.markdown("peer-load-native-cpu", local)
