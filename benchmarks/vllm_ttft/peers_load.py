@@ -38,11 +38,12 @@ def phase_peer_load(a, work: Path) -> dict:
         print(f"{method} under load: {why}", flush=True)
         return dict(res, unavailable=why)
     model_dir, opts = timing_model(a.tiny, work)
-    w, prefixes, streams = under_load.workload(a, shape_of(model_dir).vocab)
+    shape = shape_of(model_dir)
+    w, prefixes, streams = under_load.workload(a, shape.vocab)
     res.update(model=model_dir.name, kv_dtype=kv_dtype(), workload=w)
     reqs = streams[STREAM]
     if method == "native-cpu":
-        per_token = peers.kv_bytes_per_token(shape_of(model_dir), kv_dtype())
+        per_token = peers.kv_bytes_per_token(shape, kv_dtype())
         cpu_bytes = cpu_tier_bytes(prefixes, reqs, w, per_token)
         res.update(link="host memory of this machine, no link: the local bound", cpu_bytes_to_use=cpu_bytes)
         res.update(asyncio.run(replay(a, model_dir, opts, peers.offloading_config(cpu_bytes), None, prefixes, reqs, w, per_token)))

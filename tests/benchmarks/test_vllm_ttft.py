@@ -673,7 +673,7 @@ def test_a_peer_under_load_replays_the_load_phases_stream_and_is_reported(tmp_pa
     with pytest.raises(ValueError, match="not a peer under load"):
         peers_load.phase_peer_load(argparse.Namespace(phase="peer-load-lmcache"), tmp_path)
     # the CPU tier holds every distinct token once: the prefixes, and each request less a shared prefix
-    distinct = len(prefixes) * w["prefix"] + sum(len(p) - (w["prefix"] if shared else 0) for _, p, shared in streams[peers_load.STREAM])
+    distinct = len({tuple(p[: i + 1]) for p in prefixes + [p for _, p, _ in streams[peers_load.STREAM]] for i in range(len(p))})
     assert distinct < sum(map(len, prefixes)) + sum(len(p) for _, p, _ in streams[peers_load.STREAM])  # some requests share
     assert peers_load.cpu_tier_bytes(prefixes, streams[peers_load.STREAM], w, 10) == int(peers_load.CPU_TIER_MARGIN * distinct * 10)
     if peers.missing("native-cpu"):  # vLLM's CPU tier needs CUDA: no engine starts here
