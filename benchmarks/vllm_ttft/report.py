@@ -162,19 +162,18 @@ def load(res: dict) -> str:
     w = res["workload"]
     out = ["# vllm_ttft: under load\n", _head(res),
            f"{w['requests']} requests at {w['rate']}/s, {int(w['shared'] * 100)}% one of {w['prefixes']} stored {w['prefix']}-token prefixes "
-           f"plus {w['suffix']} fresh tokens, {w['output']} output tokens each, link {w['link']} Gbit/s. Three passes, in the table's order: "
+           f"plus {w['suffix']} fresh tokens, {w['output']} output tokens each, link {w['link']} Gbit/s. The passes, in the table's order: "
            "`recompute` passes the connector by (no lookup, load or save); `kvfetcher-nosave` looks up and loads as deployed but saves "
-           "nothing (each request's `kv_transfer_params` say `\"store\": false`); `kvfetcher` saves as deployed (the sidecar writes "
+           "nothing (each request's `kv_transfer_params` say `\"store\": false`); `forced-<preset>`, where run, loads that preset "
+           "whatever the cost model says and saves nothing; `kvfetcher` saves as deployed (the sidecar writes "
            f"`{res.get('writes')}`{'; the link server counts uploads without keeping them' if res.get('discard_puts') else ''}). "
            f"Both kvfetcher passes are `auto` among the presets stored: {', '.join(res.get('stored_presets') or ['(not recorded)'])}. "
            "`uploaded objects` counts every upload the link server took, the sidecar's small access records too.\n\n",
            "| method | TTFT p50 s | TTFT p99 s | shared p50 s | shared p99 s | output tokens/s | tokens loaded | lookups | lookup s "
            "(sum) | lookup p50 / p99 ≤ s (buckets) | stored chunks | uploaded objects | dropped chunks | delivered Gbit/s |\n"
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"]
-    for m in ("recompute", "kvfetcher-nosave", "kvfetcher"):
-        r = res.get(m)
-        if not r:
-            continue
+    for m in load_passes(res):
+        r = res[m]
         if r.get("skipped"):
             out.append(f"| {m} | {r['skipped']} |\n")
             continue
@@ -195,6 +194,12 @@ def load(res: dict) -> str:
     return "".join(out)
 
 
+def load_passes(res: dict) -> list[str]:
+    """The ``load`` phase's passes in ``res``, in their order: ``recompute`` first (the fixed ones and
+    any ``forced-<preset>``: the JSON keeps the order they ran in)."""
+    return [m for m in res if m in ("recompute", "kvfetcher-nosave", "kvfetcher") or m.startswith("forced-")]
+
+
 PARTS = (("ttft_s", "TTFT"), ("queued_s", "queued (arrival in the scheduler to first scheduled)"),
          ("scheduled_s", "scheduled to first token"))
 
@@ -206,7 +211,7 @@ def _paired(res: dict) -> str:
     shift says every request paid; the parts say whether it was waiting to be scheduled (a lookup
     that put the request off a step) or the steps that computed it."""
     lines = []
-    for m in ("kvfetcher-nosave", "kvfetcher"):
+    for m in (m for m in load_passes(res) if m != "recompute"):
         for key, name in PARTS:
             base, got = (res.get("recompute") or {}).get(key), (res.get(m) or {}).get(key)
             if base and got and len(got) == len(base):

@@ -45,6 +45,20 @@ WORKLOAD = {
 
 #: the passes in their order: each one's ``kv_transfer_params`` (None: ``skip_reading_prefix_cache``) and the seed of its fresh tokens
 PASSES = {"recompute": (None, 4), "kvfetcher-nosave": ({"store": False}, 6), "kvfetcher": ({}, 5)}
+FORCED_SEED = 8  # the fresh tokens of a forced pass (``--load-force``)
+
+
+def passes(force: str | None) -> dict[str, tuple[dict | None, int]]:
+    """:data:`PASSES`, with ``forced-<preset>`` after ``kvfetcher-nosave`` where ``force`` names a
+    preset: every request loads its stored prefix in it whatever the cost, saving nothing (what
+    ``auto``'s choice is held to under load)."""
+    if not force:
+        return dict(PASSES)
+    if not (params := methods(force)[force]):
+        raise ValueError(f"--load-force takes a stored preset, not {force!r}")
+    forced = {"store": False, **params}
+    out = {k: v for k, v in PASSES.items() if k != "kvfetcher"}
+    return {**out, f"forced-{force}": (forced, FORCED_SEED), "kvfetcher": PASSES["kvfetcher"]}
 
 
 def add_args(ap) -> None:
@@ -52,6 +66,7 @@ def add_args(ap) -> None:
     ap.add_argument("--requests", type=int, help="load phase: requests in the stream (default 48; --tiny 10)")
     ap.add_argument("--load-link", type=float, help="load phase: Gbit/s of the link to the store (default 25; --tiny 1)")
     ap.add_argument("--lookup-reps", type=int, default=50, help="load phase: lookups timed per prompt (8K and 128K tokens, stored and not)")
+    ap.add_argument("--load-force", metavar="PRESET", help="load phase: add a pass forcing this stored preset (no saves): what auto is held to")
     ap.add_argument("--keep-puts", action="store_true", help="load phase: keep the uploaded bytes (default on a GPU: counted, not kept)")
 
 
@@ -122,7 +137,7 @@ async def replay(a, model_dir: Path, opts: dict, sc, url: str, fingerprint: str,
     res = {}
     client = sc.client()
     try:
-        for method, (params, _) in PASSES.items():
+        for method, (params, _) in passes(a.load_force).items():
             reqs, stream_s = streams[method], w["requests"] / w["rate"]
             if phase_left() < stream_s + 60:  # a pass killed midway would lose the passes before it: none is started
                 res[method] = {"skipped": "not run: the phase's time ran out"}
@@ -197,12 +212,12 @@ def scheduler_call(client, tokens: list[int], look: dict) -> str:
 
 def workload(a, vocab: int) -> tuple[dict, list[list[int]], dict[str, list[tuple[float, list[int], bool]]]]:
     """The phase's workload (:data:`WORKLOAD`, with the arguments' rate, requests and link), its
-    stored prefixes and each pass's stream (:data:`PASSES`): the same for every engine measured."""
+    stored prefixes and each pass's stream (:func:`passes`): the same for every engine measured."""
     w = dict(WORKLOAD[a.tiny])
     w.update({k: v for k, v in (("rate", a.rate), ("requests", a.requests), ("link", a.load_link)) if v is not None})
     rng = random.Random(2)
     prefixes = [[rng.randrange(100, vocab - 1) for _ in range(w["prefix"])] for _ in range(w["prefixes"])]
-    return w, prefixes, {m: stream(random.Random(3), prefixes, w, vocab, random.Random(seed)) for m, (_, seed) in PASSES.items()}
+    return w, prefixes, {m: stream(random.Random(3), prefixes, w, vocab, random.Random(seed)) for m, (_, seed) in passes(a.load_force).items()}
 
 
 def phase_load(a, work: Path) -> dict:
@@ -214,6 +229,8 @@ def phase_load(a, work: Path) -> dict:
     w, prefixes, streams = workload(a, shape.vocab)
     long_prefix = [random.Random(7).randrange(100, shape.vocab - 1) for _ in range(131072)]  # the lookup cost's stored 128K prompt
     presets = presets_of(methods(a.methods))  # what auto may choose among
+    if a.load_force and a.load_force not in presets:
+        raise ValueError(f"--load-force {a.load_force}: not among the presets stored ({', '.join(presets)})")
     ns = keys.Namespace(model=fetchkit.FINGERPRINT, dtype=kv_dtype(), shape=(shape.layers, shape.kv_heads, shape.head_dim))
     discard = on_gpu() and not a.keep_puts
     with s3_sidecar(work, "load", prefixes + [long_prefix], ns, shape, a.workers, link_procs=a.link_procs, writes="raw",

@@ -665,7 +665,7 @@ def test_a_peer_under_load_replays_the_load_phases_stream_and_is_reported(tmp_pa
 
     assert GROUPS["peers-load"] == ["peer-load-native-cpu", "peer-load-lmcache-raw", "peer-load-lmcache-cachegen"]
     assert TIMEOUT_S["peer-load-lmcache-raw"] > 0 and TIMEOUT_S["peer-load-native-cpu"] > 0
-    a = argparse.Namespace(tiny=True, rate=None, requests=None, load_link=None)
+    a = argparse.Namespace(tiny=True, rate=None, requests=None, load_link=None, load_force=None)
     w, prefixes, streams = under_load.workload(a, 1000)
     w2, prefixes2, streams2 = under_load.workload(a, 1000)
     assert (w, prefixes) == (w2, prefixes2) and streams[peers_load.STREAM] == streams2[peers_load.STREAM]  # every engine gets the same
@@ -691,3 +691,53 @@ def test_a_peer_under_load_replays_the_load_phases_stream_and_is_reported(tmp_pa
     local = dict(got, method="native-cpu", link="host memory of this machine, no link: the local bound", stored_bytes_per_token=131072,
                  link_bytes_sent=None, delivered_gbit=None)
     assert "| native-cpu | 0.900 | 1.400 | 0.950 | 1.400 | 118.0 | 1000 | 131072 |  |  |" in report.markdown("peer-load-native-cpu", local)
+
+
+def test_a_forced_pass_under_load_runs_before_the_saving_pass_and_takes_only_a_preset():
+    from benchmarks.vllm_ttft import report, under_load
+    from benchmarks.vllm_ttft.engine import FORCE
+
+    assert under_load.passes(None) == under_load.PASSES
+    p = under_load.passes("raw")
+    assert list(p) == ["recompute", "kvfetcher-nosave", "forced-raw", "kvfetcher"]  # no pass without saves after one with
+    params, seed = p["forced-raw"]
+    assert params == {"store": False, "presets": ["raw"], "ttft_budget_s": FORCE}
+    assert seed not in {s for _, s in under_load.PASSES.values()}  # fresh tokens of its own
+    for bad in ("recompute", "auto", "nope"):
+        with pytest.raises(ValueError):
+            under_load.passes(bad)
+    one = dict(ttft_p50_s=0.5, ttft_p99_s=0.6, shared_ttft_p50_s=0.5, shared_ttft_p99_s=0.6, output_tokens_per_s=100.0, loaded_tokens=0,
+               ttft_s=[0.5, 0.6], sidecar={})
+    res = dict(model="m", kv_dtype="bfloat16", workload=dict(under_load.WORKLOAD[True]), recompute=one, **{"kvfetcher-nosave": one},
+               **{"forced-raw": dict(one, ttft_p50_s=0.25, loaded_tokens=900, ttft_s=[0.2, 0.3])}, kvfetcher=one)
+    assert report.load_passes(res) == ["recompute", "kvfetcher-nosave", "forced-raw", "kvfetcher"]
+    md = report.markdown("load", res)
+    assert "| forced-raw | 0.250 |" in md and "`forced-raw` − `recompute`, request by request, TTFT: median -300.0 ms" in md
+
+
+def test_the_side_by_side_sets_the_peers_beside_kvfetcher_per_cell_and_refuses_cells_of_two_runs(tmp_path):
+    import json
+
+    from benchmarks.vllm_ttft import side_by_side
+
+    run = dict(device="NVIDIA H200", vllm="0.26.0", model="llama3-8b", date="2026-11-30", kv_dtype="bfloat16")
+    cell = lambda m, t, **kw: dict(link_gbit=25.0, context=32768, method=m, ttft_s=t, **kw)  # noqa: E731
+    ttft = dict(run, chunk_tokens=256, object_bytes_per_chunk={"raw": 256 * 1000, "compact-ans": 256 * 200},
+                rows=[cell("recompute", 1.2), cell("raw", 1.5), cell("compact-ans", 0.8), cell("auto", 0.75, chose_samples=["compact-ans"] * 3)])
+    peer = lambda m, t, b: dict(run, method=m, rows=[dict(link_gbit=25.0, context=32768, ttft_s=t, stored_bytes_per_token=b)])  # noqa: E731
+    first, other = tmp_path / "first", tmp_path / "other"
+    for d in (first / "ttft", first / "peers", other):
+        d.mkdir(parents=True)
+    (first / "ttft" / "ttft.json").write_text(json.dumps(ttft))
+    for m, t, b in (("lmcache-raw", 1.6, 1000.0), ("lmcache-cachegen", 1.5, 250.0), ("native-cpu", 0.2, 1000.0)):
+        (first / "peers" / f"peer-{m}.json").write_text(json.dumps(peer(m, t, b)))
+    side_by_side.main([str(first)])
+    md = (first / "side_by_side.md").read_text()
+    assert "| 25 Gbit/s | 32768 | 1.200 | 0.750 (compact-ans) | 1.500 | 0.800 | 1.600 | 1.500 | 0.200 | 1.60x | 2.00x |" in md
+    assert "| 1000 | 200 | 1000 | 250 | 1000 |" in md  # bytes per token: kvfetcher's presets, then each peer's
+    (other / "peer-lmcache-raw.json").write_text(json.dumps(dict(peer("lmcache-raw", 1.6, 1000.0), date="2026-11-29")))
+    with pytest.raises(ValueError, match="two results for peer-lmcache-raw"):
+        side_by_side.collect([first, other])
+    (first / "peers" / "peer-lmcache-raw.json").unlink()
+    with pytest.raises(ValueError, match="not from one run: date differs"):
+        side_by_side.main([str(first), str(other)])
