@@ -49,16 +49,16 @@ FORCED_SEED = 8  # the fresh tokens of a forced pass (``--load-force``)
 
 
 def passes(force: str | None) -> dict[str, tuple[dict | None, int]]:
-    """:data:`PASSES`, with ``forced-<preset>`` after ``kvfetcher-nosave`` where ``force`` names a
-    preset: every request loads its stored prefix in it whatever the cost, saving nothing (what
-    ``auto``'s choice is held to under load)."""
+    """:data:`PASSES`, with ``forced-<preset>`` second (right after ``recompute``, the first pass a
+    short phase skips) where ``force`` names a preset: every request loads its stored prefix in it
+    whatever the cost, saving nothing (what ``auto``'s choice is held to under load)."""
     if not force:
         return dict(PASSES)
     if not (params := methods(force)[force]):
         raise ValueError(f"--load-force takes a stored preset, not {force!r}")
     forced = {"store": False, **params}
-    out = {k: v for k, v in PASSES.items() if k != "kvfetcher"}
-    return {**out, f"forced-{force}": (forced, FORCED_SEED), "kvfetcher": PASSES["kvfetcher"]}
+    first, *rest = PASSES.items()
+    return dict([first, (f"forced-{force}", (forced, FORCED_SEED)), *rest])
 
 
 def add_args(ap) -> None:

@@ -699,7 +699,7 @@ def test_a_forced_pass_under_load_runs_before_the_saving_pass_and_takes_only_a_p
 
     assert under_load.passes(None) == under_load.PASSES
     p = under_load.passes("raw")
-    assert list(p) == ["recompute", "kvfetcher-nosave", "forced-raw", "kvfetcher"]  # no pass without saves after one with
+    assert list(p) == ["recompute", "forced-raw", "kvfetcher-nosave", "kvfetcher"]  # no pass without saves after one with
     params, seed = p["forced-raw"]
     assert params == {"store": False, "presets": ["raw"], "ttft_budget_s": FORCE}
     assert seed not in {s for _, s in under_load.PASSES.values()}  # fresh tokens of its own
