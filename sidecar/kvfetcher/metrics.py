@@ -99,6 +99,9 @@ class Metrics:
         )
         self.load_overhead = Gauge("kvfetcher_load_overhead_seconds", "Seconds a load costs the engine beyond the fetch and the prefill "
                                    "after it, as the last lookup that carried it gave it: every load option pays it", registry=r)
+        self.prefill_error = Gauge("kvfetcher_prefill_error_ratio", "How far the engine's prefill model was lately off its whole "
+                                   "prefills, a share of their time, as the last lookup with a prefill model gave it: a load must beat "
+                                   "recompute by more than this", registry=r)
         self.bandwidth = Gauge("kvfetcher_store_bandwidth_bytes_per_second", "Estimated read throughput by endpoint", ["endpoint"], registry=r)
         self.read_rate = Gauge("kvfetcher_store_read_rate_bytes_per_second", "Read rate the cost model plans a bitstream format's "
                                "fetches at (at most the link's ceiling after a slow, read-bound fetch), by endpoint and format",

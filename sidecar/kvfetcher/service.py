@@ -400,12 +400,13 @@ class Sidecar:
         if o.prefill_model is not None:
             for term, c in asdict(o.prefill_model).items():
                 self.metrics.prefill_model.labels(term).set(c)
+            self.metrics.prefill_error.set(o.prefill_error)
         if o.load_overhead_s is not None:
             self.metrics.load_overhead.set(o.load_overhead_s)
         prefill = o.prefill_model or PrefillModel.linear(o.recompute_tokens_per_s or self.config.recompute_tps)
         engine = buf.engine if buf is not None else None  # the engine decodes: its formats, at its rates
         rates = replace(self.estimator.rates(self.objects.endpoint, prefill, sharers, engine=engine.device if engine else None),
-                        load_overhead_s=o.load_overhead_s or 0.0)
+                        load_overhead_s=o.load_overhead_s or 0.0, prefill_error=o.prefill_error)
         # never a preset this model may not use (one needing a calibration it lacks)
         allowed = frozenset(o.presets or PRESETS) & frozenset(self.config.allowed_presets or PRESETS) & frozenset(usable(PRESETS, ns.model))
         if o.presets is None and engine is None and not self._warm():  # the decode workers are still warming: only what needs none (raw) or recompute
@@ -461,7 +462,7 @@ class Sidecar:
         dest = buf.destination(n_req, slots, offset, block_ids, first_token)
         ck = keys.chunk_keys(buf.ns, tokens[:n_req], N)
         if plan is not None:
-            chosen = {f for f in ("presets", "ttft_budget_s", "prefill_model", "recompute_tokens_per_s", "load_overhead_s", "group_size",
+            chosen = {f for f in ("presets", "ttft_budget_s", "prefill_model", "recompute_tokens_per_s", "load_overhead_s", "prefill_error", "group_size",
                                   "refresh", "wait_s")
                       if getattr(o, f) != getattr(FetchOptions(), f)}
             if chosen and plan.preset is not None:

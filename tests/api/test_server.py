@@ -99,6 +99,9 @@ def test_cost_model_can_choose_recompute(s3, buf):
         r = c.fetch(bid, tokens, options=FetchOptions(prefill_model=PrefillModel(c2=1.0), load_overhead_s=1e4))
         assert r.loaded_tokens == 0 and r.decision.preset == "recompute"
         assert "kvfetcher_load_overhead_seconds 10000.0" in c.metrics()
+        # nor while the engine's prefill model is off by more than the load would win by
+        r = c.fetch(bid, tokens, options=FetchOptions(prefill_model=PrefillModel(c2=1.0), prefill_error=1.0))
+        assert r.decision.preset != "recompute" and "kvfetcher_prefill_error_ratio 1.0" in c.metrics()  # hours against ms: capped, still a win
         buf.tensor.fill_(7)
         # on a busy GPU the model server gives a TTFT budget: a fetch within it wins anyway
         r = c.fetch(bid, tokens, options=FetchOptions(recompute_tokens_per_s=1e12, ttft_budget_s=30.0))

@@ -112,3 +112,20 @@ def test_a_load_predicted_to_win_by_less_than_it_costs_the_engine_is_not_taken()
     assert d.preset == choice.RECOMPUTE and abs(d.options["raw"] - 1.05) < 1e-6
     assert not choice.hopeless(4, 256, 10_000_000, {}, fmts, rates)
     assert choice.hopeless(4, 256, 10_000_000, {}, fmts, costly)
+
+
+def test_a_load_must_win_by_more_than_the_prefill_model_was_lately_off():
+    """Recompute 1 s, a raw load 0.8 s: taken while the model is right to 10%, not while it is off by
+    30% (capped at MAX_PREFILL_ERROR: a 0.8 s load beats 1 s by 20%, less than 25%); a clear win
+    (0.5 s) is taken whatever the error; the shortcut that skips the store agrees; a TTFT budget
+    still prefers the fetch."""
+    stored, fmts = [{"raw": 10_000_000}] * 4, {"raw": "raw"}
+    rates = choice.Rates(4e7 / 0.8, 0.0, {"raw": 1e12}, choice.PrefillModel(c1=1.0 / 1024))
+    assert choice.choose(stored, 256, 10_000_000, fmts, replace(rates, prefill_error=0.1)).preset == "raw"
+    unsure = replace(rates, prefill_error=0.3)
+    d = choice.choose(stored, 256, 10_000_000, fmts, unsure)
+    assert d.preset == choice.RECOMPUTE and abs(d.options["raw"] - 0.8) < 1e-6  # the options are the model's, unmargined
+    assert choice.hopeless(4, 256, 10_000_000, {}, fmts, unsure) and not choice.hopeless(4, 256, 10_000_000, {}, fmts, rates)
+    assert choice.choose(stored, 256, 10_000_000, fmts, replace(unsure, bandwidth_Bps=4e7 / 0.5)).preset == "raw"
+    assert choice.choose(stored, 256, 10_000_000, fmts, unsure, budget_s=0.9).preset == "raw"
+    assert unsure.beats_recompute(0.74, 1.0) and not unsure.beats_recompute(0.76, 1.0)  # the cap: 25%

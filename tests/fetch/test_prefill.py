@@ -106,6 +106,25 @@ def test_the_wall_scale_learns_how_much_longer_whole_prefills_take_than_the_gpu_
     assert w.scale == WallScale.HIGH
 
 
+def test_the_wall_scales_error_is_how_far_the_scaled_model_was_off_each_prefill_after_the_first():
+    """The first prefill sets the scale and says nothing of the error; then each prefill off the scaled
+    model by a share of its time adds that share to a decayed mean, so a young fit's misses fade as it settles."""
+    from kvfetcher.fetch.prefill import WallScale
+
+    w = WallScale(decay=0.5)
+    assert w.error == 0.0
+    w.observe(1.0, 1.0)
+    assert w.error == 0.0 and w.scale == 1.0
+    w.observe(1.0, 0.8)  # predicted 1.0 by the scale of 1: off by 0.2 of 0.8
+    assert abs(w.error - 0.25) < 1e-12
+    for _ in range(40):
+        w.observe(1.0, w.scale)  # the model as scaled is right from now on
+    assert w.error < 1e-6
+    w.observe(0.0, 1.0)  # no prediction: not an observation
+    w.observe(1.0, float("nan"))
+    assert w.error < 1e-6
+
+
 def test_the_load_overhead_is_the_prior_until_a_load_is_timed_then_the_decayed_excess_over_the_plans():
     from kvfetcher.fetch.prefill import LoadOverhead
 

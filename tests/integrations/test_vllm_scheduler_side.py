@@ -237,6 +237,7 @@ plan = FetchPlan("m", "bfloat16", 0, 256, 512, "k", 512, "raw", (("raw", 1), ("r
 seen = []
 def lookup(request, options):
     seen.append(options.load_overhead_s)
+    assert options.prefill_error == s.wall.error
     return _Request(request, list(range(599)), (plan,), 512, options, answered=True)
 s._lookup = lookup
 none = SimpleNamespace(req_ids=[], num_computed_tokens=[], new_block_ids=[], resumed_req_ids=set())

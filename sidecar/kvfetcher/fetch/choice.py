@@ -8,7 +8,11 @@ recomputed after it, as long as the engine's :class:`~kvfetcher.fetch.prefill.Pr
 time wins; recompute of everything is always an option, so a fetch is never planned to be slower
 than recompute. A load also costs the engine time the model leaves out (noticing the load's end,
 scheduling the request again): the engine measures it and every load option pays it
-(``Rates.load_overhead_s``), so a near-tie goes to recompute.
+(``Rates.load_overhead_s``), so a near-tie goes to recompute. And the prefill model is itself
+only as good as its recent predictions: a load is taken only when it beats recompute by more than
+the model was lately off the engine's whole prefills (``Rates.prefill_error``, a share of
+recompute's time, at most :data:`MAX_PREFILL_ERROR`), so a young or unsettled model cannot sell a
+load that its own error could turn into a loss.
 
 Plans can still be wrong (a rate learnt on a link that has since slowed): a load is
 given until its break-even, :data:`BREAKEVEN_SLACK` times the predicted recompute (or the TTFT
@@ -94,6 +98,8 @@ REFRESH_S = CEILING_TTL_S
 #: (or the TTFT budget, if longer), and at least :data:`MIN_BREAKEVEN_S`, has lost: it stops,
 #: keeping what it loaded (the floor spares a short prompt's load a cold start's one-time costs)
 BREAKEVEN_SLACK = 1.25
+#: the largest share of recompute's time a load must win by for the prefill model's error (``Rates.prefill_error``)
+MAX_PREFILL_ERROR = 0.25
 MIN_BREAKEVEN_S = 0.25
 
 NO_FIT = Fit()
@@ -115,6 +121,12 @@ class Rates:
     overlap: bool = True  # decode pipelined with the download (False: the engine decodes after the sidecar's fetch)
     ratios: Mapping[str, float] = field(default_factory=dict)  # KV bytes per stored byte, by preset, where measured
     load_overhead_s: float = 0.0  # the engine's seconds per load beyond the fetch and the prefill after it (it measures them)
+    prefill_error: float = 0.0  # the prefill model's recent error on whole prefills, a share of their time (it measures it)
+
+    def beats_recompute(self, load_s: float, recompute_s: float) -> bool:
+        """Whether a load of ``load_s`` predicted seconds beats recomputing in ``recompute_s`` by more
+        than the prefill model's error (:data:`MAX_PREFILL_ERROR` at most)."""
+        return load_s < recompute_s * (1.0 - min(MAX_PREFILL_ERROR, max(0.0, self.prefill_error)))
 
 
 @dataclass(frozen=True)
@@ -181,7 +193,7 @@ def choose(
         total = fetch + rates.prefill.seconds(n * chunk_tokens, total_tokens - n * chunk_tokens) + rates.load_overhead_s
         options[preset] = total
         d = Decision(preset, n, n * chunk_tokens, fetch, total)
-        if total < best.total_s:
+        if total < best.total_s and rates.beats_recompute(total, recompute_all):
             best = d
         if budget_s is not None and total <= budget_s and (fits is None or (-d.tokens, d.total_s) < (-fits.tokens, fits.total_s)):
             fits = d
@@ -222,7 +234,7 @@ def hopeless(
             return False  # its size is unknown: it may pay
         stored = kv / (max(ratio, 1.0) * slack) if fmt != "raw" else kv  # raw's size is known, a codec's varies with content
         fetch = rates.fit.get(preset, NO_FIT).apply(stages(stored / read_rate(fmt, rates), kv / decode_rate(preset, fmt, rates), rates)) + after
-        if fetch < recompute_all or (budget_s is not None and fetch <= budget_s):
+        if rates.beats_recompute(fetch, recompute_all) or (budget_s is not None and fetch <= budget_s):
             return False
     return True
 

@@ -59,6 +59,9 @@ class FetchOptions:
     load_overhead_s: float | None = _doc("seconds a load costs the engine beyond the fetch and the prefill after it (scheduling the "
                                          "request again once the load is done), as it measured them: every load option pays them "
                                          "(default: none)", min=0, default=None)
+    prefill_error: float = _doc("how far the engine's prefill model was lately off its whole prefills, as a share of their time "
+                                "(it measures it): a load is taken only when predicted faster than recompute by more than this "
+                                f"share of recompute's time, at most {choice.MAX_PREFILL_ERROR}", min=0, default=0.0)
     deadline_s: float | None = _doc("seconds a listing, and a fetch, may take (default: the sidecar's `KVFETCHER_DEADLINE_S`)",
                                     min=0, open=True, default=None)
     group_size: int = _doc("fetches that will run at once as one group with this one, itself included (a tensor-parallel group's "

@@ -132,18 +132,29 @@ class WallScale:
     fitted to its GPU step times says: the engine's scheduling, input preparation, sampling and the
     steps of a chunked prefill, which a request's time to first token pays and the GPU's clock does
     not see. Learnt from whole prefills, ``actual / predicted`` as a ratio of decayed sums, bounded to
-    0.5-4x; :meth:`apply` scales a model's every term by it (1 until a prefill was seen)."""
+    0.5-4x; :meth:`apply` scales a model's every term by it (1 until a prefill was seen).
+    :attr:`error` is how far the scaled model was off, ``|actual - scaled| / actual`` as a decayed mean
+    of the prefills after the first (0 before): large while the fit is young or the engine's steps
+    vary, a few percent once it has settled."""
 
     LOW, HIGH = 0.5, 4.0
 
     def __init__(self, decay: float = 0.1):
         self.keep = 1.0 - decay
         self._actual = self._predicted = 0.0
+        self._err = self._n = 0.0
 
     def observe(self, predicted_s: float, actual_s: float) -> None:
         if predicted_s > 0 and actual_s > 0 and math.isfinite(actual_s):
+            if self._predicted > 0:  # the first prefill sets the scale: it says nothing of the model's error
+                self._err = self.keep * self._err + abs(actual_s - self.scale * predicted_s) / actual_s
+                self._n = self.keep * self._n + 1.0
             self._actual = self.keep * self._actual + actual_s
             self._predicted = self.keep * self._predicted + predicted_s
+
+    @property
+    def error(self) -> float:
+        return self._err / self._n if self._n else 0.0
 
     @property
     def scale(self) -> float:

@@ -120,7 +120,7 @@ class SchedulerSide:
         presets = own.get("presets", self.options.presets)
         return FetchOptions(presets=tuple(presets) if presets else None, ttft_budget_s=own.get("ttft_budget_s", self.options.ttft_budget_s),
                             prefill_model=model, recompute_tokens_per_s=self.options.recompute_tokens_per_s,
-                            load_overhead_s=self.load_overhead.seconds, wait_s=self.options.listing_wait_s)
+                            load_overhead_s=self.load_overhead.seconds, prefill_error=self.wall.error, wait_s=self.options.listing_wait_s)
 
     def _stores(self, request) -> bool:
         """Whether the request's prefill is stored: the role stores (not ``kv_consumer``) and its
@@ -220,7 +220,8 @@ class SchedulerSide:
         if r is None or num_external_tokens <= 0:
             return
         r.blocks, r.loaded = list(block_ids), r.end
-        lookup = replace(r.options, prefill_model=self.prefill_model(), load_overhead_s=self.load_overhead.seconds, wait_s=0.0)  # as fitted by now
+        lookup = replace(r.options, prefill_model=self.prefill_model(), load_overhead_s=self.load_overhead.seconds,  # as fitted by now
+                         prefill_error=self.wall.error, wait_s=0.0)
         self.loading[request.request_id] = _Load(r.local + num_external_tokens, time.perf_counter())
         self.fetches.append(FetchSpec(request.request_id, r.tokens, r.plans, r.local, r.local + num_external_tokens, r.blocks, lookup))
         r.end = 0  # one load per request: vLLM asks again only after it failed (or a preemption), then recompute
