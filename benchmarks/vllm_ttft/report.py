@@ -195,9 +195,11 @@ def load(res: dict) -> str:
 
 
 def load_passes(res: dict) -> list[str]:
-    """The ``load`` phase's passes in ``res``, in their order: ``recompute`` first (the fixed ones and
-    any ``forced-<preset>``: the JSON keeps the order they ran in)."""
-    return [m for m in res if m in ("recompute", "kvfetcher-nosave", "kvfetcher") or m.startswith("forced-")]
+    """The ``load`` phase's passes in ``res``, in their order: ``recompute`` first (those of
+    :data:`~benchmarks.vllm_ttft.under_load.PASSES` and any forced one: the JSON keeps the order they ran in)."""
+    from benchmarks.vllm_ttft.under_load import FORCED, PASSES
+
+    return [m for m in res if m in PASSES or m.startswith(FORCED)]
 
 
 PARTS = (("ttft_s", "TTFT"), ("queued_s", "queued (arrival in the scheduler to first scheduled)"),

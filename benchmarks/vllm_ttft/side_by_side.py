@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 
 from benchmarks.vllm_ttft.report import _f, link_label, load_passes
+from benchmarks.vllm_ttft.under_load import FORCED
 
 PEER_NAMES = {"lmcache-raw": "LMCache raw", "lmcache-cachegen": "LMCache CacheGen", "native-cpu": "vLLM CPU tier"}
 OVER_LINK = ("lmcache-raw", "lmcache-cachegen")  # the peers that read over the link, as kvfetcher does
@@ -137,8 +138,7 @@ def page(got: dict) -> str:
 
 
 def _pass_name(m: str) -> str:
-    forced = m.removeprefix("forced-")
-    return LOAD_PASSES.get(m) or f"kvfetcher forced `{forced}`, saves off"
+    return LOAD_PASSES.get(m) or f"kvfetcher forced `{m.removeprefix(FORCED)}`, saves off"
 
 
 def _run(res: dict) -> str:

@@ -45,7 +45,7 @@ WORKLOAD = {
 
 #: the passes in their order: each one's ``kv_transfer_params`` (None: ``skip_reading_prefix_cache``) and the seed of its fresh tokens
 PASSES = {"recompute": (None, 4), "kvfetcher-nosave": ({"store": False}, 6), "kvfetcher": ({}, 5)}
-FORCED_SEED = 8  # the fresh tokens of a forced pass (``--load-force``)
+FORCED, FORCED_SEED = "forced-", 8  # a forced pass's name prefix (``--load-force``) and the seed of its fresh tokens
 
 
 def passes(force: str | None) -> dict[str, tuple[dict | None, int]]:
@@ -58,7 +58,7 @@ def passes(force: str | None) -> dict[str, tuple[dict | None, int]]:
         raise ValueError(f"--load-force takes a stored preset, not {force!r}")
     forced = {"store": False, **params}
     first, *rest = PASSES.items()
-    return dict([first, (f"forced-{force}", (forced, FORCED_SEED)), *rest])
+    return dict([first, (FORCED + force, (forced, FORCED_SEED)), *rest])
 
 
 def add_args(ap) -> None:
@@ -224,13 +224,13 @@ def phase_load(a, work: Path) -> dict:
     from benchmarks.lib import fetchkit, linkserver
     from kvfetcher import keys
 
+    presets = presets_of(methods(a.methods))  # what auto may choose among
+    if a.load_force and a.load_force not in presets:
+        raise ValueError(f"--load-force {a.load_force}: not among the presets stored ({', '.join(presets)})")
     model_dir, opts = timing_model(a.tiny, work)
     shape = shape_of(model_dir)
     w, prefixes, streams = workload(a, shape.vocab)
     long_prefix = [random.Random(7).randrange(100, shape.vocab - 1) for _ in range(131072)]  # the lookup cost's stored 128K prompt
-    presets = presets_of(methods(a.methods))  # what auto may choose among
-    if a.load_force and a.load_force not in presets:
-        raise ValueError(f"--load-force {a.load_force}: not among the presets stored ({', '.join(presets)})")
     ns = keys.Namespace(model=fetchkit.FINGERPRINT, dtype=kv_dtype(), shape=(shape.layers, shape.kv_heads, shape.head_dim))
     discard = on_gpu() and not a.keep_puts
     with s3_sidecar(work, "load", prefixes + [long_prefix], ns, shape, a.workers, link_procs=a.link_procs, writes="raw",

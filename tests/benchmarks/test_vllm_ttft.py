@@ -694,6 +694,8 @@ def test_a_peer_under_load_replays_the_load_phases_stream_and_is_reported(tmp_pa
 
 
 def test_a_forced_pass_under_load_runs_before_the_saving_pass_and_takes_only_a_preset():
+    import argparse
+
     from benchmarks.vllm_ttft import report, under_load
     from benchmarks.vllm_ttft.engine import FORCE
 
@@ -706,6 +708,8 @@ def test_a_forced_pass_under_load_runs_before_the_saving_pass_and_takes_only_a_p
     for bad in ("recompute", "auto", "nope"):
         with pytest.raises(ValueError):
             under_load.passes(bad)
+    with pytest.raises(ValueError, match="--load-force balanced: not among the presets stored"):  # before any model, sidecar or engine
+        under_load.phase_load(argparse.Namespace(methods="recompute,raw,auto", load_force="balanced", tiny=True), Path("/nonexistent"))
     one = dict(ttft_p50_s=0.5, ttft_p99_s=0.6, shared_ttft_p50_s=0.5, shared_ttft_p99_s=0.6, output_tokens_per_s=100.0, loaded_tokens=0,
                ttft_s=[0.5, 0.6], sidecar={})
     res = dict(model="m", kv_dtype="bfloat16", workload=dict(under_load.WORKLOAD[True]), recompute=one, **{"kvfetcher-nosave": one},
