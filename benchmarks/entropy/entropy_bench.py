@@ -57,8 +57,10 @@ def pack_all(kvs: list[torch.Tensor], objs: list[bytes]) -> None:
         layout.pack(kv, container.parse_header(obj).layout, i * T)
 
 
-def restore(objs: list[bytes], chunks: int, buf: torch.Tensor, threads: int, window: int, repeats: int) -> tuple[float, list[float]]:
-    """Median seconds of fetching a prefix of ``chunks`` chunks (cycling over ``objs``) into ``buf``."""
+def restore(objs: list[bytes], chunks: int, buf: torch.Tensor, threads: int, window: int, repeats: int,
+            fingerprint: str = FP) -> tuple[float, list[float]]:
+    """Median seconds of fetching a prefix of ``chunks`` chunks (cycling over ``objs``, encoded for
+    ``fingerprint``) into ``buf``."""
     store, refs, T = LinkStore(None), [], buf.shape[3] // chunks
     for i in range(chunks):
         obj = objs[i % len(objs)]
@@ -67,7 +69,7 @@ def restore(objs: list[bytes], chunks: int, buf: torch.Tensor, threads: int, win
 
     async def once() -> float:
         with ThreadPoolExecutor(16) as io, ThreadPoolExecutor(threads) as dec:
-            out = await executor.fetch(store, refs, kvbuffer.Destination(buf, tokens=chunks * T), fingerprint=FP, io_pool=io,
+            out = await executor.fetch(store, refs, kvbuffer.Destination(buf, tokens=chunks * T), fingerprint=fingerprint, io_pool=io,
                                        decode_pool=dec, device=buf.device, window=window)
         if out.error:
             raise SystemExit(f"fetch failed: {out.error}: {out.detail}")
@@ -78,9 +80,9 @@ def restore(objs: list[bytes], chunks: int, buf: torch.Tensor, threads: int, win
     return statistics.median(secs), secs
 
 
-def bit_exact(objs: list[bytes], chunks: int, buf: torch.Tensor) -> bool:
+def bit_exact(objs: list[bytes], chunks: int, buf: torch.Tensor, fingerprint: str = FP) -> bool:
     T = buf.shape[3] // chunks
-    want = [chunk.decode_chunk(o, FP, device=buf.device) for o in objs]
+    want = [chunk.decode_chunk(o, fingerprint, device=buf.device) for o in objs]
     return all(torch.equal(buf[:, :, :, i * T : (i + 1) * T], want[i % len(objs)]) for i in range(chunks))
 
 

@@ -99,9 +99,9 @@ def main() -> None:
                               args.repeats)
             row["pack_GB_s"] = kv_bytes / pack_s / 1e9
         row["ratio"] = kv_bytes / sum(len(o) for o in objs)
-        sec, each = restore(objs, args.chunks, buf, args.decode_threads, args.window, args.repeats)
+        sec, each = restore(objs, args.chunks, buf, args.decode_threads, args.window, args.repeats, fingerprint=FP)
         row.update(restore_GB_s=buf.numel() * 2 / sec / 1e9, restore_s_each=[round(s, 4) for s in each],
-                   restored_bit_exact=bit_exact(objs, args.chunks, buf))
+                   restored_bit_exact=bit_exact(objs, args.chunks, buf, fingerprint=FP))
         row = {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
         rows.append(row)
         print(json.dumps(row), flush=True)
