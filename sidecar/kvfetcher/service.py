@@ -76,6 +76,14 @@ class Buffer:
         except ValueError as e:
             raise RequestError(str(e)) from e
 
+    def room(self, tokens: int, chunk: int, block_ids: Sequence[int] | None) -> int:
+        """The leading whole chunks of a fetch's ``tokens`` that ``block_ids`` have room for in a
+        paged buffer (vLLM allocates blocks for the tokens it asked to load, not for the prompt's
+        later chunks); ``tokens`` for any other buffer."""
+        if not isinstance(self.tensor, PagedKV) or block_ids is None:
+            return tokens
+        return min(tokens, len(block_ids) * self.tensor.layout.block_size // chunk * chunk)
+
 
 class Sidecar:
     def __init__(self, store: Store, config: Config | None = None, metrics: Metrics | None = None):
@@ -443,7 +451,8 @@ class Sidecar:
         Without a plan, or with one that chose no preset, this looks up first as ``options`` say,
         listing what the index does not know; beside a chosen plan only ``options.deadline_s`` may
         be given. Tokens before ``first_token`` are the caller's: chunks wholly before it are not
-        fetched, nor written; they count as loaded.
+        fetched, nor written; they count as loaded. Chunks past what ``block_ids`` have room for are
+        not fetched either (:meth:`Buffer.room`): the caller recomputes them.
 
         Into an engine-decode buffer (:class:`ObjectArena`) the chunks' verified stored objects are
         written instead, as many leading ones as fit, and the reply says where (``objects``);
@@ -459,7 +468,8 @@ class Sidecar:
         self._observe_engine(buf, decoded)
         N = self.config.chunk_tokens
         n_req = len(tokens) // N * N
-        dest = buf.destination(n_req, slots, offset, block_ids, first_token)
+        room = buf.room(n_req, N, block_ids)
+        dest = buf.destination(room, slots, offset, block_ids, first_token)
         ck = keys.chunk_keys(buf.ns, tokens[:n_req], N)
         if plan is not None:
             chosen = {f for f in ("presets", "ttft_budget_s", "prefill_model", "recompute_tokens_per_s", "load_overhead_s", "prefill_error", "group_size",
@@ -479,7 +489,7 @@ class Sidecar:
         self.metrics.decisions.labels(plan.preset).inc()
         if not plan.chunks:
             return self._fallback(reply, plan.reason, plan.detail)
-        refs = [kvbuffer.ChunkRef(keys.object_name(ck[i], preset), size, i * N, N) for i, (preset, size) in enumerate(plan.chunks)]
+        refs = [kvbuffer.ChunkRef(keys.object_name(ck[i], preset), size, i * N, N) for i, (preset, size) in enumerate(plan.chunks[: room // N])]
         mine = min(first_token // N, len(refs))  # leading chunks the caller holds already
         refs, reply.loaded_tokens, reply.not_loaded = refs[mine:], mine * N, (mine * N, n_req)
         if not refs:

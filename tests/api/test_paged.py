@@ -202,7 +202,6 @@ def test_a_registration_that_does_not_fit_is_refused_and_holds_nothing(tmp_path,
     [
         (dict(block_ids=[0, 1, 2, BLOCKS] + list(range(3, 15))), "out of range"),
         (dict(block_ids=[0, 1, 2, 1] + list(range(3, 15))), "distinct"),
-        (dict(block_ids=list(range(15))), "15 block ids"),  # 16 blocks hold the 4 chunks
         (dict(block_ids=list(range(16)), slots=list(range(256))), "not slots"),
         (dict(offset=4), "not slots or offset"),
         ({}, "needs the request's block_ids"),
@@ -222,6 +221,29 @@ def test_addressing_that_does_not_fit_writes_nothing(tmp_path, shm, where, detai
             flat = shm((LAYERS, 2, HEADS, 256, HEAD_DIM))
             with pytest.raises(RequestError, match="this one is flat"):
                 await sc.fetch(sc.register(flat.handle, FP), TOKENS, block_ids=list(range(16)))
+
+    asyncio.run(main())
+
+
+def test_a_load_fills_the_blocks_it_is_given_and_a_store_wants_them_all(tmp_path, shm):
+    """vLLM gives a load the blocks of the tokens it asked for, not of the prompt's later chunks:
+    the fetch loads the whole chunks those blocks hold (3 of 4 in 15 blocks) and writes no other;
+    a store of the 4 chunks needs all 16 blocks."""
+    kv = synthetic_kv(layers=LAYERS, heads=HEADS, tokens=len(TOKENS), head_dim=HEAD_DIM)
+
+    async def main():
+        async with running(LocalStore(tmp_path), chunk_tokens=N, presets=("raw",), decode_procs=0, warm_up=False) as sc:
+            want = await stored_and_restored_flat(sc, shm, kv)
+            tensors, handle = paged(shm, "BHT(KD)")
+            bid = sc.register(handle, FP)
+            given = SCATTERED[:15]
+            r = await sc.fetch(bid, TOKENS, block_ids=given, options=FetchOptions(recompute_tokens_per_s=1.0))
+            assert (r.error, r.loaded_tokens, r.not_loaded) == (None, 3 * N, (3 * N, 4 * N)), r
+            got = read_blocks(tensors, PagedLayout("BHT(KD)", BS), given[:12], 0, 3 * N)
+            assert torch.equal(got.view(torch.int16), want[:, :, :, : 3 * N].view(torch.int16))
+            assert untouched(tensors, "BHT(KD)", given[:12])  # the 15th block, short of a chunk, too
+            with pytest.raises(RequestError, match="15 block ids"):
+                await sc.store(bid, TOKENS, block_ids=given)
 
     asyncio.run(main())
 
