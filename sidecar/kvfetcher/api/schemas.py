@@ -160,7 +160,8 @@ class FetchRequest:
     offset: int = doc("token `i` goes to slot `offset + i` of the buffer's token axis; " + WINDOW, 0)
     slots: list[int] | None = natural("token `i` goes to slot `slots[i]` (instead of `offset`)", None)
     options: FetchOptions | None = doc("without a plan: as in `/v1/lookup`; with one, only `deadline_s` (of the fetch)", None)
-    block_ids: list[int] | None = natural(BLOCK_IDS, None)
+    block_ids: list[int] | None = natural(BLOCK_IDS + "; fewer than the prompt's: only the whole chunks they hold are fetched (vLLM "
+                                          "gives a load the blocks of the tokens it asked to load)", None)
     first_token: int = natural("tokens before it are the caller's (a serving engine's own prefix-cache hit, whose blocks other requests "
                                "may share): never written, and chunks wholly before it are not fetched; a chunk straddling it writes "
                                "only its tail. A paged buffer needs whole blocks. `loaded_tokens` still counts from token 0", 0)
