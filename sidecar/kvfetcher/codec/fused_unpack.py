@@ -35,10 +35,10 @@ except ImportError:  # CPU-only installs: the torch path serves
 
 #: tokens per block of a program (the trellis' prefix sums run within a block, carried across)
 BLOCK_TOKENS = 32
-#: warps per program: 8 leave room in registers for the basis' four [D/2, D/2] blocks (an 8B chunk on
-#: an H200: 1.09 ms against 1.54 ms with 4 warps, the same values; 16 warps or blocks of 16 or 64
-#: tokens were slower, benchmarks/transform/README.md)
-NUM_WARPS = 8
+#: warps per program with a basis: 8 leave room in registers for its four [D/2, D/2] blocks (an 8B
+#: chunk on an H200: 1.09 ms against 1.54 ms with 4 warps, the same values; 16 warps or blocks of 16
+#: or 64 tokens were slower, benchmarks/transform/README.md); without one, Triton's default 4
+BASIS_WARPS = 8
 
 
 def enabled(frames: torch.Tensor) -> bool:
@@ -194,6 +194,6 @@ def unpack_into(
             geo.tiles_per_frame, geo.tiles_per_plane, geo.tile_rows, f.stride(0), f.stride(1), f.stride(2),
             *out.stride(),
             T=tokens, D=head_dim, BT=BLOCK_TOKENS, TRELLIS=trellis, ROPE=rope_cs is not None, BASIS=basis is not None, KS=ks,
-            num_warps=NUM_WARPS,
+            num_warps=BASIS_WARPS if basis is not None else 4,
         )
     return out
