@@ -77,9 +77,9 @@ class Buffer:
             raise RequestError(str(e)) from e
 
     def room(self, tokens: int, chunk: int, block_ids: Sequence[int] | None) -> int:
-        """The leading whole chunks of a fetch's ``tokens`` that ``block_ids`` have room for in a
-        paged buffer (vLLM allocates blocks for the tokens it asked to load, not for the prompt's
-        later chunks); ``tokens`` for any other buffer."""
+        """How many of a fetch's ``tokens`` (whole chunks of ``chunk``) ``block_ids`` have room for
+        in a paged buffer, in whole chunks (vLLM allocates blocks for the tokens it asked to load,
+        not for the prompt's later chunks); all of them in any other buffer."""
         if not isinstance(self.tensor, PagedKV) or block_ids is None:
             return tokens
         return min(tokens, len(block_ids) * self.tensor.layout.block_size // chunk * chunk)
