@@ -35,9 +35,8 @@ except ImportError:  # CPU-only installs: the torch path serves
 
 #: tokens per block of a program (the trellis' prefix sums run within a block, carried across)
 BLOCK_TOKENS = 32
-#: warps per program with a basis: 8 leave room in registers for its four [D/2, D/2] blocks (an 8B
-#: chunk on an H200: 1.09 ms against 1.54 ms with 4 warps, the same values; 16 warps or blocks of 16
-#: or 64 tokens were slower, benchmarks/transform/README.md); without one, Triton's default 4
+#: warps per program with a basis: 8 leave room in registers for its four [D/2, D/2] blocks (the
+#: measurements: benchmarks/transform/README.md); without one, Triton's default 4
 BASIS_WARPS = 8
 
 

@@ -130,8 +130,8 @@ class Header:
 
 def _side_bytes(side: torch.Tensor | None) -> bytes:
     """Side information as stored: its raw bytes, zstd-compressed at level 1 (its ranges and sparse rows are
-    noise-like: level 3 stores ~3% less of it, ~0.1% of an object, at 2-3x the time, which was a third
-    of a GPU encoder's time per chunk)."""
+    noise-like: higher levels save little of an object and cost a GPU encoder's store path host time;
+    docs/architecture.md)."""
     if side is None:
         return b""
     return zstandard.ZstdCompressor(level=1).compress(side.to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
