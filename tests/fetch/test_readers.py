@@ -17,7 +17,7 @@ from kvfetcher.kvbuffer import Destination
 from kvfetcher.store import NotFound, Unavailable
 from kvfetcher.store.local import LocalStore
 
-from kvtest import SENTINEL, corrupt_segment, open_store, put_chunks
+from kvtest import SENTINEL, corrupt_segment, corrupt_side, fetch, open_store, put_chunks
 
 L, H, D, TOKENS, CHUNK = 3, 2, 32, 96, 32
 
@@ -180,3 +180,39 @@ async def test_a_sidecar_whose_readers_cannot_start_serves_with_its_threads(tmp_
         assert torch.equal(dst_buf.tensor, kv)
     finally:
         await sc.close()
+
+
+@pytest.fixture(scope="module")
+def workers():
+    from kvfetcher.fetch.workers import DecodeWorkers
+
+    w = DecodeWorkers(2)
+    w.start()
+    yield w
+    w.close()
+
+
+@pytest.mark.parametrize("damage", [None, corrupt_segment, corrupt_side])
+async def test_decode_workers_restore_entropy_chunks_from_the_readers_staging(tmp_path, readers, workers, shm, damage):
+    """An entropy-coded chunk read into the readers' shared staging is restored there by a decode
+    worker, no copy between (each worker a GIL of its own): what the sidecar's threads restore,
+    and a damaged part still never reaches the buffer."""
+    store = LocalStore(tmp_path)
+    kv = kv_of()
+    refs = put_chunks(store, kv, CHUNK, "q8-zstd")
+    want = torch.full((L, 2, H, TOKENS, D), SENTINEL, dtype=torch.float16)
+    out = await fetch(store, refs, Destination(want, tokens=TOKENS))  # in this process, from bytes
+    assert out.error is None, out.detail
+    if damage is not None:
+        refs[1] = damage(store, refs[1])
+    buf = shm((L, 2, H, TOKENS, D), fill=SENTINEL)
+    before = workers.stats["chunks"]
+    out = await fetch(store, refs, Destination(buf.tensor, tokens=TOKENS, handle=buf.handle), readers=readers(store), workers=workers, window=1)
+    if damage is None:
+        assert out.error is None and out.loaded_tokens == TOKENS, out.detail
+        assert workers.stats["chunks"] - before == len(refs)  # every chunk restored by a worker
+        assert torch.equal(buf.tensor, want)
+    else:
+        assert out.error == "corrupt" and out.loaded_tokens == CHUNK and out.bad_object == refs[1].name
+        assert torch.equal(buf.tensor[:, :, :, :CHUNK], want[:, :, :, :CHUNK])
+        assert bool((buf.tensor[:, :, :, CHUNK : 2 * CHUNK] == SENTINEL).all())  # (a later chunk, verified, may have landed)

@@ -29,7 +29,10 @@ from kvfetcher.kvbuffer import ChunkRef, Destination, PagedDestination, PagedKV
 log = logging.getLogger("kvfetcher.fetch.decode_worker")
 
 MAX_OPEN_BUFFERS = 8  # handles a worker keeps open (least recently used are dropped)
-MAX_SLABS = 2  # shared memories a worker keeps mapped (least recently used are unmapped)
+#: shared memories a worker keeps mapped (least recently used are unmapped): a sidecar's slab, an
+#: engine's two arenas, or the reader processes' staging buffers that entropy-coded chunks are
+#: restored from (a fetch's window of them, in a few size classes), mapped once rather than per chunk
+MAX_SLABS = 64
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,13 @@ decoder, no worker process, no reshuffle (into a paged destination: that copy, t
 into its blocks on the device), in a write thread (``write_pool``). The chunk counts as written only
 once that copy has completed. Each segment is also checked for NaN and infinities there.
 
-Entropy-coded chunks (``zstd``, ``ans``) are always restored in this process, staged the same
-way: side information and segment read into one staging buffer, each part checksummed by the
-thread that read it; then decoded in the decode pool straight from that buffer (nvCOMP on the
-GPU's SMs: one copy to the GPU, the decode; no NVDEC worker), then unpacked into the buffer by a
-decode thread too (docs/architecture.md says why not by the write pool).
+Entropy-coded chunks (``zstd``, ``ans``) are staged the same way: side information and segment
+read into one staging buffer, each part checksummed by the thread that read it. Where decode
+workers can map that buffer (the reader processes' shared staging) and the KV buffer, one of them
+restores the chunk from it in place (nvCOMP on the GPU's SMs, then the unpack), each worker with a
+GIL of its own; otherwise it is decoded in the decode pool straight from that buffer (one copy to
+the GPU, the decode), then unpacked into the buffer by a decode thread too (docs/architecture.md
+says why not by the write pool).
 
 Engine-decode mode: into an :class:`~kvfetcher.kvbuffer.ObjectArena` (a host buffer of an engine
 that decodes itself) a chunk is not decoded: its parts are read and checked as above, then the
@@ -424,10 +426,20 @@ class _Fetch:
         decoded from it in the decode pool (the buffer's last use), then written."""
         parts = ([h.side] if h.side else []) + list(h.segments)
         async with self._staged(c, h, head, parts, finite=False) as (host, started):
+            self._mark(i, "read")
+            if self._in_workers(c):
+                restore = self._writer(i, self._restore_staged)
+                try:
+                    n = await _timed(self.decodes, self._write(i, _submit(started, self.workers.threads, restore, c, h, head, parts, host)))
+                except BufferOpenError as e:
+                    log.warning("decode workers cannot open the KV buffer (%s); decoding in this process", e)
+                else:
+                    self._mark(i, "written")
+                    self.out.kv_bytes += n
+                    return
             part = lambda s: host[s.offset : s.offset + s.length]  # noqa: E731
             side = memoryview(part(h.side).numpy()) if h.side else None
             decode = functools.partial(chunk.decode_verified, h, side, [part(s) for s in h.segments], self.device)
-            self._mark(i, "read")
             with self.decodes:  # abandoned at a failure, this writes nothing: only the write below is awaited
                 decoded = await _submit(started, self.decode_pool, decode)
             self._mark(i, "decoded")
@@ -436,6 +448,21 @@ class _Fetch:
         n = await self._write(i, asyncio.get_running_loop().run_in_executor(self.decode_pool, write, self.dest, c))
         self._mark(i, "written")
         self.out.kv_bytes += n
+
+    def _in_workers(self, c: ChunkRef) -> bool:
+        """Whether a decode worker restores this entropy-coded chunk straight from its staging buffer:
+        there are workers, they can map that buffer (the reader processes' shared staging) and the
+        KV buffer (it has an IPC handle), and the chunk is written whole."""
+        return self.workers is not None and self.staging.shared and self.dest.handle is not None and not self.dest.skip(c)
+
+    def _restore_staged(self, c: ChunkRef, h: container.Header, head: bytes, parts: Sequence[container.Segment],
+                        host: torch.Tensor) -> int:
+        """In a caller thread of the workers: one of them restores the chunk from ``host``, the shared
+        staging buffer its ``parts`` were read into (verified again there, decoded, written)."""
+        at = self.staging.place(memoryview(host.numpy()))
+        spans = [(at.at + s.offset, at.at + s.offset + s.length) for s in parts]
+        return self.workers.restore_from(self.dest.handle, (at.path, at.size), head[: h.header_size], spans,
+                                         self.dest.where(c), self._auth(c))
 
     async def _object(self, i: int, c: ChunkRef, h: container.Header, head: bytes) -> None:
         """A chunk for the engine to decode (engine-decode mode): its parts read into one staging

@@ -39,6 +39,8 @@ class SharedStaging(StagingPool):
     (:meth:`place` names where a view of one lies); page-locked ones are registered with CUDA
     (:func:`kvfetcher.ipc.pin`) so the GPU copies from them by DMA."""
 
+    shared = True
+
     def __init__(self, keep: int = 16):
         super().__init__(keep)
         self._slabs: dict[int, tuple[Slab, int, bool]] = {}  # buffer address -> (slab, inode, registered)

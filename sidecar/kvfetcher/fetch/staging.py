@@ -34,6 +34,9 @@ class StagingPool:
     """Free host buffers by (size class, pinned). ``take`` allocates when none is free; ``give``
     keeps at most ``keep`` per kind (the rest are freed)."""
 
+    #: whether other processes of the sidecar can map its buffers (:meth:`place` says where a view lies)
+    shared = False
+
     def __init__(self, keep: int = KEEP):
         self.keep = keep
         self._free: dict[tuple[int, bool], list[torch.Tensor]] = defaultdict(list)

@@ -157,7 +157,7 @@ class _Worker:
                 at += len(b)
             return self._ask(Restore(target, header, (slab.path, slab.size), tuple(spans), tuple(int(s) for s in where), auth), timeout)
 
-    def ask(self, req: RestoreMany | CopyOut, timeout: float | None = None) -> RestoredMany | Copied | Failed:
+    def ask(self, req: Restore | RestoreMany | CopyOut, timeout: float | None = None) -> Restored | RestoredMany | Copied | Failed:
         """The worker's answer to ``req``, whose shared memory it maps itself (no copy here)."""
         with self.lock:
             return self._ask(req, timeout)
@@ -274,7 +274,9 @@ class DecodeWorkers:
         self._workers: list[_Worker] = []
         self._idle: asyncio.Queue[_Worker] | None = None
         self._idle_loop: asyncio.AbstractEventLoop | None = None
-        self._threads = ThreadPoolExecutor(procs, thread_name_prefix="kvf-decode-call")
+        #: threads for callers that wait on a worker (:meth:`restore_from`): one per worker
+        self.threads = ThreadPoolExecutor(procs, thread_name_prefix="kvf-decode-call")
+        self._stats_lock = threading.Lock()
         self._start_lock = threading.Lock()  # held while processes start, are replaced or close
         self._closed = False
         self._free: queue.SimpleQueue[int] = queue.SimpleQueue()  # idle workers' places, for callers in threads (_blocking)
@@ -302,7 +304,7 @@ class DecodeWorkers:
         Raises the object's :class:`ContainerError`, :class:`BufferOpenError` or :class:`WorkerError`."""
         loop = asyncio.get_running_loop()
         if not self._workers:
-            await loop.run_in_executor(self._threads, self.start)
+            await loop.run_in_executor(self.threads, self.start)
         if self._idle_loop is not loop:  # an asyncio queue belongs to one event loop
             self._idle, self._idle_loop = asyncio.Queue(), loop
             for w in self._workers:
@@ -313,7 +315,7 @@ class DecodeWorkers:
         try:
             blobs = ([side] if side is not None else []) + list(segments)
             call = functools.partial(w.call, IntoBuffer(handle_key(handle), handle), bytes(header), blobs, where, auth=auth)
-            reply = await loop.run_in_executor(self._threads, call)
+            reply = await loop.run_in_executor(self.threads, call)
         except WorkerError:
             w = self._replace(w)
             raise
@@ -321,9 +323,7 @@ class DecodeWorkers:
             idle.put_nowait(w)
         if isinstance(reply, Failed):
             raise _exception(reply)
-        self.stats["chunks"] += 1
-        for k, v in reply.seconds.items():
-            self.stats[k] += v
+        self._count(reply)
         return reply.kv_bytes
 
     def restore_many_at(self, handle: dict, memory: tuple[str, int], items: Sequence[tuple[bytes, Sequence[tuple[int, int]], Sequence[int]]],
@@ -346,7 +346,24 @@ class DecodeWorkers:
         pieces = tuple((tuple(int(b) for b in blocks), int(start)) for blocks, start in pieces)
         return self._blocking(CopyOut(IntoBuffer(handle_key(handle), handle), pieces, memory, slots)).nbytes
 
-    def _blocking(self, req: RestoreMany | CopyOut) -> RestoredMany | Copied:
+    def restore_from(self, handle: dict, memory: tuple[str, int], header: bytes, spans: Sequence[tuple[int, int]],
+                     where: Sequence[int], auth: ObjectMAC | None = None) -> int:
+        """For a caller's thread (one of :attr:`threads`): a worker restores one chunk whose parts
+        (side information first, unverified) lie at ``spans`` of shared ``memory`` (a memfd's path and
+        size, as :class:`Slab` names one, which the worker maps itself: no copy) into ``where`` of the
+        buffer ``handle`` names; blocks until it has. The KV bytes written; raises as :meth:`restore`."""
+        reply = self._blocking(Restore(IntoBuffer(handle_key(handle), handle), bytes(header), memory,
+                                       tuple((int(a), int(b)) for a, b in spans), tuple(int(w) for w in where), auth))
+        self._count(reply)
+        return reply.kv_bytes
+
+    def _count(self, reply: Restored) -> None:
+        with self._stats_lock:
+            self.stats["chunks"] += 1
+            for k, v in reply.seconds.items():
+                self.stats[k] += v
+
+    def _blocking(self, req: Restore | RestoreMany | CopyOut) -> Restored | RestoredMany | Copied:
         """``req`` answered by the next free worker (a dead one is replaced), for a caller's thread."""
         self.start()
         i = self._free.get()
@@ -400,7 +417,7 @@ class DecodeWorkers:
             except ContainerError as e:
                 refused.append(f"{type(e).__name__}: {e}")
                 log.warning("warm-up object refused (%s)", refused[-1])
-        done = list(self._threads.map(functools.partial(self._warm_one, device, chunks), range(self.procs)))
+        done = list(self.threads.map(functools.partial(self._warm_one, device, chunks), range(self.procs)))
         return Warmup([d[0] for d in done], [d[1] for d in done], refused + [e for d in done for e in d[2]])
 
     def _warm_one(self, device: str, chunks: list[tuple], i: int) -> tuple[float, int, list[str]]:
@@ -427,4 +444,4 @@ class DecodeWorkers:
             workers, self._workers, self._free = self._workers, [], queue.SimpleQueue()
         for w in workers:
             w.stop()
-        self._threads.shutdown(wait=False)
+        self.threads.shutdown(wait=False)
