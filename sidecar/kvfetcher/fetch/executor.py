@@ -423,7 +423,8 @@ class _Fetch:
 
     async def _entropy(self, i: int, c: ChunkRef, h: container.Header, head: bytes) -> None:
         """An entropy-coded chunk: its parts read into one staging buffer and checksummed there,
-        decoded from it in the decode pool (the buffer's last use), then written."""
+        restored from it by a decode worker where one can map it (:meth:`_in_workers`), else decoded
+        from it in the decode pool (the buffer's last use), then written."""
         parts = ([h.side] if h.side else []) + list(h.segments)
         async with self._staged(c, h, head, parts, finite=False) as (host, started):
             self._mark(i, "read")
