@@ -182,16 +182,6 @@ async def test_a_sidecar_whose_readers_cannot_start_serves_with_its_threads(tmp_
         await sc.close()
 
 
-@pytest.fixture(scope="module")
-def workers():
-    from kvfetcher.fetch.workers import DecodeWorkers
-
-    w = DecodeWorkers(2)
-    w.start()
-    yield w
-    w.close()
-
-
 @pytest.mark.parametrize("damage", [None, corrupt_segment, corrupt_side])
 async def test_decode_workers_restore_entropy_chunks_from_the_readers_staging(tmp_path, readers, workers, shm, damage):
     """An entropy-coded chunk read into the readers' shared staging is restored there by a decode

@@ -23,14 +23,6 @@ from kvtest import (SENTINEL, buffer_shape, corrupt_segment, corrupt_side, decod
                     synthetic_kv, truncate_after_listing, undecodable)
 
 
-@pytest.fixture(scope="module")
-def workers():
-    w = DecodeWorkers(2)
-    w.start()
-    yield w
-    w.close()
-
-
 @pytest.fixture
 def shared(shm):
     """A shared buffer for ``kv`` (``capacity`` slots) holding SENTINEL: ``shared(kv, capacity)``."""

@@ -392,13 +392,7 @@ class _Fetch:
         self._mark(i, "read")
         if self.workers is not None and h.codec.format not in ENTROPY_FORMATS and not self.dest.skip(c):  # workers write whole chunks
             restore = self.workers.restore(self.dest.handle, head[: h.header_size], side, segments, self.dest.where(c), self._auth(c))
-            try:
-                n = await self._write(i, asyncio.ensure_future(_timed(self.decodes, restore)))
-            except BufferOpenError as e:
-                log.warning("decode workers cannot open the KV buffer (%s); decoding in this process", e)
-            else:
-                self._mark(i, "written")
-                self.out.kv_bytes += n
+            if await self._by_worker(i, self._write(i, asyncio.ensure_future(_timed(self.decodes, restore)))):
                 return
         loop = asyncio.get_running_loop()
         with self.decodes:  # abandoned at a failure, this writes nothing: only the write below is awaited
@@ -429,14 +423,8 @@ class _Fetch:
         async with self._staged(c, h, head, parts, finite=False) as (host, started):
             self._mark(i, "read")
             if self._in_workers(c):
-                restore = self._writer(i, self._restore_staged)
-                try:
-                    n = await _timed(self.decodes, self._write(i, _submit(started, self.workers.threads, restore, c, h, head, parts, host)))
-                except BufferOpenError as e:
-                    log.warning("decode workers cannot open the KV buffer (%s); decoding in this process", e)
-                else:
-                    self._mark(i, "written")
-                    self.out.kv_bytes += n
+                restore = _submit(started, self.workers.threads, self._writer(i, self._restore_staged), c, h, head, parts, host)
+                if await self._by_worker(i, _timed(self.decodes, self._write(i, restore))):
                     return
             part = lambda s: host[s.offset : s.offset + s.length]  # noqa: E731
             side = memoryview(part(h.side).numpy()) if h.side else None
@@ -449,6 +437,18 @@ class _Fetch:
         n = await self._write(i, asyncio.get_running_loop().run_in_executor(self.decode_pool, write, self.dest, c))
         self._mark(i, "written")
         self.out.kv_bytes += n
+
+    async def _by_worker(self, i: int, restore) -> bool:
+        """Await a decode worker's restore of chunk ``i`` (a write, :meth:`_write`) and count it;
+        False if the workers cannot map the KV buffer: the caller decodes the chunk here instead."""
+        try:
+            n = await restore
+        except BufferOpenError as e:
+            log.warning("decode workers cannot open the KV buffer (%s); decoding in this process", e)
+            return False
+        self._mark(i, "written")
+        self.out.kv_bytes += n
+        return True
 
     def _in_workers(self, c: ChunkRef) -> bool:
         """Whether a decode worker restores this entropy-coded chunk straight from its staging buffer:
