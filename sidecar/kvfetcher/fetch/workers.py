@@ -2,8 +2,9 @@
 
 Why processes: NVDEC sessions driven from threads of one process do not scale, one session per
 process does; and an entropy-coded chunk's restore (nvCOMP, the unpack) in the sidecar's threads
-waits on the GIL they share (:meth:`DecodeWorkers.restore_from`: from shared staging, no slab). So each worker owns its decoders and opens the destination KV buffer itself, once,
-through the buffer's IPC handle (CUDA IPC on a GPU, a sealed memfd on a CPU: :mod:`ipc`): decoded
+waits on the GIL they share (:meth:`DecodeWorkers.restore_from`: from shared staging, no slab).
+So each worker owns its decoders and opens the destination KV buffer itself, once, through the
+buffer's IPC handle (CUDA IPC on a GPU, a sealed memfd on a CPU: :mod:`ipc`): decoded
 values go straight into the model's memory. The compressed bytes cross the process boundary
 through a shared-memory *slab* per worker (one copy in; NVDEC reads them in place) and only a
 small typed message goes through the pipe (:mod:`fetch.decode_worker`: the worker's side).
