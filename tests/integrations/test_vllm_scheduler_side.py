@@ -4,6 +4,8 @@ recompute, never an exception in vLLM's scheduler (which would stop the engine).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from vllm_stub import run_without_vllm
 
 CODE = r'''
@@ -351,3 +353,45 @@ def test_a_load_teaches_what_it_cost_the_engine_past_the_fetch_and_lookups_then_
     run = run_without_vllm(LOADS)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.splitlines() == ["True", "True", "True", "True True True True"], run.stdout
+
+
+SLOW_LISTING = r'''
+import logging, sys, tempfile, time
+from pathlib import Path
+from types import SimpleNamespace
+sys.path.insert(0, TESTS)
+import torch
+from kvtest import sidecar
+from kvfetcher.integrations.vllm_meta import Options
+from kvfetcher.integrations.vllm_scheduler import LOOKUP_SOCKET_TIMEOUT_S, SchedulerSide
+from kvfetcher.store.local import LocalStore
+
+class SlowListing(LocalStore):
+    def list(self, prefix):
+        time.sleep(LOOKUP_SOCKET_TIMEOUT_S + 0.5)  # a busy store: longer than the client waits beyond the listing
+        return super().list(prefix)
+
+logging.basicConfig(stream=sys.stdout, level=logging.WARNING, format="%(message)s")
+spec = SimpleNamespace(block_size=16, dtype=torch.bfloat16, num_kv_heads=2, head_size=64)
+kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["l0", "l1"])])
+tmp = Path(tempfile.mkdtemp())
+with sidecar(SlowListing(tmp / "store"), token=None, socket_path=str(tmp / "s.sock")):
+    for tp in (1, 2):  # one sidecar answers for both ranks (each its own namespace)
+        s = SchedulerSide(SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp)), kv_cache_config,
+                          Options(socket=str(tmp / "s.sock"), model="m", lookup_timeout_s=10, listing_wait_s=LOOKUP_SOCKET_TIMEOUT_S + 3))
+        request = SimpleNamespace(request_id="r", prompt_token_ids=list(range(600)), kv_transfer_params=None)
+        while (got := s.matched(request, 0)) == (None, False):  # the lookup in flight: vLLM asks again at its next step
+            time.sleep(0.01)
+        print("tp", tp, got, "answered" if s.requests["r"].answered else "not answered")
+        s.close()
+'''
+
+
+def test_a_lookup_the_sidecar_answers_within_its_listing_wait_is_not_a_failed_lookup():
+    """The sidecar may wait ``listing_wait_s`` for its store's listing before it answers: the
+    lookup's client waits that long and more before it takes the sidecar for gone (else a slow
+    listing turned a miss or a hit into a failed lookup, and a tensor-parallel group recomputed)."""
+    run = run_without_vllm(f"TESTS = {str(Path(__file__).parent.parent)!r}\n" + SLOW_LISTING)
+    assert run.returncode == 0, run.stderr[-2000:]
+    said = [line for line in run.stdout.splitlines() if line.startswith(("tp ", "KV lookup"))]
+    assert said == ["tp 1 (0, False) answered", "tp 2 (0, False) answered"], run.stdout

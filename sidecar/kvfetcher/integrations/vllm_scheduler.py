@@ -40,7 +40,9 @@ from kvfetcher.integrations.vllm_meta import MIN_TIMED_TOKENS, FetchSpec, Option
 
 log = logging.getLogger("kvfetcher.integrations.vllm")
 
-LOOKUP_SOCKET_TIMEOUT_S = 2.0  # a lookup thread's wait for a reply (the scheduler itself waits at most lookup_wait_s)
+#: a lookup thread's wait for a reply beyond the sidecar's own wait for its listing (``listing_wait_s``):
+#: a reply that the sidecar was allowed to take is never a failed lookup (the scheduler itself waits at most lookup_wait_s)
+LOOKUP_SOCKET_TIMEOUT_S = 2.0
 MEDIUM = "OBJ"  # vLLM's KV-event medium of an object store (MEDIUM_OBJ in vLLM 0.26)
 WARN_EVERY_S = 30.0
 MAX_WAIT_S = 0.01  # the most one lookup's ask holds the scheduler (and every request decoding) in a step
@@ -85,8 +87,9 @@ class SchedulerSide:
     def __init__(self, vllm_config, kv_cache_config, options: Options):
         self.options = options
         tp = vllm_config.parallel_config.tensor_parallel_size
-        self.group = RankGroup([options.client(LOOKUP_SOCKET_TIMEOUT_S, rank=r) for r in range(tp)]) if tp > 1 else None
-        self.client = self.group.clients[0] if self.group else options.client(timeout_s=LOOKUP_SOCKET_TIMEOUT_S)
+        reply_s = options.listing_wait_s + LOOKUP_SOCKET_TIMEOUT_S
+        self.group = RankGroup([options.client(reply_s, rank=r) for r in range(tp)]) if tp > 1 else None
+        self.client = self.group.clients[0] if self.group else options.client(timeout_s=reply_s)
         self.lookups = Lookups(options.lookup_wait_s, options.lookup_timeout_s, LOOKUP_THREADS)  # off the scheduler's thread
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self.block_size = spec.block_size
@@ -138,6 +141,8 @@ class SchedulerSide:
             if self.group is not None:  # a rank that cannot answer makes the group recompute (no exception)
                 plan = self.group.lookup(tokens, None, options, model=self.options.model, dtype=self.dtype, kv_shape=self.kv_shape)
                 plans, tokens = plan.plans, tokens[: plan.tokens]
+                if plan.error:
+                    self._warn("KV lookup failed on a tensor-parallel rank, the group recomputes: %s (%s)", plan.reason, plan.detail)
             else:
                 plan = self.client.lookup(None, tokens, options, model=self.options.model, dtype=self.dtype, kv_shape=self.kv_shape)
                 plans = (plan,)
