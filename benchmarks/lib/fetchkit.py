@@ -52,12 +52,15 @@ def encode_objects(shape: ModelShape, preset: str, chunk_tokens: int = 256, dist
         return list(pool.map(_encode_one, jobs))
 
 
-def put_prefix(store, tag: str, objects: Sequence[bytes], chunks: int, chunk_tokens: int = 256) -> list[kvbuffer.ChunkRef]:
-    """Store a prefix of ``chunks`` chunks cycling over ``objects``; its refs, in order."""
+def put_prefix(store, tag: str, objects: Sequence[bytes], chunks: int, chunk_tokens: int = 256,
+               preset: str | None = None) -> list[kvbuffer.ChunkRef]:
+    """Store a prefix of ``chunks`` chunks cycling over ``objects``; its refs, in order. With
+    ``preset``, each object's name ends as a sidecar's do (``…/{preset}.kvfc``: the executor reads
+    an entropy-coded preset's small objects whole)."""
     refs = []
     for i in range(chunks):
         obj = objects[i % len(objects)]
-        name = f"{tag}/{i}.kvfc"
+        name = f"{tag}/{i}/{preset}.kvfc" if preset else f"{tag}/{i}.kvfc"
         store.put(name, obj)
         refs.append(kvbuffer.ChunkRef(name, len(obj), i * chunk_tokens, chunk_tokens))
     return refs

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import multiprocessing
 import statistics
@@ -207,6 +208,8 @@ def main() -> None:
     ap.add_argument("--source", default="local", choices=["local", "s3"], help="s3: the same objects over the link server, unpaced")
     ap.add_argument("--neighbour-steps", type=float, help="another process steps on the GPU this many times a second "
                     "during the fetches, as an idle vLLM engine does (0: as fast as it can; unset: no neighbour)")
+    ap.add_argument("--whole-bytes", help="the executor's WHOLE_OBJECT_BYTES, comma-separated: each is timed (0: an "
+                    "entropy-coded chunk's header and parts read apart, as before 2026-11-30)")
     ap.add_argument("--out")
     args = ap.parse_args()
     shape, T = SHAPES[args.shape], args.chunk_tokens
@@ -226,6 +229,7 @@ def main() -> None:
             s = scatter_s(tensors, layout, block_ids, chunk)
             result["scatter_one_chunk"][name] = {"ms": round(s * 1e3, 3), "GB_s": round(chunk.numel() * 2 / s / 1e9, 1)}
     print("scatter", json.dumps(result["scatter_one_chunk"]), flush=True)
+    wholes = [int(w) for w in args.whole_bytes.split(",")] if args.whole_bytes else [executor.WHOLE_OBJECT_BYTES]
     workers = DecodeWorkers(args.procs) if cuda and args.procs else None
     if workers is not None:
         workers.start()
@@ -233,9 +237,11 @@ def main() -> None:
         with (tempfile.TemporaryDirectory() as d, object_store(args.source, d) as (writer, store), ThreadPoolExecutor(32) as io,
               neighbour(args.neighbour_steps if cuda else None) as beside):
             for preset in args.presets.split(","):
-                refs = put_prefix(writer, preset, encode_objects(shape, preset, T, distinct=4, gpu=cuda), args.chunks, T)
-                for window, reads, threads, procs in tunings(args.tunings):
+                refs = put_prefix(writer, preset, encode_objects(shape, preset, T, distinct=4, gpu=cuda), args.chunks, T, preset=preset)
+                for (window, reads, threads, procs), whole in itertools.product(tunings(args.tunings), wholes):
                     key = preset if "," not in args.tunings else f"{preset} {window}x{reads}x{threads}" + (f"x{procs}" if procs else "")
+                    key += f" whole<={whole}" if len(wholes) > 1 else ""
+                    executor.WHOLE_OBJECT_BYTES = whole
                     with ThreadPoolExecutor(threads) as dec, reader_procs(store, procs) as readers:
                         result["fetch"][key] = fetch_all(dests, tokens, kv_bytes, block_ids, args.repeats, store, refs,
                                                          None if preset == "raw" else workers, io, dec, window, reads, key, readers)

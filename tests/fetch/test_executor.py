@@ -1,6 +1,7 @@
 """The fetch pipeline on a local store: streaming, exactness, and every way a chunk can be bad."""
 
 import asyncio
+import dataclasses
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -167,7 +168,8 @@ async def test_chunk_that_does_not_fit_the_buffer_is_refused(tmp_path):
 
 async def test_zstd_chunks_stream_into_the_buffer_as_decoded(tmp_path, monkeypatch):
     """Entropy-coded chunks are staged as raw ones are: every part past the header read lands in a
-    reused staging buffer by ``get_into`` (no part comes back as bytes), and the KV is each object's."""
+    reused staging buffer by ``get_into`` (no part comes back as bytes), and the KV is each object's.
+    Of a known size (as a plan lists it), each is read whole in that one GET."""
     from kvfetcher.fetch.staging import StagingPool
 
     class Into(Recording):
@@ -182,15 +184,21 @@ async def test_zstd_chunks_stream_into_the_buffer_as_decoded(tmp_path, monkeypat
     refs = put_chunks(store, kv, 32, preset="q8-zstd")
     monkeypatch.setattr(executor, "HEADER_GUESS", 64)  # the header read brings no part: all staged
     pool = StagingPool()
-    for _ in range(2):
-        store.into = 0
-        buf = sentinel_like(kv)
-        out = await fetch(store, refs, Destination(buf, tokens=256), window=2, staging_pool=pool)
-        assert out.error is None and out.loaded_tokens == 256
-        assert torch.equal(buf, decoded(store, refs))
-        assert out.bytes_read == sum(r.size for r in refs)
-        assert store.into == 8 * 2  # per chunk: its side information and its segment
-    assert len({r.size for r in refs}) > 1 and pool.allocated <= 3  # coded sizes differ: size classes still reuse buffers
+    for sized in (False, True):
+        for _ in range(2):
+            store.into, store.gets = 0, []
+            buf = sentinel_like(kv)
+            chunks = refs if sized else [dataclasses.replace(r, size=0) for r in refs]
+            out = await fetch(store, chunks, Destination(buf, tokens=256), window=2, staging_pool=pool)
+            gets, into = len(store.gets), store.into
+            assert out.error is None and out.loaded_tokens == 256
+            assert torch.equal(buf, decoded(store, refs))
+            assert out.bytes_read == sum(r.size for r in refs)
+            if sized:  # one GET a chunk, the whole object
+                assert gets == into == 8
+            else:  # after the header's read, one a part: its side information and its segment
+                assert into == 8 * 2
+    assert len({r.size for r in refs}) > 1 and pool.allocated <= 6  # coded sizes differ: size classes still reuse buffers
 
 
 async def test_an_ans_chunk_without_a_gpu_is_a_decoder_failure_and_kept(tmp_path):

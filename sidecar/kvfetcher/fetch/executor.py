@@ -1,7 +1,9 @@
 """executor: fetch chunks from a store straight into KV buffers, as overlapping stages.
 
 Per chunk: one ranged GET for the prefix + header (+ side information, usually in the same
-bytes), then one ranged GET per segment still missing; once every part is there the chunk is
+bytes), then one ranged GET per segment still missing; an entropy-coded chunk of a known size of at
+most :data:`WHOLE_OBJECT_BYTES` is read in one GET instead, header and parts, into its staging buffer
+(the header, checked, then says where its parts lie there). Once every part is there the chunk is
 restored (:mod:`chunk`): by a decode worker process (:mod:`fetch.workers`), or here — verified and
 decoded in one call in the decode pool, then written. Up to ``window`` chunks are in flight at
 once (memory stays ``window`` chunks however long the prefix), so a long prefix streams: chunk 0
@@ -55,7 +57,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvfetcher import chunk, config
+from kvfetcher import chunk, config, keys
 from kvfetcher.codec import ENTROPY_FORMATS, CodecError
 from kvfetcher.errors import BAD_OBJECT, ContainerError, Reason, TruncatedError
 from kvfetcher.fetch import staging
@@ -63,12 +65,16 @@ from kvfetcher.fetch.readers import ReadProcs
 from kvfetcher.fetch.workers import BufferOpenError, DecodeWorkers, WorkerError
 from kvfetcher.format import container
 from kvfetcher.format.mac import ObjectMAC
+from kvfetcher.format.presets import PRESETS
 from kvfetcher.kvbuffer import ChunkRef, Destination, ObjectArena
 from kvfetcher.store import Store, StoreError, read_into
 
 log = logging.getLogger("kvfetcher.fetch.executor")
 
 HEADER_GUESS = 64 * 1024  # one GET usually covers prefix, header and side information
+#: an entropy-coded object of at most this size (as listed) is read whole in one GET: one request a
+#: chunk rather than three (header, side information, segment), the header no longer a round trip of its own
+WHOLE_OBJECT_BYTES = 64 << 20
 
 
 @dataclass
@@ -257,6 +263,16 @@ def _submit(started: list[concurrent.futures.Future], executor: Executor, fn, *a
     return asyncio.wrap_future(f)
 
 
+@dataclass
+class _Whole:
+    """A chunk read whole into a staging buffer taken from the pool: ``buf`` holds the object from
+    its first byte; ``head`` its prefix and header bytes."""
+
+    buf: torch.Tensor
+    pinned: bool
+    head: bytes
+
+
 class _Fetch:
     """One fetch: its settings, its stages' semaphores, the writes under way and the outcome so far.
 
@@ -318,7 +334,13 @@ class _Fetch:
         try:
             async with self.window:
                 self._mark(i, "admitted")
-                h, head = await self._header(c)
+                if self._reads_whole(c):
+                    h, head = await self._whole(c)
+                    if h.codec.format in ENTROPY_FORMATS:
+                        self._mark(i, "header")
+                        return await self._entropy(i, c, h, head)
+                else:
+                    h, head = await self._header(c)
                 self._mark(i, "header")
                 if isinstance(self.dest, ObjectArena):
                     await self._object(i, c, h, head)
@@ -369,11 +391,54 @@ class _Fetch:
         need = container.header_length(head[: container.PREFIX_SIZE])
         if len(head) < need:
             head += await self._get(c.name, len(head), need - len(head))
+        return self._checked(c, head), head
+
+    def _checked(self, c: ChunkRef, head: bytes) -> container.Header:
+        """The header at the start of ``head``, checked against the model, the destination and the listed size."""
         h = container.parse_header(head, self._auth(c))
         container.check_fingerprint(h, self.fingerprint)
         self.dest.check(h, c)
         if c.size and c.size != h.total_size:
             raise TruncatedError(f"{c.name} is {c.size} bytes, its header promises {h.total_size}")
+        return h
+
+    def _reads_whole(self, c: ChunkRef) -> bool:
+        """Whether chunk ``c`` is read in one GET (:data:`WHOLE_OBJECT_BYTES`): its size is known and
+        small enough, and its name says an entropy-coded preset (its header decides: any other is read
+        as usual), restored from a staging buffer (not into an engine's arena)."""
+        try:
+            preset = PRESETS.get(keys.preset_of(c.name))
+        except ValueError:
+            return False
+        return (0 < c.size <= WHOLE_OBJECT_BYTES and preset is not None and preset.codec.format in ENTROPY_FORMATS
+                and not isinstance(self.dest, ObjectArena))
+
+    async def _whole(self, c: ChunkRef) -> tuple[container.Header, bytes | _Whole]:
+        """Chunk ``c`` read in one GET into a staging buffer (its parts unverified); its header
+        checked as :meth:`_header` checks it, and the object (:class:`_Whole`), or, for a chunk that
+        is not entropy-coded after all, the header's bytes alone (its parts are read as usual)."""
+        pinned = self.dest.device.type == "cuda"
+        buf = self.staging.take(c.size, pinned)
+        mem = memoryview(buf.numpy())
+        started: list[concurrent.futures.Future] = []  # the read, which may outlive an abandoned fetch
+        try:
+            async with self.io:  # (no first-byte latency to learn: the whole object's transfer)
+                with self.reads:
+                    n = await _submit(started, self.io_pool, self.read, c.name, 0, mem[: c.size])
+            self.out.bytes_read += n
+            if n != c.size:
+                raise TruncatedError(f"{c.name} was listed at {c.size} bytes, a read of it gave {n}")
+            head = bytes(mem[: min(HEADER_GUESS, c.size)])
+            need = container.header_length(head[: container.PREFIX_SIZE])
+            if len(head) < need:
+                head = bytes(mem[: min(need, c.size)])
+            h = self._checked(c, head)
+        except BaseException:
+            _give_when_done(started, lambda: self.staging.give(buf, pinned))
+            raise
+        if h.codec.format in ENTROPY_FORMATS:
+            return h, _Whole(buf, pinned, head[: h.header_size])
+        self.staging.give(buf, pinned)
         return h, head
 
     async def _part(self, c: ChunkRef, h: container.Header, head: bytes, seg: container.Segment) -> bytes:
@@ -415,15 +480,17 @@ class _Fetch:
         self.out.kv_bytes += host.numel()
         self.out.direct_chunks += 1
 
-    async def _entropy(self, i: int, c: ChunkRef, h: container.Header, head: bytes) -> None:
-        """An entropy-coded chunk: its parts read into one staging buffer and checksummed there,
+    async def _entropy(self, i: int, c: ChunkRef, h: container.Header, head: bytes | _Whole) -> None:
+        """An entropy-coded chunk: its parts read into one staging buffer (or there already: a
+        :class:`_Whole`) and checksummed there,
         restored from it by a decode worker where one can map it (:meth:`_in_workers`), else decoded
         from it in the decode pool (the buffer's last use), then written."""
         parts = ([h.side] if h.side else []) + list(h.segments)
         async with self._staged(c, h, head, parts, finite=False) as (host, started):
             self._mark(i, "read")
             if self._in_workers(c):
-                restore = _submit(started, self.workers.threads, self._writer(i, self._restore_staged), c, h, head, parts, host)
+                header = head.head if isinstance(head, _Whole) else head[: h.header_size]
+                restore = _submit(started, self.workers.threads, self._writer(i, self._restore_staged), c, header, parts, host)
                 if await self._by_worker(i, _timed(self.decodes, self._write(i, restore))):
                     return
             part = lambda s: host[s.offset : s.offset + s.length]  # noqa: E731
@@ -456,13 +523,13 @@ class _Fetch:
         KV buffer (it has an IPC handle), and the chunk is written whole."""
         return self.workers is not None and self.staging.shared and self.dest.handle is not None and not self.dest.skip(c)
 
-    def _restore_staged(self, c: ChunkRef, h: container.Header, head: bytes, parts: Sequence[container.Segment],
-                        host: torch.Tensor) -> int:
-        """In a caller thread of the workers: one of them restores the chunk from ``host``, the shared
-        staging buffer its ``parts`` were read into (verified again there, decoded, written)."""
+    def _restore_staged(self, c: ChunkRef, header: bytes, parts: Sequence[container.Segment], host: torch.Tensor) -> int:
+        """In a caller thread of the workers: one of them restores the chunk (its prefix and
+        ``header`` bytes) from ``host``, the shared staging buffer its ``parts`` were read into
+        (verified again there, decoded, written)."""
         at = self.staging.place(memoryview(host.numpy()))
         spans = [(at.at + s.offset, at.at + s.offset + s.length) for s in parts]
-        return self.workers.restore_from(self.dest.handle, (at.path, at.size), head[: h.header_size], spans,
+        return self.workers.restore_from(self.dest.handle, (at.path, at.size), header, spans,
                                          self.dest.where(c), self._auth(c))
 
     async def _object(self, i: int, c: ChunkRef, h: container.Header, head: bytes) -> None:
@@ -477,31 +544,40 @@ class _Fetch:
             self._mark(i, "written")
 
     @contextlib.asynccontextmanager
-    async def _staged(self, c: ChunkRef, h: container.Header, head: bytes, parts: Sequence[container.Segment], finite: bool):
-        """Read ``parts`` of ``c`` to their offsets in one staging buffer (pinned for a GPU buffer),
-        each checked by the thread that read it (:func:`_read_verified`); yields that buffer's
-        payload bytes and the list of thread futures on it, where work on it must be registered
-        (:func:`_submit`): it goes back to the pool only once none of them can touch it."""
+    async def _staged(self, c: ChunkRef, h: container.Header, head: bytes | _Whole, parts: Sequence[container.Segment], finite: bool):
+        """Read ``parts`` of ``c`` to their offsets in one staging buffer (pinned for a GPU buffer;
+        with a :class:`_Whole`, the object's own, where they are already), each checked by the
+        thread that read it (:func:`_read_verified`); yields that buffer's payload bytes and the list
+        of thread futures on it, where work on it must be registered (:func:`_submit`): it goes back
+        to the pool only once none of them can touch it."""
         nbytes = h.total_size - h.header_size
-        pinned = self.dest.device.type == "cuda"
-        host = self.staging.take(nbytes, pinned)
+        if isinstance(head, _Whole):
+            buf, pinned, at = head.buf, head.pinned, h.header_size
+        else:
+            pinned = self.dest.device.type == "cuda"
+            buf, at = self.staging.take(nbytes, pinned), 0
+        host = buf[at : at + nbytes]
         mem = memoryview(host.numpy())
         started: list[concurrent.futures.Future] = []  # thread work on ``host``
         reads = [asyncio.ensure_future(self._read_segment(c, h, head, mem, s, started, finite)) for s in parts]
         try:
             await asyncio.gather(*reads)
-            yield host[:nbytes], started
+            yield host, started
         finally:
             for t in reads:  # a cancelled read submits nothing more
                 t.cancel()
             # a read, copy or decode abandoned at a failure or deadline may still run in a thread and
-            # own ``host``: it goes back to the pool once the last of them is done
-            _give_when_done(started, lambda: self.staging.give(host, pinned))
+            # own ``buf``: it goes back to the pool once the last of them is done
+            _give_when_done(started, lambda: self.staging.give(buf, pinned))
 
-    async def _read_segment(self, c: ChunkRef, h: container.Header, head: bytes, mem: memoryview, seg: container.Segment,
+    async def _read_segment(self, c: ChunkRef, h: container.Header, head: bytes | _Whole, mem: memoryview, seg: container.Segment,
                             started: list[concurrent.futures.Future], finite: bool) -> None:
-        """Land one part in its place of the staging buffer ``mem``, read and checked in one thread hop."""
+        """Land one part in its place of the staging buffer ``mem``, read and checked in one thread hop
+        (with a :class:`_Whole`, there already: only checked)."""
         a, part = h.header_size + seg.offset, mem[seg.offset : seg.offset + seg.length]
+        if isinstance(head, _Whole):
+            await _submit(started, self.io_pool, _read_verified, self.read, c.name, a, part, len(part), seg, h, self._auth(c), finite)
+            return
         have = head[a : a + seg.length]  # what the header read already brought, if anything
         part[: len(have)] = have
         async with self.io:
