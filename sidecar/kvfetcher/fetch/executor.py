@@ -482,9 +482,8 @@ class _Fetch:
 
     async def _entropy(self, i: int, c: ChunkRef, h: container.Header, head: bytes | _Whole) -> None:
         """An entropy-coded chunk: its parts read into one staging buffer (or there already: a
-        :class:`_Whole`) and checksummed there,
-        restored from it by a decode worker where one can map it (:meth:`_in_workers`), else decoded
-        from it in the decode pool (the buffer's last use), then written."""
+        :class:`_Whole`) and checksummed there, restored from it by a decode worker where one can map
+        it (:meth:`_in_workers`), else decoded from it in the decode pool (the buffer's last use), then written."""
         parts = ([h.side] if h.side else []) + list(h.segments)
         async with self._staged(c, h, head, parts, finite=False) as (host, started):
             self._mark(i, "read")
