@@ -419,19 +419,16 @@ class _Fetch:
         is not entropy-coded after all, the header's bytes alone (its parts are read as usual)."""
         pinned = self.dest.device.type == "cuda"
         buf = self.staging.take(c.size, pinned)
-        mem = memoryview(buf.numpy())
+        obj = memoryview(buf.numpy())[: c.size]
         started: list[concurrent.futures.Future] = []  # the read, which may outlive an abandoned fetch
         try:
             async with self.io:  # (no first-byte latency to learn: the whole object's transfer)
                 with self.reads:
-                    n = await _submit(started, self.io_pool, self.read, c.name, 0, mem[: c.size])
+                    n = await _submit(started, self.io_pool, self.read, c.name, 0, obj)
             self.out.bytes_read += n
             if n != c.size:
                 raise TruncatedError(f"{c.name} was listed at {c.size} bytes, a read of it gave {n}")
-            head = bytes(mem[: min(HEADER_GUESS, c.size)])
-            need = container.header_length(head[: container.PREFIX_SIZE])
-            if len(head) < need:
-                head = bytes(mem[: min(need, c.size)])
+            head = bytes(obj[: container.header_length(bytes(obj[: container.PREFIX_SIZE]))])
             h = self._checked(c, head)
         except BaseException:
             _give_when_done(started, lambda: self.staging.give(buf, pinned))
