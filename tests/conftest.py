@@ -1,4 +1,4 @@
-"""Shared fixtures: a real S3 server, stores, shared KV buffers, an empty calibration directory, the real model and its KV; and the
+"""Shared fixtures: a real S3 server, stores, shared KV buffers, decode worker processes, an empty calibration directory, the real model and its KV; and the
 ``gpu`` marker's skip on a machine without CUDA. Plain helpers are in ``kvtest``.
 
 Heavy imports (torch, the data plane) happen inside the fixtures, so that the operator's tests,
@@ -90,6 +90,17 @@ def slow_proxy(s3_endpoint):
 
 
 # --- KV buffers -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def workers():
+    """Two started decode worker processes, for one test module."""
+    from kvfetcher.fetch.workers import DecodeWorkers
+
+    w = DecodeWorkers(2)
+    w.start()
+    yield w
+    w.close()
 
 
 @pytest.fixture

@@ -209,7 +209,7 @@ def main() -> None:
     ap.add_argument("--neighbour-steps", type=float, help="another process steps on the GPU this many times a second "
                     "during the fetches, as an idle vLLM engine does (0: as fast as it can; unset: no neighbour)")
     ap.add_argument("--whole-bytes", help="the executor's WHOLE_OBJECT_BYTES, comma-separated: each is timed (0: an "
-                    "entropy-coded chunk's header and parts read apart, as before 2026-11-30)")
+                    "entropy-coded chunk's header and parts read apart)")
     ap.add_argument("--out")
     args = ap.parse_args()
     shape, T = SHAPES[args.shape], args.chunk_tokens

@@ -17,7 +17,6 @@ from kvfetcher.chunk import decode_chunk, encode_chunk
 from kvfetcher.config import Config
 from kvfetcher.errors import RequestError
 from kvfetcher.fetch import executor
-from kvfetcher.fetch.workers import DecodeWorkers
 from kvfetcher.format import container, mac, presets
 from kvfetcher.format.mac import ObjectMAC
 from kvfetcher.kvbuffer import ChunkRef, Destination
@@ -204,14 +203,6 @@ def test_the_finiteness_check_knows_each_dtype(dtype):
 
 
 # --- every fetch path ------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def workers():
-    w = DecodeWorkers(1)
-    w.start()
-    yield w
-    w.close()
-
 
 async def fetch(store, refs, dest, key, workers=None):
     with ThreadPoolExecutor(4) as io, ThreadPoolExecutor(2) as dec:

@@ -334,13 +334,7 @@ class _Fetch:
         try:
             async with self.window:
                 self._mark(i, "admitted")
-                if self._reads_whole(c):
-                    h, head = await self._whole(c)
-                    if h.codec.format in ENTROPY_FORMATS:
-                        self._mark(i, "header")
-                        return await self._entropy(i, c, h, head)
-                else:
-                    h, head = await self._header(c)
+                h, head = await (self._whole(c) if self._reads_whole(c) else self._header(c))
                 self._mark(i, "header")
                 if isinstance(self.dest, ObjectArena):
                     await self._object(i, c, h, head)
@@ -433,8 +427,8 @@ class _Fetch:
         except BaseException:
             _give_when_done(started, lambda: self.staging.give(buf, pinned))
             raise
-        if h.codec.format in ENTROPY_FORMATS:
-            return h, _Whole(buf, pinned, head[: h.header_size])
+        if h.codec.format in ENTROPY_FORMATS:  # (then :meth:`_load` hands it to :meth:`_entropy`)
+            return h, _Whole(buf, pinned, head)
         self.staging.give(buf, pinned)
         return h, head
 
