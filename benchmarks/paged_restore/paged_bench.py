@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.lib.cpuload import busy_cores, cpu_jiffies
+from benchmarks.lib import standin
 from benchmarks.lib.fetchkit import FINGERPRINT, encode_objects, put_prefix
 from kvfetcher import ipc, kvbuffer
 from kvfetcher.eval.costmodel import SHAPES
@@ -210,9 +211,13 @@ def main() -> None:
                     "during the fetches, as an idle vLLM engine does (0: as fast as it can; unset: no neighbour)")
     ap.add_argument("--whole-bytes", help="the executor's WHOLE_OBJECT_BYTES, comma-separated: each is timed (0: an "
                     "entropy-coded chunk's header and parts read apart)")
+    ap.add_argument("--basis", action="store_true", help="the stand-in calibration has a random orthogonal basis, so the "
+                    "calibrated presets pack and restore through one (and the sparse corrections) as a calibrated model's do")
     ap.add_argument("--out")
     args = ap.parse_args()
     shape, T = SHAPES[args.shape], args.chunk_tokens
+    if args.basis:
+        standin.ensure(FINGERPRINT, (shape.layers, 2, shape.kv_heads, T, shape.head_dim))
     tokens = args.chunks * T
     blocks = tokens // args.block_size + 64
     block_ids = torch.randperm(blocks, generator=torch.Generator().manual_seed(0))[: tokens // args.block_size].tolist()
@@ -221,7 +226,7 @@ def main() -> None:
     chunk = torch.randn(shape.layers, 2, shape.kv_heads, T, shape.head_dim, device=args.device).to(torch.bfloat16)
     cuda = args.device == "cuda"
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "date": time.strftime("%Y-%m-%d"), "shape": args.shape, "tokens": tokens,
-              "kv_bytes": kv_bytes, "chunk_tokens": T, "block_size": args.block_size, "procs": args.procs, "source": args.source, "scatter_one_chunk": {},
+              "kv_bytes": kv_bytes, "chunk_tokens": T, "block_size": args.block_size, "procs": args.procs, "source": args.source, "basis": args.basis, "scatter_one_chunk": {},
               "fetch": {}}
     dests = {k: v for k, v in dests.items() if k in args.dests.split(",")}
     for name, (tensors, layout, _) in dests.items():

@@ -31,26 +31,13 @@ from pathlib import Path
 import torch
 
 from benchmarks.entropy.entropy_bench import bit_exact, restore, timed
-from benchmarks.lib import kvsource
+from benchmarks.lib import kvsource, standin
 from kvfetcher import chunk
-from kvfetcher.codec import basis, layout, nvcomp
-from kvfetcher.config import CALIBRATION_DIR
-from kvfetcher.format import calibration, container, presets
+from kvfetcher.codec import layout, nvcomp
+from kvfetcher.format import container
 
 FP = "transform-bench/8b"
 THETA = kvsource.LLAMA3_THETA
-
-
-def stand_in(shape: tuple[int, ...]) -> None:
-    """A calibration of ``FP`` with the shipped tables and a random orthogonal basis per head."""
-    L, _, H, _, D = shape
-    g = torch.Generator().manual_seed(0)
-    q, _ = torch.linalg.qr(torch.randn(L * 2 * H, D, D, generator=g, dtype=torch.float64))
-    b = basis.build("transform-bench", q.reshape(L, 2, H, D, D).float(), torch.zeros(L, 2, H, D))
-    basis.save(b, Path(CALIBRATION_DIR.read()))
-    tables = {k: {"layers": [list(kv) for kv in t]} for k, t in calibration.default().tables.items()}
-    calibration.write(calibration.artefact("transform-bench", tables, b.name, None, None, None, made_by="transform_bench"))
-    presets.for_model.cache_clear()
 
 
 def encode_rate(kvs: list[torch.Tensor], name: str, threads: int, repeats: int) -> tuple[float, list[bytes]]:
@@ -84,7 +71,7 @@ def main() -> None:
     if not nvcomp.available():
         raise SystemExit("needs a CUDA GPU and nvCOMP (pip install nvidia-nvcomp-cu13 nvidia-libnvcomp-cu13)")
     kvs, kv_desc = kvsource.gpu_chunks(args.kvsrc, args.distinct)
-    stand_in(tuple(kvs[0].shape))
+    standin.ensure(FP, tuple(kvs[0].shape))
     L, _, H, T, D = kvs[0].shape
     buf = torch.zeros(L, 2, H, args.chunks * T, D, dtype=torch.float16, device="cuda")
     kv_bytes = sum(k.numel() * 2 for k in kvs)

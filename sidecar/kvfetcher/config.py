@@ -194,6 +194,9 @@ MAX_REQUEST_TOKENS = Setting("KVFETCHER_MAX_REQUEST_TOKENS", int, 262144,
 STORE_QUEUE_CHUNKS = Setting("KVFETCHER_STORE_QUEUE_CHUNKS", int, 256,
                              "Bound of the store queue in chunks: a store queues the leading chunks that fit, "
                              "the rest are dropped and counted.")
+STORE_ENCODERS = Setting("KVFETCHER_STORE_ENCODERS", int, 2,
+                         "Chunks the store encodes at once, each in a thread of low priority (an entropy-coded preset's on "
+                         "the GPU); uploads overlap them. `benchmarks/store_rate` times the store path against it.")
 INDEX_KEYS = Setting("KVFETCHER_INDEX_KEYS", int, 1 << 18,
                      "Chunk keys the sidecar's in-memory index of the store keeps (least recently used dropped first; "
                      "about 400 bytes each).")
@@ -288,7 +291,7 @@ TABLES: dict[str, tuple[Setting, ...]] = {
         CHUNK_TOKENS, PRESET, ALLOWED_PRESETS, TENANT, POOL, OBJECT_KEY, ACCEPTED_OBJECT_KEYS, MODEL, RECOMPUTE_TPS, ROPE_THETA, TTFT_BUDGET_S,
         DECODE_PROCS, WARM_UP, S3_ENDPOINT, S3_BUCKET, S3_ACCESS_KEY, S3_SECRET_KEY, S3_REGION, S3_CA_FILE,
         S3_INSECURE, STORE_DIR, AUTH_TOKEN, AUTH_TOKEN_FILE, FUSED_UNPACK, DEADLINE_S, MAX_REQUEST_TOKENS,
-        STORE_QUEUE_CHUNKS, INDEX_KEYS, NEGATIVE_TTL_S, IO_WORKERS, FETCH_WINDOW, FETCH_READS, READ_PROCS, DECODE_THREADS, WRITE_THREADS, META_IO_WORKERS, LINK_DIR, ACCESS_LOG_S, STORE_CHECK_S,
+        STORE_QUEUE_CHUNKS, STORE_ENCODERS, INDEX_KEYS, NEGATIVE_TTL_S, IO_WORKERS, FETCH_WINDOW, FETCH_READS, READ_PROCS, DECODE_THREADS, WRITE_THREADS, META_IO_WORKERS, LINK_DIR, ACCESS_LOG_S, STORE_CHECK_S,
         CALIBRATION_DIR, LOG_LEVEL, LOG_FORMAT),
     "Model side (`KVClient`, shared buffers)": (SOCKET, URL),
     "Evaluation (`kvfetcher eval`, `calibrate`, `demo`, tests)": (CACHE, EVAL_DEVICE),
@@ -329,6 +332,7 @@ class Config:
     max_request_tokens: int = env_field(MAX_REQUEST_TOKENS)
     ttft_budget_s: float | None = env_field(TTFT_BUDGET_S)  # None: the fastest option wins
     store_queue_chunks: int = env_field(STORE_QUEUE_CHUNKS)
+    store_encoders: int = env_field(STORE_ENCODERS)
     index_keys: int = env_field(INDEX_KEYS)
     negative_ttl_s: float = env_field(NEGATIVE_TTL_S)
     decode_threads: int = env_field(DECODE_THREADS)
@@ -359,7 +363,7 @@ class Config:
         if not 0 < self.deadline_s < float("inf"):
             raise ValueError(f"the deadline must be positive, finite seconds, not {self.deadline_s}")
         for name in ("max_request_tokens", "store_queue_chunks", "index_keys", "io_workers", "meta_io_workers", "window", "reads",
-                     "decode_threads", "write_threads"):
+                     "decode_threads", "write_threads", "store_encoders"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', ' ')} must be >= 1, not {getattr(self, name)}")
         if not 0 <= self.negative_ttl_s < float("inf"):

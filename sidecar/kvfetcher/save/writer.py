@@ -7,7 +7,8 @@ skips the leading chunks already stored, asks :meth:`Writer.room` how many more 
 counts the rest as dropped (:meth:`Writer.dropped`, in chunks) — a lost store costs a future
 recompute, a blocked model costs latency now. One task writes the queue in order: every configured
 preset the chunk's model may use (:meth:`Writer.presets_for`: never one that needs a calibration
-the model lacks) of every chunk, skipping objects already stored. With an
+the model lacks) of every chunk, skipping objects already stored, ``config.store_encoders`` chunks
+encoding at once while others upload. With an
 object key configured every object is written with its tags, bound to its name (:mod:`format.mac`).
 """
 
@@ -53,12 +54,28 @@ def _lower_priority() -> None:
         pass
 
 
+_local = threading.local()
+
+
 def _encode(kv: torch.Tensor, device: str | None, *args, **kw) -> bytes:
     """:func:`encode_chunk` of ``kv`` (a chunk's view of its job's KV), made contiguous and moved to
-    ``device`` first: in the encode thread, since a chunk's copy (tens of MB) on the event loop
-    would hold up every lookup meanwhile."""
-    kv = kv.contiguous()
-    return encode_chunk(kv if device is None else kv.to(device), *args, **kw)
+    ``device`` first (:func:`_to_device`): in an encode thread, since a chunk's copy (tens of MB) on
+    the event loop would hold up every lookup meanwhile."""
+    return encode_chunk(kv.contiguous() if device is None else _to_device(kv, device), *args, **kw)
+
+
+def _to_device(kv: torch.Tensor, device: str) -> torch.Tensor:
+    """``kv`` on ``device``; from host memory through this thread's page-locked staging buffer (one
+    host copy, then the copy engine at full rate: a pageable tensor would be copied twice)."""
+    if kv.device.type != "cpu":
+        return kv.contiguous().to(device)
+    n = kv.numel() * kv.element_size()
+    stage = getattr(_local, "stage", None)
+    if stage is None or stage.numel() < n:
+        stage = _local.stage = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    host = stage[:n].view(kv.dtype).view(kv.shape)
+    host.copy_(kv)
+    return host.to(device)  # (blocking: the staging buffer is free again when it returns)
 
 
 @dataclass
@@ -79,7 +96,7 @@ class Writer:
                  stored: Callable[[str, str, int], None] = lambda key, preset, size: None):
         self.store, self.config, self.metrics, self.stored = store, config, metrics, stored
         self.data_pool, self.meta_pool = data_pool, meta_pool
-        self.encode_pool = ThreadPoolExecutor(1, thread_name_prefix="kvf-encode", initializer=_lower_priority)
+        self.encode_pool = ThreadPoolExecutor(config.store_encoders, thread_name_prefix="kvf-encode", initializer=_lower_priority)
         self._queue: asyncio.Queue[Job] | None = None
         self._task: asyncio.Task | None = None
         self.pending_chunks = 0
@@ -167,23 +184,60 @@ class Writer:
                 self._queue.task_done()
 
     async def _write(self, job: Job) -> None:
+        """Every object of ``job``, chunk by chunk: ``config.store_encoders`` encoding at once and as
+        many more being checked or uploaded. The first failure stops the job (raised once the objects
+        under way are done); the objects before it stay written."""
         loop = asyncio.get_running_loop()
+        encoding = asyncio.Semaphore(self.config.store_encoders)
+        in_flight = asyncio.Semaphore(2 * self.config.store_encoders)
+        failed: list[BaseException] = []
+        tasks: set[asyncio.Task] = set()
+
+        async def one(i: int, parent: str, preset: str) -> None:
+            try:
+                await self._write_object(loop, job, i, parent, preset, encoding)
+            except Exception as e:
+                failed.append(e)
+            finally:
+                in_flight.release()
+
+        usable = self.presets_for(job.ns.model)
+        try:
+            for i in range(len(job.keys)):
+                parent = job.keys[i - 1] if i else job.parent  # in every object: the evictor rebuilds the prefix tree from it
+                for preset in usable:
+                    await in_flight.acquire()
+                    if failed:
+                        break
+                    tasks.add(asyncio.create_task(one(i, parent, preset)))
+                if failed:
+                    break
+            await asyncio.gather(*tasks)
+        except asyncio.CancelledError:
+            for t in tasks:
+                t.cancel()
+            raise
+        if failed:
+            raise failed[0]
+
+    async def _write_object(self, loop: asyncio.AbstractEventLoop, job: Job, i: int, parent: str, preset: str,
+                            encoding: asyncio.Semaphore) -> None:
+        """One chunk's object in one preset: skipped if stored, else encoded (holding ``encoding``) and uploaded."""
         N = self.config.chunk_tokens
-        for i, key in enumerate(job.keys):
-            parent = job.keys[i - 1] if i else job.parent  # in every object: the evictor rebuilds the prefix tree from it
-            for preset in self.presets_for(job.ns.model):
-                name = keys.object_name(key, preset)
-                if await loop.run_in_executor(self.meta_pool, self.store.exists, name):
-                    continue  # already stored (by us or another sidecar): a cheap no-op
-                t = time.perf_counter()
-                piece = job.kv[:, :, :, i * N : (i + 1) * N]  # a view: copied in the encode thread
-                auth = mac.ObjectMAC(self.object_key, name) if self.object_key else None
-                encode = functools.partial(_encode, piece, "cuda" if preset in self.gpu_presets else None, preset,
-                                           job.ns.model, {"parent": parent}, start=(job.first + i) * N,
-                                           rope_theta=self.config.rope_theta, auth=auth)
-                obj = await loop.run_in_executor(self.encode_pool, encode)
-                if await loop.run_in_executor(self.data_pool, self.store.put, name, obj):
-                    self.stored(key, preset, len(obj))
-                    self.metrics.bytes_written.inc(len(obj))
-                    self.metrics.compression_ratio.labels(preset).set(piece.numel() * piece.element_size() / len(obj))
-                self.metrics.store_seconds.observe(time.perf_counter() - t)
+        key = job.keys[i]
+        name = keys.object_name(key, preset)
+        if await loop.run_in_executor(self.meta_pool, self.store.exists, name):
+            return  # already stored (by us or another sidecar): a cheap no-op
+        piece = job.kv[:, :, :, i * N : (i + 1) * N]  # a view: copied in the encode thread
+        auth = mac.ObjectMAC(self.object_key, name) if self.object_key else None
+        encode = functools.partial(_encode, piece, "cuda" if preset in self.gpu_presets else None, preset,
+                                   job.ns.model, {"parent": parent}, start=(job.first + i) * N,
+                                   rope_theta=self.config.rope_theta, auth=auth)
+        async with encoding:
+            t = time.perf_counter()
+            obj = await loop.run_in_executor(self.encode_pool, encode)
+        if await loop.run_in_executor(self.data_pool, self.store.put, name, obj):
+            self.stored(key, preset, len(obj))
+            self.metrics.bytes_written.inc(len(obj))
+            self.metrics.compression_ratio.labels(preset).set(piece.numel() * piece.element_size() / len(obj))
+        self.metrics.store_seconds.observe(time.perf_counter() - t)

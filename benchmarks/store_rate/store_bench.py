@@ -1,0 +1,166 @@
+"""The store path's rate: a prompt's KV from a GPU buffer to stored objects, GB/s of KV.
+
+What a sidecar does for a store request, step by step and timed apart: the copy of the prompt's
+KV out of the model's buffer into host memory (``Destination.read``, the one step on which the
+request waits), then the writer (``save.Writer``: per chunk and preset, a HEAD, the encode —
+on the GPU for entropy-coded presets — and the PUT) until the queue is flushed. ``--encoders``
+sets the writer's encode concurrency (``Config.store_encoders``), each value timed. An 8B model's
+shape (bf16), synthetic values, or real KV tiled from ``--kvsrc`` (``benchmarks.lib.kvsource``); the
+stand-in calibration has a random orthogonal basis, so the calibrated presets pack through one.
+The objects go to a local directory (``--store local``, on /dev/shm where there is one) or over S3
+to the link server, unpaced (``--store s3``). After each run every object is read back and
+decoded, and must restore the chunk its preset restores from a direct encode. Medians of
+``--repeats``; prints one JSON line per cell, ``--out`` writes the result.
+
+    python -m benchmarks.store_rate.store_bench --presets transform-ans,balanced-ans,raw --out $OUT/store_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from benchmarks.lib import kvsource, standin
+from benchmarks.lib.cpuload import busy_cores, cpu_jiffies
+from kvfetcher import chunk, keys, kvbuffer
+from kvfetcher.config import Config
+from kvfetcher.eval.costmodel import SHAPES
+from kvfetcher.metrics import Metrics
+from kvfetcher.save.writer import Job, Writer
+from kvfetcher.store.local import LocalStore
+
+FP = "store-bench/8b"
+
+
+@contextlib.contextmanager
+def object_store(kind: str):
+    """A store for the objects: a local directory (tmpfs where there is one), or S3 over the link server."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(dir=base) as root:
+        bucket = Path(root) / "kvbench"
+        bucket.mkdir()
+        if kind == "local":
+            yield LocalStore(bucket)
+            return
+        from benchmarks.lib import linkserver
+        from kvfetcher.store.s3 import S3Store
+
+        url, group = linkserver.start_process(root, 0.0, linkserver.default_procs())
+        try:
+            yield S3Store(url, "kvbench", "bench", "bench", verify_tls=False)
+        finally:
+            group.terminate()
+
+
+def prompt_kv(shape, chunks: int, T: int, kvsrc: str | None, device: str) -> torch.Tensor:
+    """A flat KV buffer ``[L, 2, H, chunks * T, D]`` bf16 on ``device``: real KV tiled, or synthetic."""
+    L, H, D = shape.layers, shape.kv_heads, shape.head_dim
+    if kvsrc:
+        src = torch.load(kvsrc)
+        pieces = kvsource.real_chunks(src, min(chunks, 8), L)
+        return torch.cat([pieces[i % len(pieces)] for i in range(chunks)], dim=3).to(device)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    return (torch.randn(L, 2, H, chunks * T, D, generator=g) * 2).to(torch.bfloat16).to(device)
+
+
+async def store_once(store, cfg: Config, ns: keys.Namespace, buf: torch.Tensor, tag: str) -> dict:
+    """One store of the whole buffer: seconds of the copy out and of the writer, the objects' bytes."""
+    T, tokens = cfg.chunk_tokens, buf.shape[3]
+    io, meta = ThreadPoolExecutor(cfg.io_workers), ThreadPoolExecutor(cfg.meta_io_workers)
+    sizes: list[int] = []
+    w = Writer(store, cfg, Metrics(), io, meta, stored=lambda key, preset, size: sizes.append(size))
+    w.start()
+    try:
+        ck = [f"{tag}-{i:05d}" for i in range(tokens // T)]
+        t0 = time.perf_counter()
+        kv = kvbuffer.Destination(buf, offset=0, tokens=tokens).read(0, tokens)
+        t1 = time.perf_counter()
+        w.reserve(len(ck))
+        w.submit(Job(ns, ck, kv))
+        await w.flush()
+        t2 = time.perf_counter()
+    finally:
+        await w.close(0)
+        io.shutdown()
+        meta.shutdown()
+    return {"copy_s": t1 - t0, "write_s": t2 - t1, "total_s": t2 - t0, "objects": len(sizes), "stored_bytes": sum(sizes), "names": ck}
+
+
+def check(store, preset: str, names: list[str], buf: torch.Tensor, T: int, theta: float) -> bool:
+    """Every stored object restores what a direct encode of its chunk restores."""
+    for i, key in enumerate(names[:: max(1, len(names) // 4)]):
+        i = names.index(key)
+        piece = buf[:, :, :, i * T : (i + 1) * T].contiguous()
+        want = chunk.decode_chunk(chunk.encode_chunk(piece, preset, FP, start=i * T, rope_theta=theta), FP, device=buf.device)
+        got = chunk.decode_chunk(store.get(keys.object_name(key, preset)), FP, device=buf.device)
+        if not torch.equal(want.view(torch.int16), got.view(torch.int16)):
+            return False
+    return True
+
+
+def forget(store, names: list[str], preset: str) -> None:
+    """Delete a run's objects (a run of ``raw`` is the prompt's KV again: memory, on tmpfs)."""
+    for key in names:
+        store.delete(keys.object_name(key, preset))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--chunks", type=int, default=64, help="chunks of the prompt stored (64: 16K tokens, 2.1 GB)")
+    ap.add_argument("--presets", default="transform-ans,balanced-ans,raw")
+    ap.add_argument("--encoders", default="1", help="the writer's encode concurrency (Config.store_encoders), comma-separated")
+    ap.add_argument("--store", default="local", choices=["local", "s3"])
+    ap.add_argument("--kvsrc", help="real KV to tile (benchmarks.lib.kvsource); default synthetic")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shape, T = SHAPES[args.shape], 256
+    standin.ensure(FP, (shape.layers, 2, shape.kv_heads, T, shape.head_dim))
+    buf = prompt_kv(shape, args.chunks, T, args.kvsrc, device)
+    kv_bytes = buf.numel() * buf.element_size()
+    ns = keys.Namespace(FP, "bfloat16", shape=(shape.layers, shape.kv_heads, shape.head_dim))
+    result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "date": time.strftime("%Y-%m-%d"),
+              "shape": args.shape, "tokens": buf.shape[3], "kv_bytes": kv_bytes, "store": args.store,
+              "kv": "real, tiled" if args.kvsrc else "synthetic", "cells": []}
+    with object_store(args.store) as store:
+        run = 0
+        for preset in args.presets.split(","):
+            for enc in (int(e) for e in args.encoders.split(",")):
+                cfg = Config(presets=(preset,), store_queue_chunks=args.chunks, rope_theta=shape.rope_theta, store_encoders=enc)
+                times = []
+                cpu0 = cpu_jiffies()
+                for k in range(args.repeats + 1):  # the first warms the GPU codecs
+                    run += 1
+                    times.append(asyncio.run(store_once(store, cfg, ns, buf, f"r{run}")))
+                    if k < args.repeats:
+                        forget(store, times[-1]["names"], preset)
+                cpu = busy_cores(cpu0, cpu_jiffies())
+                last = times[-1]
+                med = {k: statistics.median(t[k] for t in times[1:]) for k in ("copy_s", "write_s", "total_s")}
+                cell = {"preset": preset, "encoders": enc, **{k: round(v, 4) for k, v in med.items()},
+                        "copy_GB_s": round(kv_bytes / med["copy_s"] / 1e9, 2), "write_GB_s": round(kv_bytes / med["write_s"] / 1e9, 2),
+                        "store_GB_s": round(kv_bytes / med["total_s"] / 1e9, 2), "ratio": round(kv_bytes / last["stored_bytes"], 3),
+                        "objects": last["objects"], "cpu_busy_cores": cpu,
+                        "restores_as_direct_encode": check(store, preset, last["names"], buf, T, shape.rope_theta)}
+                forget(store, last["names"], preset)
+                result["cells"].append(cell)
+                print(json.dumps(cell), flush=True)
+    print(json.dumps(result))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
