@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import statistics
@@ -73,9 +74,21 @@ def prompt_kv(shape, chunks: int, T: int, kvsrc: str | None, device: str) -> tor
     return (torch.randn(L, 2, H, chunks * T, D, generator=g) * 2).to(torch.bfloat16).to(device)
 
 
-async def store_once(store, cfg: Config, ns: keys.Namespace, buf: torch.Tensor, tag: str) -> dict:
-    """One store of the whole buffer: seconds of the copy out and of the writer, the objects' bytes."""
-    T, tokens = cfg.chunk_tokens, buf.shape[3]
+def paged(buf: torch.Tensor, block_size: int = 16) -> tuple[kvbuffer.PagedKV, list[int]]:
+    """``buf``'s KV in vLLM's cross-layer paged form (``BLTH(KD)``), its blocks shuffled: the tensor and the prompt's blocks."""
+    L, _, H, tokens, D = buf.shape
+    n = tokens // block_size
+    ids = torch.randperm(n + 64, generator=torch.Generator().manual_seed(0))[:n].tolist()
+    kv = kvbuffer.PagedKV(torch.zeros(n + 64, L, block_size, H, 2 * D, dtype=buf.dtype, device=buf.device),
+                          kvbuffer.PagedLayout("BLTH(KD)", block_size))
+    for i, b in enumerate(ids):
+        kv.write([b], buf[:, :, :, i * block_size : (i + 1) * block_size])
+    return kv, ids
+
+
+async def store_once(store, cfg: Config, ns: keys.Namespace, where: kvbuffer.Destination, tag: str) -> dict:
+    """One store of the whole destination: seconds of the copy out and of the writer, the objects' bytes."""
+    T, tokens = cfg.chunk_tokens, where.tokens
     io, meta = ThreadPoolExecutor(cfg.io_workers), ThreadPoolExecutor(cfg.meta_io_workers)
     sizes: list[int] = []
     w = Writer(store, cfg, Metrics(), io, meta, stored=lambda key, preset, size: sizes.append(size))
@@ -83,7 +96,7 @@ async def store_once(store, cfg: Config, ns: keys.Namespace, buf: torch.Tensor, 
     try:
         ck = [f"{tag}-{i:05d}" for i in range(tokens // T)]
         t0 = time.perf_counter()
-        kv = kvbuffer.Destination(buf, offset=0, tokens=tokens).read(0, tokens)
+        kv = where.read(0, tokens)
         t1 = time.perf_counter()
         w.reserve(len(ck))
         w.submit(Job(ns, ck, kv))
@@ -93,12 +106,15 @@ async def store_once(store, cfg: Config, ns: keys.Namespace, buf: torch.Tensor, 
         await w.close(0)
         io.shutdown()
         meta.shutdown()
-    return {"copy_s": t1 - t0, "write_s": t2 - t1, "total_s": t2 - t0, "objects": len(sizes), "stored_bytes": sum(sizes), "names": ck}
+    return {"copy_s": t1 - t0, "write_s": t2 - t1, "total_s": t2 - t0, "objects": len(sizes), "stored_bytes": sum(sizes), "names": ck, "kv": kv}
 
 
-def check(store, preset: str, names: list[str], buf: torch.Tensor, T: int, theta: float) -> bool:
-    """Every stored object restores what a direct encode of its chunk restores."""
-    for i, key in enumerate(names[:: max(1, len(names) // 4)]):
+def check(store, preset: str, names: list[str], buf: torch.Tensor, kv: torch.Tensor, T: int, theta: float) -> bool:
+    """The store's copy is the buffer's KV, and (every few chunks) each stored object restores what a
+    direct encode of its chunk restores."""
+    if not torch.equal(kv.view(torch.int16), buf.cpu().view(torch.int16)):
+        return False
+    for key in names[:: max(1, len(names) // 4)]:
         i = names.index(key)
         piece = buf[:, :, :, i * T : (i + 1) * T].contiguous()
         want = chunk.decode_chunk(chunk.encode_chunk(piece, preset, FP, start=i * T, rope_theta=theta), FP, device=buf.device)
@@ -120,6 +136,7 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=64, help="chunks of the prompt stored (64: 16K tokens, 2.1 GB)")
     ap.add_argument("--presets", default="transform-ans,balanced-ans,raw")
     ap.add_argument("--encoders", default="1", help="the writer's encode concurrency (Config.store_encoders), comma-separated")
+    ap.add_argument("--dests", default="flat,paged", help="the model's buffer: flat, and/or vLLM's cross-layer paged blocks")
     ap.add_argument("--store", default="local", choices=["local", "s3"])
     ap.add_argument("--kvsrc", help="real KV to tile (benchmarks.lib.kvsource); default synthetic")
     ap.add_argument("--repeats", type=int, default=3)
@@ -134,29 +151,34 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "date": time.strftime("%Y-%m-%d"),
               "shape": args.shape, "tokens": buf.shape[3], "kv_bytes": kv_bytes, "store": args.store,
               "kv": "real, tiled" if args.kvsrc else "synthetic", "cells": []}
+    tokens = buf.shape[3]
+    wheres = {"flat": lambda: kvbuffer.Destination(buf, offset=0, tokens=tokens)}
+    if "paged" in args.dests:
+        kv_paged, ids = paged(buf)
+        wheres["paged"] = lambda: kvbuffer.PagedDestination(kv_paged, ids, tokens)
     with object_store(args.store) as store:
         run = 0
-        for preset in args.presets.split(","):
-            for enc in (int(e) for e in args.encoders.split(",")):
-                cfg = Config(presets=(preset,), store_queue_chunks=args.chunks, rope_theta=shape.rope_theta, store_encoders=enc)
-                times = []
-                cpu0 = cpu_jiffies()
-                for k in range(args.repeats + 1):  # the first warms the GPU codecs
-                    run += 1
-                    times.append(asyncio.run(store_once(store, cfg, ns, buf, f"r{run}")))
-                    if k < args.repeats:
-                        forget(store, times[-1]["names"], preset)
-                cpu = busy_cores(cpu0, cpu_jiffies())
-                last = times[-1]
-                med = {k: statistics.median(t[k] for t in times[1:]) for k in ("copy_s", "write_s", "total_s")}
-                cell = {"preset": preset, "encoders": enc, **{k: round(v, 4) for k, v in med.items()},
-                        "copy_GB_s": round(kv_bytes / med["copy_s"] / 1e9, 2), "write_GB_s": round(kv_bytes / med["write_s"] / 1e9, 2),
-                        "store_GB_s": round(kv_bytes / med["total_s"] / 1e9, 2), "ratio": round(kv_bytes / last["stored_bytes"], 3),
-                        "objects": last["objects"], "cpu_busy_cores": cpu,
-                        "restores_as_direct_encode": check(store, preset, last["names"], buf, T, shape.rope_theta)}
-                forget(store, last["names"], preset)
-                result["cells"].append(cell)
-                print(json.dumps(cell), flush=True)
+        for dest, preset, enc in itertools.product(args.dests.split(","), args.presets.split(","), (int(e) for e in args.encoders.split(","))):
+            cfg = Config(presets=(preset,), store_queue_chunks=args.chunks, rope_theta=shape.rope_theta, store_encoders=enc)
+            times = []
+            cpu0 = cpu_jiffies()
+            for k in range(args.repeats + 1):  # the first warms the GPU codecs
+                run += 1
+                times.append(asyncio.run(store_once(store, cfg, ns, wheres[dest](), f"r{run}")))
+                if k < args.repeats:
+                    forget(store, times[-1]["names"], preset)
+                    del times[-1]["kv"]
+            cpu = busy_cores(cpu0, cpu_jiffies())
+            last = times[-1]
+            med = {k: statistics.median(t[k] for t in times[1:]) for k in ("copy_s", "write_s", "total_s")}
+            cell = {"dest": dest, "preset": preset, "encoders": enc, **{k: round(v, 4) for k, v in med.items()},
+                    "copy_GB_s": round(kv_bytes / med["copy_s"] / 1e9, 2), "write_GB_s": round(kv_bytes / med["write_s"] / 1e9, 2),
+                    "store_GB_s": round(kv_bytes / med["total_s"] / 1e9, 2), "ratio": round(kv_bytes / last["stored_bytes"], 3),
+                    "objects": last["objects"], "cpu_busy_cores": cpu,
+                    "copied_and_restored": check(store, preset, last["names"], buf, last["kv"], T, shape.rope_theta)}
+            forget(store, last["names"], preset)
+            result["cells"].append(cell)
+            print(json.dumps(cell), flush=True)
     print(json.dumps(result))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
