@@ -9,7 +9,8 @@ sort. For ``transform-ans`` and ``balanced-ans`` (the same quantisation, planes 
 
 * encode: ``chunk.encode_chunk`` of chunks already on the GPU (pack, nvCOMP ANS, coded bytes to
   the host, the container), one after another in one thread, and in ``--encode-threads`` threads
-  (a writer with several chunks queued); the pack alone too;
+  (a writer with several chunks queued); the pack alone too; with ``--encode-procs``, in that many
+  processes at once, each encoding its own copy of the chunks (how far processes scale);
 * restore: ``executor.fetch`` of a ``--chunks``-chunk prefix from an in-memory store into a GPU
   KV buffer (verify, nvCOMP decode, the sort undone, the fused unpack), every chunk checked bit
   for bit against its own object's decode; ``raw``'s direct path through the same executor for
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -56,6 +58,37 @@ def encode_rate(kvs: list[torch.Tensor], name: str, threads: int, repeats: int) 
     return sum(k.numel() * 2 for k in kvs) / sec / 1e9, objs
 
 
+def _encode_proc(kvsrc: str, distinct: int, name: str, rounds: int, barrier, out) -> None:
+    """One encode process: its own chunks on the GPU, one warm-up round, then ``rounds`` rounds
+    started together with the other processes; puts (first start, last end, KV bytes)."""
+    kvs, _ = kvsource.gpu_chunks(kvsrc, distinct)
+    T = kvs[0].shape[3]
+    for i, kv in enumerate(kvs):
+        chunk.encode_chunk(kv, name, FP, start=i * T, rope_theta=THETA)
+    torch.cuda.synchronize()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        for i, kv in enumerate(kvs):
+            chunk.encode_chunk(kv, name, FP, start=i * T, rope_theta=THETA)
+    torch.cuda.synchronize()
+    out.put((t0, time.perf_counter(), rounds * sum(k.numel() * 2 for k in kvs)))
+
+
+def encode_procs_rate(kvsrc: str, distinct: int, name: str, procs: int, rounds: int = 4) -> float:
+    """GB/s of KV that ``procs`` processes encode together (each a GIL and a CUDA context of its own,
+    as the sidecar's decode workers restore), from the first start to the last end."""
+    ctx = multiprocessing.get_context("spawn")
+    barrier, out = ctx.Barrier(procs), ctx.Queue()
+    ps = [ctx.Process(target=_encode_proc, args=(kvsrc, distinct, name, rounds, barrier, out)) for _ in range(procs)]
+    for p in ps:
+        p.start()
+    got = [out.get(timeout=600) for _ in ps]
+    for p in ps:
+        p.join()
+    return sum(n for _, _, n in got) / (max(e for _, e, _ in got) - min(s for s, _, _ in got)) / 1e9
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kvsrc", default=".bench/kvsrc.pt")
@@ -63,6 +96,7 @@ def main() -> None:
     ap.add_argument("--distinct", type=int, default=8, help="distinct chunks encoded (and cycled along the restored prefix)")
     ap.add_argument("--chunks", type=int, default=64, help="chunks of the restored prefix (64: 16K tokens, 2.1 GB)")
     ap.add_argument("--encode-threads", type=int, default=4)
+    ap.add_argument("--encode-procs", default="", help="also encode in this many processes at once, comma-separated (e.g. 2,4,8)")
     ap.add_argument("--decode-threads", type=int, default=4)
     ap.add_argument("--window", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
@@ -85,6 +119,8 @@ def main() -> None:
             pack_s, _ = timed(lambda: ([layout.pack(k, lp, i * T) for i, (k, lp) in enumerate(zip(kvs, lps))], torch.cuda.synchronize()),
                               args.repeats)
             row["pack_GB_s"] = kv_bytes / pack_s / 1e9
+            for n in filter(None, args.encode_procs.split(",")):
+                row[f"encode_GB_s_{n}_procs"] = encode_procs_rate(args.kvsrc, args.distinct, name, int(n))
         row["ratio"] = kv_bytes / sum(len(o) for o in objs)
         sec, each = restore(objs, args.chunks, buf, args.decode_threads, args.window, args.repeats, fingerprint=FP)
         row.update(restore_GB_s=buf.numel() * 2 / sec / 1e9, restore_s_each=[round(s, 4) for s in each],
