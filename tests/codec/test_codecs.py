@@ -58,6 +58,15 @@ def test_raw_codec_checks_length():
         RawCodec().decode(data[:-1], tuple(frames.shape))
 
 
+def test_raw_codec_encodes_host_frames_as_a_view_of_their_bytes():
+    """No copy of its own: the container's join is the one copy of a raw chunk (it was two)."""
+    frames = _frames()
+    data = RawCodec().encode(frames, CodecParams(format="raw"))
+    assert isinstance(data, memoryview) and data.nbytes == frames.numel()
+    frames[0, 0, 0, 0] ^= 1  # a view: it sees the frames change
+    assert bytes(data[:1])[0] == int(frames[0, 0, 0, 0])
+
+
 def test_backend_choice_on_this_machine():
     caps = codec.capabilities()
     assert caps["x265"] is True

@@ -61,8 +61,9 @@ class Encoder(Protocol):
     name: str
     format: str
 
-    def encode(self, frames: torch.Tensor, params: CodecParams) -> bytes:
-        """``frames``: uint8 ``[n, planes, H, W]`` (planes 1 or 3) -> one bitstream."""
+    def encode(self, frames: torch.Tensor, params: CodecParams) -> bytes | memoryview:
+        """``frames``: uint8 ``[n, planes, H, W]`` (planes 1 or 3) -> one bitstream (a view is valid
+        while ``frames`` is unchanged: the caller copies it before then)."""
         ...
 
 

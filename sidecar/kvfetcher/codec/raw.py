@@ -11,8 +11,9 @@ class RawCodec:
     name = "raw"
     format = "raw"
 
-    def encode(self, frames: torch.Tensor, params: CodecParams) -> bytes:
-        return frames.to("cpu", torch.uint8).contiguous().numpy().tobytes()
+    def encode(self, frames: torch.Tensor, params: CodecParams) -> memoryview:
+        """The frames' own bytes, a view (host frames: no copy; the container's join is the one copy)."""
+        return memoryview(frames.to("cpu", torch.uint8).contiguous().numpy().reshape(-1))
 
     def decode(self, data: bytes, frame_shape: tuple[int, int, int, int], device: torch.device | str = "cpu") -> torch.Tensor:
         n = 1

@@ -140,14 +140,14 @@ def _side_bytes(side: torch.Tensor | None) -> bytes:
 def build(
     header_fields: dict,
     side: torch.Tensor | None,
-    segments: list[tuple[tuple[int, int], bytes]],
+    segments: list[tuple[tuple[int, int], bytes | memoryview]],
     auth: ObjectMAC | None = None,
 ) -> bytes:
     """Assemble an object from already-coded parts. ``segments``: ``[((f0, f1), bitstream)]``.
     With ``auth`` (the key and the name it will be stored at) the object carries its tags."""
-    blobs: list[bytes] = []
+    blobs: list[bytes | memoryview] = []
 
-    def entry(data: bytes, frames: list[int]) -> dict:
+    def entry(data: bytes | memoryview, frames: list[int]) -> dict:
         offset = sum(len(b) for b in blobs)
         blobs.append(data)
         return {"offset": offset, "length": len(data), "crc32": crc32(data), "frames": frames,
