@@ -105,7 +105,8 @@ class Sidecar:
         self.catalog = Catalog(store, self.index, self.meta_pool, failed=lambda reason: self.metrics.errors.labels(reason).inc())
         self.writer = Writer(store, self.config, self.metrics, self.data_pool, self.meta_pool, stored=self.index.stored)
         self.link = LinkShare(self.config.link_dir)  # the node's fetches, which share its link
-        self.probe = probe.LinkProbe(store, self.data_pool, self.estimator, self.metrics, self.link)  # the link's rate before any fetch
+        self.probe = probe.LinkProbe(store, self.data_pool, self.estimator, self.metrics, self.link,  # the link's rate before any fetch,
+                                     read=self.readers.read_into if self.readers else None, staging=self._staging())  # read as a fetch reads
         self._warming: asyncio.Future | None = None  # the latest registered buffer's warm-up
         self._seal_key = secrets.token_bytes(32)  # plans this process issued carry its seal
         self._object_key = mac.key_from(self.config.object_key)  # None: objects unauthenticated

@@ -58,6 +58,35 @@ async def test_a_recompute_over_an_unmeasured_link_probes_it_once_and_touches_no
         await sc.close()
 
 
+async def test_a_probe_reads_through_the_fetchs_read_path_into_staging(tmp_path, shm):
+    """The rate taught is the one fetches read at: the probe reads with the sidecar's ``read`` (its
+    reader processes where it has them) into staging buffers, not with a plain GET of its own."""
+    from kvfetcher.store import read_into
+
+    sc, bid, _ = await stored_sidecar(tmp_path, shm)
+    try:
+        seen = []
+
+        def read(name, offset, buf):  # the fetch's ranged read (here the store's own), watched
+            seen.append((name, offset, len(buf)))
+            return read_into(sc.objects, name, offset, buf)
+
+        sc.probe.read = read
+        got = sc.objects.get
+        sc.objects.get = lambda *a, **kw: (_ for _ in ()).throw(AssertionError("the probe used a GET of its own"))
+        try:
+            await sc.lookup(bid, TOKENS, RECOMPUTES)
+            await sc.probe.settled()
+        finally:
+            sc.objects.get = got
+        assert seen and all(offset == 0 for _, offset, _ in seen)
+        assert {n for n, _, _ in seen} <= set(sc.objects.list("kv/"))
+        assert sc.estimator.measured(sc.objects.endpoint)
+        assert sc.probe.staging.allocated >= 1  # read into staging buffers (given back)
+    finally:
+        await sc.close()
+
+
 async def test_a_miss_or_a_planned_load_starts_no_probe(tmp_path, shm):
     sc, bid, _ = await stored_sidecar(tmp_path, shm)
     try:

@@ -10,8 +10,10 @@ background (:class:`LinkProbe`), discards them, and teaches the estimator the ra
 time, announced on the node's link as a fetch is (:mod:`~kvfetcher.fetch.linkshare`: the ranks of a
 tensor-parallel group probing at once each learn the whole link); while the rate is fresh no other
 starts, and after one failed the next waits ``every_s``.
-The probe reads in the sidecar's I/O threads, below what a fetch's reader processes draw from a fast
-link: its rate is a floor that real fetches then raise.
+The probe reads as a fetch does (the reader processes where the sidecar has them, else ranged reads
+in its I/O threads, into staging buffers): a slower read path taught a floor that made a 25 Gbit/s
+link look like 6.7 (through vLLM on an H200), under which ``auto`` never loaded, so no fetch ever
+raised it.
 """
 
 from __future__ import annotations
@@ -19,15 +21,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 
 from kvfetcher import keys
 from kvfetcher.errors import Reason
 from kvfetcher.fetch.choice import Estimator
+from kvfetcher.fetch import staging as staging_mod
 from kvfetcher.fetch.linkshare import LinkShare
 from kvfetcher.metrics import Metrics
-from kvfetcher.store import Store, StoreError
+from kvfetcher.store import Store, StoreError, read_into
 
 log = logging.getLogger("kvfetcher.probe")
 
@@ -49,11 +53,16 @@ def objects(chunk_keys: Sequence[str], run: Sequence[Mapping[str, int]], max_byt
 
 
 class LinkProbe:
-    """One sidecar's probe of its link to ``store``, read in ``pool`` and taught to ``estimator`` (the module's doc)."""
+    """One sidecar's probe of its link to ``store``, read in ``pool`` and taught to ``estimator`` (the
+    module's doc). ``read`` and ``staging`` are a fetch's (default: ranged reads of ``store`` in
+    ``pool``, into the process's staging buffers)."""
 
     def __init__(self, store: Store, pool: Executor, estimator: Estimator, metrics: Metrics, link: LinkShare | None = None,
-                 every_s: float = PROBE_EVERY_S):
+                 every_s: float = PROBE_EVERY_S, read: Callable[[str, int, memoryview], int] | None = None,
+                 staging: staging_mod.StagingPool | None = None):
         self.store, self.pool, self.estimator, self.metrics, self.every_s = store, pool, estimator, metrics, every_s
+        self.read = read or functools.partial(read_into, store)
+        self.staging = staging or staging_mod.shared()
         self.link = link or LinkShare(None)  # a probe shares the node's link as a fetch does, and counts as one
         self.task: asyncio.Task | None = None
         self._last = float("-inf")  # when the latest probe started
@@ -68,14 +77,14 @@ class LinkProbe:
         """Read ``names`` (from :func:`objects`) in the background, if :meth:`wanted`."""
         if names and self.wanted():
             self._last, self.probes = time.monotonic(), self.probes + 1
-            self.task = asyncio.get_running_loop().create_task(self._read([n for n, _ in names]))
+            self.task = asyncio.get_running_loop().create_task(self._read(list(names)))
 
-    async def _read(self, names: list[str]) -> None:
+    async def _read(self, names: list[tuple[str, int]]) -> None:
         loop = asyncio.get_running_loop()
         try:
             async with self.link.fetch() as share:
                 t = time.perf_counter()
-                sizes = await asyncio.gather(*(loop.run_in_executor(self.pool, self._size_of, n) for n in names))
+                sizes = await asyncio.gather(*(loop.run_in_executor(self.pool, self._size_of, n, size) for n, size in names))
                 seconds = time.perf_counter() - t
         except StoreError as e:  # (a deleted object too): the next probe, later, reads others
             self.metrics.errors.labels(e.reason).inc()
@@ -90,8 +99,13 @@ class LinkProbe:
         log.info("link to %s probed: %d objects, %.0f MB in %.3f s (%.1f Gbit/s)", ep, len(names),
                  sum(sizes) / 1e6, seconds, sum(sizes) * 8 / seconds / 1e9)
 
-    def _size_of(self, name: str) -> int:
-        return len(self.store.get(name))
+    def _size_of(self, name: str, size: int) -> int:
+        """Read the object as a fetch would, into a staging buffer given back at once; its bytes."""
+        buf = self.staging.take(size, False)
+        try:
+            return self.read(name, 0, memoryview(buf.numpy())[:size])
+        finally:
+            self.staging.give(buf, False)
 
     async def settled(self) -> None:
         """Wait for the running probe, if any."""
