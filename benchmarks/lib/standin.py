@@ -25,9 +25,9 @@ from kvfetcher.format import calibration, presets
 def ensure(fingerprint: str, shape: Sequence[int] | None = None) -> None:
     """Give ``fingerprint``'s model the stand-in calibration unless it has one (local directory);
     with ``shape`` (a chunk's ``[layers, 2, heads, tokens, head_dim]``) one with a random
-    orthogonal basis, replacing a stand-in without one."""
+    orthogonal basis, replacing a stand-in without one (or with one of another shape)."""
     cal = calibration.calibration_for(fingerprint)
-    if cal is not None and (shape is None or cal.basis is not None):
+    if cal is not None and (shape is None or cal.basis is not None and basis.fits(cal.basis, tuple(shape), fingerprint)):
         return
     tag = fingerprint.split("/", 1)[0]
     name = None
