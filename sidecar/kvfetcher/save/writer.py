@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import os
 import threading
@@ -191,7 +192,7 @@ class Writer:
         encoding = asyncio.Semaphore(self.config.store_encoders)
         in_flight = asyncio.Semaphore(2 * self.config.store_encoders)
         failed: list[BaseException] = []
-        tasks: set[asyncio.Task] = set()
+        tasks: list[asyncio.Task] = []
 
         async def one(i: int, parent: str, preset: str) -> None:
             try:
@@ -201,17 +202,13 @@ class Writer:
             finally:
                 in_flight.release()
 
-        usable = self.presets_for(job.ns.model)
         try:
-            for i in range(len(job.keys)):
-                parent = job.keys[i - 1] if i else job.parent  # in every object: the evictor rebuilds the prefix tree from it
-                for preset in usable:
-                    await in_flight.acquire()
-                    if failed:
-                        break
-                    tasks.add(asyncio.create_task(one(i, parent, preset)))
+            for i, preset in itertools.product(range(len(job.keys)), self.presets_for(job.ns.model)):
+                await in_flight.acquire()
                 if failed:
                     break
+                parent = job.keys[i - 1] if i else job.parent  # in every object: the evictor rebuilds the prefix tree from it
+                tasks.append(asyncio.create_task(one(i, parent, preset)))
             await asyncio.gather(*tasks)
         except asyncio.CancelledError:
             for t in tasks:
