@@ -114,8 +114,8 @@ def check(store, preset: str, names: list[str], buf: torch.Tensor, kv: torch.Ten
     direct encode of its chunk restores."""
     if not torch.equal(kv.view(torch.int16), buf.cpu().view(torch.int16)):
         return False
-    for key in names[:: max(1, len(names) // 4)]:
-        i = names.index(key)
+    for i in range(0, len(names), max(1, len(names) // 4)):
+        key = names[i]
         piece = buf[:, :, :, i * T : (i + 1) * T].contiguous()
         want = chunk.decode_chunk(chunk.encode_chunk(piece, preset, FP, start=i * T, rope_theta=theta), FP, device=buf.device)
         got = chunk.decode_chunk(store.get(keys.object_name(key, preset)), FP, device=buf.device)

@@ -212,7 +212,7 @@ class Destination:
 def to_host(src: torch.Tensor, out: torch.Tensor) -> None:
     """Copy ``src`` into the host tensor ``out`` (the same shape); from a GPU through page-locked
     memory (torch's host allocator keeps it for the next piece): the copy engine at full rate, then a
-    host copy, ~7x the rate of a copy into pageable memory on an H200 (``benchmarks/store_rate``)."""
+    host copy, far faster than a copy into pageable memory (``benchmarks/store_rate``)."""
     if src.device.type != "cuda":
         out.copy_(src)
         return

@@ -11,17 +11,16 @@ time, announced on the node's link as a fetch is (:mod:`~kvfetcher.fetch.linksha
 tensor-parallel group probing at once each learn the whole link); while the rate is fresh no other
 starts, and after one failed the next waits ``every_s``.
 The probe reads as a fetch does (the reader processes where the sidecar has them, else ranged reads
-in its I/O threads, into staging buffers): a slower read path taught a floor that made a 25 Gbit/s
-link look like 6.7 (through vLLM on an H200), under which ``auto`` never loaded, so no fetch ever
-raised it.
+in its I/O threads, into staging buffers): a rate from a slower read path is a floor under which
+``auto`` may never load, so that no fetch ever raises it (docs/results.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 

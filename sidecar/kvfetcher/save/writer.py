@@ -55,9 +55,6 @@ def _lower_priority() -> None:
         pass
 
 
-_local = threading.local()
-
-
 def _encode(kv: torch.Tensor, device: str | None, *args, **kw) -> bytes:
     """:func:`encode_chunk` of ``kv`` (a chunk's view of its job's KV), made contiguous and moved to
     ``device`` first (:func:`_to_device`): in an encode thread, since a chunk's copy (tens of MB) on
@@ -66,17 +63,14 @@ def _encode(kv: torch.Tensor, device: str | None, *args, **kw) -> bytes:
 
 
 def _to_device(kv: torch.Tensor, device: str) -> torch.Tensor:
-    """``kv`` on ``device``; from host memory through this thread's page-locked staging buffer (one
-    host copy, then the copy engine at full rate: a pageable tensor would be copied twice)."""
+    """``kv`` on ``device``; from host memory through page-locked memory (torch's host allocator
+    keeps it for the next chunk), as :func:`kvbuffer.to_host` the other way: one host copy, then the
+    copy engine at full rate (a pageable tensor would be copied twice)."""
     if kv.device.type != "cpu":
         return kv.contiguous().to(device)
-    n = kv.numel() * kv.element_size()
-    stage = getattr(_local, "stage", None)
-    if stage is None or stage.numel() < n:
-        stage = _local.stage = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    host = stage[:n].view(kv.dtype).view(kv.shape)
-    host.copy_(kv)
-    return host.to(device)  # (blocking: the staging buffer is free again when it returns)
+    stage = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
+    stage.copy_(kv)
+    return stage.to(device)  # (blocking: the page-locked memory is free again when it returns)
 
 
 @dataclass
