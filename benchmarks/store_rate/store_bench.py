@@ -8,8 +8,8 @@ sets the writer's encode concurrency (``Config.store_encoders``), each value tim
 shape (bf16), synthetic values, or real KV tiled from ``--kvsrc`` (``benchmarks.lib.kvsource``); the
 stand-in calibration has a random orthogonal basis, so the calibrated presets pack through one.
 The objects go to a local directory (``--store local``, on /dev/shm where there is one) or over S3
-to the link server, unpaced (``--store s3``). After each run every object is read back and
-decoded, and must restore the chunk its preset restores from a direct encode. Medians of
+to the link server, unpaced (``--store s3``). After each cell the store's copy must equal the buffer,
+and every few chunks the stored object must restore what a direct encode of the chunk restores. Medians of
 ``--repeats``; prints one JSON line per cell, ``--out`` writes the result.
 
     python -m benchmarks.store_rate.store_bench --presets transform-ans,balanced-ans,raw --out $OUT/store_h200.json
