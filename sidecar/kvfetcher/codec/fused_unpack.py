@@ -38,6 +38,11 @@ BLOCK_TOKENS = 32
 #: warps per program with a basis: 8 leave room in registers for its four [D/2, D/2] blocks (the
 #: measurements: benchmarks/transform/README.md); without one, Triton's default 4
 BASIS_WARPS = 8
+#: how the basis' matrix products are computed (Triton's ``input_precision``): "ieee" float32 FMAs,
+#: "tf32x3" three TF32 tensor-core products (float32's accuracy, about), "tf32" one
+DOT_PRECISION = "ieee"
+#: load the basis' four blocks once per program rather than once per block of tokens
+HOIST_BASIS = False
 
 
 def enabled(frames: torch.Tensor) -> bool:
@@ -79,17 +84,27 @@ if triton is not None:
             v = s.to(tl.float32) * sc[None, :] + lo[None, :]
         return v, carry_e, carry_o
 
+    @triton.jit
+    def _basis_blocks(m, c1, c2, sd, se):
+        """dec^T's four [D/2, D/2] blocks: element (e, d) of dec^T is dec[d, e], at m + d * sd + e * se
+        (``se`` 1 for a row-major dec, ``sd`` 1 for a column-major one: coalesced rows)."""
+        t11 = tl.load(m + c1[None, :] * sd + c1[:, None] * se)
+        t21 = tl.load(m + c1[None, :] * sd + c2[:, None] * se)
+        t12 = tl.load(m + c2[None, :] * sd + c1[:, None] * se)
+        t22 = tl.load(m + c2[None, :] * sd + c2[:, None] * se)
+        return t11, t21, t12, t22
+
     # b0 is 1 in a prefix's first chunk (its exact sink token) and 0 in every other: Triton would
     # specialise on the 1 and compile a second variant inside the first fetch that reaches
     # position 0
     @triton.jit(do_not_specialize=["b0"])
     def _unpack_kernel(
         frames_ptr, lo_ptr, scale_ptr, cos_ptr, sin_ptr, dec_ptr, mean_ptr, sidx_ptr, srows_ptr, out_ptr,
-        H, b0, sparse_step,
+        H, b0, sparse_step, dec_sd, dec_se,
         tiles_per_frame, tiles_per_plane, tile_rows, frame_stride, plane_stride, row_stride,
         o_s0, o_s1, o_s2, o_s3, o_s4,
         T: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, TRELLIS: tl.constexpr, ROPE: tl.constexpr, BASIS: tl.constexpr,
-        KS: tl.constexpr,
+        KS: tl.constexpr, PRECISION: tl.constexpr, HOIST: tl.constexpr,
     ):
         pid = tl.program_id(0)  # (layer * 2 + k|v) * H + head
         h = pid % H
@@ -111,6 +126,8 @@ if triton is not None:
         co2 = tl.zeros([HALF], dtype=tl.int32)
         # 64-bit: a 70B model's buffer holds more than 2**31 values (layer * its stride overflows 32 bits)
         out = out_ptr + layer.to(tl.int64) * o_s0 + kv.to(tl.int64) * o_s1 + h.to(tl.int64) * o_s2
+        if BASIS and HOIST:
+            t11, t21, t12, t22 = _basis_blocks(dec_ptr + pid * D * D, c1, c2, dec_sd, dec_se)
         for t0 in range(0, T, BT):
             rows = t0 + tl.arange(0, BT)
             live = (rows < T)[:, None]
@@ -129,14 +146,10 @@ if triton is not None:
             if BASIS:  # values = dec @ (x + mean), per token; dec's halves as four [D/2, D/2] blocks
                 y1 = x1 + tl.load(mean_ptr + pid * D + c1)[None, :]
                 y2 = x2 + tl.load(mean_ptr + pid * D + c2)[None, :]
-                m = dec_ptr + pid * D * D
-                # dec^T[e, d] = dec[d, e]: element (e, d) of a block at m + d * D + e
-                t11 = tl.load(m + c1[None, :] * D + c1[:, None])
-                t21 = tl.load(m + c1[None, :] * D + c2[:, None])
-                t12 = tl.load(m + c2[None, :] * D + c1[:, None])
-                t22 = tl.load(m + c2[None, :] * D + c2[:, None])
-                x1 = tl.dot(y1, t11, input_precision="ieee") + tl.dot(y2, t21, input_precision="ieee")
-                x2 = tl.dot(y1, t12, input_precision="ieee") + tl.dot(y2, t22, input_precision="ieee")
+                if not HOIST:
+                    t11, t21, t12, t22 = _basis_blocks(dec_ptr + pid * D * D, c1, c2, dec_sd, dec_se)
+                x1 = tl.dot(y1, t11, input_precision=PRECISION) + tl.dot(y2, t21, input_precision=PRECISION)
+                x2 = tl.dot(y1, t12, input_precision=PRECISION) + tl.dot(y2, t22, input_precision=PRECISION)
             if ROPE:
                 if kv == 0:  # keys were quantised before RoPE: rotate the pairs (d, d + D/2)
                     cs = cos_ptr + rows[:, None] * D
@@ -179,6 +192,8 @@ def unpack_into(
     # rather than allocating (and launching a fill for) placeholders on every chunk
     cos, sin = rope_cs if rope_cs is not None else (lo, lo)
     dec, mean = basis if basis is not None else (lo, lo)
+    if not (dec.is_contiguous() or dec.mT.is_contiguous()):  # each matrix at pid * D * D, either major order
+        dec = dec.contiguous()
     if sparse is not None:
         sidx, srows, step = sparse[0].to(torch.int32).contiguous(), sparse[1].contiguous(), float(sparse[2])
         ks = sidx.shape[-1]
@@ -187,12 +202,12 @@ def unpack_into(
     # Triton launches on the current device: make it the buffer's (cuda:1 in a rank-1 worker)
     with torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext():
         _unpack_kernel[(layers * 2 * heads,)](
-            f, lo, scale.contiguous(), cos.contiguous(), sin.contiguous(), dec.contiguous(), mean.contiguous(),
+            f, lo, scale.contiguous(), cos.contiguous(), sin.contiguous(), dec, mean.contiguous(),
             sidx, srows, out,
-            heads, b0, step,
+            heads, b0, step, dec.stride(-2), dec.stride(-1),
             geo.tiles_per_frame, geo.tiles_per_plane, geo.tile_rows, f.stride(0), f.stride(1), f.stride(2),
             *out.stride(),
             T=tokens, D=head_dim, BT=BLOCK_TOKENS, TRELLIS=trellis, ROPE=rope_cs is not None, BASIS=basis is not None, KS=ks,
-            num_warps=BASIS_WARPS if basis is not None else 4,
+            PRECISION=DOT_PRECISION, HOIST=HOIST_BASIS, num_warps=BASIS_WARPS if basis is not None else 4,
         )
     return out
