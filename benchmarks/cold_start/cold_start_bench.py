@@ -64,7 +64,7 @@ def device_tag(name: str) -> str:
 def store_prefix(directory: Path, shape: ModelShape, presets: list[str], chunks: int, chunk_tokens: int) -> list[int]:
     """Write a prefix of ``chunks`` chunks in every preset under the keys a sidecar looks up; its tokens."""
     tokens = list(range(1000, 1000 + chunks * chunk_tokens))
-    ns = keys.Namespace(model=fetchkit.FINGERPRINT, dtype="bfloat16")
+    ns = keys.Namespace(model=fetchkit.FINGERPRINT, dtype="bfloat16", shape=(shape.layers, shape.kv_heads, shape.head_dim))
     store = LocalStore(directory)
     for p in presets:
         objs = fetchkit.encode_objects(shape, p, chunk_tokens, distinct=2, workers=2)
@@ -84,7 +84,7 @@ def one_round(a, mode: str, store_dir: Path, tokens: list[int], buf: ipc.SharedB
     """Start a sidecar, register ``buf``, wait, fetch the prefix twice; seconds and learnt decode rates."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "sidecar"), os.environ.get("PYTHONPATH", "")]),
-               KVFETCHER_STORE_DIR=str(store_dir), KVFETCHER_AUTH_TOKEN=TOKEN, KVFETCHER_PRESET=",".join(a.presets),
+               KVFETCHER_STORE_DIR=str(store_dir), KVFETCHER_AUTH_TOKEN=TOKEN, KVFETCHER_PRESET=",".join(a.writes),
                KVFETCHER_CHUNK_TOKENS=str(a.chunk_tokens), KVFETCHER_DECODE_PROCS=str(a.procs),
                KVFETCHER_ROPE_THETA=str(a.shape.rope_theta), KVFETCHER_WARM_UP=MODES[mode])
     for k in ("KVFETCHER_S3_ENDPOINT", "KVFETCHER_ALLOWED_PRESETS", "KVFETCHER_TENANT", "KVFETCHER_POOL"):
@@ -92,8 +92,11 @@ def one_round(a, mode: str, store_dir: Path, tokens: list[int], buf: ipc.SharedB
     if a.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # the sidecar and its workers then decode on CPU, as the buffer is
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "kvfetcher.cli", "serve", "--host", "127.0.0.1", "--port", str(port)], env=env)
-    c = KVClient(f"http://127.0.0.1:{port}", token=TOKEN, timeout_s=600)
+    # the Unix socket: a host-memory buffer registers only there (its fd is passed), a CUDA one either way
+    sock = str(store_dir.parent / f"cold-start-{port}.sock")
+    proc = subprocess.Popen([sys.executable, "-m", "kvfetcher.cli", "serve", "--host", "127.0.0.1", "--port", str(port), "--socket", sock],
+                            env=env)
+    c = KVClient(socket_path=sock, timeout_s=600)
     try:
         while True:
             try:
@@ -153,7 +156,8 @@ def report(res: dict) -> str:
             f"Produced by `benchmarks/cold_start/cold_start_bench.py` (`{res['command']}`): {res['starts']} fresh `kvfetcher serve` processes per mode, "
             f"modes alternating, medians. {res['procs']} decode worker processes; a prefix of {res['chunks']} chunks x "
             f"{res['chunk_tokens']} tokens of synthetic bf16 KV shaped {res['shape']} (layers, KV heads, head dim), stored as "
-            f"{'/'.join(res['presets'])}, fetched as `{res['preset']}` from a local directory; the buffer registered "
+            f"{'/'.join(res['presets'])}, fetched as `{res['preset']}` from a local directory by a sidecar writing "
+            f"{'/'.join(res.get('writes', res['presets']))}; the buffer registered "
             f"{res['gap_s']:g} s before the first fetch. `cold`: `KVFETCHER_WARM_UP=0` (before this change); `warm`: the default "
             "(tiny chunks of each stored preset restored in every worker at start; at registration the buffer mapped and, in "
             "the background, one chunk of the model's own geometry per preset restored in every worker). "
@@ -179,6 +183,8 @@ def main() -> None:
     ap.add_argument("--shape", default=None, help="layers,kv_heads,head_dim (default: 32,8,128 on cuda, Llama-3-8B; 8,8,128 on cpu)")
     ap.add_argument("--presets", default="q8,balanced", help="stored presets: every worker warms each")
     ap.add_argument("--preset", default="balanced", help="the preset fetched")
+    ap.add_argument("--writes", default=None, help="the presets the sidecar writes (default: the stored --presets); "
+                    "e.g. raw, so that what it fetches was stored by another writer")
     ap.add_argument("--chunks", type=int, default=None, help="chunks in the prefix (default: 2 per worker)")
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--starts", type=int, default=3, help="fresh sidecar starts per mode")
@@ -193,6 +199,7 @@ def main() -> None:
     L, H, D = (int(x) for x in (a.shape or ("32,8,128" if a.device == "cuda" else "8,8,128")).split(","))
     a.shape = ModelShape(f"{L},{H},{D}", L, 0, 0, H, D, 0, 0)
     a.presets = a.presets.split(",")
+    a.writes = a.writes.split(",") if a.writes else a.presets
     a.chunks = a.chunks or 2 * a.procs
     if a.preset not in a.presets:
         ap.error(f"--preset {a.preset} must be one of the stored --presets")
@@ -201,7 +208,7 @@ def main() -> None:
     tag = device_tag(name)
     res = {"device": name, "date": datetime.date.today().isoformat(),
            "torch": torch.__version__, "command": command, "procs": a.procs, "shape": a.shape.name, "presets": a.presets,
-           "preset": a.preset, "chunks": a.chunks, "chunk_tokens": a.chunk_tokens, "starts": a.starts, "gap_s": a.gap_s, "rounds": []}
+           "writes": a.writes, "preset": a.preset, "chunks": a.chunks, "chunk_tokens": a.chunk_tokens, "starts": a.starts, "gap_s": a.gap_s, "rounds": []}
     out = Path(a.out_dir) / f"result_{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     res["json"] = out.name

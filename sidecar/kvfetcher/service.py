@@ -152,6 +152,12 @@ class Sidecar:
     def _served_presets(self) -> tuple[str, ...]:
         return self.config.allowed_presets or self.config.presets
 
+    def _coded_presets(self, model: str) -> list[str]:
+        """The presets a fetch for ``model`` may choose that a decoder restores (not the direct
+        path): what a lookup allows (``allowed_presets``, unset: every preset, whatever this sidecar
+        writes), less those the model may not use and those this reader cannot decode."""
+        return [p for p in usable(self.config.allowed_presets or PRESETS, model) if not PRESETS[p].direct and p in FORMATS]
+
     def warm_buffer(self, buf: Buffer) -> None:
         """What a first fetch into ``buf`` would otherwise set up on its path: staging buffers for
         the direct path's raw chunks (a fetch's window of them; pinned for a GPU buffer), then the
@@ -173,17 +179,23 @@ class Sidecar:
         """Without decode workers, restore a chunk of ``buf``'s geometry of every coded preset it may
         fetch in this process (into scratch): the first fetch then finds the GPU decoders and the
         fused unpack compiled (seconds of kernel compilation otherwise). Best effort, blocking."""
-        names = [p for p in usable(self._served_presets(), buf.ns.model) if not PRESETS[p].direct and p in FORMATS]
-        L, H, D = buf.ns.shape
+        names = self._coded_presets(buf.ns.model)
         t = time.perf_counter()
         for p in names:
             try:
-                restore_here(warmup_object(p, (L, H, self.config.chunk_tokens, D), buf.tensor.dtype, buf.ns.model), buf.tensor.device)
+                restore_here(self._warmup_chunk(p, buf), buf.tensor.device)
             except Exception:  # noqa: BLE001 — the first fetch of it sets up instead
                 log.exception("warm-up of %s in this process failed", p)
                 self.metrics.errors.labels(Reason.WARM_UP).inc()
         if names:
             self.metrics.warm_up_seconds.set(time.perf_counter() - t)
+
+    def _warmup_chunk(self, preset: str, buf: Buffer | None) -> bytes:
+        """A stored chunk of ``preset`` to warm decoders with: of ``buf``'s model and geometry, or tiny."""
+        if buf is None:
+            return warmup_object(preset)
+        L, H, D = buf.ns.shape
+        return warmup_object(preset, (L, H, self.config.chunk_tokens, D), buf.tensor.dtype, buf.ns.model)
 
     def warm_workers(self, buf: Buffer | None = None) -> None:
         """Restore a chunk of every preset this sidecar may fetch in each decode worker, so that the
@@ -192,19 +204,23 @@ class Sidecar:
         decoders and the fused unpack are per geometry), on that buffer's device. Best effort:
         failures are logged and counted, and the sidecar serves anyway. Blocking."""
         assert self.workers is not None
-        names = [p for p in self._served_presets() if not PRESETS[p].direct]  # direct chunks need no worker
-        if buf is not None:  # only what its model may use (not a preset needing a calibration it lacks)
-            names = list(usable(names, buf.ns.model))
-        if not names:
+        if buf is None:  # at start: what this sidecar serves (direct chunks need no worker)
+            names = [p for p in self._served_presets() if not PRESETS[p].direct]
+        else:  # every preset a fetch into it may choose, not only those this sidecar writes
+            names = self._coded_presets(buf.ns.model)
+        objects = {}
+        for p in names:  # one that cannot be made here is left to its first fetch
+            try:
+                objects[p] = self._warmup_chunk(p, buf)
+            except Exception:  # noqa: BLE001
+                log.exception("warm-up chunk of %s could not be made", p)
+                self.metrics.errors.labels(Reason.WARM_UP).inc()
+        if not objects:
             return
+        names = list(objects)
         try:
-            if buf is None:
-                objects = [warmup_object(p) for p in names]
-            else:
-                L, H, D = buf.ns.shape
-                objects = [warmup_object(p, (L, H, self.config.chunk_tokens, D), buf.tensor.dtype, buf.ns.model) for p in names]
             device = self.config.device if buf is None else str(buf.tensor.device)
-            w = self.workers.warm(device, objects)
+            w = self.workers.warm(device, list(objects.values()))
         except Exception:
             log.exception("decode worker warm-up failed")
             self.metrics.errors.labels(Reason.WARM_UP).inc()

@@ -275,6 +275,27 @@ async def test_a_sidecar_warms_its_workers_and_maps_a_buffer_when_it_is_register
         assert r.loaded_tokens == 64 and "exact" in sc.estimator.rates(sc.objects.endpoint).decode_Bps
 
 
+@pytest.mark.parametrize("allowed, expected", [(None, {"exact", "q8", "lean", "q8-zstd"}), (("raw", "q8"), {"q8"})])
+async def test_a_registration_warms_every_preset_a_fetch_may_choose_not_only_those_written(tmp_path, shared, monkeypatch, allowed, expected):
+    """A sidecar that writes raw still fetches what other writers stored (any preset a lookup allows):
+    its workers meet those at registration, not on a first fetch (the nineteenth vLLM run: 8 cold
+    workers, a load queued 2.3 s). Here on a CPU: the coded presets model "m" may use without a calibration."""
+    kv = synthetic_kv(layers=2, heads=2, tokens=64, head_dim=32)
+    async with running(LocalStore(tmp_path), chunk_tokens=32, presets=("raw",), allowed_presets=allowed, decode_procs=1,
+                       device="cpu") as sc:
+        warmed = []
+        real = sc.workers.warm
+        monkeypatch.setattr(sc.workers, "warm", lambda device, objects: (warmed.extend(objects), real(device, objects))[1])
+        buf = shared(kv)
+        sc.register(buf.handle, "m")
+        await sc.warmed()
+        got = [container.parse_header(o) for o in warmed]
+        assert {h.preset for h in got} == expected
+        assert all(h.shape == (2, 2, 2, 32, 32) for h in got)  # the model's geometry, a chunk's tokens
+        assert sc.metrics.registry.get_sample_value("kvfetcher_errors_total", {"reason": "warm_up"}) is None
+        buf.close()
+
+
 async def test_a_gpu_sidecar_touches_no_gpu_before_a_model_registers_one(tmp_path):
     async with running(LocalStore(tmp_path), chunk_tokens=32, presets=("exact",), decode_procs=1, device="cuda") as sc:
         # a warm-up at start would have opened a GPU of the sidecar's choosing (and failed here on a CPU)
