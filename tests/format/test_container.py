@@ -296,3 +296,18 @@ def test_part_checksums_are_zlibs_crc32_by_isal_on_shared_memory_and_a_changed_b
     with pytest.raises(container.CorruptError, match="checksum"):
         container.check(seg, mem)
     arena.close()
+
+
+@pytest.mark.parametrize("big", [False, True])
+def test_an_object_is_joined_as_bytes_join_would_below_and_above_the_gil_free_size(big):
+    """A large object's parts are copied outside the GIL into a new bytes object: the same bytes."""
+    import numpy as np
+
+    n = container.GIL_FREE_JOIN + 12345 if big else 1000
+    parts = [b"KVFC", b"", memoryview(np.arange(n, dtype=np.uint8)), memoryview(torch.arange(64, dtype=torch.float16).numpy()), bytes(range(7))]
+    out = container._join(parts)
+    assert type(out) is bytes and out == b"".join(parts)
+    if big:  # a raw chunk's object of that size takes this path, and reads back
+        kv = synthetic_kv(layers=2, heads=2, tokens=1100, head_dim=64, seed=9)
+        obj = encode_chunk(kv, "raw", "m")
+        assert len(obj) >= container.GIL_FREE_JOIN and torch.equal(decode_chunk(obj, "m"), kv)

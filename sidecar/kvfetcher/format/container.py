@@ -32,6 +32,7 @@ Parsing is strict: anything corrupt, truncated, foreign or from a future version
 
 from __future__ import annotations
 
+import ctypes
 import json
 import struct
 from dataclasses import dataclass, field
@@ -161,7 +162,35 @@ def build(
     flags = FLAG_AUTHENTICATED if auth else 0
     tag = auth.header(_TAGGED.pack(MAGIC, FORMAT_VERSION, flags, len(hb)), hb) if auth else bytes(TAG_SIZE)
     prefix = PREFIX.pack(MAGIC, FORMAT_VERSION, flags, len(hb), crc32(tag + hb), tag)
-    return b"".join([prefix, hb, *blobs])
+    return _join([prefix, hb, *blobs])
+
+
+#: where a bytes object's data starts (CPython's ``PyBytesObject.ob_sval``)
+_BYTES_DATA = bytes.__basicsize__ - 1
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.restype, _new_bytes.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_ssize_t)
+#: objects at least this large are joined outside the GIL
+GIL_FREE_JOIN = 1 << 20
+
+
+def _join(parts: list[bytes | memoryview]) -> bytes:
+    """``b"".join(parts)``, a large result's bytes copied outside the GIL.
+
+    ``bytes.join`` holds the GIL while it copies: for a chunk's object of tens of MB that is
+    milliseconds in which the sidecar's event loop answers no lookup (docs/results.md, "lookups
+    while storing"). Here the object is made uninitialised and numpy fills it, releasing the GIL;
+    no one else holds the object until it is returned."""
+    n = sum(memoryview(p).nbytes for p in parts)
+    if n < GIL_FREE_JOIN:
+        return b"".join(parts)
+    out = _new_bytes(None, n)
+    dst = np.frombuffer((ctypes.c_char * n).from_address(id(out) + _BYTES_DATA), np.uint8)
+    at = 0
+    for p in parts:
+        src = np.frombuffer(p, np.uint8)
+        dst[at : at + src.size] = src
+        at += src.size
+    return out
 
 
 def header_length(prefix: bytes) -> int:
