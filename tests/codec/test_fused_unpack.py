@@ -163,3 +163,15 @@ def test_a_prefixs_first_chunk_reuses_the_compiled_kernel(monkeypatch):
 
     n = unpack(later, 40)
     assert n >= 1 and unpack(sink, 0) == n, "the first chunk compiled a kernel of its own"
+
+
+@pytest.mark.gpu
+@needs_triton
+def test_the_kernel_gives_the_same_values_from_a_column_major_basis_and_hoisted_loads(monkeypatch):
+    """``unpack_into`` takes the basis' inverse in either major order (``benchmarks/transform/unpack_variants.py``
+    times both), and loading its blocks once per program changes no value."""
+    ref = compare("cuda", (torch.float16,))
+    row_major = basis.on_device
+    monkeypatch.setattr(basis, "on_device", lambda n, d: (lambda e, dec, m: (e, dec.mT.contiguous().mT, m))(*row_major(n, d)))
+    monkeypatch.setattr(fused_unpack, "HOIST_BASIS", True)
+    assert compare("cuda", (torch.float16,)) == ref

@@ -100,11 +100,11 @@ if triton is not None:
     @triton.jit(do_not_specialize=["b0"])
     def _unpack_kernel(
         frames_ptr, lo_ptr, scale_ptr, cos_ptr, sin_ptr, dec_ptr, mean_ptr, sidx_ptr, srows_ptr, out_ptr,
-        H, b0, sparse_step, dec_sd, dec_se,
+        H, b0, sparse_step,
         tiles_per_frame, tiles_per_plane, tile_rows, frame_stride, plane_stride, row_stride,
         o_s0, o_s1, o_s2, o_s3, o_s4,
         T: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, TRELLIS: tl.constexpr, ROPE: tl.constexpr, BASIS: tl.constexpr,
-        KS: tl.constexpr, PRECISION: tl.constexpr, HOIST: tl.constexpr,
+        KS: tl.constexpr, PRECISION: tl.constexpr, HOIST: tl.constexpr, DEC_SD: tl.constexpr, DEC_SE: tl.constexpr,
     ):
         pid = tl.program_id(0)  # (layer * 2 + k|v) * H + head
         h = pid % H
@@ -127,7 +127,7 @@ if triton is not None:
         # 64-bit: a 70B model's buffer holds more than 2**31 values (layer * its stride overflows 32 bits)
         out = out_ptr + layer.to(tl.int64) * o_s0 + kv.to(tl.int64) * o_s1 + h.to(tl.int64) * o_s2
         if BASIS and HOIST:
-            t11, t21, t12, t22 = _basis_blocks(dec_ptr + pid * D * D, c1, c2, dec_sd, dec_se)
+            t11, t21, t12, t22 = _basis_blocks(dec_ptr + pid * D * D, c1, c2, DEC_SD, DEC_SE)
         for t0 in range(0, T, BT):
             rows = t0 + tl.arange(0, BT)
             live = (rows < T)[:, None]
@@ -147,7 +147,7 @@ if triton is not None:
                 y1 = x1 + tl.load(mean_ptr + pid * D + c1)[None, :]
                 y2 = x2 + tl.load(mean_ptr + pid * D + c2)[None, :]
                 if not HOIST:
-                    t11, t21, t12, t22 = _basis_blocks(dec_ptr + pid * D * D, c1, c2, dec_sd, dec_se)
+                    t11, t21, t12, t22 = _basis_blocks(dec_ptr + pid * D * D, c1, c2, DEC_SD, DEC_SE)
                 x1 = tl.dot(y1, t11, input_precision=PRECISION) + tl.dot(y2, t21, input_precision=PRECISION)
                 x2 = tl.dot(y1, t12, input_precision=PRECISION) + tl.dot(y2, t22, input_precision=PRECISION)
             if ROPE:
@@ -204,10 +204,10 @@ def unpack_into(
         _unpack_kernel[(layers * 2 * heads,)](
             f, lo, scale.contiguous(), cos.contiguous(), sin.contiguous(), dec, mean.contiguous(),
             sidx, srows, out,
-            heads, b0, step, dec.stride(-2), dec.stride(-1),
+            heads, b0, step,
             geo.tiles_per_frame, geo.tiles_per_plane, geo.tile_rows, f.stride(0), f.stride(1), f.stride(2),
             *out.stride(),
             T=tokens, D=head_dim, BT=BLOCK_TOKENS, TRELLIS=trellis, ROPE=rope_cs is not None, BASIS=basis is not None, KS=ks,
-            PRECISION=DOT_PRECISION, HOIST=HOIST_BASIS, num_warps=BASIS_WARPS if basis is not None else 4,
+            PRECISION=DOT_PRECISION, HOIST=HOIST_BASIS, DEC_SD=dec.stride(-2), DEC_SE=dec.stride(-1), num_warps=BASIS_WARPS if basis is not None else 4,
         )
     return out
