@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from kvfetcher import ipc, keys, kvbuffer
+from kvfetcher.codec import basis as kvbasis
 from kvfetcher.config import Config
 from kvfetcher.errors import Reason, RequestError
 from kvfetcher.fetch import choice, executor, probe, staging
@@ -41,7 +42,7 @@ from kvfetcher.fetch.plan import FORMATS, Catalog, Costs, EngineDecode, EngineDe
 from kvfetcher.fetch.prefill import PrefillModel
 from kvfetcher.fetch.workers import DecodeWorkers, restore_here, warmup_object
 from kvfetcher.format import mac
-from kvfetcher.format.presets import PRESETS, usable
+from kvfetcher.format.presets import PRESETS, usable, get as preset_of
 from kvfetcher.kvbuffer import Destination, ObjectArena, PagedKV
 from kvfetcher.metrics import Metrics
 from kvfetcher.save.writer import Job, Writer
@@ -152,11 +153,19 @@ class Sidecar:
     def _served_presets(self) -> tuple[str, ...]:
         return self.config.allowed_presets or self.config.presets
 
-    def _coded_presets(self, model: str) -> list[str]:
-        """The presets a fetch for ``model`` may choose that a decoder restores (not the direct
-        path): what a lookup allows (``allowed_presets``, unset: every preset, whatever this sidecar
-        writes), less those the model may not use and those this reader cannot decode."""
-        return [p for p in usable(self.config.allowed_presets or PRESETS, model) if not PRESETS[p].direct and p in FORMATS]
+    def _coded_presets(self, ns: keys.Namespace) -> list[str]:
+        """The presets a fetch into a buffer of ``ns`` may choose that a decoder restores (not the
+        direct path): what a lookup allows (``allowed_presets``, unset: every preset, whatever this
+        sidecar writes), less those this reader cannot decode and those the model cannot use here
+        (a calibration it lacks; a basis of another shape, e.g. a tensor-parallel rank's heads)."""
+        L, H, D = ns.shape
+        chunk = (L, 2, H, self.config.chunk_tokens, D)
+
+        def fits(p: str) -> bool:
+            b = preset_of(p, ns.model).layout.basis
+            return b is None or kvbasis.fits(b, chunk, ns.model)
+
+        return [p for p in usable(self.config.allowed_presets or PRESETS, ns.model) if not PRESETS[p].direct and p in FORMATS and fits(p)]
 
     def warm_buffer(self, buf: Buffer) -> None:
         """What a first fetch into ``buf`` would otherwise set up on its path: staging buffers for
@@ -179,7 +188,7 @@ class Sidecar:
         """Without decode workers, restore a chunk of ``buf``'s geometry of every coded preset it may
         fetch in this process (into scratch): the first fetch then finds the GPU decoders and the
         fused unpack compiled (seconds of kernel compilation otherwise). Best effort, blocking."""
-        names = self._coded_presets(buf.ns.model)
+        names = self._coded_presets(buf.ns)
         t = time.perf_counter()
         for p in names:
             try:
@@ -207,7 +216,7 @@ class Sidecar:
         if buf is None:  # at start: what this sidecar serves (direct chunks need no worker)
             names = [p for p in self._served_presets() if not PRESETS[p].direct]
         else:  # every preset a fetch into it may choose, not only those this sidecar writes
-            names = self._coded_presets(buf.ns.model)
+            names = self._coded_presets(buf.ns)
         objects = {}
         for p in names:  # one that cannot be made here is left to its first fetch
             try:

@@ -296,6 +296,24 @@ async def test_a_registration_warms_every_preset_a_fetch_may_choose_not_only_tho
         buf.close()
 
 
+def test_a_registration_warms_no_preset_whose_basis_is_not_of_the_buffer_s_shape(tmp_path):
+    """A tensor-parallel rank's buffer holds some of the model's KV heads: the model's basis (of
+    all its heads) cannot code them, so no fetch into it chooses those presets and none is warmed."""
+    from kvfetcher import keys
+    from kvfetcher.config import Config
+    from kvfetcher.format import presets
+    from kvfetcher.service import Sidecar
+
+    model = "smollm2-135m-instruct-q4_1/float32"  # the shipped calibration's model
+    L, H, D = basis.load(presets.get("balanced").layout.basis).shape
+    sc = Sidecar(LocalStore(tmp_path), Config(chunk_tokens=32, presets=("raw",), decode_procs=0, read_procs=0))
+    whole = sc._coded_presets(keys.Namespace(model, "float16", shape=(L, H, D)))
+    rank = sc._coded_presets(keys.Namespace(model, "float16", shape=(L, 1, D)))
+    with_basis = {p for p in whole if presets.get(p, model).layout.basis is not None}
+    assert "balanced" in with_basis and "q8" in whole
+    assert set(rank) == set(whole) - with_basis
+
+
 async def test_a_gpu_sidecar_touches_no_gpu_before_a_model_registers_one(tmp_path):
     async with running(LocalStore(tmp_path), chunk_tokens=32, presets=("exact",), decode_procs=1, device="cuda") as sc:
         # a warm-up at start would have opened a GPU of the sidecar's choosing (and failed here on a CPU)
