@@ -18,7 +18,7 @@ lookup times, p50 / p90 / p99 per mode, medians over rounds.
 First, in this process: how late a thread's 1 ms sleeps wake while another thread joins a
 chunk-sized object (``--layers``' chunk) 50 times, with ``bytes.join`` and with the container's join.
 
-    python -m benchmarks.store_rate.lookup_bench --rounds 3 --out benchmarks/store_rate/lookup_cpu.json
+    python -m benchmarks.lookup.under_saves --rounds 3 --seconds 15 --out benchmarks/lookup/under_saves_cpu.json
 """
 
 from __future__ import annotations
