@@ -169,6 +169,10 @@ def build(
 _BYTES_DATA = bytes.__basicsize__ - 1
 _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
 _new_bytes.restype, _new_bytes.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_ssize_t)
+# a writable memoryview of memory at an address (no ctypes array type per size: ctypes keeps those forever)
+_memory = ctypes.pythonapi.PyMemoryView_FromMemory
+_memory.restype, _memory.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+_PYBUF_WRITE = 0x200
 #: objects at least this large are joined outside the GIL
 GIL_FREE_JOIN = 1 << 20
 
@@ -184,7 +188,7 @@ def _join(parts: list[bytes | memoryview]) -> bytes:
     if n < GIL_FREE_JOIN:
         return b"".join(parts)
     out = _new_bytes(None, n)
-    dst = np.frombuffer((ctypes.c_char * n).from_address(id(out) + _BYTES_DATA), np.uint8)
+    dst = np.frombuffer(_memory(id(out) + _BYTES_DATA, n, _PYBUF_WRITE), np.uint8)
     at = 0
     for p in parts:
         src = np.frombuffer(p, np.uint8)
