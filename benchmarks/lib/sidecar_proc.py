@@ -15,18 +15,21 @@ from kvfetcher.api.client import KVClient
 
 class SidecarProcess:
     """``kvfetcher serve --socket PATH`` (no TCP) with ``env`` added to this process' environment
-    (``KVFETCHER_*`` settings: store, presets, chunk size); :meth:`start` returns once it answers."""
+    (``KVFETCHER_*`` settings: store, presets, chunk size); :meth:`start` returns once it answers.
+    ``setup``: Python statements the sidecar's process runs first (a benchmark's variant of the library)."""
 
-    def __init__(self, socket: str | Path, log: str | Path | None = None, **env: str):
+    def __init__(self, socket: str | Path, log: str | Path | None = None, setup: str = "", **env: str):
         self.socket = str(socket)
         self.env = dict(os.environ, **env)
         self.log = log
+        self.setup = setup
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 60) -> "SidecarProcess":
         out = open(self.log, "a") if self.log else subprocess.DEVNULL
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvfetcher.cli", "serve", "--port", "-1", "--socket", self.socket],
-                                     env=self.env, stdout=out, stderr=subprocess.STDOUT)
+        args = ["serve", "--port", "-1", "--socket", self.socket]
+        cmd = ["-c", f"{self.setup}\nimport sys\nfrom kvfetcher.cli import main\nsys.exit(main({args!r}))"] if self.setup else ["-m", "kvfetcher.cli", *args]
+        self.proc = subprocess.Popen([sys.executable, *cmd], env=self.env, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             if self.proc.poll() is not None:

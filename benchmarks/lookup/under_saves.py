@@ -27,8 +27,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -36,46 +34,28 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.lib.sidecar_proc import SidecarProcess
 from kvfetcher import ipc
-from kvfetcher.api.client import KVClient
 from kvfetcher.fetch.plan import FetchOptions
 
 TOKENS, HEADS, HEAD_DIM, CHUNK = 16384, 8, 128, 256
-MODES = {"idle": "", "saves": "", "saves-gil-join": "from kvfetcher.format import container; container.GIL_FREE_JOIN = 1 << 62; "}
-
-
-def _serve(d: str, mode: str) -> tuple[subprocess.Popen, str]:
-    sock = f"{d}/sidecar.sock"
-    env = dict(os.environ, KVFETCHER_STORE_DIR=f"{d}/store", KVFETCHER_PRESET="raw", KVFETCHER_CHUNK_TOKENS=str(CHUNK))
-    code = f"import sys; {MODES[mode]}from kvfetcher.cli import main; sys.exit(main(['serve', '--port', '-1', '--socket', {sock!r}]))"
-    return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), sock
-
-
-def _ready(sock: str) -> KVClient:
-    c, t0 = KVClient(socket_path=sock, timeout_s=60), time.monotonic()
-    while True:
-        try:
-            c.metrics()
-            return c
-        except OSError:
-            if time.monotonic() - t0 > 120:
-                raise RuntimeError("the sidecar did not start") from None
-            time.sleep(0.05)
+MODES = {"idle": "", "saves": "", "saves-gil-join": "from kvfetcher.format import container; container.GIL_FREE_JOIN = 1 << 62"}
 
 
 def one_round(mode: str, layers: int, seconds: float) -> dict:
     """One fresh sidecar: lookups for ``seconds``, beside a store a second unless ``idle``."""
     with tempfile.TemporaryDirectory(prefix="lookup-bench-") as d:
-        proc, sock = _serve(d, mode)
+        sc = SidecarProcess(f"{d}/sidecar.sock", setup=MODES[mode], KVFETCHER_STORE_DIR=f"{d}/store", KVFETCHER_PRESET="raw",
+                            KVFETCHER_CHUNK_TOKENS=str(CHUNK))
         try:
-            c = _ready(sock)
+            c = sc.start(120).client()
             buf = ipc.allocate((layers, 2, HEADS, TOKENS, HEAD_DIM), torch.bfloat16, "cpu")
             buf.tensor.normal_()
             bid = c.register(buf.handle, "lookup-bench")
             stop, stored = threading.Event(), []
 
             def saves() -> None:
-                s = KVClient(socket_path=sock, timeout_s=60)
+                s = sc.client()
                 for i in range(1, 10**6):
                     if stop.is_set():
                         return
@@ -97,8 +77,7 @@ def one_round(mode: str, layers: int, seconds: float) -> dict:
                 saver.join(60)
             buf.close()
         finally:
-            proc.terminate()
-            proc.wait(60)
+            sc.stop()
     ms.sort()
     at = lambda q: ms[min(len(ms) - 1, int(q * len(ms)))]  # noqa: E731
     return {"mode": mode, "lookups": len(ms), "p50_ms": at(0.5), "p90_ms": at(0.9), "p99_ms": at(0.99), "stored_chunks": sum(stored)}

@@ -87,14 +87,9 @@ def _column_major(name: str, device: str):
     return enc, dec.mT.contiguous().mT, mean
 
 
-def _dec_row_major(name: str, device: str):
-    enc, dec, mean = _ROW_MAJOR(name, device)
-    return enc, dec.contiguous(), mean
-
-
 def _use(precision: str, dec: str, hoist: bool, warps: int) -> None:
     fused_unpack.DOT_PRECISION, fused_unpack.HOIST_BASIS, fused_unpack.BASIS_WARPS = precision, hoist, warps
-    basis.on_device = _dec_row_major if dec == "row" else _column_major
+    basis.on_device = _ROW_MAJOR if dec == "row" else _column_major
 
 
 def _wall_ms(fn, calls: int) -> float:

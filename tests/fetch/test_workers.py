@@ -278,8 +278,8 @@ async def test_a_sidecar_warms_its_workers_and_maps_a_buffer_when_it_is_register
 @pytest.mark.parametrize("allowed, expected", [(None, {"exact", "q8", "lean", "q8-zstd"}), (("raw", "q8"), {"q8"})])
 async def test_a_registration_warms_every_preset_a_fetch_may_choose_not_only_those_written(tmp_path, shared, monkeypatch, allowed, expected):
     """A sidecar that writes raw still fetches what other writers stored (any preset a lookup allows):
-    its workers meet those at registration, not on a first fetch (the nineteenth vLLM run: 8 cold
-    workers, a load queued 2.3 s). Here on a CPU: the coded presets model "m" may use without a calibration."""
+    its workers meet those at registration, not on a first fetch. Here on a CPU: the coded presets
+    model "m" may use without a calibration."""
     kv = synthetic_kv(layers=2, heads=2, tokens=64, head_dim=32)
     async with running(LocalStore(tmp_path), chunk_tokens=32, presets=("raw",), allowed_presets=allowed, decode_procs=1,
                        device="cpu") as sc:
