@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from kvfetcher import ipc, keys, kvbuffer
-from kvfetcher.codec import basis as kvbasis
+from kvfetcher.codec import CodecError, basis as kvbasis
 from kvfetcher.config import Config
 from kvfetcher.errors import Reason, RequestError
 from kvfetcher.fetch import choice, executor, probe, staging
@@ -188,15 +188,15 @@ class Sidecar:
         """Without decode workers, restore a chunk of ``buf``'s geometry of every coded preset it may
         fetch in this process (into scratch): the first fetch then finds the GPU decoders and the
         fused unpack compiled (seconds of kernel compilation otherwise). Best effort, blocking."""
-        names = self._coded_presets(buf.ns)
         t = time.perf_counter()
-        for p in names:
+        objects = self._warmup_objects(self._coded_presets(buf.ns), buf)
+        for p, obj in objects.items():
             try:
-                restore_here(self._warmup_chunk(p, buf), buf.tensor.device)
+                restore_here(obj, buf.tensor.device)
             except Exception:  # noqa: BLE001 — the first fetch of it sets up instead
                 log.exception("warm-up of %s in this process failed", p)
                 self.metrics.errors.labels(Reason.WARM_UP).inc()
-        if names:
+        if objects:
             self.metrics.warm_up_seconds.set(time.perf_counter() - t)
 
     def _warmup_chunk(self, preset: str, buf: Buffer | None) -> bytes:
@@ -205,6 +205,24 @@ class Sidecar:
             return warmup_object(preset)
         L, H, D = buf.ns.shape
         return warmup_object(preset, (L, H, self.config.chunk_tokens, D), buf.tensor.dtype, buf.ns.model)
+
+    def _warmup_objects(self, names: Sequence[str], buf: Buffer | None) -> dict[str, bytes]:
+        """A warm-up chunk of each preset in ``names`` that can be made here (:meth:`_warmup_chunk`).
+        One that cannot is left to its first fetch: a preset with no encoder here (HEVC without
+        NVENC or PyAV) is named in one warning; any other failure is logged and counted."""
+        objects, unencodable, reason = {}, [], None
+        for p in names:
+            try:
+                objects[p] = self._warmup_chunk(p, buf)
+            except CodecError as e:
+                unencodable.append(p)
+                reason = e
+            except Exception:  # noqa: BLE001
+                log.exception("warm-up chunk of %s could not be made", p)
+                self.metrics.errors.labels(Reason.WARM_UP).inc()
+        if unencodable:
+            log.warning("not warmed with %s (%s): their first fetch sets their decoders up", ",".join(unencodable), reason)
+        return objects
 
     def warm_workers(self, buf: Buffer | None = None) -> None:
         """Restore a chunk of every preset this sidecar may fetch in each decode worker, so that the
@@ -217,13 +235,7 @@ class Sidecar:
             names = [p for p in self._served_presets() if not PRESETS[p].direct]
         else:  # every preset a fetch into it may choose, not only those this sidecar writes
             names = self._coded_presets(buf.ns)
-        objects = {}
-        for p in names:  # one that cannot be made here is left to its first fetch
-            try:
-                objects[p] = self._warmup_chunk(p, buf)
-            except Exception:  # noqa: BLE001
-                log.exception("warm-up chunk of %s could not be made", p)
-                self.metrics.errors.labels(Reason.WARM_UP).inc()
+        objects = self._warmup_objects(names, buf)
         if not objects:
             return
         names = list(objects)

@@ -5,8 +5,10 @@ here the workers decode with libavcodec and write through the buffer's shared-me
 """
 
 import asyncio
+import logging
 import os
 import signal
+import sys
 
 import pytest
 import torch
@@ -292,6 +294,31 @@ async def test_a_registration_warms_every_preset_a_fetch_may_choose_not_only_tho
         got = [container.parse_header(o) for o in warmed]
         assert {h.preset for h in got} == expected
         assert all(h.shape == (2, 2, 2, 32, 32) for h in got)  # the model's geometry, a chunk's tokens
+        assert sc.metrics.registry.get_sample_value("kvfetcher_errors_total", {"reason": "warm_up"}) is None
+        buf.close()
+
+
+async def test_presets_with_no_encoder_here_are_named_once_and_the_others_warmed(tmp_path, shared, monkeypatch, caplog):
+    """A GPU without NVENC and an image without PyAV can decode HEVC but not make a warm-up chunk of
+    it: those presets are named in one warning (no traceback, no error counted), the rest warmed."""
+    monkeypatch.setitem(sys.modules, "kvfetcher.codec.pyav", None)  # PyAV's libx265 not installed
+    warmup_object.cache_clear()  # (chunks made by earlier tests)
+    kv = synthetic_kv(layers=2, heads=2, tokens=64, head_dim=32)
+    async with running(LocalStore(tmp_path), chunk_tokens=32, presets=("raw",), allowed_presets=("raw", "q8", "lean", "q8-zstd"),
+                       decode_procs=1, device="cpu") as sc:
+        warmed = []
+        real = sc.workers.warm
+        monkeypatch.setattr(sc.workers, "warm", lambda device, objects: (warmed.extend(objects), real(device, objects))[1])
+        buf = shared(kv)
+        await sc.warmed()  # the start's warm-up (what this sidecar serves) has said the same once
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvfetcher.service"):
+            sc.register(buf.handle, "m")
+            await sc.warmed()
+        assert {container.parse_header(o).preset for o in warmed} == {"q8-zstd"}
+        named = [r for r in caplog.records if "not warmed with" in r.getMessage()]
+        assert len(named) == 1 and "q8,lean" in named[0].getMessage() and "PyAV" in named[0].getMessage()
+        assert named[0].exc_info is None
         assert sc.metrics.registry.get_sample_value("kvfetcher_errors_total", {"reason": "warm_up"}) is None
         buf.close()
 

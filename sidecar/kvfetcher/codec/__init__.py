@@ -68,8 +68,10 @@ def encoder(fmt: str, device: torch.device | str = "cpu") -> Encoder:
         from kvfetcher.codec.nvidia import NvencEncoder
 
         return NvencEncoder()
-    from kvfetcher.codec.pyav import X265Encoder
-
+    try:
+        from kvfetcher.codec.pyav import X265Encoder
+    except ImportError as e:
+        raise CodecError(f"HEVC encoding needs a GPU with NVENC or PyAV's libx265, and neither is here ({e})") from e
     return X265Encoder()
 
 
