@@ -113,6 +113,19 @@ def test_rope_inverse_is_exact():
     assert torch.allclose(rope.apply(rope.apply(k, cos, sin, inverse=True), cos, sin), k, atol=1e-5)
 
 
+@pytest.mark.parametrize("theta", [10000, 500000.0, 1e6])
+def test_a_rotation_is_the_llama_formula_bit_for_bit_for_any_positions(theta):
+    """Stored chunks were coded with this formula: the cached frequencies must not change a bit."""
+    from kvfetcher.codec import rope
+
+    for start, tokens, head_dim in ((0, 256, 128), (32768, 256, 128), (100, 40, 64)):
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        emb = torch.arange(start, start + tokens, dtype=torch.float64)[:, None] * inv[None]
+        emb = torch.cat([emb, emb], dim=-1)
+        cos, sin = rope.rotation(start, tokens, head_dim, theta)
+        assert torch.equal(cos, emb.cos().float()) and torch.equal(sin, emb.sin().float())
+
+
 def _roped_keys_with_steady_channels(start: int) -> torch.Tensor:
     """Keys whose pre-RoPE channels are large and steady, as real keys' outlier channels are."""
     from kvfetcher.codec import rope

@@ -14,6 +14,7 @@ layer by layer with their own base (:func:`apply_layers`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -23,10 +24,17 @@ Theta = float | tuple[float, ...]  # one base for every layer, or one per layer
 
 def rotation(start: int, tokens: int, head_dim: int, theta: float, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin, ``[tokens, head_dim]`` float32, for positions ``start .. start + tokens - 1``."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim))
+    inv = _inverse_frequencies(float(theta), head_dim, str(torch.device(device)))
     angles = torch.arange(start, start + tokens, device=device, dtype=torch.float64)[:, None] * inv[None]
     emb = torch.cat([angles, angles], dim=-1)
     return emb.cos().float(), emb.sin().float()
+
+
+@functools.lru_cache(maxsize=32)
+def _inverse_frequencies(theta: float, head_dim: int, device: str) -> torch.Tensor:
+    """``1 / theta ** (2i / head_dim)`` float64, made once per base, head size and device (every
+    chunk restored or stored makes a rotation). Shared: do not modify it."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
