@@ -138,8 +138,9 @@ class Decoded:
     values: torch.Tensor | None = None  # a lossless layout's KV, already checked finite
 
     def write(self, dest: Destination, ref: ChunkRef) -> int:
-        """Unpack into the chunk's slots of ``dest`` (its view in place, or a scatter), then
-        :meth:`Destination.finish`; returns the KV bytes written. ``dest.check`` must have passed."""
+        """Unpack into the chunk's slots of ``dest`` (its view in place, its paged blocks in place,
+        or a scatter), then :meth:`Destination.finish`; returns the KV bytes written.
+        ``dest.check`` must have passed."""
         h = self.header
         if self.values is not None:
             dest.write_kv(ref, self.values)
@@ -148,9 +149,11 @@ class Decoded:
         with torch.cuda.stream(thread_stream(dest.device)) if own else contextlib.nullcontext():
             frames = self.frames.to(dest.device)
             unpack = functools.partial(layout.unpack, frames, self.side, h.shape, h.torch_dtype, h.layout, start=h.start)
-            view = dest.view(ref)
-            if view is not None:
-                unpack(out=view)
+            place = dest.view(ref)
+            if place is None:
+                place = dest.block_write(ref)
+            if place is not None:
+                unpack(out=place)
             else:
                 dest.scatter(ref, unpack())
             dest.finish()  # (waits for this stream: the chunk is in the buffer)

@@ -147,6 +147,11 @@ class Destination:
         idx = self.slots[c.start : c.start + c.tokens]
         return self.buffer[:, :, :, idx[0] : idx[0] + len(idx)] if contiguous(idx) and not self.skip(c) else None
 
+    def block_write(self, c: ChunkRef) -> BlockWrite | None:
+        """The chunk's place as a kernel writes it without a temporary, where there is no
+        :meth:`view` (paged blocks); None here: a flat buffer's scattered slots take :meth:`scatter`."""
+        return None
+
     def scatter(self, c: ChunkRef, kv: torch.Tensor) -> None:
         """Write the chunk's KV ``[layers, 2, kv_heads, tokens, head_dim]`` into its slots, wherever
         they are (those of tokens from ``first_token`` on)."""
@@ -398,6 +403,27 @@ class PagedKV:
             v.index_copy_(3, idx, src[layer : layer + v.shape[0]])
             layer += v.shape[0]
 
+    def block_write(self, blocks: Sequence[int]) -> BlockWrite | None:
+        """Where a chunk filling ``blocks`` goes, as a kernel addresses it (:class:`BlockWrite`); None
+        where the tensors' views differ in strides or lie at offsets not whole values apart."""
+        offsets = self._layer_offsets
+        if offsets is None:
+            return None
+        v0 = self.views[0]
+        _, sk, sh, sb, st, sd = v0.stride()
+        where = torch.tensor([b * sb for b in blocks], dtype=torch.int64, device=self.device)
+        return BlockWrite(v0, offsets, where, (sk, sh, st, sd), self.layout.block_size, self, tuple(blocks))
+
+    @functools.cached_property
+    def _layer_offsets(self) -> torch.Tensor | None:
+        """Each layer's element offset from the first view's data, on the device (made once)."""
+        v0 = self.views[0]
+        size = v0.element_size()
+        if any(v.stride() != v0.stride() or (v.data_ptr() - v0.data_ptr()) % size for v in self.views):
+            return None
+        offsets = [(v.data_ptr() - v0.data_ptr()) // size + i * v.stride(0) for v in self.views for i in range(v.shape[0])]
+        return torch.tensor(offsets, dtype=torch.int64, device=self.device)
+
     def read(self, blocks: Sequence[int]) -> torch.Tensor:
         """A new tensor ``[layers, 2, kv_heads, len(blocks) * block_size, head_dim]`` (on the
         buffer's device) of the KV in ``blocks``."""
@@ -427,6 +453,33 @@ class PagedKV:
             v = self.layout.view(host)
             out[layer : layer + v.shape[0]].unflatten(3, (len(blocks), bs)).copy_(v)
             layer += v.shape[0]
+
+
+@dataclass(frozen=True)
+class BlockWrite:
+    """A chunk's place in paged blocks, for a kernel that writes it there itself (no temporary):
+    the value of (layer ``l``, key or value ``k``, head ``h``, token ``t``, channel ``d``) goes to
+    element ``layers[l] + k * sk + h * sh + blocks[t // block_size] + (t % block_size) * st + d * sd``
+    of ``base``'s memory, ``(sk, sh, st, sd)`` being ``strides``. ``layers`` and ``blocks`` are
+    int64 element offsets on the buffer's device. :meth:`write` is the same write from a tensor."""
+
+    base: torch.Tensor
+    layers: torch.Tensor
+    blocks: torch.Tensor
+    strides: tuple[int, int, int, int]
+    block_size: int
+    paged: "PagedKV"
+    block_ids: tuple[int, ...]
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """The chunk's ``[layers, 2, kv_heads, tokens, head_dim]``."""
+        L, H, D = self.paged.shape
+        return (L, 2, H, len(self.block_ids) * self.block_size, D)
+
+    def write(self, kv: torch.Tensor) -> None:
+        """Write ``kv`` of :attr:`shape` into the blocks (:meth:`PagedKV.write`)."""
+        self.paged.write(self.block_ids, kv)
 
 
 def block_runs(blocks: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -463,8 +516,8 @@ class PagedDestination(Destination):
     """Where a prompt's tokens live in paged KV: token ``i`` at position ``i % block_size`` of block
     ``block_ids[i // block_size]`` of ``kv``; :class:`Destination`'s interface. Chunks are whole
     blocks; a decode worker addresses a chunk by its blocks (:meth:`where`). A chunk has no
-    in-place view (its blocks are scattered): it is unpacked, then written by one device-side
-    scatter per tensor. ``first_token`` must be whole blocks: no block before it is written."""
+    in-place view (its blocks are scattered): the fused unpack writes it into its blocks
+    (:meth:`block_write`); other paths unpack it, then write it by one device-side scatter per tensor. ``first_token`` must be whole blocks: no block before it is written."""
 
     def __init__(self, kv: PagedKV, block_ids: Sequence[int], tokens: int, handle: dict | None = None, first_token: int = 0):
         self.kv, self.handle, self.tokens, self.first_token = kv, handle, tokens, first_token
@@ -489,6 +542,9 @@ class PagedDestination(Destination):
 
     def view(self, c: ChunkRef) -> None:
         return None
+
+    def block_write(self, c: ChunkRef) -> BlockWrite | None:
+        return None if self.skip(c) else self.kv.block_write(self._blocks(c.start, c.tokens))
 
     def scatter(self, c: ChunkRef, kv: torch.Tensor) -> None:
         s = self.skip(c)

@@ -5,10 +5,12 @@ Why: ``layout.unpack`` in torch runs about 30 elementwise passes over float32 co
 basis, RoPE, cast, permuted copy into the buffer): ~4 GB of GPU memory traffic for a 33.5 MB
 Llama-3-8B chunk, where reading the samples and writing the KV needs ~50 MB, all of it memory
 bandwidth taken from the model decoding beside it. This kernel reads each sample once and
-writes each value once, straight into the destination view (any strides).
+writes each value once, straight into the destination view (any strides) or into a serving
+engine's paged blocks (a block table: no temporary chunk, no scatter after it).
 
-One program per (layer, k|v, KV head) walks the chunk's tokens in blocks, carrying the trellis'
-parity sums from block to block; each head's channels are handled as two halves, the pairs
+One program per (layer, k|v, KV head) walks the chunk's tokens in blocks, reading samples from
+their tiles or, for sorted components, from each component's row (a position table), carrying
+the trellis' parity sums from block to block; each head's channels are handled as two halves, the pairs
 RoPE rotates together. Sparse corrections are added before the basis, as in ``layout.unpack``;
 the exact leading tokens are copied by the caller. Same arithmetic as the torch path in float32;
 the results can differ in the last bit of the KV dtype where the compiler fuses a multiply-add.
@@ -26,6 +28,7 @@ import os
 import torch
 
 from kvfetcher import config
+from kvfetcher.kvbuffer import BlockWrite
 
 try:
     import triton
@@ -99,12 +102,13 @@ if triton is not None:
     # position 0
     @triton.jit(do_not_specialize=["b0"])
     def _unpack_kernel(
-        frames_ptr, lo_ptr, scale_ptr, cos_ptr, sin_ptr, dec_ptr, mean_ptr, sidx_ptr, srows_ptr, out_ptr,
+        frames_ptr, lo_ptr, scale_ptr, cos_ptr, sin_ptr, dec_ptr, mean_ptr, sidx_ptr, srows_ptr, out_ptr, layers_ptr, blocks_ptr, pos_ptr,
         H, b0, sparse_step,
         tiles_per_frame, tiles_per_plane, tile_rows, frame_stride, plane_stride, row_stride,
         o_s0, o_s1, o_s2, o_s3, o_s4,
         T: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, TRELLIS: tl.constexpr, ROPE: tl.constexpr, BASIS: tl.constexpr,
         KS: tl.constexpr, PRECISION: tl.constexpr, HOIST: tl.constexpr, DEC_SD: tl.constexpr, DEC_SE: tl.constexpr,
+        BS: tl.constexpr, SORTED: tl.constexpr,
     ):
         pid = tl.program_id(0)  # (layer * 2 + k|v) * H + head
         h = pid % H
@@ -125,15 +129,25 @@ if triton is not None:
         ce2 = tl.zeros([HALF], dtype=tl.int32)
         co2 = tl.zeros([HALF], dtype=tl.int32)
         # 64-bit: a 70B model's buffer holds more than 2**31 values (layer * its stride overflows 32 bits)
-        out = out_ptr + layer.to(tl.int64) * o_s0 + kv.to(tl.int64) * o_s1 + h.to(tl.int64) * o_s2
+        if BS:  # paged blocks: each layer at its offset, each block of BS tokens at its own
+            out = out_ptr + tl.load(layers_ptr + layer) + kv.to(tl.int64) * o_s1 + h.to(tl.int64) * o_s2
+        else:
+            out = out_ptr + layer.to(tl.int64) * o_s0 + kv.to(tl.int64) * o_s1 + h.to(tl.int64) * o_s2
+        if SORTED:  # each component's tokens are one row of T samples, at its place in the class order
+            at1 = frames_ptr + tl.load(pos_ptr + pid * D + c1).to(tl.int64) * T
+            at2 = frames_ptr + tl.load(pos_ptr + pid * D + c2).to(tl.int64) * T
         if BASIS and HOIST:
             t11, t21, t12, t22 = _basis_blocks(dec_ptr + pid * D * D, c1, c2, DEC_SD, DEC_SE)
         for t0 in range(0, T, BT):
             rows = t0 + tl.arange(0, BT)
             live = (rows < T)[:, None]
-            at = frames_ptr + tile + rows[:, None] * row_stride
-            s1 = tl.load(at + c1[None, :], mask=live, other=128).to(tl.int32)
-            s2 = tl.load(at + c2[None, :], mask=live, other=128).to(tl.int32)
+            if SORTED:
+                s1 = tl.load(at1[None, :] + rows[:, None], mask=live, other=128).to(tl.int32)
+                s2 = tl.load(at2[None, :] + rows[:, None], mask=live, other=128).to(tl.int32)
+            else:
+                at = frames_ptr + tile + rows[:, None] * row_stride
+                s1 = tl.load(at + c1[None, :], mask=live, other=128).to(tl.int32)
+                s2 = tl.load(at + c2[None, :], mask=live, other=128).to(tl.int32)
             x1, ce1, co1 = _dequant_half(s1, rows, b0, ce1, co1, lo1, sc1, TRELLIS)
             x2, ce2, co2 = _dequant_half(s2, rows, b0, ce2, co2, lo2, sc2, TRELLIS)
             for j in tl.static_range(KS):  # sparse corrections: rows of this head's outlier tokens
@@ -161,14 +175,18 @@ if triton is not None:
                     rot = x1 * cos1 - x2 * sin1
                     x2 = x2 * cos2 + x1 * sin2
                     x1 = rot
-            dst = out + rows[:, None].to(tl.int64) * o_s3
+            if BS:
+                block = tl.load(blocks_ptr + rows // BS, mask=rows < T, other=0)
+                dst = out + (block + (rows % BS).to(tl.int64) * o_s3)[:, None]
+            else:
+                dst = out + rows[:, None].to(tl.int64) * o_s3
             ty = out_ptr.dtype.element_ty
             tl.store(dst + c1[None, :] * o_s4, x1.to(ty), mask=live)
             tl.store(dst + c2[None, :] * o_s4, x2.to(ty), mask=live)
 
 
 def unpack_into(
-    out: torch.Tensor,
+    out: torch.Tensor | BlockWrite,
     frames: torch.Tensor,
     lo: torch.Tensor,
     scale: torch.Tensor,
@@ -178,14 +196,22 @@ def unpack_into(
     rope_cs: tuple[torch.Tensor, torch.Tensor] | None = None,
     basis: tuple[torch.Tensor, torch.Tensor] | None = None,
     sparse: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-) -> torch.Tensor:
-    """Write the values of quantised ``frames`` into ``out`` ``[L, 2, H, T, D]`` (any strides).
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor | BlockWrite:
+    """Write the values of quantised ``frames`` into ``out`` ``[L, 2, H, T, D]`` (any strides), or
+    into the paged blocks a :class:`~kvfetcher.kvbuffer.BlockWrite` names.
 
     ``lo``/``scale`` ``[L, 2, H, D]`` float32; ``geo`` the layout's Geometry; ``b0`` the body's
     first token; ``rope_cs`` (cos, sin) ``[T, D]`` float32 for pre-RoPE keys; ``basis`` (dec
     ``[L, 2, H, D, D]``, mean ``[L, 2, H, D]``) float32; ``sparse`` (token indices ``[L, H, k]``,
-    int8 rows ``[L, 2, H, k, D]``, sparse_step). Exact leading tokens are left to the caller."""
+    int8 rows ``[L, 2, H, k, D]``, sparse_step); ``positions`` ``[L * 2 * H * D]`` int32 for frames
+    whose components are sorted (each one's tokens a row of ``T`` samples, at the row it names),
+    instead of ``geo``'s tiles. Exact leading tokens are left to the caller."""
     layers, _, heads, tokens, head_dim = out.shape
+    if isinstance(out, BlockWrite):
+        dst, offsets, strides, bs = out.base, (out.layers, out.blocks), (0, *out.strides), out.block_size
+    else:
+        dst, offsets, strides, bs = out, (lo, lo), out.stride(), 0
     f = frames.contiguous()
     lo = lo.contiguous()
     # a disabled step's pointers are never read (its code is compiled out): any tensor stands in,
@@ -200,14 +226,15 @@ def unpack_into(
     else:
         sidx, srows, step, ks = f, f, 0.0, 0
     # Triton launches on the current device: make it the buffer's (cuda:1 in a rank-1 worker)
-    with torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext():
+    with torch.cuda.device(dst.device) if dst.is_cuda else contextlib.nullcontext():
         _unpack_kernel[(layers * 2 * heads,)](
             f, lo, scale.contiguous(), cos.contiguous(), sin.contiguous(), dec, mean.contiguous(),
-            sidx, srows, out,
+            sidx, srows, dst, *offsets, lo if positions is None else positions.contiguous(),
             heads, b0, step,
             geo.tiles_per_frame, geo.tiles_per_plane, geo.tile_rows, f.stride(0), f.stride(1), f.stride(2),
-            *out.stride(),
+            *strides,
             T=tokens, D=head_dim, BT=BLOCK_TOKENS, TRELLIS=trellis, ROPE=rope_cs is not None, BASIS=basis is not None, KS=ks,
-            PRECISION=DOT_PRECISION, HOIST=HOIST_BASIS, DEC_SD=dec.stride(-2), DEC_SE=dec.stride(-1), num_warps=BASIS_WARPS if basis is not None else 4,
+            PRECISION=DOT_PRECISION, HOIST=HOIST_BASIS, DEC_SD=dec.stride(-2), DEC_SE=dec.stride(-1), BS=bs, SORTED=positions is not None,
+            num_warps=BASIS_WARPS if basis is not None else 4,
         )
     return out

@@ -49,10 +49,11 @@ neighbours, so the layout decides what sits next to what:
   rows in the stable order of a class byte per component (``4 log2(1 + sd)`` of its body's
   samples, in side information). An entropy coder codes blocks alone from their own symbol
   counts; sorted, a block holds samples of one spread instead of a mixture of every
-  component's, which costs fewer bits. ``unpack`` puts the rows back into tiles first.
+  component's, which costs fewer bits. ``unpack``'s torch path puts the rows back into tiles
+  first; the fused kernel reads each component's row where the order puts it.
 
 Pure torch, no I/O: the same code runs on CPU and on the GPU, and ``unpack`` can write straight
-into a destination view of the model's KV buffers.
+into a destination view of the model's KV buffers (with the fused kernel, into paged blocks too).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ from kvfetcher.codec import basis as kvbasis
 from kvfetcher.codec import fused_unpack, rope, tiling, trellis
 from kvfetcher.codec.params import LAYOUT_VERSION, LOSSLESS_MODES, MIN_READABLE_LAYOUT, LayoutParams  # noqa: F401 (the header's record)
 from kvfetcher.codec.tiling import Geometry, geometry
-from kvfetcher.kvbuffer import bytes_per_value, dtype_name
+from kvfetcher.kvbuffer import BlockWrite, bytes_per_value, dtype_name
 
 _INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
 
@@ -169,6 +170,13 @@ def _sorted_frames(tiles: torch.Tensor, geo: Geometry, b0: int) -> tuple[torch.T
     frames = torch.zeros(geo.frame_shape, dtype=torch.uint8, device=tiles.device)
     frames.view(-1)[: rows.numel()] = rows[component_order(classes)].reshape(-1)
     return frames, classes
+
+
+def _component_positions(classes: torch.Tensor) -> torch.Tensor:
+    """Each component's row in the sorted frames (:func:`_sorted_frames`): int32 ``[L * 2 * H * D]``."""
+    order = component_order(classes)
+    return torch.empty(order.shape, dtype=torch.int32, device=order.device).scatter_(
+        0, order, torch.arange(order.numel(), dtype=torch.int32, device=order.device))
 
 
 def _tiles_of_sorted(frames: torch.Tensor, classes: torch.Tensor, shape: tuple[int, ...], geo: Geometry) -> torch.Tensor:
@@ -340,13 +348,14 @@ def unpack(
     shape: tuple[int, ...],
     dtype: torch.dtype,
     params: LayoutParams,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | BlockWrite | None = None,
     start: int = 0,
-) -> torch.Tensor:
+) -> torch.Tensor | BlockWrite:
     """Exact inverse of :func:`pack`: frames (on any device) -> KV ``shape`` in ``dtype``.
 
-    ``out``, if given, is written in place (it may be a strided view into the model's KV
-    buffers) and returned; otherwise a new tensor on ``frames.device`` is returned.
+    ``out``, if given, is written in place (a strided view into the model's KV buffers, or the
+    paged blocks a :class:`BlockWrite` names) and returned; otherwise a new tensor on
+    ``frames.device`` is returned.
     """
     layers, _, heads, tokens, head_dim = shape
     geo = geometry(tuple(shape), dtype, params)
@@ -354,6 +363,11 @@ def unpack(
         raise ValueError(f"frames {tuple(frames.shape)} {frames.dtype} do not match layout {geo.frame_shape} uint8")
     if params.mode == "native":
         return _restore(frames.contiguous().view(dtype).view(tuple(shape)), shape, dtype, out)
+    # the kernel takes one rotation table: layers with their own RoPE bases take the torch path
+    if params.mode == "quant" and side is not None and fused_unpack.enabled(frames) and fused_unpack.supports(head_dim, tokens) \
+            and not isinstance(params.rope_theta, tuple):
+        # (the side information reaches the frames' device once: ranges, exact rows, corrections and order all read it)
+        return _unpack_fused(frames, side.to(frames.device), tuple(shape), dtype, params, geo, out, start)
     if params.sort_components and side is not None:
         frames = _tiles_of_sorted(frames, split_order(side, shape, params), shape, geo)
     tiles = tiling.frames_to_tiles(frames, geo, tokens, heads * head_dim)
@@ -369,9 +383,6 @@ def unpack(
         if side is None:
             raise ValueError("quantised layout needs side information")
         side = side.to(frames.device)  # once: the ranges, exact rows and sparse corrections all read it
-        # the kernel takes one rotation table: layers with their own RoPE bases take the torch path
-        if fused_unpack.enabled(frames) and fused_unpack.supports(head_dim, tokens) and not isinstance(params.rope_theta, tuple):
-            return _unpack_fused(frames, side, tuple(shape), dtype, params, geo, out, start)
         ranges, exact = split_side(side, shape, params)
         lo = ranges[..., 0].float().reshape(layers, 2, 1, heads * head_dim)
         scale = ranges[..., 1].float().reshape(layers, 2, 1, heads * head_dim)
@@ -399,32 +410,44 @@ def unpack(
 
 
 def _unpack_fused(frames: torch.Tensor, side: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, params: LayoutParams,
-                  geo: Geometry, out: torch.Tensor | None, start: int) -> torch.Tensor:
+                  geo: Geometry, out: torch.Tensor | BlockWrite | None, start: int) -> torch.Tensor | BlockWrite:
     """The quant branch of :func:`unpack` as one kernel (fused_unpack.py), written into ``out``."""
     layers, _, heads, tokens, head_dim = shape
-    if out is None:
-        out = torch.empty(shape, dtype=dtype, device=frames.device)
     _check_destination(out, shape, dtype)
     ranges, exact = split_side(side, shape, params)
+    if isinstance(out, BlockWrite) and exact.shape[3]:  # a prefix's first chunk: its exact rows via a temporary
+        out.write(_unpack_fused(frames, side, shape, dtype, params, geo, None, start))
+        return out
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=frames.device)
     cs = rope.rotation(start, tokens, head_dim, params.rope_theta, frames.device) if params.rope_theta is not None else None
     basis = _basis(params, layers, heads, head_dim, frames.device)[1:] if params.basis is not None else None
     sparse = (*split_sparse(side, shape, params), params.sparse_step) if sparse_count(shape, params) else None
+    positions = _component_positions(split_order(side, shape, params)) if params.sort_components else None
     fused_unpack.unpack_into(out, frames, ranges[..., 0].float(), ranges[..., 1].float(), geo, _body_start(params, tokens),
-                             params.trellis, cs, basis, sparse)
+                             params.trellis, cs, basis, sparse, positions)
     if exact.shape[3]:
         out[:, :, :, : exact.shape[3]] = exact.to(dtype)
     return out
 
 
-def _restore(result: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
+def _restore(result: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, out: torch.Tensor | BlockWrite | None) -> torch.Tensor | BlockWrite:
     """``result`` as a new contiguous tensor, or copied into ``out`` (checked against the chunk)."""
     if out is None:
         return result.contiguous()
     _check_destination(out, shape, dtype)
-    out.copy_(result)
+    if isinstance(out, BlockWrite):
+        out.write(result)
+    else:
+        out.copy_(result)
     return out
 
 
-def _check_destination(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
+def _check_destination(out: torch.Tensor | BlockWrite | None, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    if out is None:
+        return
+    if isinstance(out, BlockWrite):
+        if out.shape != tuple(shape) or out.base.dtype != dtype:
+            raise ValueError(f"destination blocks {out.shape} {out.base.dtype} do not match chunk {tuple(shape)} {dtype}")
+    elif tuple(out.shape) != tuple(shape) or out.dtype != dtype:
         raise ValueError(f"destination {tuple(out.shape)} {out.dtype} does not match chunk {tuple(shape)} {dtype}")
