@@ -5,8 +5,8 @@ A fetch's decode workers are processes sharing one GPU, each restoring one chunk
 written into a KV buffer and waited for). Their rate end to end sits well under what the unpack
 kernel alone allows (``unpack_variants.py``): this measures why. Per preset and per number of
 processes (``--procs``), every process restores ``--chunks`` chunks (4 distinct Llama-3-8B-shaped
-chunks, ``transform_bench``'s KV and stand-in calibration) into a flat buffer on ``--device``, all
-starting at once; reported per process: ms a chunk (wall), and of it the ms ``restore_chunk`` spent
+chunks, ``transform_bench``'s KV and stand-in calibration) into a flat buffer or vLLM's cross-layer
+paged blocks (``--dests``) on ``--device``, all starting at once; reported per process: ms a chunk (wall), and of it the ms ``restore_chunk`` spent
 verifying and decoding and writing (its ``times``). The aggregate KV GB/s. With ``--profile``
 the first process of the largest count also runs under cProfile: its host time by function.
 
@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
 import json
+import math
 import multiprocessing
 import pstats
 import statistics
@@ -31,11 +33,12 @@ import torch
 from benchmarks.lib import kvsource, standin
 from kvfetcher import chunk
 from kvfetcher.format import container
-from kvfetcher.kvbuffer import ChunkRef, Destination
+from kvfetcher.kvbuffer import ChunkRef, Destination, PagedDestination, PagedKV, PagedLayout
 
 FP = "transform-bench/8b"
 THETA = kvsource.LLAMA3_THETA
 DISTINCT = 4
+BLOCK = 16  # vLLM's block size
 
 
 def _objects(kvsrc: str, preset: str, device: str) -> tuple[list[bytes], tuple[int, ...]]:
@@ -55,13 +58,24 @@ def _parts(obj: bytes) -> tuple:
     return h, part(h.side) if h.side else None, [part(s) for s in h.segments]
 
 
-def _worker(kvsrc: str, preset: str, device: str, chunks: int, profile: bool, barrier, results) -> None:
+def _destination(kind: str, shape: tuple[int, ...], device: str) -> Destination:
+    """A chunk's place: a flat buffer's slots (a view), or vLLM's cross-layer paged blocks
+    (``BLTH(KD)``, blocks of 16 tokens, shuffled)."""
+    L, _, H, T, D = shape
+    if kind == "flat":
+        return Destination(torch.empty(shape, dtype=torch.float16, device=device), tokens=T)
+    n = 4 * T // BLOCK
+    paged = PagedKV(torch.empty((n, L, BLOCK, H, 2 * D), dtype=torch.float16, device=device), PagedLayout("BLTH(KD)", BLOCK))
+    blocks = torch.randperm(n, generator=torch.Generator().manual_seed(0))[: T // BLOCK].tolist()
+    return PagedDestination(paged, blocks, T)
+
+
+def _worker(kvsrc: str, preset: str, dests: str, device: str, chunks: int, profile: bool, barrier, results) -> None:
     """One process: restore ``chunks`` chunks once every process is ready; put its figures."""
     try:
         torch.set_num_threads(1)  # as a decode worker
         objs, shape = _objects(kvsrc, preset, device)
-        out = torch.empty(shape, dtype=torch.float16, device=device)
-        dest = Destination(out, tokens=shape[3])
+        dest = _destination(dests, shape, device)
         parsed = [_parts(o) for o in objs]  # as a worker gets them: the header parsed, the parts in place
         steps: dict[str, list[float]] = {"decode_s": [], "write_s": []}
 
@@ -91,17 +105,17 @@ def _worker(kvsrc: str, preset: str, device: str, chunks: int, profile: bool, ba
             s = io.StringIO()
             pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
             text = s.getvalue()
-        results.put({"ms_a_chunk": wall / chunks * 1e3, "kv_bytes": out.numel() * 2 * chunks, "wall_s": wall,
+        results.put({"ms_a_chunk": wall / chunks * 1e3, "kv_bytes": math.prod(shape) * 2 * chunks, "wall_s": wall,
                      **{k.replace("_s", "_ms"): statistics.median(v) * 1e3 for k, v in steps.items()}, "profile": text})
     except BaseException as e:  # reported, so the parent never waits for a process that died
         barrier.abort()
         results.put({"error": f"{type(e).__name__}: {e}"})
 
 
-def run(kvsrc: str, preset: str, device: str, procs: int, chunks: int, profile: bool) -> dict:
+def run(kvsrc: str, preset: str, dest: str, device: str, procs: int, chunks: int, profile: bool) -> dict:
     ctx = multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(procs), ctx.Queue()
-    ps = [ctx.Process(target=_worker, args=(kvsrc, preset, device, chunks, profile and i == 0, barrier, results)) for i in range(procs)]
+    ps = [ctx.Process(target=_worker, args=(kvsrc, preset, dest, device, chunks, profile and i == 0, barrier, results)) for i in range(procs)]
     for p in ps:
         p.start()
     got = [results.get(timeout=600) for _ in ps]
@@ -113,7 +127,7 @@ def run(kvsrc: str, preset: str, device: str, procs: int, chunks: int, profile: 
     prof = next((g.pop("profile") for g in got if g["profile"]), "")
     for g in got:
         g.pop("profile", None)
-    row = {"preset": preset, "procs": procs,
+    row = {"preset": preset, "dest": dest, "procs": procs,
            "kv_GB_s": round(sum(g["kv_bytes"] for g in got) / max(g["wall_s"] for g in got) / 1e9, 2),
            **{k: round(statistics.median(g[k] for g in got), 3) for k in ("ms_a_chunk", "decode_ms", "write_ms")}}
     if prof:
@@ -127,6 +141,7 @@ def main() -> None:
     ap.add_argument("--kvsrc", default=".bench/kvsrc.pt")
     ap.add_argument("--presets", default="transform-ans,compact-ans")
     ap.add_argument("--procs", default="1,8", help="numbers of processes, comma-separated")
+    ap.add_argument("--dests", default="flat,paged", help="flat (a buffer's slots) and/or paged (vLLM's cross-layer blocks)")
     ap.add_argument("--chunks", type=int, default=40, help="chunks each process restores")
     ap.add_argument("--profile", action="store_true", help="cProfile the first process at the largest count")
     ap.add_argument("--out")
@@ -134,8 +149,8 @@ def main() -> None:
     counts = [int(n) for n in args.procs.split(",")]
     rows = []
     for preset in args.presets.split(","):
-        for n in counts:
-            row = run(args.kvsrc, preset, args.device, n, args.chunks, args.profile and n == max(counts))
+        for dest, n in itertools.product(args.dests.split(","), counts):
+            row = run(args.kvsrc, preset, dest, args.device, n, args.chunks, args.profile and n == max(counts))
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "profile_first_process"}), flush=True)
     result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "date": time.strftime("%Y-%m-%d"),
