@@ -60,6 +60,19 @@ def test_a_rank_predicting_recompute_faster_than_every_common_load_makes_all_rec
     assert (g.preset, g.plans, g.loaded_tokens, g.reason, g.error) == (choice.RECOMPUTE, (), 0, "cost_model", None)
 
 
+def test_ranks_that_chose_to_load_are_asked_again_for_the_common_run_though_recompute_is_predicted_faster():
+    # each rank's cost model chose its load within the request's TTFT budget, which the group does not know
+    slow = {choice.RECOMPUTE: 1.0, "raw": 3.0}
+    r = group.agree([plan(2 * N, options=slow), plan(N, options=slow, rank=1), plan(2 * N, options=slow, rank=2)])
+    assert r == group.Retry(N, "raw", 8 * N)
+
+
+def test_ranks_with_no_stored_preset_in_common_recompute():
+    g = group.agree([plan(8 * N, "raw", options={choice.RECOMPUTE: 10.0, "raw": 2.0}),
+                     plan(8 * N, "q8", options={choice.RECOMPUTE: 10.0, "q8": 3.0}, rank=1)])
+    assert (g.preset, g.loaded_tokens, g.reason, g.hit_tokens) == (choice.RECOMPUTE, 0, "tp_group", 8 * N)
+
+
 def test_a_rank_with_nothing_stored_makes_all_recompute():
     g = group.agree([plan(8 * N), plan(0, choice.RECOMPUTE, options={}, reason="miss", rank=1)])
     assert (g.preset, g.loaded_tokens, g.reason, g.rank) == (choice.RECOMPUTE, 0, "miss", 1)

@@ -12,11 +12,14 @@ Planning (:func:`agree`), from every rank's plan of the same prompt:
 * a rank that did not answer, or whose plan failed (store down, deadline), makes the group recompute;
 * plans that agree on preset and chunk count are the group's plan as they are (the usual case:
   shards of one geometry, stored together, priced with similar rates);
-* otherwise the group takes the option whose slowest rank is predicted fastest (the ranks fetch at
-  once, so the slowest decides; recompute included), over the shortest leading run among the
-  ranks, and asks every rank once more for exactly that (:class:`Retry`: the prompt's first
-  ``tokens`` tokens, that preset only). A plan is sealed by its sidecar, so the group never edits
-  one: it only asks again. Plans that still disagree make the group recompute.
+* a rank whose own plan recomputes makes the group recompute: its cost model, which alone knows
+  the request's TTFT budget, refused a load of a run at least as long as the group's;
+* otherwise the group takes the stored preset whose slowest rank is predicted fastest, over the
+  shortest leading run among the ranks, and asks every rank once more for exactly that
+  (:class:`Retry`: the prompt's first ``tokens`` tokens, that preset only); each rank then weighs
+  that load against recompute as it weighs any, budget included (the group itself never prices
+  recompute: it would do so without the budget). A plan is sealed by its sidecar, so the group
+  never edits one: it only asks again. Plans that still disagree make the group recompute.
 
 Fetching (:func:`settle`): every rank fetches its own plan; the group holds what *every* rank loaded,
 the least of the ranks' loaded tokens. The rest is recomputed on all ranks, whatever the others
@@ -113,18 +116,17 @@ def agree(answers: Sequence[FetchPlan | BaseException], retry: Retry | None = No
             reason, detail = Reason.MISS.value, f"not every rank has its shard past token {first.loaded_tokens}"
         return GroupPlan(tuple(plans), first.requested_tokens, requested, hit, first.loaded_tokens, first.preset,
                          max(p.predicted_s for p in plans), reason, detail)
-    if retry is not None:
-        r = next((r for r, p in enumerate(plans) if p.preset == RECOMPUTE), None)
-        if r is not None:
-            return _recompute(requested, plans[r].reason or Reason.COST_MODEL, f"rank {r}: {plans[r].detail}", r, hit)
-        return _recompute(requested, Reason.TP_GROUP, f"the ranks chose {sorted({(p.preset, len(p.chunks)) for p in plans})}", None, hit)
     if hit == 0:
         r = next(r for r, p in enumerate(plans) if p.hit_tokens == 0)
         return _recompute(requested, Reason.MISS, f"rank {r}: nothing stored", r)
-    common = set.intersection(*(set(p.options) for p in plans))
-    best = min(common, key=lambda o: max(p.options[o] for p in plans), default=RECOMPUTE)
-    if best == RECOMPUTE:
-        return _recompute(requested, Reason.COST_MODEL, "recompute predicted faster than the slowest rank's fetch", None, hit)
+    if (r := next((r for r, p in enumerate(plans) if p.preset == RECOMPUTE), None)) is not None:
+        return _recompute(requested, plans[r].reason or Reason.COST_MODEL, f"rank {r}: {plans[r].detail}", r, hit)
+    if retry is not None:
+        return _recompute(requested, Reason.TP_GROUP, f"the ranks chose {sorted({(p.preset, len(p.chunks)) for p in plans})}", None, hit)
+    common = set.intersection(*(set(p.options) for p in plans)) - {RECOMPUTE}
+    if not common:
+        return _recompute(requested, Reason.TP_GROUP, "the ranks have no stored preset in common", None, hit)
+    best = min(common, key=lambda o: max(p.options[o] for p in plans))
     return Retry(min(p.loaded_tokens if p.preset == best else p.hit_tokens for p in plans), best, requested)
 
 
