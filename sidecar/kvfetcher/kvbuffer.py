@@ -406,13 +406,10 @@ class PagedKV:
     def block_write(self, blocks: Sequence[int]) -> BlockWrite | None:
         """Where a chunk filling ``blocks`` goes, as a kernel addresses it (:class:`BlockWrite`); None
         where the tensors' views differ in strides or lie at offsets not whole values apart."""
-        offsets = self._layer_offsets
-        if offsets is None:
+        if self._layer_offsets is None:
             return None
-        v0 = self.views[0]
-        _, sk, sh, sb, st, sd = v0.stride()
-        where = torch.tensor([b * sb for b in blocks], dtype=torch.int64, device=self.device)
-        return BlockWrite(v0, offsets, where, (sk, sh, st, sd), self.layout.block_size, self, tuple(blocks))
+        sb = self.views[0].stride(3)
+        return BlockWrite(self, tuple(blocks), torch.tensor([b * sb for b in blocks], dtype=torch.int64, device=self.device))
 
     @functools.cached_property
     def _layer_offsets(self) -> torch.Tensor | None:
@@ -457,19 +454,33 @@ class PagedKV:
 
 @dataclass(frozen=True)
 class BlockWrite:
-    """A chunk's place in paged blocks, for a kernel that writes it there itself (no temporary):
-    the value of (layer ``l``, key or value ``k``, head ``h``, token ``t``, channel ``d``) goes to
-    element ``layers[l] + k * sk + h * sh + blocks[t // block_size] + (t % block_size) * st + d * sd``
-    of ``base``'s memory, ``(sk, sh, st, sd)`` being ``strides``. ``layers`` and ``blocks`` are
-    int64 element offsets on the buffer's device. :meth:`write` is the same write from a tensor."""
+    """A chunk's place in ``block_ids`` of ``paged``, for a kernel that writes it there itself (no
+    temporary): the value of (layer ``l``, key or value ``k``, head ``h``, token ``t``, channel
+    ``d``) goes to element ``layers[l] + k * sk + h * sh + blocks[t // block_size] + (t % block_size)
+    * st + d * sd`` of :attr:`base`'s memory, ``(sk, sh, st, sd)`` being :attr:`strides`;
+    ``layers`` and ``blocks`` are int64 element offsets on the buffer's device (made by
+    :meth:`PagedKV.block_write`). :meth:`write` is the same write from a tensor."""
 
-    base: torch.Tensor
-    layers: torch.Tensor
-    blocks: torch.Tensor
-    strides: tuple[int, int, int, int]
-    block_size: int
-    paged: "PagedKV"
+    paged: PagedKV
     block_ids: tuple[int, ...]
+    blocks: torch.Tensor
+
+    @property
+    def base(self) -> torch.Tensor:
+        return self.paged.views[0]
+
+    @property
+    def layers(self) -> torch.Tensor:
+        return self.paged._layer_offsets
+
+    @property
+    def strides(self) -> tuple[int, int, int, int]:
+        _, sk, sh, _, st, sd = self.base.stride()
+        return sk, sh, st, sd
+
+    @property
+    def block_size(self) -> int:
+        return self.paged.layout.block_size
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:

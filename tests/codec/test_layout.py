@@ -336,3 +336,19 @@ def test_basis_mean_keeps_high_mean_components_on_their_mean_with_fp16_offsets()
     bias = (err.mean(3) / step).abs()
     assert int(quiet.sum()) >= 20
     assert float(bias[quiet].mean()) < 0.045  # 0.027 here; 0.076 with the mean taken as zero (checked)
+
+
+def test_paged_blocks_of_another_geometry_or_dtype_are_refused_before_a_write():
+    from kvfetcher.kvbuffer import PagedKV, PagedLayout
+
+    kv = synthetic_kv(layers=2, heads=2, tokens=32, head_dim=64)
+    p = layout.LayoutParams(mode="quant", bits=8)
+    pk = layout.pack(kv, p)
+    for blocks, dtype in (([0, 1, 2], kv.dtype), ([0, 1], torch.float32)):  # 48 tokens of blocks; a float32 buffer
+        paged = PagedKV(torch.full((4, 2, 16, 2, 128), 7.0, dtype=dtype), PagedLayout("BLTH(KD)", 16))
+        with pytest.raises(ValueError, match="destination blocks"):
+            layout.unpack(pk.frames, pk.side, tuple(kv.shape), kv.dtype, p, out=paged.block_write(blocks))
+        assert (paged.tensors[0] == 7).all()
+    paged = PagedKV(torch.zeros((4, 2, 16, 2, 128), dtype=kv.dtype), PagedLayout("BLTH(KD)", 16))
+    layout.unpack(pk.frames, pk.side, tuple(kv.shape), kv.dtype, p, out=paged.block_write([3, 1]))
+    assert torch.equal(paged.read([3, 1]), layout.unpack(pk.frames, pk.side, tuple(kv.shape), kv.dtype, p))
