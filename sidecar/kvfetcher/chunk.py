@@ -136,6 +136,7 @@ class Decoded:
     frames: torch.Tensor  # uint8 frames of every segment, in order
     side: torch.Tensor | None
     values: torch.Tensor | None = None  # a lossless layout's KV, already checked finite
+    ready: torch.cuda.Event | None = None  # GPU frames and side information: when their decode is done (not waited for)
 
     def write(self, dest: Destination, ref: ChunkRef) -> int:
         """Unpack into the chunk's slots of ``dest`` (its view in place, its paged blocks in place,
@@ -146,6 +147,8 @@ class Decoded:
             dest.write_kv(ref, self.values)
             return math.prod(h.shape) * bytes_per_value(h.torch_dtype)
         own = h.codec.format in codec.ENTROPY_FORMATS and dest.device.type == "cuda"
+        if self.ready is not None:
+            (thread_stream(dest.device) if own else torch.cuda.current_stream(self.frames.device)).wait_event(self.ready)
         with torch.cuda.stream(thread_stream(dest.device)) if own else contextlib.nullcontext():
             frames = self.frames.to(dest.device)
             unpack = functools.partial(layout.unpack, frames, self.side, h.shape, h.torch_dtype, h.layout, start=h.start)
@@ -205,9 +208,13 @@ def decode_verified(h: container.Header, side: Bytes | None, segments: Sequence[
     if h.layout.mode in layout.LOSSLESS_MODES:  # the values are the payload's: check them all
         values = layout.unpack(frames_t, None, h.shape, h.torch_dtype, h.layout)
         container.check_finite(values, h.torch_dtype)
-    elif frames_t.is_cuda:  # the side information goes to the frames' GPU here, off the write's path
-        side_t = side_t.to(frames_t.device)
-    return Decoded(h, frames_t, side_t, values)
+    ready = None
+    if values is None and frames_t.is_cuda:  # the side information goes to the frames' GPU here, off the write's path
+        if side_t is not None:  # (from page-locked memory: a copy from pageable memory would wait for the decode)
+            side_t = side_t.pin_memory().to(frames_t.device, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(frames_t.device))
+    return Decoded(h, frames_t, side_t, values, ready)
 
 
 def restore_chunk(dest: Destination, ref: ChunkRef, h: container.Header, side: Bytes | None, segments: Sequence[Bytes],

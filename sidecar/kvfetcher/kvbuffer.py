@@ -409,7 +409,10 @@ class PagedKV:
         if self._layer_offsets is None:
             return None
         sb = self.views[0].stride(3)
-        return BlockWrite(self, tuple(blocks), torch.tensor([b * sb for b in blocks], dtype=torch.int64, device=self.device))
+        offsets = torch.tensor([b * sb for b in blocks], dtype=torch.int64)
+        if self.device.type == "cuda":  # (from page-locked memory: a copy from pageable memory waits for the stream)
+            offsets = offsets.pin_memory()
+        return BlockWrite(self, tuple(blocks), offsets.to(self.device, non_blocking=True))
 
     @functools.cached_property
     def _layer_offsets(self) -> torch.Tensor | None:

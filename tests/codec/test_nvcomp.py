@@ -105,6 +105,28 @@ def test_a_bitstream_decodes_alike_from_bytes_a_pinned_tensor_and_a_pageable_one
         assert torch.equal(dec.decode(src, tuple(f.shape), "cuda"), f)
 
 
+def test_decodes_from_bytes_queued_back_to_back_each_get_their_own_payload():
+    """A decode does not wait for the GPU, and the next one reuses the thread's pinned buffer: it
+    must not overwrite a payload whose copy is still queued."""
+    frames = [_frames(shape=(8, 3, 1024, 512), seed=s).cuda() for s in range(6)]
+    params = codec.CodecParams(format="ans", block_bytes=1 << 16)
+    datas = [codec.encoder("ans", "cuda").encode(f, params) for f in frames]
+    dec = codec.decoder("ans", "cuda")
+    outs = [dec.decode(d, tuple(frames[0].shape), "cuda") for d in datas * 3]
+    assert all(torch.equal(o, frames[i % 6]) for i, o in enumerate(outs))
+
+
+def test_a_callers_host_tensor_may_be_reused_once_the_decode_returns():
+    f = _frames(shape=(8, 3, 1024, 512), seed=5).cuda()
+    data = codec.encoder("ans", "cuda").encode(f, codec.CodecParams(format="ans", block_bytes=1 << 16))
+    for pinned in (True, False):
+        host = torch.empty(len(data), dtype=torch.uint8, pin_memory=pinned)
+        host.numpy()[:] = memoryview(data)
+        out = codec.decoder("ans", "cuda").decode(host, tuple(f.shape), "cuda")
+        host.zero_()
+        assert torch.equal(out, f)
+
+
 def test_a_block_table_beyond_what_a_block_can_code_to_is_refused():
     """The decoder is configured once per geometry from the blocks' bound: a table claiming more
     (sizes still adding up to the payload) is refused before anything is queued on the GPU."""

@@ -7,14 +7,16 @@ Zstandard frame that the CPU backend reads (and the other way round).
 Encoding reads planes already on the GPU, waits once for the coded sizes, packs the coded blocks
 back to back on the GPU (one gather, the padding zeroed) and copies only those bytes to the host.
 Decoding copies the payload to the GPU in one copy (straight from a host tensor it is given, such
-as a fetch's pinned staging buffer; bytes go through a reused pinned buffer first), decodes every
-block and waits once, for the frames. Both run through per-thread buffers and nvCOMP batches
-and configurations made once per geometry (:class:`_Coder`), so no call waits for the GPU while
-holding the GIL.
+as a fetch's pinned staging buffer; bytes go through a reused pinned buffer first) and decodes
+every block without waiting for the GPU: the frames it hands back are ordered on the caller's
+current stream (a stream reading them elsewhere waits for that one). It waits only for the copy
+out of a host tensor it was given, which the caller may reuse once it returns. Both directions run
+through per-thread buffers and nvCOMP batches and configurations made once per geometry
+(:class:`_Coder`), so no call waits for the GPU while holding the GIL.
 
 Each thread has its own CUDA stream and nvCOMP codecs on it; a call orders its stream after the
-caller's current stream and waits for its own work before returning, so the tensors it hands back
-are ready on any stream, and memory it allocated for them is the caller's stream's.
+caller's current stream, and the caller's current stream after its work; memory it allocated for
+the tensors it hands back is the caller's stream's.
 """
 
 from __future__ import annotations
@@ -97,8 +99,8 @@ class _Coder:
         return self._plans[key]
 
     def staged(self, nbytes: int) -> torch.Tensor:
-        """This thread's device buffer for a coded payload, grown to at least ``nbytes`` (idle
-        between calls: every call waits for its own work)."""
+        """This thread's device buffer for a coded payload, grown to at least ``nbytes`` (reused:
+        only this coder's stream touches it, so a call's copy into it follows the last call's decode)."""
         if self._staged.numel() < nbytes:
             self._staged = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, device=self.device)
         return self._staged
@@ -136,8 +138,12 @@ def _coder(dev: torch.device, fmt: str) -> _Coder:
 
 
 def _pinned(nbytes: int) -> torch.Tensor:
-    """This thread's pinned staging buffer, grown to at least ``nbytes`` (reused: pinning is slow).
-    Its previous contents are no longer needed: every call waits for its own copies."""
+    """This thread's pinned staging buffer, grown to at least ``nbytes`` (reused: pinning is slow),
+    once the copy out of it that the last decode queued (``_local.pinned_read``) is done."""
+    read = getattr(_local, "pinned_read", None)
+    if read is not None:
+        read.synchronize()
+        _local.pinned_read = None
     buf = getattr(_local, "pinned", None)
     if buf is None or buf.numel() < nbytes:
         buf = _local.pinned = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, pin_memory=True)
@@ -189,15 +195,17 @@ class NvcompCodec:
 
     def decode(self, data: entropy.Bitstream, frame_shape: tuple[int, int, int, int],
                device: torch.device | str = "cuda") -> torch.Tensor:
-        """A bitstream -> uint8 ``frame_shape`` on ``device`` (decoded on this GPU). ``data`` as a
-        host tensor (best pinned) is copied to the GPU in place.
+        """A bitstream -> uint8 ``frame_shape`` on ``device`` (decoded on this GPU), ordered on the
+        caller's current stream and not waited for. ``data`` as a host tensor (best pinned) is
+        copied to the GPU in place, and free to reuse when this returns.
 
         nvCOMP does not report a damaged block (it decodes to wrong planes): the checksums of the
         container are what keeps a damaged bitstream from reaching a buffer."""
         nv = _nvcomp()
         total = math.prod(frame_shape)
         block, sizes, offsets, payload = entropy.split(data, total)
-        if isinstance(data, torch.Tensor):
+        given = isinstance(data, torch.Tensor)
+        if given:
             src = data[data.numel() - len(payload) :]
         else:
             src = _pinned(len(payload))
@@ -213,11 +221,18 @@ class NvcompCodec:
         try:
             with torch.cuda.stream(c.stream):
                 staged[: len(payload)].copy_(src, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(c.stream)
                 c.codec.decode(coded, out=p.planes_batch, decompression_config=p.config)
                 out.copy_(p.planes)
-            c.stream.synchronize()
         except torch.cuda.OutOfMemoryError:
             raise  # not the object's fault
         except (RuntimeError, ValueError) as e:  # a bitstream nvCOMP refuses outright
             raise CodecError(f"{self.name} decode failed: {e}") from e
+        finally:
+            torch.cuda.current_stream(self.device).wait_stream(c.stream)
+        if given:
+            copied.synchronize()  # the caller may reuse its buffer once this returns
+        else:
+            _local.pinned_read = copied
         return out.view(frame_shape).to(device)
