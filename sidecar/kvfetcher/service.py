@@ -104,7 +104,8 @@ class Sidecar:
         self.readers = self._readers()
         self.index = StoredIndex(self.config.index_keys, self.config.negative_ttl_s)  # what is stored, as far as this sidecar knows
         self.catalog = Catalog(store, self.index, self.meta_pool, failed=lambda reason: self.metrics.errors.labels(reason).inc())
-        self.writer = Writer(store, self.config, self.metrics, self.data_pool, self.meta_pool, stored=self.index.stored)
+        self.writer = Writer(store, self.config, self.metrics, self.data_pool, self.meta_pool, stored=self.index.stored,
+                             settled=lambda model: self.calibrations.settled(model))  # (made below)
         self.link = LinkShare(self.config.link_dir)  # the node's fetches, which share its link
         self.probe = probe.LinkProbe(store, self.data_pool, self.estimator, self.metrics, self.link,  # the link's rate before any fetch,
                                      read=self.readers.read_into if self.readers else None, staging=self._staging())  # read as a fetch reads

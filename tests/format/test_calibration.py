@@ -145,6 +145,31 @@ async def test_a_sidecar_finds_its_models_calibration_in_the_store_and_stores_ba
         assert (buf.tensor.float() - kv.float()).abs().mean() < 0.2
 
 
+async def test_a_store_right_after_registration_waits_for_the_calibration_being_fetched(local, tmp_path, shm, monkeypatch):
+    """The look at registration runs in the background: a store issued before it is done still
+    writes the presets the calibration allows (it waits for the look, not a 'not storing')."""
+    import threading
+
+    store = LocalStore(tmp_path / "store")
+    calibration.publish(store, *made("tiny-lm", tmp_path / "made"))
+    fetching, fetch = threading.Event(), calibration.fetch
+
+    def slow_fetch(*a, **kw):
+        fetching.wait(10)
+        return fetch(*a, **kw)
+
+    monkeypatch.setattr(calibration, "fetch", slow_fetch)
+    buf = shm((GEO[0], 2, GEO[1], 64, GEO[2]))
+    buf.tensor.copy_(kv_of(tokens=64))
+    async with running(store, chunk_tokens=32, presets=("q8", "balanced"), decode_procs=0, device="cpu", warm_up=False) as sc:
+        bid = sc.register(buf.handle, "tiny-lm/fp16")
+        await sc.store(bid, _tokens())
+        assert not sc.calibrations.finding.done()
+        fetching.set()
+        await sc.flush()
+        assert sorted(keys.preset_of(n) for n in store.list("kv/")) == ["balanced", "balanced", "q8", "q8"]
+
+
 async def test_a_calibration_published_after_the_sidecar_started_is_found_on_the_lookup_path(local, tmp_path, shm):
     """The operator's calibration Job publishes while the model already serves: a plan looks again
     once the recheck interval has passed (not before), and from then on the model stores and

@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -88,8 +88,10 @@ class Writer:
     in ``meta_pool``, PUTs in ``data_pool``; ``stored(key, preset, size)`` hears of every object written."""
 
     def __init__(self, store: Store, config: Config, metrics: Metrics, data_pool: Executor, meta_pool: Executor,
-                 stored: Callable[[str, str, int], None] = lambda key, preset, size: None):
+                 stored: Callable[[str, str, int], None] = lambda key, preset, size: None,
+                 settled: Callable[[str], Awaitable[None]] | None = None):
         self.store, self.config, self.metrics, self.stored = store, config, metrics, stored
+        self.settled = settled  # awaited before a job's presets are chosen where one is refused: the model's calibration look
         self.data_pool, self.meta_pool = data_pool, meta_pool
         self.encode_pool = ThreadPoolExecutor(config.store_encoders, thread_name_prefix="kvf-encode", initializer=_lower_priority)
         self._queue: asyncio.Queue[Job] | None = None
@@ -113,6 +115,13 @@ class Writer:
             self._refused[model].add(name)
             log.warning("not storing %s: %s", name, presets.refusal(name, model))
         return usable
+
+    async def _presets(self, model: str) -> tuple[str, ...]:
+        """:meth:`presets_for`, where a preset is refused once ``settled(model)`` is done (a
+        calibration being fetched may allow it)."""
+        if self.settled is not None and len(presets.usable(self.config.presets, model)) < len(self.config.presets):
+            await self.settled(model)
+        return self.presets_for(model)
 
     def start(self) -> None:
         self._queue = asyncio.Queue()
@@ -197,7 +206,7 @@ class Writer:
                 in_flight.release()
 
         try:
-            for i, preset in itertools.product(range(len(job.keys)), self.presets_for(job.ns.model)):
+            for i, preset in itertools.product(range(len(job.keys)), await self._presets(job.ns.model)):
                 await in_flight.acquire()
                 if failed:
                     break

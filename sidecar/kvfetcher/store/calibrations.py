@@ -29,6 +29,8 @@ log = logging.getLogger("kvfetcher.calibrations")
 RECHECK_S = 60.0
 #: how many models' looks are remembered (a client names its model; KVFETCHER_MODEL pins one)
 MAX_MODELS = 256
+#: the longest a store waits for its model's look in flight (:meth:`CalibrationLookup.settled`)
+SETTLE_S = 10.0
 
 
 class CalibrationLookup:
@@ -41,6 +43,7 @@ class CalibrationLookup:
         self.key, self.accepted, self.max_models = key, accepted, max_models
         self._looked: dict[str, float] = {}  # model -> when its calibration was last looked for (insertion order)
         self.finding: asyncio.Future | None = None  # the latest look
+        self._finding: dict[str, asyncio.Future] = {}  # model -> its look in flight
 
     def look(self, model: str) -> None:
         """Run :meth:`find` in ``pool`` when it is due (not within ``recheck_s`` of the last look,
@@ -56,6 +59,21 @@ class CalibrationLookup:
             self.finding = asyncio.get_running_loop().run_in_executor(self.pool, self.find, model)
         except RuntimeError:  # no event loop (a direct caller)
             self.find(model)
+            return
+        self._finding = {m: f for m, f in self._finding.items() if not f.done()}
+        self._finding[model] = self.finding
+
+    async def settled(self, model: str, timeout_s: float = SETTLE_S) -> None:
+        """Once the look for ``model``'s calibration in flight, if any, is done (at most
+        ``timeout_s``): a store issued right after a buffer's registration then writes the presets
+        that calibration allows. Never raises."""
+        f = self._finding.get(model)
+        if f is None or f.done():
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(f), timeout_s)
+        except TimeoutError:
+            log.info("calibration look for %s still running after %.0f s: storing without it", model, timeout_s)
 
     def find(self, model: str) -> None:
         """Make the store's calibration of ``model`` local when its tag is longer than the longest
