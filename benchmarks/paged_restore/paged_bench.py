@@ -64,17 +64,17 @@ def restored(tensors, layout, block_ids, tokens: int) -> torch.Tensor:
     return tensors.clone() if layout is None else kvbuffer.read_blocks(tensors, layout, block_ids, 0, tokens)
 
 
-def difference(got: torch.Tensor, ref: torch.Tensor) -> dict:
-    """Where ``got`` ``[L, 2, H, T, D]`` differs from ``ref``: the share of values, the tokens holding
-    any (how many, the first), the (layer, k|v) pairs holding any, and the largest difference in
-    units of the dtype's spacing at the reference value."""
+def difference(got: torch.Tensor, ref: torch.Tensor) -> dict | None:
+    """Where ``got`` ``[L, 2, H, T, D]`` differs from ``ref`` bit for bit (None: nowhere): the share
+    of values, the tokens holding any (how many, the first), the (layer, k|v) pairs holding any, and
+    the largest difference in units of the dtype's spacing at the reference value."""
     ne = got.view(torch.int16) != ref.view(torch.int16)
     if not ne.any():
-        return {"values": 0.0}
+        return None
     a, b = ref.float(), got.float()
     spacing = torch.finfo(ref.dtype).eps * a.abs().clamp_min(torch.finfo(ref.dtype).tiny)
     tokens = ne.any(dim=(0, 1, 2, 4)).nonzero().flatten().tolist()
-    return {"values": round(float(ne.float().mean()), 6), "tokens": len(tokens), "first_token": tokens[0],
+    return {"values": float(f"{float(ne.float().mean()):.3g}"), "tokens": len(tokens), "first_token": tokens[0],
             "layer_kv": ne.any(dim=(2, 3, 4)).nonzero().tolist()[:8],
             "max_units": round(float(((a - b).abs() / spacing)[ne].max()), 1),
             "nan": bool(torch.isnan(b).any())}
@@ -203,9 +203,9 @@ def fetch_all(dests, tokens, kv_bytes, block_ids, repeats, store, refs, workers,
         med = statistics.median(o.seconds for o in outs)
         got = restored(tensors, layout, block_ids, tokens)
         first = got if first is None else first
+        differing = difference(got, first)
         row[name] = {"fetch_s": round(med, 4), "kv_GB_s": round(kv_bytes / med / 1e9, 2),
-                     "identical_to_flat": bool(torch.equal(got.view(torch.int16), first.view(torch.int16))),
-                     "differing_from_flat": difference(got, first),
+                     "identical_to_flat": differing is None, "differing_from_flat": differing,
                      "stages": executor.stage_summary(mid.timeline, mid.seconds), "cpu_busy_cores": cpu}
         print(key, name, json.dumps(row[name]), flush=True)
     return row

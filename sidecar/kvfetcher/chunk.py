@@ -34,7 +34,7 @@ from kvfetcher import codec
 from kvfetcher.format import container
 from kvfetcher.format.mac import ObjectMAC
 from kvfetcher.format.presets import Preset, get
-from kvfetcher.kvbuffer import ChunkRef, Destination, bytes_per_value, dtype_name
+from kvfetcher.kvbuffer import ChunkRef, Destination, bytes_per_value, dtype_name, to_device
 
 Bytes = bytes | memoryview  # a part's stored bytes as read (a worker reads them in place from shared memory)
 
@@ -210,8 +210,8 @@ def decode_verified(h: container.Header, side: Bytes | None, segments: Sequence[
         container.check_finite(values, h.torch_dtype)
     ready = None
     if values is None and frames_t.is_cuda:  # the side information goes to the frames' GPU here, off the write's path
-        if side_t is not None:  # (from page-locked memory: a copy from pageable memory would wait for the decode)
-            side_t = side_t.pin_memory().to(frames_t.device, non_blocking=True)
+        if side_t is not None:
+            side_t = to_device(side_t, frames_t.device)
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(frames_t.device))
     return Decoded(h, frames_t, side_t, values, ready)

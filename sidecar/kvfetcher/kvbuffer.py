@@ -226,6 +226,15 @@ def to_host(src: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(stage)
 
 
+def to_device(src: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor ``src`` on ``device``; to a GPU through page-locked memory, queued on the
+    current stream and not waited for (a copy from pageable memory would wait for the work queued
+    before it)."""
+    if device.type != "cuda":
+        return src.to(device)
+    return src.pin_memory().to(device, non_blocking=True)
+
+
 # --- stored objects for the engine to decode -----------------------------------------------------
 
 #: a store's copy out of a buffer (:meth:`Destination.read`) gathers at most this much on the device at once
@@ -409,10 +418,7 @@ class PagedKV:
         if self._layer_offsets is None:
             return None
         sb = self.views[0].stride(3)
-        offsets = torch.tensor([b * sb for b in blocks], dtype=torch.int64)
-        if self.device.type == "cuda":  # (from page-locked memory: a copy from pageable memory waits for the stream)
-            offsets = offsets.pin_memory()
-        return BlockWrite(self, tuple(blocks), offsets.to(self.device, non_blocking=True))
+        return BlockWrite(self, tuple(blocks), to_device(torch.tensor([b * sb for b in blocks], dtype=torch.int64), self.device))
 
     @functools.cached_property
     def _layer_offsets(self) -> torch.Tensor | None:
