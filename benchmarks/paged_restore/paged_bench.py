@@ -165,9 +165,10 @@ def reader_procs(store, procs: int):
 
 
 @contextlib.contextmanager
-def object_store(source: str, root: str):
+def object_store(source: str, root: str, server_procs: int | None = None):
     """(where objects are written, where they are read): a local directory, or the same objects read
-    over S3 from the link server serving it (unpaced: the sidecar's own read path is measured, not a link)."""
+    over S3 from the link server serving it (unpaced: the sidecar's own read path is measured, not a
+    link) in ``server_procs`` processes (None: ``linkserver.default_procs()``)."""
     bucket = Path(root) / "kvbench"
     bucket.mkdir()
     if source == "local":
@@ -176,7 +177,7 @@ def object_store(source: str, root: str):
     from benchmarks.lib import linkserver
     from kvfetcher.store.s3 import S3Store
 
-    url, group = linkserver.start_process(root, 0.0, linkserver.default_procs())
+    url, group = linkserver.start_process(root, 0.0, server_procs or linkserver.default_procs())
     try:
         yield LocalStore(bucket), S3Store(url, "kvbench", "bench", "bench", verify_tls=False)
     finally:
@@ -224,6 +225,8 @@ def main() -> None:
     ap.add_argument("--dests", default="flat,paged_per_layer,paged_cross_layer", help="destinations timed (flat first: the reference)")
     ap.add_argument("--tunings", default="8x8x4", help="window x reads x decode threads [x reader processes], comma-separated: each is timed")
     ap.add_argument("--source", default="local", choices=["local", "s3"], help="s3: the same objects over the link server, unpaced")
+    ap.add_argument("--server-procs", type=int, help="s3: the link server's processes (default: half the cores, at most 8); "
+                    "they share this machine's cores with the sidecar's, which remote storage would not")
     ap.add_argument("--neighbour-steps", type=float, help="another process steps on the GPU this many times a second "
                     "during the fetches, as an idle vLLM engine does (0: as fast as it can; unset: no neighbour)")
     ap.add_argument("--whole-bytes", help="the executor's WHOLE_OBJECT_BYTES, comma-separated: each is timed (0: an "
@@ -243,7 +246,7 @@ def main() -> None:
     chunk = torch.randn(shape.layers, 2, shape.kv_heads, T, shape.head_dim, device=args.device).to(torch.bfloat16)
     cuda = args.device == "cuda"
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "date": time.strftime("%Y-%m-%d"), "shape": args.shape, "tokens": tokens,
-              "kv_bytes": kv_bytes, "chunk_tokens": T, "block_size": args.block_size, "procs": args.procs, "source": args.source, "basis": args.basis, "scatter_one_chunk": {},
+              "kv_bytes": kv_bytes, "chunk_tokens": T, "block_size": args.block_size, "procs": args.procs, "source": args.source, "server_procs": args.server_procs, "basis": args.basis, "scatter_one_chunk": {},
               "fetch": {}}
     dests = {k: v for k, v in dests.items() if k in args.dests.split(",")}
     for name, (tensors, layout, _) in dests.items():
@@ -256,7 +259,7 @@ def main() -> None:
     if workers is not None:
         workers.start()
     try:
-        with (tempfile.TemporaryDirectory() as d, object_store(args.source, d) as (writer, store), ThreadPoolExecutor(32) as io,
+        with (tempfile.TemporaryDirectory() as d, object_store(args.source, d, args.server_procs) as (writer, store), ThreadPoolExecutor(32) as io,
               neighbour(args.neighbour_steps if cuda else None) as beside):
             for preset in args.presets.split(","):
                 refs = put_prefix(writer, preset, encode_objects(shape, preset, T, distinct=4, gpu=cuda), args.chunks, T, preset=preset)

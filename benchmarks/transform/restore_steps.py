@@ -9,8 +9,11 @@ chunks, ``transform_bench``'s KV and stand-in calibration) into a flat buffer or
 paged blocks (``--dests``) on ``--device``, all starting at once; reported per process: ms a chunk (wall), and of it the ms ``restore_chunk`` spent
 verifying and decoding and writing (its ``times``). The aggregate KV GB/s. With ``--profile``
 the first process of the largest count also runs under cProfile: its host time by function.
+``--memory`` says where a process reads the stored chunks from: ``bytes`` (pageable memory of its
+own) or ``slab`` (shared memory mapped as a decode worker maps a reader's staging buffer,
+``decode_worker._WorkerState.view``: page-locked on a GPU, its parts decoded from in place).
 
-    python -m benchmarks.transform.restore_steps --kvsrc .bench/kvsrc.pt --procs 1,2,4,8 --profile --out $OUT/restore_steps.json
+    python -m benchmarks.transform.restore_steps --kvsrc .bench/kvsrc.pt --procs 1,2,4,8 --memory bytes,slab --profile --out $OUT/restore_steps.json
     python -m benchmarks.transform.restore_steps --device cpu --presets transform-zstd --procs 1,2 --chunks 4   # a smoke run
 """
 
@@ -32,6 +35,8 @@ import torch
 
 from benchmarks.lib import kvsource, standin
 from kvfetcher import chunk
+from kvfetcher.fetch import decode_worker
+from kvfetcher.fetch.slab import Slab
 from kvfetcher.format import container
 from kvfetcher.kvbuffer import ChunkRef, Destination, PagedDestination, PagedKV, PagedLayout
 
@@ -51,11 +56,24 @@ def _objects(kvsrc: str, preset: str, device: str) -> tuple[list[bytes], tuple[i
     return [chunk.encode_chunk(kv, preset, FP, start=(i + 1) * T, rope_theta=THETA) for i, kv in enumerate(kvs)], tuple(kvs[0].shape)
 
 
-def _parts(obj: bytes) -> tuple:
-    h = container.parse_header(obj)
-    mem = memoryview(obj)
-    part = lambda s: mem[h.header_size + s.offset : h.header_size + s.offset + s.length]  # noqa: E731
-    return h, part(h.side) if h.side else None, [part(s) for s in h.segments]
+def _parts(objs: list[bytes], memory: str, state: decode_worker._WorkerState) -> list[tuple]:
+    """Each object as a worker gets it: (header parsed, side information, segments in place), in
+    ``bytes`` of this process or in a ``slab`` mapped as a worker maps one (``state`` keeps it)."""
+    if memory == "bytes":
+        mems, hosts = [memoryview(o) for o in objs], [None] * len(objs)
+    else:
+        owner = Slab(sum(len(o) for o in objs))  # (the owner's memfd; the process maps it again by path, as a worker)
+        mem, host = state.view(owner.path, owner.size)
+        ends = list(itertools.accumulate(len(o) for o in objs))
+        for o, end in zip(objs, ends):
+            mem[end - len(o) : end] = o
+        mems, hosts = [mem[end - len(o) : end] for o, end in zip(objs, ends)], [None if host is None else host[end - len(o) : end] for o, end in zip(objs, ends)]
+    out = []
+    for o, mem, host in zip(objs, mems, hosts):
+        h = container.parse_header(o)
+        spans = [(h.header_size + s.offset, h.header_size + s.offset + s.length) for s in ([h.side] if h.side else []) + list(h.segments)]
+        out.append((h, *decode_worker.parts_at(mem, host, spans, h.side is not None)))
+    return out
 
 
 def _destination(kind: str, shape: tuple[int, ...], device: str) -> Destination:
@@ -70,13 +88,13 @@ def _destination(kind: str, shape: tuple[int, ...], device: str) -> Destination:
     return PagedDestination(paged, blocks, T)
 
 
-def _worker(kvsrc: str, preset: str, dests: str, device: str, chunks: int, profile: bool, barrier, results) -> None:
+def _worker(kvsrc: str, preset: str, dests: str, memory: str, device: str, chunks: int, profile: bool, barrier, results) -> None:
     """One process: restore ``chunks`` chunks once every process is ready; put its figures."""
     try:
         torch.set_num_threads(1)  # as a decode worker
         objs, shape = _objects(kvsrc, preset, device)
         dest = _destination(dests, shape, device)
-        parsed = [_parts(o) for o in objs]  # as a worker gets them: the header parsed, the parts in place
+        parsed = _parts(objs, memory, decode_worker._WorkerState())
         steps: dict[str, list[float]] = {"decode_s": [], "write_s": []}
 
         def one(i: int) -> None:
@@ -112,10 +130,10 @@ def _worker(kvsrc: str, preset: str, dests: str, device: str, chunks: int, profi
         results.put({"error": f"{type(e).__name__}: {e}"})
 
 
-def run(kvsrc: str, preset: str, dest: str, device: str, procs: int, chunks: int, profile: bool) -> dict:
+def run(kvsrc: str, preset: str, dest: str, memory: str, device: str, procs: int, chunks: int, profile: bool) -> dict:
     ctx = multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(procs), ctx.Queue()
-    ps = [ctx.Process(target=_worker, args=(kvsrc, preset, dest, device, chunks, profile and i == 0, barrier, results)) for i in range(procs)]
+    ps = [ctx.Process(target=_worker, args=(kvsrc, preset, dest, memory, device, chunks, profile and i == 0, barrier, results)) for i in range(procs)]
     for p in ps:
         p.start()
     got = [results.get(timeout=600) for _ in ps]
@@ -127,7 +145,7 @@ def run(kvsrc: str, preset: str, dest: str, device: str, procs: int, chunks: int
     prof = next((g.pop("profile") for g in got if g["profile"]), "")
     for g in got:
         g.pop("profile", None)
-    row = {"preset": preset, "dest": dest, "procs": procs,
+    row = {"preset": preset, "dest": dest, "memory": memory, "procs": procs,
            "kv_GB_s": round(sum(g["kv_bytes"] for g in got) / max(g["wall_s"] for g in got) / 1e9, 2),
            **{k: round(statistics.median(g[k] for g in got), 3) for k in ("ms_a_chunk", "decode_ms", "write_ms")}}
     if prof:
@@ -142,6 +160,7 @@ def main() -> None:
     ap.add_argument("--presets", default="transform-ans,compact-ans")
     ap.add_argument("--procs", default="1,8", help="numbers of processes, comma-separated")
     ap.add_argument("--dests", default="flat,paged", help="flat (a buffer's slots) and/or paged (vLLM's cross-layer blocks)")
+    ap.add_argument("--memory", default="bytes,slab", help="bytes (pageable, the process' own) and/or slab (mapped as a decode worker maps staging)")
     ap.add_argument("--chunks", type=int, default=40, help="chunks each process restores")
     ap.add_argument("--profile", action="store_true", help="cProfile the first process at the largest count")
     ap.add_argument("--out")
@@ -149,8 +168,8 @@ def main() -> None:
     counts = [int(n) for n in args.procs.split(",")]
     rows = []
     for preset in args.presets.split(","):
-        for dest, n in itertools.product(args.dests.split(","), counts):
-            row = run(args.kvsrc, preset, dest, args.device, n, args.chunks, args.profile and n == max(counts))
+        for dest, n, memory in itertools.product(args.dests.split(","), counts, args.memory.split(",")):
+            row = run(args.kvsrc, preset, dest, memory, args.device, n, args.chunks, args.profile and n == max(counts))
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "profile_first_process"}), flush=True)
     result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "date": time.strftime("%Y-%m-%d"),

@@ -176,7 +176,7 @@ def thread_stream(device: torch.device) -> torch.cuda.Stream:
     return streams[device]
 
 
-def verify_and_decode(h: container.Header, side: Bytes | None, segments: Sequence[Bytes],
+def verify_and_decode(h: container.Header, side: Bytes | None, segments: Sequence[Bytes | torch.Tensor],
                       device: torch.device | str = "cpu", backend: str | None = None,
                       auth: ObjectMAC | None = None) -> Decoded:
     """Check the checksum (and with ``auth`` the tag) of the side information and of every segment,
@@ -186,8 +186,13 @@ def verify_and_decode(h: container.Header, side: Bytes | None, segments: Sequenc
     if h.side is not None:
         container.check(h.side, side, auth)
     for seg, data in zip(h.segments, segments, strict=True):
-        container.check(seg, data, auth)
+        container.check(seg, _host_view(data), auth)
     return decode_verified(h, side, segments, device, backend)
+
+
+def _host_view(data: Bytes | torch.Tensor) -> Bytes:
+    """A part's bytes as a buffer (a host uint8 tensor viewed in place)."""
+    return memoryview(data.numpy()) if isinstance(data, torch.Tensor) else data
 
 
 def decode_verified(h: container.Header, side: Bytes | None, segments: Sequence[Bytes | torch.Tensor],
@@ -201,8 +206,10 @@ def decode_verified(h: container.Header, side: Bytes | None, segments: Sequence[
         for part in layout.split_side(side_t, h.shape, h.layout):
             container.check_finite(part, h.torch_dtype)
     dec = codec.decoder(h.codec.format, device, backend)
-    in_place = dec.name in ("nvdec", "raw") or dec.format in codec.ENTROPY_FORMATS  # these read a buffer in place; libav wants bytes
-    frames = [container.decode_segment(h, s, d if in_place else bytes(d), dec, device) for s, d in zip(h.segments, segments)]
+    entropy = dec.format in codec.ENTROPY_FORMATS  # these read a host tensor in place too
+    in_place = entropy or dec.name in ("nvdec", "raw")  # these read a buffer in place; libav wants bytes
+    given = lambda d: d if entropy else _host_view(d) if in_place else bytes(_host_view(d))  # noqa: E731
+    frames = [container.decode_segment(h, s, given(d), dec, device) for s, d in zip(h.segments, segments)]
     frames_t = frames[0] if len(frames) == 1 else torch.cat(frames)
     values = None
     if h.layout.mode in layout.LOSSLESS_MODES:  # the values are the payload's: check them all
@@ -217,11 +224,12 @@ def decode_verified(h: container.Header, side: Bytes | None, segments: Sequence[
     return Decoded(h, frames_t, side_t, values, ready)
 
 
-def restore_chunk(dest: Destination, ref: ChunkRef, h: container.Header, side: Bytes | None, segments: Sequence[Bytes],
+def restore_chunk(dest: Destination, ref: ChunkRef, h: container.Header, side: Bytes | None, segments: Sequence[Bytes | torch.Tensor],
                   *, device: torch.device | str | None = None, backend: str | None = None,
                   times: dict[str, float] | None = None, auth: ObjectMAC | None = None) -> int:
     """The restore of one chunk: check that it fits ``dest``, verify every part, decode every
-    segment, and only then write it into ``ref``'s slots; returns the KV bytes written.
+    segment, and only then write it into ``ref``'s slots; returns the KV bytes written. A segment
+    may be a host uint8 tensor (best page-locked: an entropy decode copies from it in place).
 
     Nothing unverified or undecodable reaches the buffer: a bad part raises (a
     :class:`container.ContainerError`) before the first write. ``device`` is where frames are

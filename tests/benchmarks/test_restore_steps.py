@@ -16,10 +16,12 @@ def _run(tmp_path, *args):
 
 
 def test_each_count_of_processes_restores_and_times_its_steps(tmp_path):
+    """From either memory (a process' own bytes, or a slab mapped as a decode worker maps staging)."""
     run = _run(tmp_path, "--presets", "transform-zstd", "--procs", "1,2", "--dests", "flat,paged", "--profile")
     assert run.returncode == 0, run.stderr[-2000:]
     rows = json.loads((tmp_path / "r.json").read_text())["rows"]
-    assert [(r["dest"], r["procs"]) for r in rows] == [("flat", 1), ("flat", 2), ("paged", 1), ("paged", 2)]
+    assert [(r["dest"], r["procs"], r["memory"]) for r in rows] == [
+        (d, n, m) for d in ("flat", "paged") for n in (1, 2) for m in ("bytes", "slab")]
     for r in rows:
         assert r["kv_GB_s"] > 0 and r["ms_a_chunk"] >= r["decode_ms"] + r["write_ms"] > 0
         assert ("kvfetcher/codec" in r.get("profile_first_process", "")) == (r["procs"] == 2)

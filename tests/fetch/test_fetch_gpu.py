@@ -12,6 +12,9 @@ import pytest
 import torch
 
 from kvfetcher import codec, ipc
+from kvfetcher.fetch import decode_worker
+from kvfetcher.fetch.readers import ReadProcs, SharedStaging
+from kvfetcher.fetch.slab import Slab
 from kvfetcher.fetch.workers import DecodeWorkers, warmup_object
 from kvfetcher.kvbuffer import Destination
 from kvfetcher.chunk import decode_chunk, encode_chunk
@@ -20,7 +23,7 @@ from kvfetcher.api.client import KVClient
 from kvfetcher.store.local import LocalStore
 from kvfetcher.fetch.plan import FetchOptions
 
-from kvtest import SENTINEL, decoded, fetch, free_port, put_chunks, raw_request, synthetic_kv
+from kvtest import SENTINEL, corrupt_segment, decoded, fetch, free_port, put_chunks, raw_request, synthetic_kv
 
 pytestmark = pytest.mark.gpu
 
@@ -97,6 +100,50 @@ def test_decode_worker_processes_write_through_cuda_ipc(tmp_path, preset):
     assert out.error is None and out.loaded_tokens == 512, out
     assert torch.equal(buf.tensor[:, :, :, 40:552].cpu(), decoded(store, refs))
     assert bool((buf.tensor[:, :, :, :40] == SENTINEL).all()) and bool((buf.tensor[:, :, :, 552:] == SENTINEL).all())
+
+
+def test_a_worker_page_locks_the_shared_memory_it_maps_and_lets_it_go():
+    """A decode worker's mapping of shared memory is page-locked (its parts go to the GPU by DMA, in
+    place), unpinned when the mapping is dropped."""
+    owner = Slab(1 << 20)
+    state = decode_worker._WorkerState()
+    mem, host = state.view(owner.path, owner.size)
+    assert host is not None and host.is_pinned() and host.data_ptr() == torch.frombuffer(mem, dtype=torch.uint8).data_ptr()
+    del mem, host
+    m = state.slabs.pop(owner.path)
+    m.close()
+    assert m.host is None and m.slab.mm.closed
+    owner.close()
+
+
+@pytest.mark.parametrize("damage", [None, corrupt_segment])
+def test_decode_workers_restore_ans_chunks_from_the_readers_staging_in_place(tmp_path, damage):
+    """nvCOMP chunks read by reader processes are decoded by the workers from the staging they map
+    (page-locked there): the bytes the sidecar's threads restore, and a damaged one never written."""
+    kv = synthetic_kv(layers=6, heads=2, tokens=512, head_dim=64)
+    store = LocalStore(tmp_path)
+    refs = put_chunks(store, kv, 128, preset="q8-ans")
+    want = torch.full((6, 2, 2, 512, 64), SENTINEL, dtype=torch.float16, device="cuda")
+    assert asyncio.run(fetch(store, refs, Destination(want, tokens=512), device=torch.device("cuda"))).error is None
+    if damage is not None:
+        refs[2] = damage(store, refs[2])
+    buf = ipc.allocate((6, 2, 2, 512, 64), torch.float16, "cuda")
+    buf.tensor.fill_(SENTINEL)
+    workers, readers = DecodeWorkers(2), ReadProcs(store.opener(), 2, SharedStaging())
+    try:
+        dest = Destination(buf.tensor, tokens=512, handle=buf.handle)
+        out = asyncio.run(fetch(store, refs, dest, device=torch.device("cuda"), readers=readers, workers=workers, window=1))
+        chunks = workers.stats["chunks"]
+    finally:
+        workers.close()
+        readers.close()
+    if damage is None:
+        assert out.error is None and out.loaded_tokens == 512 and chunks == len(refs), out
+        assert torch.equal(buf.tensor, want)
+    else:
+        assert out.error == "corrupt" and out.loaded_tokens == 256 and out.bad_object == refs[2].name, out
+        assert torch.equal(buf.tensor[:, :, :, :256], want[:, :, :, :256])
+        assert bool((buf.tensor[:, :, :, 256:384] == SENTINEL).all())
 
 
 def test_cuda_ipc_buffer_through_a_sidecar_process(tmp_path):

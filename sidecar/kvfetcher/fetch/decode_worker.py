@@ -158,13 +158,33 @@ class _OpenFailed(Exception):
     pass
 
 
+@dataclass
+class _Mapping:
+    """A shared memory a worker keeps mapped: its slab, the file's inode when mapped, and where CUDA
+    page-locked the mapping (:func:`kvfetcher.ipc.pin`) a host tensor over it that the GPU copies
+    from by DMA (an entropy decode's payload, in place: no copy through a bounce buffer)."""
+
+    slab: Slab
+    inode: int | None
+    host: torch.Tensor | None
+
+    def close(self) -> None:
+        """Unpin and unmap; no view of the slab may be alive."""
+        if self.host is not None:
+            from kvfetcher import ipc
+
+            ipc.unpin(self.host)
+            self.host = None
+        self.slab.close()
+
+
 class _WorkerState:
-    """What a worker keeps between requests: the buffers it mapped (and those it could not), its slab."""
+    """What a worker keeps between requests: the buffers it mapped (and those it could not), its slabs."""
 
     def __init__(self) -> None:
         self.buffers: OrderedDict = OrderedDict()
         self.unopenable: dict[str, str] = {}
-        self.slabs: OrderedDict[str, tuple[Slab, int]] = OrderedDict()  # path -> its mapping and inode, least recently used first
+        self.slabs: OrderedDict[str, _Mapping] = OrderedDict()  # path -> its mapping, least recently used first
 
     def buffer(self, key: str, handle: dict) -> torch.Tensor | PagedKV:
         from kvfetcher import ipc
@@ -195,23 +215,32 @@ class _WorkerState:
             return PagedDestination(buf, where, len(where) * buf.layout.block_size)
         return Destination(buf, slots=where)
 
-    def view(self, path: str, size: int) -> memoryview:
-        """The shared memory ``path`` names, mapped once: the :data:`MAX_SLABS` latest stay mapped
-        (a sidecar's slab, grown now and then; an engine's two arenas, used in turn)."""
-        for known, (mapped, ino) in list(self.slabs.items()):
-            if _inode(known) != ino:  # its owner closed it (a sidecar's slab that grew), or its fd number names another file now
-                mapped.close()
+    def view(self, path: str, size: int) -> tuple[memoryview, torch.Tensor | None]:
+        """The shared memory ``path`` names, mapped once (the :data:`MAX_SLABS` latest stay mapped: a
+        sidecar's slab, grown now and then; an engine's two arenas, used in turn): a view of it, and
+        the page-locked host tensor over it where CUDA pinned it (:class:`_Mapping`)."""
+        for known, m in list(self.slabs.items()):
+            if _inode(known) != m.inode:  # its owner closed it (a sidecar's slab that grew), or its fd number names another file now
+                m.close()
                 del self.slabs[known]
-        slab = self.slabs[path][0] if path in self.slabs else None
-        if slab is None or slab.size != size:
-            if slab is not None:
-                slab.close()
-            slab = Slab(size, path)
-            self.slabs[path] = (slab, _inode(path))
+        m = self.slabs.get(path)
+        if m is None or m.slab.size != size:
+            if m is not None:
+                m.close()
+            m = self.slabs[path] = _map(path, size)
             while len(self.slabs) > MAX_SLABS:
-                self.slabs.popitem(last=False)[1][0].close()
+                self.slabs.popitem(last=False)[1].close()
         self.slabs.move_to_end(path)
-        return memoryview(slab.mm)
+        return memoryview(m.slab.mm), m.host
+
+
+def _map(path: str, size: int) -> _Mapping:
+    """Map ``path`` and, in a worker with CUDA, page-lock the mapping (a failure leaves it pageable)."""
+    from kvfetcher import ipc
+
+    slab = Slab(size, path)
+    host = torch.frombuffer(slab.mm, dtype=torch.uint8) if torch.cuda.is_available() and size else None
+    return _Mapping(slab, _inode(path), host if host is not None and ipc.pin(host) else None)
 
 
 def _inode(path: str) -> int | None:
@@ -221,19 +250,27 @@ def _inode(path: str) -> int | None:
         return None
 
 
+def parts_at(mem: memoryview, host: torch.Tensor | None, spans, side: bool) -> tuple[memoryview | None, list]:
+    """(side information, segments) of a chunk at ``spans`` of a mapping (:meth:`_WorkerState.view`):
+    the segments as slices of its page-locked tensor where there is one (an entropy decode copies
+    them to the GPU from in place), else of its view."""
+    spans = list(spans)
+    first = mem[slice(*spans.pop(0))] if side else None
+    return first, [mem[a:b] if host is None else host[a:b] for a, b in spans]
+
+
 def _restore(state: _WorkerState, req: Restore) -> Restored:
     """In a worker: restore one chunk from the slab into its target (:func:`chunk.restore_chunk`)."""
     t0 = time.perf_counter()
     h = container.parse_header(req.header, req.auth)
     dest = state.destination(req.target, h, req.where)
-    mem = state.view(*req.slab)
-    parts = [mem[a:b] for a, b in req.spans]
-    side = parts.pop(0) if h.side else None
+    mem, host = state.view(*req.slab)
+    side, parts = parts_at(mem, host, req.spans, h.side is not None)
     times: dict[str, float] = {"prepare_s": time.perf_counter() - t0}
     try:
         n = restore_chunk(dest, ChunkRef("", 0, 0, dest.tokens), h, side, parts, times=times, auth=req.auth)
     finally:
-        del parts, side  # no view of the slab may outlive the request (it can be remapped)
+        del parts, side, host  # no view of the slab may outlive the request (it can be remapped)
         mem.release()
     return Restored(n, times)
 
@@ -244,7 +281,7 @@ def _copy_out(state: _WorkerState, req: CopyOut) -> Copied:
     if not isinstance(kv, PagedKV):
         raise _OpenFailed("a copy-out reads a paged buffer")
     L, H, D = kv.shape
-    mem = state.view(*req.memory)
+    mem, _ = state.view(*req.memory)
     nbytes = 0
     try:
         flat = torch.frombuffer(mem, dtype=kv.dtype, count=L * 2 * H * req.slots * D).view(L, 2, H, req.slots, D)
