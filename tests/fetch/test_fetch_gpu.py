@@ -102,18 +102,21 @@ def test_decode_worker_processes_write_through_cuda_ipc(tmp_path, preset):
     assert bool((buf.tensor[:, :, :, :40] == SENTINEL).all()) and bool((buf.tensor[:, :, :, 552:] == SENTINEL).all())
 
 
-def test_a_worker_page_locks_the_shared_memory_it_maps_and_lets_it_go():
+def test_a_worker_page_locks_the_shared_memory_it_maps_and_lets_it_go(monkeypatch):
     """A decode worker's mapping of shared memory is page-locked (its parts go to the GPU by DMA, in
-    place), unpinned when the mapping is dropped."""
-    owner = Slab(1 << 20)
+    place), unpinned when the mapping is dropped; one larger than PIN_MAX_BYTES (an engine's arena) stays pageable."""
+    owner, large = Slab(1 << 20), Slab(2 << 20)
+    monkeypatch.setattr(decode_worker, "PIN_MAX_BYTES", 1 << 20)
     state = decode_worker._WorkerState()
     mem, host = state.view(owner.path, owner.size)
     assert host is not None and host.is_pinned() and host.data_ptr() == torch.frombuffer(mem, dtype=torch.uint8).data_ptr()
+    assert state.view(large.path, large.size)[1] is None
     del mem, host
     m = state.slabs.pop(owner.path)
     m.close()
     assert m.host is None and m.slab.mm.closed
     owner.close()
+    large.close()
 
 
 @pytest.mark.parametrize("damage", [None, corrupt_segment])

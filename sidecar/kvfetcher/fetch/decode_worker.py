@@ -33,6 +33,9 @@ MAX_OPEN_BUFFERS = 8  # handles a worker keeps open (least recently used are dro
 #: engine's two arenas, or the reader processes' staging buffers that entropy-coded chunks are
 #: restored from (a fetch's window of them, in a few size classes), mapped once rather than per chunk
 MAX_SLABS = 64
+#: the largest mapping a worker page-locks (:class:`_Mapping`): staging buffers and a sidecar's slab
+#: are MBs to a few hundred; an engine's arenas can be GBs, whose pinning would hold up their first restore
+PIN_MAX_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -235,11 +238,12 @@ class _WorkerState:
 
 
 def _map(path: str, size: int) -> _Mapping:
-    """Map ``path`` and, in a worker with CUDA, page-lock the mapping (a failure leaves it pageable)."""
+    """Map ``path`` and, in a worker with CUDA, page-lock the mapping if it is at most
+    :data:`PIN_MAX_BYTES` (a failure leaves it pageable)."""
     from kvfetcher import ipc
 
     slab = Slab(size, path)
-    host = torch.frombuffer(slab.mm, dtype=torch.uint8) if torch.cuda.is_available() and size else None
+    host = torch.frombuffer(slab.mm, dtype=torch.uint8) if torch.cuda.is_available() and 0 < size <= PIN_MAX_BYTES else None
     return _Mapping(slab, _inode(path), host if host is not None and ipc.pin(host) else None)
 
 
