@@ -107,6 +107,7 @@ def test_a_worker_page_locks_the_shared_memory_it_maps_and_lets_it_go(monkeypatc
     place), unpinned when the mapping is dropped; one larger than PIN_MAX_BYTES (an engine's arena) stays pageable."""
     owner, large = Slab(1 << 20), Slab(2 << 20)
     monkeypatch.setattr(decode_worker, "PIN_MAX_BYTES", 1 << 20)
+    torch.cuda.init()  # (a worker pins only once it uses CUDA: it has opened a GPU buffer by then)
     state = decode_worker._WorkerState()
     mem, host = state.view(owner.path, owner.size)
     assert host is not None and host.is_pinned() and host.data_ptr() == torch.frombuffer(mem, dtype=torch.uint8).data_ptr()

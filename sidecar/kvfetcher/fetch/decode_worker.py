@@ -238,12 +238,13 @@ class _WorkerState:
 
 
 def _map(path: str, size: int) -> _Mapping:
-    """Map ``path`` and, in a worker with CUDA, page-lock the mapping if it is at most
-    :data:`PIN_MAX_BYTES` (a failure leaves it pageable)."""
+    """Map ``path`` and, in a worker already using CUDA (one that restores into a GPU: never a CUDA
+    context for pinning alone), page-lock the mapping if it is at most :data:`PIN_MAX_BYTES` (a
+    failure leaves it pageable)."""
     from kvfetcher import ipc
 
     slab = Slab(size, path)
-    host = torch.frombuffer(slab.mm, dtype=torch.uint8) if torch.cuda.is_available() and 0 < size <= PIN_MAX_BYTES else None
+    host = torch.frombuffer(slab.mm, dtype=torch.uint8) if torch.cuda.is_initialized() and 0 < size <= PIN_MAX_BYTES else None
     return _Mapping(slab, _inode(path), host if host is not None and ipc.pin(host) else None)
 
 
