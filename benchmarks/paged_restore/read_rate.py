@@ -104,10 +104,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out")
     args = ap.parse_args()
-    size = int(args.object_mb * 1e6)
+    size, server_procs = int(args.object_mb * 1e6), args.server_procs or linkserver.default_procs()
     with tempfile.TemporaryDirectory() as d:
         crcs = write_objects(Path(d), args.objects, size)
-        url, group = linkserver.start_process(d, 0.0, args.server_procs or linkserver.default_procs())
+        url, group = linkserver.start_process(d, 0.0, server_procs)
         try:
             rows = []
             for n in (int(p) for p in args.procs.split(",")):
@@ -117,7 +117,7 @@ def main() -> None:
             group.terminate()
     result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "date": time.strftime("%Y-%m-%d"),
               "cores": os.cpu_count(), "objects": args.objects, "object_bytes": size, "window": args.window,
-              "server_procs": args.server_procs or linkserver.default_procs(), "page_locked": torch.cuda.is_available(), "rows": rows}
+              "server_procs": server_procs, "page_locked": torch.cuda.is_available(), "rows": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 

@@ -60,18 +60,18 @@ def _parts(objs: list[bytes], memory: str, state: decode_worker._WorkerState) ->
     """Each object as a worker gets it: (header parsed, side information, segments in place), in
     ``bytes`` of this process or in a ``slab`` mapped as a worker maps one (``state`` keeps it)."""
     if memory == "bytes":
-        mems, hosts = [memoryview(o) for o in objs], [None] * len(objs)
+        places = [(memoryview(o), None, 0) for o in objs]
     else:
         owner = Slab(sum(len(o) for o in objs))  # (the owner's memfd; the process maps it again by path, as a worker)
         mem, host = state.view(owner.path, owner.size)
-        ends = list(itertools.accumulate(len(o) for o in objs))
-        for o, end in zip(objs, ends):
-            mem[end - len(o) : end] = o
-        mems, hosts = [mem[end - len(o) : end] for o, end in zip(objs, ends)], [None if host is None else host[end - len(o) : end] for o, end in zip(objs, ends)]
+        starts = [end - len(o) for o, end in zip(objs, itertools.accumulate(len(o) for o in objs))]
+        for o, at in zip(objs, starts):
+            mem[at : at + len(o)] = o
+        places = [(mem, host, at) for at in starts]
     out = []
-    for o, mem, host in zip(objs, mems, hosts):
+    for o, (mem, host, at) in zip(objs, places):
         h = container.parse_header(o)
-        spans = [(h.header_size + s.offset, h.header_size + s.offset + s.length) for s in ([h.side] if h.side else []) + list(h.segments)]
+        spans = [(at + h.header_size + s.offset, at + h.header_size + s.offset + s.length) for s in ([h.side] if h.side else []) + list(h.segments)]
         out.append((h, *decode_worker.parts_at(mem, host, spans, h.side is not None)))
     return out
 

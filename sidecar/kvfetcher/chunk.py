@@ -31,6 +31,7 @@ import torch
 
 from kvfetcher.codec import basis, layout, rope
 from kvfetcher import codec
+from kvfetcher.codec.entropy import host_bytes
 from kvfetcher.format import container
 from kvfetcher.format.mac import ObjectMAC
 from kvfetcher.format.presets import Preset, get
@@ -186,13 +187,8 @@ def verify_and_decode(h: container.Header, side: Bytes | None, segments: Sequenc
     if h.side is not None:
         container.check(h.side, side, auth)
     for seg, data in zip(h.segments, segments, strict=True):
-        container.check(seg, _host_view(data), auth)
+        container.check(seg, host_bytes(data), auth)
     return decode_verified(h, side, segments, device, backend)
-
-
-def _host_view(data: Bytes | torch.Tensor) -> Bytes:
-    """A part's bytes as a buffer (a host uint8 tensor viewed in place)."""
-    return memoryview(data.numpy()) if isinstance(data, torch.Tensor) else data
 
 
 def decode_verified(h: container.Header, side: Bytes | None, segments: Sequence[Bytes | torch.Tensor],
@@ -208,7 +204,7 @@ def decode_verified(h: container.Header, side: Bytes | None, segments: Sequence[
     dec = codec.decoder(h.codec.format, device, backend)
     entropy = dec.format in codec.ENTROPY_FORMATS  # these read a host tensor in place too
     in_place = entropy or dec.name in ("nvdec", "raw")  # these read a buffer in place; libav wants bytes
-    given = lambda d: d if entropy else _host_view(d) if in_place else bytes(_host_view(d))  # noqa: E731
+    given = lambda d: d if entropy else host_bytes(d) if in_place else bytes(host_bytes(d))  # noqa: E731
     frames = [container.decode_segment(h, s, given(d), dec, device) for s, d in zip(h.segments, segments)]
     frames_t = frames[0] if len(frames) == 1 else torch.cat(frames)
     values = None
