@@ -1,9 +1,8 @@
 """How fast the sidecar's reader processes read whole objects from the link server, with no GPU and no decode.
 
 A fetch of entropy-coded chunks reads each object whole, in one GET, into shared staging (the
-executor's ``header`` stage in ``paged_bench``'s timeline), and on an H200 that stage's time moved
-with the fetch's rate from run to run (``../transform/h200/session22/``). This times that stage
-alone, as the executor drives it: ``--window`` threads at once, each taking a staging buffer
+executor's ``header`` stage in ``paged_bench``'s timeline; README.md says why it matters). This
+times that stage alone, as the executor drives it: ``--window`` threads at once, each taking a staging buffer
 (page-locked where there is CUDA), reading one object into it through
 :class:`~kvfetcher.fetch.readers.ReadProcs` and giving the buffer back. The objects are
 ``--objects`` random objects of ``--object-mb`` MB, served unpaced by the link server in
