@@ -47,9 +47,14 @@ def padded(n: int) -> int:
 Bitstream = bytes | memoryview | torch.Tensor
 
 
+def table(block_bytes: int, sizes: list[int]) -> bytes:
+    """A bitstream's block table: what precedes its coded blocks."""
+    return _HEAD.pack(block_bytes, len(sizes)) + np.asarray(sizes, dtype="<u4").tobytes()
+
+
 def join(block_bytes: int, sizes: list[int], payload: bytes | memoryview) -> bytes:
     """A bitstream from its coded blocks' sizes and their bytes, each already padded (:func:`padded`)."""
-    return b"".join([_HEAD.pack(block_bytes, len(sizes)), np.asarray(sizes, dtype="<u4").tobytes(), payload])  # one copy
+    return b"".join([table(block_bytes, sizes), payload])  # one copy
 
 
 def join_blocks(block_bytes: int, blocks: list[bytes]) -> bytes:

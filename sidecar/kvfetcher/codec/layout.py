@@ -160,15 +160,16 @@ def component_order(classes: torch.Tensor) -> torch.Tensor:
     return torch.sort(classes.to(torch.int32), stable=True).indices
 
 
-def _sorted_frames(tiles: torch.Tensor, geo: Geometry, b0: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tiles ``[L, 2, T, H, D]`` -> (frames holding each component's tokens as one row, rows in
-    class order; the class bytes)."""
-    tokens = tiles.shape[2]
-    rows = tiles.permute(0, 1, 3, 4, 2).reshape(-1, tokens)  # [L * 2 * H * D, T]
-    sd = rows[:, b0:].float().std(dim=1, correction=0) if tokens - b0 > 1 else rows.new_zeros(rows.shape[0], dtype=torch.float32)
+def _sorted_frames(rows: torch.Tensor, geo: Geometry, b0: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Samples ``[L * 2 * H * D, T]`` (each component's tokens as a row) -> (frames holding the
+    rows in class order; the class bytes)."""
+    n, tokens = rows.shape
+    sd = rows[:, b0:].float().std(dim=1, correction=0) if tokens - b0 > 1 else rows.new_zeros(n, dtype=torch.float32)
     classes = torch.round(4 * torch.log2(1 + sd)).clamp_(0, 255).to(torch.uint8)
-    frames = torch.zeros(geo.frame_shape, dtype=torch.uint8, device=tiles.device)
-    frames.view(-1)[: rows.numel()] = rows[component_order(classes)].reshape(-1)
+    frames = torch.empty(geo.frame_shape, dtype=torch.uint8, device=rows.device)
+    flat = frames.view(-1)
+    flat[n * tokens :].zero_()
+    torch.index_select(rows, 0, component_order(classes), out=flat[: n * tokens].view(n, tokens))
     return frames, classes
 
 
@@ -285,12 +286,18 @@ def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
     lo_r, scale_r = rf[..., 0], rf[..., 1]
     safe = torch.where(scale_r > 0, scale_r, 1.0)
     b0 = _body_start(params, tokens)  # first row of the body
-    tiles = torch.empty((layers, 2, tokens, heads, head_dim), dtype=torch.uint8, device=kv.device)
-    q = tiles.permute(0, 1, 3, 2, 4)  # the samples [L, 2, H, T, D], written in the tiles' order
+    # the samples [L, 2, H, T, D], written where the frames take them from: each component's tokens
+    # as one row when the components are sorted, else in the tiles' order
+    if params.sort_components:
+        samples = torch.empty((layers, 2, heads, head_dim, tokens), dtype=torch.uint8, device=kv.device)
+        q = samples.transpose(3, 4)
+    else:
+        samples = torch.empty((layers, 2, tokens, heads, head_dim), dtype=torch.uint8, device=kv.device)
+        q = samples.permute(0, 1, 3, 2, 4)
     if params.trellis:  # indices along the body's tokens, from the trellis' start state
         g, body_t = layers * 2, tokens - b0
         trellis.samples(x[:, :, :, b0:].transpose(2, 3).reshape(g, body_t, heads, head_dim), lo_r.reshape(g, 1, heads, head_dim),
-                        safe.view(g, 1, heads, head_dim), tiles[:, :, b0:].view(g, body_t, heads, head_dim))
+                        safe.view(g, 1, heads, head_dim), q[:, :, :, b0:].transpose(2, 3).reshape(g, body_t, heads, head_dim))
     else:
         u = torch.round((x - lo_r.unsqueeze(3)) / safe.unsqueeze(3)).clamp_(min=0)
         q.copy_(u.clamp_(max=255) if params.sigma_steps is not None else torch.minimum(u, top.unsqueeze(-1)))
@@ -301,10 +308,10 @@ def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
     if ks:
         tail.append(_sparse_pack(x, q, lo_r, scale_r, params, b0, ks))
     if params.sort_components:
-        frames, classes = _sorted_frames(tiles, geo, b0)
+        frames, classes = _sorted_frames(samples.view(-1, tokens), geo, b0)
         tail.append(classes)
     else:
-        frames = tiling.tiles_to_frames(tiles.view(layers * 2, tokens, heads * head_dim), geo)
+        frames = tiling.tiles_to_frames(samples.view(layers * 2, tokens, heads * head_dim), geo)
     parts = [ranges.reshape(-1), kv[:, :, :, :e].reshape(-1)]
     if tail:
         raw = torch.cat(tail)
@@ -328,16 +335,21 @@ def _sparse_pack(x: torch.Tensor, q: torch.Tensor, lo: torch.Tensor, scale: torc
     """The sparse corrections' bytes: per (layer, head) the ``ks`` body tokens of largest key norm
     in the basis (int16 indices, ascending) and their key and value rows' error, int8 in units of
     ``sparse_step`` times the component's step. ``x`` ``[L, 2, H, T, D]`` (basis, less its mean),
-    ``q`` its samples, ``lo``/``scale`` ``[L, 2, H, D]`` as the reader will use them."""
+    ``q`` its samples, ``lo``/``scale`` ``[L, 2, H, D]`` as the reader will use them. Only the chosen
+    rows are reconstructed, as :func:`unpack` reconstructs them."""
     layers, _, heads, tokens, head_dim = x.shape
     score = x[:, 0, :, b0:].square().sum(-1)  # [L, H, body]
     idx = score.topk(ks, dim=-1).indices.sort(dim=-1).values + b0  # [L, H, k]
-    t = q.permute(0, 1, 3, 2, 4).reshape(layers, 2, tokens, heads * head_dim)
-    rec = _dequantise(t, lo.reshape(layers, 2, 1, -1), scale.reshape(layers, 2, 1, -1), params, b0)
-    rec = rec.view(layers, 2, tokens, heads, head_dim).permute(0, 1, 3, 2, 4)  # [L, 2, H, T, D]
     g = idx.view(layers, 1, heads, ks, 1).expand(layers, 2, heads, ks, head_dim)
-    err = x.gather(3, g) - rec.gather(3, g)
-    unit = scale.unsqueeze(3) * params.sparse_step
+    s = q.gather(3, g)
+    lo, scale = lo.unsqueeze(3), scale.unsqueeze(3)
+    if params.trellis:  # each index's quantiser follows from the parities of the body's indices before it
+        q1 = trellis.quantiser_q1(q[:, :, :, b0:], dim=3).gather(3, g - b0)
+        rec = (trellis.reconstruct(s.to(torch.int16) - 128, q1) + 128) * scale + lo
+    else:
+        rec = s.float() * scale + lo
+    err = x.gather(3, g) - rec
+    unit = scale * params.sparse_step
     r = torch.round(err / torch.where(unit > 0, unit, torch.ones_like(unit))).clamp_(-127, 127).to(torch.int8)
     return torch.cat([idx.to(torch.int16).reshape(-1).view(torch.uint8), r.reshape(-1).view(torch.uint8)])
 

@@ -5,7 +5,7 @@ kind: the algorithm's own block format with no nvCOMP header, so a ``zstd`` bloc
 Zstandard frame that the CPU backend reads (and the other way round).
 
 Encoding reads planes already on the GPU, waits once for the coded sizes, packs the coded blocks
-back to back on the GPU (one gather, the padding zeroed) and copies only those bytes to the host.
+back to back on the GPU (one kernel: runs_kernel.py; the padding zeroed) and copies only those bytes to the host.
 Decoding copies the payload to the GPU in one copy (straight from a host tensor it is given, such
 as a fetch's pinned staging buffer; bytes go through a reused pinned buffer first) and decodes
 every block without waiting for the GPU: the frames it hands back are ordered on the caller's
@@ -28,7 +28,7 @@ import threading
 import numpy as np
 import torch
 
-from kvfetcher.codec import entropy
+from kvfetcher.codec import entropy, runs_kernel
 from kvfetcher.codec.base import CodecError, CodecParams
 
 ALGORITHM = {"zstd": "Zstd", "ans": "ANS"}
@@ -150,19 +150,6 @@ def _pinned(nbytes: int) -> torch.Tensor:
     return buf[:nbytes]
 
 
-def _pack(out: torch.Tensor, cap: int, lengths: list[int]) -> torch.Tensor:
-    """The first ``lengths[i]`` bytes of each ``cap``-byte slot of ``out``, back to back, gathered
-    on the GPU without waiting for it: in rows of :data:`entropy.ALIGN` bytes (every length and
-    ``cap`` are multiples of it), row ``r`` of the output being row ``r + shift[block]`` of ``out``."""
-    rows = [n // entropy.ALIGN for n in lengths]
-    starts = np.concatenate([[0], np.cumsum(rows[:-1])]).astype(np.int64)
-    shift = np.arange(len(rows), dtype=np.int64) * (cap // entropy.ALIGN) - starts
-    total = sum(rows)
-    table = torch.from_numpy(np.stack([shift, np.asarray(rows, dtype=np.int64)])).to(out.device, non_blocking=True)
-    src = torch.repeat_interleave(table[0], table[1], output_size=total) + torch.arange(total, device=out.device)
-    return out.view(-1, entropy.ALIGN).index_select(0, src).view(-1)
-
-
 class NvcompCodec:
     """One entropy format on one GPU, both directions."""
 
@@ -174,8 +161,10 @@ class NvcompCodec:
         self.format, self.name = fmt, f"nvcomp-{fmt}"
         self.device = _device(device)
 
-    def encode(self, frames: torch.Tensor, params: CodecParams) -> bytes:
-        """Planes (on this GPU, or moved there) -> a bitstream; only coded bytes reach the host."""
+    def encode(self, frames: torch.Tensor, params: CodecParams) -> memoryview:
+        """Planes (on this GPU, or moved there) -> a bitstream; only coded bytes reach the host, copied
+        once, into page-locked memory of the bitstream's own (torch's host allocator takes it back
+        when the view is dropped)."""
         c = _coder(self.device, self.format)
         flat = frames.to(self.device).contiguous().view(-1)
         block = params.block_bytes or entropy.DEFAULT_BLOCK
@@ -187,11 +176,13 @@ class NvcompCodec:
             p.planes.copy_(flat)
             p.slots.zero_()  # the padding stored
             coded = list(c.codec.encode(p.planes_batch, out=p.slots_batch, compression_config=p.config).buffer_sizes)  # the one wait
-            packed = _pack(p.slots, p.cap, [entropy.padded(s) for s in coded])
-            host = _pinned(packed.numel())
-            host.copy_(packed, non_blocking=True)
+            packed = runs_kernel.gather(p.slots, [i * p.cap for i in range(len(coded))], [entropy.padded(s) for s in coded])
+            head = entropy.table(block, coded)
+            out = torch.empty(len(head) + packed.numel(), dtype=torch.uint8, pin_memory=True)
+            out[len(head) :].copy_(packed, non_blocking=True)
+        out.numpy()[: len(head)] = np.frombuffer(head, np.uint8)
         c.stream.synchronize()
-        return entropy.join(block, coded, host.numpy())
+        return memoryview(out.numpy())
 
     def decode(self, data: entropy.Bitstream, frame_shape: tuple[int, int, int, int],
                device: torch.device | str = "cuda") -> torch.Tensor:

@@ -36,7 +36,8 @@ _FROM = ((0, 2, 0, 2), (1, 3, 1, 3))
 _EDGE = ((0, 2, 1, 3), (1, 3, 0, 2))
 
 
-def _reconstruct(k: torch.Tensor, q1: torch.Tensor | bool) -> torch.Tensor:
+def reconstruct(k: torch.Tensor, q1: torch.Tensor | bool) -> torch.Tensor:
+    """Reconstruction in units of D (float32) of indices ``k`` under Q1 where ``q1``, else Q0."""
     k = k.float()
     return 2 * k - torch.sign(k) * (q1.float() if isinstance(q1, torch.Tensor) else float(q1))
 
@@ -82,7 +83,7 @@ def _search(v: torch.Tensor) -> torch.Tensor:
             c1 = torch.where(c0 == base, c0 + 2, c0 - 2)
             best_c, best_k = None, None
             for c in (c0.clamp(-lim[p], lim[p]), c1.clamp(-lim[p], lim[p])):
-                j = (v - _reconstruct(c, q1)).square()
+                j = (v - reconstruct(c, q1)).square()
                 if best_c is None:
                     best_c, best_k = j, c
                 else:
@@ -119,10 +120,10 @@ def quantiser_q1(k: torch.Tensor, dim: int = -1) -> torch.Tensor:
     t_len = k.shape[dim]
     if t_len == 0:
         return torch.zeros(k.shape, dtype=torch.bool, device=k.device)
-    p = (k & 1).to(torch.int32)
+    p = (k & 1).to(torch.uint8)  # only the sums' parities matter: they survive uint8's wrap-around
     if t_len % 2:
         p = torch.cat([p, torch.zeros_like(p.narrow(dim, 0, 1))], dim)
-    g = p.unflatten(dim, (-1, 2)).cumsum(dim=dim).flatten(dim, dim + 1)  # sums over t, t-2, ...
+    g = p.unflatten(dim, (-1, 2)).cumsum(dim=dim, dtype=torch.uint8).flatten(dim, dim + 1)  # sums over t, t-2, ...
     q1 = torch.zeros(k.shape, dtype=torch.bool, device=k.device)
     q1.narrow(dim, 1, t_len - 1).copy_(g.narrow(dim, 0, t_len - 1) & 1)
     return q1
@@ -131,4 +132,4 @@ def quantiser_q1(k: torch.Tensor, dim: int = -1) -> torch.Tensor:
 def dequantise(k: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Reconstruction in units of D (float32) of indices ``k`` (any int dtype), the trellis
     along ``dim``."""
-    return _reconstruct(k, quantiser_q1(k, dim))
+    return reconstruct(k, quantiser_q1(k, dim))
