@@ -21,20 +21,11 @@ the torch path runs.
 
 from __future__ import annotations
 
-import contextlib
-
-import os
-
 import torch
 
 from kvfetcher import config
+from kvfetcher.codec.gpu_kernels import on_device, serves, tl, triton  # noqa: F401 (tl: the kernel's language)
 from kvfetcher.kvbuffer import BlockWrite
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the torch path serves
-    triton = None
 
 #: tokens per block of a program (the trellis' prefix sums run within a block, carried across)
 BLOCK_TOKENS = 32
@@ -51,9 +42,7 @@ HOIST_BASIS = False
 def enabled(frames: torch.Tensor) -> bool:
     """Whether to unpack ``frames`` with the kernel: CUDA frames (or any, under Triton's CPU
     interpreter, which the tests use), Triton present, and not switched off."""
-    if triton is None or not config.FUSED_UNPACK.read():
-        return False
-    return frames.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return config.FUSED_UNPACK.read() and serves(frames)
 
 
 def supports(heads_dim: int, tokens: int) -> bool:
@@ -226,7 +215,7 @@ def unpack_into(
     else:
         sidx, srows, step, ks = f, f, 0.0, 0
     # Triton launches on the current device: make it the buffer's (cuda:1 in a rank-1 worker)
-    with torch.cuda.device(dst.device) if dst.is_cuda else contextlib.nullcontext():
+    with on_device(dst):
         _unpack_kernel[(layers * 2 * heads,)](
             f, lo, scale.contiguous(), cos.contiguous(), sin.contiguous(), dec, mean.contiguous(),
             sidx, srows, dst, *offsets, lo if positions is None else positions.contiguous(),

@@ -11,16 +11,9 @@ Without Triton, or on CPU tensors outside its interpreter, torch copies the runs
 
 from __future__ import annotations
 
-import contextlib
-import os
-
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: torch serves
-    triton = None
+from kvfetcher.codec.gpu_kernels import on_device, serves, tl, triton  # noqa: F401 (tl: the kernel's language)
 
 #: bytes a kernel element moves (the runs' alignment must be a multiple of it)
 WORD = 4
@@ -29,9 +22,8 @@ PIECE = 1024
 
 
 def enabled(t: torch.Tensor) -> bool:
-    """Whether the kernel copies runs of ``t``: CUDA tensors (or any, under Triton's CPU
-    interpreter, which the tests use), with Triton present."""
-    return triton is not None and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    """Whether the kernel copies runs of ``t`` (:func:`gpu_kernels.serves`)."""
+    return serves(t)
 
 
 if triton is not None:
@@ -61,6 +53,6 @@ def gather(src: torch.Tensor, starts: list[int], lengths: list[int]) -> torch.Te
     table = torch.tensor([v // WORD for row in zip(starts, at, lengths) for v in row], dtype=torch.int64)
     table = table.to(src.device, non_blocking=True)
     grid = (len(starts), triton.cdiv(max(lengths) // WORD, PIECE))
-    with torch.cuda.device(src.device) if src.is_cuda else contextlib.nullcontext():  # Triton launches on the current device
+    with on_device(src):
         _copy_runs[grid](src.view(torch.int32), out.view(torch.int32), table, PIECE=PIECE)
     return out

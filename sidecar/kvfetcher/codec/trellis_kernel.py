@@ -17,17 +17,9 @@ arbitrary indices on both paths.
 
 from __future__ import annotations
 
-import contextlib
-
-import os
-
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the torch search serves
-    triton = None
+from kvfetcher.codec.gpu_kernels import on_device, serves, tl, triton  # noqa: F401 (tl: the kernels' language)
 
 #: components per program, and its warps (BLOCK / (32 WARPS) components a thread)
 BLOCK = 128
@@ -35,9 +27,8 @@ WARPS = 4
 
 
 def enabled(v: torch.Tensor) -> bool:
-    """Whether to search ``v`` with the kernel: CUDA values (or any, under Triton's CPU
-    interpreter, which the tests use), with Triton present."""
-    return triton is not None and (v.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    """Whether to search ``v`` with the kernel (:func:`gpu_kernels.serves`); without, the torch search (CPU-only installs)."""
+    return serves(v)
 
 
 if triton is not None:
@@ -203,7 +194,7 @@ def search(x: torch.Tensor, out: torch.Tensor, kmax: int, lo: torch.Tensor | Non
     norm = lo is not None
     lo, step = (lo.float().expand(g, 1, a, b).contiguous(), step.float().expand(g, 1, a, b).contiguous()) if norm else (x, x)
     nb = triton.cdiv(a * b, BLOCK)
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # Triton launches on the current device
+    with on_device(x):
         _search_kernel[(g * nb,)](x, lo, step, out, surv, t_len, a * b, b, nb, *x.stride(), *out.stride(),
                                   BLOCK=BLOCK, KMAX=kmax, NORM=norm, SAMPLES=norm,
                                   num_warps=WARPS, enable_fp_fusion=False)
