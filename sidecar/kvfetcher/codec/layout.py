@@ -64,7 +64,7 @@ from dataclasses import dataclass
 import torch
 
 from kvfetcher.codec import basis as kvbasis
-from kvfetcher.codec import fused_pack, fused_unpack, rope, tiling, trellis
+from kvfetcher.codec import fused_unpack, rope, tiling, trellis
 from kvfetcher.codec.params import LAYOUT_VERSION, LOSSLESS_MODES, MIN_READABLE_LAYOUT, LayoutParams  # noqa: F401 (the header's record)
 from kvfetcher.codec.tiling import Geometry, geometry
 from kvfetcher.kvbuffer import BlockWrite, bytes_per_value, dtype_name
@@ -219,18 +219,18 @@ def _profile(steps: tuple[tuple[float, float], ...], layers: int, device: str) -
     return prof[torch.arange(layers, device=device) * len(steps) // layers]
 
 
-def _sigma_ranges(stats: tuple[torch.Tensor, ...], params: LayoutParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """(offset, step) per channel from its body's (mean, std, min, max): mean at level 128, step
-    ``s * std`` widened so no value clips. With ``trellis`` the step is the grid of the two
-    quantisers, whose points reach 254 steps.
+def _sigma_ranges(body: torch.Tensor, params: LayoutParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """(offset, step) per channel: mean at level 128, step ``s * std`` widened so no value clips.
+    With ``trellis`` the step is the grid of the two quantisers, whose points reach 254 steps.
 
     With a basis, std is pooled over a (layer, k|v)'s components: the transform has already
     weighted them by how much the model cares, so one step for all is the best allocation."""
-    mu, sd, low, high = stats
-    layers = mu.shape[0]
+    layers = body.shape[0]
+    sd, mu = torch.std_mean(body, dim=3, correction=0)
     if params.basis is not None:
         sd = sd.square().mean(dim=(2, 3), keepdim=True).sqrt().expand_as(sd)
-    steps = sigma_profile(params, layers, mu.device).view(layers, 2, 1, 1)
+    steps = sigma_profile(params, layers, body.device).view(layers, 2, 1, 1)
+    low, high = torch.aminmax(body, dim=3)
     reach = torch.maximum(high - mu, mu - low)
     # the farthest value must stay on the grid: 128 steps, 254 with trellis (indices reach 127,
     # reconstructions twice that), less headroom for the stored step's rounding
@@ -267,18 +267,25 @@ def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
         return Packed(tiling.tiles_to_frames(tiles.reshape(-1, tokens, heads * head_dim), geo), None, geo)
 
     e = min(params.exact_tokens, tokens)
-    b0 = _body_start(params, tokens)  # first row of the body
-    x, stats = _front(kv, params, start, b0)
+    x = kv.to(torch.float32, copy=True)  # never a view of the caller's tensor (fp32 KV)
+    if params.rope_theta is not None:
+        x[:, 0] = rope.apply_layers(x[:, 0], start, params.rope_theta, inverse=True)
+    if params.basis is not None:
+        enc, _, mean = _basis(params, layers, heads, head_dim, kv.device)
+        x = torch.einsum("lkhde,lkhte->lkhtd", enc, x) - mean.unsqueeze(3)
+    body = x[:, :, :, e:] if e < tokens else x
     if params.sigma_steps is not None:
-        lo, scale = _sigma_ranges(stats, params)
+        lo, scale = _sigma_ranges(body, params)
     else:
-        lo, hi = stats[2], stats[3]  # [layers, 2, heads, head_dim]
+        lo = body.amin(dim=3)  # [layers, 2, heads, head_dim]
+        hi = body.amax(dim=3)
         top = levels(params, layers, kv.device).view(layers, 2, 1, 1)
         scale = (hi - lo) / top
     ranges = torch.stack([lo, scale], dim=-1).to(kv.dtype)  # what the reader will use
     rf = ranges.float()
     lo_r, scale_r = rf[..., 0], rf[..., 1]
     safe = torch.where(scale_r > 0, scale_r, 1.0)
+    b0 = _body_start(params, tokens)  # first row of the body
     # the samples [L, 2, H, T, D], written where the frames take them from: each component's tokens
     # as one row when the components are sorted, else in the tiles' order
     if params.sort_components:
@@ -310,29 +317,6 @@ def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
         raw = torch.cat(tail)
         parts.append(torch.cat([raw, raw.new_zeros(-raw.numel() % bytes_per_value(kv.dtype))]).view(kv.dtype))
     return Packed(frames, torch.cat(parts), geo)
-
-
-def _front(kv: torch.Tensor, params: LayoutParams, start: int, b0: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """The values quantised (float32 ``[L, 2, H, T, D]``: keys before RoPE where the layout says so,
-    in the basis less its mean where it has one) and each component's (mean, std, min, max) over
-    the body ``b0 ..``: by the fused kernel where it serves (fused_pack.py; one RoPE base for every
-    layer), else in torch."""
-    layers, _, heads, tokens, head_dim = kv.shape
-    basis = _basis(params, layers, heads, head_dim, kv.device) if params.basis is not None else None
-    if fused_pack.enabled(kv) and fused_pack.supports(head_dim, tokens) and not isinstance(params.rope_theta, tuple):
-        cs = rope.rotation(start, tokens, head_dim, params.rope_theta, kv.device) if params.rope_theta is not None else None
-        x, (mu, var, low, high) = fused_pack.project(kv, b0, cs, (basis[0], basis[2]) if basis else None)
-        return x, (mu, var.sqrt(), low, high)
-    x = kv.to(torch.float32, copy=True)  # never a view of the caller's tensor (fp32 KV)
-    if params.rope_theta is not None:
-        x[:, 0] = rope.apply_layers(x[:, 0], start, params.rope_theta, inverse=True)
-    if basis is not None:
-        enc, _, mean = basis
-        x = torch.einsum("lkhde,lkhte->lkhtd", enc, x) - mean.unsqueeze(3)
-    body = x[:, :, :, b0:]
-    sd, mu = torch.std_mean(body, dim=3, correction=0)
-    low, high = torch.aminmax(body, dim=3)
-    return x, (mu, sd, low, high)
 
 
 def _dequantise(t: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, params: LayoutParams, b0: int) -> torch.Tensor:
