@@ -479,8 +479,10 @@ def start_llm(model_dir: Path, socket: str, fingerprint: str, *, prefix_caching:
     opts = dict(dtype="bfloat16", gpu_memory_utilization=kw.pop("gpu_memory_utilization", 0.85)) if gpu else dict(dtype="float32")
     if kw.get("tensor_parallel_size", 1) > 1:
         os.environ.update(NO_MULTICAST if gpu else {})
-        if not gpu:  # the ranks share the CPUs (vLLM binds one NUMA node per rank otherwise)
+        if not gpu:  # the ranks share the CPUs (vLLM binds one NUMA node per rank otherwise), their OpenMP
+            # threads split between them: more threads than cores spin against each other (10x slower steps)
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // kw["tensor_parallel_size"])))
     with watchdog(timeout_s, "engine start"):
         return LLM(model=str(model_dir), enforce_eager=True, max_model_len=max_model_len, enable_prefix_caching=prefix_caching,
                    kv_transfer_config=connector(socket, fingerprint), **opts, **kw)

@@ -48,8 +48,10 @@ def _subscriber(port: int, sink: list, lock: threading.Lock) -> None:
 
 def main() -> None:
     cfg = json.loads(sys.argv[1])
-    if cfg.get("tp", 1) > 1:  # ranks share the CPUs (vLLM binds one NUMA node per rank otherwise)
+    if cfg.get("tp", 1) > 1:  # ranks share the CPUs (vLLM binds one NUMA node per rank otherwise), their
+        # OpenMP threads split between them: more threads than cores spin against each other (10x slower steps)
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg["tp"])))
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # everything else anyone prints goes to stderr
     from vllm import LLM, SamplingParams
