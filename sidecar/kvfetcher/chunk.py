@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfetcher.codec import basis, layout, rope
+from kvfetcher.codec import basis, graphs, layout, rope
 from kvfetcher import codec
 from kvfetcher.codec.entropy import host_bytes
 from kvfetcher.format import container
@@ -72,12 +72,15 @@ def encode_chunk(
     if lp.basis is not None and not basis.fits(lp.basis, tuple(kv.shape), fingerprint):
         raise ValueError(f"basis {lp.basis!r} of preset {p.name!r} was not made for model {fingerprint!r} "
                          f"with KV of {tuple(kv.shape)}: calibrate this model")
-    packed = layout.pack(kv, lp, start)
-    enc = codec.encoder(p.codec.format, packed.frames.device)
-    n = packed.frames.shape[0]
-    frame_bytes = packed.frames[0].numel()
-    step = max(1, p.segment_bytes // frame_bytes if p.segment_bytes else p.segment_frames)
-    segments = [((a, min(a + step, n)), enc.encode(packed.frames[a : a + step], p.codec)) for a in range(0, n, step)]
+    if kv.is_cuda:  # on this thread's stream: encode threads' kernels do not queue behind each other's
+        thread_stream(kv.device).wait_stream(torch.cuda.current_stream(kv.device))
+    with torch.cuda.stream(thread_stream(kv.device)) if kv.is_cuda else contextlib.nullcontext(), \
+            graphs.packed(kv, lp, start) as packed:
+        enc = codec.encoder(p.codec.format, packed.frames.device)
+        n = packed.frames.shape[0]
+        step = max(1, p.segment_bytes // packed.frames[0].numel() if p.segment_bytes else p.segment_frames)
+        segments = [((a, min(a + step, n)), enc.encode(packed.frames[a : a + step], p.codec)) for a in range(0, n, step)]
+        side = packed.side.cpu() if packed.side is not None else None  # (waits for the pack)
     fields = {
         "fingerprint": fingerprint,
         "dtype": dtype_name(kv.dtype),
@@ -89,7 +92,7 @@ def encode_chunk(
         "frame_shape": list(packed.geometry.frame_shape),
         "meta": dict(meta or {}, encoder=enc.name),
     }
-    return container.build(fields, packed.side, segments, auth)
+    return container.build(fields, side, segments, auth)
 
 
 def decode_chunk(
@@ -168,7 +171,7 @@ _local = threading.local()
 
 
 def thread_stream(device: torch.device) -> torch.cuda.Stream:
-    """This thread's own stream on ``device`` for writes into KV buffers."""
+    """This thread's own stream on ``device``: for its writes into KV buffers and its encodes."""
     streams = getattr(_local, "streams", None)
     if streams is None:
         streams = _local.streams = {}

@@ -223,6 +223,10 @@ STORE_CHECK_S = Setting("KVFETCHER_STORE_CHECK_S", float, 15.0,
                         "Seconds between the sidecar's checks of the store, exported as `kvfetcher_store_up` "
                         "(0: only when `/readyz` is asked); the store's health never decides the pod's readiness.")
 FUSED_UNPACK = Setting("KVFETCHER_FUSED_UNPACK", bool, True, "Unpack CUDA frames with the fused Triton kernel.")
+ENCODE_GRAPHS = Setting("KVFETCHER_ENCODE_GRAPHS", int, 2,
+                        "CUDA graphs of the pack kept for the store's GPU encodes, lent to one encode thread at a time "
+                        "(0: none, every pack launched op by op). A chunk kind's graph is captured at its second chunk; "
+                        "each holds GPU memory for its intermediates (about 13 times a chunk's KV).")
 LINK_DIR = Setting("KVFETCHER_LINK_DIR", str, None,
                    "Directory shared by the sidecars of a node (one per tensor-parallel rank, other pods'): each "
                    "announces its fetches there, and the cost model splits the node's link among them (unset: "
@@ -290,7 +294,7 @@ TABLES: dict[str, tuple[Setting, ...]] = {
     "Sidecar (`kvfetcher serve`)": (
         CHUNK_TOKENS, PRESET, ALLOWED_PRESETS, TENANT, POOL, OBJECT_KEY, ACCEPTED_OBJECT_KEYS, MODEL, RECOMPUTE_TPS, ROPE_THETA, TTFT_BUDGET_S,
         DECODE_PROCS, WARM_UP, S3_ENDPOINT, S3_BUCKET, S3_ACCESS_KEY, S3_SECRET_KEY, S3_REGION, S3_CA_FILE,
-        S3_INSECURE, STORE_DIR, AUTH_TOKEN, AUTH_TOKEN_FILE, FUSED_UNPACK, DEADLINE_S, MAX_REQUEST_TOKENS,
+        S3_INSECURE, STORE_DIR, AUTH_TOKEN, AUTH_TOKEN_FILE, FUSED_UNPACK, ENCODE_GRAPHS, DEADLINE_S, MAX_REQUEST_TOKENS,
         STORE_QUEUE_CHUNKS, STORE_ENCODERS, INDEX_KEYS, NEGATIVE_TTL_S, IO_WORKERS, FETCH_WINDOW, FETCH_READS, READ_PROCS, DECODE_THREADS, WRITE_THREADS, META_IO_WORKERS, LINK_DIR, ACCESS_LOG_S, STORE_CHECK_S,
         CALIBRATION_DIR, LOG_LEVEL, LOG_FORMAT),
     "Model side (`KVClient`, shared buffers)": (SOCKET, URL),

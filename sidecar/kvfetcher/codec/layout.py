@@ -191,14 +191,20 @@ def _tiles_of_sorted(frames: torch.Tensor, classes: torch.Tensor, shape: tuple[i
 
 
 def levels(params: LayoutParams, layers: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Highest quantisation level per (layer, k|v): ``[layers, 2]`` float32."""
+    """Highest quantisation level per (layer, k|v): ``[layers, 2]`` float32. Made once per bits
+    and device (a copy to the GPU waits for it): do not modify it."""
     if params.bits_map is None:
-        bits = torch.tensor([params.kv_bits or (params.bits, params.bits)]).expand(layers, 2)
+        bits = ((params.kv_bits or (params.bits, params.bits)),) * layers
+    elif len(params.bits_map) != layers:
+        raise ValueError(f"bits_map has {len(params.bits_map)} layers, the chunk {layers}")
     else:
-        if len(params.bits_map) != layers:
-            raise ValueError(f"bits_map has {len(params.bits_map)} layers, the chunk {layers}")
-        bits = torch.tensor(params.bits_map)
-    return ((1 << bits) - 1).to(device=device, dtype=torch.float32)
+        bits = params.bits_map
+    return _levels(tuple(tuple(b) for b in bits), str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=64)
+def _levels(bits: tuple[tuple[int, int], ...], device: str) -> torch.Tensor:
+    return ((1 << torch.tensor(bits)) - 1).to(device=device, dtype=torch.float32)
 
 
 def sigma_profile(params: LayoutParams, layers: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -245,10 +251,12 @@ def _basis(params: LayoutParams, layers: int, heads: int, head_dim: int, device)
     return enc, dec, mean
 
 
-def pack(kv: torch.Tensor, params: LayoutParams, start: int = 0) -> Packed:
+def pack(kv: torch.Tensor, params: LayoutParams, start: int | torch.Tensor = 0) -> Packed:
     """Turn one chunk into uint8 frames (and side info for quantised modes).
 
-    ``start`` is the position of the chunk's first token; it matters only for pre-RoPE keys.
+    ``start`` is the position of the chunk's first token (an int, or a 0-dim tensor on ``kv``'s
+    device: see :mod:`graphs`); it matters only for pre-RoPE keys. No host synchronisation: a
+    CUDA graph can capture it.
     """
     if kv.dim() != 5:
         raise ValueError(f"KV chunk must have 5 dims [layers, 2, kv_heads, tokens, head_dim], got {tuple(kv.shape)}")

@@ -22,10 +22,12 @@ import torch
 Theta = float | tuple[float, ...]  # one base for every layer, or one per layer
 
 
-def rotation(start: int, tokens: int, head_dim: int, theta: float, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, ``[tokens, head_dim]`` float32, for positions ``start .. start + tokens - 1``."""
+def rotation(start: int | torch.Tensor, tokens: int, head_dim: int, theta: float,
+             device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, ``[tokens, head_dim]`` float32, for positions ``start .. start + tokens - 1``;
+    ``start`` an int or a 0-dim tensor on ``device`` (which a CUDA graph reads at each replay)."""
     inv = _inverse_frequencies(float(theta), head_dim, str(torch.device(device)))
-    angles = torch.arange(start, start + tokens, device=device, dtype=torch.float64)[:, None] * inv[None]
+    angles = (torch.arange(tokens, device=device, dtype=torch.float64) + start)[:, None] * inv[None]
     emb = torch.cat([angles, angles], dim=-1)
     return emb.cos().float(), emb.sin().float()
 
@@ -58,7 +60,7 @@ def per_layer(theta: Theta, layers: int) -> tuple[float, ...]:
     return tuple(float(t) for t in theta)
 
 
-def apply_layers(keys: torch.Tensor, start: int, theta: Theta, inverse: bool = False) -> torch.Tensor:
+def apply_layers(keys: torch.Tensor, start: int | torch.Tensor, theta: Theta, inverse: bool = False) -> torch.Tensor:
     """Rotate (or un-rotate) float keys ``[layers, ..., tokens, head_dim]`` of positions
     ``start ..``, each layer with its own base; layers sharing a base share one rotation table."""
     layers, tokens, head_dim = keys.shape[0], keys.shape[-2], keys.shape[-1]
