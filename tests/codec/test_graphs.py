@@ -62,3 +62,24 @@ def test_replayed_packs_make_the_eager_packs_objects(preset, monkeypatch):
         outs = list(pool.map(lambda _: _objects(preset, kvs), range(8)))
     assert all(o == want for o in outs)
     assert graphs._alive <= 3
+
+
+def test_a_kind_whose_capture_fails_is_packed_eagerly_from_then_on(monkeypatch, caplog):
+    """The capture's failure (an operation it refuses) is logged once and costs no chunk: the pack
+    runs op by op, then and for every later chunk of that kind."""
+    kv = torch.randn(2, 2, 3, 32, 64, generator=torch.Generator().manual_seed(1)).to(torch.float16)
+    lp = presets.get("q8-zstd").layout
+    tries = []
+
+    def refuse(kv, params):
+        tries.append(1)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs, "enabled", lambda kv, params: True)
+    monkeypatch.setattr(graphs, "_capture", refuse)
+    want = layout.pack(kv, lp, 32)
+    for _ in range(4):
+        with graphs.packed(kv, lp, 32) as got:
+            assert torch.equal(want.frames, got.frames) and torch.equal(want.side, got.side)
+    assert len(tries) == 1 and graphs._alive == 0
+    assert "capturing the pack failed" in caplog.text
