@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 _lock = threading.Lock()  # the state below
 _capturing = threading.Lock()  # one capture at a time
 _idle: dict[tuple, list[_Graph]] = {}  # free graphs by kind
-_alive = 0  # graphs made and not dropped, lent or idle
+_alive = 0  # graphs made (lent or idle)
 _seen: set[tuple] = set()  # kinds packed once (the next one is captured)
 _failed: set[tuple] = set()  # kinds whose capture failed: packed eagerly from then on
 
