@@ -1,8 +1,8 @@
 """graphs: a quantised chunk's pack on a GPU, replayed from a CUDA graph.
 
 The pack of a quantised layout is about a hundred small GPU operations launched one by one from
-Python: on an H200 the launches take longer than the GPU takes to run them, and the store's encode
-threads share one GIL (docs/architecture.md, "Store-time encode"). So the second time a chunk of
+Python: the launches can take longer than the GPU takes to run them, and the store's encode
+threads share one GIL (docs/architecture.md, "Store-time encode", has the figures). So the second time a chunk of
 one kind (device, shape, dtype, layout) is packed, the pack is captured into a CUDA graph, and
 later chunks of that kind replay it: the chunk is copied into the graph's own input and its first
 position into a device scalar, and one call launches the rest. The objects are the same byte for
@@ -10,9 +10,9 @@ byte.
 
 A graph's tensors are reused, so :func:`packed` lends one for a ``with`` block: its result is
 valid inside the block only. Graphs are shared by all threads, one user at a time each; at most
-``KVFETCHER_ENCODE_GRAPHS`` exist (each holds GPU memory for its intermediates: 430 MB for an 8B
-model's 256-token chunk of 34 MB); with none free for a chunk's kind, or where a capture fails, a
-chunk is packed eagerly.
+``KVFETCHER_ENCODE_GRAPHS`` exist (each holds GPU memory for its intermediates, many times the
+chunk's size); with none free for a chunk's kind, or where a capture fails, a chunk is packed
+eagerly.
 """
 
 from __future__ import annotations
