@@ -277,10 +277,10 @@ def pack(kv: torch.Tensor, params: LayoutParams, start: int | torch.Tensor = 0) 
     e = min(params.exact_tokens, tokens)
     x = kv.to(torch.float32, copy=True)  # never a view of the caller's tensor (fp32 KV)
     if params.rope_theta is not None:
-        x[:, 0] = rope.apply_layers(x[:, 0], start, params.rope_theta, inverse=True)
+        rope.apply_layers(x[:, 0], start, params.rope_theta, inverse=True, out=x[:, 0])
     if params.basis is not None:
         enc, _, mean = _basis(params, layers, heads, head_dim, kv.device)
-        x = torch.einsum("lkhde,lkhte->lkhtd", enc, x) - mean.unsqueeze(3)
+        x = torch.einsum("lkhde,lkhte->lkhtd", enc, x).sub_(mean.unsqueeze(3))
     body = x[:, :, :, e:] if e < tokens else x
     if params.sigma_steps is not None:
         lo, scale = _sigma_ranges(body, params)

@@ -44,11 +44,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
-def apply(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate (or, with ``inverse``, un-rotate) float keys ``[..., tokens, head_dim]``."""
-    if inverse:
-        return keys * cos - _rotate_half(keys) * sin
-    return keys * cos + _rotate_half(keys) * sin
+def apply(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False,
+          out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate (or, with ``inverse``, un-rotate) float keys ``[..., tokens, head_dim]``; into ``out``
+    if given (``keys`` itself may be ``out``)."""
+    a, b = keys * cos, _rotate_half(keys) * sin
+    return torch.sub(a, b, out=out) if inverse else torch.add(a, b, out=out)
 
 
 def per_layer(theta: Theta, layers: int) -> tuple[float, ...]:
@@ -60,20 +61,19 @@ def per_layer(theta: Theta, layers: int) -> tuple[float, ...]:
     return tuple(float(t) for t in theta)
 
 
-def apply_layers(keys: torch.Tensor, start: int | torch.Tensor, theta: Theta, inverse: bool = False) -> torch.Tensor:
+def apply_layers(keys: torch.Tensor, start: int | torch.Tensor, theta: Theta, inverse: bool = False,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate (or un-rotate) float keys ``[layers, ..., tokens, head_dim]`` of positions
-    ``start ..``, each layer with its own base; layers sharing a base share one rotation table."""
+    ``start ..``, each layer with its own base; layers sharing a base share one rotation table.
+    Into ``out`` if given (``keys`` itself may be ``out``: no copy of the keys is made then)."""
     layers, tokens, head_dim = keys.shape[0], keys.shape[-2], keys.shape[-1]
     bases = per_layer(theta, layers)
-    out = torch.empty_like(keys)
+    if len(set(bases)) == 1:
+        return apply(keys, *rotation(start, tokens, head_dim, bases[0], keys.device), inverse, out=out)
+    out = torch.empty_like(keys) if out is None else out
     for t in dict.fromkeys(bases):
         idx = [i for i, b in enumerate(bases) if b == t]
-        cos, sin = rotation(start, tokens, head_dim, t, keys.device)
-        sel = keys if len(idx) == layers else keys[idx]
-        r = apply(sel, cos, sin, inverse)
-        if len(idx) == layers:
-            return r
-        out[idx] = r
+        out[idx] = apply(keys[idx], *rotation(start, tokens, head_dim, t, keys.device), inverse)
     return out
 
 
