@@ -8,7 +8,10 @@ One Llama-3-8B-shaped chunk of real KV (``--kvsrc``) and the stand-in calibratio
 * the GPU memory a graph of this chunk holds (what its capture added to the memory torch reserves);
 * the whole encode (``chunk.encode_chunk``: pack, nvCOMP, the object) in 1-8 threads at once, GB/s
   of KV over ``--seconds`` each, both ways;
-* the objects of both ways must be byte for byte the same.
+* the objects of both ways must be byte for byte the same;
+* with ``--busy N``: N threads encoding with graphs under the profiler, what the GPU did: the share
+  of the wall some kernel or copy ran, and GPU ms a chunk by kernel (against one thread's), which
+  says whether the GPU or the host holds the threads back.
 
     python -m benchmarks.transform.pack_graph --kvsrc .bench/kvsrc.pt --out $OUT/pack_graph.json
 """
@@ -80,12 +83,44 @@ def rate(threads: int, one, seconds: float) -> float:
     return sum(counts) / (time.perf_counter() - t0)
 
 
+def busy(threads: int, one, calls: int = 12) -> dict:
+    """``threads`` threads each encoding ``calls`` chunks under the profiler: chunks/s, the share of
+    the wall in which the GPU ran a kernel or copy, and GPU ms a chunk by op (top 8)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for i in range(threads):  # warm: every thread's stream, coder and plans made
+        one(i)
+    torch.cuda.synchronize()
+    ths = [threading.Thread(target=lambda i=i: [one(i) for _ in range(calls)]) for i in range(threads)]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    evs = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA)
+    union, end, by = 0.0, float("-inf"), {}
+    for a, b, name in evs:
+        union += max(0.0, b - max(a, end))
+        end = max(end, b)
+        by[name[:60]] = by.get(name[:60], 0.0) + (b - a) / 1e3
+    n = threads * calls
+    span = (evs[-1][1] - evs[0][0]) if evs else 1.0
+    return {"threads": threads, "chunks_per_s": round(n / wall, 1), "gpu_busy": round(union / span, 3),
+            "gpu_ms_per_chunk": round(sum(by.values()) / n, 3),
+            "top_ms_per_chunk": [[k, round(v / n, 4)] for k, v in sorted(by.items(), key=lambda kv: -kv[1])[:8]]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kvsrc", default=".bench/kvsrc.pt")
     ap.add_argument("--preset", default="transform-ans")
     ap.add_argument("--threads", default="1,2,4,8")
     ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--busy", default="", help="thread counts for the profiled run, e.g. 1,8")
     ap.add_argument("--out")
     args = ap.parse_args()
     kvs, kv_desc = kvsource.gpu_chunks(args.kvsrc, 2)
@@ -120,7 +155,7 @@ def main() -> None:
     result["ms"] = ms
     result["same_object"] = all(o == ref for o in objs)
     print(json.dumps({"ms": ms, "same": result["same_object"], "graph_MB": result["graph_MB"]}), flush=True)
-    threads = [int(n) for n in args.threads.split(",")]
+    threads = [int(n) for n in args.threads.split(",") if n]
     rows = []
     for n in threads:
         row = {"threads": n}
@@ -130,6 +165,10 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     result["rows"] = rows
+    os.environ["KVFETCHER_ENCODE_GRAPHS"] = WAYS["graph"]
+    result["busy"] = [busy(int(n), one) for n in args.busy.split(",") if n]
+    for b in result["busy"]:
+        print(json.dumps(b), flush=True)
     if not result["same_object"]:
         print("OBJECTS DIFFER")
     if args.out:
