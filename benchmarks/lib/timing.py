@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 
 import torch
@@ -21,3 +22,27 @@ def median_s(fn, repeats: int, warmup: int = 1) -> tuple[float, object]:
         torch.cuda.synchronize()
         secs.append(time.perf_counter() - t)
     return statistics.median(secs), out
+
+
+def calls_per_s(threads: int, one, seconds: float) -> float:
+    """Calls a second of ``one(i)`` by ``threads`` threads looping together for ``seconds`` (each
+    thread's first call, untimed, warms it)."""
+    stop, counts, ready = threading.Event(), [0] * threads, threading.Barrier(threads + 1)
+
+    def loop(i: int) -> None:
+        one(i)
+        ready.wait()
+        while not stop.is_set():
+            one(i)
+            counts[i] += 1
+
+    ths = [threading.Thread(target=loop, args=(i,)) for i in range(threads)]
+    for t in ths:
+        t.start()
+    ready.wait()
+    t0 = time.perf_counter()
+    time.sleep(seconds)
+    stop.set()
+    for t in ths:
+        t.join()
+    return sum(counts) / (time.perf_counter() - t0)

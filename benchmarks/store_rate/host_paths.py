@@ -18,38 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import threading
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.lib import timing
 from kvfetcher.save.writer import _to_device
 
 SHAPE = (32, 2, 8, 256, 128)  # one Llama-3-8B chunk: 33.5 MB of bf16
-
-
-def rate(threads: int, one, seconds: float) -> float:
-    """Calls a second of ``one(i)`` by ``threads`` threads looping together."""
-    stop, counts, ready = threading.Event(), [0] * threads, threading.Barrier(threads + 1)
-
-    def loop(i: int) -> None:
-        one(i)
-        ready.wait()
-        while not stop.is_set():
-            one(i)
-            counts[i] += 1
-
-    ths = [threading.Thread(target=loop, args=(i,)) for i in range(threads)]
-    for t in ths:
-        t.start()
-    ready.wait()
-    t0 = time.perf_counter()
-    time.sleep(seconds)
-    stop.set()
-    for t in ths:
-        t.join()
-    return sum(counts) / (time.perf_counter() - t0)
 
 
 def register_ms(t: torch.Tensor, repeats: int = 5) -> float:
@@ -89,7 +66,7 @@ def main() -> None:
     }
     rows = []
     for n in [int(x) for x in args.threads.split(",") if x]:
-        row = {"threads": n, **{f"{w}_GB_s": round(rate(n, f, args.seconds) * gb, 2) for w, f in ways.items()}}
+        row = {"threads": n, **{f"{w}_GB_s": round(timing.calls_per_s(n, f, args.seconds) * gb, 2) for w, f in ways.items()}}
         rows.append(row)
         print(json.dumps(row), flush=True)
     big = torch.empty(L, two, H, N * 32, D, dtype=torch.bfloat16)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.lib import kvsource, standin
+from benchmarks.lib import kvsource, standin, timing
 from kvfetcher import chunk
 from kvfetcher.codec import graphs, layout
 from kvfetcher.format import container, presets
@@ -58,29 +58,6 @@ def pack_ms(fn, n: int = 30) -> float:
         fn()
     torch.cuda.synchronize()
     return round((time.perf_counter() - t0) / n * 1e3, 3)
-
-
-def rate(threads: int, one, seconds: float) -> float:
-    """Chunks a second that ``threads`` threads encode together, each calling ``one(i)`` in a loop."""
-    stop, counts, ready = threading.Event(), [0] * threads, threading.Barrier(threads + 1)
-
-    def loop(i: int) -> None:
-        one(i)
-        ready.wait()
-        while not stop.is_set():
-            one(i)
-            counts[i] += 1
-
-    ths = [threading.Thread(target=loop, args=(i,)) for i in range(threads)]
-    for t in ths:
-        t.start()
-    ready.wait()
-    t0 = time.perf_counter()
-    time.sleep(seconds)
-    stop.set()
-    for t in ths:
-        t.join()
-    return sum(counts) / (time.perf_counter() - t0)
 
 
 def busy(threads: int, one, calls: int = 12) -> dict:
@@ -161,7 +138,7 @@ def main() -> None:
         row = {"threads": n}
         for way, flag in WAYS.items():
             os.environ["KVFETCHER_ENCODE_GRAPHS"] = flag
-            row[f"{way}_GB_s"] = round(rate(n, one, args.seconds) * gb, 2)
+            row[f"{way}_GB_s"] = round(timing.calls_per_s(n, one, args.seconds) * gb, 2)
         rows.append(row)
         print(json.dumps(row), flush=True)
     result["rows"] = rows

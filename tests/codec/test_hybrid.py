@@ -39,7 +39,6 @@ def test_per_layer_bases_rotate_each_layer_with_its_own():
         rope.per_layer(THETAS, 5)
 
 
-
 @pytest.mark.parametrize("thetas", [THETAS, 5e5])
 def test_keys_rotated_in_place_equal_a_new_rotation(thetas):
     x = torch.randn(6, 2, 8, 64)
@@ -47,6 +46,7 @@ def test_keys_rotated_in_place_equal_a_new_rotation(thetas):
     y = x.clone()
     assert rope.apply_layers(y, 37, thetas, inverse=True, out=y) is y
     assert torch.equal(y, want) and not torch.equal(y, x)
+
 
 def test_keys_are_quantised_before_rope_with_each_layers_base():
     start = 512
