@@ -192,9 +192,15 @@ def is_for(tag: str, fingerprint: str) -> bool:
 def fits(name: str, shape: tuple[int, ...], fingerprint: str) -> bool:
     """Whether basis ``name`` was made for this model (:func:`is_for` its tag) and
     this KV shape ``[layers, 2, kv_heads, tokens, head_dim]``; unknown names do not fit."""
-    if not is_for(name.rsplit("-", 1)[0], fingerprint) or path_of(name) is None:
+    if not is_for(name.rsplit("-", 1)[0], fingerprint):
         return False
-    return load(name).shape == (shape[0], shape[2], shape[4])
+    try:
+        b = load(name)  # cached: no file is looked at once it is loaded (asked for every chunk stored)
+    except ValueError:
+        if path_of(name) is None:
+            return False
+        raise
+    return b.shape == (shape[0], shape[2], shape[4])
 
 
 def available() -> list[str]:

@@ -175,8 +175,10 @@ class NvcompCodec:
         with torch.cuda.stream(c.stream):
             p.planes.copy_(flat)
             p.slots.zero_()  # the padding stored
-            coded = list(c.codec.encode(p.planes_batch, out=p.slots_batch, compression_config=p.config).buffer_sizes)  # the one wait
-            packed = runs_kernel.gather(p.slots, [i * p.cap for i in range(len(coded))], [entropy.padded(s) for s in coded])
+            arrays = c.codec.encode(p.planes_batch, out=p.slots_batch, compression_config=p.config)
+            c.stream.synchronize()  # the one wait, here without the GIL (reading the sizes waits holding it)
+            coded = np.asarray(arrays.buffer_sizes, dtype=np.int64)
+            packed = runs_kernel.gather(p.slots, np.arange(coded.size) * p.cap, entropy.padded(coded))
             head = entropy.table(block, coded)
             out = torch.empty(len(head) + packed.numel(), dtype=torch.uint8, pin_memory=True)
             out[len(head) :].copy_(packed, non_blocking=True)

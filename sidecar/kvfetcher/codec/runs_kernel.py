@@ -11,6 +11,7 @@ Without Triton, or on CPU tensors outside its interpreter, torch copies the runs
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvfetcher.codec.gpu_kernels import on_device, serves, tl, triton  # noqa: F401 (tl: the kernel's language)
@@ -38,21 +39,20 @@ if triton is not None:
         tl.store(dst_ptr + dst + at, tl.load(src_ptr + src + at, mask=live), mask=live)
 
 
-def gather(src: torch.Tensor, starts: list[int], lengths: list[int]) -> torch.Tensor:
+def gather(src: torch.Tensor, starts, lengths) -> torch.Tensor:
     """The bytes ``src[s : s + n]`` of each (start, length), back to back, in a new uint8 tensor
-    on ``src``'s device, ordered on its current stream (not waited for). ``src``: flat uint8."""
-    if any(n % WORD or s % WORD for s, n in zip(starts, lengths)):
+    on ``src``'s device, ordered on its current stream (not waited for). ``src``: flat uint8;
+    ``starts``, ``lengths``: integer sequences or arrays of one length."""
+    starts, lengths = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+    if ((starts | lengths) % WORD).any():
         raise ValueError(f"runs must start and end at multiples of {WORD} bytes")
-    total = sum(lengths)
+    total = int(lengths.sum())
     if not enabled(src) or not total:
-        return torch.cat([src[s : s + n] for s, n in zip(starts, lengths)]) if starts else src[:0].clone()
+        return torch.cat([src[s : s + n] for s, n in zip(starts, lengths)]) if starts.size else src[:0].clone()
     out = torch.empty(total, dtype=torch.uint8, device=src.device)
-    at = [0]
-    for n in lengths[:-1]:
-        at.append(at[-1] + n)
-    table = torch.tensor([v // WORD for row in zip(starts, at, lengths) for v in row], dtype=torch.int64)
+    table = torch.from_numpy(np.stack([starts, np.cumsum(lengths) - lengths, lengths], axis=1) // WORD)
     table = table.to(src.device, non_blocking=True)
-    grid = (len(starts), triton.cdiv(max(lengths) // WORD, PIECE))
+    grid = (starts.size, triton.cdiv(int(lengths.max()) // WORD, PIECE))
     with on_device(src):
         _copy_runs[grid](src.view(torch.int32), out.view(torch.int32), table, PIECE=PIECE)
     return out

@@ -135,7 +135,7 @@ def _side_bytes(side: torch.Tensor | None) -> bytes:
     docs/architecture.md)."""
     if side is None:
         return b""
-    return zstandard.ZstdCompressor(level=1).compress(side.to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    return zstandard.ZstdCompressor(level=1).compress(side.to("cpu").contiguous().view(torch.uint8).numpy())
 
 
 def build(
