@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 
 LAYOUT_VERSION = 7  # 2: exact leading tokens in the side information; 3: sigma_steps in the header;
 #                    4: native mode (raw); 5: per-model basis, zstd-compressed side information;
@@ -80,7 +80,7 @@ class LayoutParams:
             raise ValueError("sparse_step must be in [0.01, 1] steps")
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        d = {f.name: getattr(self, f.name) for f in fields(self)}  # fields are immutable: no deep copy (asdict's)
         if not self.sort_components:  # headers of the layouts before it stay byte for byte the same
             del d["sort_components"]
         return d
