@@ -24,6 +24,7 @@ import itertools
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -140,8 +141,11 @@ def main() -> None:
     ap.add_argument("--store", default="local", choices=["local", "s3"])
     ap.add_argument("--kvsrc", help="real KV to tile (benchmarks.lib.kvsource); default synthetic")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--switch-ms", type=float, help="sys.setswitchinterval for the run (default: Python's, 5 ms)")
     ap.add_argument("--out")
     args = ap.parse_args()
+    if args.switch_ms:
+        sys.setswitchinterval(args.switch_ms / 1e3)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape, T = SHAPES[args.shape], 256
     standin.ensure(FP, (shape.layers, 2, shape.kv_heads, T, shape.head_dim))
@@ -149,7 +153,7 @@ def main() -> None:
     kv_bytes = buf.numel() * buf.element_size()
     ns = keys.Namespace(FP, "bfloat16", shape=(shape.layers, shape.kv_heads, shape.head_dim))
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "date": time.strftime("%Y-%m-%d"),
-              "shape": args.shape, "tokens": buf.shape[3], "kv_bytes": kv_bytes, "store": args.store,
+              "shape": args.shape, "switch_ms": sys.getswitchinterval() * 1e3, "tokens": buf.shape[3], "kv_bytes": kv_bytes, "store": args.store,
               "kv": "real, tiled" if args.kvsrc else "synthetic", "cells": []}
     tokens = buf.shape[3]
     wheres = {"flat": lambda: kvbuffer.Destination(buf, offset=0, tokens=tokens)}
