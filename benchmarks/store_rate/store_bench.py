@@ -10,7 +10,7 @@ stand-in calibration has a random orthogonal basis, so the calibrated presets pa
 The objects go to a local directory (``--store local``, on /dev/shm where there is one) or over S3
 to the link server, unpaced (``--store s3``). After each cell the store's copy must equal the buffer,
 and every few chunks the stored object must restore what a direct encode of the chunk restores. Medians of
-``--repeats``; prints one JSON line per cell, ``--out`` writes the result.
+``--repeats`` stores by one writer per cell (its threads kept, as a sidecar's), after one that warms it; prints one JSON line per cell, ``--out`` writes the result.
 
     python -m benchmarks.store_rate.store_bench --presets transform-ans,balanced-ans,raw --out $OUT/store_h200.json
 """
@@ -87,27 +87,38 @@ def paged(buf: torch.Tensor, block_size: int = 16) -> tuple[kvbuffer.PagedKV, li
     return kv, ids
 
 
-async def store_once(store, cfg: Config, ns: keys.Namespace, where: kvbuffer.Destination, tag: str) -> dict:
-    """One store of the whole destination: seconds of the copy out and of the writer, the objects' bytes."""
-    T, tokens = cfg.chunk_tokens, where.tokens
+async def store_runs(store, cfg: Config, ns: keys.Namespace, where, preset: str, tags: list[str]) -> list[dict]:
+    """Stores of the whole destination, one per tag, by one writer (as a sidecar's, its encode threads
+    kept warm between them): seconds of the copy out and of the writer, the objects' bytes. Each run's
+    objects but the last are deleted before the next."""
     io, meta = ThreadPoolExecutor(cfg.io_workers), ThreadPoolExecutor(cfg.meta_io_workers)
     sizes: list[int] = []
     w = Writer(store, cfg, Metrics(), io, meta, stored=lambda key, preset, size: sizes.append(size))
     w.start()
+    runs = []
     try:
-        ck = [f"{tag}-{i:05d}" for i in range(tokens // T)]
-        t0 = time.perf_counter()
-        kv = where.read(0, tokens)
-        t1 = time.perf_counter()
-        w.reserve(len(ck))
-        w.submit(Job(ns, ck, kv))
-        await w.flush()
-        t2 = time.perf_counter()
+        for n, tag in enumerate(tags):
+            sizes.clear()
+            d = where()
+            ck = [f"{tag}-{i:05d}" for i in range(d.tokens // cfg.chunk_tokens)]
+            t0 = time.perf_counter()
+            kv = d.read(0, d.tokens)
+            t1 = time.perf_counter()
+            w.reserve(len(ck))
+            w.submit(Job(ns, ck, kv))
+            await w.flush()
+            t2 = time.perf_counter()
+            runs.append({"copy_s": t1 - t0, "write_s": t2 - t1, "total_s": t2 - t0, "objects": len(sizes),
+                         "stored_bytes": sum(sizes), "names": ck})
+            if n < len(tags) - 1:
+                forget(store, ck, preset)
+            else:
+                runs[-1]["kv"] = kv
     finally:
         await w.close(0)
         io.shutdown()
         meta.shutdown()
-    return {"copy_s": t1 - t0, "write_s": t2 - t1, "total_s": t2 - t0, "objects": len(sizes), "stored_bytes": sum(sizes), "names": ck, "kv": kv}
+    return runs
 
 
 def check(store, preset: str, names: list[str], buf: torch.Tensor, kv: torch.Tensor, T: int, theta: float) -> bool:
@@ -164,14 +175,9 @@ def main() -> None:
         run = 0
         for dest, preset, enc in itertools.product(args.dests.split(","), args.presets.split(","), (int(e) for e in args.encoders.split(","))):
             cfg = Config(presets=(preset,), store_queue_chunks=args.chunks, rope_theta=shape.rope_theta, store_encoders=enc)
-            times = []
-            cpu0 = cpu_jiffies()
-            for k in range(args.repeats + 1):  # the first warms the GPU codecs
-                run += 1
-                times.append(asyncio.run(store_once(store, cfg, ns, wheres[dest](), f"r{run}")))
-                if k < args.repeats:
-                    forget(store, times[-1]["names"], preset)
-                    del times[-1]["kv"]
+            cpu0 = cpu_jiffies()  # the first run warms the GPU codecs and the writer's threads
+            times = asyncio.run(store_runs(store, cfg, ns, wheres[dest], preset, [f"r{run + k}" for k in range(args.repeats + 1)]))
+            run += args.repeats + 1
             cpu = busy_cores(cpu0, cpu_jiffies())
             last = times[-1]
             med = {k: statistics.median(t[k] for t in times[1:]) for k in ("copy_s", "write_s", "total_s")}
