@@ -151,3 +151,18 @@ def test_the_preset_names_the_operator_checks_are_the_data_planes_presets():
     # Until the GPU-entropy back end lands, only its presets may be named ahead of the data plane.
     assert set(config.PRESET_NAMES) - set(PRESETS) <= {f"{layout}-{fmt}" for layout in ("q8", "balanced", "compact")
                                                        for fmt in ("ans", "zstd")}
+
+
+def test_the_memory_limit_is_read_from_cgroup_v2_or_v1_and_none_when_unlimited(tmp_path):
+    from kvfetcher.config import memory_limit
+
+    v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
+    assert memory_limit((str(v2), str(v1))) is None  # neither file
+    v1.write_text("8589934592\n")
+    assert memory_limit((str(v2), str(v1))) == 8 << 30
+    v2.write_text("max\n")  # v2 unlimited wins over what v1 says
+    assert memory_limit((str(v2), str(v1))) is None
+    v2.write_text("4294967296\n")
+    assert memory_limit((str(v2), str(v1))) == 4 << 30
+    v1.write_text("9223372036854771712\n")  # v1's "no limit"
+    assert memory_limit((str(v1),)) is None

@@ -104,7 +104,7 @@ async def store_runs(store, cfg: Config, ns: keys.Namespace, where, preset: str,
             t0 = time.perf_counter()
             kv = d.read(0, d.tokens)
             t1 = time.perf_counter()
-            w.reserve(len(ck))
+            w.reserve(len(ck), kv.numel() * kv.element_size() // len(ck))
             w.submit(Job(ns, ck, kv))
             await w.flush()
             t2 = time.perf_counter()
@@ -174,7 +174,7 @@ def main() -> None:
     with object_store(args.store) as store:
         run = 0
         for dest, preset, enc in itertools.product(args.dests.split(","), args.presets.split(","), (int(e) for e in args.encoders.split(","))):
-            cfg = Config(presets=(preset,), store_queue_chunks=args.chunks, rope_theta=shape.rope_theta, store_encoders=enc)
+            cfg = Config(presets=(preset,), store_queue_chunks=args.chunks, store_queue_bytes=kv_bytes, rope_theta=shape.rope_theta, store_encoders=enc)
             cpu0 = cpu_jiffies()  # the first run warms the GPU codecs and the writer's threads
             times = asyncio.run(store_runs(store, cfg, ns, wheres[dest], preset, [f"r{run + k}" for k in range(args.repeats + 1)]))
             run += args.repeats + 1

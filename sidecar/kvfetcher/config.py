@@ -18,6 +18,7 @@ import re
 from collections.abc import Callable, Mapping
 from decimal import ROUND_CEILING, Decimal
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -102,6 +103,27 @@ def _decode_procs() -> int:
 def _read_procs() -> int:
     """4 with CUDA, else 0"""
     return 4 if _cuda() else 0
+
+
+def _store_queue_bytes() -> int:
+    """half the container's memory limit (its cgroup's), else 4 GiB"""
+    limit = memory_limit()
+    return limit // 2 if limit else 4 << 30
+
+
+#: where a container's memory limit is read: cgroup v2, then v1
+CGROUP_MEMORY = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def memory_limit(paths: tuple[str, ...] = CGROUP_MEMORY) -> int | None:
+    """This container's memory limit in bytes (the first of ``paths`` that exists), or None where it has none."""
+    for path in paths:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        return int(text) if text.isdigit() and int(text) < 1 << 60 else None  # "max", or v1's huge "none"
+    return None
 
 
 def _device() -> str:
@@ -194,6 +216,9 @@ MAX_REQUEST_TOKENS = Setting("KVFETCHER_MAX_REQUEST_TOKENS", int, 262144,
 STORE_QUEUE_CHUNKS = Setting("KVFETCHER_STORE_QUEUE_CHUNKS", int, 256,
                              "Bound of the store queue in chunks: a store queues the leading chunks that fit, "
                              "the rest are dropped and counted.")
+STORE_QUEUE_BYTES = Setting("KVFETCHER_STORE_QUEUE_BYTES", int, _store_queue_bytes,
+                            "Bound of the store queue in bytes of KV, beside its bound in chunks: a 70B model's "
+                            "chunks are 2.5 times an 8B model's, and a full queue must fit the sidecar's memory.")
 STORE_ENCODERS = Setting("KVFETCHER_STORE_ENCODERS", int, 2,
                          "Chunks the store encodes at once, each in a thread of low priority (an entropy-coded preset's on "
                          "the GPU); uploads overlap them. `benchmarks/store_rate` times the store path against it.")
@@ -295,7 +320,7 @@ TABLES: dict[str, tuple[Setting, ...]] = {
         CHUNK_TOKENS, PRESET, ALLOWED_PRESETS, TENANT, POOL, OBJECT_KEY, ACCEPTED_OBJECT_KEYS, MODEL, RECOMPUTE_TPS, ROPE_THETA, TTFT_BUDGET_S,
         DECODE_PROCS, WARM_UP, S3_ENDPOINT, S3_BUCKET, S3_ACCESS_KEY, S3_SECRET_KEY, S3_REGION, S3_CA_FILE,
         S3_INSECURE, STORE_DIR, AUTH_TOKEN, AUTH_TOKEN_FILE, FUSED_UNPACK, ENCODE_GRAPHS, DEADLINE_S, MAX_REQUEST_TOKENS,
-        STORE_QUEUE_CHUNKS, STORE_ENCODERS, INDEX_KEYS, NEGATIVE_TTL_S, IO_WORKERS, FETCH_WINDOW, FETCH_READS, READ_PROCS, DECODE_THREADS, WRITE_THREADS, META_IO_WORKERS, LINK_DIR, ACCESS_LOG_S, STORE_CHECK_S,
+        STORE_QUEUE_CHUNKS, STORE_QUEUE_BYTES, STORE_ENCODERS, INDEX_KEYS, NEGATIVE_TTL_S, IO_WORKERS, FETCH_WINDOW, FETCH_READS, READ_PROCS, DECODE_THREADS, WRITE_THREADS, META_IO_WORKERS, LINK_DIR, ACCESS_LOG_S, STORE_CHECK_S,
         CALIBRATION_DIR, LOG_LEVEL, LOG_FORMAT),
     "Model side (`KVClient`, shared buffers)": (SOCKET, URL),
     "Evaluation (`kvfetcher eval`, `calibrate`, `demo`, tests)": (CACHE, EVAL_DEVICE),
@@ -336,6 +361,7 @@ class Config:
     max_request_tokens: int = env_field(MAX_REQUEST_TOKENS)
     ttft_budget_s: float | None = env_field(TTFT_BUDGET_S)  # None: the fastest option wins
     store_queue_chunks: int = env_field(STORE_QUEUE_CHUNKS)
+    store_queue_bytes: int = env_field(STORE_QUEUE_BYTES)
     store_encoders: int = env_field(STORE_ENCODERS)
     index_keys: int = env_field(INDEX_KEYS)
     negative_ttl_s: float = env_field(NEGATIVE_TTL_S)
@@ -366,7 +392,7 @@ class Config:
             raise ValueError(f"chunk tokens must be positive, not {self.chunk_tokens}")
         if not 0 < self.deadline_s < float("inf"):
             raise ValueError(f"the deadline must be positive, finite seconds, not {self.deadline_s}")
-        for name in ("max_request_tokens", "store_queue_chunks", "index_keys", "io_workers", "meta_io_workers", "window", "reads",
+        for name in ("max_request_tokens", "store_queue_chunks", "store_queue_bytes", "index_keys", "io_workers", "meta_io_workers", "window", "reads",
                      "decode_threads", "write_threads", "store_encoders"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', ' ')} must be >= 1, not {getattr(self, name)}")

@@ -665,7 +665,8 @@ class Sidecar:
         ck = keys.chunk_keys(buf.ns, tokens, N)
         where = buf.destination(len(ck) * N, slots, offset, block_ids, min(first_token, len(ck) * N))
         known = max(self._stored_run(ck, self.writer.presets_for(buf.ns.model)), min(first_token // N, len(ck)))
-        take = self.writer.reserve(len(ck) - known)  # held across the copy: stores arriving meanwhile find it taken
+        chunk_bytes = self._chunk_kv_bytes(buf)
+        take = self.writer.reserve(len(ck) - known, chunk_bytes)  # held across the copy: stores arriving meanwhile find it taken
         dropped = len(ck) - known - take
         if dropped:
             self.writer.dropped(dropped)
@@ -674,7 +675,7 @@ class Sidecar:
             try:
                 kv = await asyncio.get_running_loop().run_in_executor(self.copy_pool, where.read, known * N, take * N)
             except BaseException:
-                self.writer.release(take)
+                self.writer.release(take, chunk_bytes)
                 raise
             self.writer.submit(Job(buf.ns, ck[known : known + take], kv, first=known, parent=ck[known - 1] if known else ""))
         return {"queued_chunks": take, "skipped_chunks": known, "dropped_chunks": dropped, "dropped": dropped > 0}

@@ -292,6 +292,23 @@ async def test_a_long_store_queues_the_leading_chunks_that_fit_and_skips_stored_
         await sc.close()
 
 
+async def test_the_queue_is_bounded_in_bytes_too_and_gives_its_bytes_back(tmp_path, shm):
+    """A model of large chunks fills the queue's bytes before its chunk count: what does not fit
+    is dropped, and the bytes come back as the queue is written."""
+    sc = await started(LocalStore(tmp_path), store_queue_chunks=100)
+    try:
+        buf = shm()
+        bid = sc.register(buf.handle, FP)
+        sc.writer.config.store_queue_bytes = 3 * sc._chunk_kv_bytes(sc._buffer(bid))
+        r = await sc.store(bid, TOKENS)  # 8 chunks, bytes for 3
+        assert (r["queued_chunks"], r["dropped_chunks"]) == (3, 5)
+        await sc.flush()
+        assert (sc.writer.pending_chunks, sc.writer.pending_bytes) == (0, 0)
+        assert (await sc.store(bid, TOKENS))["queued_chunks"] == 3  # the next 3
+    finally:
+        await sc.close()
+
+
 async def test_stores_copying_at_once_share_the_queues_room_and_a_failed_copy_gives_it_back(tmp_path, shm, monkeypatch):
     """Two stores whose copies overlap (a loaded engine ends prefills back to back): the room the
     first took is not promised to the second, and room held for a copy that failed is free again."""

@@ -64,7 +64,7 @@ def test_a_chunks_copy_out_of_its_jobs_kv_runs_in_the_encode_thread_not_on_the_e
             w = Writer(LocalStore(tmp_path), Config.from_env({"KVFETCHER_PRESET": "raw", "KVFETCHER_CHUNK_TOKENS": "16"}), Metrics(), pool, pool)
             w.start()
             ns = keys.Namespace(model="m", dtype="float16", shape=(2, 2, 8))
-            assert w.reserve(2) == 2
+            assert w.reserve(2, 2 * 2 * 2 * 16 * 8 * 2) == 2
             w.submit(writer_mod.Job(ns, ["a" * 64, "b" * 64], torch.randn(2, 2, 2, 32, 8).half()))
             await w.flush()
             await w.close(1.0)

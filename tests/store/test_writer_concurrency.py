@@ -65,7 +65,7 @@ def store_job(store, encoders: int, monkeypatch, encode_s: float = 0.0):
             cfg = Config.from_env({"KVFETCHER_PRESET": "raw", "KVFETCHER_CHUNK_TOKENS": "16", "KVFETCHER_STORE_ENCODERS": str(encoders)})
             w = writer_mod.Writer(store, cfg, metrics, pool, pool)
             w.start()
-            assert w.reserve(len(KEYS)) == len(KEYS)
+            assert w.reserve(len(KEYS), 2 * 2 * 2 * 16 * 8 * 2) == len(KEYS)
             w.submit(writer_mod.Job(NS, KEYS, torch.randn(2, 2, 2, 16 * len(KEYS), 8).half()))
             await w.flush()
             assert w.pending_chunks == 0

@@ -2,7 +2,7 @@
 
 A store request never blocks the model on encoding or upload: admission is by chunks. The caller
 skips the leading chunks already stored, asks :meth:`Writer.room` how many more fit the bound
-(``config.store_queue_chunks``), hands over a private copy of the leading chunks that fit
+(``config.store_queue_chunks`` and ``store_queue_bytes``), hands over a private copy of the leading chunks that fit
 (``kvbuffer.Destination.read``: from a flat buffer's slots or a paged buffer's blocks) and
 counts the rest as dropped (:meth:`Writer.dropped`, in chunks) — a lost store costs a future
 recompute, a blocked model costs latency now. One task writes the queue in order: every configured
@@ -84,7 +84,7 @@ class Job:
 
 
 class Writer:
-    """The store queue (bounded by ``config.store_queue_chunks``) and its writing task. HEADs run
+    """The store queue (bounded by ``config.store_queue_chunks`` and ``store_queue_bytes``) and its writing task. HEADs run
     in ``meta_pool``, PUTs in ``data_pool``; ``stored(key, preset, size)`` hears of every object written."""
 
     def __init__(self, store: Store, config: Config, metrics: Metrics, data_pool: Executor, meta_pool: Executor,
@@ -97,6 +97,7 @@ class Writer:
         self._queue: asyncio.Queue[Job] | None = None
         self._task: asyncio.Task | None = None
         self.pending_chunks = 0
+        self.pending_bytes = 0
         self.object_key = mac.key_from(config.object_key)  # None: objects are written without tags
         fmts = {p: presets.get(p).codec.format for p in config.presets}
         if any(f == "ans" for f in fmts.values()) and not codec.decodable("ans"):
@@ -127,20 +128,24 @@ class Writer:
         self._queue = asyncio.Queue()
         self._task = asyncio.create_task(self._run())
 
-    def reserve(self, chunks: int) -> int:
-        """Hold room in the queue for up to ``chunks`` chunks of one store: how many it got (the rest
-        do not fit). Each held chunk is then queued by :meth:`submit` or given back by :meth:`release`;
-        held between the two, room is never promised twice to stores copying their KV meanwhile."""
-        held = max(0, min(chunks, self.config.store_queue_chunks - self.pending_chunks))
-        self._pending(held)
+    def reserve(self, chunks: int, chunk_bytes: int) -> int:
+        """Hold room in the queue for up to ``chunks`` chunks of ``chunk_bytes`` each, of one store: how
+        many it got (the rest do not fit its bounds in chunks and in bytes). Each held chunk is then
+        queued by :meth:`submit` or given back by :meth:`release`; held between the two, room is never
+        promised twice to stores copying their KV meanwhile."""
+        room = min(self.config.store_queue_chunks - self.pending_chunks,
+                   (self.config.store_queue_bytes - self.pending_bytes) // max(1, chunk_bytes))
+        held = max(0, min(chunks, room))
+        self._pending(held, held * chunk_bytes)
         return held
 
-    def release(self, chunks: int) -> None:
+    def release(self, chunks: int, chunk_bytes: int) -> None:
         """Give back held room that will not be queued (the store's copy failed)."""
-        self._pending(-chunks)
+        self._pending(-chunks, -chunks * chunk_bytes)
 
-    def _pending(self, delta: int) -> None:
-        self.pending_chunks += delta
+    def _pending(self, chunks: int, nbytes: int) -> None:
+        self.pending_chunks += chunks
+        self.pending_bytes += nbytes
         self.metrics.store_queue_depth.set(self.pending_chunks)
 
     def dropped(self, chunks: int) -> None:
@@ -184,7 +189,7 @@ class Writer:
                 self.metrics.errors.labels(Reason.INTERNAL).inc()
                 log.exception("store failed")
             finally:
-                self._pending(-len(job.keys))
+                self._pending(-len(job.keys), -job.kv.numel() * job.kv.element_size())
                 self._queue.task_done()
 
     async def _write(self, job: Job) -> None:
