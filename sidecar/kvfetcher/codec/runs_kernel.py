@@ -11,6 +11,8 @@ Without Triton, or on CPU tensors outside its interpreter, torch copies the runs
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -39,10 +41,9 @@ if triton is not None:
         tl.store(dst_ptr + dst + at, tl.load(src_ptr + src + at, mask=live), mask=live)
 
 
-def gather(src: torch.Tensor, starts, lengths) -> torch.Tensor:
+def gather(src: torch.Tensor, starts: Sequence[int] | np.ndarray, lengths: Sequence[int] | np.ndarray) -> torch.Tensor:
     """The bytes ``src[s : s + n]`` of each (start, length), back to back, in a new uint8 tensor
-    on ``src``'s device, ordered on its current stream (not waited for). ``src``: flat uint8;
-    ``starts``, ``lengths``: integer sequences or arrays of one length."""
+    on ``src``'s device, ordered on its current stream (not waited for). ``src``: flat uint8."""
     starts, lengths = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
     if ((starts | lengths) % WORD).any():
         raise ValueError(f"runs must start and end at multiples of {WORD} bytes")
