@@ -105,18 +105,8 @@ def threads_rate(parts: list[Parts], buf: torch.Tensor, threads: int, staged: bo
             i = (k + r * threads) % n
             parts[i % len(parts)].restore(Destination(buf, tokens=n * T), ChunkRef("", 0, i * T, T), staged)
 
-    def once() -> float:
-        ths = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
-        t = time.perf_counter()
-        for th in ths:
-            th.start()
-        for th in ths:
-            th.join()
-        torch.cuda.synchronize()
-        return time.perf_counter() - t
-
-    once()
-    s = statistics.median(once() for _ in range(3))
+    timing.threads_s(threads, work)
+    s = statistics.median(timing.threads_s(threads, work) for _ in range(3))
     return round(threads * rounds * parts[0].h.shape[0] * 2 * parts[0].h.shape[2] * T * parts[0].h.shape[4] * 2 / s / 1e9, 2)
 
 

@@ -46,3 +46,16 @@ def calls_per_s(threads: int, one, seconds: float) -> float:
     for t in ths:
         t.join()
     return sum(counts) / (time.perf_counter() - t0)
+
+
+def threads_s(threads: int, work) -> float:
+    """Wall seconds of ``threads`` threads each running ``work(i)`` once, started together and ended
+    by a CUDA synchronize (so their GPU work counts)."""
+    ths = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+    t0 = time.perf_counter()
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0

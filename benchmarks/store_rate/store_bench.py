@@ -27,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -87,8 +88,9 @@ def paged(buf: torch.Tensor, block_size: int = 16) -> tuple[kvbuffer.PagedKV, li
     return kv, ids
 
 
-async def store_runs(store, cfg: Config, ns: keys.Namespace, where, preset: str, tags: list[str]) -> list[dict]:
-    """Stores of the whole destination, one per tag, by one writer (as a sidecar's, its encode threads
+async def store_runs(store, cfg: Config, ns: keys.Namespace, where: Callable[[], kvbuffer.Destination], preset: str,
+                     tags: list[str]) -> list[dict]:
+    """Stores of the whole destination (a new one from ``where`` each time), one per tag, by one writer (as a sidecar's, its encode threads
     kept warm between them): seconds of the copy out and of the writer, the objects' bytes. Each run's
     objects but the last are deleted before the next."""
     io, meta = ThreadPoolExecutor(cfg.io_workers), ThreadPoolExecutor(cfg.meta_io_workers)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import threading
 import time
 from pathlib import Path
 
@@ -68,15 +67,8 @@ def busy(threads: int, one, calls: int = 12) -> dict:
     for i in range(threads):  # warm: every thread's stream, coder and plans made
         one(i)
     torch.cuda.synchronize()
-    ths = [threading.Thread(target=lambda i=i: [one(i) for _ in range(calls)]) for i in range(threads)]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        for t in ths:
-            t.start()
-        for t in ths:
-            t.join()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+        wall = timing.threads_s(threads, lambda i: [one(i) for _ in range(calls)])
     evs = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                  if e.device_type == torch.autograd.DeviceType.CUDA)
     union, end, by = 0.0, float("-inf"), {}
