@@ -267,7 +267,7 @@ def rebuild(obj: bytes, fmt: str | None = None, segment=None) -> bytes:
     fields = {k: v for k, v in h.to_json().items() if k not in ("layout_version", "side", "segments")}
     if fmt:
         fields["codec"] = dataclasses.replace(h.codec, format=fmt).to_dict()
-    side = container.side_tensor(h, container.slice_segment(obj, h, h.side)) if h.side else None
+    side = bytes(container.slice_segment(obj, h, h.side)) if h.side else None
     segs = [(s.frames, segment(container.slice_segment(obj, h, s)) if segment else container.slice_segment(obj, h, s))
             for s in h.segments]
     return container.build(fields, side, segs)

@@ -128,7 +128,7 @@ def profile(name: str, kvs: list[torch.Tensor], args) -> dict:
     segs = [((0, packed.frames.shape[0]), enc.encode(packed.frames, h.codec))]
     fields = {"fingerprint": FP, "dtype": "float16", "shape": list(kvs[0].shape), "preset": name, "layout": h.layout.to_dict(),
               "start": T, "codec": h.codec.to_dict(), "frame_shape": list(h.frame_shape), "meta": {}}
-    r["container_build_ms"] = ms(lambda: container.build(fields, packed.side, segs), args.repeats)
+    r["container_build_ms"] = ms(lambda: container.build(fields, container.side_bytes(packed.side), segs), args.repeats)
     # restore, one step at a time
     r["crc_ms"] = ms(lambda: [container.check(s, d) for s, d in zip(([h.side] if h.side else []) + list(h.segments),
                                                                  ([one.side] if h.side else []) + one.segs)], args.repeats)

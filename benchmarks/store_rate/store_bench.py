@@ -4,7 +4,8 @@ What a sidecar does for a store request, step by step and timed apart: the copy 
 KV out of the model's buffer into host memory (``Destination.read``, the one step on which the
 request waits), then the writer (``save.Writer``: per chunk and preset, a HEAD, the encode —
 on the GPU for entropy-coded presets — and the PUT) until the queue is flushed. ``--encoders``
-sets the writer's encode concurrency (``Config.store_encoders``), each value timed. An 8B model's
+sets the writer's encode concurrency (``Config.store_encoders``) and ``--batch`` the chunks one encode codes
+together (``Config.store_encode_batch``), each value timed. An 8B model's
 shape (bf16), synthetic values, or real KV tiled from ``--kvsrc`` (``benchmarks.lib.kvsource``); the
 stand-in calibration has a random orthogonal basis, so the calibrated presets pack through one.
 The objects go to a local directory (``--store local``, on /dev/shm where there is one) or over S3
@@ -150,6 +151,7 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=64, help="chunks of the prompt stored (64: 16K tokens, 2.1 GB)")
     ap.add_argument("--presets", default="transform-ans,balanced-ans,raw")
     ap.add_argument("--encoders", default="1", help="the writer's encode concurrency (Config.store_encoders), comma-separated")
+    ap.add_argument("--batch", default="1", help="chunks one encode codes together (Config.store_encode_batch), comma-separated")
     ap.add_argument("--dests", default="flat,paged", help="the model's buffer: flat, and/or vLLM's cross-layer paged blocks")
     ap.add_argument("--store", default="local", choices=["local", "s3"])
     ap.add_argument("--kvsrc", help="real KV to tile (benchmarks.lib.kvsource); default synthetic")
@@ -175,15 +177,17 @@ def main() -> None:
         wheres["paged"] = lambda: kvbuffer.PagedDestination(kv_paged, ids, tokens)
     with object_store(args.store) as store:
         run = 0
-        for dest, preset, enc in itertools.product(args.dests.split(","), args.presets.split(","), (int(e) for e in args.encoders.split(","))):
-            cfg = Config(presets=(preset,), store_queue_chunks=args.chunks, store_queue_bytes=kv_bytes, rope_theta=shape.rope_theta, store_encoders=enc)
+        for dest, preset, enc, batch in itertools.product(args.dests.split(","), args.presets.split(","), [int(e) for e in args.encoders.split(",")],
+                                                          [int(b) for b in args.batch.split(",")]):
+            cfg = Config(presets=(preset,), store_queue_chunks=args.chunks, store_queue_bytes=kv_bytes, rope_theta=shape.rope_theta,
+                         store_encoders=enc, store_encode_batch=batch)
             cpu0 = cpu_jiffies()  # the first run warms the GPU codecs and the writer's threads
             times = asyncio.run(store_runs(store, cfg, ns, wheres[dest], preset, [f"r{run + k}" for k in range(args.repeats + 1)]))
             run += args.repeats + 1
             cpu = busy_cores(cpu0, cpu_jiffies())
             last = times[-1]
             med = {k: statistics.median(t[k] for t in times[1:]) for k in ("copy_s", "write_s", "total_s")}
-            cell = {"dest": dest, "preset": preset, "encoders": enc, **{k: round(v, 4) for k, v in med.items()},
+            cell = {"dest": dest, "preset": preset, "encoders": enc, "batch": batch, **{k: round(v, 4) for k, v in med.items()},
                     "copy_GB_s": round(kv_bytes / med["copy_s"] / 1e9, 2), "write_GB_s": round(kv_bytes / med["write_s"] / 1e9, 2),
                     "store_GB_s": round(kv_bytes / med["total_s"] / 1e9, 2), "ratio": round(kv_bytes / last["stored_bytes"], 3),
                     "objects": last["objects"], "cpu_busy_cores": cpu,

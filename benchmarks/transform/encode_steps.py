@@ -47,7 +47,7 @@ def steps(name: str, kv: torch.Tensor, start: int, repeats: int) -> dict:
          "side_MB": round(h.side.length / 1e6, 3) if h.side else 0.0,
          "encode_chunk_ms": ms(whole, repeats), "pack_ms": ms(lambda: layout.pack(kv, h.layout, start), repeats),
          "nvcomp_encode_ms": ms(lambda: enc.encode(packed.frames, h.codec), repeats),
-         "container_build_ms": ms(lambda: container.build(fields, packed.side, segs), repeats)}
+         "container_build_ms": ms(lambda: container.build(fields, container.side_bytes(packed.side), segs), repeats)}
     r["encode_GB_s"] = round(kv.numel() * 2 / r["encode_chunk_ms"] / 1e6, 2)
     r["pack_kernels"] = kernels(lambda: layout.pack(kv, h.layout, start))
     r["nvcomp_kernels"] = kernels(lambda: enc.encode(packed.frames, h.codec))

@@ -2,8 +2,9 @@
 
 One Llama-3-8B-shaped chunk of real KV (``--kvsrc``) and the stand-in calibration, as ``pack_graph``,
 the pack replayed from CUDA graphs (``KVFETCHER_ENCODE_GRAPHS=8``); after three warm-up encodes,
-``--threads`` threads call ``chunk.encode_chunk`` in a loop for ``--seconds`` (each count in turn) and
-the rate is printed, GB/s of KV. Run it under py-spy, and read the profile with ``lib/spy_shares``:
+``--threads`` threads call ``chunk.encode_chunks`` of ``--batch`` chunks in a loop for ``--seconds`` (each count in turn) and
+the rate is printed (after the object's SHA-256, to compare trees by), GB/s of KV, with the process' minor page faults a chunk (memory touched
+for the first time). Run it under py-spy, and read the profile with ``lib/spy_shares``:
 
     py-spy record --gil -r 200 -f raw -o $OUT/spy_gil.txt -- python -m benchmarks.transform.encode_threads --threads 8
     python -m benchmarks.lib.spy_shares spy_gil.txt --within "calls_per_s.<locals>.loop"
@@ -12,8 +13,10 @@ the rate is printed, GB/s of KV. Run it under py-spy, and read the profile with 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import resource
 
 os.environ.setdefault("KVFETCHER_ENCODE_GRAPHS", "8")
 
@@ -30,20 +33,28 @@ def main() -> None:
     ap.add_argument("--preset", default="transform-ans")
     ap.add_argument("--threads", default="8", help="thread counts, comma-separated, each timed in turn")
     ap.add_argument("--seconds", type=float, default=6.0)
+    ap.add_argument("--batch", default="1", help="chunks a call codes together (chunk.encode_chunks), comma-separated, each in turn")
     args = ap.parse_args()
     kvs, _ = kvsource.gpu_chunks(args.kvsrc, 2)
     standin.ensure(FP, tuple(kvs[0].shape))
     kv, start = kvs[1], kvs[0].shape[3]
     p = presets.get(args.preset, FP)
 
-    def one(_: int) -> bytes:
-        return chunk.encode_chunk(kv, p, FP, start=start, rope_theta=kvsource.LLAMA3_THETA)
+    for b in [int(x) for x in args.batch.split(",") if x]:
+        todo = [chunk.ToEncode(kv, start) for _ in range(b)]
 
-    for _ in range(3):
-        one(0)
-    for n in [int(x) for x in args.threads.split(",") if x]:
-        rate = timing.calls_per_s(n, one, args.seconds)
-        print(json.dumps({"threads": n, "chunks_per_s": round(rate, 1), "GB_s": round(rate * kv.numel() * kv.element_size() / 1e9, 2)}), flush=True)
+        def one(_: int) -> list[bytes]:
+            return chunk.encode_chunks(todo, p, FP, rope_theta=kvsource.LLAMA3_THETA)
+
+        for _ in range(3):
+            obj = one(0)[-1]
+        print(json.dumps({"batch": b, "object_bytes": len(obj), "object_sha256": hashlib.sha256(obj).hexdigest()}), flush=True)
+        for n in [int(x) for x in args.threads.split(",") if x]:
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            rate = timing.calls_per_s(n, one, args.seconds) * b
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+            print(json.dumps({"batch": b, "threads": n, "chunks_per_s": round(rate, 1), "GB_s": round(rate * kv.numel() * kv.element_size() / 1e9, 2),
+                              "page_faults_per_chunk": round(faults / (rate * args.seconds))}), flush=True)
 
 
 if __name__ == "__main__":

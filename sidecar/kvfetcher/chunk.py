@@ -22,14 +22,17 @@ import contextlib
 import dataclasses
 import functools
 import math
+import os
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from kvfetcher.codec import basis, graphs, layout, rope
+from kvfetcher.codec.params import LayoutParams
 from kvfetcher import codec
 from kvfetcher.codec.entropy import host_bytes
 from kvfetcher.format import container
@@ -38,6 +41,9 @@ from kvfetcher.format.presets import Preset, get
 from kvfetcher.kvbuffer import ChunkRef, Destination, bytes_per_value, dtype_name, to_device
 
 Bytes = bytes | memoryview  # a part's stored bytes as read (a worker reads them in place from shared memory)
+#: threads that compress chunks' side information while their encoders code the planes (zstd
+#: releases the GIL; a chunk's side is ~1.6 ms of one core, docs/architecture.md)
+SIDE_THREADS = 4
 
 
 def encode_chunk(
@@ -60,39 +66,122 @@ def encode_chunk(
     use). With ``auth`` (the object key and the name the object will be stored at) the object
     carries its tags. A basis not made for this model and shape is refused (``ValueError``).
     """
+    return encode_chunks([ToEncode(kv, start, meta, auth)], preset, fingerprint, rope_theta)[0]
+
+
+@dataclass(frozen=True)
+class ToEncode:
+    """One chunk for :func:`encode_chunks`: its KV, first token's position, object metadata and tags' key."""
+
+    kv: torch.Tensor
+    start: int = 0
+    meta: dict | None = None
+    auth: ObjectMAC | None = None
+
+
+def encode_chunks(chunks: Sequence[ToEncode], preset: Preset | str, fingerprint: str,
+                  rope_theta: float | Sequence[float] | None = None) -> list[bytes]:
+    """:func:`encode_chunk` of each chunk (all on one device), the same objects; where the format's
+    encoder codes parts together (nvCOMP: one launch and one wait), every chunk's planes in one
+    call, which spreads an encode's fixed host work (under the GIL) over the chunks."""
     p = get(preset, fingerprint) if isinstance(preset, str) else preset
+    if p.pre_rope and p.layout.rope_theta is None and rope_theta is None:
+        raise ValueError(f"preset {p.name!r} quantises keys before RoPE: give the model's rope_theta")
+    theta = rope_theta if rope_theta is None or isinstance(rope_theta, (int, float)) else tuple(rope_theta)
+    layouts = [_chunk_layout(p, theta, c.start > 0, c.kv.shape[0]) for c in chunks]
+    for c, lp in zip(chunks, layouts):
+        if lp.basis is not None and not basis.fits(lp.basis, tuple(c.kv.shape), fingerprint):
+            raise ValueError(f"basis {lp.basis!r} of preset {p.name!r} was not made for model {fingerprint!r} "
+                             f"with KV of {tuple(c.kv.shape)}: calibrate this model")
+    device = chunks[0].kv.device
+    if device.type == "cuda":  # on this thread's stream: encode threads' kernels do not queue behind each other's
+        thread_stream(device).wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(thread_stream(device)) if device.type == "cuda" else contextlib.nullcontext(), \
+            contextlib.ExitStack() as lent:
+        packs = _pack_all(chunks, layouts, lent)
+        enc = codec.encoder(p.codec.format, packs[0][0].device)
+        spans = [_segments(p, frames) for frames, _, _ in packs]
+        coded = iter(codec.encode_parts(enc, [f[a:b] for (f, _, _), s in zip(packs, spans) for a, b in s], p.codec))
+    objects = []
+    for c, lp, (_, geometry, side), s in zip(chunks, layouts, packs, spans):
+        fields = {
+            "fingerprint": fingerprint,
+            "dtype": dtype_name(c.kv.dtype),
+            "shape": list(c.kv.shape),
+            "preset": p.name,
+            "layout": lp.to_dict(),
+            "start": c.start,
+            "codec": p.codec.to_dict(),
+            "frame_shape": list(geometry.frame_shape),
+            "meta": dict(c.meta or {}, encoder=enc.name),
+        }
+        segments = [(span, next(coded)) for span in s]
+        objects.append(container.build(fields, side.result() if side is not None else None, segments, c.auth))
+    return objects
+
+
+def _pack_all(chunks: Sequence[ToEncode], layouts: list[LayoutParams], lent: contextlib.ExitStack) -> list[tuple]:
+    """Each chunk packed (:func:`graphs.packed`): its frames, geometry and side information's future.
+    One chunk's frames are its graph's own, lent until ``lent`` closes; of several, copies on the
+    current stream (each graph given back at once, so that one serves them all in turn)."""
+    out = []
+    for c, lp in zip(chunks, layouts):
+        with contextlib.ExitStack() as mine:
+            packed = mine.enter_context(graphs.packed(c.kv, lp, c.start))
+            side = _side_later(packed.side)
+            if len(chunks) == 1:
+                frames = packed.frames
+                lent.enter_context(mine.pop_all())
+            else:
+                frames = packed.frames.clone()
+        out.append((frames, packed.geometry, side))
+    return out
+
+
+def _segments(p: Preset, frames: torch.Tensor) -> list[tuple[int, int]]:
+    """The frame ranges ``[a, b)`` of a chunk's independently decodable segments under ``p``."""
+    n = frames.shape[0]
+    step = max(1, p.segment_bytes // frames[0].numel() if p.segment_bytes else p.segment_frames)
+    return [(a, min(a + step, n)) for a in range(0, n, step)]
+
+
+@functools.lru_cache(maxsize=256)
+def _chunk_layout(p: Preset, rope_theta: float | tuple[float, ...] | None, later: bool, layers: int) -> LayoutParams:
+    """The layout a chunk of ``p`` with ``layers`` layers is packed with: the model's RoPE base(s)
+    where the preset quantises keys before RoPE, no exact tokens past a prompt's first chunk where
+    the preset keeps only the sink's (``later``). Made once per kind: a chunk's encode holds the GIL
+    for every Python step."""
     lp = p.layout
     if p.pre_rope and lp.rope_theta is None:
-        if rope_theta is None:
-            raise ValueError(f"preset {p.name!r} quantises keys before RoPE: give the model's rope_theta")
-        thetas = rope.per_layer(rope_theta if isinstance(rope_theta, (int, float)) else tuple(rope_theta), kv.shape[0])
-        lp = dataclasses.replace(lp, rope_theta=rope.compact(thetas))
-    if p.sink_exact_only and start > 0:
+        lp = dataclasses.replace(lp, rope_theta=rope.compact(rope.per_layer(rope_theta, layers)))
+    if p.sink_exact_only and later:
         lp = dataclasses.replace(lp, exact_tokens=0)
-    if lp.basis is not None and not basis.fits(lp.basis, tuple(kv.shape), fingerprint):
-        raise ValueError(f"basis {lp.basis!r} of preset {p.name!r} was not made for model {fingerprint!r} "
-                         f"with KV of {tuple(kv.shape)}: calibrate this model")
-    if kv.is_cuda:  # on this thread's stream: encode threads' kernels do not queue behind each other's
-        thread_stream(kv.device).wait_stream(torch.cuda.current_stream(kv.device))
-    with torch.cuda.stream(thread_stream(kv.device)) if kv.is_cuda else contextlib.nullcontext(), \
-            graphs.packed(kv, lp, start) as packed:
-        enc = codec.encoder(p.codec.format, packed.frames.device)
-        n = packed.frames.shape[0]
-        step = max(1, p.segment_bytes // packed.frames[0].numel() if p.segment_bytes else p.segment_frames)
-        segments = [((a, min(a + step, n)), enc.encode(packed.frames[a : a + step], p.codec)) for a in range(0, n, step)]
-        side = packed.side.cpu() if packed.side is not None else None  # (waits for the pack)
-    fields = {
-        "fingerprint": fingerprint,
-        "dtype": dtype_name(kv.dtype),
-        "shape": list(kv.shape),
-        "preset": p.name,
-        "layout": lp.to_dict(),
-        "start": start,
-        "codec": p.codec.to_dict(),
-        "frame_shape": list(packed.geometry.frame_shape),
-        "meta": dict(meta or {}, encoder=enc.name),
-    }
-    return container.build(fields, side, segments, auth)
+    return lp
+
+
+_side_pool: tuple[int, ThreadPoolExecutor] | None = None
+_side_lock = threading.Lock()
+
+
+def _side_later(side: torch.Tensor | None) -> Future | None:
+    """A chunk's side information as stored (:func:`container.side_bytes`), compressed on a thread
+    of a small shared pool while the calling thread codes the planes; a GPU tensor is copied out on
+    the current stream first (into page-locked memory; the pool's thread waits for the copy)."""
+    global _side_pool
+    if side is None:
+        return None
+    if side.is_cuda:
+        host = torch.empty(side.shape, dtype=side.dtype, pin_memory=True)
+        host.copy_(side, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        job = lambda: (copied.synchronize(), container.side_bytes(host))[1]  # noqa: E731
+    else:
+        job = functools.partial(container.side_bytes, side.clone())
+    with _side_lock:
+        if _side_pool is None or _side_pool[0] != os.getpid():  # (a forked child has no threads of it)
+            _side_pool = os.getpid(), ThreadPoolExecutor(SIDE_THREADS, thread_name_prefix="kvfetcher-side")
+        return _side_pool[1].submit(job)
 
 
 def decode_chunk(

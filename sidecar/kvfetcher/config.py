@@ -222,6 +222,9 @@ STORE_QUEUE_BYTES = Setting("KVFETCHER_STORE_QUEUE_BYTES", int, _store_queue_byt
 STORE_ENCODERS = Setting("KVFETCHER_STORE_ENCODERS", int, 2,
                          "Chunks the store encodes at once, each in a thread of low priority (an entropy-coded preset's on "
                          "the GPU); uploads overlap them. `benchmarks/store_rate` times the store path against it.")
+STORE_ENCODE_BATCH = Setting("KVFETCHER_STORE_ENCODE_BATCH", int, 1,
+                             "Consecutive chunks of a prefix one store encode codes together: on the GPU one nvCOMP "
+                             "batch and one wait for them all, which spreads the encode's host work under the GIL.")
 INDEX_KEYS = Setting("KVFETCHER_INDEX_KEYS", int, 1 << 18,
                      "Chunk keys the sidecar's in-memory index of the store keeps (least recently used dropped first; "
                      "about 400 bytes each).")
@@ -320,7 +323,7 @@ TABLES: dict[str, tuple[Setting, ...]] = {
         CHUNK_TOKENS, PRESET, ALLOWED_PRESETS, TENANT, POOL, OBJECT_KEY, ACCEPTED_OBJECT_KEYS, MODEL, RECOMPUTE_TPS, ROPE_THETA, TTFT_BUDGET_S,
         DECODE_PROCS, WARM_UP, S3_ENDPOINT, S3_BUCKET, S3_ACCESS_KEY, S3_SECRET_KEY, S3_REGION, S3_CA_FILE,
         S3_INSECURE, STORE_DIR, AUTH_TOKEN, AUTH_TOKEN_FILE, FUSED_UNPACK, ENCODE_GRAPHS, DEADLINE_S, MAX_REQUEST_TOKENS,
-        STORE_QUEUE_CHUNKS, STORE_QUEUE_BYTES, STORE_ENCODERS, INDEX_KEYS, NEGATIVE_TTL_S, IO_WORKERS, FETCH_WINDOW, FETCH_READS, READ_PROCS, DECODE_THREADS, WRITE_THREADS, META_IO_WORKERS, LINK_DIR, ACCESS_LOG_S, STORE_CHECK_S,
+        STORE_QUEUE_CHUNKS, STORE_QUEUE_BYTES, STORE_ENCODERS, STORE_ENCODE_BATCH, INDEX_KEYS, NEGATIVE_TTL_S, IO_WORKERS, FETCH_WINDOW, FETCH_READS, READ_PROCS, DECODE_THREADS, WRITE_THREADS, META_IO_WORKERS, LINK_DIR, ACCESS_LOG_S, STORE_CHECK_S,
         CALIBRATION_DIR, LOG_LEVEL, LOG_FORMAT),
     "Model side (`KVClient`, shared buffers)": (SOCKET, URL),
     "Evaluation (`kvfetcher eval`, `calibrate`, `demo`, tests)": (CACHE, EVAL_DEVICE),
@@ -363,6 +366,7 @@ class Config:
     store_queue_chunks: int = env_field(STORE_QUEUE_CHUNKS)
     store_queue_bytes: int = env_field(STORE_QUEUE_BYTES)
     store_encoders: int = env_field(STORE_ENCODERS)
+    store_encode_batch: int = env_field(STORE_ENCODE_BATCH)
     index_keys: int = env_field(INDEX_KEYS)
     negative_ttl_s: float = env_field(NEGATIVE_TTL_S)
     decode_threads: int = env_field(DECODE_THREADS)
@@ -393,7 +397,8 @@ class Config:
         if not 0 < self.deadline_s < float("inf"):
             raise ValueError(f"the deadline must be positive, finite seconds, not {self.deadline_s}")
         for name in ("max_request_tokens", "store_queue_chunks", "store_queue_bytes", "index_keys", "io_workers", "meta_io_workers", "window", "reads",
-                     "decode_threads", "write_threads", "store_encoders"):
+                     "decode_threads", "write_threads", "store_encoders",
+                     "store_encode_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', ' ')} must be >= 1, not {getattr(self, name)}")
         if not 0 <= self.negative_ttl_s < float("inf"):

@@ -33,6 +33,29 @@ def test_gpu_round_trip(fmt, block):
     assert out.is_cuda and torch.equal(out, f)
 
 
+@pytest.mark.parametrize("fmt", ["ans", "zstd"])
+def test_parts_coded_in_one_batch_are_the_bitstreams_coded_one_by_one(fmt):
+    """Parts of any size (a last block shorter than the others) each get the bitstream of their own."""
+    parts = [_frames((2, 3, 256, 512), seed=i).cuda().view(-1)[: n] for i, n in enumerate((786432, 700000, 65536 * 3))]
+    params = codec.CodecParams(format=fmt, block_bytes=1 << 16)
+    enc = nvcomp.NvcompCodec(fmt)
+    together = [bytes(b) for b in enc.encode_parts(parts, params)]
+    assert together == [bytes(enc.encode(f, params)) for f in parts]
+    for f, data in zip(parts, together):
+        assert torch.equal(codec.decoder(fmt, "cuda").decode(data, (1, 1, 1, f.numel()), "cuda").view(-1), f)
+
+
+@pytest.mark.parametrize("graphs", ["0", "2"])
+def test_chunks_encoded_together_on_the_gpu_are_the_ones_encoded_alone(graphs, monkeypatch):
+    monkeypatch.setenv("KVFETCHER_ENCODE_GRAPHS", graphs)
+    g = torch.Generator().manual_seed(3)
+    kvs = [(torch.randn(30, 2, 3, 256, 64, generator=g) * 2).to(torch.float16).cuda() for _ in range(3)]
+    todo = [chunk.ToEncode(kv, 256 * i, {"i": i}) for i, kv in enumerate(kvs)]
+    for _ in range(2):  # (the second time from graphs, where allowed)
+        alone = [chunk.encode_chunk(t.kv, "transform-ans", SHIPPED_FP, t.meta, t.start, rope_theta=1e5) for t in todo]
+        assert chunk.encode_chunks(todo, "transform-ans", SHIPPED_FP, rope_theta=1e5) == alone
+
+
 def test_gpu_zstd_is_read_by_the_cpu_and_the_cpus_by_the_gpu():
     f = _frames(seed=1)
     params = codec.CodecParams(format="zstd", block_bytes=1 << 16)

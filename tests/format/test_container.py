@@ -8,6 +8,7 @@ import torch
 
 from kvtest import rewrite_header, synthetic_kv
 from kvfetcher.format import calibration, container
+from kvfetcher import chunk
 from kvfetcher.chunk import decode_chunk, encode_chunk, restore_chunk
 from kvfetcher.kvbuffer import ChunkRef, Destination
 
@@ -182,6 +183,20 @@ def test_side_information_is_stored_compressed_and_checked():
     assert side.numel() == layout.side_numel(h.shape, h.layout)
     with pytest.raises(container.CorruptError):  # well checksummed but not zstd
         container.side_tensor(h, b"\x00" * h.side.length)
+
+
+def test_chunks_encoded_side_by_side_are_the_ones_encoded_alone():
+    """Side information is compressed on a shared pool's threads while the planes are coded: each
+    object still gets its own chunk's side, whatever the threads' interleaving."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    kvs = [synthetic_kv(tokens=64, seed=i) for i in range(6)]
+    alone = [encode_chunk(kv, "q8", FP, start=64 * i) for i, kv in enumerate(kvs)]
+    with ThreadPoolExecutor(6) as pool:
+        together = list(pool.map(lambda i: encode_chunk(kvs[i], "q8", FP, start=64 * i), range(6)))
+    assert together == alone and len(set(alone)) == 6
+    todo = [chunk.ToEncode(kv, 64 * i) for i, kv in enumerate(kvs)]
+    assert chunk.encode_chunks(todo, "q8", FP) == alone  # coded in one call
 
 
 def test_sink_exact_only_keeps_the_first_token_exact_only_at_position_zero():

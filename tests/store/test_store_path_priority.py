@@ -46,16 +46,16 @@ def test_a_chunks_copy_out_of_its_jobs_kv_runs_in_the_encode_thread_not_on_the_e
     from kvfetcher.save import writer as writer_mod
 
     seen = []
-    real = writer_mod.encode_chunk
+    real = writer_mod.encode_chunks
 
-    def spy(kv, *args, **kw):
-        seen.append((threading.current_thread().name, kv.is_contiguous()))
-        return real(kv, *args, **kw)
+    def spy(chunks, *args, **kw):
+        seen.extend((threading.current_thread().name, c.kv.is_contiguous()) for c in chunks)
+        return real(chunks, *args, **kw)
 
-    monkeypatch.setattr(writer_mod, "encode_chunk", spy)
+    monkeypatch.setattr(writer_mod, "encode_chunks", spy)
     given = []
     real_encode = writer_mod._encode
-    monkeypatch.setattr(writer_mod, "_encode", lambda kv, *a, **kw: given.append(kv.is_contiguous()) or real_encode(kv, *a, **kw))
+    monkeypatch.setattr(writer_mod, "_encode", lambda chunks, *a, **kw: given.extend(c.kv.is_contiguous() for c in chunks) or real_encode(chunks, *a, **kw))
 
     async def store_two_chunks():
         from concurrent.futures import ThreadPoolExecutor

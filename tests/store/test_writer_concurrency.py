@@ -38,20 +38,21 @@ class SlowStore(LocalStore):
         return super().put(name, data)
 
 
-def store_job(store, encoders: int, monkeypatch, encode_s: float = 0.0):
-    """Write one job of six chunks; (encodes at once at most, the upload and encode spans)."""
-    spans = {"encode": [], "busy": 0, "most": 0}
+def store_job(store, encoders: int, monkeypatch, encode_s: float = 0.0, batch: int = 1):
+    """Write one job of six chunks; (encodes at once at most, the upload and encode spans, the chunks of each encode)."""
+    spans = {"encode": [], "busy": 0, "most": 0, "groups": []}
     lock = threading.Lock()
     real = writer_mod._encode
 
-    def timed(kv, *a, **kw):
+    def timed(chunks, *a, **kw):
         with lock:
             spans["busy"] += 1
             spans["most"] = max(spans["most"], spans["busy"])
+            spans["groups"].append([c.start for c in chunks])
         t = time.perf_counter()
         try:
             time.sleep(encode_s)
-            return real(kv, *a, **kw)
+            return real(chunks, *a, **kw)
         finally:
             with lock:
                 spans["busy"] -= 1
@@ -62,7 +63,8 @@ def store_job(store, encoders: int, monkeypatch, encode_s: float = 0.0):
 
     async def run():
         with ThreadPoolExecutor(4) as pool:
-            cfg = Config.from_env({"KVFETCHER_PRESET": "raw", "KVFETCHER_CHUNK_TOKENS": "16", "KVFETCHER_STORE_ENCODERS": str(encoders)})
+            cfg = Config.from_env({"KVFETCHER_PRESET": "raw", "KVFETCHER_CHUNK_TOKENS": "16", "KVFETCHER_STORE_ENCODERS": str(encoders),
+                                   "KVFETCHER_STORE_ENCODE_BATCH": str(batch)})
             w = writer_mod.Writer(store, cfg, metrics, pool, pool)
             w.start()
             assert w.reserve(len(KEYS), 2 * 2 * 2 * 16 * 8 * 2) == len(KEYS)
@@ -100,3 +102,12 @@ def test_a_failed_upload_stops_the_job_and_keeps_what_was_written(tmp_path, monk
     assert written == KEYS[:2]  # the two before the failure
     assert len(store.puts) < len(KEYS)  # the job stopped: not every chunk was tried
     assert metrics.errors.labels(Unavailable.reason)._value.get() == 1  # logged and counted once, for the job
+
+
+def test_a_batch_of_consecutive_chunks_not_stored_yet_is_encoded_in_one_call(tmp_path, monkeypatch):
+    store = SlowStore(tmp_path)
+    store.put(keys.object_name(KEYS[1], "raw"), b"there already")  # skipped, not encoded again
+    spans, metrics = store_job(store, 2, monkeypatch, batch=4)
+    assert sorted(spans["groups"]) == [[0, 32, 48], [64, 80]]  # chunks 0-3 less the stored one, then 4-5 (16 tokens each)
+    assert all(store.exists(keys.object_name(k, "raw")) for k in KEYS)
+    assert metrics.store_seconds._sum.get() > 0 and sum(b.get() for b in metrics.store_seconds._buckets) == 5

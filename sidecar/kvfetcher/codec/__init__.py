@@ -23,7 +23,8 @@ from kvfetcher.codec.raw import RawCodec
 
 log = logging.getLogger("kvfetcher.codec")
 
-__all__ = ["ENTROPY_FORMATS", "CodecError", "CodecParams", "Decoder", "Encoder", "capabilities", "decodable", "encoder", "decoder"]
+__all__ = ["ENTROPY_FORMATS", "CodecError", "CodecParams", "Decoder", "Encoder", "capabilities", "decodable", "encoder", "encode_parts",
+           "decoder"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,6 +74,13 @@ def encoder(fmt: str, device: torch.device | str = "cpu") -> Encoder:
     except ImportError as e:
         raise CodecError(f"HEVC encoding needs a GPU with NVENC or PyAV's libx265, and neither is here ({e})") from e
     return X265Encoder()
+
+
+def encode_parts(enc: Encoder, parts: list[torch.Tensor], params: CodecParams) -> list[bytes | memoryview]:
+    """Each part's bitstream: in one call where the backend codes parts together (an
+    ``encode_parts`` of its own: nvCOMP's one batch), else part by part."""
+    together = getattr(enc, "encode_parts", None)
+    return together(parts, params) if together is not None else [enc.encode(f, params) for f in parts]
 
 
 def decoder(fmt: str, device: torch.device | str = "cpu", backend: str | None = None) -> Decoder:

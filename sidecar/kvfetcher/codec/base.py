@@ -10,7 +10,7 @@ the GPU and vice versa; ``ans`` has GPU backends only.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Protocol
 
 import torch
@@ -47,7 +47,7 @@ class CodecParams:
     def to_dict(self) -> dict:
         """The header's record; the entropy fields only for an entropy format (so the other
         formats' headers are what they were before those fields existed)."""
-        d = asdict(self)
+        d = {f.name: getattr(self, f.name) for f in fields(self)}  # immutable fields: no deep copy (asdict's)
         if self.format not in ENTROPY_FORMATS:
             del d["block_bytes"], d["level"]
         return d

@@ -22,6 +22,7 @@ the tensors it hands back is the caller's stream's.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import threading
 
@@ -79,7 +80,7 @@ class _Coder:
         self.codec = nv.Codec(algorithm=ALGORITHM[fmt], device_id=dev.index, cuda_stream=self.stream.cuda_stream,
                               bitstream_kind=nv.BitstreamKind.RAW)
         self._caps: dict[int, int] = {}
-        self._plans: dict[tuple[str, int, int], _Plan] = {}
+        self._plans: dict[tuple[str, tuple[int, ...], int], _Plan] = {}
         self._staged = torch.empty(0, dtype=torch.uint8, device=dev)
 
     def capacity(self, block: int) -> int:
@@ -89,13 +90,14 @@ class _Coder:
             self._caps[block] = entropy.padded(self.codec.get_max_comp_buffer_size(_nvcomp().as_array(probe)))
         return self._caps[block]
 
-    def plan(self, way: str, total: int, block: int) -> "_Plan":
-        """The buffers and batches to ``encode`` or ``decode`` ``total`` bytes of planes in blocks of ``block``."""
-        key = (way, total, block)
+    def plan(self, way: str, parts: tuple[int, ...], block: int) -> "_Plan":
+        """The buffers and batches to ``encode`` or ``decode`` planes of ``parts`` bytes (back to back,
+        each cut into blocks of ``block`` bytes of its own)."""
+        key = (way, parts, block)
         if key not in self._plans:
             if len(self._plans) >= 8:  # a process sees a few geometries; never grow without bound
                 self._plans.clear()
-            self._plans[key] = _Plan(self, way, total, block)
+            self._plans[key] = _Plan(self, way, parts, block)
         return self._plans[key]
 
     def staged(self, nbytes: int) -> torch.Tensor:
@@ -107,21 +109,29 @@ class _Coder:
 
 
 class _Plan:
-    """Planes of ``total`` bytes in blocks of ``block``: the planes' buffer and its batch (the
-    encoder's input, the decoder's output), for encoding also the coded slots (``cap`` bytes a
-    block) and their batch, and the codec's configuration."""
+    """Planes of ``parts`` bytes back to back, each part in blocks of ``block`` (its last one
+    shorter): the planes' buffer and its batch (the encoder's input, the decoder's output), for
+    encoding also the coded slots (``cap`` bytes a block) and their batch, and the codec's
+    configuration. ``bounds[i]``: part i's first block and its start in the planes."""
 
-    def __init__(self, c: _Coder, way: str, total: int, block: int):
+    def __init__(self, c: _Coder, way: str, parts: tuple[int, ...], block: int):
         nv = _nvcomp()
-        self.sizes = entropy.block_sizes(total, block)
+        self.sizes, offsets, self.bounds = [], [], []
+        for part, at in zip(parts, itertools.accumulate(parts, initial=0)):
+            self.bounds.append((len(self.sizes), at))
+            sizes = entropy.block_sizes(part, block)
+            offsets += [at + i * block for i in range(len(sizes))]
+            self.sizes += sizes
+        self.bounds.append((len(self.sizes), sum(parts)))
         n = len(self.sizes)
-        self.planes = torch.empty(total, dtype=torch.uint8, device=c.device)
-        self.planes_batch = nv.as_arrays(self.planes, [i * block for i in range(n)], self.sizes)
+        self.planes = torch.empty(sum(parts), dtype=torch.uint8, device=c.device)
+        self.planes_batch = nv.as_arrays(self.planes, offsets, self.sizes)
         cfg = c.codec.compression_config(self.sizes)
         if way == "encode":
             self.cap = c.capacity(block)
             self.slots = torch.empty(n * self.cap, dtype=torch.uint8, device=c.device)
-            self.slots_batch = nv.as_arrays(self.slots, [i * self.cap for i in range(n)], [self.cap] * n)
+            self.starts = np.arange(n, dtype=np.int64) * self.cap  # each block's coded slot
+            self.slots_batch = nv.as_arrays(self.slots, self.starts.tolist(), [self.cap] * n)
             self.config = cfg
         else:
             self.config = c.codec.decompression_config(cfg)
@@ -162,29 +172,40 @@ class NvcompCodec:
         self.device = _device(device)
 
     def encode(self, frames: torch.Tensor, params: CodecParams) -> memoryview:
-        """Planes (on this GPU, or moved there) -> a bitstream; only coded bytes reach the host, copied
-        once, into page-locked memory of the bitstream's own (torch's host allocator takes it back
-        when the view is dropped)."""
+        """Planes (on this GPU, or moved there) -> a bitstream (:meth:`encode_parts` of one part)."""
+        return self.encode_parts([frames], params)[0]
+
+    def encode_parts(self, parts: list[torch.Tensor], params: CodecParams) -> list[memoryview]:
+        """Each part's planes (on this GPU, or moved there) -> its own bitstream, all coded in one
+        nvCOMP batch (one launch and one wait for any number of chunks); only coded bytes reach the
+        host, copied once, into page-locked memory of each bitstream's own (torch's host allocator
+        takes it back when the view is dropped)."""
         c = _coder(self.device, self.format)
-        flat = frames.to(self.device).contiguous().view(-1)
+        flats = [f.to(self.device).contiguous().view(-1) for f in parts]
         block = params.block_bytes or entropy.DEFAULT_BLOCK
         if block % entropy.ALIGN:
             raise CodecError(f"block_bytes {block} is not a multiple of {entropy.ALIGN}")
-        p = c.plan("encode", flat.numel(), block)
+        p = c.plan("encode", tuple(f.numel() for f in flats), block)
         c.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(c.stream):
-            p.planes.copy_(flat)
+            for f, (_, at) in zip(flats, p.bounds):
+                p.planes[at : at + f.numel()].copy_(f)
             p.slots.zero_()  # the padding stored
             arrays = c.codec.encode(p.planes_batch, out=p.slots_batch, compression_config=p.config)
             c.stream.synchronize()  # the one wait, here without the GIL (reading the sizes waits holding it)
             coded = np.asarray(arrays.buffer_sizes, dtype=np.int64)
-            packed = runs_kernel.gather(p.slots, np.arange(coded.size) * p.cap, entropy.padded(coded))
-            head = entropy.table(block, coded)
-            out = torch.empty(len(head) + packed.numel(), dtype=torch.uint8, pin_memory=True)
-            out[len(head) :].copy_(packed, non_blocking=True)
-        out.numpy()[: len(head)] = np.frombuffer(head, np.uint8)
+            padded = entropy.padded(coded)
+            packed = runs_kernel.gather(p.slots, p.starts, padded)
+            ends = np.concatenate([[0], np.cumsum(padded)])
+            outs = []
+            for (a, _), (b, _) in itertools.pairwise(p.bounds):
+                head = entropy.table(block, coded[a:b])
+                out = torch.empty(len(head) + int(ends[b] - ends[a]), dtype=torch.uint8, pin_memory=True)
+                out[len(head) :].copy_(packed[ends[a] : ends[b]], non_blocking=True)
+                out.numpy()[: len(head)] = np.frombuffer(head, np.uint8)
+                outs.append(out)
         c.stream.synchronize()
-        return memoryview(out.numpy())
+        return [memoryview(out.numpy()) for out in outs]
 
     def decode(self, data: entropy.Bitstream, frame_shape: tuple[int, int, int, int],
                device: torch.device | str = "cuda") -> torch.Tensor:
@@ -206,7 +227,7 @@ class NvcompCodec:
         c = _coder(self.device, self.format)
         if max(sizes) > c.capacity(min(block, total)):
             raise CodecError(f"{self.name} block of {max(sizes)} bytes, more than a {block}-byte block can code to")
-        p = c.plan("decode", total, block)
+        p = c.plan("decode", (total,), block)
         staged = c.staged(len(payload))
         coded = nv.as_arrays(staged, offsets, sizes)  # (before any work is queued on it: see _Coder)
         out = torch.empty(total, dtype=torch.uint8, device=self.device)

@@ -129,23 +129,22 @@ class Header:
         }
 
 
-def _side_bytes(side: torch.Tensor | None) -> bytes:
+def side_bytes(side: torch.Tensor) -> bytes:
     """Side information as stored: its raw bytes, zstd-compressed at level 1 (its ranges and sparse rows are
     noise-like: higher levels save little of an object and cost a GPU encoder's store path host time;
-    docs/architecture.md)."""
-    if side is None:
-        return b""
+    docs/architecture.md). Releases the GIL while it compresses."""
     return zstandard.ZstdCompressor(level=1).compress(side.to("cpu").contiguous().view(torch.uint8).numpy())
 
 
 def build(
     header_fields: dict,
-    side: torch.Tensor | None,
+    side: bytes | None,
     segments: list[tuple[tuple[int, int], bytes | memoryview]],
     auth: ObjectMAC | None = None,
 ) -> bytes:
-    """Assemble an object from already-coded parts. ``segments``: ``[((f0, f1), bitstream)]``.
-    With ``auth`` (the key and the name it will be stored at) the object carries its tags."""
+    """Assemble an object from already-coded parts: ``side`` as stored (:func:`side_bytes`),
+    ``segments`` ``[((f0, f1), bitstream)]``. With ``auth`` (the key and the name it will be stored
+    at) the object carries its tags."""
     blobs: list[bytes | memoryview] = []
 
     def entry(data: bytes | memoryview, frames: list[int]) -> dict:
@@ -154,7 +153,7 @@ def build(
         return {"offset": offset, "length": len(data), "crc32": crc32(data), "frames": frames,
                 **({"mac": auth.part(offset, data).hex()} if auth else {})}
 
-    side_seg = entry(_side_bytes(side), [0, 0]) if side is not None else None
+    side_seg = entry(side, [0, 0]) if side is not None else None
     index = [entry(data, [f0, f1]) for (f0, f1), data in segments]
     head = dict(header_fields, layout_version=layout.LAYOUT_VERSION, side=side_seg, segments=index,
                 **({"key_id": auth.key_id} if auth else {}))

@@ -15,6 +15,7 @@ object key configured every object is written with its tags, bound to its name (
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 import logging
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvfetcher import codec, keys
-from kvfetcher.chunk import encode_chunk
+from kvfetcher.chunk import ToEncode, encode_chunks
 from kvfetcher.codec import ENTROPY_FORMATS, nvcomp
 from kvfetcher.config import Config
 from kvfetcher.errors import Reason
@@ -55,11 +56,12 @@ def _lower_priority() -> None:
         pass
 
 
-def _encode(kv: torch.Tensor, device: str | None, *args, **kw) -> bytes:
-    """:func:`encode_chunk` of ``kv`` (a chunk's view of its job's KV), made contiguous and moved to
-    ``device`` first (:func:`_to_device`): in an encode thread, since a chunk's copy (tens of MB) on
-    the event loop would hold up every lookup meanwhile."""
-    return encode_chunk(kv.contiguous() if device is None else _to_device(kv, device), *args, **kw)
+def _encode(chunks: list[ToEncode], device: str | None, *args, **kw) -> list[bytes]:
+    """:func:`encode_chunks` of ``chunks`` (views of their job's KV), each made contiguous and moved
+    to ``device`` first (:func:`_to_device`): in an encode thread, since a chunk's copy (tens of MB)
+    on the event loop would hold up every lookup meanwhile."""
+    own = [dataclasses.replace(c, kv=c.kv.contiguous() if device is None else _to_device(c.kv, device)) for c in chunks]
+    return encode_chunks(own, *args, **kw)
 
 
 def _to_device(kv: torch.Tensor, device: str) -> torch.Tensor:
@@ -193,30 +195,31 @@ class Writer:
                 self._queue.task_done()
 
     async def _write(self, job: Job) -> None:
-        """Every object of ``job``, chunk by chunk: ``config.store_encoders`` encoding at once and as
-        many more being checked or uploaded. The first failure stops the job (raised once the objects
-        under way are done); the objects before it stay written."""
+        """Every object of ``job``, ``config.store_encode_batch`` consecutive chunks at a time:
+        ``config.store_encoders`` such groups encoding at once and as many more being checked or
+        uploaded. The first failure stops the job (raised once the objects under way are done); the
+        objects before it stay written."""
         loop = asyncio.get_running_loop()
         encoding = asyncio.Semaphore(self.config.store_encoders)
         in_flight = asyncio.Semaphore(2 * self.config.store_encoders)
         failed: list[BaseException] = []
         tasks: list[asyncio.Task] = []
 
-        async def one(i: int, parent: str, preset: str) -> None:
+        async def one(group: range, preset: str) -> None:
             try:
-                await self._write_object(loop, job, i, parent, preset, encoding)
+                await self._write_objects(loop, job, group, preset, encoding)
             except Exception as e:
                 failed.append(e)
             finally:
                 in_flight.release()
 
         try:
-            for i, preset in itertools.product(range(len(job.keys)), await self._presets(job.ns.model)):
+            n, b = len(job.keys), self.config.store_encode_batch
+            for group, preset in itertools.product([range(a, min(a + b, n)) for a in range(0, n, b)], await self._presets(job.ns.model)):
                 await in_flight.acquire()
                 if failed:
                     break
-                parent = job.keys[i - 1] if i else job.parent  # in every object: the evictor rebuilds the prefix tree from it
-                tasks.append(asyncio.create_task(one(i, parent, preset)))
+                tasks.append(asyncio.create_task(one(group, preset)))
             await asyncio.gather(*tasks)
         except asyncio.CancelledError:
             for t in tasks:
@@ -225,24 +228,33 @@ class Writer:
         if failed:
             raise failed[0]
 
-    async def _write_object(self, loop: asyncio.AbstractEventLoop, job: Job, i: int, parent: str, preset: str,
-                            encoding: asyncio.Semaphore) -> None:
-        """One chunk's object in one preset: skipped if stored, else encoded (holding ``encoding``) and uploaded."""
+    async def _write_objects(self, loop: asyncio.AbstractEventLoop, job: Job, group: range, preset: str,
+                             encoding: asyncio.Semaphore) -> None:
+        """Consecutive chunks' objects in one preset: those not stored yet encoded together (holding
+        ``encoding``), then uploaded side by side; any failure raised once the group's uploads are done."""
         N = self.config.chunk_tokens
-        key = job.keys[i]
-        name = keys.object_name(key, preset)
-        if await loop.run_in_executor(self.meta_pool, self.store.exists, name):
-            return  # already stored (by us or another sidecar): a cheap no-op
-        piece = job.kv[:, :, :, i * N : (i + 1) * N]  # a view: copied in the encode thread
-        auth = mac.ObjectMAC(self.object_key, name) if self.object_key else None
-        encode = functools.partial(_encode, piece, "cuda" if preset in self.gpu_presets else None, preset,
-                                   job.ns.model, {"parent": parent}, start=(job.first + i) * N,
-                                   rope_theta=self.config.rope_theta, auth=auth)
+        names = [keys.object_name(job.keys[i], preset) for i in group]
+        stored = await asyncio.gather(*(loop.run_in_executor(self.meta_pool, self.store.exists, name) for name in names))
+        todo = [(i, name) for i, name, there in zip(group, names, stored) if not there]  # (stored by us or another sidecar: skipped)
+        if not todo:
+            return
+        chunks = [ToEncode(job.kv[:, :, :, i * N : (i + 1) * N],  # a view: copied in the encode thread
+                           (job.first + i) * N,
+                           {"parent": job.keys[i - 1] if i else job.parent},  # in every object: the evictor rebuilds the prefix tree from it
+                           mac.ObjectMAC(self.object_key, name) if self.object_key else None) for i, name in todo]
+        encode = functools.partial(_encode, chunks, "cuda" if preset in self.gpu_presets else None, preset, job.ns.model,
+                                   rope_theta=self.config.rope_theta)
         async with encoding:
             t = time.perf_counter()
-            obj = await loop.run_in_executor(self.encode_pool, encode)
-        if await loop.run_in_executor(self.data_pool, self.store.put, name, obj):
-            self.stored(key, preset, len(obj))
-            self.metrics.bytes_written.inc(len(obj))
-            self.metrics.compression_ratio.labels(preset).set(piece.numel() * piece.element_size() / len(obj))
-        self.metrics.store_seconds.observe(time.perf_counter() - t)
+            objs = await loop.run_in_executor(self.encode_pool, encode)
+        puts = await asyncio.gather(*(loop.run_in_executor(self.data_pool, self.store.put, name, obj) for (_, name), obj in zip(todo, objs)),
+                                    return_exceptions=True)
+        for (i, _), c, obj, put in zip(todo, chunks, objs, puts):
+            if put is True:
+                self.stored(job.keys[i], preset, len(obj))
+                self.metrics.bytes_written.inc(len(obj))
+                self.metrics.compression_ratio.labels(preset).set(c.kv.numel() * c.kv.element_size() / len(obj))
+            self.metrics.store_seconds.observe(time.perf_counter() - t)
+        for put in puts:
+            if isinstance(put, BaseException):
+                raise put
