@@ -222,7 +222,7 @@ STORE_QUEUE_BYTES = Setting("KVFETCHER_STORE_QUEUE_BYTES", int, _store_queue_byt
 STORE_ENCODERS = Setting("KVFETCHER_STORE_ENCODERS", int, 2,
                          "Chunks the store encodes at once, each in a thread of low priority (an entropy-coded preset's on "
                          "the GPU); uploads overlap them. `benchmarks/store_rate` times the store path against it.")
-STORE_ENCODE_BATCH = Setting("KVFETCHER_STORE_ENCODE_BATCH", int, 1,
+STORE_ENCODE_BATCH = Setting("KVFETCHER_STORE_ENCODE_BATCH", int, 2,
                              "Consecutive chunks of a prefix one store encode codes together: on the GPU one nvCOMP "
                              "batch and one wait for them all, which spreads the encode's host work under the GIL.")
 INDEX_KEYS = Setting("KVFETCHER_INDEX_KEYS", int, 1 << 18,
