@@ -42,7 +42,7 @@ from kvfetcher.kvbuffer import ChunkRef, Destination, bytes_per_value, dtype_nam
 
 Bytes = bytes | memoryview  # a part's stored bytes as read (a worker reads them in place from shared memory)
 #: threads that compress chunks' side information while their encoders code the planes (zstd
-#: releases the GIL; a chunk's side is ~1.6 ms of one core, docs/architecture.md)
+#: releases the GIL; an 8B model's chunk has hundreds of KB of it, milliseconds of one core)
 SIDE_THREADS = 4
 
 
@@ -84,6 +84,11 @@ def encode_chunks(chunks: Sequence[ToEncode], preset: Preset | str, fingerprint:
     """:func:`encode_chunk` of each chunk (all on one device), the same objects; where the format's
     encoder codes parts together (nvCOMP: one launch and one wait), every chunk's planes in one
     call, which spreads an encode's fixed host work (under the GIL) over the chunks."""
+    if not chunks:
+        return []
+    device = chunks[0].kv.device
+    if any(c.kv.device != device for c in chunks):
+        raise ValueError(f"chunks coded together must be on one device, not {sorted({str(c.kv.device) for c in chunks})}")
     p = get(preset, fingerprint) if isinstance(preset, str) else preset
     if p.pre_rope and p.layout.rope_theta is None and rope_theta is None:
         raise ValueError(f"preset {p.name!r} quantises keys before RoPE: give the model's rope_theta")
@@ -93,7 +98,6 @@ def encode_chunks(chunks: Sequence[ToEncode], preset: Preset | str, fingerprint:
         if lp.basis is not None and not basis.fits(lp.basis, tuple(c.kv.shape), fingerprint):
             raise ValueError(f"basis {lp.basis!r} of preset {p.name!r} was not made for model {fingerprint!r} "
                              f"with KV of {tuple(c.kv.shape)}: calibrate this model")
-    device = chunks[0].kv.device
     if device.type == "cuda":  # on this thread's stream: encode threads' kernels do not queue behind each other's
         thread_stream(device).wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(thread_stream(device)) if device.type == "cuda" else contextlib.nullcontext(), \

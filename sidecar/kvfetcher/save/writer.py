@@ -7,8 +7,9 @@ skips the leading chunks already stored, asks :meth:`Writer.room` how many more 
 counts the rest as dropped (:meth:`Writer.dropped`, in chunks) — a lost store costs a future
 recompute, a blocked model costs latency now. One task writes the queue in order: every configured
 preset the chunk's model may use (:meth:`Writer.presets_for`: never one that needs a calibration
-the model lacks) of every chunk, skipping objects already stored, ``config.store_encoders`` chunks
-encoding at once while others upload. With an
+the model lacks) of every chunk, skipping objects already stored, ``config.store_encoders`` groups of
+``config.store_encode_batch`` consecutive chunks encoding at once (a group's planes coded together)
+while others upload. With an
 object key configured every object is written with its tags, bound to its name (:mod:`format.mac`).
 """
 
