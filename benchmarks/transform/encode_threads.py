@@ -1,10 +1,11 @@
 """The store-time encode in N threads at once, and nothing else: the process to profile from outside.
 
 One Llama-3-8B-shaped chunk of real KV (``--kvsrc``) and the stand-in calibration, as ``pack_graph``,
-the pack replayed from CUDA graphs (``KVFETCHER_ENCODE_GRAPHS=8``); after three warm-up encodes,
-``--threads`` threads call ``chunk.encode_chunks`` of ``--batch`` chunks in a loop for ``--seconds`` (each count in turn) and
-the rate is printed (after the object's SHA-256, to compare trees by), GB/s of KV, with the process' minor page faults a chunk (memory touched
-for the first time). Run it under py-spy, and read the profile with ``lib/spy_shares``:
+the pack replayed from CUDA graphs (``KVFETCHER_ENCODE_GRAPHS=8``). For each ``--batch`` size, after
+three warm-up calls, ``--threads`` threads call ``chunk.encode_chunks`` of that many chunks in a loop
+for ``--seconds`` (each count in turn); printed: the object's SHA-256 (to compare trees by), then per
+count GB/s of KV and the process' minor page faults a chunk (memory touched for the first time).
+Run it under py-spy, and read the profile with ``lib/spy_shares``:
 
     py-spy record --gil -r 200 -f raw -o $OUT/spy_gil.txt -- python -m benchmarks.transform.encode_threads --threads 8
     python -m benchmarks.lib.spy_shares spy_gil.txt --within "calls_per_s.<locals>.loop"
