@@ -197,6 +197,8 @@ def test_chunks_encoded_side_by_side_are_the_ones_encoded_alone():
     assert together == alone and len(set(alone)) == 6
     todo = [chunk.ToEncode(kv, 64 * i) for i, kv in enumerate(kvs)]
     assert chunk.encode_chunks(todo, "q8", FP) == alone  # coded in one call
+    with pytest.raises(ValueError, match="one device"):
+        chunk.encode_chunks([todo[0], chunk.ToEncode(kvs[1].to("meta"), 64)], "q8", FP)
 
 
 def test_sink_exact_only_keeps_the_first_token_exact_only_at_position_zero():

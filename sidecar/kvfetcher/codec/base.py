@@ -63,7 +63,9 @@ class Encoder(Protocol):
 
     def encode(self, frames: torch.Tensor, params: CodecParams) -> bytes | memoryview:
         """``frames``: uint8 ``[n, planes, H, W]`` (planes 1 or 3) -> one bitstream (a view is valid
-        while ``frames`` is unchanged: the caller copies it before then)."""
+        while ``frames`` is unchanged: the caller copies it before then). A backend that codes
+        several such parts in one call also has ``encode_parts(parts, params) -> [bitstream]``
+        (each the bitstream ``encode`` would give), which :func:`codec.encode_parts` prefers."""
         ...
 
 
