@@ -206,3 +206,26 @@ async def test_decode_workers_restore_entropy_chunks_from_the_readers_staging(tm
         assert out.error == "corrupt" and out.loaded_tokens == CHUNK and out.bad_object == refs[1].name
         assert torch.equal(buf.tensor[:, :, :, :CHUNK], want[:, :, :, :CHUNK])
         assert bool((buf.tensor[:, :, :, CHUNK : 2 * CHUNK] == SENTINEL).all())  # (a later chunk, verified, may have landed)
+
+
+@pytest.mark.parametrize("damage", [None, corrupt_segment, corrupt_side])
+async def test_whole_objects_left_to_workers_are_checked_here_when_no_worker_can_map_the_buffer(tmp_path, readers, workers, shm, damage):
+    """A chunk read whole is checked by the worker that restores it, not before; when the workers
+    cannot map the KV buffer after all, this process decodes it and checks it first: a damaged part
+    still never reaches the buffer."""
+    store = LocalStore(tmp_path)
+    refs = put_chunks(store, kv_of(), CHUNK, "q8-zstd")
+    want = torch.full((L, 2, H, TOKENS, D), SENTINEL, dtype=torch.float16)
+    assert (await fetch(store, refs, Destination(want, tokens=TOKENS))).error is None
+    if damage is not None:
+        refs[1] = damage(store, refs[1])
+    buf = shm((L, 2, H, TOKENS, D), fill=SENTINEL)
+    gone = dict(buf.handle, inode=[0, 0])  # a handle no worker can open: it names another file
+    before = workers.stats["chunks"]
+    out = await fetch(store, refs, Destination(buf.tensor, tokens=TOKENS, handle=gone), readers=readers(store), workers=workers, window=1)
+    assert workers.stats["chunks"] == before  # every chunk restored in this process
+    if damage is None:
+        assert out.error is None and torch.equal(buf.tensor, want), out.detail
+    else:
+        assert out.error == "corrupt" and out.loaded_tokens == CHUNK and out.bad_object == refs[1].name
+        assert bool((buf.tensor[:, :, :, CHUNK : 2 * CHUNK] == SENTINEL).all())

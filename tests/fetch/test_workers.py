@@ -115,9 +115,11 @@ async def test_a_buffer_the_workers_cannot_open_is_restored_in_process(tmp_path,
     store = LocalStore(tmp_path)
     refs = put_chunks(store, kv, 32, preset="q8")
     buf = shared(kv)
-    gone = dict(buf.handle, path=str(tmp_path / "no-such-shm-file"))  # a handle no worker can open
+    gone = dict(buf.handle, inode=[0, 0])  # a handle no worker can open: it names another file
+    before = workers.stats["chunks"]
     out = await fetch(store, refs, Destination(buf.tensor, tokens=64, handle=gone), workers=workers)
     assert out.error is None and out.loaded_tokens == 64, out.detail
+    assert workers.stats["chunks"] == before  # restored in this process
     assert torch.equal(buf.tensor, decoded(store, refs))
     assert out.bytes_read == sum(r.size for r in refs)  # nothing downloaded twice
 

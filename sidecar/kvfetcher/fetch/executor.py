@@ -473,19 +473,25 @@ class _Fetch:
 
     async def _entropy(self, i: int, c: ChunkRef, h: container.Header, head: bytes | _Whole) -> None:
         """An entropy-coded chunk: its parts read into one staging buffer (or there already: a
-        :class:`_Whole`) and checksummed there, restored from it by a decode worker where one can map
-        it (:meth:`_in_workers`), else decoded from it in the decode pool (the buffer's last use), then written."""
+        :class:`_Whole`), restored from it by a decode worker where one can map it (:meth:`_in_workers`),
+        else decoded from it in the decode pool (the buffer's last use), then written. Every part is
+        checked once before its decode: as it is read, or, for a :class:`_Whole` a worker restores,
+        by that worker (and by the decode pool if the worker cannot map the KV buffer after all)."""
         parts = ([h.side] if h.side else []) + list(h.segments)
-        async with self._staged(c, h, head, parts, finite=False) as (host, started):
+        in_workers = self._in_workers(c)
+        checked = not (in_workers and isinstance(head, _Whole))  # else the worker checks them (it always does)
+        async with self._staged(c, h, head, parts, finite=False, check=checked) as (host, started):
             self._mark(i, "read")
-            if self._in_workers(c):
+            if in_workers:
                 header = head.head if isinstance(head, _Whole) else head[: h.header_size]
                 restore = _submit(started, self.workers.threads, self._writer(i, self._restore_staged), c, header, parts, host)
                 if await self._by_worker(i, _timed(self.decodes, self._write(i, restore))):
                     return
             part = lambda s: host[s.offset : s.offset + s.length]  # noqa: E731
             side = memoryview(part(h.side).numpy()) if h.side else None
-            decode = functools.partial(chunk.decode_verified, h, side, [part(s) for s in h.segments], self.device)
+            segments = [part(s) for s in h.segments]
+            decode = (functools.partial(chunk.decode_verified, h, side, segments, self.device) if checked else
+                      functools.partial(chunk.verify_and_decode, h, side, segments, self.device, auth=self._auth(c)))
             with self.decodes:  # abandoned at a failure, this writes nothing: only the write below is awaited
                 decoded = await _submit(started, self.decode_pool, decode)
             self._mark(i, "decoded")
@@ -534,12 +540,15 @@ class _Fetch:
             self._mark(i, "written")
 
     @contextlib.asynccontextmanager
-    async def _staged(self, c: ChunkRef, h: container.Header, head: bytes | _Whole, parts: Sequence[container.Segment], finite: bool):
+    async def _staged(self, c: ChunkRef, h: container.Header, head: bytes | _Whole, parts: Sequence[container.Segment], finite: bool,
+                      check: bool = True):
         """Read ``parts`` of ``c`` to their offsets in one staging buffer (pinned for a GPU buffer;
         with a :class:`_Whole`, the object's own, where they are already), each checked by the
         thread that read it (:func:`_read_verified`); yields that buffer's payload bytes and the list
         of thread futures on it, where work on it must be registered (:func:`_submit`): it goes back
-        to the pool only once none of them can touch it."""
+        to the pool only once none of them can touch it. Without ``check`` (only with a
+        :class:`_Whole`) the parts are yielded unchecked: the caller must check them before any use."""
+        assert check or isinstance(head, _Whole), "parts read here are always checked"
         nbytes = h.total_size - h.header_size
         if isinstance(head, _Whole):
             buf, pinned, at = head.buf, head.pinned, h.header_size
@@ -549,7 +558,7 @@ class _Fetch:
         host = buf[at : at + nbytes]
         mem = memoryview(host.numpy())
         started: list[concurrent.futures.Future] = []  # thread work on ``host``
-        reads = [asyncio.ensure_future(self._read_segment(c, h, head, mem, s, started, finite)) for s in parts]
+        reads = [asyncio.ensure_future(self._read_segment(c, h, head, mem, s, started, finite)) for s in parts if check]
         try:
             await asyncio.gather(*reads)
             yield host, started
