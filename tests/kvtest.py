@@ -273,6 +273,22 @@ def rebuild(obj: bytes, fmt: str | None = None, segment=None) -> bytes:
     return container.build(fields, side, segs)
 
 
+def noise_frames(b: bytes) -> bytes:
+    """An entropy bitstream with its block table kept and its frames replaced by (seeded) noise."""
+    import random
+
+    keep = 8 + 4 * int.from_bytes(b[4:8], "little")
+    return b[:keep] + random.Random(0).randbytes(len(b) - keep)
+
+
+def crafted(store, ref):
+    """A stored entropy-coded object rewritten with :func:`noise_frames` under right checksums, as
+    anyone who can write the store can without the object key (nvCOMP faulted a GPU on such bytes)."""
+    bad = rebuild(store.get(ref.name), segment=noise_frames)
+    _replace(store, ref.name, bad)
+    return ChunkRef(ref.name, len(bad), ref.start, ref.tokens)
+
+
 def garbage_bitstream(store, ref):
     """A stored object replaced by its :func:`undecodable` twin."""
     bad = undecodable(store.get(ref.name))

@@ -84,7 +84,7 @@ class Bench:
         for i in range(max(contexts) // CHUNK):
             self.objects[f"raw-direct/{i}.kvfc"] = self.raw[i % 2]
         self.shared = ipc.allocate((s.layers, 2, s.kv_heads, max(contexts), s.head_dim), torch.bfloat16, device)
-        cfg = service.Config(chunk_tokens=CHUNK, presets=STORED, rope_theta=s.rope_theta, io_workers=32, window=16)
+        cfg = service.Config(chunk_tokens=CHUNK, trust_store=True, presets=STORED, rope_theta=s.rope_theta, io_workers=32, window=16)
         cfg.decode_procs = procs
         self.sidecar = service.Sidecar(self.store(1.0), cfg)
         self.sidecar.buffers["b"] = service.Buffer(self.shared.tensor, self.ns, self.shared.handle)

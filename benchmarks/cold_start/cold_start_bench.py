@@ -86,7 +86,7 @@ def one_round(a, mode: str, store_dir: Path, tokens: list[int], buf: ipc.SharedB
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "sidecar"), os.environ.get("PYTHONPATH", "")]),
                KVFETCHER_STORE_DIR=str(store_dir), KVFETCHER_AUTH_TOKEN=TOKEN, KVFETCHER_PRESET=",".join(a.writes),
                KVFETCHER_CHUNK_TOKENS=str(a.chunk_tokens), KVFETCHER_DECODE_PROCS=str(a.procs),
-               KVFETCHER_ROPE_THETA=str(a.shape.rope_theta), KVFETCHER_WARM_UP=MODES[mode])
+               KVFETCHER_ROPE_THETA=str(a.shape.rope_theta), KVFETCHER_WARM_UP=MODES[mode], KVFETCHER_TRUST_STORE="1")
     for k in ("KVFETCHER_S3_ENDPOINT", "KVFETCHER_ALLOWED_PRESETS", "KVFETCHER_TENANT", "KVFETCHER_POOL"):
         env.pop(k, None)
     if a.device == "cpu":

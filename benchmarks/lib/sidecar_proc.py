@@ -20,7 +20,7 @@ class SidecarProcess:
 
     def __init__(self, socket: str | Path, log: str | Path | None = None, setup: str = "", **env: str):
         self.socket = str(socket)
-        self.env = dict(os.environ, **env)
+        self.env = dict(os.environ, **{"KVFETCHER_TRUST_STORE": "1", **env})  # (a benchmark's own store: docs/security.md)
         self.log = log
         self.setup = setup
         self.proc: subprocess.Popen | None = None

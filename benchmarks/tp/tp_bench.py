@@ -89,7 +89,7 @@ class Rank:
         s = shard(shape, world)
         self.tokens = [random.Random(7).randrange(shape.vocab) for _ in range(max(args.contexts))]
         self.shared = ipc.allocate((s.layers, 2, s.kv_heads, max(args.contexts), s.head_dim), torch.bfloat16, device)
-        cfg = service.Config(chunk_tokens=CHUNK, presets=STORED, rope_theta=s.rope_theta, io_workers=32, window=16, link_dir=link_dir)
+        cfg = service.Config(chunk_tokens=CHUNK, trust_store=True, presets=STORED, rope_theta=s.rope_theta, io_workers=32, window=16, link_dir=link_dir)
         cfg.decode_procs, cfg.device = (args.procs if device.type == "cuda" else 0), str(device)
         self.sidecar = service.Sidecar(linkstore.LinkStore(link), cfg)
         ns = self.sidecar.namespace(FINGERPRINT, "bfloat16", rank, (s.layers, s.kv_heads, s.head_dim))

@@ -191,7 +191,7 @@ class Race:
                  decode_procs: int | None = None, shared_buffer: bool = False, auto_presets: Sequence[str] | None = None):
         self.model, self.tokens, self.peers = model, tokens, peer_objs
         self.store = S3Store(url, BUCKET, "bench", "bench", pool=64, read_timeout_s=120)
-        cfg = service.Config(chunk_tokens=CHUNK, presets=tuple(kv_presets()), rope_theta=kvsource.LLAMA3_THETA,
+        cfg = service.Config(chunk_tokens=CHUNK, trust_store=True, presets=tuple(kv_presets()), rope_theta=kvsource.LLAMA3_THETA,
                              decode_workers=decode_workers, io_workers=32, window=4)
         self.auto_presets = list(auto_presets) if auto_presets else None  # what auto may choose among
         if decode_procs is not None and hasattr(cfg, "decode_procs"):

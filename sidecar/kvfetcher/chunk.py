@@ -275,29 +275,31 @@ def thread_stream(device: torch.device) -> torch.cuda.Stream:
 
 def verify_and_decode(h: container.Header, side: Bytes | None, segments: Sequence[Bytes | torch.Tensor],
                       device: torch.device | str = "cpu", backend: str | None = None,
-                      auth: ObjectMAC | None = None) -> Decoded:
+                      auth: ObjectMAC | None = None, trusted: bool = True) -> Decoded:
     """Check the checksum (and with ``auth`` the tag) of the side information and of every segment,
     then :func:`decode_verified`. Raises a :class:`container.ContainerError` for a bad part; touches
     no buffer. ``h`` was parsed with the same ``auth``; ``side`` and ``segments`` are the parts'
-    stored bytes, unverified, in header order."""
+    stored bytes, unverified, in header order; ``trusted`` as :func:`decode_verified` takes it."""
     if h.side is not None:
         container.check(h.side, side, auth)
     for seg, data in zip(h.segments, segments, strict=True):
         container.check(seg, host_bytes(data), auth)
-    return decode_verified(h, side, segments, device, backend)
+    return decode_verified(h, side, segments, device, backend, trusted)
 
 
 def decode_verified(h: container.Header, side: Bytes | None, segments: Sequence[Bytes | torch.Tensor],
-                    device: torch.device | str = "cpu", backend: str | None = None) -> Decoded:
+                    device: torch.device | str = "cpu", backend: str | None = None, trusted: bool = True) -> Decoded:
     """Decode every segment of a chunk whose parts' checksums (and tags) have all been checked
     (frames on ``device``), and check that no value can come out NaN or infinite (module doc).
     Raises a :class:`container.ContainerError` for a bad part; touches no buffer. An entropy-coded
-    segment may be a host uint8 tensor (a fetch's staging buffer: decoded on the GPU from it in place)."""
+    segment may be a host uint8 tensor (a fetch's staging buffer: decoded on the GPU from it in place).
+    Without ``trusted`` (a stored object read without an object key) only decoders that validate
+    their input run (:func:`codec.decoder`: a :class:`codec.CodecError` where none can)."""
     side_t = container.side_tensor(h, side) if h.side else None
     if side_t is not None:  # (its sparse corrections are integers: any bits are valid)
         for part in layout.split_side(side_t, h.shape, h.layout):
             container.check_finite(part, h.torch_dtype)
-    dec = codec.decoder(h.codec.format, device, backend)
+    dec = codec.decoder(h.codec.format, device, backend, trusted)
     entropy = dec.format in codec.ENTROPY_FORMATS  # these read a host tensor in place too
     in_place = entropy or dec.name in ("nvdec", "raw")  # these read a buffer in place; libav wants bytes
     given = lambda d: d if entropy else host_bytes(d) if in_place else bytes(host_bytes(d))  # noqa: E731
@@ -318,7 +320,7 @@ def decode_verified(h: container.Header, side: Bytes | None, segments: Sequence[
 
 def restore_chunk(dest: Destination, ref: ChunkRef, h: container.Header, side: Bytes | None, segments: Sequence[Bytes | torch.Tensor],
                   *, device: torch.device | str | None = None, backend: str | None = None,
-                  times: dict[str, float] | None = None, auth: ObjectMAC | None = None) -> int:
+                  times: dict[str, float] | None = None, auth: ObjectMAC | None = None, trusted: bool = True) -> int:
     """The restore of one chunk: check that it fits ``dest``, verify every part, decode every
     segment, and only then write it into ``ref``'s slots; returns the KV bytes written. A segment
     may be a host uint8 tensor (best page-locked: an entropy decode copies from it in place).
@@ -327,11 +329,11 @@ def restore_chunk(dest: Destination, ref: ChunkRef, h: container.Header, side: B
     :class:`container.ContainerError`) before the first write. ``device`` is where frames are
     decoded (default: the buffer's device). ``times``, if given, receives the seconds spent
     verifying and decoding (``decode_s``) and writing (``write_s``). ``h`` was parsed with ``auth``,
-    which every part's tag must then verify under.
+    which every part's tag must then verify under; ``trusted`` as :func:`decode_verified` takes it.
     """
     dest.check(h, ref)
     t0 = time.perf_counter()
-    decoded = verify_and_decode(h, side, segments, dest.device if device is None else device, backend, auth)
+    decoded = verify_and_decode(h, side, segments, dest.device if device is None else device, backend, auth, trusted)
     t1 = time.perf_counter()
     n = decoded.write(dest, ref)
     if times is not None:

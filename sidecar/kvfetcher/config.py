@@ -176,6 +176,11 @@ ACCEPTED_OBJECT_KEYS = Setting("KVFETCHER_ACCEPTED_OBJECT_KEYS", tuple, (),
                                "written: a key rotation (docs/security.md). An object tagged under a key neither this "
                                "nor `KVFETCHER_OBJECT_KEY` names is a miss, never deleted.",
                                inject="the pool's Secret (`acceptedObjectKeys`, optional)")
+TRUST_STORE = Setting("KVFETCHER_TRUST_STORE", bool, False,
+                      "Without `KVFETCHER_OBJECT_KEY`, let stored bytes reach nvCOMP's decoder, which does not "
+                      "validate its input (crafted frames with right CRC-32s faulted an H200's GPU context): only where "
+                      "everyone who can write the store is trusted. Off: `zstd` objects decode on the CPU, `ans` ones "
+                      "are not read. With a key, tags are verified first either way.")
 MODEL = Setting("KVFETCHER_MODEL", str, "", "The model fingerprint this sidecar serves: a register or plan "
                 "naming another is refused (unset: whatever the client names).",
                 inject="the pool's `spec.model.name`, else the pod's annotation `kvfetcher.io/model`")
@@ -320,7 +325,7 @@ NAMESPACE = Setting("KVFETCHER_NAMESPACE", str, None, "The operator's own namesp
 #: table in the sidecar's container, and those of the model side's table in the model's
 TABLES: dict[str, tuple[Setting, ...]] = {
     "Sidecar (`kvfetcher serve`)": (
-        CHUNK_TOKENS, PRESET, ALLOWED_PRESETS, TENANT, POOL, OBJECT_KEY, ACCEPTED_OBJECT_KEYS, MODEL, RECOMPUTE_TPS, ROPE_THETA, TTFT_BUDGET_S,
+        CHUNK_TOKENS, PRESET, ALLOWED_PRESETS, TENANT, POOL, OBJECT_KEY, ACCEPTED_OBJECT_KEYS, TRUST_STORE, MODEL, RECOMPUTE_TPS, ROPE_THETA, TTFT_BUDGET_S,
         DECODE_PROCS, WARM_UP, S3_ENDPOINT, S3_BUCKET, S3_ACCESS_KEY, S3_SECRET_KEY, S3_REGION, S3_CA_FILE,
         S3_INSECURE, STORE_DIR, AUTH_TOKEN, AUTH_TOKEN_FILE, FUSED_UNPACK, ENCODE_GRAPHS, DEADLINE_S, MAX_REQUEST_TOKENS,
         STORE_QUEUE_CHUNKS, STORE_QUEUE_BYTES, STORE_ENCODERS, STORE_ENCODE_BATCH, INDEX_KEYS, NEGATIVE_TTL_S, IO_WORKERS, FETCH_WINDOW, FETCH_READS, READ_PROCS, DECODE_THREADS, WRITE_THREADS, META_IO_WORKERS, LINK_DIR, ACCESS_LOG_S, STORE_CHECK_S,
@@ -357,6 +362,7 @@ class Config:
     tenant: str = env_field(TENANT)
     object_key: str = env_field(OBJECT_KEY, repr=False)  # "": objects unauthenticated
     accepted_object_keys: tuple[str, ...] = env_field(ACCEPTED_OBJECT_KEYS, repr=False)  # read, never written
+    trust_store: bool = env_field(TRUST_STORE)  # without a key: stored bytes may reach nvCOMP
     model: str = env_field(MODEL)  # "": any model fingerprint a client names
     recompute_tps: float = env_field(RECOMPUTE_TPS)
     rope_theta: float | None = env_field(ROPE_THETA)

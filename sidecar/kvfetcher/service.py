@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from kvfetcher import ipc, keys, kvbuffer
+from kvfetcher import codec
 from kvfetcher.codec import CodecError, basis as kvbasis
 from kvfetcher.config import Config
 from kvfetcher.errors import Reason, RequestError
@@ -115,7 +116,11 @@ class Sidecar:
         self._accepted_keys = tuple(mac.key_from(k) for k in self.config.accepted_object_keys)  # a rotation's previous keys
         if self._object_key is None:
             log.warning("no object key (KVFETCHER_OBJECT_KEY): objects and calibrations are neither tagged nor "
-                        "checked; whoever can write the store decides what this sidecar fetches")
+                        "checked; whoever can write the store decides what this sidecar fetches%s",
+                        "" if self.config.trust_store else " (and, unless KVFETCHER_TRUST_STORE is set, no ans object is read "
+                        "and zstd objects decode on the CPU)")
+        self._trusted = self._object_key is not None or self.config.trust_store  # stored bytes may reach nvCOMP
+        self.formats = self._readable(FORMATS)  # the presets this sidecar's fetches decode, with their format
         self.calibrations = CalibrationLookup(store, self.meta_pool, self.metrics, key=self._object_key,
                                               accepted=self._accepted_keys)  # published after start (a calibration Job)
 
@@ -166,7 +171,17 @@ class Sidecar:
             b = preset_of(p, ns.model).layout.basis
             return b is None or kvbasis.fits(b, chunk, ns.model)
 
-        return [p for p in usable(self.config.allowed_presets or PRESETS, ns.model) if not PRESETS[p].direct and p in FORMATS and fits(p)]
+        return [p for p in usable(self.config.allowed_presets or PRESETS, ns.model) if not PRESETS[p].direct and p in self.formats and fits(p)]
+
+    def _readable(self, formats: dict[str, str], gpu_engine: bool = False) -> dict[str, str]:
+        """Of ``formats`` (preset -> format), those whose stored bytes may reach their decoder: all with
+        an object key or a trusted store; else bytes anyone who can write the store may have crafted, so only
+        formats decoded by a decoder that validates its input (:func:`codec.decodable`); for an engine
+        that decodes on a GPU itself (entropy formats with nvCOMP), no entropy format."""
+        if self._trusted:
+            return formats
+        return {p: f for p, f in formats.items()
+                if codec.decodable(f, trusted=False) and not (gpu_engine and f in codec.ENTROPY_FORMATS)}
 
     def warm_buffer(self, buf: Buffer) -> None:
         """What a first fetch into ``buf`` would otherwise set up on its path: staging buffers for
@@ -458,7 +473,8 @@ class Sidecar:
         allowed = frozenset(o.presets or PRESETS) & frozenset(self.config.allowed_presets or PRESETS) & frozenset(usable(PRESETS, ns.model))
         if o.presets is None and engine is None and not self._warm():  # the decode workers are still warming: only what needs none (raw) or recompute
             allowed = frozenset(p for p in allowed if PRESETS[p].direct)
-        costs = Costs(rates, self._chunk_kv_bytes(buf) if buf else None, allowed, budget, engine.presets() if engine else FORMATS)
+        costs = Costs(rates, self._chunk_kv_bytes(buf) if buf else None, allowed, budget,
+                      self._readable(engine.presets(), gpu_engine=engine.device == "cuda") if engine else self.formats)
         p = await make_plan(self.catalog, ns, ck, self.config.chunk_tokens, costs, refresh=o.refresh, wait_s=o.wait_s,
                             deadline_s=self.config.deadline_s if o.deadline_s is None else o.deadline_s)
         self.metrics.index_keys.set(len(self.index))
@@ -543,7 +559,8 @@ class Sidecar:
                                        device=buf.tensor.device, deadline_s=max(0.0, deadline_s - (time.perf_counter() - t0)),
                                        window=self.config.window, io_concurrency=min(self.config.reads, self.config.io_workers),
                                        workers=None if buf.engine else self.workers, readers=self.readers,
-                                       object_key=self._object_key, accepted_keys=self._accepted_keys, write_pool=self.write_pool)
+                                       object_key=self._object_key, accepted_keys=self._accepted_keys, write_pool=self.write_pool,
+                                       trust_store=self.config.trust_store)
         self._observe(plan, out, learn=quiet, sharers=share.sharers, engine=buf.engine is not None)
         if isinstance(dest, ObjectArena):
             placed = refs[: out.loaded_tokens // N]

@@ -3,7 +3,6 @@ restoring exactly what their layout's unpack gives, bad bitstreams refused, ans 
 
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
 import zstandard
@@ -13,7 +12,7 @@ from kvfetcher.codec import entropy, layout
 from kvfetcher.errors import ContainerError
 from kvfetcher.format import container, presets
 
-from kvtest import flip, rebuild
+from kvtest import flip, noise_frames, rebuild
 
 SHIPPED_FP = "smollm2-135m-instruct-q4_1/float32"  # the model whose basis the lossy presets use
 ZSTD_PRESETS = [p for p in presets.PRESETS if p.endswith("-zstd")]
@@ -125,11 +124,6 @@ def test_zstd_and_hevc_objects_of_one_chunk_restore_the_same_kv():
     assert torch.equal(a, b)
 
 
-def _noise_frames(b: bytes) -> bytes:
-    """A bitstream with its block table kept and its frames replaced by noise."""
-    keep = 8 + 4 * int.from_bytes(b[4:8], "little")
-    return b[:keep] + np.random.default_rng(0).bytes(len(b) - keep)
-
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "garbage", "hevc"])
 def test_a_bad_zstd_object_never_reaches_the_buffer(damage):
@@ -141,13 +135,13 @@ def test_a_bad_zstd_object_never_reaches_the_buffer(damage):
         "flip": lambda: flip(obj, h.header_size + seg.offset + seg.length // 2),
         "truncate": lambda: obj[:-100],
         # checksums valid, the block table intact, the frames noise
-        "garbage": lambda: rebuild(obj, segment=_noise_frames),
+        "garbage": lambda: rebuild(obj, segment=noise_frames),
         # a foreign bitstream under a valid header: HEVC bytes where zstd blocks belong
         "hevc": lambda: rebuild(chunk.encode_chunk(kv, "q8", "fp"), fmt="zstd"),
     }[damage]()
     out = torch.full(kv.shape, 7.0, dtype=kv.dtype)
     with pytest.raises(ContainerError):
-        chunk.decode_chunk(bad, "fp", out=out)
+        chunk.decode_chunk(bad, "fp", out=out, backend="zstd")  # (the CPU's decoder: nvCOMP does not validate its input)
     assert bool((out == 7.0).all())
 
 
@@ -160,3 +154,17 @@ def test_an_ans_object_on_a_cpu_reader_is_refused_without_blaming_the_object():
     with pytest.raises(codec.CodecError, match="GPU"):
         chunk.decode_chunk(obj, "fp", out=out)
     assert bool((out == 7.0).all())
+
+
+def test_untrusted_bytes_reach_only_decoders_that_validate_their_input(monkeypatch):
+    """nvCOMP does not validate its input (crafted frames under right CRC-32s faulted an H200's GPU
+    context): bytes not from a trusted source decode as zstd on the CPU, and ans not at all."""
+    from kvfetcher.codec import nvcomp, raw
+
+    assert entropy.ZstdCodec.validates_input and raw.RawCodec.validates_input and not nvcomp.NvcompCodec.validates_input
+    monkeypatch.setattr(nvcomp, "available", lambda: True)  # as on a GPU with nvCOMP (nothing runs on it here)
+    assert codec.decoder("zstd", "cuda:0").name == "nvcomp-zstd" and codec.decoder("ans", "cuda:0").name == "nvcomp-ans"
+    assert codec.decoder("zstd", "cuda:0", trusted=False).name == "zstd"
+    with pytest.raises(codec.CodecError, match="does not validate its input"):
+        codec.decoder("ans", "cuda:0", trusted=False)
+    assert codec.decodable("ans") and not codec.decodable("ans", trusted=False) and codec.decodable("zstd", trusted=False)

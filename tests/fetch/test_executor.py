@@ -222,6 +222,26 @@ async def test_an_ans_chunk_without_a_gpu_is_a_decoder_failure_and_kept(tmp_path
     assert bool((buf[:, :, :, 32:] == SENTINEL).all())
 
 
+@pytest.mark.parametrize("whole", [True, False])
+async def test_a_store_not_trusted_has_its_zstd_decoded_on_the_cpu_even_where_nvcomp_runs(tmp_path, monkeypatch, whole):
+    """Without an object key a sidecar does not trust its store (``trust_store=False``): its zstd
+    bytes go to the CPU's decoder, which validates them, not to nvCOMP (faked present here: a decode
+    handed to it would fail on this machine), whether the chunk is read whole or part by part."""
+    from kvfetcher.codec import nvcomp
+
+    kv = synthetic_kv(layers=2, heads=2, tokens=64, head_dim=32)
+    store = LocalStore(tmp_path)
+    refs = put_chunks(store, kv, 32, preset="q8-zstd")
+    want = decoded(store, refs)
+    monkeypatch.setattr(nvcomp, "available", lambda: True)
+    monkeypatch.setattr(executor, "WHOLE_OBJECT_BYTES", executor.WHOLE_OBJECT_BYTES if whole else 0)
+    buf = sentinel_like(kv)
+    out = await fetch(store, refs, Destination(buf, tokens=64), trust_store=False)
+    assert out.error is None and torch.equal(buf, want), out.detail
+    out = await fetch(store, refs, Destination(sentinel_like(kv), tokens=64))  # trusted: handed to nvCOMP, which fails here
+    assert out.error is not None
+
+
 async def test_a_sidecar_stores_zstd_and_loads_it_back_through_its_plan(tmp_path, shm):
     """Writer, plan and executor: a q8-zstd store restores what q8's HEVC object of each chunk
     restores (the same planes); a sidecar without a GPU refuses to be configured to store ans."""

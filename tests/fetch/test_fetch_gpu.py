@@ -23,7 +23,7 @@ from kvfetcher.api.client import KVClient
 from kvfetcher.store.local import LocalStore
 from kvfetcher.fetch.plan import FetchOptions
 
-from kvtest import SENTINEL, corrupt_segment, decoded, fetch, free_port, put_chunks, raw_request, synthetic_kv
+from kvtest import SENTINEL, corrupt_segment, crafted, decoded, fetch, free_port, put_chunks, raw_request, synthetic_kv
 
 pytestmark = pytest.mark.gpu
 
@@ -148,6 +148,46 @@ def test_decode_workers_restore_ans_chunks_from_the_readers_staging_in_place(tmp
         assert out.error == "corrupt" and out.loaded_tokens == 256 and out.bad_object == refs[2].name, out
         assert torch.equal(buf.tensor[:, :, :, :256], want[:, :, :, :256])
         assert bool((buf.tensor[:, :, :, 256:384] == SENTINEL).all())
+
+
+@pytest.mark.parametrize("in_workers", [False, True])
+def test_crafted_zstd_frames_from_a_store_not_trusted_never_reach_nvcomp(tmp_path, in_workers):
+    """nvCOMP faulted this GPU's context on noise frames under right CRC-32s (H200, 2026-12-03): a
+    fetch that does not trust its store (a sidecar without an object key) decodes zstd on the CPU,
+    which refuses them, in a decode worker as in this process; nothing reaches the buffer, the GPU
+    stays usable, and the object is named bad."""
+    kv = synthetic_kv(layers=6, heads=2, tokens=256, head_dim=64)
+    store = LocalStore(tmp_path)
+    refs = put_chunks(store, kv, 128, preset="q8-zstd")
+    refs[1] = crafted(store, refs[1])
+    buf = ipc.allocate((6, 2, 2, 256, 64), torch.float16, "cuda")
+    buf.tensor.fill_(SENTINEL)
+    workers, readers = (DecodeWorkers(2), ReadProcs(store.opener(), 2, SharedStaging())) if in_workers else (None, None)
+    try:
+        out = asyncio.run(fetch(store, refs, Destination(buf.tensor, tokens=256, handle=buf.handle), device=torch.device("cuda"),
+                                readers=readers, workers=workers, window=1, trust_store=False))
+        chunks = workers.stats["chunks"] if workers else None
+    finally:
+        for w in (workers, readers):
+            if w is not None:
+                w.close()
+    assert out.error == "corrupt" and out.loaded_tokens == 128 and out.bad_object == refs[1].name, out
+    assert bool((buf.tensor[:, :, :, 128:] == SENTINEL).all())  # (the GPU still answers)
+    assert chunks in (None, 1)  # the good chunk restored by a worker, the crafted one refused there
+
+
+def test_ans_objects_from_a_store_not_trusted_are_not_decoded_and_kept(tmp_path):
+    """ans decodes only with nvCOMP: a fetch that does not trust its store reads none (a decoder
+    failure, the model recomputes), and the object, not shown bad, is not named for deletion."""
+    kv = synthetic_kv(layers=6, heads=2, tokens=256, head_dim=64)
+    store = LocalStore(tmp_path)
+    refs = put_chunks(store, kv, 128, preset="q8-ans")
+    buf = torch.full((6, 2, 2, 256, 64), SENTINEL, dtype=torch.float16, device="cuda")
+    out = asyncio.run(fetch(store, refs, Destination(buf, tokens=256), device=torch.device("cuda"), trust_store=False))
+    assert out.error == "decoder" and out.bad_object is None and out.loaded_tokens == 0, out
+    assert bool((buf == SENTINEL).all())
+    out = asyncio.run(fetch(store, refs, Destination(buf, tokens=256), device=torch.device("cuda")))  # trusted: decoded
+    assert out.error is None and out.loaded_tokens == 256, out
 
 
 def test_cuda_ipc_buffer_through_a_sidecar_process(tmp_path):

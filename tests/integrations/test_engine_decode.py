@@ -18,7 +18,7 @@ import torch
 from kvfetcher import chunk, codec, ipc, keys
 from kvfetcher.api.client import KVClient, SidecarError
 from kvfetcher.fetch.plan import EngineDecode, EngineDecoded, FetchOptions
-from kvfetcher.format import container
+from kvfetcher.format import container, mac
 from kvfetcher.integrations import staged
 from kvfetcher.integrations.restore_procs import RestoreProcs
 from kvfetcher.kvbuffer import PagedLayout, read_blocks, write_blocks
@@ -73,9 +73,11 @@ class Loads(KVClient):
         return reply
 
 
+OBJECT_KEY = "the pool's object key, 32 characters or more"  # (without one no entropy format is read into a GPU engine)
+
 @pytest.fixture
 def served_sidecar(tmp_path):
-    with sidecar(LocalStore(tmp_path / "store"), chunk_tokens=N, presets=("raw", "q8-zstd"), warm_up=False) as sc:
+    with sidecar(LocalStore(tmp_path / "store"), chunk_tokens=N, presets=("raw", "q8-zstd"), warm_up=False, object_key=OBJECT_KEY) as sc:
         c = KVClient(socket_path=sc.socket)
         src = blocks()
         write_blocks(src, LAYOUT, BLOCK_IDS, KV)
@@ -312,6 +314,27 @@ def test_plans_for_an_engine_buffer_use_its_formats_and_rates(served_sidecar, tm
     assert c.lookup(None, tokens, slow, model=FP, kv_shape=(LAYERS, HEADS, HEAD_DIM)).options.keys() == theirs.options.keys()  # the scheduler's
 
 
+@pytest.mark.parametrize("trust_store", [False, True])
+def test_without_an_object_key_a_gpu_engine_is_handed_no_entropy_object_unless_the_store_is_trusted(tmp_path, trust_store):
+    """A GPU engine decodes entropy formats with nvCOMP, which does not validate its input: a sidecar
+    without an object key plans none for it (zstd still for its own buffers: decoded on the CPU),
+    unless told its store is trusted (KVFETCHER_TRUST_STORE)."""
+    ns = keys.Namespace(FP, "float16", shape=(LAYERS, HEADS, HEAD_DIM))
+    store = LocalStore(tmp_path / "store")
+    for k in keys.chunk_keys(ns, TOKENS, N):  # listed sizes are all a plan reads
+        for preset in ("q8-ans", "q8-zstd", "raw"):
+            store.put(keys.object_name(k, preset), bytes(4000))
+    with sidecar(store, chunk_tokens=N, presets=("raw",), warm_up=False, trust_store=trust_store) as sc:
+        c = KVClient(socket_path=sc.socket)
+        flat = ipc.allocate((LAYERS, 2, HEADS, 256, HEAD_DIM), torch.float16)
+        own, gpu = c.register(flat.handle, FP), c.register(flat.handle, FP, engine=EngineDecode(("raw", "zstd", "ans"), "cuda"))
+        slow = FetchOptions(recompute_tokens_per_s=1.0, refresh=True)
+        mine, theirs = c.lookup(own, TOKENS, slow), c.lookup(gpu, TOKENS, slow)
+    assert "raw" in theirs.options and "q8-zstd" in mine.options
+    assert ("q8-zstd" in theirs.options) == ("q8-ans" in theirs.options) == trust_store
+    assert ("q8-ans" in mine.options) == (trust_store and codec.decodable("ans"))
+
+
 def test_the_wire_contract_is_checked(served_sidecar):
     c = KVClient(socket_path=served_sidecar.socket)
     flat = ipc.allocate((LAYERS, 2, HEADS, 256, HEAD_DIM), torch.float16)
@@ -379,10 +402,12 @@ def test_gpu_blocks_load_ans_decoded_here_through_a_sidecar_without_cuda(tmp_pat
     store = LocalStore(tmp_path / "store")
     want = torch.empty_like(kv)
     for i, k in enumerate(keys.chunk_keys(ns, TOKENS, N)):
-        obj = chunk.encode_chunk(kv[:, :, :, i * N : (i + 1) * N], "q8-ans", FP, start=i * N)
-        store.put(keys.object_name(k, "q8-ans"), obj)
+        name = keys.object_name(k, "q8-ans")  # tagged: without a key no ans object is read into a GPU engine
+        obj = chunk.encode_chunk(kv[:, :, :, i * N : (i + 1) * N], "q8-ans", FP, start=i * N,
+                                 auth=mac.ObjectMAC(mac.key_from(OBJECT_KEY), name))
+        store.put(name, obj)
         want[:, :, :, i * N : (i + 1) * N] = chunk.decode_chunk(obj, FP, device="cuda")
-    with served(str(tmp_path / "kvf.sock"), _hidden_cuda_sidecar(tmp_path)):
+    with served(str(tmp_path / "kvf.sock"), _hidden_cuda_sidecar(tmp_path, KVFETCHER_OBJECT_KEY=OBJECT_KEY)):
         c = Loads(socket_path=str(tmp_path / "kvf.sock"))
         dst = [b.cuda() for b in blocks()]
         write_blocks(dst, LAYOUT, BLOCK_IDS[:10], kv[:, :, :, :160].flip(0))
@@ -458,7 +483,7 @@ def test_gpu_vllm_engine_decodes_ans_past_its_own_hit_with_a_sidecar_without_cud
     look = dict(model=fp, dtype="bfloat16", kv_shape=(cfg["num_hidden_layers"], cfg["num_key_value_heads"],
                                                       cfg["hidden_size"] // cfg["num_attention_heads"]))
     sock = str(tmp_path / "kvf.sock")
-    env = _hidden_cuda_sidecar(tmp_path, KVFETCHER_CHUNK_TOKENS=str(chunk_tokens))
+    env = _hidden_cuda_sidecar(tmp_path, KVFETCHER_CHUNK_TOKENS=str(chunk_tokens), KVFETCHER_OBJECT_KEY=OBJECT_KEY)
     llm, out = None, {}
     with served(sock, env):
         client = KVClient(socket_path=sock)
@@ -473,7 +498,8 @@ def test_gpu_vllm_engine_decodes_ans_past_its_own_hit_with_a_sidecar_without_cud
     store = LocalStore(tmp_path / "store")
     for i, k in enumerate(keys.chunk_keys(ns, prompt[:split], chunk_tokens)):  # the same KV, also as q8-ans
         kv = chunk.decode_chunk(store.get(keys.object_name(k, "raw")), fp, device="cuda")
-        store.put(keys.object_name(k, "q8-ans"), chunk.encode_chunk(kv, "q8-ans", fp, start=i * chunk_tokens))
+        name = keys.object_name(k, "q8-ans")
+        store.put(name, chunk.encode_chunk(kv, "q8-ans", fp, start=i * chunk_tokens, auth=mac.ObjectMAC(mac.key_from(OBJECT_KEY), name)))
     with served(sock, env):  # a fresh index, which lists both presets
         client = KVClient(socket_path=sock)
         assert warm_index(client, prompt, **look) == split

@@ -7,6 +7,10 @@ path); the entropy formats code on the GPU with nvCOMP when the planes are on on
 for the entropy formats nvCOMP wherever this process has it (frames are moved to ``device``),
 else the CPU's ``zstd``. ``ans`` has no CPU backend: :func:`decodable` says so before anyone
 plans to read it, and asking for its coder here raises a :class:`CodecError`.
+
+Bytes not from a trusted source (a stored object read without an object key: anyone who can write
+the store can craft it) only go to a decoder that validates its input (``Decoder.validates_input``):
+``zstd`` then decodes on the CPU, and ``ans``, which only nvCOMP decodes, not at all.
 """
 
 from __future__ import annotations
@@ -49,9 +53,10 @@ def capabilities() -> dict[str, bool | str]:
     return caps
 
 
-def decodable(fmt: str) -> bool:
-    """Whether this process can decode bitstreams of ``fmt`` (``ans`` needs a GPU with nvCOMP)."""
-    return fmt != "ans" or nvcomp.available()
+def decodable(fmt: str, trusted: bool = True) -> bool:
+    """Whether this process can decode bitstreams of ``fmt`` (``ans`` needs a GPU with nvCOMP, and
+    bytes from a ``trusted`` source: module doc)."""
+    return fmt != "ans" or (trusted and nvcomp.available())
 
 
 def encoder(fmt: str, device: torch.device | str = "cpu") -> Encoder:
@@ -83,14 +88,20 @@ def encode_parts(enc: Encoder, parts: list[torch.Tensor], params: CodecParams) -
     return together(parts, params) if together is not None else [enc.encode(f, params) for f in parts]
 
 
-def decoder(fmt: str, device: torch.device | str = "cpu", backend: str | None = None) -> Decoder:
-    """A decoder for ``fmt`` that leaves frames on ``device``; ``backend`` forces a choice."""
+def decoder(fmt: str, device: torch.device | str = "cpu", backend: str | None = None, trusted: bool = True) -> Decoder:
+    """A decoder for ``fmt`` that leaves frames on ``device``; ``backend`` forces a choice. Unless the
+    bytes come from a ``trusted`` source, one that validates its input, or a :class:`CodecError`."""
     if fmt == "raw":
         return RawCodec()
     dev = torch.device(device)
     if fmt in ENTROPY_FORMATS:
         if backend == "zstd" or (backend is None and fmt == "zstd" and not nvcomp.available()):
             return ZstdCodec()
+        if not (trusted or nvcomp.NvcompCodec.validates_input):
+            if fmt == "zstd" and backend is None:
+                return ZstdCodec()
+            raise CodecError(f"nvCOMP does not validate its input: {fmt!r} objects are read only with the pool's "
+                             "object key (KVFETCHER_OBJECT_KEY) or from a trusted store (KVFETCHER_TRUST_STORE)")
         return nvcomp.NvcompCodec(fmt, dev if dev.type == "cuda" else None)  # raises for ans without a GPU
     if fmt != "hevc":
         raise CodecError(f"unknown bitstream format {fmt!r}")

@@ -104,6 +104,7 @@ class ZstdCodec:
 
     name = "zstd"
     format = "zstd"
+    validates_input = True
 
     def encode(self, frames: torch.Tensor, params: CodecParams) -> bytes:
         data = frames.to("cpu").contiguous().view(-1).numpy()

@@ -109,6 +109,7 @@ class NvdecDecoder:
 
     name = "nvdec"
     format = "hevc"
+    validates_input = True
     _local = threading.local()
 
     def __init__(self, gpu: int = 0, feed: str = "packets", reuse: bool = True):

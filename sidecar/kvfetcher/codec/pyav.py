@@ -83,6 +83,7 @@ def _plane_array(plane, h: int, w: int) -> np.ndarray:
 class LibavDecoder:
     name = "libavcodec"
     format = "hevc"
+    validates_input = True
 
     def decode(self, data: bytes, frame_shape: tuple[int, int, int, int], device: torch.device | str = "cpu") -> torch.Tensor:
         n, planes, h, w = frame_shape

@@ -10,6 +10,7 @@ from kvfetcher.codec.base import CodecError, CodecParams
 class RawCodec:
     name = "raw"
     format = "raw"
+    validates_input = True
 
     def encode(self, frames: torch.Tensor, params: CodecParams) -> memoryview:
         """The frames' own bytes, a view (host frames: no copy; the container's join is the one copy)."""

@@ -58,6 +58,7 @@ class Restore:
     """Restore one chunk: its prefix + header bytes, its parts at ``spans`` of the slab file
     (side information first), written to ``where`` in ``target`` (slots of a flat buffer, blocks of
     a paged one: ``Destination.where``); with ``auth`` its header and parts must verify under it.
+    ``trusted``: its bytes may go to a decoder that does not validate its input (``chunk.decode_verified``).
     Answered by :class:`Restored` or :class:`Failed`."""
 
     target: IntoBuffer | IntoScratch
@@ -66,6 +67,7 @@ class Restore:
     spans: tuple[tuple[int, int], ...]
     where: tuple[int, ...]
     auth: ObjectMAC | None = None
+    trusted: bool = True
 
 
 @dataclass(frozen=True)
@@ -273,7 +275,7 @@ def _restore(state: _WorkerState, req: Restore) -> Restored:
     side, parts = parts_at(mem, host, req.spans, h.side is not None)
     times: dict[str, float] = {"prepare_s": time.perf_counter() - t0}
     try:
-        n = restore_chunk(dest, ChunkRef("", 0, 0, dest.tokens), h, side, parts, times=times, auth=req.auth)
+        n = restore_chunk(dest, ChunkRef("", 0, 0, dest.tokens), h, side, parts, times=times, auth=req.auth, trusted=req.trusted)
     finally:
         del parts, side, host  # no view of the slab may outlive the request (it can be remapped)
         mem.release()

@@ -33,6 +33,9 @@ whole object (header and payload) is copied to its place in the arena, as a writ
 Authentication: with ``object_key`` (:mod:`format.mac`), every object's header tag is verified
 for the name it was read from before its header is trusted, and every part's tag with its CRC-32
 (by the thread that read it, a decode worker, or the decode pool) before anything is decoded.
+Without it, whoever can write the store can craft an object with right CRC-32s: unless the caller
+trusts the store (``trust_store``), its bytes go only to decoders that validate their input
+(:func:`codec.decoder`'s ``trusted``; ``ans`` is then not read).
 
 Failure semantics: the result is the longest run of *leading* chunks that were written; the
 caller recomputes the rest. On the first failure, at the deadline or on cancellation, the chunks
@@ -146,6 +149,7 @@ async def fetch(
     accepted_keys: tuple[bytes, ...] = (),
     readers: ReadProcs | None = None,
     write_pool: Executor | None = None,
+    trust_store: bool = True,
 ) -> Outcome:
     """Load ``chunks`` (consecutive, from the first) into ``dest``; see the module doc for failures.
 
@@ -158,13 +162,16 @@ async def fetch(
     run in its reader processes, into its shared staging buffers (``staging_pool`` is then ignored).
     ``write_pool``: the threads that write the direct path's verified chunks into ``dest`` (their
     copies and scatters), never threads that run NVDEC (default: ``KVFETCHER_WRITE_THREADS``' default number of them).
+    ``trust_store``: without ``object_key``, whether the store's bytes may reach decoders that do not
+    validate their input (a sidecar passes False: whoever can write its store could craft them).
     """
     if workers is not None and dest.handle is None:
         raise ValueError("decode workers need the destination buffer's IPC handle")
     job = _Fetch(store, chunks, dest, fingerprint=fingerprint, io_pool=io_pool, decode_pool=decode_pool, device=device,
                  window=chunks_in_flight(window, workers), io_concurrency=io_concurrency, workers=workers,
                  staging_pool=readers.staging if readers else staging_pool or staging.shared(), object_key=object_key,
-                 accepted_keys=accepted_keys, read=readers.read_into if readers else None, write_pool=write_pool)
+                 accepted_keys=accepted_keys, read=readers.read_into if readers else None, write_pool=write_pool,
+                 trusted=object_key is not None or trust_store)
     return await job.run(deadline_s)
 
 
@@ -283,12 +290,13 @@ class _Fetch:
     def __init__(self, store: Store, chunks: Sequence[ChunkRef], dest: Destination, *, fingerprint: str, io_pool: Executor,
                  decode_pool: Executor, device: torch.device | str, window: int, io_concurrency: int,
                  workers: DecodeWorkers | None, staging_pool: staging.StagingPool, object_key: bytes | None = None,
-                 accepted_keys: tuple[bytes, ...] = (), read=None, write_pool: Executor | None = None):
+                 accepted_keys: tuple[bytes, ...] = (), read=None, write_pool: Executor | None = None, trusted: bool = True):
         self.store, self.chunks, self.dest, self.fingerprint = store, chunks, dest, fingerprint
         self.read = read or functools.partial(read_into, store)  # a staged part's bytes: (name, offset, buf) -> n
         self.io_pool, self.decode_pool, self.device = io_pool, decode_pool, device
         self.write_pool = write_pool or _write_threads()
         self.workers, self.staging, self.object_key, self.accepted_keys = workers, staging_pool, object_key, accepted_keys
+        self.trusted = trusted  # the stored bytes may reach decoders that do not validate their input
         self.window, self.io = asyncio.Semaphore(window), asyncio.Semaphore(io_concurrency)
         self.reads, self.decodes = _Busy(), _Busy()
         self.out = Outcome(0, sum(c.tokens for c in chunks))
@@ -447,12 +455,13 @@ class _Fetch:
         side, segments = (parts[0], parts[1:]) if h.side else (None, parts)
         self._mark(i, "read")
         if self.workers is not None and h.codec.format not in ENTROPY_FORMATS and not self.dest.skip(c):  # workers write whole chunks
-            restore = self.workers.restore(self.dest.handle, head[: h.header_size], side, segments, self.dest.where(c), self._auth(c))
+            restore = self.workers.restore(self.dest.handle, head[: h.header_size], side, segments, self.dest.where(c), self._auth(c),
+                                           self.trusted)
             if await self._by_worker(i, self._write(i, asyncio.ensure_future(_timed(self.decodes, restore)))):
                 return
         loop = asyncio.get_running_loop()
         with self.decodes:  # abandoned at a failure, this writes nothing: only the write below is awaited
-            verify = functools.partial(chunk.verify_and_decode, h, side, segments, self.device, auth=self._auth(c))
+            verify = functools.partial(chunk.verify_and_decode, h, side, segments, self.device, auth=self._auth(c), trusted=self.trusted)
             decoded = await loop.run_in_executor(self.decode_pool, verify)
         self._mark(i, "decoded")
         # Everything of this chunk verified and decoded: only now touch the KV buffers.
@@ -490,8 +499,8 @@ class _Fetch:
             part = lambda s: host[s.offset : s.offset + s.length]  # noqa: E731
             side = memoryview(part(h.side).numpy()) if h.side else None
             segments = [part(s) for s in h.segments]
-            decode = (functools.partial(chunk.decode_verified, h, side, segments, self.device) if checked else
-                      functools.partial(chunk.verify_and_decode, h, side, segments, self.device, auth=self._auth(c)))
+            decode = (functools.partial(chunk.decode_verified, h, side, segments, self.device, trusted=self.trusted) if checked else
+                      functools.partial(chunk.verify_and_decode, h, side, segments, self.device, auth=self._auth(c), trusted=self.trusted))
             with self.decodes:  # abandoned at a failure, this writes nothing: only the write below is awaited
                 decoded = await _submit(started, self.decode_pool, decode)
             self._mark(i, "decoded")
@@ -526,7 +535,7 @@ class _Fetch:
         at = self.staging.place(memoryview(host.numpy()))
         spans = [(at.at + s.offset, at.at + s.offset + s.length) for s in parts]
         return self.workers.restore_from(self.dest.handle, (at.path, at.size), header, spans,
-                                         self.dest.where(c), self._auth(c))
+                                         self.dest.where(c), self._auth(c), self.trusted)
 
     async def _object(self, i: int, c: ChunkRef, h: container.Header, head: bytes) -> None:
         """A chunk for the engine to decode (engine-decode mode): its parts read into one staging

@@ -146,10 +146,10 @@ class _Worker:
         return self.slab
 
     def call(self, target: IntoBuffer | IntoScratch, header: bytes, blobs: Sequence[bytes], where: Sequence[int],
-             timeout: float | None = None, auth: ObjectMAC | None = None) -> Restored | Failed:
+             timeout: float | None = None, auth: ObjectMAC | None = None, trusted: bool = True) -> Restored | Failed:
         """Restore one chunk (``blobs``: its parts, side information first) into ``where`` of ``target``
-        (slots, or blocks of a paged buffer); the worker's reply. Past ``timeout`` seconds the worker
-        is given up on (WorkerError): replace it."""
+        (slots, or blocks of a paged buffer); the worker's reply (``auth``, ``trusted``: :class:`Restore`).
+        Past ``timeout`` seconds the worker is given up on (WorkerError): replace it."""
         with self.lock:
             slab = self._slab_for(sum(len(b) for b in blobs))
             spans, at = [], 0
@@ -157,7 +157,8 @@ class _Worker:
                 slab.mm[at : at + len(b)] = b
                 spans.append((at, at + len(b)))
                 at += len(b)
-            return self._ask(Restore(target, header, (slab.path, slab.size), tuple(spans), tuple(int(s) for s in where), auth), timeout)
+            return self._ask(Restore(target, header, (slab.path, slab.size), tuple(spans), tuple(int(s) for s in where), auth, trusted),
+                             timeout)
 
     def ask(self, req: Restore | RestoreMany | CopyOut, timeout: float | None = None) -> Restored | RestoredMany | Copied | Failed:
         """The worker's answer to ``req``, whose shared memory it maps itself (no copy here)."""
@@ -297,12 +298,12 @@ class DecodeWorkers:
                 self._free.put(i)
 
     async def restore(self, handle: dict, header: bytes, side: bytes | None, segments: Sequence[bytes], where: Sequence[int],
-                      auth: ObjectMAC | None = None) -> int:
+                      auth: ObjectMAC | None = None, trusted: bool = True) -> int:
         """Restore one chunk in a worker (:func:`chunk.restore_chunk`) into ``where`` (slots, or blocks
         of a paged buffer: ``Destination.where``) of the buffer ``handle`` names; the KV bytes written.
 
         ``header`` is the object's prefix and header; ``side`` and ``segments`` its (unverified) parts;
-        with ``auth`` the worker verifies every tag under it.
+        with ``auth`` the worker verifies every tag under it; ``trusted`` as :class:`Restore` takes it.
         Raises the object's :class:`ContainerError`, :class:`BufferOpenError` or :class:`WorkerError`."""
         loop = asyncio.get_running_loop()
         if not self._workers:
@@ -316,7 +317,8 @@ class DecodeWorkers:
         w = await idle.get()
         try:
             blobs = ([side] if side is not None else []) + list(segments)
-            call = functools.partial(w.call, IntoBuffer(handle_key(handle), handle), bytes(header), blobs, where, auth=auth)
+            call = functools.partial(w.call, IntoBuffer(handle_key(handle), handle), bytes(header), blobs, where, auth=auth,
+                                     trusted=trusted)
             reply = await loop.run_in_executor(self.threads, call)
         except WorkerError:
             w = self._replace(w)
@@ -349,13 +351,13 @@ class DecodeWorkers:
         return self._blocking(CopyOut(IntoBuffer(handle_key(handle), handle), pieces, memory, slots)).nbytes
 
     def restore_from(self, handle: dict, memory: tuple[str, int], header: bytes, spans: Sequence[tuple[int, int]],
-                     where: Sequence[int], auth: ObjectMAC | None = None) -> int:
+                     where: Sequence[int], auth: ObjectMAC | None = None, trusted: bool = True) -> int:
         """For a caller's thread (one of :attr:`threads`): a worker restores one chunk whose parts
         (side information first, unverified) lie at ``spans`` of shared ``memory`` (a memfd's path and
         size, as :class:`Slab` names one, which the worker maps itself: no copy) into ``where`` of the
         buffer ``handle`` names; blocks until it has. The KV bytes written; raises as :meth:`restore`."""
         reply = self._blocking(Restore(IntoBuffer(handle_key(handle), handle), bytes(header), memory,
-                                       tuple((int(a), int(b)) for a, b in spans), tuple(int(w) for w in where), auth))
+                                       tuple((int(a), int(b)) for a, b in spans), tuple(int(w) for w in where), auth, trusted))
         self._count(reply)
         return reply.kv_bytes
 
