@@ -178,7 +178,7 @@ ACCEPTED_OBJECT_KEYS = Setting("KVFETCHER_ACCEPTED_OBJECT_KEYS", tuple, (),
                                inject="the pool's Secret (`acceptedObjectKeys`, optional)")
 TRUST_STORE = Setting("KVFETCHER_TRUST_STORE", bool, False,
                       "Without `KVFETCHER_OBJECT_KEY`, let stored bytes reach nvCOMP's decoder, which does not "
-                      "validate its input (crafted frames with right CRC-32s faulted an H200's GPU context): only where "
+                      "validate its input (crafted frames with right CRC-32s can fault the GPU context): only where "
                       "everyone who can write the store is trusted. Off: `zstd` objects decode on the CPU, `ans` ones "
                       "are not read. With a key, tags are verified first either way.")
 MODEL = Setting("KVFETCHER_MODEL", str, "", "The model fingerprint this sidecar serves: a register or plan "

@@ -31,8 +31,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from kvfetcher import ipc, keys, kvbuffer
-from kvfetcher import codec
+from kvfetcher import codec, ipc, keys, kvbuffer
 from kvfetcher.codec import CodecError, basis as kvbasis
 from kvfetcher.config import Config
 from kvfetcher.errors import Reason, RequestError

@@ -152,7 +152,7 @@ def test_decode_workers_restore_ans_chunks_from_the_readers_staging_in_place(tmp
 
 @pytest.mark.parametrize("in_workers", [False, True])
 def test_crafted_zstd_frames_from_a_store_not_trusted_never_reach_nvcomp(tmp_path, in_workers):
-    """nvCOMP faulted this GPU's context on noise frames under right CRC-32s (H200, 2026-12-03): a
+    """nvCOMP can fault the GPU's context on noise frames under right CRC-32s: a
     fetch that does not trust its store (a sidecar without an object key) decodes zstd on the CPU,
     which refuses them, in a decode worker as in this process; nothing reaches the buffer, the GPU
     stays usable, and the object is named bad."""

@@ -73,8 +73,8 @@ class Decoder(Protocol):
     name: str
     format: str
     #: Malformed input is refused (a :class:`CodecError`) or concealed, never harms the process.
-    #: False for nvCOMP: crafted frames under right checksums fault the GPU context (H200,
-    #: 2026-12-03), so it decodes only bytes from a trusted source (:func:`codec.decoder`).
+    #: False for nvCOMP: crafted frames under right checksums can fault the GPU context, so it
+    #: decodes only bytes from a trusted source (:func:`codec.decoder`).
     validates_input: bool
 
     def decode(self, data: bytes, frame_shape: tuple[int, int, int, int], device: torch.device | str = "cpu") -> torch.Tensor:

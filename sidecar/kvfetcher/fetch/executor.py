@@ -567,7 +567,7 @@ class _Fetch:
         host = buf[at : at + nbytes]
         mem = memoryview(host.numpy())
         started: list[concurrent.futures.Future] = []  # thread work on ``host``
-        reads = [asyncio.ensure_future(self._read_segment(c, h, head, mem, s, started, finite)) for s in parts if check]
+        reads = [asyncio.ensure_future(self._read_segment(c, h, head, mem, s, started, finite)) for s in (parts if check else ())]
         try:
             await asyncio.gather(*reads)
             yield host, started
