@@ -24,7 +24,8 @@ import torch
 from kvfetcher import kvbuffer
 from kvfetcher.codec import ENTROPY_FORMATS, nvcomp
 from kvfetcher.fetch import executor
-from kvfetcher.format import presets
+from kvfetcher.format import container, presets
+from kvfetcher.format.mac import ObjectMAC
 from benchmarks.lib.standin import encode_chunk  # a stand-in calibration for random-weight shapes
 from kvfetcher.eval.costmodel import ModelShape
 from benchmarks.lib.kvsource import synthetic_kv
@@ -53,17 +54,28 @@ def encode_objects(shape: ModelShape, preset: str, chunk_tokens: int = 256, dist
 
 
 def put_prefix(store, tag: str, objects: Sequence[bytes], chunks: int, chunk_tokens: int = 256,
-               preset: str | None = None) -> list[kvbuffer.ChunkRef]:
+               preset: str | None = None, object_key: bytes | None = None) -> list[kvbuffer.ChunkRef]:
     """Store a prefix of ``chunks`` chunks cycling over ``objects``; its refs, in order. With
     ``preset``, each object's name ends as a sidecar's do (``…/{preset}.kvfc``: the executor reads
-    an entropy-coded preset's small objects whole)."""
+    an entropy-coded preset's small objects whole); with ``object_key``, each is tagged for its name
+    as a keyed sidecar's writer tags it."""
     refs = []
     for i in range(chunks):
         obj = objects[i % len(objects)]
         name = f"{tag}/{i}/{preset}.kvfc" if preset else f"{tag}/{i}.kvfc"
+        if object_key is not None:
+            obj = tagged(obj, ObjectMAC(object_key, name))
         store.put(name, obj)
         refs.append(kvbuffer.ChunkRef(name, len(obj), i * chunk_tokens, chunk_tokens))
     return refs
+
+
+def tagged(obj: bytes, auth: ObjectMAC) -> bytes:
+    """``obj`` (untagged) with its parts' and header's tags for ``auth``'s key and name."""
+    h = container.parse_header(obj)
+    fields = {k: v for k, v in h.to_json().items() if k not in ("layout_version", "side", "segments")}
+    side = bytes(container.slice_segment(obj, h, h.side)) if h.side else None
+    return container.build(fields, side, [(s.frames, container.slice_segment(obj, h, s)) for s in h.segments], auth)
 
 
 async def fetch_kvfetcher(store, refs, buffer: torch.Tensor, offset: int, io_pool: Executor, decode_pool: Executor, window: int = 8,

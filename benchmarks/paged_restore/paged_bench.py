@@ -41,6 +41,7 @@ from kvfetcher.eval.costmodel import SHAPES
 from kvfetcher.fetch import executor
 from kvfetcher.fetch.readers import ReadProcs, SharedStaging
 from kvfetcher.fetch.workers import DecodeWorkers
+from kvfetcher.format import mac
 from kvfetcher.store.local import LocalStore
 
 
@@ -99,9 +100,9 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-async def fetch(store, refs, dest, workers, io, dec, window: int, reads: int, readers=None):
+async def fetch(store, refs, dest, workers, io, dec, window: int, reads: int, readers=None, object_key=None):
     return await executor.fetch(store, refs, dest, fingerprint=FINGERPRINT, io_pool=io, decode_pool=dec, device=dest.device,
-                                window=window, io_concurrency=reads, workers=workers, readers=readers)
+                                window=window, io_concurrency=reads, workers=workers, readers=readers, object_key=object_key)
 
 
 def _step(rate: float, stop, steps) -> None:
@@ -184,7 +185,8 @@ def object_store(source: str, root: str, server_procs: int | None = None):
         group.terminate()
 
 
-def fetch_all(dests, tokens, kv_bytes, block_ids, repeats, store, refs, workers, io, dec, window, reads, key, readers=None) -> dict:
+def fetch_all(dests, tokens, kv_bytes, block_ids, repeats, store, refs, workers, io, dec, window, reads, key, readers=None,
+              object_key=None) -> dict:
     """Each destination: median fetch seconds of ``repeats`` after a warm-up, and whether it restored
     what the first one (the flat buffer, when timed) did."""
     row, first = {}, None
@@ -192,7 +194,7 @@ def fetch_all(dests, tokens, kv_bytes, block_ids, repeats, store, refs, workers,
         dest = kvbuffer.destination(tensors if layout is None else kvbuffer.PagedKV(tensors, layout), tokens,
                                     block_ids=None if layout is None else block_ids, handle=handle)
         def run():
-            out = asyncio.run(fetch(store, refs, dest, workers, io, dec, window, reads, readers))
+            out = asyncio.run(fetch(store, refs, dest, workers, io, dec, window, reads, readers, object_key))
             assert out.error is None and out.loaded_tokens == tokens, out
             return out
 
@@ -233,8 +235,11 @@ def main() -> None:
                     "entropy-coded chunk's header and parts read apart)")
     ap.add_argument("--basis", action="store_true", help="the stand-in calibration has a random orthogonal basis, so the "
                     "calibrated presets pack and restore through one (and the sparse corrections) as a calibrated model's do")
+    ap.add_argument("--object-key", default="", help="a pool's object key (any secret): objects are tagged as a keyed "
+                    "writer tags them and every part's tag is verified at fetch (format.mac)")
     ap.add_argument("--out")
     args = ap.parse_args()
+    object_key = mac.key_from(args.object_key)
     shape, T = SHAPES[args.shape], args.chunk_tokens
     if args.basis:
         standin.ensure(FINGERPRINT, (shape.layers, 2, shape.kv_heads, T, shape.head_dim))
@@ -246,7 +251,7 @@ def main() -> None:
     chunk = torch.randn(shape.layers, 2, shape.kv_heads, T, shape.head_dim, device=args.device).to(torch.bfloat16)
     cuda = args.device == "cuda"
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "date": time.strftime("%Y-%m-%d"), "shape": args.shape, "tokens": tokens,
-              "kv_bytes": kv_bytes, "chunk_tokens": T, "block_size": args.block_size, "procs": args.procs, "source": args.source, "server_procs": args.server_procs, "basis": args.basis, "scatter_one_chunk": {},
+              "kv_bytes": kv_bytes, "chunk_tokens": T, "block_size": args.block_size, "procs": args.procs, "source": args.source, "server_procs": args.server_procs, "basis": args.basis, "keyed": object_key is not None, "scatter_one_chunk": {},
               "fetch": {}}
     dests = {k: v for k, v in dests.items() if k in args.dests.split(",")}
     for name, (tensors, layout, _) in dests.items():
@@ -262,14 +267,16 @@ def main() -> None:
         with (tempfile.TemporaryDirectory() as d, object_store(args.source, d, args.server_procs) as (writer, store), ThreadPoolExecutor(32) as io,
               neighbour(args.neighbour_steps if cuda else None) as beside):
             for preset in args.presets.split(","):
-                refs = put_prefix(writer, preset, encode_objects(shape, preset, T, distinct=4, gpu=cuda), args.chunks, T, preset=preset)
+                refs = put_prefix(writer, preset, encode_objects(shape, preset, T, distinct=4, gpu=cuda), args.chunks, T, preset=preset,
+                                  object_key=object_key)
                 for (window, reads, threads, procs), whole in itertools.product(tunings(args.tunings), wholes):
                     key = preset if "," not in args.tunings else f"{preset} {window}x{reads}x{threads}" + (f"x{procs}" if procs else "")
                     key += f" whole<={whole}" if len(wholes) > 1 else ""
                     executor.WHOLE_OBJECT_BYTES = whole
                     with ThreadPoolExecutor(threads) as dec, reader_procs(store, procs) as readers:
                         result["fetch"][key] = fetch_all(dests, tokens, kv_bytes, block_ids, args.repeats, store, refs,
-                                                         None if preset == "raw" else workers, io, dec, window, reads, key, readers)
+                                                         None if preset == "raw" else workers, io, dec, window, reads, key, readers,
+                                                         object_key)
     finally:
         if workers is not None:
             workers.close()
