@@ -161,10 +161,30 @@ def test_stripping_the_tags_does_not_make_an_object_pass_as_untagged(kv):
         container.parse_header(flags_off)
 
 
-def test_format_v1_objects_are_refused_as_foreign(kv):
+@pytest.mark.parametrize("version", [1, 2])  # 1: no tags; 2: part tags of HMAC-SHA256
+def test_objects_of_an_older_format_are_refused_as_foreign(kv, version):
     obj = encode_chunk(kv, "q8", FP)
     with pytest.raises(container.ForeignObjectError, match="predates"):
-        container.parse_header(obj[:4] + (1).to_bytes(2, "little") + obj[6:])
+        container.parse_header(obj[:4] + version.to_bytes(2, "little") + obj[6:])
+
+
+def test_a_part_tag_is_bound_to_its_name_offset_and_bytes_and_never_reuses_a_nonce():
+    auth, data = ObjectMAC(KEY, name(0, "q8")), bytes(range(256)) * 64
+    a, b = auth.part(48, data), auth.part(48, memoryview(data))
+    assert len(a) == len(b) == mac.PART_TAG_SIZE and a[:mac.PART_NONCE_SIZE] != b[:mac.PART_NONCE_SIZE]
+    assert auth.verify_part(48, data, a) and auth.verify_part(48, memoryview(data), b)
+    other_key = mac.key_from("another pool's key, 32+ chars")
+    assert ObjectMAC(other_key, auth.name, accepted=(KEY,)).verify_part(48, data, a)  # a rotation's old key
+    refused = {
+        "another name": (ObjectMAC(KEY, name(1, "q8")), 48, data, a),
+        "another key": (ObjectMAC(other_key, auth.name), 48, data, a),
+        "another offset": (auth, 49, data, a),
+        "another byte": (auth, 48, data[:-1] + b"\x01", a),
+        "another nonce": (auth, 48, data, bytes([a[0] ^ 1]) + a[1:]),
+        "a short tag": (auth, 48, data, a[:-1]),
+        "no tag": (auth, 48, data, None),
+    }
+    assert [why for why, (m, offset, d, tag) in refused.items() if m.verify_part(offset, d, tag)] == []
 
 
 # --- non-finite values -----------------------------------------------------------------------

@@ -17,8 +17,9 @@ Byte layout (all integers little-endian)::
 Authentication (:mod:`format.mac`): a reader given an :class:`~format.mac.ObjectMAC` (the key
 and the name it read the object from) refuses, as :class:`UnauthenticatedError`, an object whose
 header tag or any part's tag does not verify, including every unauthenticated object; a reader
-given none checks CRC-32s only and reads both kinds. Objects of format v1 (before tags) are
-refused as foreign: a fetch deletes them and the next store writes them anew.
+given none checks CRC-32s only and reads both kinds. Objects of an older format (v1: no tags; v2:
+part tags of HMAC-SHA256) are refused as foreign: a fetch deletes them and the next store writes
+them anew; an older reader refuses a newer object as a newer version and leaves it.
 
 The side information (quantised layouts: offsets, steps, exact tokens, sparse corrections) is
 stored zstd-compressed: with a basis its steps repeat and its offsets are small.
@@ -58,11 +59,11 @@ from kvfetcher.errors import (  # noqa: F401  (the format's refusals, as contain
     TruncatedError,
     UnauthenticatedError,
 )
-from kvfetcher.format.mac import TAG_SIZE, ObjectMAC
+from kvfetcher.format.mac import PART_TAG_SIZE, TAG_SIZE, ObjectMAC
 from kvfetcher.kvbuffer import DTYPES, bytes_per_value
 
 MAGIC = b"KVFC"
-FORMAT_VERSION = 2  # 2: header and part tags
+FORMAT_VERSION = 3  # 2: header and part tags; 3: part tags are AES-GMAC
 FLAG_AUTHENTICATED = 1
 PREFIX = struct.Struct(f"<4sHHII{TAG_SIZE}s")
 PREFIX_SIZE = PREFIX.size  # 48
@@ -318,7 +319,7 @@ def _check_consistent(h: Header) -> None:
     if min(h.shape) <= 0 or min(h.frame_shape) <= 0 or h.shape[1] != 2:
         raise CorruptError(f"shape {h.shape} or frame shape {h.frame_shape} is not a chunk's")
     parts = ([h.side] if h.side else []) + list(h.segments)
-    if any((p.mac is not None) != h.authenticated or (p.mac is not None and len(p.mac) != TAG_SIZE) for p in parts):
+    if any((p.mac is not None) != h.authenticated or (p.mac is not None and len(p.mac) != PART_TAG_SIZE) for p in parts):
         raise CorruptError("part tags present/absent contrary to the header's flags")
     if h.codec.format not in FORMATS:
         raise CorruptError(f"unknown bitstream format {h.codec.format!r}")
