@@ -31,7 +31,9 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 TAG_SIZE = 32
 #: a part tag: its nonce, then its GMAC
 PART_NONCE_SIZE, PART_TAG_SIZE = 12, 12 + 16
-_HEADER, _PART = b"kvfetcher/header\0", b"kvfetcher/part\0"
+# format v2's part tags were HMAC-SHA256 in the domain b"kvfetcher/part\0": part keys have their own,
+# so no v2 tag (public, in stored headers) equals a part key
+_HEADER, _PART_KEY = b"kvfetcher/header\0", b"kvfetcher/part-key\0"
 
 
 def key_from(secret: str) -> bytes | None:
@@ -71,7 +73,7 @@ class ObjectMAC:
         """The tag of the part at ``offset`` (relative to the end of the header): ``nonce`` (a fresh
         random one unless given) and the part's GMAC under the part's key."""
         nonce = os.urandom(PART_NONCE_SIZE) if nonce is None else nonce
-        gmac = AESGCM(self._mac(_PART, struct.pack("<Q", offset), key=key))
+        gmac = AESGCM(self._mac(_PART_KEY, struct.pack("<Q", offset), key=key))
         return nonce + gmac.encrypt(nonce, b"", data)
 
     @property
