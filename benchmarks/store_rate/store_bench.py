@@ -39,6 +39,7 @@ from benchmarks.lib.cpuload import busy_cores, cpu_jiffies
 from kvfetcher import chunk, keys, kvbuffer
 from kvfetcher.config import Config
 from kvfetcher.eval.costmodel import SHAPES
+from kvfetcher.format import mac
 from kvfetcher.metrics import Metrics
 from kvfetcher.save.writer import Job, Writer
 from kvfetcher.store.local import LocalStore
@@ -124,16 +125,18 @@ async def store_runs(store, cfg: Config, ns: keys.Namespace, where: Callable[[],
     return runs
 
 
-def check(store, preset: str, names: list[str], buf: torch.Tensor, kv: torch.Tensor, T: int, theta: float) -> bool:
+def check(store, preset: str, names: list[str], buf: torch.Tensor, kv: torch.Tensor, T: int, theta: float,
+          object_key: bytes | None = None) -> bool:
     """The store's copy is the buffer's KV, and (every few chunks) each stored object restores what a
-    direct encode of its chunk restores."""
+    direct encode of its chunk restores (its tags verified under ``object_key``)."""
     if not torch.equal(kv.view(torch.int16), buf.cpu().view(torch.int16)):
         return False
     for i in range(0, len(names), max(1, len(names) // 4)):
         key = names[i]
         piece = buf[:, :, :, i * T : (i + 1) * T].contiguous()
         want = chunk.decode_chunk(chunk.encode_chunk(piece, preset, FP, start=i * T, rope_theta=theta), FP, device=buf.device)
-        got = chunk.decode_chunk(store.get(keys.object_name(key, preset)), FP, device=buf.device)
+        name = keys.object_name(key, preset)
+        got = chunk.decode_chunk(store.get(name), FP, device=buf.device, auth=mac.ObjectMAC(object_key, name) if object_key else None)
         if not torch.equal(want.view(torch.int16), got.view(torch.int16)):
             return False
     return True
@@ -157,6 +160,7 @@ def main() -> None:
     ap.add_argument("--kvsrc", help="real KV to tile (benchmarks.lib.kvsource); default synthetic")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--switch-ms", type=float, help="sys.setswitchinterval for the run (default: Python's, 5 ms)")
+    ap.add_argument("--object-key", default="", help="a pool's object key (any secret): the writer tags every object (format.mac)")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.switch_ms:
@@ -169,7 +173,7 @@ def main() -> None:
     ns = keys.Namespace(FP, "bfloat16", shape=(shape.layers, shape.kv_heads, shape.head_dim))
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "date": time.strftime("%Y-%m-%d"),
               "shape": args.shape, "switch_ms": sys.getswitchinterval() * 1e3, "tokens": buf.shape[3], "kv_bytes": kv_bytes, "store": args.store,
-              "kv": "real, tiled" if args.kvsrc else "synthetic", "cells": []}
+              "kv": "real, tiled" if args.kvsrc else "synthetic", "keyed": bool(args.object_key), "cells": []}
     tokens = buf.shape[3]
     wheres = {"flat": lambda: kvbuffer.Destination(buf, offset=0, tokens=tokens)}
     if "paged" in args.dests:
@@ -180,7 +184,7 @@ def main() -> None:
         for dest, preset, enc, batch in itertools.product(args.dests.split(","), args.presets.split(","), [int(e) for e in args.encoders.split(",")],
                                                           [int(b) for b in args.batch.split(",")]):
             cfg = Config(presets=(preset,), store_queue_chunks=args.chunks, store_queue_bytes=kv_bytes, rope_theta=shape.rope_theta,
-                         store_encoders=enc, store_encode_batch=batch)
+                         store_encoders=enc, store_encode_batch=batch, object_key=args.object_key)
             cpu0 = cpu_jiffies()  # the first run warms the GPU codecs and the writer's threads
             times = asyncio.run(store_runs(store, cfg, ns, wheres[dest], preset, [f"r{run + k}" for k in range(args.repeats + 1)]))
             run += args.repeats + 1
@@ -191,7 +195,8 @@ def main() -> None:
                     "copy_GB_s": round(kv_bytes / med["copy_s"] / 1e9, 2), "write_GB_s": round(kv_bytes / med["write_s"] / 1e9, 2),
                     "store_GB_s": round(kv_bytes / med["total_s"] / 1e9, 2), "ratio": round(kv_bytes / last["stored_bytes"], 3),
                     "objects": last["objects"], "cpu_busy_cores": cpu,
-                    "copied_and_restored": check(store, preset, last["names"], buf, last["kv"], T, shape.rope_theta)}
+                    "copied_and_restored": check(store, preset, last["names"], buf, last["kv"], T, shape.rope_theta,
+                                                   mac.key_from(args.object_key))}
             forget(store, last["names"], preset)
             result["cells"].append(cell)
             print(json.dumps(cell), flush=True)
