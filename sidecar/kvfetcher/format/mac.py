@@ -9,8 +9,9 @@ hence its prefix, namespace, tenant and preset):
   part as it arrives, in the thread or worker that read it, without the others. A part tag is a
   fresh random nonce and the AES-GMAC of the part under a key derived (HMAC-SHA256) from the object
   key, the name and the part's offset: GMAC because, with AES-NI and carry-less multiplication, it
-  runs an order of magnitude faster than any hash (docs/security.md); the random nonce because a
-  name's parts are written again (a re-store), and GMAC must never see one nonce twice under a key.
+  runs many times faster than HMAC-SHA256 or a keyed BLAKE (docs/security.md); the random nonce
+  because a name's parts are written again (a re-store), and GMAC must never see one nonce twice
+  under a key.
 
 A reader with the key accepts an object only if the header tag and every part's tag verify under
 the name it read the object from: an object forged without the key, altered, or copied under
