@@ -70,10 +70,12 @@ class ObjectMAC:
         """The header tag: over the prefix's fixed fields (``prefix``) and the header bytes."""
         return self._mac(_HEADER, struct.pack("<I", len(prefix)), prefix, header, key=key)
 
-    def part(self, offset: int, data: bytes | memoryview, key: bytes | None = None, nonce: bytes | None = None) -> bytes:
-        """The tag of the part at ``offset`` (relative to the end of the header): ``nonce`` (a fresh
-        random one unless given) and the part's GMAC under the part's key."""
-        nonce = os.urandom(PART_NONCE_SIZE) if nonce is None else nonce
+    def part(self, offset: int, data: bytes | memoryview) -> bytes:
+        """A new tag of the part at ``offset`` (relative to the end of the header), under the key:
+        a fresh random nonce, then the part's GMAC."""
+        return self._part(offset, data, self.key, os.urandom(PART_NONCE_SIZE))
+
+    def _part(self, offset: int, data: bytes | memoryview, key: bytes, nonce: bytes) -> bytes:
         gmac = AESGCM(self._mac(_PART_KEY, struct.pack("<Q", offset), key=key))
         return nonce + gmac.encrypt(nonce, b"", data)
 
@@ -95,7 +97,7 @@ class ObjectMAC:
         if tag is None or len(tag) != PART_TAG_SIZE:
             return False
         nonce = tag[:PART_NONCE_SIZE]
-        return any(self.same(self.part(offset, data, k, nonce), tag) for k in (self.key, *self.accepted))
+        return any(self.same(self._part(offset, data, k, nonce), tag) for k in (self.key, *self.accepted))
 
     @staticmethod
     def same(a: bytes, b: bytes | None) -> bool:
