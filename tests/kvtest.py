@@ -264,7 +264,7 @@ def undecodable(obj: bytes) -> bytes:
 def rebuild(obj: bytes, fmt: str | None = None, segment=None) -> bytes:
     """``obj`` with its header's codec format or its segments' bytes replaced, checksums valid."""
     h = container.parse_header(obj)
-    fields = {k: v for k, v in h.to_json().items() if k not in ("layout_version", "side", "segments")}
+    fields = h.fields()
     if fmt:
         fields["codec"] = dataclasses.replace(h.codec, format=fmt).to_dict()
     side = bytes(container.slice_segment(obj, h, h.side)) if h.side else None

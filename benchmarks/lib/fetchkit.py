@@ -73,9 +73,8 @@ def put_prefix(store, tag: str, objects: Sequence[bytes], chunks: int, chunk_tok
 def tagged(obj: bytes, auth: ObjectMAC) -> bytes:
     """``obj`` (untagged) with its parts' and header's tags for ``auth``'s key and name."""
     h = container.parse_header(obj)
-    fields = {k: v for k, v in h.to_json().items() if k not in ("layout_version", "side", "segments")}
     side = bytes(container.slice_segment(obj, h, h.side)) if h.side else None
-    return container.build(fields, side, [(s.frames, container.slice_segment(obj, h, s)) for s in h.segments], auth)
+    return container.build(h.fields(), side, [(s.frames, container.slice_segment(obj, h, s)) for s in h.segments], auth)
 
 
 async def fetch_kvfetcher(store, refs, buffer: torch.Tensor, offset: int, io_pool: Executor, decode_pool: Executor, window: int = 8,

@@ -163,6 +163,7 @@ def main() -> None:
     ap.add_argument("--object-key", default="", help="a pool's object key (any secret): the writer tags every object (format.mac)")
     ap.add_argument("--out")
     args = ap.parse_args()
+    object_key = mac.key_from(args.object_key)
     if args.switch_ms:
         sys.setswitchinterval(args.switch_ms / 1e3)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -173,7 +174,7 @@ def main() -> None:
     ns = keys.Namespace(FP, "bfloat16", shape=(shape.layers, shape.kv_heads, shape.head_dim))
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "date": time.strftime("%Y-%m-%d"),
               "shape": args.shape, "switch_ms": sys.getswitchinterval() * 1e3, "tokens": buf.shape[3], "kv_bytes": kv_bytes, "store": args.store,
-              "kv": "real, tiled" if args.kvsrc else "synthetic", "keyed": bool(args.object_key), "cells": []}
+              "kv": "real, tiled" if args.kvsrc else "synthetic", "keyed": object_key is not None, "cells": []}
     tokens = buf.shape[3]
     wheres = {"flat": lambda: kvbuffer.Destination(buf, offset=0, tokens=tokens)}
     if "paged" in args.dests:
@@ -195,8 +196,7 @@ def main() -> None:
                     "copy_GB_s": round(kv_bytes / med["copy_s"] / 1e9, 2), "write_GB_s": round(kv_bytes / med["write_s"] / 1e9, 2),
                     "store_GB_s": round(kv_bytes / med["total_s"] / 1e9, 2), "ratio": round(kv_bytes / last["stored_bytes"], 3),
                     "objects": last["objects"], "cpu_busy_cores": cpu,
-                    "copied_and_restored": check(store, preset, last["names"], buf, last["kv"], T, shape.rope_theta,
-                                                   mac.key_from(args.object_key))}
+                    "copied_and_restored": check(store, preset, last["names"], buf, last["kv"], T, shape.rope_theta, object_key)}
             forget(store, last["names"], preset)
             result["cells"].append(cell)
             print(json.dumps(cell), flush=True)

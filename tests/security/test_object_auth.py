@@ -199,8 +199,7 @@ def poisoned(kv, preset, value=float("nan")):
     h = container.parse_header(obj)
     side = container.side_tensor(h, container.slice_segment(obj, h, h.side)).clone()
     side[3] = value
-    fields = {k: v for k, v in h.to_json().items() if k not in ("layout_version", "side", "segments")}
-    return container.build(fields, container.side_bytes(side), [(s.frames, container.slice_segment(obj, h, s)) for s in h.segments])
+    return container.build(h.fields(), container.side_bytes(side), [(s.frames, container.slice_segment(obj, h, s)) for s in h.segments])
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])

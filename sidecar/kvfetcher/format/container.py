@@ -111,6 +111,11 @@ class Header:
     def tokens(self) -> int:
         return self.shape[3]
 
+    def fields(self) -> dict:
+        """The header's own fields, as :func:`build` takes them (it adds the layout version and the
+        parts' index itself): to build an object again from a parsed one's parts."""
+        return {k: v for k, v in self.to_json().items() if k not in ("layout_version", "side", "segments")}
+
     def to_json(self) -> dict:
         seg = lambda s: {"offset": s.offset, "length": s.length, "crc32": s.crc32, "frames": list(s.frames),  # noqa: E731
                          **({"mac": s.mac.hex()} if s.mac is not None else {})}
